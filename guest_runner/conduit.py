@@ -1,0 +1,246 @@
+"""The conduit: the only thing host and sandbox share. A durable key/value store.
+
+The interface is deliberately narrow (put / get / list_prefix / delete_prefix), so a
+backend is a page of code. Keys are ``/``-separated and relative to the conduit's
+base; objects are immutable once written. A missing key (:class:`ObjectNotFound`)
+is a different exception from a store that cannot be reached
+(:class:`ConduitUnavailable`); both derive from :class:`ConduitError`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional
+from urllib.parse import parse_qs, unquote, urlparse
+
+_TMP_MARK = ".resoluto-tmp-"
+
+
+class ConduitError(Exception):
+    """Base of every conduit failure."""
+
+
+class ObjectNotFound(ConduitError, KeyError):
+    """The key does not exist (the store itself answered)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class ConduitUnavailable(ConduitError):
+    """The store could not be reached or failed (outage, 5xx after retries, I/O error)."""
+
+
+class InvalidKey(ConduitError, ValueError):
+    """A key that is empty, absolute, or escapes the conduit's root."""
+
+
+def check_key(key: str) -> str:
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKey(f"invalid conduit key {key!r}")
+    parts = key.split("/")
+    if any(p in ("..", ".") for p in parts) or "" in parts[:-1]:
+        raise InvalidKey(f"conduit key {key!r} escapes its root or has empty segments")
+    return key
+
+
+class Conduit(ABC):
+    """put / get / list_prefix / delete_prefix over immutable objects."""
+
+    #: Value of RESOLUTO_STORE_KIND for a guest talking to this conduit.
+    kind: str = ""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+        """Every key under ``prefix`` in lexicographic order, only those after
+        ``start_after`` when given (so a poller's cost stays flat as keys accumulate)."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many were deleted."""
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """A URL that :func:`conduit_from_url` turns back into an equivalent conduit."""
+
+    @property
+    def base_prefix(self) -> str:
+        """Prefix every key of this conduit lives under in the backing store ('' for none)."""
+        return ""
+
+    def guest_env(self) -> Dict[str, str]:
+        """RESOLUTO_STORE_* variables a guest needs to reach this conduit (no credentials)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release clients; the default has nothing to release."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class LocalConduit(Conduit):
+    """A directory on a filesystem both sides can see (a bind mount for sandboxes).
+
+    Writes are atomic (temporary file, fsync, rename) so a reader never sees half an
+    object, and temporary files are never listed.
+    """
+
+    kind = "localfs"
+
+    def __init__(self, root: "str | os.PathLike[str]") -> None:
+        self.root = Path(root).absolute()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit root {self.root} cannot be created: {e}") from e
+        self._real_root = self.root.resolve()
+
+    @property
+    def url(self) -> str:
+        return self.root.as_uri()
+
+    def guest_env(self) -> Dict[str, str]:
+        return {"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(self.root)}
+
+    def path_for(self, key: str) -> Path:
+        """The file backing ``key``; refuses keys that resolve outside the root."""
+        check_key(key.rstrip("/") or key)
+        p = (self.root / key).resolve()
+        if p != self._real_root and self._real_root not in p.parents:
+            raise InvalidKey(f"conduit key {key!r} escapes the conduit root {self.root}")
+        return p
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.path_for(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_MARK, dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit write of {key!r} failed: {e}") from e
+
+    def get(self, key: str) -> bytes:
+        path = self.path_for(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit read of {key!r} failed: {e}") from e
+
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+        # A prefix is a key prefix, not necessarily a directory: "run/a/nodes/n/events-"
+        # lists the chunks. Walk the deepest directory the prefix names.
+        if prefix:
+            check_key(prefix.rstrip("/") or prefix)
+        dir_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self.path_for(dir_part) if dir_part else self._real_root
+        if not base.is_dir():
+            return []
+        keys: List[str] = []
+        try:
+            for dirpath, dirnames, filenames in os.walk(base):
+                dirnames.sort()
+                rel_dir = os.path.relpath(dirpath, self._real_root)
+                rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+                for name in filenames:
+                    if name.startswith(_TMP_MARK):
+                        continue
+                    key = rel_dir + name
+                    if key.startswith(prefix) and (start_after is None or key > start_after):
+                        keys.append(key)
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
+        keys.sort()
+        return keys
+
+    def delete_prefix(self, prefix: str) -> int:
+        n = 0
+        for key in self.list_prefix(prefix):
+            try:
+                self.path_for(key).unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise ConduitUnavailable(f"local conduit delete of {key!r} failed: {e}") from e
+        return n
+
+
+def conduit_from_url(url: str) -> Conduit:
+    """``file:///abs/dir`` or ``s3://bucket[/base]?endpoint_url=...&region=...``."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file conduit URL must be file:///absolute/path, got {url!r}")
+        path = unquote(parsed.path)
+        if not path.startswith("/"):
+            raise ValueError(f"file conduit URL must hold an absolute path, got {url!r}")
+        return LocalConduit(path)
+    if parsed.scheme == "s3":
+        from guest_runner.s3conduit import S3Conduit
+
+        if not parsed.netloc:
+            raise ValueError(f"s3 conduit URL needs a bucket: s3://bucket/base, got {url!r}")
+        q = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        unknown = set(q) - {"endpoint_url", "region"}
+        if unknown:
+            raise ValueError(
+                f"unknown s3 conduit URL parameter(s) {sorted(unknown)}; allowed: endpoint_url, region"
+            )
+        return S3Conduit(
+            parsed.netloc,
+            base_prefix=unquote(parsed.path).strip("/"),
+            endpoint_url=q.get("endpoint_url"),
+            region=q.get("region"),
+        )
+    if "://" not in url and url.startswith("/"):
+        return LocalConduit(url)
+    raise ValueError(f"unsupported conduit URL {url!r}: use file:///abs/dir or s3://bucket/base")
+
+
+def conduit_from_env(env: Optional[Mapping[str, str]] = None) -> Conduit:
+    """Build the guest's conduit from RESOLUTO_STORE_* (the reference runner's variables)."""
+    env = os.environ if env is None else env
+    kind = env.get("RESOLUTO_STORE_KIND", "")
+    if kind == "localfs":
+        root = env.get("RESOLUTO_STORE_ROOT")
+        if not root:
+            raise ValueError("RESOLUTO_STORE_KIND=localfs needs RESOLUTO_STORE_ROOT")
+        return LocalConduit(root)
+    if kind == "s3":
+        from guest_runner.s3conduit import S3Conduit
+
+        bucket = env.get("RESOLUTO_STORE_BUCKET")
+        if not bucket:
+            raise ValueError("RESOLUTO_STORE_KIND=s3 needs RESOLUTO_STORE_BUCKET")
+        return S3Conduit(
+            bucket,
+            endpoint_url=env.get("RESOLUTO_STORE_ENDPOINT") or None,
+            region=env.get("RESOLUTO_STORE_REGION") or None,
+        )
+    raise ValueError(f"RESOLUTO_STORE_KIND must be 'localfs' or 's3', got {kind!r}")

@@ -1,0 +1,232 @@
+"""The runtime seam: launch / status / destroy / sweep / logs, plus an isolation level.
+
+A runtime knows how to start the guest runner inside one kind of sandbox and how to
+observe it from outside. It knows nothing of Prefect, and nothing of the conduit
+beyond "bind this host directory" (local conduits) or "pass these variables".
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+class IsolationLevel(enum.IntEnum):
+    """How strongly a runtime separates the workload from the host, weakest first."""
+
+    NONE = 0  # a plain process
+    NAMESPACE = 1  # Linux namespaces (bubblewrap): shared host kernel
+    USER_KERNEL = 2  # gVisor: a user-space kernel between the workload and the host
+    VM = 3  # Kata: a hardware-virtualised microVM
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @classmethod
+    def parse(cls, value: "str | IsolationLevel") -> "IsolationLevel":
+        if isinstance(value, IsolationLevel):
+            return value
+        key = str(value).strip().lower().replace("-", "_")
+        for level in cls:
+            if level.name.lower() == key:
+                return level
+        raise ValueError(
+            f"unknown isolation level {value!r}; choose one of: {', '.join(lv.label for lv in cls)}"
+        )
+
+
+DEFAULT_MIN_ISOLATION = IsolationLevel.USER_KERNEL
+
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?\s*$")
+_FACTORS = {
+    None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4,
+    "K": 1000, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+}
+
+
+def parse_quantity(value: "str | int") -> int:
+    """Bytes from a Kubernetes-style quantity: ``512Mi``, ``2Gi``, ``1G``, ``1048576``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory quantity must be positive, got {value}")
+        return value
+    m = _QUANTITY.match(str(value))
+    if not m:
+        raise ValueError(
+            f"cannot parse quantity {value!r}: use a number with an optional unit "
+            "Ki/Mi/Gi/Ti (binary) or K/M/G/T (decimal), e.g. 512Mi"
+        )
+    n = int(float(m.group(1)) * _FACTORS[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"quantity must be positive, got {value!r}")
+    return n
+
+
+def parse_cpus(value: "str | float | int") -> float:
+    """Cores from ``"2"``, ``"0.5"`` or ``"500m"``."""
+    s = str(value).strip()
+    try:
+        cpus = float(s[:-1]) / 1000 if s.endswith("m") else float(s)
+    except ValueError:
+        raise ValueError(f"cannot parse CPU quantity {value!r}: use e.g. 1, 0.5 or 500m") from None
+    if cpus <= 0:
+        raise ValueError(f"CPU quantity must be positive, got {value!r}")
+    return cpus
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one sandbox may use. ``None`` leaves the runtime's default."""
+
+    memory_bytes: int | None = None
+    cpus: float | None = None
+    pids: int | None = 4096
+    disk_bytes: int | None = None
+
+    @classmethod
+    def from_quantities(
+        cls, memory: str | None = None, cpus: str | float | None = None, disk: str | None = None,
+        pids: int | None = 4096,
+    ) -> "Resources":
+        return cls(
+            memory_bytes=parse_quantity(memory) if memory else None,
+            cpus=parse_cpus(cpus) if cpus else None,
+            disk_bytes=parse_quantity(disk) if disk else None,
+            pids=pids,
+        )
+
+
+@dataclass
+class LaunchSpec:
+    """Everything a runtime needs to start one guest runner."""
+
+    sandbox_id: str
+    #: RESOLUTO_* variables for the guest (conduit location, ids, argv, workspace, outputs).
+    env: dict[str, str]
+    #: Variables holding secrets: passed to the guest, never logged or written to a spec file.
+    secret_env: dict[str, str] = field(default_factory=dict)
+    #: For a local conduit: the host root and the node's key prefix under it. The runtime
+    #: makes exactly that node directory writable in the sandbox and rewrites
+    #: RESOLUTO_STORE_ROOT to where the root appears inside.
+    conduit_root: Path | None = None
+    conduit_subdir: str = ""
+    resources: Resources = field(default_factory=Resources)
+    labels: dict[str, str] = field(default_factory=dict)
+    egress: list[str] = field(default_factory=list)
+    image: str | None = None
+    #: Replaces the runtime's way of starting the guest runner (tests, foreign guests).
+    command: list[str] | None = None
+
+
+@dataclass
+class SandboxHandle:
+    id: str
+    runtime: str
+    labels: dict[str, str] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+PHASES = ("pending", "running", "succeeded", "failed", "unknown")
+
+
+@dataclass(frozen=True)
+class SandboxStatus:
+    phase: str
+    reason: str = ""
+    exit_code: int | None = None
+    #: The runtime is sure this sandbox can never start (bad image, admission refused ...).
+    unstartable: bool = False
+    #: The sandbox no longer exists on the substrate (deleted from outside, or reaped).
+    gone: bool = False
+    #: An infrastructure kill the guest could not report itself (OOM, eviction, signal).
+    infrastructure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("succeeded", "failed")
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    why: str = ""
+    detail: str = ""
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The runtime cannot run on this machine (missing binary, no KVM, no cluster ...)."""
+
+
+class LaunchError(RuntimeError):
+    """The substrate refused to start the sandbox."""
+
+
+class IsolationTooWeak(RuntimeError):
+    """A runtime weaker than the configured minimum isolation level was asked for."""
+
+
+def check_isolation(runtime: "SandboxRuntime", minimum: "IsolationLevel | str") -> None:
+    minimum = IsolationLevel.parse(minimum)
+    if runtime.isolation < minimum:
+        raise IsolationTooWeak(
+            f"runtime {runtime.name!r} gives isolation level {runtime.isolation.label!r}, below the "
+            f"required minimum {minimum.label!r}. Pick a stronger runtime, or lower the floor "
+            f"explicitly with min_isolation={runtime.isolation.label!r} "
+            f"(CLI: --min-isolation {runtime.isolation.label})."
+        )
+
+
+class SandboxRuntime(ABC):
+    name: ClassVar[str] = ""
+
+    @property
+    @abstractmethod
+    def isolation(self) -> IsolationLevel: ...
+
+    @abstractmethod
+    def availability(self) -> Availability:
+        """Whether this runtime can run here, and if not, why (for ``doctor``)."""
+
+    @abstractmethod
+    def launch(self, spec: LaunchSpec) -> SandboxHandle: ...
+
+    @abstractmethod
+    def status(self, handle: SandboxHandle) -> SandboxStatus: ...
+
+    @abstractmethod
+    def destroy(self, handle: SandboxHandle) -> None:
+        """Stop and remove the sandbox; idempotent."""
+
+    @abstractmethod
+    def sweep(self, labels: dict[str, str]) -> int:
+        """Destroy every sandbox of this runtime whose labels include all of ``labels``."""
+
+    @abstractmethod
+    def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
+        """The last ``tail`` lines the substrate saw (forensics; untrusted)."""
+
+    #: Whether the sandbox can reach a local conduit directory (False for remote pods).
+    supports_local_conduit: ClassVar[bool] = True
+    #: Whether the runtime can enforce a non-empty egress allowlist.
+    supports_egress_allowlist: ClassVar[bool] = False
+
+    def require_available(self) -> None:
+        avail = self.availability()
+        if not avail.ok:
+            raise RuntimeUnavailable(f"runtime {self.name!r} is not available here: {avail.why}")
+
+    def check_spec(self, spec: LaunchSpec) -> None:
+        if spec.egress and not self.supports_egress_allowlist:
+            raise LaunchError(
+                f"runtime {self.name!r} cannot enforce an egress allowlist; refusing to run "
+                f"with egress={spec.egress!r} (sandboxes here get no network at all)"
+            )

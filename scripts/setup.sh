@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh Debian 12 machine: system sandboxes + a project virtualenv.
+# Idempotent: a second run only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+
+need_apt=()
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+command -v podman >/dev/null 2>&1 || need_apt+=(podman)
+command -v runc >/dev/null 2>&1 || need_apt+=(runc)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+
+if ! command -v runsc >/dev/null 2>&1 || [ ${#need_apt[@]} -gt 0 ]; then
+  # bookworm-backports carries a runsc with the systrap platform (much cheaper syscalls
+  # than ptrace). It gets its own sources file; debian.sources is left alone.
+  if grep -q bookworm /etc/os-release 2>/dev/null \
+     && [ ! -f /etc/apt/sources.list.d/resoluto-backports.sources ]; then
+    mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)\/* *$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
+    if [ -n "$mirror" ]; then
+      $SUDO tee /etc/apt/sources.list.d/resoluto-backports.sources >/dev/null <<SRC
+Types: deb
+URIs: ${mirror}
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+    fi
+  fi
+  $SUDO apt-get update -qq
+  if [ ${#need_apt[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  fi
+  if ! command -v runsc >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq -t bookworm-backports runsc >/dev/null 2>&1 \
+      || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq runsc >/dev/null \
+      || echo "setup: runsc (gVisor) could not be installed; the gvisor runtime will be unavailable" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+echo "setup: ready ($(.venv/bin/python --version), $(command -v runsc >/dev/null && runsc --version 2>/dev/null | head -n1 || echo 'no runsc'))"
