@@ -45,4 +45,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
-echo "setup: ready ($(.venv/bin/python --version), $(command -v runsc >/dev/null && runsc --version 2>/dev/null | head -n1 || echo 'no runsc'))"
+runsc_v=$(runsc --version 2>/dev/null || true); echo "setup: ready ($(.venv/bin/python --version), ${runsc_v%%$'\n'*})"

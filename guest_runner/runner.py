@@ -1,0 +1,224 @@
+"""The in-sandbox runner: inbox -> setup -> workload (streamed) -> outbox -> result -> manifest.
+
+Configured only by environment variables, the same ones as the reference runner:
+
+=========================  ==================================================
+RESOLUTO_STORE_KIND        ``localfs`` or ``s3``
+RESOLUTO_STORE_ROOT        localfs: the conduit directory as seen in here
+RESOLUTO_STORE_BUCKET      s3: bucket (plus _ENDPOINT, _REGION)
+RESOLUTO_STORE_PREFIX      the node's key prefix (default run/<run>/nodes/<node>)
+RESOLUTO_RUN_ID            run id (the Prefect flow run id)
+RESOLUTO_NODE_ID           node id (the task run id, ``.<attempt>`` on retries)
+RESOLUTO_WORKLOAD_ARGV     JSON list: the command to run
+RESOLUTO_WORKSPACE_DIR     where inbox archives are staged; the command's cwd
+RESOLUTO_OUTPUT_PATHS      JSON list of paths/globs collected into the outbox
+RESOLUTO_SETUP_ARGV        JSON list, optional: runs before the workload
+RESOLUTO_CLEANUP_ARGV      JSON list, optional: runs last, even after a failure
+RESOLUTO_SECRET_ENV        JSON list of variable names whose values are redacted
+=========================  ==================================================
+
+Exit status is 0 exactly when the workload succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import Dict, List, Mapping, Optional
+
+from guest_runner import archive, wire
+from guest_runner.conduit import Conduit, ConduitError, conduit_from_env
+from guest_runner.redact import Redactor
+from guest_runner.shipper import Shipper, Span
+
+# Conduit credentials are for the runner, not for the workload it runs.
+_RUNNER_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                    "RESOLUTO_STORE_WRITE_TOKEN")
+
+
+class ConfigError(ValueError):
+    """The RESOLUTO_* environment does not describe a runnable node."""
+
+
+class NodeConfig:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.run_id = env.get("RESOLUTO_RUN_ID", "")
+        self.node_id = env.get("RESOLUTO_NODE_ID", "")
+        if not self.run_id or not self.node_id:
+            raise ConfigError("RESOLUTO_RUN_ID and RESOLUTO_NODE_ID must both be set")
+        self.prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(self.run_id, self.node_id)
+        self.argv = _argv(env, "RESOLUTO_WORKLOAD_ARGV", required=True) or []
+        self.setup_argv = _argv(env, "RESOLUTO_SETUP_ARGV")
+        self.cleanup_argv = _argv(env, "RESOLUTO_CLEANUP_ARGV")
+        self.workspace = env.get("RESOLUTO_WORKSPACE_DIR") or None
+        self.output_paths = _str_list(env, "RESOLUTO_OUTPUT_PATHS") or []
+        user_env = _str_list(env, "RESOLUTO_USER_ENV") or []
+        self.child_env = {k: v for k, v in env.items() if k not in _RUNNER_ONLY_ENV or k in user_env}
+        # Python children flush line by line, so a print() reaches the conduit at once.
+        self.child_env.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def _str_list(env: Mapping[str, str], name: str) -> Optional[List[str]]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a JSON list of strings, got {raw[:200]!r}") from None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{name} must be a JSON list of strings, got {raw[:200]!r}")
+    return value
+
+
+def _argv(env: Mapping[str, str], name: str, required: bool = False) -> Optional[List[str]]:
+    value = _str_list(env, name)
+    if value is None and required:
+        raise ConfigError(f"{name} is not set: it must be a JSON list such as [\"python3\", \"main.py\"]")
+    if value is not None and not value:
+        if required:
+            raise ConfigError(f"{name} is an empty list: there is no command to run")
+        return None
+    return value
+
+
+def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[str],
+                   env: Dict[str, str]) -> int:
+    """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code."""
+    try:
+        proc = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+        )
+    except FileNotFoundError:
+        span.log(f"command not found: {argv[0]}")
+        span.outputs["exit_code"] = 127
+        span.status = "failure"
+        return 127
+    except PermissionError:
+        span.log(f"permission denied executing {argv[0]}")
+        span.outputs["exit_code"] = 126
+        span.status = "failure"
+        return 126
+    assert proc.stdout is not None
+    with proc.stdout:
+        for raw in iter(proc.stdout.readline, b""):
+            span.log(raw.decode("utf-8", "replace").rstrip("\n"))
+    rc = proc.wait()
+    if rc < 0:
+        span.log(f"{argv[0]} was killed by signal {-rc}")
+        rc = 128 - rc
+    span.outputs["exit_code"] = rc
+    if rc != 0:
+        span.status = "failure"
+    return rc
+
+
+def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, object]:
+    """Run one node and return its result (not yet written)."""
+    result = wire.make_result(cfg.node_id)
+    workspace = cfg.workspace or tempfile.mkdtemp(prefix="resoluto-ws-")
+    try:
+        with shipper.span("", "node", cfg.node_id, {"argv": cfg.argv}) as node:
+            os.makedirs(workspace, exist_ok=True)
+            staged = 0
+            for key in conduit.list_prefix(wire.inbox_prefix(cfg.prefix)):
+                if wire.is_archive_key(key):
+                    archive.unpack(conduit.get(key), workspace, label=key)
+                    staged += 1
+            node.log(f"staged {staged} input archive(s) -> {workspace}")
+            ok = True
+            if cfg.setup_argv:
+                with shipper.span(node.span_id, "setup", "setup", {"argv": cfg.setup_argv}) as sp:
+                    src = _exec_streamed(shipper, sp, cfg.setup_argv, workspace, cfg.child_env)
+                if src != 0:
+                    ok = False
+                    result.update(status="failure", exit_code=src,
+                                  reason=f"setup command exited {src}; workload skipped")
+                    node.log(f"setup failed (exit {src}); skipping workload")
+            if ok:
+                with shipper.span(node.span_id, "workload", cfg.node_id, {"argv": cfg.argv}) as sp:
+                    rc = _exec_streamed(shipper, sp, cfg.argv, workspace, cfg.child_env)
+                result["exit_code"] = rc
+                result["status"] = "success" if rc == 0 else "failure"
+                if rc == 127:
+                    result["reason"] = f"command not found: {cfg.argv[0]}"
+                elif rc != 0:
+                    result["reason"] = f"workload exited with code {rc}"
+                if cfg.output_paths:
+                    # Collected after a failure too: partial outputs and error reports are
+                    # evidence. The status stays what the workload said.
+                    files, missing = archive.select(workspace, cfg.output_paths)
+                    for pattern in missing:
+                        node.log(f"declared output {pattern!r} matched nothing")
+                    if files:
+                        key = wire.outbox_key(cfg.prefix)
+                        conduit.put(key, archive.pack(workspace, patterns=files))
+                        result["output_archive"] = key
+                        node.log(f"collected {len(files)} output file(s) -> {key}")
+            if result["status"] != "success":
+                node.status = "failure"
+    finally:
+        if cfg.cleanup_argv:
+            try:
+                with shipper.span("", "cleanup", "cleanup", {"argv": cfg.cleanup_argv}) as sp:
+                    _exec_streamed(shipper, sp, cfg.cleanup_argv, workspace, cfg.child_env)
+            except Exception as e:  # cleanup must never mask the workload's verdict
+                shipper.log("", f"cleanup failed: {type(e).__name__}: {e}")
+    return result
+
+
+def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, object]) -> None:
+    shipper.close()
+    conduit.put(wire.result_key(prefix), wire.encode_result(result))
+    shipper.write_manifest()
+
+
+def main(env: Optional[Mapping[str, str]] = None) -> int:
+    env = dict(os.environ if env is None else env)
+    redactor = Redactor.from_env(env)
+    try:
+        conduit = conduit_from_env(env)
+    except Exception as e:
+        print(f"resoluto guest: cannot open the conduit: {redactor.text(str(e))}", file=sys.stderr)
+        return 3
+    run_id = env.get("RESOLUTO_RUN_ID", "")
+    node_id = env.get("RESOLUTO_NODE_ID", "")
+    try:
+        prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(run_id, node_id)
+    except wire.WireError as e:
+        print(f"resoluto guest: {e}", file=sys.stderr)
+        return 3
+    shipper = Shipper(conduit, prefix, run_id, redactor=redactor).start()
+    try:
+        cfg = NodeConfig(env)
+        result = run_node(cfg, conduit, shipper)
+    except ConfigError as e:
+        shipper.log("", f"configuration error: {e}", kind="error")
+        result = wire.make_result(node_id, "failure", None, None, reason=f"configuration error: {e}")
+    except archive.ArchiveError as e:
+        shipper.log("", f"inbox rejected: {e}", kind="error")
+        result = wire.make_result(node_id, "failure", None, None, reason=f"inbox rejected: {e}")
+    except BaseException as e:  # the runner itself broke: still leave a verdict behind
+        tb = redactor.text(traceback.format_exc())
+        try:
+            shipper.log("", f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
+                        kind="error", traceback=tb)
+        except Exception:
+            pass
+        result = wire.make_result(node_id, "failure", None, None,
+                                  reason=f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}")
+    result["reason"] = redactor.text(str(result.get("reason") or ""))
+    try:
+        _finish(conduit, shipper, prefix, result)
+    except ConduitError as e:
+        print(f"resoluto guest: could not write the result to the conduit: {redactor.text(str(e))}",
+              file=sys.stderr)
+        return 3
+    finally:
+        conduit.close()
+    return 0 if result["status"] == "success" else 1
