@@ -82,7 +82,7 @@ class Conduit(ABC):
         """RESOLUTO_STORE_* variables a guest needs to reach this conduit (no credentials)."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release clients; the default has nothing to release."""
 
     def __repr__(self) -> str:

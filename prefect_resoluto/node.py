@@ -1,0 +1,431 @@
+"""Drive one node: pack + put the inbox, launch, tail, judge, fetch outputs, reap.
+
+The verdict comes from two places that are kept apart: ``result.json`` is the guest's
+word on its own workload; the observed phase, reason and substrate logs are what the
+host saw from outside (runtime status, silence, missing objects) and are never taken
+from the guest.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guest_runner import archive, wire
+from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
+from guest_runner.redact import Redactor
+from prefect_resoluto.runtimes.base import (
+    DEFAULT_MIN_ISOLATION,
+    IsolationLevel,
+    LaunchSpec,
+    Resources,
+    SandboxHandle,
+    SandboxRuntime,
+    SandboxStatus,
+    check_isolation,
+)
+from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
+
+log = logging.getLogger("prefect_resoluto.node")
+
+GUEST_WORKSPACE = "/workspace"
+# How often the runtime is asked for status while the tail is busy; status may be an
+# API call (Kubernetes), the conduit poll is the fast path.
+STATUS_INTERVAL = 0.2
+# Consecutive observations before "unstartable"/"gone" is believed (a pod may report
+# a transient ErrImagePull, a process may be between fork and exec).
+CONFIRMATIONS = 3
+
+LABEL_RUN = "resoluto.run-id"
+LABEL_NODE = "resoluto.node-id"
+
+
+class NodeFailure(RuntimeError):
+    """Base of every way a node can fail to produce a successful result."""
+
+    def __init__(self, message: str, outcome: NodeOutcome | None = None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+class WorkloadFailed(NodeFailure):
+    """The user's work ran and failed (non-zero exit, exception): a user failure."""
+
+
+class InfrastructureError(NodeFailure):
+    """The sandbox, not the work, failed; safe to re-launch."""
+
+
+class SandboxUnstartable(InfrastructureError):
+    """Never started: launch refused, image missing, sustained fatal waiting reason."""
+
+
+class SandboxLost(InfrastructureError):
+    """Started, then vanished: deleted from outside, or silent past the watchdog."""
+
+
+class SandboxKilled(InfrastructureError):
+    """Killed by the substrate: OOM, eviction, a signal from outside."""
+
+
+class NoResult(InfrastructureError):
+    """The sandbox ended without leaving a (valid) result.json / manifest."""
+
+
+class ProtocolError(InfrastructureError):
+    """The guest's objects break the wire contract (malformed chunk, gap, bad result)."""
+
+
+FAILURE_TYPES: dict[str, type[NodeFailure]] = {
+    "workload": WorkloadFailed,
+    "unstartable": SandboxUnstartable,
+    "lost": SandboxLost,
+    "killed": SandboxKilled,
+    "no_result": NoResult,
+    "protocol": ProtocolError,
+}
+
+
+@dataclass
+class NodeSpec:
+    run_id: str
+    node_id: str
+    argv: list[str]
+    workspace: Path | None = None
+    output_paths: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    secret_env: dict[str, str] = field(default_factory=dict)
+    resources: Resources = field(default_factory=Resources)
+    labels: dict[str, str] = field(default_factory=dict)
+    egress: list[str] = field(default_factory=list)
+    image: str | None = None
+    setup_argv: list[str] | None = None
+    cleanup_argv: list[str] | None = None
+    #: Additional inbox archives: name -> gzip tar bytes (e.g. a Python call).
+    extra_inbox: dict[str, bytes] = field(default_factory=dict)
+    #: Where declared outputs land on the host (default: a fresh temporary directory).
+    outputs_dir: Path | None = None
+
+    def validate(self) -> None:
+        wire.check_id(self.run_id, "run id")
+        wire.check_id(self.node_id, "node id")
+        if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
+            raise ValueError("argv must be a non-empty list of strings (the command to run in the sandbox)")
+        if self.workspace is not None and not Path(self.workspace).is_dir():
+            raise FileNotFoundError(f"workspace directory {str(self.workspace)!r} does not exist")
+        for p in self.output_paths:
+            archive.check_pattern(p)
+        for k in list(self.env) + list(self.secret_env):
+            if not k or "=" in k or "\x00" in k:
+                raise ValueError(f"invalid environment variable name {k!r}")
+
+
+@dataclass
+class NodeOutcome:
+    run_id: str
+    node_id: str
+    status: str  # "success" | "failure"
+    exit_code: int | None
+    reason: str
+    observed_phase: str
+    failure: str | None  # None on success, else a key of FAILURE_TYPES
+    substrate_logs: str
+    output_dir: Path | None
+    output_files: dict[str, Path]
+    output_archives: list[str]
+    conduit_prefix: str
+    conduit_url: str
+    runtime: str
+    isolation: str
+    sandbox_id: str
+    events: int
+    timings: dict[str, float]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "success"
+
+    @property
+    def infrastructure_failure(self) -> bool:
+        return self.failure is not None and self.failure != "workload"
+
+    def raise_for_failure(self) -> None:
+        if self.failure is None:
+            return
+        cls = FAILURE_TYPES[self.failure]
+        raise cls(self.describe(), self)
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"node {self.node_id} succeeded on {self.runtime} ({self.isolation})"
+        what = {
+            "workload": "failed",
+            "unstartable": "could not start",
+            "lost": "was lost",
+            "killed": "was killed by the sandbox substrate",
+            "no_result": "ended without a result",
+            "protocol": "broke the wire protocol",
+        }.get(self.failure or "", "failed")
+        code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
+        msg = f"node {self.node_id} {what} on {self.runtime}{code}: {self.reason or 'no reason given'}"
+        if self.substrate_logs and self.failure != "workload":
+            msg += "\n--- substrate logs (tail) ---\n" + self.substrate_logs[-2000:]
+        return msg
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["output_dir"] = str(self.output_dir) if self.output_dir else None
+        d["output_files"] = {k: str(v) for k, v in self.output_files.items()}
+        return d
+
+
+def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, str]:
+    env: dict[str, str] = dict(spec.env)
+    env.update(conduit.guest_env())
+    env.update({
+        "RESOLUTO_RUN_ID": spec.run_id,
+        "RESOLUTO_NODE_ID": spec.node_id,
+        "RESOLUTO_STORE_PREFIX": store_prefix,
+        "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
+        "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
+        "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
+    })
+    if spec.setup_argv:
+        env["RESOLUTO_SETUP_ARGV"] = _json(spec.setup_argv)
+    if spec.cleanup_argv:
+        env["RESOLUTO_CLEANUP_ARGV"] = _json(spec.cleanup_argv)
+    if spec.secret_env:
+        env["RESOLUTO_SECRET_ENV"] = _json(sorted(spec.secret_env))
+    user = sorted(set(spec.env) | set(spec.secret_env))
+    if user:
+        env["RESOLUTO_USER_ENV"] = _json(user)
+    return env
+
+
+def _json(v: Any) -> str:
+    import json
+
+    return json.dumps(v, separators=(",", ":"))
+
+
+def new_sandbox_id() -> str:
+    return f"rsl-{uuid.uuid4().hex[:16]}"
+
+
+def drive_node(
+    spec: NodeSpec,
+    conduit: Conduit,
+    runtime: SandboxRuntime,
+    *,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION,
+    silence_window: float = DEFAULT_SILENCE_WINDOW,
+    on_launch: Callable[[SandboxHandle], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> NodeOutcome:
+    """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
+
+    Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
+    for bad input before anything is launched, and re-raises interruption after the
+    sandbox has been reaped.
+    """
+    spec.validate()
+    check_isolation(runtime, min_isolation)
+    t0 = time.monotonic()
+    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
+    store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
+    redactor = Redactor(spec.secret_env.values())
+
+    # -- inbox ---------------------------------------------------------------------
+    if spec.workspace is not None:
+        conduit.put(wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME), archive.pack(spec.workspace))
+    for name, data in spec.extra_inbox.items():
+        conduit.put(wire.inbox_key(rel_prefix, name), data)
+
+    labels = {**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id}
+    launch = LaunchSpec(
+        sandbox_id=new_sandbox_id(),
+        env=guest_env(spec, conduit, store_prefix),
+        secret_env=dict(spec.secret_env),
+        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
+        conduit_subdir=rel_prefix if isinstance(conduit, LocalConduit) else "",
+        resources=spec.resources,
+        labels=labels,
+        egress=list(spec.egress),
+        image=spec.image,
+    )
+    if isinstance(conduit, LocalConduit):
+        (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
+    runtime.check_spec(launch)
+
+    tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
+    events = 0
+
+    def deliver(ev: dict[str, Any]) -> None:
+        nonlocal events
+        events += 1
+        if on_event is not None:
+            if redactor.count:
+                ev["data"] = redactor.data(ev.get("data") or {})
+            on_event(ev)
+
+    failure: str | None = None
+    reason = ""
+    substrate_logs = ""
+    st = SandboxStatus(phase="pending")
+    handle: SandboxHandle | None = None
+    timings: dict[str, float] = {}
+    try:
+        try:
+            handle = runtime.launch(launch)
+        except Exception as e:
+            failure, reason = "unstartable", f"launch failed: {e}"
+            raise _Stop() from None
+        timings["launch"] = time.monotonic() - t0
+        if on_launch is not None:
+            on_launch(handle)
+        unstartable_seen = gone_seen = 0
+        last_status = 0.0
+        while True:
+            try:
+                tailer.poll(deliver)
+            except TailError as e:
+                failure, reason = "protocol", str(e)
+                break
+            except ConduitError as e:
+                failure, reason = "lost", f"conduit unavailable while tailing: {e}"
+                break
+            if tailer.finished:
+                break
+            if should_cancel is not None and should_cancel():
+                failure, reason = "lost", "cancelled by the host"
+                break
+            now = time.monotonic()
+            if now - last_status >= STATUS_INTERVAL or tailer.result_seen:
+                last_status = now
+                st = runtime.status(handle)
+                if st.phase == "running":
+                    tailer.arm()
+                if st.terminal:
+                    failure, reason = _drain_after_exit(tailer, deliver, st)
+                    break
+                unstartable_seen = unstartable_seen + 1 if st.unstartable else 0
+                if unstartable_seen >= CONFIRMATIONS:
+                    failure, reason = "unstartable", st.reason or "the sandbox cannot start"
+                    break
+                gone_seen = gone_seen + 1 if st.gone else 0
+                if gone_seen >= CONFIRMATIONS:
+                    failure = "lost"
+                    reason = st.reason or "the sandbox disappeared"
+                    if not tailer.armed:
+                        reason += " (before it ever ran)"
+                    break
+            if tailer.silent:
+                failure = "lost"
+                reason = (f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
+                          "the sandbox is presumed dead")
+                break
+            time.sleep(min(tailer.next_delay(), STATUS_INTERVAL))
+        if failure is not None and failure != "workload" and handle is not None:
+            substrate_logs = _logs(runtime, handle)
+    except _Stop:
+        pass
+    finally:
+        if handle is not None:
+            try:
+                runtime.destroy(handle)
+            except Exception as e:  # reaping must not hide the real outcome
+                log.warning("could not destroy sandbox %s: %s", handle.id, e)
+    timings["finish"] = time.monotonic() - t0
+    if tailer.first_event_at is not None:
+        timings["first_event"] = tailer.first_event_at - t0
+
+    status, exit_code = "failure", st.exit_code
+    output_dir: Path | None = None
+    output_files: dict[str, Path] = {}
+    archives: list[str] = []
+    if failure is None:
+        try:
+            result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
+            status, exit_code = result["status"], result["exit_code"]
+            if status != "success":
+                failure = "workload"
+                reason = result.get("reason") or f"workload exited with code {exit_code}"
+        except ObjectNotFound:
+            failure, reason = "no_result", "the sandbox wrote a manifest but no result.json"
+        except wire.WireError as e:
+            failure, reason = "protocol", str(e)
+    if failure in (None, "workload") and spec.output_paths:
+        output_dir = Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
+        try:
+            for key in conduit.list_prefix(wire.outbox_prefix(rel_prefix)):
+                if not wire.is_archive_key(key):
+                    continue
+                for rel in archive.unpack(conduit.get(key), output_dir, patterns=spec.output_paths, label=key):
+                    output_files[rel] = output_dir / rel
+                archives.append(key)
+        except archive.ArchiveError as e:
+            failure, status, reason = "protocol", "failure", f"outbox rejected: {e}"
+    if failure is not None:
+        status = "failure"
+    return NodeOutcome(
+        run_id=spec.run_id,
+        node_id=spec.node_id,
+        status=status,
+        exit_code=exit_code,
+        reason=redactor.text(reason),
+        observed_phase=st.phase,
+        failure=failure,
+        substrate_logs=redactor.text(substrate_logs),
+        output_dir=output_dir,
+        output_files=output_files,
+        output_archives=archives,
+        conduit_prefix=store_prefix,
+        conduit_url=conduit.url,
+        runtime=runtime.name,
+        isolation=runtime.isolation.label,
+        sandbox_id=launch.sandbox_id,
+        events=events,
+        timings=timings,
+    )
+
+
+class _Stop(Exception):
+    pass
+
+
+def _drain_after_exit(
+    tailer: ChunkTailer, deliver: Callable[[dict[str, Any]], None], st: SandboxStatus
+) -> tuple[str | None, str]:
+    """The sandbox has exited: read what it left, then judge."""
+    try:
+        if tailer.check_manifest():
+            while not tailer.finished:
+                tailer.poll(deliver)
+                if not tailer.finished:
+                    time.sleep(tailer.next_delay())
+            if st.infrastructure:
+                return "killed", st.reason or "killed by the substrate"
+            return None, ""
+        tailer.poll(deliver)
+    except TailError as e:
+        return "protocol", str(e)
+    except ConduitError as e:
+        return "lost", f"conduit unavailable while reading the final events: {e}"
+    if st.infrastructure:
+        return "killed", st.reason or "killed by the substrate before writing a result"
+    code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
+    return "no_result", f"the sandbox exited{code} without writing _manifest.json"
+
+
+def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:
+    try:
+        return runtime.logs(handle, tail=200)
+    except Exception as e:
+        return f"(substrate logs unavailable: {e})"

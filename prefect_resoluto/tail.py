@@ -1,0 +1,234 @@
+"""Host-side tail of a node's event chunks.
+
+Chunks are delivered in sequence order and only contiguously: chunk N+1 is never
+delivered before chunk N, however long N takes. The tail is finished once the
+manifest has been read and every chunk up to ``total_chunks`` delivered.
+
+Polling is adaptive (fast right after launch and after each arrival, backing off
+while nothing arrives) and lists only the keys after the last chunk seen, so the
+cost of a poll does not grow with the number of chunks already read. Liveness is a
+silence watchdog, armed by the driver once the sandbox runs: no chunk at all (not
+even a heartbeat) for ``silence_window`` seconds means the guest is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from guest_runner import wire
+from guest_runner.conduit import Conduit, ObjectNotFound
+
+Event = dict[str, Any]
+
+DEFAULT_SILENCE_WINDOW = 600.0
+MIN_POLL = 0.01
+MAX_POLL = 1.0
+BACKOFF = 1.5
+# After the manifest, a chunk it promises may only be missing for this long.
+MISSING_CHUNK_GRACE = 2.0
+
+
+class TailError(RuntimeError):
+    """The node's event stream breaks the wire contract."""
+
+
+class MalformedChunk(TailError):
+    def __init__(self, key: str, line_no: int, why: str) -> None:
+        super().__init__(f"malformed event in {key} at line {line_no}: {why}")
+        self.key = key
+        self.line_no = line_no
+
+
+class MissingChunk(TailError):
+    pass
+
+
+class ManifestMismatch(TailError):
+    pass
+
+
+class ChunkTailer:
+    def __init__(
+        self,
+        conduit: Conduit,
+        prefix: str,
+        *,
+        silence_window: float = DEFAULT_SILENCE_WINDOW,
+        min_poll: float = MIN_POLL,
+        max_poll: float = MAX_POLL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conduit = conduit
+        self.prefix = prefix.rstrip("/")
+        self.silence_window = silence_window
+        self.min_poll = min_poll
+        self.max_poll = max_poll
+        self.clock = clock
+        self.delivered = 0  # highest chunk number delivered
+        self.events_delivered = 0
+        self.total: int | None = None
+        self.polls = 0
+        self._present: set[int] = set()
+        self._start_after: str | None = None
+        self._result_seen = False
+        self._armed_at: float | None = None
+        self._last_arrival = clock()
+        self._delay = min_poll
+        self._gap_since: float | None = None
+        self.first_event_at: float | None = None
+
+    # -- liveness ---------------------------------------------------------------
+    def arm(self) -> None:
+        """Start the silence window (idempotent): call once the sandbox is running."""
+        if self._armed_at is None:
+            self._armed_at = self._last_arrival = self.clock()
+
+    @property
+    def armed(self) -> bool:
+        return self._armed_at is not None
+
+    @property
+    def silence(self) -> float:
+        return self.clock() - self._last_arrival
+
+    @property
+    def silent(self) -> bool:
+        """True when armed, unfinished and nothing arrived for the whole window."""
+        return self.armed and not self.finished and self.silence > self.silence_window
+
+    @property
+    def finished(self) -> bool:
+        return self.total is not None and self.delivered >= self.total
+
+    @property
+    def result_seen(self) -> bool:
+        return self._result_seen
+
+    def next_delay(self) -> float:
+        return self._delay
+
+    # -- polling ------------------------------------------------------------------
+    def poll(self, on_event: Callable[[Event], None]) -> int:
+        """One round: list new keys, deliver every newly contiguous chunk's events.
+
+        Returns the number of events delivered. Raises :class:`TailError` subclasses
+        for contract violations, after delivering every event that precedes the fault.
+        """
+        self.polls += 1
+        keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after)
+        for key in keys:
+            rel = key[len(self.prefix) + 1:]
+            idx = wire.chunk_index(rel) if "/" not in rel else None
+            if idx is not None:
+                self._present.add(idx)
+            elif rel == wire.RESULT:
+                self._result_seen = True
+            elif rel == wire.MANIFEST and self.total is None:
+                self._read_manifest()
+        if self._result_seen and self.total is None:
+            # _manifest.json sorts before events-*, so a start_after listing never shows
+            # it; result.json (written just before it) is the cue to look.
+            self.check_manifest()
+
+        n_events = 0
+        lively = False
+        while self.delivered + 1 in self._present and (self.total is None or self.delivered < self.total):
+            idx = self.delivered + 1
+            key = wire.chunk_key(self.prefix, idx)
+            n, heartbeat_only = self._deliver(key, on_event)
+            n_events += n
+            lively = lively or not heartbeat_only
+            self.delivered = idx
+            self._present.discard(idx)
+            self._start_after = key
+            self._last_arrival = self.clock()
+        self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
+        self._check_consistency()
+        return n_events
+
+    def check_manifest(self) -> bool:
+        """Fetch _manifest.json directly; True when it exists."""
+        if self.total is not None:
+            return True
+        try:
+            self._read_manifest()
+        except ObjectNotFound:
+            return False
+        return True
+
+    def _read_manifest(self) -> None:
+        key = wire.manifest_key(self.prefix)
+        raw = self.conduit.get(key)
+        try:
+            self.total = wire.decode_manifest(raw)
+        except wire.WireError as e:
+            raise ManifestMismatch(f"{key}: {e}") from None
+        self._result_seen = True
+
+    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
+        raw = self.conduit.get(key)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise MalformedChunk(key, text_line(raw, e.start), "not UTF-8") from None
+        n = 0
+        heartbeat_only = True
+        for line_no, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                ev = wire.decode_event(line)
+            except wire.WireError as e:
+                raise MalformedChunk(key, line_no, str(e)) from None
+            if ev["kind"] != "heartbeat":
+                heartbeat_only = False
+            if self.first_event_at is None:
+                self.first_event_at = time.monotonic()
+            on_event(ev)
+            n += 1
+            self.events_delivered += 1
+        return n, heartbeat_only
+
+    def _check_consistency(self) -> None:
+        if self.total is None:
+            return
+        extra = sorted(i for i in self._present if i > self.total)
+        if self.delivered >= self.total and extra:
+            raise ManifestMismatch(
+                f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but "
+                f"{wire.chunk_key(self.prefix, extra[0])} exists too"
+            )
+        if self.delivered < self.total:
+            now = self.clock()
+            if self._gap_since is None:
+                self._gap_since = now
+            elif now - self._gap_since > MISSING_CHUNK_GRACE:
+                missing = wire.chunk_key(self.prefix, self.delivered + 1)
+                raise MissingChunk(
+                    f"{missing} is missing: the manifest declares {self.total} chunk(s) and "
+                    f"{self.delivered} were read"
+                )
+        else:
+            self._gap_since = None
+
+    def follow(
+        self,
+        on_event: Callable[[Event], None],
+        *,
+        stop: Callable[[], bool] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Poll until finished (or ``stop()``), sleeping the adaptive delay in between."""
+        while not self.finished:
+            self.poll(on_event)
+            if self.finished or (stop is not None and stop()):
+                return
+            if self.silent:
+                raise TailError(f"no events for {self.silence:.0f}s (silence window {self.silence_window}s)")
+            sleep(self._delay)
+
+
+def text_line(raw: bytes, offset: int) -> int:
+    return raw[:offset].count(b"\n") + 1

@@ -1,0 +1,171 @@
+"""Archives: packing skips junk and never follows links out; unpacking treats input as hostile."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import pytest
+
+from guest_runner import archive
+from guest_runner.archive import ArchiveError, OutputPatternError, UnsafeArchive
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for ti, data in members:
+            t.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _file(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    return ti, data
+
+
+def _special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    ti.linkname = linkname
+    return ti, None
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "ws"
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "mod.py").write_text("print('hi')\n")
+    (root / "data.csv").write_text("a,b\n1,2\n")
+    (root / "empty").mkdir()
+    for junk in (".venv/lib", "__pycache__", ".git/objects", "node_modules/x", ".pytest_cache"):
+        (root / junk).mkdir(parents=True)
+        (root / junk / "f").write_text("junk")
+    (root / "src" / "pkg" / "__pycache__").mkdir()
+    (root / "src" / "pkg" / "__pycache__" / "mod.pyc").write_bytes(b"\0")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    (root / "leak").symlink_to(secret)  # points out of the tree
+    (root / "leakdir").symlink_to(tmp_path)
+    (root / "inner").symlink_to("data.csv")  # stays inside
+    os.mkfifo(root / "fifo")
+    return root
+
+
+def test_pack_round_trip_skips_junk_and_outward_links(tree, tmp_path):
+    data = archive.pack(tree)
+    out = tmp_path / "out"
+    names = archive.unpack(data, out)
+    assert (out / "src" / "pkg" / "mod.py").read_text() == "print('hi')\n"
+    assert (out / "empty").is_dir()
+    assert os.readlink(out / "inner") == "data.csv" and (out / "inner").read_text() == "a,b\n1,2\n"
+    for absent in (".venv", "__pycache__", ".git", "node_modules", ".pytest_cache", "leak", "leakdir", "fifo",
+                   "src/pkg/__pycache__"):
+        assert not os.path.lexists(out / absent), absent
+    assert "leak" not in names
+
+
+def test_pack_is_deterministic(tree):
+    assert archive.pack(tree) == archive.pack(tree)
+
+
+def test_pack_missing_workspace_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        archive.pack(tmp_path / "nope")
+
+
+@pytest.mark.parametrize(
+    "member, why",
+    [
+        (_file("../evil.txt"), "path traversal"),
+        (_file("a/../../evil.txt"), "path traversal"),
+        (_file("/etc/evil"), "absolute path"),
+        (_special("link", tarfile.SYMTYPE, "/etc/passwd"), "absolute symlink"),
+        (_special("link", tarfile.SYMTYPE, "../../outside"), "points outside"),
+        (_special("d/link", tarfile.SYMTYPE, "../.."), "points outside"),
+        (_special("hard", tarfile.LNKTYPE, "/etc/passwd"), "hard link"),
+        (_special("hard", tarfile.LNKTYPE, "never-seen"), "not an earlier member"),
+        (_special("dev", tarfile.CHRTYPE), "device file"),
+        (_special("blk", tarfile.BLKTYPE), "device file"),
+        (_special("pipe", tarfile.FIFOTYPE), "FIFO"),
+    ],
+)
+def test_hostile_members_are_refused_by_name_and_nothing_is_written(tmp_path, member, why):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "earlier.txt").write_text("keep me")
+    data = _tar([_file("good.txt", b"fine"), member])
+    with pytest.raises(UnsafeArchive, match=why) as exc:
+        archive.unpack(data, dest)
+    assert repr(member[0].name) in str(exc.value)
+    assert sorted(os.listdir(dest)) == ["earlier.txt"]  # the good member was not written either
+    assert (dest / "earlier.txt").read_text() == "keep me"
+    assert not (tmp_path / "evil.txt").exists()
+
+
+def test_symlink_then_file_through_it_cannot_escape(tmp_path):
+    """A link that is itself 'inside' but whose target is a directory outside, already on disk."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "sub").symlink_to(tmp_path)  # pre-existing hostile state in the destination
+    with pytest.raises(UnsafeArchive, match="resolves outside"):
+        archive.unpack(_tar([_file("sub/evil.txt")]), dest)
+    assert not (tmp_path / "evil.txt").exists()
+
+
+@pytest.mark.parametrize("data, what", [
+    (b"not a gzip at all", "not a valid gzip tar"),
+    (b"", "not a valid gzip tar"),
+])
+def test_garbage_archives_are_clear_errors(tmp_path, data, what):
+    with pytest.raises(ArchiveError, match=what):
+        archive.unpack(data, tmp_path / "d", label="inbox/workspace.tar.gz")
+
+
+def test_truncated_archive_is_refused_before_writing(tmp_path, tree):
+    (tree / "big.bin").write_bytes(os.urandom(300_000))
+    data = archive.pack(tree)
+    dest = tmp_path / "d"
+    with pytest.raises(ArchiveError, match="inbox/workspace.tar.gz is not a valid gzip tar"):
+        archive.unpack(data[: len(data) // 2], dest, label="inbox/workspace.tar.gz")
+    assert not dest.exists() or os.listdir(dest) == []
+
+
+def test_unpack_with_patterns_materialises_only_declared_outputs(tmp_path):
+    data = _tar([_file("out/a.txt"), _file("out/sub/b.txt"), _file("report.md"), _file("secret/keys"),
+                 _file("outx/c.txt")])
+    dest = tmp_path / "d"
+    got = archive.unpack(data, dest, patterns=["out", "*.md"])
+    assert sorted(got) == ["out/a.txt", "out/sub/b.txt", "report.md"]
+    assert not (dest / "secret").exists() and not (dest / "outx").exists()
+
+
+@pytest.mark.parametrize("patterns, expected", [
+    (["out/**"], ["out/a.txt", "out/deep/er/c.txt", "out/sub/b.log"]),
+    (["out/*.txt"], ["out/a.txt"]),
+    (["**/*.txt"], ["out/a.txt", "out/deep/er/c.txt", "top.txt"]),
+    (["top.txt"], ["top.txt"]),
+    (["out/deep"], ["out/deep/er/c.txt"]),
+    (["out/s?b/*"], ["out/sub/b.log"]),
+])
+def test_select_globs(tmp_path, patterns, expected):
+    for rel in ("out/a.txt", "out/sub/b.log", "out/deep/er/c.txt", "top.txt", "other/x.bin"):
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+    files, missing = archive.select(tmp_path, patterns)
+    assert sorted(files) == expected and missing == []
+
+
+def test_select_reports_patterns_matching_nothing(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    files, missing = archive.select(tmp_path, ["a.txt", "nothing/**", "nope.csv"])
+    assert files == ["a.txt"] and missing == ["nothing/**", "nope.csv"]
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../up", "a/../../b", "", "~/x"])
+def test_output_patterns_escaping_the_workspace_are_refused(bad):
+    with pytest.raises(OutputPatternError):
+        archive.check_pattern(bad)

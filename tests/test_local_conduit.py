@@ -1,0 +1,116 @@
+"""LocalConduit: atomic, root-confined, listing in key order with start_after."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from guest_runner.conduit import (
+    ConduitError,
+    ConduitUnavailable,
+    InvalidKey,
+    LocalConduit,
+    ObjectNotFound,
+    conduit_from_env,
+    conduit_from_url,
+)
+
+
+def test_put_get_list_delete(local_conduit):
+    c = local_conduit
+    c.put("run/r/nodes/n/events-000002.jsonl", b"2")
+    c.put("run/r/nodes/n/events-000001.jsonl", b"1")
+    c.put("run/r/nodes/n/inbox/workspace.tar.gz", b"w")
+    c.put("run/r/nodes/n2/result.json", b"{}")
+    assert c.get("run/r/nodes/n/events-000001.jsonl") == b"1"
+    assert c.list_prefix("run/r/nodes/n/") == [
+        "run/r/nodes/n/events-000001.jsonl",
+        "run/r/nodes/n/events-000002.jsonl",
+        "run/r/nodes/n/inbox/workspace.tar.gz",
+    ]
+    # a key prefix, not only a directory
+    assert c.list_prefix("run/r/nodes/n/events-") == [
+        "run/r/nodes/n/events-000001.jsonl", "run/r/nodes/n/events-000002.jsonl"]
+    assert c.list_prefix("run/r/nodes/n/", start_after="run/r/nodes/n/events-000001.jsonl") == [
+        "run/r/nodes/n/events-000002.jsonl", "run/r/nodes/n/inbox/workspace.tar.gz"]
+    assert c.list_prefix("run/none/") == []
+    assert c.delete_prefix("run/r/nodes/n/") == 3
+    assert c.list_prefix("run/r/") == ["run/r/nodes/n2/result.json"]
+
+
+def test_missing_key_is_not_an_outage(local_conduit, tmp_path):
+    with pytest.raises(ObjectNotFound, match="no object 'nope'") as exc:
+        local_conduit.get("nope")
+    assert not isinstance(exc.value, ConduitUnavailable)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConduitUnavailable):
+        LocalConduit(blocker / "sub")
+    ro = LocalConduit(tmp_path / "ro")
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        import os
+        if os.geteuid() != 0:  # root ignores directory permissions
+            with pytest.raises(ConduitUnavailable):
+                ro.put("a/b", b"x")
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+@pytest.mark.parametrize("key", ["../escape", "/abs", "a/../../b", "", "a//b", "a/./b"])
+def test_keys_escaping_the_root_are_refused(local_conduit, key):
+    with pytest.raises(InvalidKey):
+        local_conduit.put(key, b"x")
+    assert isinstance(InvalidKey("x"), ConduitError)
+
+
+def test_symlink_inside_root_cannot_lead_outside(local_conduit, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (local_conduit.root / "link").symlink_to(outside)
+    with pytest.raises(InvalidKey, match="escapes"):
+        local_conduit.put("link/x", b"x")
+    assert not (outside / "x").exists()
+
+
+def test_readers_never_see_partial_objects_or_temp_files(local_conduit):
+    """A reader hammering list+get while a writer replaces a 4 MiB object sees only whole objects."""
+    c = local_conduit
+    a, b = b"a" * (4 << 20), b"b" * (4 << 20)
+    c.put("obj", a)
+    done = threading.Event()
+    bad: list[str] = []
+
+    def reader():
+        while not done.is_set():
+            for key in c.list_prefix(""):
+                if key != "obj":
+                    bad.append(key)
+            data = c.get("obj")
+            if data not in (a, b):
+                bad.append(f"partial object of {len(data)} bytes")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(30):
+        c.put("obj", a if i % 2 else b)
+    done.set()
+    t.join()
+    assert bad == []
+
+
+def test_urls_and_env_round_trip(tmp_path):
+    c = conduit_from_url((tmp_path / "c").as_uri())
+    assert isinstance(c, LocalConduit) and c.root == tmp_path / "c"
+    assert conduit_from_url(c.url).root == c.root
+    env = c.guest_env()
+    assert env == {"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(tmp_path / "c")}
+    assert conduit_from_env(env).root == c.root
+    for bad in ("ftp://x", "file://host/x", "s3://", "relative/dir"):
+        with pytest.raises(ValueError):
+            conduit_from_url(bad)
+    with pytest.raises(ValueError, match="RESOLUTO_STORE_KIND"):
+        conduit_from_env({"RESOLUTO_STORE_KIND": "gcs"})
+    with pytest.raises(ValueError, match="RESOLUTO_STORE_ROOT"):
+        conduit_from_env({"RESOLUTO_STORE_KIND": "localfs"})
