@@ -68,6 +68,7 @@ class S3Conduit(Conduit):
         max_attempts: int = 5,
         connect_timeout: float = 5,
         read_timeout: float = 30,
+        max_pool_connections: int = 32,
     ) -> None:
         if not bucket or "/" in bucket:
             raise ValueError(f"S3 conduit needs a bucket name without '/', got {bucket!r}")
@@ -100,6 +101,9 @@ class S3Conduit(Conduit):
             "retries": {"mode": "standard", "total_max_attempts": int(max_attempts)},
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
+            # One conduit is shared by every node a host tails; botocore's default pool
+            # of 10 would drop and reopen connections under that concurrency.
+            "max_pool_connections": int(max_pool_connections),
         }
         if path_style:
             cfg["s3"] = {"addressing_style": "path"}
@@ -128,8 +132,7 @@ class S3Conduit(Conduit):
             self._client = session.client("s3", endpoint_url=self._endpoint_url, config=config)
         except Exception as e:  # bad endpoint URL, unknown region format, broken config file
             raise ConduitUnavailable(
-                f"cannot create an S3 client for bucket {bucket!r} at {self._where()}: "
-                f"{self._scrub(str(e))}"
+                f"cannot create an S3 client for bucket {bucket!r} at {self._where()}: {self._scrub(str(e))}"
             ) from e
 
     # -- descriptive properties ---------------------------------------------------------
