@@ -1,0 +1,166 @@
+"""Per-sandbox resource limits through a host cgroup (v1 or v2), for runtimes that have
+none of their own (bubblewrap, plain processes).
+
+Why a cgroup and not rlimits: RLIMIT_AS counts reserved address space, which Python,
+its thread stacks and native libraries over-reserve wildly; RLIMIT_NPROC is per user,
+not per sandbox. A cgroup limits what the whole process tree really uses, and reports
+OOM kills. When no writable cgroup hierarchy exists (unprivileged user, read-only
+cgroupfs) the caller falls back to RLIMIT_DATA (private writable memory, per process,
+approximate) and says so in ``availability().detail``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import Resources
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+PARENT = "resoluto"
+# A process is moved into the cgroups before exec'ing the sandbox tool, so everything it
+# forks is already inside: `sh` writes its own pid (thread-safe, unlike preexec_fn).
+_ENTER = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+@dataclass
+class Cgroup:
+    """One sandbox's cgroup directories (one per v1 controller, or one v2 directory)."""
+
+    dirs: list[str]
+    version: int
+
+    def enter_argv(self, argv: list[str]) -> list[str]:
+        procs = [str(Path(d) / "cgroup.procs") for d in self.dirs]
+        return ["/bin/sh", "-c", _ENTER, "sh", *procs, "--", *argv]
+
+    def oom_killed(self) -> bool:
+        for d in self.dirs:
+            p = Path(d)
+            for name in ("memory.events", "memory.oom_control"):
+                try:
+                    text = (p / name).read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                        return True
+        return False
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for d in self.dirs:
+            try:
+                found.update(int(x) for x in (Path(d) / "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(found)
+
+    def kill_all(self) -> None:
+        # Anything that escaped the process group (a daemonised child) still lives here.
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # still populated (exiting) or already gone; sweep retries later
+
+
+def _v1_mount(controller: str) -> Path | None:
+    p = CGROUP_FS / controller
+    return p if (p / "cgroup.procs").exists() else None
+
+
+def detect() -> str | None:
+    """``"v1"``, ``"v2"`` or None: which writable hierarchy we can put sandboxes in."""
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        ctrl = (CGROUP_FS / "cgroup.controllers").read_text().split()
+        if "memory" in ctrl and "pids" in ctrl and os.access(CGROUP_FS, os.W_OK):
+            return "v2"
+        return None
+    mem, pids = _v1_mount("memory"), _v1_mount("pids")
+    if mem and pids and os.access(mem, os.W_OK) and os.access(pids, os.W_OK):
+        return "v1"
+    return None
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def create(name: str, resources: Resources) -> Cgroup | None:
+    """A cgroup named ``resoluto/<name>`` holding ``resources``, or None when unsupported."""
+    version = detect()
+    if version == "v1":
+        return _create_v1(name, resources)
+    if version == "v2":
+        return _create_v2(name, resources)
+    return None
+
+
+def _create_v1(name: str, r: Resources) -> Cgroup:
+    dirs: list[str] = []
+    for controller in ("memory", "pids", "cpu"):
+        root = _v1_mount(controller)
+        if root is None:
+            continue
+        d = root / PARENT / name
+        d.mkdir(parents=True, exist_ok=True)
+        dirs.append(str(d))
+        if controller == "memory" and r.memory_bytes:
+            _write(d / "memory.limit_in_bytes", str(r.memory_bytes))
+            if (d / "memory.memsw.limit_in_bytes").exists():
+                _write(d / "memory.memsw.limit_in_bytes", str(r.memory_bytes))  # no swap on top
+        elif controller == "pids" and r.pids:
+            _write(d / "pids.max", str(r.pids))
+        elif controller == "cpu" and r.cpus:
+            period = 100_000
+            _write(d / "cpu.cfs_period_us", str(period))
+            _write(d / "cpu.cfs_quota_us", str(int(r.cpus * period)))
+    return Cgroup(dirs=dirs, version=1)
+
+
+def _create_v2(name: str, r: Resources) -> Cgroup:
+    parent = CGROUP_FS / PARENT
+    parent.mkdir(exist_ok=True)
+    # Delegate the controllers to our subtree; harmless when already enabled.
+    for path in (CGROUP_FS / "cgroup.subtree_control", parent / "cgroup.subtree_control"):
+        try:
+            _write(path, "+memory +pids +cpu")
+        except OSError:
+            pass
+    d = parent / name
+    d.mkdir(exist_ok=True)
+    if r.memory_bytes:
+        _write(d / "memory.max", str(r.memory_bytes))
+        if (d / "memory.swap.max").exists():
+            _write(d / "memory.swap.max", "0")
+    if r.pids:
+        _write(d / "pids.max", str(r.pids))
+    if r.cpus and (d / "cpu.max").exists():
+        _write(d / "cpu.max", f"{int(r.cpus * 100_000)} 100000")
+    return Cgroup(dirs=[str(d)], version=2)
+
+
+def existing(name: str) -> Cgroup | None:
+    """The cgroup of an earlier sandbox (for destroy/sweep from another process)."""
+    dirs = []
+    version = detect()
+    if version == "v1":
+        for controller in ("memory", "pids", "cpu"):
+            root = _v1_mount(controller)
+            if root is not None and (root / PARENT / name).is_dir():
+                dirs.append(str(root / PARENT / name))
+    elif version == "v2" and (CGROUP_FS / PARENT / name).is_dir():
+        dirs.append(str(CGROUP_FS / PARENT / name))
+    return Cgroup(dirs=dirs, version=1 if version == "v1" else 2) if dirs else None

@@ -1,0 +1,349 @@
+"""Host-side helpers shared by the local runtimes.
+
+* which host paths a Python guest needs inside a sandbox (:func:`guest_layout`),
+* the environment a sandbox gets (:func:`sandbox_env`): never the host's,
+* a per-runtime state directory with one JSON record per sandbox, so ``sweep`` can
+  find sandboxes launched by an earlier (crashed) process, and so a recorded pid is
+  only ever signalled while it still belongs to the process we started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .base import LaunchSpec
+
+#: Where the conduit root appears inside a sandbox (RESOLUTO_STORE_ROOT is rewritten to it).
+GUEST_CONDUIT_ROOT = "/conduit"
+#: The guest's working directory and default RESOLUTO_WORKSPACE_DIR inside a sandbox.
+GUEST_WORKSPACE = "/workspace"
+#: Where the guest_runner package is mounted inside a sandbox (PYTHONPATH points here).
+GUEST_RUNNER_ROOT = "/opt/resoluto"
+
+STATE_ENV = "RESOLUTO_STATE_DIR"
+RECORD_NAME = "sandbox.json"
+LOG_NAME = "output.log"
+
+# System directories a dynamically linked interpreter needs. On merged-/usr systems the
+# top-level ones are symlinks into /usr and are recreated as symlinks, not bound.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The few /etc entries a Python program expects: the loader cache, user/group names,
+# the time zone, TLS roots. Nothing else of /etc (no resolv.conf: there is no network).
+_ETC_ENTRIES = (
+    "/etc/ld.so.cache", "/etc/passwd", "/etc/group", "/etc/localtime", "/etc/nsswitch.conf",
+    "/etc/ssl", "/etc/ca-certificates", "/etc/mime.types",
+)
+_BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass
+class GuestLayout:
+    """A runtime-neutral description of a sandbox's filesystem and process.
+
+    Each runtime translates it into its own syntax (bwrap flags, OCI mounts, ``-v``).
+    Destinations are absolute paths inside the sandbox.
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str = GUEST_WORKSPACE
+    #: (host path, guest path), mounted read-only.
+    ro_binds: list[tuple[str, str]] = field(default_factory=list)
+    #: (host path, guest path), mounted read-write.
+    rw_binds: list[tuple[str, str]] = field(default_factory=list)
+    #: (link target, guest path): merged-/usr symlinks, /etc/localtime ...
+    symlinks: list[tuple[str, str]] = field(default_factory=list)
+    #: Guest paths that get a fresh writable tmpfs.
+    tmpfs: list[str] = field(default_factory=lambda: ["/tmp"])
+
+    def mount_points(self) -> Iterator[tuple[str, bool]]:
+        """Every guest mount destination with whether the host side is a directory."""
+        for src, dst in self.ro_binds + self.rw_binds:
+            yield dst, os.path.isdir(src)
+        for dst in self.tmpfs:
+            yield dst, True
+
+
+def _covered(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def system_binds() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Read-only binds and symlinks for the host's system directories and minimal /etc."""
+    binds: list[tuple[str, str]] = []
+    links: list[tuple[str, str]] = []
+    for d in _SYSTEM_DIRS + _ETC_ENTRIES:
+        if os.path.islink(d):
+            target = os.readlink(d)
+            # A relative link into a bound tree (bin -> usr/bin) is recreated as is; an
+            # absolute one (/etc/localtime -> /usr/share/zoneinfo/..) too, since /usr is bound.
+            links.append((target, d))
+        elif os.path.exists(d):
+            binds.append((d, d))
+    return binds, links
+
+
+def guest_runner_dir() -> Path:
+    """The host directory of the ``guest_runner`` package (stdlib only, so it runs anywhere)."""
+    spec = importlib.util.find_spec("guest_runner")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the guest_runner package is not importable on the host")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def python_paths(executable: str | None = None) -> list[str]:
+    """Host directories a guest started with the host's interpreter must see read-only.
+
+    The interpreter prefix and the virtualenv (``pyvenv.cfg`` lives at ``sys.prefix``), the
+    directory the executable symlink resolves into, and every absolute ``sys.path`` entry
+    not already below one of those (``.pth``-added source trees, PYTHONPATH entries), so a
+    sandboxed task imports what the flow imports. Paths under the system directories are
+    skipped: those are bound anyway.
+    """
+    exe = executable or sys.executable
+    candidates = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
+                  os.path.dirname(os.path.realpath(exe))]
+    candidates += [p for p in sys.path if p and os.path.isabs(p)]
+    roots: list[str] = []
+    system = [d for d in _SYSTEM_DIRS if os.path.exists(d)]
+    # Shortest first, so a prefix swallows the entries below it.
+    for p in sorted({os.path.normpath(c) for c in candidates}, key=len):
+        if p == "/" or not os.path.exists(p) or _covered(p, system) or _covered(p, roots):
+            continue
+        roots.append(p)
+    return roots
+
+
+def guest_layout(
+    spec: LaunchSpec,
+    *,
+    python: str | None = None,
+    host_python: bool = True,
+    workspace_host_dir: str | None = None,
+    extra_ro: list[str] | None = None,
+) -> GuestLayout:
+    """The filesystem, argv and environment of a sandboxed Python guest.
+
+    ``host_python`` binds the host's system directories and interpreter at their host
+    paths (the guest runs ``python``, default ``sys.executable``); without it the image
+    is expected to bring ``python3`` and only guest_runner is bound.
+    ``workspace_host_dir`` backs /workspace with a host scratch directory instead of tmpfs.
+    """
+    ro: list[tuple[str, str]] = []
+    links: list[tuple[str, str]] = []
+    path = _BASE_PATH
+    if host_python:
+        python = python or sys.executable
+        ro, links = system_binds()
+        ro += [(p, p) for p in python_paths(python)]
+        # `python` in a workload argv should be the flow's interpreter.
+        path = f"{os.path.dirname(python)}:{_BASE_PATH}"
+    else:
+        python = python or "python3"
+    for p in extra_ro or []:
+        ro.append((p, p))
+    ro.append((str(guest_runner_dir()), f"{GUEST_RUNNER_ROOT}/guest_runner"))
+
+    rw: list[tuple[str, str]] = []
+    tmpfs = ["/tmp"]
+    if workspace_host_dir:
+        rw.append((workspace_host_dir, GUEST_WORKSPACE))
+    else:
+        tmpfs.append(GUEST_WORKSPACE)
+
+    overrides = {"RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE}
+    conduit = conduit_host_dir(spec)
+    if conduit is not None:
+        rw.append((str(conduit), guest_conduit_dir(spec)))
+        overrides["RESOLUTO_STORE_ROOT"] = GUEST_CONDUIT_ROOT
+    env = sandbox_env(spec, home="/tmp", path=path, pythonpath=GUEST_RUNNER_ROOT, overrides=overrides)
+    argv = list(spec.command) if spec.command else [python, "-m", "guest_runner"]
+    return GuestLayout(argv=argv, env=env, ro_binds=ro, rw_binds=rw, symlinks=links, tmpfs=tmpfs)
+
+
+# --------------------------------------------------------------------------- conduit & env
+
+
+def conduit_host_dir(spec: LaunchSpec) -> Path | None:
+    """The node's conduit directory on the host (created), or None without a local conduit."""
+    if spec.conduit_root is None:
+        return None
+    sub = spec.conduit_subdir.strip("/")
+    if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
+        raise ValueError(f"conduit_subdir {spec.conduit_subdir!r} must be a plain relative path")
+    host = Path(spec.conduit_root).resolve() / sub if sub else Path(spec.conduit_root).resolve()
+    host.mkdir(parents=True, exist_ok=True)
+    return host
+
+
+def guest_conduit_dir(spec: LaunchSpec) -> str:
+    sub = spec.conduit_subdir.strip("/")
+    return f"{GUEST_CONDUIT_ROOT}/{sub}" if sub else GUEST_CONDUIT_ROOT
+
+
+def sandbox_env(
+    spec: LaunchSpec,
+    *,
+    home: str,
+    path: str = _BASE_PATH,
+    pythonpath: str | None = None,
+    overrides: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """spec.env + spec.secret_env + a minimal PATH/HOME/LANG; nothing of the host's environment.
+
+    ``overrides`` win over spec.env for what the runtime owns (where the conduit and the
+    workspace appear inside); RESOLUTO_WORKSPACE_DIR is only a default.
+    """
+    env = {"PATH": path, "HOME": home, "LANG": "C.UTF-8"}
+    overrides = dict(overrides or {})
+    workspace = overrides.pop("RESOLUTO_WORKSPACE_DIR", None)
+    if workspace:
+        env["RESOLUTO_WORKSPACE_DIR"] = workspace
+    env.update(spec.env)
+    env.update(overrides)
+    if pythonpath:
+        extra = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{pythonpath}:{extra}" if extra else pythonpath
+    env.update(spec.secret_env)
+    return env
+
+
+# --------------------------------------------------------------------------- state & records
+
+
+def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> Path:
+    """``$RESOLUTO_STATE_DIR/<runtime>`` or ``~/.cache/prefect-resoluto/sandboxes/<runtime>``."""
+    if override:
+        base = Path(override)
+    elif os.environ.get(STATE_ENV):
+        base = Path(os.environ[STATE_ENV])
+    else:
+        base = Path.home() / ".cache" / "prefect-resoluto" / "sandboxes"
+    d = base / runtime
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[19])
+
+
+def same_process(pid: int | None, start_time: int | None) -> bool:
+    """Whether ``pid`` is still the process we started (guards against pid reuse)."""
+    if not pid:
+        return False
+    current = process_start_time(pid)
+    if current is None:
+        return False
+    return start_time is None or current == start_time
+
+
+def kill_group(pid: int | None, start_time: int | None, sig: int = signal.SIGKILL) -> bool:
+    """Signal the process group led by ``pid`` if it is still ours; True if it was signalled."""
+    if not same_process(pid, start_time):
+        return False
+    assert pid is not None
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        os.kill(pid, sig)
+    return True
+
+
+@dataclass
+class SandboxRecord:
+    """What survives the launching process: enough for ``sweep`` and forensics."""
+
+    id: str
+    runtime: str
+    labels: dict[str, str]
+    dir: str
+    pid: int | None = None
+    start_time: int | None = None
+    created: float = field(default_factory=time.time)
+    exit_code: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def save(self) -> None:
+        path = Path(self.dir) / RECORD_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
+        os.replace(tmp, path)  # a concurrent sweep never reads half a record
+
+    @classmethod
+    def load(cls, sandbox_dir: Path) -> SandboxRecord | None:
+        try:
+            data = json.loads((sandbox_dir / RECORD_NAME).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def sandbox_dir(runtime_state: Path, sandbox_id: str) -> Path:
+    if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
+        raise ValueError(f"sandbox id {sandbox_id!r} cannot be used as a directory name")
+    return runtime_state / sandbox_id
+
+
+def records(runtime_state: Path) -> list[SandboxRecord]:
+    out = []
+    for d in sorted(runtime_state.iterdir()) if runtime_state.is_dir() else []:
+        rec = SandboxRecord.load(d) if d.is_dir() else None
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def labels_match(have: dict[str, str], want: dict[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def open_log(path: Path) -> IO[bytes]:
+    """The sandbox's stdout+stderr file. Append mode matters: gVisor writes a regular
+    non-append stdout in place (pwrite at offset 0), clobbering earlier output."""
+    return open(path, "ab", buffering=0)
+
+
+def tail_file(path: Path, lines: int, max_bytes: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace")
+    if lines <= 0:
+        return ""
+    return "\n".join(text.splitlines()[-lines:]) + ("\n" if text.endswith("\n") else "")

@@ -1,0 +1,334 @@
+"""A base for runtimes whose sandbox is one child process of the host (plain process,
+bubblewrap, gVisor's ``runsc run``): its exit is the sandbox's exit.
+
+The child is started in its own session, so destroy can kill the whole tree with one
+``killpg``; its stdout+stderr go to ``output.log`` in the sandbox's state directory; a
+JSON record there (pid + kernel start time + labels) lets ``sweep`` in a later process
+reap it without ever signalling a recycled pid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from abc import abstractmethod
+from pathlib import Path
+from typing import IO
+
+from . import _cgroup
+from ._host import (
+    LOG_NAME,
+    SandboxRecord,
+    kill_group,
+    labels_match,
+    open_log,
+    process_start_time,
+    records,
+    remove_tree,
+    same_process,
+    sandbox_dir,
+    state_dir,
+    tail_file,
+)
+from .base import (
+    Availability,
+    LaunchError,
+    LaunchSpec,
+    Resources,
+    SandboxHandle,
+    SandboxRuntime,
+    SandboxStatus,
+)
+
+# Children are shared by every instance in this process: get_runtime() may hand out a
+# new instance per call, and status() must still see the Popen (and so the exit code).
+_CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+# Status of sandboxes destroyed by this process: the last terminal status, if seen.
+_DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
+_LOCK = threading.Lock()
+
+LIMIT_MODES = ("auto", "cgroup", "rlimit", "none")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What a subclass builds for one launch."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    #: Extra record fields (the runtime's own ids, bundle paths ...).
+    extra: dict[str, object] = dataclasses.field(default_factory=dict)
+    #: Whether host-side limits (cgroup / rlimit) should wrap argv; False when the
+    #: sandbox tool enforces resources itself (gVisor).
+    host_limits: bool = True
+    #: Written to the child's stdin, then closed (secrets for runtimes whose config is a file).
+    stdin_data: bytes | None = None
+
+
+class LocalChildRuntime(SandboxRuntime):
+    """Shared launch/status/destroy/sweep/logs for child-process sandboxes."""
+
+    def __init__(self, *, state_dir: str | os.PathLike[str] | None = None, limits: str = "auto") -> None:
+        if limits not in LIMIT_MODES:
+            raise ValueError(f"limits must be one of {LIMIT_MODES}, got {limits!r}")
+        self._state_override = state_dir
+        self.limits = limits
+        self._availability: Availability | None = None
+
+    # ----------------------------------------------------------------- subclass hooks
+
+    @abstractmethod
+    def _check(self) -> Availability:
+        """Probe the machine once (cached by availability())."""
+
+    @abstractmethod
+    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
+        """Argv, env and cwd of the child for ``spec``; may write files under ``sandbox``."""
+
+    def _teardown(self, sandbox_id: str, record: SandboxRecord | None) -> None:
+        """Runtime-specific cleanup before the state directory is removed."""
+
+    def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
+        """A runtime-specific reading of a child exit code, or None for the default."""
+        return None
+
+    # ----------------------------------------------------------------- helpers
+
+    @property
+    def state(self) -> Path:
+        return state_dir(self.name, self._state_override)
+
+    def availability(self) -> Availability:
+        if self._availability is None:
+            self._availability = self._check()
+        return self._availability
+
+    def _limit_mode(self) -> str:
+        if self.limits != "auto":
+            return self.limits
+        if _cgroup.detect():
+            return "cgroup"
+        return "rlimit" if shutil.which("prlimit") else "none"
+
+    def limits_detail(self) -> str:
+        mode = self._limit_mode()
+        if mode == "cgroup":
+            return f"limits: cgroup {_cgroup.detect()} (memory, pids, cpu)"
+        if mode == "rlimit":
+            return "limits: RLIMIT_DATA per process via prlimit (no pids/cpu limit; no writable cgroup)"
+        return "limits: none"
+
+    def _cgroup_name(self, sandbox_id: str) -> str:
+        return f"{self.name}-{sandbox_id}"
+
+    def _wrap_limits(self, argv: list[str], sandbox_id: str, r: Resources) -> tuple[list[str], bool]:
+        mode = self._limit_mode()
+        wants = bool(r.memory_bytes or r.pids or r.cpus)
+        if mode == "cgroup" and wants:
+            try:
+                cg = _cgroup.create(self._cgroup_name(sandbox_id), r)
+            except OSError as e:
+                raise LaunchError(f"cannot create a cgroup for sandbox {sandbox_id!r}: {e}") from e
+            if cg is None:
+                raise LaunchError("limits='cgroup' but no writable cgroup hierarchy was found")
+            return cg.enter_argv(argv), True
+        if mode == "rlimit" and r.memory_bytes:
+            return ["prlimit", f"--data={r.memory_bytes}:{r.memory_bytes}", "--", *argv], False
+        return argv, False
+
+    # ----------------------------------------------------------------- the seam
+
+    def launch(self, spec: LaunchSpec) -> SandboxHandle:
+        self.check_spec(spec)
+        self.require_available()
+        d = sandbox_dir(self.state, spec.sandbox_id)
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            raise LaunchError(f"a sandbox named {spec.sandbox_id!r} already exists in {self.state}") from None
+        key = (self.name, spec.sandbox_id)
+        try:
+            prep = self._prepare(spec, d)
+            argv, cgrouped = prep.argv, False
+            if prep.host_limits:
+                argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
+            rec = SandboxRecord(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels), dir=str(d),
+                                extra={**prep.extra, "cgroup": cgrouped})
+            rec.save()  # before the child exists, so a crash right after launch is still sweepable
+            with open_log(d / LOG_NAME) as log:
+                proc = subprocess.Popen(
+                    argv, env=prep.env, cwd=prep.cwd, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL if prep.stdin_data is None else subprocess.PIPE,
+                    start_new_session=True, close_fds=True,
+                )
+            if proc.stdin is not None:
+                _feed(proc.stdin, prep.stdin_data or b"")
+        except (OSError, ValueError, LaunchError) as e:
+            self._cleanup_failed_launch(spec.sandbox_id, d)
+            if isinstance(e, LaunchError):
+                raise
+            raise LaunchError(f"{self.name}: could not start sandbox {spec.sandbox_id!r}: {e}") from e
+        with _LOCK:
+            _CHILDREN[key] = proc
+            _DESTROYED.pop(key, None)
+        rec.pid, rec.start_time = proc.pid, process_start_time(proc.pid)
+        rec.save()
+        return SandboxHandle(
+            id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
+            data={"pid": proc.pid, "start_time": rec.start_time, "dir": str(d), **prep.extra},
+        )
+
+    def _cleanup_failed_launch(self, sandbox_id: str, d: Path) -> None:
+        cg = _cgroup.existing(self._cgroup_name(sandbox_id))
+        if cg:
+            cg.remove()
+        remove_tree(d)
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        key = (self.name, handle.id)
+        with _LOCK:
+            destroyed = key in _DESTROYED
+            final = _DESTROYED.get(key)
+            proc = _CHILDREN.get(key)
+        if destroyed:
+            if final is not None:
+                return dataclasses.replace(final, gone=True)
+            return SandboxStatus("failed", reason="sandbox was destroyed before it finished", gone=True)
+        d = sandbox_dir(self.state, handle.id)
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return SandboxStatus("running")
+            st = self._exit_status(handle, code)
+            self._remember_exit(d, code)
+            return st
+        rec = SandboxRecord.load(d)
+        if rec is None:
+            return SandboxStatus("failed", reason=f"no sandbox {handle.id!r} in {self.state}", gone=True)
+        if rec.exit_code is not None:
+            return self._exit_status(handle, rec.exit_code)
+        if same_process(rec.pid, rec.start_time):
+            return SandboxStatus("running")
+        # Launched by another process that is gone: the exit code went with it.
+        return SandboxStatus("failed", reason="the sandbox process ended and its launcher did not record "
+                             "an exit status", infrastructure=True)
+
+    def _remember_exit(self, d: Path, code: int) -> None:
+        rec = SandboxRecord.load(d)
+        if rec is not None and rec.exit_code is None:
+            rec.exit_code = code
+            rec.save()
+
+    def _exit_status(self, handle: SandboxHandle, code: int) -> SandboxStatus:
+        special = self._interpret(handle, code)
+        if special is not None:
+            return special
+        cg = _cgroup.existing(self._cgroup_name(handle.id))
+        if code != 0 and cg is not None and cg.oom_killed():
+            return SandboxStatus("failed", reason="OOM-killed: the sandbox exceeded its memory limit",
+                                 exit_code=code, infrastructure=True)
+        if code == 0:
+            return SandboxStatus("succeeded", exit_code=0)
+        if code < 0:
+            return SandboxStatus("failed", reason=f"sandbox process killed by {_signame(-code)}",
+                                 exit_code=code, infrastructure=True)
+        if code == 128 + signal.SIGKILL:
+            # The guest runner reports user failures itself; a SIGKILL means the memory
+            # limit or someone outside.
+            return SandboxStatus("failed", reason="guest killed by SIGKILL (out of memory or killed from "
+                                 "outside)", exit_code=code, infrastructure=True)
+        return SandboxStatus("failed", reason=f"exit code {code}", exit_code=code)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        self._destroy(handle.id)
+
+    def _destroy(self, sandbox_id: str) -> None:
+        key = (self.name, sandbox_id)
+        d = sandbox_dir(self.state, sandbox_id)
+        with _LOCK:
+            proc = _CHILDREN.pop(key, None)
+        rec = SandboxRecord.load(d)
+        final: SandboxStatus | None = None
+        if proc is not None and proc.poll() is not None:
+            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), proc.returncode)
+        elif proc is None and rec is not None and rec.exit_code is not None:
+            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), rec.exit_code)
+        self._teardown(sandbox_id, rec)
+        if proc is not None:
+            if proc.poll() is None:
+                _killpg(proc.pid)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        elif rec is not None:
+            kill_group(rec.pid, rec.start_time)
+        cg = _cgroup.existing(self._cgroup_name(sandbox_id))
+        if cg is not None:
+            _drain_cgroup(cg)
+        remove_tree(d)
+        with _LOCK:
+            # Keep the first destroy's verdict: a second destroy has nothing left to read.
+            if key not in _DESTROYED and (proc is not None or rec is not None):
+                _DESTROYED[key] = final
+
+    def sweep(self, labels: dict[str, str]) -> int:
+        n = 0
+        for rec in records(self.state):
+            if labels_match(rec.labels, labels):
+                self._destroy(rec.id)
+                n += 1
+        return n
+
+    def list_ids(self) -> list[str]:
+        """Sandboxes this runtime still holds state for (for tests and ``doctor``)."""
+        return [r.id for r in records(self.state)]
+
+    def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
+        return tail_file(sandbox_dir(self.state, handle.id) / LOG_NAME, tail)
+
+
+def _feed(pipe: IO[bytes], data: bytes) -> None:
+    # A thread, so a child that never reads (failed start) cannot block launch().
+    def write() -> None:
+        try:
+            pipe.write(data)
+        except OSError:
+            pass  # the child died first; its exit status tells why
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    threading.Thread(target=write, name="resoluto-stdin", daemon=True).start()
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _drain_cgroup(cg: _cgroup.Cgroup, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        cg.kill_all()
+        if not cg.pids() or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # poll: killed processes leave the cgroup asynchronously
+    cg.remove()
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

@@ -1,0 +1,272 @@
+"""``gvisor``: the guest under gVisor's user-space kernel, driven by ``runsc`` directly.
+
+Each sandbox is an OCI bundle in its state directory: an empty read-only root holding
+only mount points, the host's system directories and Python bound read-only at their
+host paths, guest_runner at /opt/resoluto, tmpfs /tmp and /workspace, and the node's
+conduit directory read-write at /conduit/<subdir>. ``--network=none`` leaves only ``lo``.
+Memory, pids and CPU go into ``linux.resources`` (runsc puts the sandbox in a host
+cgroup); labels become annotations, so ``runsc state`` shows them.
+
+``runsc run`` is the child process we observe: its exit status is the guest's.
+Secrets never go into config.json: they are written to the container's stdin as
+shell ``export`` lines, which a tiny ``/bin/sh`` prelude evaluates before exec'ing the
+guest (so they exist only in the guest's memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, ClassVar
+
+from . import _cgroup
+from ._host import GuestLayout, SandboxRecord, guest_layout, labels_match
+from ._local import LocalChildRuntime, Prepared
+from .base import (
+    Availability,
+    IsolationLevel,
+    LaunchError,
+    LaunchSpec,
+    SandboxHandle,
+    SandboxStatus,
+)
+
+LABEL_PREFIX = "io.resoluto.label/"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Reads `export K='v'` lines from stdin (the secrets), then becomes the guest.
+_SECRET_PRELUDE = 'eval "$(cat)"; exec "$@"'
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(exe: str) -> tuple[str, tuple[str, ...]]:
+    """(version line, platforms this runsc knows), from ``runsc --version`` and ``runsc flags``."""
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    flags = subprocess.run([exe, "flags"], capture_output=True, text=True, timeout=30)
+    text = flags.stdout + flags.stderr
+    # "-platform string\n\tspecifies which platform to use: systrap (default), ptrace, kvm."
+    m = re.search(r"-platform string\s+specifies which platform to use: ([^\n]*)", text)
+    platforms = tuple(dict.fromkeys(re.findall(r"\b(systrap|ptrace|kvm)\b", m.group(1)))) if m else ("ptrace",)
+    return (version.stdout.splitlines() or ["runsc"])[0].strip(), platforms
+
+
+class GVisorRuntime(LocalChildRuntime):
+    name: ClassVar[str] = "gvisor"
+
+    def __init__(
+        self,
+        *,
+        runsc: str = "runsc",
+        platform: str | None = None,
+        python: str | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        ignore_cgroups: bool | None = None,
+        debug: bool = False,
+        extra_ro_paths: list[str] | None = None,
+        runsc_flags: list[str] | None = None,
+    ) -> None:
+        """``runsc``: binary name or path. ``platform``: ``systrap``/``ptrace``/``kvm``; default
+        systrap when this runsc has it (several times cheaper per syscall), else ptrace.
+        ``python``: interpreter for the guest (default ``sys.executable``, bound read-only with
+        its prefix and virtualenv). ``ignore_cgroups``: skip host cgroups (no limits);
+        default: only when no writable cgroup hierarchy exists. ``debug``: runsc debug logs
+        into the sandbox's state directory. ``runsc_flags``: extra global runsc flags."""
+        # gVisor enforces limits itself through runsc's cgroup, never a host-side wrapper.
+        super().__init__(state_dir=state_dir, limits="none")
+        self.runsc = runsc
+        self.platform = platform
+        self.python = python
+        self.ignore_cgroups = ignore_cgroups
+        self.debug = debug
+        self.extra_ro_paths = list(extra_ro_paths or [])
+        self.runsc_flags = list(runsc_flags or [])
+
+    @property
+    def isolation(self) -> IsolationLevel:
+        return IsolationLevel.USER_KERNEL
+
+    # ----------------------------------------------------------------- probing
+
+    def _binary(self) -> str | None:
+        return shutil.which(self.runsc)
+
+    def _platform(self) -> str:
+        if self.platform:
+            return self.platform
+        exe = self._binary()
+        platforms = _probe(exe)[1] if exe else ()
+        return "systrap" if "systrap" in platforms else "ptrace"
+
+    def _ignore_cgroups(self) -> bool:
+        if self.ignore_cgroups is not None:
+            return self.ignore_cgroups
+        return _cgroup.detect() is None
+
+    def _check(self) -> Availability:
+        exe = self._binary()
+        if exe is None:
+            return Availability(False, why=f"runsc binary {self.runsc!r} not found (apt-get install runsc)")
+        if os.geteuid() != 0:
+            return Availability(False, why="runsc needs root here (rootless gVisor is not wired up)")
+        try:
+            version, platforms = _probe(exe)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return Availability(False, why=f"cannot run {exe}: {e}")
+        platform = self._platform()
+        if platform not in platforms:
+            return Availability(False, why=f"{version} does not support platform {platform!r} "
+                                f"(supports: {', '.join(platforms)})")
+        limits = "no limits (--ignore-cgroups)" if self._ignore_cgroups() else "limits: runsc cgroup"
+        return Availability(True, detail=f"{version} at {exe}; platform {platform} "
+                            f"(available: {', '.join(platforms)}); {limits}")
+
+    def _global_flags(self, sandbox: Path | None = None) -> list[str]:
+        flags = [f"--root={self.state / 'runsc-root'}", f"--platform={self._platform()}", "--network=none"]
+        if self._ignore_cgroups():
+            flags.append("--ignore-cgroups")
+        if self.debug and sandbox is not None:
+            flags += ["--debug", f"--debug-log={sandbox}/runsc-debug/"]
+        return flags + self.runsc_flags
+
+    def _runsc(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        exe = self._binary() or self.runsc
+        return subprocess.run([exe, *self._global_flags(), *args], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+
+    # ----------------------------------------------------------------- the bundle
+
+    def bundle_config(self, spec: LaunchSpec, lay: GuestLayout) -> dict[str, Any]:
+        """The OCI config.json for ``spec`` (public for tests)."""
+        r = spec.resources
+        mounts: list[dict[str, Any]] = [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ]
+        for dst in lay.tmpfs:
+            opts = ["nosuid", "nodev", "mode=1777"]
+            if r.disk_bytes:
+                opts.append(f"size={r.disk_bytes}")
+            mounts.append({"destination": dst, "type": "tmpfs", "source": "tmpfs", "options": opts})
+        for src, dst in lay.ro_binds:
+            mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro"]})
+        for src, dst in lay.rw_binds:
+            mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "rw"]})
+        resources: dict[str, Any] = {}
+        if r.memory_bytes:
+            resources["memory"] = {"limit": r.memory_bytes, "swap": r.memory_bytes}
+        if r.pids:
+            resources["pids"] = {"limit": r.pids}
+        if r.cpus:
+            resources["cpu"] = {"quota": int(r.cpus * 100_000), "period": 100_000}
+        env = {k: v for k, v in lay.env.items() if k not in spec.secret_env}
+        argv = lay.argv
+        if spec.secret_env:
+            argv = ["/bin/sh", "-c", _SECRET_PRELUDE, "sh", *argv]
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": 0, "gid": 0},
+                "args": argv,
+                "env": [f"{k}={v}" for k, v in env.items()],
+                "cwd": lay.cwd,
+                # No capabilities: root inside gVisor's kernel, and not even that much.
+                "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": []},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+                "noNewPrivileges": True,
+            },
+            "root": {"path": "rootfs", "readonly": True},
+            "hostname": "sandbox",
+            "mounts": mounts,
+            "annotations": {LABEL_PREFIX + k: v for k, v in spec.labels.items()},
+            "linux": {
+                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "resources": resources,
+                "cgroupsPath": f"/{_cgroup.PARENT}/{self._cgroup_name(spec.sandbox_id)}",
+            },
+        }
+
+    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
+        for k in spec.secret_env:
+            if not _ENV_NAME.match(k):
+                raise LaunchError(f"secret variable name {k!r} is not a valid environment name")
+        lay = guest_layout(spec, python=self.python, extra_ro=self.extra_ro_paths)
+        bundle = sandbox / "bundle"
+        rootfs = bundle / "rootfs"
+        rootfs.mkdir(parents=True)
+        # A read-only root must already hold every mount point and symlink.
+        for dst, is_dir in lay.mount_points():
+            target = rootfs / dst.lstrip("/")
+            if is_dir:
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.touch()
+        for link, dst in lay.symlinks:
+            target = rootfs / dst.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(link)
+        for d in ("proc", "dev", "sys"):
+            (rootfs / d).mkdir(exist_ok=True)
+        cfg = bundle / "config.json"
+        cfg.write_text(json.dumps(self.bundle_config(spec, lay), indent=1))
+        exe = self._binary() or self.runsc
+        argv = [exe, *self._global_flags(sandbox), "run", f"--bundle={bundle}", spec.sandbox_id]
+        # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
+        secrets = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in spec.secret_env.items())
+        return Prepared(argv=argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd=str(sandbox),
+                        extra={"bundle": str(bundle)}, host_limits=False,
+                        stdin_data=secrets.encode() if secrets else None)
+
+    # ----------------------------------------------------------------- observe & reap
+
+    def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
+        if code == 128 and _runsc_failed(self.logs(handle, tail=20)):
+            # runsc could not create the sandbox at all (bad mount, cgroup refused ...).
+            return SandboxStatus("failed", reason="runsc failed to start the sandbox: "
+                                 + self.logs(handle, tail=5).strip(), exit_code=code,
+                                 unstartable=True, infrastructure=True)
+        return None
+
+    def _teardown(self, sandbox_id: str, record: SandboxRecord | None) -> None:
+        if self._binary() is None:
+            return
+        try:
+            self._runsc("kill", sandbox_id, "KILL")
+            self._runsc("delete", "--force", sandbox_id)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # the process-group kill and the cgroup drain below still run
+
+    def containers(self) -> list[dict[str, Any]]:
+        """``runsc list`` of this runtime's root, with each container's OCI state."""
+        if self._binary() is None or not (self.state / "runsc-root").is_dir():
+            return []
+        out = self._runsc("list", "--format=json")
+        try:
+            listing = json.loads(out.stdout or "[]") or []
+        except ValueError:
+            return []
+        return [c for c in listing if isinstance(c, dict) and c.get("id")]
+
+    def sweep(self, labels: dict[str, str]) -> int:
+        n = super().sweep(labels)
+        # Containers with no record left (state dir cleaned by hand, crash mid-launch).
+        for c in self.containers():
+            have = {k[len(LABEL_PREFIX):]: v for k, v in (c.get("annotations") or {}).items()
+                    if k.startswith(LABEL_PREFIX)}
+            if labels_match(have, labels):
+                self._destroy(c["id"])
+                n += 1
+        return n
+
+
+def _runsc_failed(log: str) -> bool:
+    return any(line.startswith(("running container:", "creating container:")) or "runsc" in line
+               for line in log.splitlines()[-5:])
+
