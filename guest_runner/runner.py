@@ -86,6 +86,17 @@ def _argv(env: Mapping[str, str], name: str, required: bool = False) -> Optional
     return value
 
 
+def _log_record(line: str) -> Optional[Dict[str, str]]:
+    """A structured record from the guest's get_run_logger stand-in, or None if it isn't one."""
+    try:
+        rec = json.loads(line[len(wire.LOG_MARKER):])
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("msg"), str):
+        return None
+    return {"msg": rec["msg"], "level": str(rec.get("level", "INFO")), "logger": str(rec.get("logger", ""))}
+
+
 def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[str],
                    env: Dict[str, str]) -> int:
     """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code."""
@@ -107,7 +118,13 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
     assert proc.stdout is not None
     with proc.stdout:
         for raw in iter(proc.stdout.readline, b""):
-            span.log(raw.decode("utf-8", "replace").rstrip("\n"))
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith(wire.LOG_MARKER):
+                record = _log_record(line)
+                if record is not None:
+                    span.log(record.pop("msg"), **record)
+                    continue
+            span.log(line)
     rc = proc.wait()
     if rc < 0:
         span.log(f"{argv[0]} was killed by signal {-rc}")
@@ -154,7 +171,8 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
                     # evidence. The status stays what the workload said.
                     files, missing = archive.select(workspace, cfg.output_paths)
                     for pattern in missing:
-                        node.log(f"declared output {pattern!r} matched nothing")
+                        if not pattern.startswith(".resoluto/"):  # the Python-call protocol's own files
+                            node.log(f"declared output {pattern!r} matched nothing")
                     if files:
                         key = wire.outbox_key(cfg.prefix)
                         conduit.put(key, archive.pack(workspace, patterns=files))

@@ -26,6 +26,9 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 OUTPUT_ARCHIVE_NAME = "output"
 WORKSPACE_ARCHIVE_NAME = "workspace"
 
+#: A workload line starting with this is a structured log record: JSON with level, logger, msg.
+LOG_MARKER = "\x1eresoluto-log:"
+
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = ("node_id", "status", "exit_code", "output_archive", "observed_phase", "reason", "substrate_logs")
 EVENT_KINDS = ("open", "close", "log")

@@ -1,0 +1,42 @@
+"""prefect-resoluto: run every task of a Prefect flow in its own isolated sandbox.
+
+Names are resolved lazily so that importing a submodule (the CLI, a runtime, the
+guest-side stand-ins) does not pay for Prefect's import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ResolutoTaskRunner": "prefect_resoluto.task_runner",
+    "sandbox_options": "prefect_resoluto.task_runner",
+    "run_command": "prefect_resoluto.commands",
+    "CommandResult": "prefect_resoluto.commands",
+    "CommandFailed": "prefect_resoluto.commands",
+    "SandboxBlock": "prefect_resoluto.blocks",
+    "LocalConduitBlock": "prefect_resoluto.blocks",
+    "S3ConduitBlock": "prefect_resoluto.blocks",
+    "SandboxConfig": "prefect_resoluto.config",
+    "NodeSpec": "prefect_resoluto.node",
+    "NodeOutcome": "prefect_resoluto.node",
+    "drive_node": "prefect_resoluto.node",
+    "InfrastructureError": "prefect_resoluto.node",
+    "WorkloadFailed": "prefect_resoluto.node",
+    "RemoteTaskError": "prefect_resoluto.pycall",
+    "NotSandboxable": "prefect_resoluto.pycall",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_resoluto' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,201 @@
+"""Python-task entry in the sandbox: ``python -m guest_runner.call .resoluto/call.json``.
+
+``call.json`` names the function (a source file relative to the workspace plus a
+qualname, or an importable ``module``) and its parameters as JSON. The function's
+module is imported under its own name, so its ``if __name__ == "__main__":`` block
+does not run. The return value goes to ``.resoluto/return.json``; an exception to
+``.resoluto/error.json`` (type, message, traceback). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import enum
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import traceback
+import uuid
+from pathlib import PurePath
+from typing import Any, Dict
+
+CALL_DIR = ".resoluto"
+CALL_FILE = CALL_DIR + "/call.json"
+RETURN_FILE = CALL_DIR + "/return.json"
+ERROR_FILE = CALL_DIR + "/error.json"
+
+
+class CallError(Exception):
+    """The call cannot even be attempted (bad call.json, import failure)."""
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(
+        f"the task returned a {type(value).__module__}.{type(value).__qualname__}, which cannot cross "
+        "back to the host as JSON. Write it to a file in the workspace, declare the file in output_paths, "
+        "and return its path instead."
+    )
+
+
+def module_name_for(rel_file: str) -> str:
+    """Dotted module name for a workspace file: a package path when every parent
+    directory is a package, else the bare file stem (its directory goes on sys.path)."""
+    parts = rel_file[:-3].split("/") if rel_file.endswith(".py") else rel_file.split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    for i in range(1, len(parts)):
+        if not os.path.isfile(os.path.join(*parts[:i], "__init__.py")):
+            return parts[-1]
+    return ".".join(parts)
+
+
+def load_function(spec: Dict[str, Any]) -> Any:
+    qualname = spec.get("qualname")
+    if not isinstance(qualname, str) or not qualname:
+        raise CallError("call.json has no 'qualname'")
+    try:
+        if spec.get("file"):
+            rel = spec["file"]
+            if os.path.isabs(rel) or ".." in rel.split("/"):
+                raise CallError(f"call.json 'file' must be relative to the workspace, got {rel!r}")
+            if not os.path.isfile(rel):
+                raise CallError(f"the task's source file {rel!r} is not in the staged workspace")
+            name = module_name_for(rel)
+            root = os.getcwd()
+            sys.path[:0] = [root] if "." in name else [os.path.join(root, os.path.dirname(rel)), root]
+            module = importlib.import_module(name)
+        elif spec.get("module"):
+            module = importlib.import_module(spec["module"])
+        else:
+            raise CallError("call.json names neither a 'file' nor a 'module'")
+    except CallError:
+        raise
+    except ImportError as e:
+        raise CallError(
+            f"importing the task's module failed in the sandbox: {type(e).__name__}: {e}. The sandbox "
+            "can only import what its image (or the mounted environment) provides: install the "
+            "package in the guest image, or ship the module inside the workspace."
+        ) from e
+    obj: Any = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CallError(f"{qualname!r} not found in module {module.__name__!r}") from None
+    fn = getattr(obj, "fn", obj)  # a real prefect Task wraps the function
+    if not callable(fn):
+        raise CallError(f"{qualname!r} in {module.__name__!r} is not callable")
+    return fn
+
+
+def _rebuild(annotation: Any, value: Any) -> Any:
+    """Parameters arrive as JSON: turn them back into dataclasses / pydantic models."""
+    if annotation is inspect.Parameter.empty or value is None:
+        return value
+    if isinstance(annotation, type):
+        if hasattr(annotation, "model_validate") and isinstance(value, dict):
+            return annotation.model_validate(value)
+        if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+            return annotation(**value)
+    return value
+
+
+def call(fn: Any, params: Dict[str, Any]) -> Any:
+    sig = inspect.signature(fn)
+    try:
+        import typing
+
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    args: list = []
+    kwargs: Dict[str, Any] = {}
+    for name, p in sig.parameters.items():
+        if name not in params:
+            continue
+        value = _rebuild(hints.get(name, p.annotation), params[name])
+        if p.kind is p.VAR_POSITIONAL:
+            args.extend(value)
+        elif p.kind is p.VAR_KEYWORD:
+            kwargs.update(value)
+        elif p.kind is p.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    unknown = set(params) - set(sig.parameters)
+    if unknown:
+        raise CallError(f"parameters {sorted(unknown)} are not in the signature of {fn.__qualname__}")
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(aw: Any) -> Any:
+    return await aw
+
+
+def _write(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, default=_jsonable, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    call_path = argv[0] if argv else CALL_FILE
+    try:
+        with open(call_path, encoding="utf-8") as f:
+            spec = json.load(f)
+        if not isinstance(spec, dict) or not isinstance(spec.get("parameters", {}), dict):
+            raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
+        if not spec.get("real_prefect"):
+            from guest_runner import standin
+
+            standin.install()
+        fn = load_function(spec)
+        result = call(fn, spec.get("parameters", {}))
+        try:
+            _write(RETURN_FILE, {"value": result})
+        except (TypeError, ValueError) as e:
+            _write(ERROR_FILE, {"type": "ResultNotSerializable", "message": str(e), "traceback": ""})
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    except BaseException as e:  # report every failure, then fail
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            return 0
+        tb = traceback.format_exc()
+        _write(ERROR_FILE, {
+            "type": type(e).__name__,
+            "module": type(e).__module__,
+            "message": str(e),
+            "traceback": tb,
+        })
+        sys.stderr.write(tb)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

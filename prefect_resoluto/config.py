@@ -1,0 +1,124 @@
+"""Sandbox settings as one plain value: what the task runner, the CLI and the blocks share.
+
+Nothing here imports Prefect. A :class:`SandboxConfig` turns into a runtime and a
+conduit; blocks and keyword arguments both become one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
+from prefect_resoluto.runtimes.base import (
+    DEFAULT_MIN_ISOLATION,
+    IsolationLevel,
+    Resources,
+    SandboxRuntime,
+    check_isolation,
+    parse_cpus,
+    parse_quantity,
+)
+from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prefect-resoluto"
+
+
+def default_conduit_url() -> str:
+    return (cache_dir() / "conduit").as_uri()
+
+
+def default_outputs_root() -> Path:
+    return cache_dir() / "outputs"
+
+
+class NoRuntimeAvailable(RuntimeError):
+    pass
+
+
+@dataclass
+class SandboxConfig:
+    runtime: str | SandboxRuntime | None = None  # None: the strongest available here
+    runtime_options: dict[str, Any] = field(default_factory=dict)
+    conduit: str | Conduit | None = None  # URL or instance; None: a local directory
+    workspace: Path | None = None
+    output_paths: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    secret_env: dict[str, str] = field(default_factory=dict)
+    memory: str | None = None
+    cpus: str | float | None = None
+    image: str | None = None
+    egress: list[str] = field(default_factory=list)
+    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION
+    silence_window: float = DEFAULT_SILENCE_WINDOW
+    infrastructure_retries: int = 1
+    outputs_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.min_isolation = IsolationLevel.parse(self.min_isolation)
+        if self.memory is not None:
+            parse_quantity(self.memory)
+        if self.cpus is not None:
+            parse_cpus(self.cpus)
+        if self.infrastructure_retries < 0:
+            raise ValueError("infrastructure_retries must be >= 0")
+        if self.silence_window <= 0:
+            raise ValueError("silence_window must be positive (seconds)")
+        if self.workspace is not None:
+            self.workspace = Path(self.workspace)
+        if self.outputs_dir is not None:
+            self.outputs_dir = Path(self.outputs_dir)
+        self.output_paths = list(self.output_paths)
+
+    def replace(self, **changes: Any) -> SandboxConfig:
+        """A copy with ``changes`` applied; dict fields are merged, not replaced."""
+        merged: dict[str, Any] = {}
+        for k, v in changes.items():
+            if v is None:
+                continue
+            if k not in {f.name for f in dataclasses.fields(self)}:
+                raise TypeError(f"unknown sandbox option {k!r}")
+            if k in ("env", "secret_env", "runtime_options"):
+                v = {**getattr(self, k), **v}
+            merged[k] = v
+        return dataclasses.replace(self, **merged)
+
+    @property
+    def resources(self) -> Resources:
+        return Resources.from_quantities(memory=self.memory, cpus=self.cpus)
+
+    def build_conduit(self) -> Conduit:
+        if isinstance(self.conduit, Conduit):
+            return self.conduit
+        return conduit_from_url(self.conduit or default_conduit_url())
+
+    def build_runtime(self) -> SandboxRuntime:
+        from prefect_resoluto import runtimes
+
+        if isinstance(self.runtime, SandboxRuntime):
+            rt = self.runtime
+        elif self.runtime:
+            rt = runtimes.get_runtime(self.runtime, **self.runtime_options)
+        else:
+            found = runtimes.best_available(self.min_isolation)
+            if found is None:
+                raise NoRuntimeAvailable(
+                    f"{runtimes.why_unavailable(self.min_isolation)}\nInstall gVisor (bash scripts/setup.sh), "
+                    "or lower the floor explicitly with min_isolation='namespace' or 'none'.")
+            rt = found
+        rt.require_available()
+        check_isolation(rt, self.min_isolation)
+        return rt
+
+    def check_conduit_fits(self, runtime: SandboxRuntime, conduit: Conduit) -> None:
+        if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
+            raise ValueError(
+                f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the local "
+                f"conduit directory {conduit.root}; configure an S3 conduit (s3://bucket/prefix)"
+            )
