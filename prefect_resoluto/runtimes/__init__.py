@@ -73,13 +73,25 @@ def get_runtime(name: str, **options: Any) -> SandboxRuntime:
 
 def best_available(
     min_level: IsolationLevel | str = IsolationLevel.USER_KERNEL, **common: Any
-) -> SandboxRuntime:
-    """The strongest local runtime available here at or above ``min_level``.
+) -> SandboxRuntime | None:
+    """The strongest local runtime available here at or above ``min_level``, or None.
 
     ``common`` options (e.g. ``state_dir``) go to every candidate that accepts them.
-    Raises RuntimeUnavailable with every candidate's reason when none qualifies.
+    :func:`why_unavailable` explains a None.
     """
+    return _pick(IsolationLevel.parse(min_level), common)[0]
+
+
+def why_unavailable(min_level: IsolationLevel | str = IsolationLevel.USER_KERNEL, **common: Any) -> str:
+    """Every local candidate's reason for not qualifying at ``min_level`` (for error messages)."""
     floor = IsolationLevel.parse(min_level)
+    rt, reasons = _pick(floor, common)
+    if rt is not None:
+        return f"{rt.name} is available"
+    return f"no sandbox runtime with isolation >= {floor.label} is available here:\n  " + "\n  ".join(reasons)
+
+
+def _pick(floor: IsolationLevel, common: dict[str, Any]) -> tuple[SandboxRuntime | None, list[str]]:
     reasons: list[str] = []
     for name, options in _PREFERENCE:
         cls = RUNTIMES[name]
@@ -90,10 +102,9 @@ def best_available(
             continue
         avail = rt.availability()
         if avail.ok:
-            return rt
+            return rt, reasons
         reasons.append(f"{label}: {avail.why}")
-    raise RuntimeUnavailable(f"no sandbox runtime with isolation >= {floor.label} is available here:\n  "
-                             + "\n  ".join(reasons))
+    return None, reasons
 
 
 def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
@@ -104,5 +115,5 @@ def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "RUNTIMES", "Availability", "IsolationLevel", "LaunchError", "LaunchSpec", "Resources",
     "RuntimeUnavailable", "SandboxHandle", "SandboxRuntime", "SandboxStatus", "best_available",
-    "get_runtime",
+    "get_runtime", "why_unavailable",
 ]

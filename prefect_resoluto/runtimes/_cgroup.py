@@ -157,9 +157,10 @@ def existing(name: str) -> Cgroup | None:
     dirs = []
     version = detect()
     if version == "v1":
-        for controller in ("memory", "pids", "cpu"):
-            root = _v1_mount(controller)
-            if root is not None and (root / PARENT / name).is_dir():
+        # Every controller, not just ours: runsc creates freezer, blkio ... too, and leaves
+        # them behind when it fails half-way through creating a sandbox.
+        for root in sorted(CGROUP_FS.iterdir()):
+            if (root / PARENT / name).is_dir():
                 dirs.append(str(root / PARENT / name))
     elif version == "v2" and (CGROUP_FS / PARENT / name).is_dir():
         dirs.append(str(CGROUP_FS / PARENT / name))

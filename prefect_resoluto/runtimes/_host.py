@@ -108,15 +108,19 @@ def python_paths(executable: str | None = None) -> list[str]:
     """Host directories a guest started with the host's interpreter must see read-only.
 
     The interpreter prefix and the virtualenv (``pyvenv.cfg`` lives at ``sys.prefix``), the
-    directory the executable symlink resolves into, and every absolute ``sys.path`` entry
-    not already below one of those (``.pth``-added source trees, PYTHONPATH entries), so a
-    sandboxed task imports what the flow imports. Paths under the system directories are
-    skipped: those are bound anyway.
+    directory the executable symlink resolves into, and every ``sys.path`` entry holding
+    installed distributions (``site-packages``/``dist-packages`` directories and zipped
+    paths outside the prefixes, e.g. a user site), so a sandboxed task imports what the
+    flow imports. Source directories on ``sys.path`` (the cwd ``python -m`` inserts, a
+    script's directory, pytest's rootdir, old-style editable installs) are *not* bound:
+    they are the user's project tree, which reaches a sandbox through the workspace or,
+    deliberately, through a runtime's ``extra_ro_paths``. Paths under the system
+    directories are skipped: those are bound anyway.
     """
     exe = executable or sys.executable
     candidates = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
                   os.path.dirname(os.path.realpath(exe))]
-    candidates += [p for p in sys.path if p and os.path.isabs(p)]
+    candidates += [p for p in sys.path if p and os.path.isabs(p) and _holds_distributions(p)]
     roots: list[str] = []
     system = [d for d in _SYSTEM_DIRS if os.path.exists(d)]
     # Shortest first, so a prefix swallows the entries below it.
@@ -125,6 +129,11 @@ def python_paths(executable: str | None = None) -> list[str]:
             continue
         roots.append(p)
     return roots
+
+
+def _holds_distributions(entry: str) -> bool:
+    name = os.path.basename(os.path.normpath(entry))
+    return name in ("site-packages", "dist-packages") or entry.endswith((".zip", ".egg", ".whl"))
 
 
 def guest_layout(
@@ -154,6 +163,8 @@ def guest_layout(
     else:
         python = python or "python3"
     for p in extra_ro or []:
+        if not os.path.exists(p):
+            raise ValueError(f"extra read-only path {p!r} does not exist on the host")
         ro.append((p, p))
     ro.append((str(guest_runner_dir()), f"{GUEST_RUNNER_ROOT}/guest_runner"))
 
@@ -204,16 +215,13 @@ def sandbox_env(
 ) -> dict[str, str]:
     """spec.env + spec.secret_env + a minimal PATH/HOME/LANG; nothing of the host's environment.
 
-    ``overrides`` win over spec.env for what the runtime owns (where the conduit and the
-    workspace appear inside); RESOLUTO_WORKSPACE_DIR is only a default.
+    ``overrides`` win over spec.env: they are what the runtime owns, i.e. where the conduit
+    and the workspace appear inside (a caller's RESOLUTO_WORKSPACE_DIR=/workspace would
+    be the host's /workspace for the process runtime).
     """
     env = {"PATH": path, "HOME": home, "LANG": "C.UTF-8"}
-    overrides = dict(overrides or {})
-    workspace = overrides.pop("RESOLUTO_WORKSPACE_DIR", None)
-    if workspace:
-        env["RESOLUTO_WORKSPACE_DIR"] = workspace
     env.update(spec.env)
-    env.update(overrides)
+    env.update(overrides or {})
     if pythonpath:
         extra = env.get("PYTHONPATH")
         env["PYTHONPATH"] = f"{pythonpath}:{extra}" if extra else pythonpath

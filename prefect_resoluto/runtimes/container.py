@@ -251,6 +251,10 @@ class ContainerRuntime(SandboxRuntime):
         chosen, host_python = self._image_for(spec)
         image = chosen or self.ensure_skeleton_image()
         env_file = None
+        # The engine writes the new container's id here once it exists: on failure we remove
+        # exactly that container, never a live one that already had the name.
+        cidfile = sandbox_dir(self.state, spec.sandbox_id).with_suffix(".cid")
+        cidfile.unlink(missing_ok=True)
         if spec.secret_env:
             env_file = sandbox_dir(self.state, spec.sandbox_id).with_suffix(".env")
             fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -261,19 +265,23 @@ class ContainerRuntime(SandboxRuntime):
                     f.write(f"{k}={v}\n")
         try:
             argv = self.build_run_argv(spec, image, str(env_file) if env_file else None, host_python)
+            i = argv.index("run") + 2  # after "run -d"
+            argv[i:i] = ["--cidfile", str(cidfile)]
             try:
                 res = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                error = "" if res.returncode == 0 else f"(exit {res.returncode}): {res.stderr.strip()[-1000:]}"
             except (OSError, subprocess.TimeoutExpired) as e:
-                self._remove(spec.sandbox_id)
-                raise LaunchError(f"{self.engine} run failed for {spec.sandbox_id!r}: {e}") from e
+                error = str(e)
+            if error:
+                # The engine may have created the container before the OCI runtime refused it.
+                created = cidfile.read_text().strip() if cidfile.exists() else ""
+                if created:
+                    self._remove(created)
+                raise LaunchError(f"{self.engine} could not start sandbox {spec.sandbox_id!r} {error}")
         finally:
             if env_file:
                 env_file.unlink(missing_ok=True)
-        if res.returncode != 0:
-            # The engine may have created the container before the runtime refused it.
-            self._remove(spec.sandbox_id)
-            raise LaunchError(f"{self.engine} could not start sandbox {spec.sandbox_id!r} "
-                              f"(exit {res.returncode}): {res.stderr.strip()[-1000:]}")
+            cidfile.unlink(missing_ok=True)
         cid = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else spec.sandbox_id
         return SandboxHandle(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
                              data={"container_id": cid, "engine": self.engine, "image": image})

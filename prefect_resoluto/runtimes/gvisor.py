@@ -22,6 +22,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,6 +54,42 @@ def _probe(exe: str) -> tuple[str, tuple[str, ...]]:
     m = re.search(r"-platform string\s+specifies which platform to use: ([^\n]*)", text)
     platforms = tuple(dict.fromkeys(re.findall(r"\b(systrap|ptrace|kvm)\b", m.group(1)))) if m else ("ptrace",)
     return (version.stdout.splitlines() or ["runsc"])[0].strip(), platforms
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_run(exe: str, flags: tuple[str, ...]) -> str:
+    """Start one real sandbox running /usr/bin/true; "" on success, else runsc's complaint.
+
+    Cached per process: a runsc that is installed but cannot start sandboxes here (no
+    root, a platform the kernel refuses) must say so in availability(), not at launch.
+    """
+    with tempfile.TemporaryDirectory(prefix="resoluto-runsc-probe-") as tmp:
+        rootfs = Path(tmp, "rootfs")
+        for d in ("usr", "proc", "dev", "sys"):
+            (rootfs / d).mkdir(parents=True)
+        for link in ("bin", "lib", "lib64"):
+            (rootfs / link).symlink_to(f"usr/{link}")
+        cfg = {
+            "ociVersion": "1.0.2",
+            "process": {"args": ["/usr/bin/true"], "cwd": "/", "user": {"uid": 0, "gid": 0},
+                        "env": ["PATH=/usr/bin"]},
+            "root": {"path": "rootfs", "readonly": True},
+            "mounts": [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+                       {"destination": "/proc", "type": "proc", "source": "proc"}],
+            "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]},
+        }
+        Path(tmp, "config.json").write_text(json.dumps(cfg))
+        cid = f"probe-{os.getpid()}-{os.urandom(4).hex()}"
+        base = [exe, f"--root={tmp}/root", "--network=none", "--ignore-cgroups", *flags]
+        try:
+            res = subprocess.run([*base, "run", f"--bundle={tmp}", cid], capture_output=True, text=True,
+                                 timeout=20, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            res = None
+        subprocess.run([*base, "delete", "--force", cid], capture_output=True, timeout=30)
+        if res is None:
+            return "a probe sandbox did not finish within 20 s"
+        return "" if res.returncode == 0 else (res.stderr.strip() or f"exit code {res.returncode}")[-400:]
 
 
 class GVisorRuntime(LocalChildRuntime):
@@ -121,6 +158,9 @@ class GVisorRuntime(LocalChildRuntime):
         if platform not in platforms:
             return Availability(False, why=f"{version} does not support platform {platform!r} "
                                 f"(supports: {', '.join(platforms)})")
+        failure = _probe_run(exe, (f"--platform={platform}", *self.runsc_flags))
+        if failure:
+            return Availability(False, why=f"runsc ({platform}) cannot start a sandbox here: {failure}")
         limits = "no limits (--ignore-cgroups)" if self._ignore_cgroups() else "limits: runsc cgroup"
         return Availability(True, detail=f"{version} at {exe}; platform {platform} "
                             f"(available: {', '.join(platforms)}); {limits}")
@@ -214,6 +254,14 @@ class GVisorRuntime(LocalChildRuntime):
             target.symlink_to(link)
         for d in ("proc", "dev", "sys"):
             (rootfs / d).mkdir(exist_ok=True)
+        if not self._ignore_cgroups():
+            # Pre-create the cgroup runsc will join: runsc deletes only cgroups it created,
+            # so this one outlives the sandbox and its oom_kill count can be read after exit
+            # (an OOM under systrap otherwise looks like a plain exit code 1).
+            try:
+                _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
+            except OSError as e:
+                raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay), indent=1))
         exe = self._binary() or self.runsc

@@ -1,0 +1,224 @@
+"""Checks shared by the real-sandbox runtime tests (process, bubblewrap, gvisor, container).
+
+Every check launches real sandboxes on this machine and synchronises by polling a
+condition against a deadline, never by sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from prefect_resoluto.runtimes.base import (
+    LaunchError,
+    LaunchSpec,
+    Resources,
+    RuntimeUnavailable,
+    SandboxHandle,
+    SandboxRuntime,
+    SandboxStatus,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SUBDIR = "run/r1/nodes/n1"
+
+
+def require(rt: SandboxRuntime) -> SandboxRuntime:
+    avail = rt.availability()
+    if not avail.ok:
+        pytest.skip(f"{rt.name} is not available on this machine: {avail.why}")
+    return rt
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)  # polling interval, not synchronisation
+        delay = min(delay * 1.5, 0.2)
+
+
+def wait_terminal(rt: SandboxRuntime, h: SandboxHandle, timeout: float = 60.0) -> SandboxStatus:
+    st: list[SandboxStatus] = []
+
+    def done() -> bool:
+        st.append(rt.status(h))
+        return st[-1].terminal
+
+    wait_for(done, timeout, f"sandbox {h.id} to finish")
+    return st[-1]
+
+
+def new_id(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def py(code: str) -> list[str]:
+    """A command running ``code`` with the host's interpreter (bound into sandboxes)."""
+    return [sys.executable, "-c", code]
+
+
+def spec(code: str, conduit: Path | None = None, **kw: object) -> LaunchSpec:
+    return LaunchSpec(
+        sandbox_id=str(kw.pop("sandbox_id", new_id())), env=dict(kw.pop("env", {})),  # type: ignore[arg-type]
+        conduit_root=conduit, conduit_subdir=SUBDIR if conduit else "", command=py(code), **kw,  # type: ignore[arg-type]
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_success(rt: SandboxRuntime, tmp_path: Path) -> None:
+    conduit = tmp_path / "conduit"
+    code = (
+        "import os, pathlib\n"
+        "d = pathlib.Path(os.environ['RESOLUTO_STORE_ROOT']) / 'run/r1/nodes/n1'\n"
+        "(d / 'hello.txt').write_text('from the guest ' + os.environ['GREETING'])\n"
+        "print('guest says hello', os.getcwd() == os.environ['RESOLUTO_WORKSPACE_DIR'], flush=True)\n"
+    )
+    h = rt.launch(spec(code, conduit, env={"GREETING": "hi", "RESOLUTO_STORE_ROOT": str(conduit)},
+                       labels={"suite": "success"}, resources=Resources(memory_bytes=512 << 20, cpus=1)))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "succeeded", (st, rt.logs(h))
+        assert st.exit_code == 0 and not st.infrastructure
+        assert (conduit / SUBDIR / "hello.txt").read_text() == "from the guest hi"
+        assert "guest says hello True" in rt.logs(h)
+    finally:
+        rt.destroy(h)
+
+
+def check_failure(rt: SandboxRuntime) -> None:
+    h = rt.launch(spec("import sys; print('about to fail', flush=True); sys.exit(3)"))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "failed" and st.exit_code == 3, st
+        assert not st.infrastructure and not st.unstartable
+        assert "about to fail" in rt.logs(h)
+    finally:
+        rt.destroy(h)
+
+
+SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"
+
+
+def check_killed_from_outside(rt: SandboxRuntime, pid_of: Callable[[SandboxHandle], int]) -> None:
+    h = rt.launch(spec(SLEEPER))
+    try:
+        wait_for(lambda: "ready" in rt.logs(h), what="the guest to start")
+        assert rt.status(h).phase == "running"
+        pid = pid_of(h)
+        os.kill(pid, signal.SIGKILL)
+        st = wait_terminal(rt, h, timeout=30)
+        assert st.phase == "failed", st
+        assert st.infrastructure or st.gone, st
+        assert st.reason, st
+    finally:
+        rt.destroy(h)
+
+
+def check_destroy_idempotent(rt: SandboxRuntime, list_ids: Callable[[], list[str]]) -> None:
+    h = rt.launch(spec(SLEEPER))
+    wait_for(lambda: "ready" in rt.logs(h), what="the guest to start")
+    rt.destroy(h)
+    rt.destroy(h)
+    st = rt.status(h)
+    assert st.gone and st.phase == "failed", st
+    assert h.id not in list_ids()
+
+
+def check_sweep(rt: SandboxRuntime, list_ids: Callable[[], list[str]]) -> None:
+    tag = uuid.uuid4().hex[:8]
+    mine = [rt.launch(spec(SLEEPER, labels={"sweep": tag, "flow": "a"})) for _ in range(2)]
+    other = rt.launch(spec(SLEEPER, labels={"sweep": tag, "flow": "b"}))
+    try:
+        for h in (*mine, other):
+            wait_for(lambda h=h: "ready" in rt.logs(h), what="the guests to start")
+        assert rt.sweep({"sweep": tag, "flow": "a"}) == 2
+        assert all(rt.status(h).gone for h in mine)
+        assert rt.status(other).phase == "running"
+        assert other.id in list_ids()
+        assert rt.sweep({"sweep": tag, "flow": "zzz"}) == 0
+        assert rt.sweep({"sweep": tag}) == 1
+        assert not {h.id for h in (*mine, other)} & set(list_ids())
+    finally:
+        for h in (*mine, other):
+            rt.destroy(h)
+
+
+def check_unavailable(rt: SandboxRuntime) -> None:
+    avail = rt.availability()
+    assert not avail.ok and avail.why
+    with pytest.raises(RuntimeUnavailable):
+        rt.launch(spec("print(1)"))
+
+
+def check_egress_refused(rt: SandboxRuntime) -> None:
+    with pytest.raises(LaunchError, match="egress"):
+        rt.launch(spec("print(1)", egress=["example.com"]))
+
+
+PROBE = """
+import json, os, socket, sys
+port = int(sys.argv[1])
+ifaces = [line.split(':')[0].strip() for line in open('/proc/net/dev').read().splitlines()[2:] if ':' in line]
+try:
+    s = socket.create_connection(('127.0.0.1', port), timeout=3)
+    s.sendall(b'escaped')
+    connect = 'connected'
+except OSError as e:
+    connect = type(e).__name__ + ': ' + str(e)
+paths = json.loads(sys.argv[2])
+seen = {p: (sorted(os.listdir(p)) if os.path.isdir(p) else None) for p in paths}
+print('PROBE ' + json.dumps({'ifaces': ifaces, 'connect': connect, 'seen': seen}), flush=True)
+"""
+
+
+def check_confinement(rt: SandboxRuntime) -> None:
+    """Only ``lo`` inside, the host's loopback listener unreachable, /root and /work hidden."""
+    home, repo = Path.home(), REPO
+    look = [str(home), str(repo), str(repo.parent)]
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        s = spec("")
+        s.command = [sys.executable, "-c", PROBE, str(port), json.dumps(look)]
+        h = rt.launch(s)
+        try:
+            st = wait_terminal(rt, h)
+            out = rt.logs(h)
+            assert st.phase == "succeeded", (st, out)
+            line = next(ln for ln in out.splitlines() if ln.startswith("PROBE "))
+            probe = json.loads(line[len("PROBE "):])
+        finally:
+            rt.destroy(h)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing from the sandbox ever reached the host's loopback
+    assert probe["ifaces"] == ["lo"], probe
+    assert probe["connect"] != "connected", probe
+    # What the sandbox may see of these host directories: only the path components of its
+    # read-only mounts (the interpreter under ~/.pyenv, the virtualenv in the repo).
+    mounted = [os.path.normpath(p) for p in {sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)}]
+    for d, names in probe["seen"].items():
+        if names is None:
+            continue
+        allowed = {Path(m).relative_to(d).parts[0] for m in mounted if m.startswith(d.rstrip("/") + "/")}
+        hidden = set(os.listdir(d)) - allowed
+        assert not hidden & set(names), f"host entries of {d} visible inside: {sorted(hidden & set(names))}"
+    assert not (repo / "pyproject.toml").exists() or "pyproject.toml" not in (probe["seen"][str(repo)] or [])

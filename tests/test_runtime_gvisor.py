@@ -1,0 +1,149 @@
+"""GVisorRuntime: real gVisor sandboxes (runsc run on a generated OCI bundle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _runtime_checks import (
+    check_confinement,
+    check_destroy_idempotent,
+    check_egress_refused,
+    check_failure,
+    check_killed_from_outside,
+    check_success,
+    check_sweep,
+    check_unavailable,
+    require,
+    spec,
+    wait_terminal,
+)
+
+from prefect_resoluto.runtimes import _cgroup
+from prefect_resoluto.runtimes._host import guest_layout, guest_runner_dir, python_paths, system_binds
+from prefect_resoluto.runtimes.base import IsolationLevel, Resources
+from prefect_resoluto.runtimes.gvisor import LABEL_PREFIX, GVisorRuntime
+
+
+@pytest.fixture
+def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> GVisorRuntime:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    return require(GVisorRuntime())  # type: ignore[return-value]
+
+
+def _ids(rt: GVisorRuntime) -> list[str]:
+    return sorted(set(rt.list_ids()) | {c["id"] for c in rt.containers()})
+
+
+def test_isolation_and_platform(rt: GVisorRuntime) -> None:
+    assert rt.isolation == IsolationLevel.USER_KERNEL and rt.name == "gvisor"
+    detail = rt.availability().detail
+    assert "platform systrap" in detail or "platform ptrace" in detail, detail
+    print("gvisor:", detail)
+
+
+def test_success_writes_conduit_and_logs(rt: GVisorRuntime, tmp_path: Path) -> None:
+    check_success(rt, tmp_path)
+
+
+def test_failure_exit_code(rt: GVisorRuntime) -> None:
+    check_failure(rt)
+
+
+def test_killed_from_outside(rt: GVisorRuntime) -> None:
+    check_killed_from_outside(rt, lambda h: h.data["pid"])  # the `runsc run` process
+
+
+def test_destroy_idempotent(rt: GVisorRuntime) -> None:
+    check_destroy_idempotent(rt, lambda: _ids(rt))
+
+
+def test_sweep_by_labels(rt: GVisorRuntime) -> None:
+    check_sweep(rt, lambda: _ids(rt))
+    assert rt.containers() == [] and rt.list_ids() == []
+
+
+def test_unavailable_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    check_unavailable(GVisorRuntime(runsc="/nonexistent/bin/runsc"))
+
+
+def test_egress_refused(rt: GVisorRuntime) -> None:
+    check_egress_refused(rt)
+
+
+def test_only_loopback_and_host_hidden(rt: GVisorRuntime) -> None:
+    check_confinement(rt)
+
+
+def test_bundle_config(rt: GVisorRuntime, tmp_path: Path) -> None:
+    s = spec("print(1)", tmp_path / "c", labels={"flow": "f1"}, secret_env={"RSL_SECRET": "x"},
+             resources=Resources(memory_bytes=256 << 20, cpus=0.5, pids=64))
+    cfg = rt.bundle_config(s, guest_layout(s))
+    assert cfg["root"] == {"path": "rootfs", "readonly": True}
+    assert cfg["process"]["cwd"] == "/workspace"
+    assert cfg["annotations"] == {LABEL_PREFIX + "flow": "f1"}
+    res = cfg["linux"]["resources"]
+    assert res["memory"] == {"limit": 256 << 20, "swap": 256 << 20}
+    assert res["pids"] == {"limit": 64} and res["cpu"] == {"quota": 50_000, "period": 100_000}
+    mounts = {m["destination"]: m for m in cfg["mounts"]}
+    assert mounts["/conduit/run/r1/nodes/n1"]["options"] == ["rbind", "rw"]
+    assert mounts["/usr"]["options"] == ["rbind", "ro"]
+    assert mounts["/tmp"]["type"] == mounts["/workspace"]["type"] == "tmpfs"
+    # Bound from the host: system dirs, the interpreter's paths, guest_runner, the conduit: no more.
+    allowed = {src for src, _ in system_binds()[0]} | set(python_paths()) | {
+        str(guest_runner_dir()), str(tmp_path / "c" / "run/r1/nodes/n1")}
+    assert {m["source"] for m in cfg["mounts"] if m["type"] == "bind"} <= allowed
+    assert "RSL_SECRET" not in json.dumps(cfg)  # secrets travel through stdin, not the spec file
+
+
+def test_secret_env_reaches_guest_but_no_file(rt: GVisorRuntime) -> None:
+    secret = "s3 cr'et $(touch /tmp/pwned)"
+    h = rt.launch(spec("import os; print('SECRET=' + os.environ['RSL_SECRET'], flush=True)",
+                       secret_env={"RSL_SECRET": secret}, env={"PLAIN": "1"}))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "succeeded", (st, rt.logs(h))
+        assert f"SECRET={secret}" in rt.logs(h)
+        bundle = Path(h.data["bundle"])
+        assert secret not in (bundle / "config.json").read_text()
+        assert all(secret not in p.read_text(errors="replace")
+                   for p in Path(rt.state, "runsc-root").rglob("*") if p.is_file())
+    finally:
+        rt.destroy(h)
+
+
+def test_memory_limit_oom_is_infrastructure(rt: GVisorRuntime) -> None:
+    if _cgroup.detect() is None:
+        pytest.skip("no writable cgroup hierarchy: gVisor runs with --ignore-cgroups, no memory limit")
+    hog = "x = []\nwhile True: x.append(bytearray(16 << 20))"
+    h = rt.launch(spec(hog, resources=Resources(memory_bytes=128 << 20)))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "failed" and st.infrastructure and "OOM" in st.reason, st
+    finally:
+        rt.destroy(h)
+    assert _cgroup.existing(f"gvisor-{h.id}") is None
+
+
+def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
+    """runsc refusing the bundle (here: a bind source that vanished) is infrastructure."""
+    gone = tmp_path / "vanishing"
+    gone.mkdir()
+    bad = GVisorRuntime(extra_ro_paths=[str(gone)])
+    s = spec("print(1)")
+    orig = bad._prepare
+
+    def prepare_then_remove(sp, d):  # type: ignore[no-untyped-def]
+        prep = orig(sp, d)
+        gone.rmdir()
+        return prep
+
+    bad._prepare = prepare_then_remove  # type: ignore[method-assign]
+    h = bad.launch(s)
+    try:
+        st = wait_terminal(bad, h)
+        assert st.phase == "failed" and st.infrastructure and st.unstartable, (st, bad.logs(h))
+    finally:
+        bad.destroy(h)

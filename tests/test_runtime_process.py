@@ -1,0 +1,113 @@
+"""ProcessRuntime: a plain child process, launched, observed and reaped for real."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from _runtime_checks import (
+    check_destroy_idempotent,
+    check_egress_refused,
+    check_failure,
+    check_killed_from_outside,
+    check_success,
+    check_sweep,
+    check_unavailable,
+    require,
+    spec,
+    wait_terminal,
+)
+
+from prefect_resoluto.runtimes import _cgroup
+from prefect_resoluto.runtimes.base import IsolationLevel, Resources
+from prefect_resoluto.runtimes.process import ProcessRuntime
+
+
+@pytest.fixture
+def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ProcessRuntime:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    return require(ProcessRuntime())  # type: ignore[return-value]
+
+
+def test_isolation_is_none(rt: ProcessRuntime) -> None:
+    assert rt.isolation == IsolationLevel.NONE and rt.name == "process"
+
+
+def test_success_writes_conduit_and_logs(rt: ProcessRuntime, tmp_path: Path) -> None:
+    check_success(rt, tmp_path)
+
+
+def test_failure_exit_code(rt: ProcessRuntime) -> None:
+    check_failure(rt)
+
+
+def test_killed_from_outside(rt: ProcessRuntime) -> None:
+    check_killed_from_outside(rt, lambda h: h.data["pid"])
+
+
+def test_destroy_idempotent(rt: ProcessRuntime) -> None:
+    check_destroy_idempotent(rt, rt.list_ids)
+
+
+def test_sweep_by_labels(rt: ProcessRuntime) -> None:
+    check_sweep(rt, rt.list_ids)
+    assert rt.list_ids() == []
+
+
+def test_unavailable_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    check_unavailable(ProcessRuntime(python="/nonexistent/bin/python3"))
+
+
+def test_egress_refused(rt: ProcessRuntime) -> None:
+    check_egress_refused(rt)
+
+
+def test_clean_environment_and_scratch_cwd(rt: ProcessRuntime, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RSL_HOST_ONLY", "leak")
+    code = "import os, json; print('ENV ' + json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))"
+    s = spec(code, env={"RESOLUTO_WORKSPACE_DIR": "/workspace"}, secret_env={"RSL_SECRET": "s3cr3t"})
+    h = rt.launch(s)
+    try:
+        assert wait_terminal(rt, h).phase == "succeeded"
+        line = next(ln for ln in rt.logs(h).splitlines() if ln.startswith("ENV "))
+        got = json.loads(line[4:])
+    finally:
+        rt.destroy(h)
+    env = got["env"]
+    assert "RSL_HOST_ONLY" not in env
+    assert env["RSL_SECRET"] == "s3cr3t"
+    # The runtime owns the workspace: never the host's /workspace.
+    assert env["RESOLUTO_WORKSPACE_DIR"] == got["cwd"] != "/workspace"
+    assert set(env) <= {"PATH", "HOME", "LANG", "PWD", "PYTHONPATH", "RESOLUTO_WORKSPACE_DIR", "RSL_SECRET"}
+
+
+def test_memory_limit_oom_is_infrastructure(rt: ProcessRuntime) -> None:
+    if _cgroup.detect() is None:
+        pytest.skip("no writable cgroup hierarchy here: memory limits fall back to RLIMIT_DATA")
+    hog = "x = []\nwhile True: x.append(bytearray(16 << 20))"
+    h = rt.launch(spec(hog, resources=Resources(memory_bytes=96 << 20)))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "failed" and st.infrastructure and "OOM" in st.reason, st
+    finally:
+        rt.destroy(h)
+    assert _cgroup.existing(f"process-{h.id}") is None  # destroy removed the cgroup
+
+
+def test_status_from_another_process_uses_the_record(rt: ProcessRuntime) -> None:
+    h = rt.launch(spec("import time; print('ready', flush=True); time.sleep(60)"))
+    try:
+        fresh = ProcessRuntime()  # shares the state dir, not the Popen
+        from prefect_resoluto.runtimes import _local
+        proc = _local._CHILDREN.pop(("process", h.id))
+        try:
+            assert fresh.status(h).phase == "running"
+        finally:
+            _local._CHILDREN[("process", h.id)] = proc
+        assert os.path.isdir(h.data["dir"])
+    finally:
+        rt.destroy(h)
