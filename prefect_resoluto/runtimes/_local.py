@@ -48,6 +48,8 @@ from .base import (
 # Children are shared by every instance in this process: get_runtime() may hand out a
 # new instance per call, and status() must still see the Popen (and so the exit code).
 _CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+# Terminal statuses already worked out (an exit is read, recorded and judged once).
+_TERMINAL: dict[tuple[str, str], SandboxStatus] = {}
 # Status of sandboxes destroyed by this process: the last terminal status, if seen.
 _DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
 _LOCK = threading.Lock()
@@ -139,7 +141,8 @@ class LocalChildRuntime(SandboxRuntime):
                 raise LaunchError("limits='cgroup' but no writable cgroup hierarchy was found")
             return cg.enter_argv(argv), True
         if mode == "rlimit" and r.memory_bytes:
-            return ["prlimit", f"--data={r.memory_bytes}:{r.memory_bytes}", "--", *argv], False
+            prlimit = shutil.which("prlimit") or "prlimit"
+            return [prlimit, f"--data={r.memory_bytes}:{r.memory_bytes}", "--", *argv], False
         return argv, False
 
     # ----------------------------------------------------------------- the seam
@@ -177,6 +180,7 @@ class LocalChildRuntime(SandboxRuntime):
         with _LOCK:
             _CHILDREN[key] = proc
             _DESTROYED.pop(key, None)
+            _TERMINAL.pop(key, None)
         rec.pid, rec.start_time = proc.pid, process_start_time(proc.pid)
         rec.save()
         return SandboxHandle(
@@ -196,6 +200,9 @@ class LocalChildRuntime(SandboxRuntime):
             destroyed = key in _DESTROYED
             final = _DESTROYED.get(key)
             proc = _CHILDREN.get(key)
+            known = _TERMINAL.get(key)
+        if known is not None:
+            return known
         if destroyed:
             if final is not None:
                 return dataclasses.replace(final, gone=True)
@@ -207,6 +214,8 @@ class LocalChildRuntime(SandboxRuntime):
                 return SandboxStatus("running")
             st = self._exit_status(handle, code)
             self._remember_exit(d, code)
+            with _LOCK:
+                _TERMINAL[key] = st
             return st
         rec = SandboxRecord.load(d)
         if rec is None:
@@ -253,12 +262,12 @@ class LocalChildRuntime(SandboxRuntime):
         d = sandbox_dir(self.state, sandbox_id)
         with _LOCK:
             proc = _CHILDREN.pop(key, None)
+            final: SandboxStatus | None = _TERMINAL.pop(key, None)
         rec = SandboxRecord.load(d)
-        final: SandboxStatus | None = None
-        if proc is not None and proc.poll() is not None:
-            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), proc.returncode)
-        elif proc is None and rec is not None and rec.exit_code is not None:
-            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), rec.exit_code)
+        if final is None:  # not judged yet: judge it now, before the evidence is removed
+            code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
+            if code is not None:
+                final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code)
         self._teardown(sandbox_id, rec)
         if proc is not None:
             if proc.poll() is None:
