@@ -117,6 +117,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._live_lock = threading.Lock()
         self._attempts: dict[str, int] = {}
         self._flow_runs: set[str] = set()
+        self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
 
@@ -163,7 +164,10 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
-            if exc_type is None and self._executor is not None:
+            if exc_type is not None or self._flow_failed():
+                # The flow is over and not completed: nothing may keep running for it.
+                self.cancel_all()
+            elif self._executor is not None:
                 # A clean exit lets running sandboxes finish; the parent's exit cancels.
                 self._executor.shutdown(wait=True)
             super().__exit__(exc_type, exc_value, traceback)
@@ -173,6 +177,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 self._pacer.stop()
             if self._conduit is not None:
                 self._conduit.close()
+
+    def _flow_failed(self) -> bool:
+        # The flow engine handles the flow's exception before leaving the runner's context,
+        # so a failed flow exits here "cleanly": its final state tells.
+        for fr in self._flow_run_objs.values():
+            state = getattr(fr, "state", None)
+            if state is not None and state.is_final() and not state.is_completed():
+                return True
+        return False
 
     def cancel_all(self) -> None:
         self._cancelled.set()
@@ -204,6 +217,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
     def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
         if self._config is None:
             raise RuntimeError("Task runner is not started")
+        from prefect.context import FlowRunContext
+
+        fr_ctx = FlowRunContext.get()
+        if fr_ctx is not None and fr_ctx.flow_run is not None:
+            self._flow_run_objs[str(fr_ctx.flow_run.id)] = fr_ctx.flow_run
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)

@@ -76,3 +76,23 @@ def find_python(version: str) -> str | None:
         if c and subprocess.run([c, "-S", "-c", "pass"], capture_output=True).returncode == 0:
             return c
     return None
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory):
+    """A real Prefect API (SQLite), started once for the whole session."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def prefect(prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Per test: fresh result storage so cached states never leak between tests."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "results"}):
+        yield

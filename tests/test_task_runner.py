@@ -1,0 +1,417 @@
+"""ResolutoTaskRunner end to end against a real Prefect API, tasks in real sandboxes.
+
+Sandboxed parts run on gVisor. Two tests use the `process` runtime because they are
+about Prefect glue that needs to reach out of the sandbox (killing the guest runner to
+fake an infrastructure failure); each says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from flows import sample_flows as sf
+from prefect import flow, task
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options
+from prefect_resoluto.commands import CommandFailed, CommandResult
+from prefect_resoluto.pycall import NotSandboxable, RemoteTaskError
+from prefect_resoluto.runtimes import get_runtime
+
+pytestmark = pytest.mark.usefixtures("prefect")
+
+FLOWS = Path(sf.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def gvisor():
+    rt = get_runtime("gvisor")
+    avail = rt.availability()
+    if not avail.ok:
+        pytest.skip(f"gVisor is not available here: {avail.why}")
+    return rt
+
+
+@pytest.fixture
+def conduit(tmp_path: Path) -> LocalConduit:
+    return LocalConduit(tmp_path / "conduit")
+
+
+def runner(conduit: LocalConduit, tmp_path: Path, **kw) -> ResolutoTaskRunner:
+    kw.setdefault("runtime", "gvisor")
+    return ResolutoTaskRunner(conduit=conduit, workspace=FLOWS, outputs_dir=tmp_path / "outputs", **kw)
+
+
+# -- reading back what a user sees ----------------------------------------------------
+def client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def task_runs(flow_run_id) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return sorted(runs, key=lambda r: r.expected_start_time or r.created)
+
+
+def logs_of(task_run_id) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with client() as c:
+        return c.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                           sort=LogSort.TIMESTAMP_ASC)
+
+
+def artifacts_of(task_run_id) -> list:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
+
+    with client() as c:
+        return c.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
+
+
+def no_orphans(runtime_name: str = "gvisor") -> None:
+    rt = get_runtime(runtime_name)
+    assert rt.list_ids() == []
+    if runtime_name == "gvisor":
+        assert rt.containers() == []
+
+
+def caught(future) -> tuple[type, str]:
+    """In a flow: the exception a task's future raises, as (type, message)."""
+    try:
+        future.result()
+    except Exception as e:
+        return type(e), str(e)
+    raise AssertionError("the task was expected to fail")
+
+
+# -- the tests ---------------------------------------------------------------------------
+def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def fan_out():
+        squares = sf.square.map([1, 2, 3])
+        total = sf.add_async.submit(5, wait_for=squares)
+        return [s.result() for s in squares], total.result()
+
+    @flow(task_runner=ResolutoTaskRunner(runtime="process", min_isolation="none", conduit=conduit,
+                                         workspace=FLOWS, outputs_dir=tmp_path / "o2"))
+    def same_on_threads():  # the same flow, for comparison of results only
+        return [sf.square.fn(x) for x in (1, 2, 3)], 15
+
+    state = fan_out(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == ([1, 4, 9], 15) == same_on_threads()
+    fr = state.state_details.flow_run_id
+    runs = task_runs(fr)
+    assert len(runs) == 4 and all(r.state.is_completed() for r in runs)
+    for r in runs:
+        prefix = f"run/{fr}/nodes/{r.id}/"
+        keys = conduit.list_prefix(prefix)
+        assert prefix + "_manifest.json" in keys and prefix + "result.json" in keys, keys
+        assert prefix + "inbox/call.tar.gz" in keys and prefix + "inbox/workspace.tar.gz" in keys
+    for r in runs:
+        if r.name.startswith("square"):
+            msgs = [log.message for log in logs_of(r.id) if log.name == "resoluto.sandbox"]
+            assert any(m.startswith("squaring ") for m in msgs), msgs
+            assert any("isolation user-kernel" in m and "runtime gvisor" in m for m in msgs), msgs
+    no_orphans()
+
+
+def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def logging_flow():
+        return sf.logs_with_levels.submit().result()
+
+    t0 = time.time()
+    state = logging_flow(return_state=True)
+    assert state.result() == "ok"
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    logs = [entry for entry in logs_of(tr.id) if entry.name == "resoluto.sandbox"]
+    msgs = [entry.message for entry in logs]
+    order = [msgs.index(m) for m in ("info from the sandbox", "warning from the sandbox",
+                                      "printed line 1", "printed line 2")]
+    assert order == sorted(order)
+    level = {entry.message: entry.level for entry in logs}
+    assert level["warning from the sandbox"] == 30 and level["info from the sandbox"] == 20
+    assert level["printed line 1"] == 20
+    stamps = [entry.timestamp.timestamp() for entry in logs]
+    assert stamps == sorted(stamps) and stamps[0] >= t0 - 1
+    assert any(m.startswith("node ") and "success" in m and "exit code 0" in m for m in msgs)
+    assert artifacts_of(tr.id), "each node publishes an artifact"
+
+
+def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit, tmp_path):
+    seen: dict[str, object] = {}
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def slow_flow():
+        return sf.sleeper.submit(6).result()
+
+    def watch():
+        from prefect.client.schemas.filters import LogFilter, LogFilterName
+
+        deadline = time.time() + 120
+        while time.time() < deadline and "state" not in seen:
+            with client() as c:
+                found = c.read_logs(log_filter=LogFilter(name=LogFilterName(any_=["resoluto.sandbox"])))
+                hits = [entry for entry in found if entry.message == "sleeping"
+                        and entry.flow_run_id not in seen.get("old", set())]
+                if hits:
+                    with client() as c2:
+                        seen["state"] = c2.read_task_run(hits[0].task_run_id).state.type.value
+                    return
+            time.sleep(0.1)  # polling the API, not synchronising with the flow
+
+    with client() as c:
+        seen["old"] = {entry.flow_run_id for entry in c.read_logs()}
+    w = threading.Thread(target=watch)
+    w.start()
+    assert slow_flow() == "woke"
+    w.join()
+    assert seen.get("state") == "RUNNING", "the sandbox's line reached the API only after the task ended"
+
+
+def test_pydantic_and_dataclass_parameters_and_returns_are_rebuilt(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def typed():
+        return sf.move.submit(sf.Point(x=1, y=2), 3).result(), sf.grow.submit(sf.Box(2, 3)).result()
+
+    p, b = typed()
+    assert p == sf.Point(x=4, y=2) and isinstance(p, sf.Point)
+    assert b == sf.Box(4, 6) and isinstance(b, sf.Box)
+
+
+def test_remote_exception_fails_the_task_with_its_traceback(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def failing():
+        return caught(sf.fail_with.submit("bad input 42"))
+
+    state = failing(return_state=True)
+    kind, text = state.result()
+    assert kind is RemoteTaskError
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tr.state.is_failed()
+    for message in (text, tr.state.message):  # in the flow, and as the UI shows it
+        assert "ValueError: bad input 42" in message
+        assert 'sample_flows.py", line' in message and "raise ValueError(message)" in message
+    no_orphans()
+
+
+def test_prefect_retries_get_their_own_node_ids(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def retrying():
+        return sf.fail_on_first_attempt.submit().result()
+
+    state = retrying(return_state=True)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert state.result() == f"{tr.id}.2"
+    assert tr.run_count == 2
+    fr = state.state_details.flow_run_id
+    nodes = {k.split("/")[3] for k in conduit.list_prefix(f"run/{fr}/nodes/")}
+    assert nodes == {str(tr.id), f"{tr.id}.2"}  # the failed attempt's evidence is kept
+
+
+def test_infrastructure_failure_is_relaunched_without_spending_user_retries(conduit, tmp_path):
+    """process runtime: the task kills its own guest runner, which only works outside a sandbox."""
+
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none",
+                             infrastructure_retries=1))
+    def flaky_infra():
+        return sf.kill_runner_on_first_attempt.submit().result()
+
+    state = flaky_infra(return_state=True)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert state.result() == f"{tr.id}.2"
+    assert tr.run_count == 1  # Prefect saw one run: the re-launch was the runner's
+    msgs = [entry.message for entry in logs_of(tr.id)]
+    assert any("infrastructure failure (killed)" in m and "re-launching" in m for m in msgs), msgs
+    no_orphans("process")
+
+
+def test_infrastructure_failures_exhausted_raise_a_distinct_error(conduit, tmp_path):
+    """process runtime, as above."""
+    from prefect_resoluto.node import InfrastructureError
+
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none",
+                             infrastructure_retries=0))
+    def broken_infra():
+        return caught(sf.kill_runner_on_first_attempt.submit())
+
+    kind, text = broken_infra()
+    assert issubclass(kind, InfrastructureError)
+    assert "was killed by the sandbox substrate" in text and "SIGKILL" in text
+
+
+def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
+    slow = sf.sleeper.with_options(timeout_seconds=3)
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def timing_out():
+        return slow.submit(120)
+
+    started = time.monotonic()
+    state = timing_out(return_state=True)
+    assert time.monotonic() - started < 90
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tr.state.is_failed() and "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower()
+    no_orphans()
+
+
+def test_a_failure_elsewhere_in_the_flow_reaps_running_sandboxes(gvisor, conduit, tmp_path):
+    @task
+    def host_side_failure():
+        raise RuntimeError("the flow breaks")
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def breaks_while_running():
+        sf.sleeper.submit(120)
+        # let the sandbox start before the flow fails
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not get_runtime("gvisor").list_ids():
+            time.sleep(0.05)
+        host_side_failure()
+
+    started = time.monotonic()
+    state = breaks_while_running(return_state=True)
+    assert state.is_failed()
+    assert time.monotonic() - started < 90
+    no_orphans()
+
+
+def test_parameters_that_cannot_cross_fail_before_any_sandbox(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def bad_param():
+        return caught(sf.square.submit(lambda: 3))
+
+    kind, text = bad_param()
+    assert kind is NotSandboxable
+    assert "parameter 'x' of task 'square' is a builtins.function" in text
+    assert "Write it to a file in the workspace" in text
+    assert conduit.list_prefix("run/") == []
+
+
+def test_nested_function_tasks_are_refused_with_advice(gvisor, conduit, tmp_path):
+    @task
+    def inner(x: int) -> int:
+        return x
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def nested():
+        return caught(inner.submit(1))
+
+    kind, text = nested()
+    assert kind is NotSandboxable
+    assert "defined inside another function" in text and "move it to module level" in text
+    assert conduit.list_prefix("run/") == []
+
+
+def test_unserialisable_return_is_a_clear_failure(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def bad_return():
+        return caught(sf.returns_unserialisable.submit())
+
+    kind, text = bad_return()
+    assert kind is RemoteTaskError
+    assert "ResultNotSerializable: the task returned a builtins.object" in text and "return its path" in text
+
+
+def test_outputs_come_back_and_returned_paths_point_at_them(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, output_paths=["out/*.txt"]))
+    def reports():
+        return sf.write_report.submit("alpha").result()
+
+    path = Path(reports())
+    assert path.is_absolute() and path.read_text() == "report for alpha\n"
+    assert path.is_relative_to(tmp_path / "outputs")
+    assert not (path.parent / "ignored.tmp").exists()
+
+
+def test_run_command_returns_exit_code_output_and_files(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def commands():
+        ok = run_command.submit(["sh", "-c", "echo one; echo two >&2; mkdir -p res; echo 7 > res/n.txt"],
+                                output_paths=["res/**"])
+        soft = run_command.submit(["sh", "-c", "echo failing; exit 4"], check=False)
+        return ok.result(), soft.result()
+
+    ok, soft = commands()
+    assert isinstance(ok, CommandResult) and ok.exit_code == 0
+    assert ok.output.splitlines() == ["one", "two"]
+    assert set(ok.files) == {"res/n.txt"} and ok.files["res/n.txt"].read_text() == "7\n"
+    assert soft.exit_code == 4 and soft.output == "failing"
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def checked():
+        return caught(run_command.submit(["sh", "-c", "echo broken; exit 3"]))
+
+    kind, text = checked()
+    assert kind is CommandFailed
+    assert "exited with code 3" in text and text.endswith("--- last output ---\nbroken")
+
+
+def test_sandbox_options_override_one_submission(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, env={"GREETING": "default"}))
+    def overridden():
+        plain = sf.env_value.submit("GREETING")
+        with sandbox_options(env={"GREETING": "override"}, memory="256Mi"):
+            special = sf.env_value.submit("GREETING")
+        return plain.result(), special.result()
+
+    assert overridden() == ("default", "override")
+    with pytest.raises(TypeError, match="unknown sandbox option 'memroy'"):
+        with sandbox_options(memroy="1Gi"):
+            pass
+
+
+def test_secret_env_reaches_the_task_but_never_the_logs_or_conduit(gvisor, conduit, tmp_path):
+    secret = f"tok-{uuid.uuid4().hex}"
+
+    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}))
+    def secretive():
+        return sf.echo_secret.submit().result()
+
+    state = secretive(return_state=True)
+    assert state.result() == "done"
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    msgs = [entry.message for entry in logs_of(tr.id)]
+    assert "the secret is ***" in msgs
+    assert not any(secret in m for m in msgs)
+    everything = b"".join(conduit.get(k) for k in conduit.list_prefix("run/") if not k.endswith(".tar.gz"))
+    assert secret.encode() not in everything
+
+
+def test_isolation_floor_is_enforced_at_flow_start(conduit, tmp_path):
+    from prefect_resoluto.runtimes.base import IsolationTooWeak
+
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process"))
+    def too_weak():
+        return 1
+
+    with pytest.raises(IsolationTooWeak, match="runtime 'process' gives isolation level 'none'.*min_isolation='none'"):
+        too_weak()
+
+
+def test_duplicate_copies_all_configuration(conduit, tmp_path):
+    r = runner(conduit, tmp_path, memory="1Gi", env={"A": "1"}, infrastructure_retries=3, max_workers=3)
+    d = r.duplicate()
+    assert d == r and d is not r and d._options == r._options and d._max_workers == 3
+
+
+def test_async_flow_with_async_tasks(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    async def async_flow():
+        futures = [sf.add_async.submit(i) for i in range(3)]
+        return [f.result() for f in futures]
+
+    assert asyncio.run(async_flow()) == [10, 11, 12]
