@@ -1,0 +1,1019 @@
+"""The Kubernetes runtime against a contract-enforcing stand-in for the API server + kubelet.
+
+Everything listens on 127.0.0.1. Waiting is polling with a deadline (FakeKube.wait_for).
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # noqa: E402
+
+from guest_runner.conduit import LocalConduit  # noqa: E402
+from prefect_resoluto import guest_bundle  # noqa: E402
+from prefect_resoluto.k8s_render import render_documents, render_yaml  # noqa: E402
+from prefect_resoluto.runtimes.base import (  # noqa: E402
+    IsolationLevel,
+    IsolationTooWeak,
+    LaunchError,
+    LaunchSpec,
+    Resources,
+    SandboxHandle,
+    check_isolation,
+)
+from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    SANDBOX_LABEL,
+    KubernetesApiError,
+    KubernetesConfigError,
+    KubernetesRuntime,
+    label_key,
+    label_value,
+)
+
+NS = "resoluto-sandboxes"
+METADATA = ipaddress.ip_address("169.254.169.254")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in ("RESOLUTO_SANDBOX_KUBECONTEXT", "RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT",
+                "RESOLUTO_STORE_EGRESS_CIDR", "RESOLUTO_STORE_EGRESS_PORT", "RESOLUTO_SANDBOX_NAMESPACE",
+                "RESOLUTO_SANDBOX_IMAGE", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+
+
+@pytest.fixture
+def kube() -> Any:
+    with FakeKube() as fake:
+        yield fake
+
+
+@pytest.fixture
+def kube_exec() -> Any:
+    with FakeKube(execute=True) as fake:
+        yield fake
+
+
+def make_runtime(kube: FakeKube | None = None, **options: Any) -> KubernetesRuntime:
+    defaults: dict[str, Any] = dict(
+        image="python:3.12-slim", store_egress_cidr="10.0.0.5/32", store_egress_port=9000,
+        api_retry_base_s=0.001, guest_source="image",
+    )
+    if kube is not None:
+        defaults["api_client"] = kube.api_client()
+    defaults.update(options)
+    return KubernetesRuntime(**defaults)
+
+
+def make_spec(**overrides: Any) -> LaunchSpec:
+    env = {
+        "RESOLUTO_STORE_KIND": "s3",
+        "RESOLUTO_STORE_BUCKET": "bucket",
+        "RESOLUTO_STORE_ENDPOINT": "http://10.0.0.5:9000",
+        "RESOLUTO_STORE_REGION": "us-east-1",
+        "RESOLUTO_RUN_ID": "run-1",
+        "RESOLUTO_NODE_ID": "node-1",
+        "RESOLUTO_STORE_PREFIX": "base/run/run-1/nodes/node-1",
+        "RESOLUTO_WORKLOAD_ARGV": json.dumps(["echo", "hi"]),
+        "RESOLUTO_WORKSPACE_DIR": "/workspace",
+    }
+    env.update(overrides.pop("env", {}))
+    fields: dict[str, Any] = dict(sandbox_id="rsl-abc123", env=env,
+                                  labels={"resoluto.flow-run-id": "flow-1", "resoluto.task-name": "my task"})
+    fields.update(overrides)
+    return LaunchSpec(**fields)
+
+
+def pod_env(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+
+
+def allows_metadata(block: dict[str, Any]) -> bool:
+    net = ipaddress.ip_network(block["cidr"])
+    if net.version != 4 or METADATA not in net:
+        return False
+    return not any(METADATA in ipaddress.ip_network(e) for e in block.get("except", []))
+
+
+# -- rendered manifests: the security posture, field by field ---------------------------------------
+
+
+def test_pod_security_posture_field_by_field() -> None:
+    rt = make_runtime(service_account="sandbox-sa", priority_class="batch-low",
+                      node_selector={"resoluto.io/kata": "true"},
+                      tolerations=[{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}])
+    spec = make_spec(resources=Resources.from_quantities(memory="512Mi", cpus="0.5", disk="2Gi"))
+    m = rt.manifests(spec)
+    pod = m.pod
+    assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
+    ps = pod["spec"]
+    assert ps["runtimeClassName"] == "kata"
+    assert ps["restartPolicy"] == "Never"
+    assert ps["automountServiceAccountToken"] is False
+    assert ps["enableServiceLinks"] is False
+    assert ps["hostNetwork"] is False and ps["hostPID"] is False and ps["hostIPC"] is False
+    assert ps["serviceAccountName"] == "sandbox-sa"
+    assert ps["priorityClassName"] == "batch-low"
+    assert ps["nodeSelector"] == {"resoluto.io/kata": "true"}
+    assert ps["tolerations"] == [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}]
+    assert ps["securityContext"]["runAsNonRoot"] is True
+    assert ps["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert ps["securityContext"]["runAsUser"] == 65532
+    assert len(ps["containers"]) == 1
+    c = ps["containers"][0]
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    qty = {"cpu": "500m", "memory": str(512 * 1024**2), "ephemeral-storage": str(2 * 1024**3)}
+    assert c["resources"] == {"requests": qty, "limits": qty}
+    assert c["image"] == "python:3.12-slim"
+    # Writable places are scratch volumes bounded by the disk size; the root is read-only.
+    mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+    assert mounts == {"/tmp": "tmp", "/workspace": "workspace"}
+    assert all(v["emptyDir"] == {"sizeLimit": str(2 * 1024**3)} for v in ps["volumes"])
+    labels = pod["metadata"]["labels"]
+    assert labels[MANAGED_BY_LABEL] == MANAGED_BY
+    assert labels[SANDBOX_LABEL] == m.name
+    assert labels["resoluto.flow-run-id"] == "flow-1"
+    assert labels["resoluto.task-name"] == "my-task"  # sanitised to a valid label value
+    assert pod["metadata"]["annotations"]["resoluto.io/sandbox-id"] == "rsl-abc123"
+    # Nothing cluster-scoped, nothing privileged anywhere in the document.
+    text = json.dumps(pod)
+    for forbidden in ('"privileged": true', "hostPath", '"add"', "SYS_ADMIN"):
+        assert forbidden not in text
+
+
+def test_optional_scheduling_fields_absent_by_default() -> None:
+    ps = make_runtime().manifests(make_spec()).pod["spec"]
+    for key in ("serviceAccountName", "priorityClassName", "nodeSelector", "tolerations"):
+        assert key not in ps
+    assert "resources" not in ps["containers"][0]  # no resources asked, none imposed
+
+
+def test_secret_values_never_literal_in_the_pod() -> None:
+    rt = make_runtime(store_credentials_secret="resoluto-store")
+    spec = make_spec(
+        env={"AWS_SECRET_ACCESS_KEY": "host-long-lived-secret", "AWS_ACCESS_KEY_ID": "AKIAHOSTKEY"},
+        secret_env={"API_TOKEN": "s3cr3t-value", "AWS_SESSION_TOKEN": "host-session"},
+    )
+    m = rt.manifests(spec)
+    pod_text = json.dumps(m.pod)
+    for value in ("s3cr3t-value", "host-long-lived-secret", "AKIAHOSTKEY", "host-session"):
+        assert value not in pod_text
+        assert value not in json.dumps(m.network_policy)
+    env = pod_env(m.pod)
+    assert env["API_TOKEN"] == {"name": "API_TOKEN",
+                                "valueFrom": {"secretKeyRef": {"name": m.name, "key": "API_TOKEN"}}}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "resoluto-store", "key": var}
+        assert "value" not in env[var]
+    assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    # The per-node Secret holds the task secret only, never the host's store keys.
+    assert m.secret is not None
+    data = {k: base64.b64decode(v).decode() for k, v in m.secret["data"].items()}
+    assert data == {"API_TOKEN": "s3cr3t-value"}
+    assert m.secret["immutable"] is True
+    assert json.loads(env["RESOLUTO_SECRET_ENV"]["value"]) == ["API_TOKEN"]
+    # Rendering for review shows placeholders, not values.
+    text = render_yaml(spec, rt, name="rsl-review-1")
+    assert "s3cr3t-value" not in text and "REPLACE-ME" in text
+
+
+def test_no_secret_object_without_secret_env() -> None:
+    m = make_runtime().manifests(make_spec())
+    assert m.secret is None
+    assert [d["kind"] for d in m.documents()] == ["NetworkPolicy", "Pod"]
+    assert not any("valueFrom" in e for e in m.pod["spec"]["containers"][0]["env"])
+
+
+def test_network_policy_is_default_deny_for_exactly_this_pod() -> None:
+    m = make_runtime().manifests(make_spec())
+    np_ = m.network_policy
+    assert np_["apiVersion"] == "networking.k8s.io/v1" and np_["kind"] == "NetworkPolicy"
+    spec = np_["spec"]
+    assert spec["podSelector"] == {"matchLabels": {SANDBOX_LABEL: m.name}}
+    assert m.pod["metadata"]["labels"][SANDBOX_LABEL] == m.name
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["ingress"] == []
+    dns, store = spec["egress"]
+    assert dns["ports"] == [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+    assert store == {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}
+    for rule in spec["egress"]:
+        assert rule.get("ports"), "every egress rule is limited to ports"
+        for peer in rule["to"]:
+            if "ipBlock" in peer:
+                assert not allows_metadata(peer["ipBlock"]), rule
+
+
+def test_egress_allowlist_widens_but_never_to_metadata() -> None:
+    rt = make_runtime()
+    m = rt.manifests(make_spec(egress=["public_https", "10.9.0.0/16:5432", "0.0.0.0/0", "192.0.2.7"]))
+    rules = m.network_policy["spec"]["egress"][2:]
+    public, db, everything, host = rules
+    assert public["ports"] == [{"protocol": "TCP", "port": 443}]
+    block = public["to"][0]["ipBlock"]
+    assert block["cidr"] == "0.0.0.0/0"
+    assert {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"} <= set(block["except"])
+    assert db == {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"protocol": "TCP", "port": 5432}]}
+    assert everything["to"][0]["ipBlock"] == {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}
+    assert host["to"][0]["ipBlock"] == {"cidr": "192.0.2.7/32"}
+    for rule in m.network_policy["spec"]["egress"]:
+        for peer in rule["to"]:
+            if "ipBlock" in peer:
+                assert not allows_metadata(peer["ipBlock"])
+    with pytest.raises(LaunchError, match="host names"):
+        rt.manifests(make_spec(egress=["api.example.com"]))
+    with pytest.raises(LaunchError, match="metadata"):
+        rt.manifests(make_spec(egress=["169.254.169.254/32"]))
+
+
+def test_store_egress_from_env_override_and_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = make_runtime(store_egress_cidr=None, store_egress_port=None)
+    # Derived from an IP endpoint.
+    store = rt.manifests(make_spec()).network_policy["spec"]["egress"][1]
+    assert store == {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}
+    # DNAT'd store: the env override wins over the endpoint.
+    monkeypatch.setenv("RESOLUTO_STORE_EGRESS_CIDR", "172.20.0.9/32")
+    monkeypatch.setenv("RESOLUTO_STORE_EGRESS_PORT", "9443")
+    store = rt.manifests(make_spec()).network_policy["spec"]["egress"][1]
+    assert store == {"to": [{"ipBlock": {"cidr": "172.20.0.9/32"}}], "ports": [{"protocol": "TCP", "port": 9443}]}
+    # An explicit setting wins over the environment.
+    rt2 = make_runtime(store_egress_cidr="10.7.0.0/24", store_egress_port=443)
+    store = rt2.manifests(make_spec()).network_policy["spec"]["egress"][1]
+    assert store["to"] == [{"ipBlock": {"cidr": "10.7.0.0/24"}}] and store["ports"][0]["port"] == 443
+    # Plain AWS S3 (no endpoint) and nothing configured: refuse rather than open egress.
+    monkeypatch.delenv("RESOLUTO_STORE_EGRESS_CIDR")
+    spec = make_spec()
+    del spec.env["RESOLUTO_STORE_ENDPOINT"]
+    with pytest.raises(LaunchError, match="store_egress_cidr"):
+        rt.manifests(spec)
+
+
+def test_bootstrap_fetches_the_guest_bundle_from_outside_the_inbox() -> None:
+    rt = make_runtime(guest_source="bundle")
+    m = rt.manifests(make_spec())
+    c = m.pod["spec"]["containers"][0]
+    assert c["command"] == guest_bundle.bootstrap_command()
+    env = pod_env(m.pod)
+    sha, blob = guest_bundle.build_guest_bundle()
+    key = env["RESOLUTO_GUEST_BUNDLE_KEY"]["value"]
+    assert key == f"base/run/run-1/_guest/guest_runner-{sha[:16]}.tar.gz"
+    assert "/nodes/" not in key and "inbox" not in key
+    assert env["RESOLUTO_GUEST_BUNDLE_SHA256"]["value"] == sha
+    # The image-provided runner needs no command at all.
+    assert "command" not in make_runtime(guest_source="image").manifests(make_spec()).pod["spec"]["containers"][0]
+
+
+def test_guest_bundle_is_deterministic_and_complete() -> None:
+    import io
+    import tarfile
+
+    sha1, blob1 = guest_bundle.build_guest_bundle()
+    guest_bundle.build_guest_bundle.cache_clear()
+    sha2, blob2 = guest_bundle.build_guest_bundle()
+    assert (sha1, blob1) == (sha2, blob2)
+    with tarfile.open(fileobj=io.BytesIO(blob1)) as t:
+        names = t.getnames()
+        assert all(m.mtime == 0 and m.uid == 0 and not m.issym() for m in t.getmembers())
+    assert "guest_runner/__main__.py" in names and "guest_runner/runner.py" in names
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    assert guest_bundle.guest_bundle_key("r1", "", sha1) == f"run/r1/_guest/guest_runner-{sha1[:16]}.tar.gz"
+
+
+def test_rendered_yaml_is_what_the_api_server_accepts() -> None:
+    rt = make_runtime(guest_source="bundle", store_credentials_secret="resoluto-store")
+    spec = make_spec(secret_env={"API_TOKEN": "x"}, egress=["public_https"],
+                     resources=Resources.from_quantities(memory="1Gi", cpus=2))
+    text = render_yaml(spec, rt, name="rsl-review-2")
+    docs = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Secret", "Pod"]
+    models = {"NetworkPolicy": "V1NetworkPolicy", "Secret": "V1Secret", "Pod": "V1Pod"}
+    for d in docs:
+        assert unknown_fields(d, models[d["kind"]]) == []
+        decode_model(json.dumps(d), models[d["kind"]])
+        assert d["metadata"]["name"] == "rsl-review-2"
+    # The same objects the runtime would create (the launch token differs per rendering).
+    again = render_documents(spec, rt, name="rsl-review-2")
+    assert [d["spec"] for d in (docs[0], docs[2])] == [d["spec"] for d in (again[0], again[2])]
+    assert "python3" in docs[2]["spec"]["containers"][0]["command"][0]
+
+
+def test_label_sanitising() -> None:
+    assert label_value("my task!") == "my-task"
+    assert label_value("-._x_") == "x"
+    assert label_value("a" * 100) == "a" * 63
+    assert label_value("b" * 62 + "-c") == "b" * 62
+    assert label_value("") == ""
+    assert label_key("Prefect.IO/flow run") == "prefect.io/flow-run"
+    assert label_key("///") is None
+    for raw in ("ünïcødé value", "x" * 80 + ".", "a b/c:d"):
+        v = label_value(raw)
+        assert len(v) <= 63 and (v == "" or (v[0].isalnum() and v[-1].isalnum()))
+
+
+# -- isolation and configuration refusals -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rc,level", [("kata", IsolationLevel.VM), ("kata-qemu", IsolationLevel.VM),
+                                      ("kata-clh", IsolationLevel.VM), ("gvisor", IsolationLevel.USER_KERNEL),
+                                      ("runsc", IsolationLevel.USER_KERNEL)])
+def test_runtime_class_isolation(rc: str, level: IsolationLevel) -> None:
+    rt = make_runtime(runtime_class=rc)
+    assert rt.isolation == level
+    assert rt.manifests(make_spec()).pod["spec"]["runtimeClassName"] == rc
+
+
+def test_runtime_class_below_the_floor_is_refused() -> None:
+    for rc in ("runc", "", "crun"):
+        with pytest.raises(IsolationTooWeak, match="kernel"):
+            make_runtime(runtime_class=rc)
+    with pytest.raises(IsolationTooWeak, match="node's kernel"):
+        make_runtime(runtime_class="runc", runtime_class_isolation="namespace")
+    # A differently named Kata class can say what it is.
+    assert make_runtime(runtime_class="sandboxed", runtime_class_isolation="vm").isolation == IsolationLevel.VM
+    # And the task runner's floor applies as for any runtime.
+    with pytest.raises(IsolationTooWeak, match="below the required minimum 'vm'"):
+        check_isolation(make_runtime(runtime_class="gvisor"), "vm")
+    check_isolation(make_runtime(runtime_class="kata"), "vm")
+
+
+def test_local_conduit_refused_before_any_api_call(kube: FakeKube, tmp_path: Path) -> None:
+    rt = make_runtime(kube)
+    assert rt.supports_local_conduit is False
+    local = make_spec(conduit_root=tmp_path, conduit_subdir="run/run-1/nodes/node-1",
+                      env={"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(tmp_path)})
+    with pytest.raises(LaunchError) as ei:
+        rt.launch(local)
+    msg = str(ei.value)
+    assert "cannot see this host's disk" in msg and "s3://" in msg
+    with pytest.raises(LaunchError, match="s3://"):
+        rt.prepare(LocalConduit(tmp_path / "c"), "run-1")
+    assert kube.requests == []
+
+
+def test_no_image_is_a_clear_error() -> None:
+    with pytest.raises(LaunchError, match="images/Dockerfile"):
+        make_runtime(image=None).manifests(make_spec())
+
+
+# -- context pinning -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kube_token() -> Any:
+    with FakeKube(token="t0ken") as fake:
+        yield fake
+
+
+def test_refuses_ambient_context_without_pin(kube_token: FakeKube, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = kube_token.write_kubeconfig(str(tmp_path / "kubeconfig"), contexts=("prod", "dev"), current="prod")
+    monkeypatch.setenv("KUBECONFIG", cfg)
+    rt = make_runtime()
+    with pytest.raises(LaunchError) as ei:
+        rt.launch(make_spec())
+    msg = str(ei.value)
+    assert "RESOLUTO_SANDBOX_KUBECONTEXT" in msg and "'prod'" in msg and "ALLOW_AMBIENT" in msg
+    assert rt.availability().ok is False
+    assert kube_token.requests == []
+
+
+def test_pinned_context_via_env_reaches_the_cluster(kube_token: FakeKube, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = kube_token.write_kubeconfig(str(tmp_path / "kubeconfig"), contexts=("prod", "dev"), current="prod")
+    monkeypatch.setenv("KUBECONFIG", cfg)
+    monkeypatch.setenv("RESOLUTO_SANDBOX_KUBECONTEXT", "dev")
+    rt = make_runtime()
+    assert rt.context == "dev"
+    avail = rt.availability()
+    assert avail.ok, avail.why
+    assert "'dev'" in avail.detail
+    h = rt.launch(make_spec())
+    assert kube_token.get("pods", h.data["name"]) is not None
+
+
+def test_unknown_context_lists_the_known_ones(kube: FakeKube, tmp_path: Path) -> None:
+    cfg = kube.write_kubeconfig(str(tmp_path / "kubeconfig"), contexts=("a", "b"))
+    rt = make_runtime(context="c", kubeconfig=cfg)
+    with pytest.raises(LaunchError, match="'c' is not in .*available: a, b"):
+        rt.launch(make_spec())
+
+
+def test_ambient_context_when_explicitly_allowed(kube: FakeKube, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", kube.write_kubeconfig(str(tmp_path / "kubeconfig")))
+    monkeypatch.setenv("RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT", "1")
+    rt = make_runtime()
+    assert rt.allow_ambient_context is True
+    h = rt.launch(make_spec())
+    assert kube.get("pods", h.data["name"]) is not None
+
+
+def test_wrong_token_is_401_with_advice(kube_token: FakeKube, tmp_path: Path) -> None:
+    cfg = kube_token.configuration()
+    cfg.api_key["BearerToken"] = "Bearer wrong"
+    from kubernetes.client import ApiClient
+
+    rt = make_runtime(api_client=ApiClient(cfg))
+    with pytest.raises(LaunchError, match="401 Unauthorized"):
+        rt.launch(make_spec())
+
+
+def test_in_cluster_is_chosen_inside_a_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    rt = make_runtime()
+    # No service-account token here, so the in-cluster loader is what fails -- proof it was chosen.
+    with pytest.raises(KubernetesConfigError, match="in-cluster"):
+        rt._core()
+
+
+def test_minted_short_lived_store_credentials(kube: FakeKube, moto_server: Any) -> None:
+    from moto.sts.models import sts_backends
+
+    role = "arn:aws:iam::123456789012:role/resoluto-node"
+    rt = make_runtime(kube, store_role_arn=role, store_sts_endpoint=moto_server.endpoint_url,
+                      store_credentials_secret="ignored-when-minting", guest_source="bundle")
+    rt._bundles["run-1"] = ("base/run/run-1/_guest/guest_runner-x.tar.gz", "0" * 64)  # as prepare() would
+    spec = make_spec(env={"AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]})
+    h = rt.launch(spec)
+    name = h.data["name"]
+    secret = kube.get("secrets", name)
+    creds = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(creds) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+    assert creds["AWS_ACCESS_KEY_ID"] != os.environ["AWS_ACCESS_KEY_ID"]  # minted, not the host's
+    env = pod_env(kube.get("pods", name))
+    for var in creds:
+        assert env[var]["valueFrom"]["secretKeyRef"] == {"name": name, "key": var}
+    assumed = [r for r in sts_backends["123456789012"]["aws"].assumed_roles if r.session_name == name]
+    assert len(assumed) == 1
+    policy = json.loads(assumed[0].policy)
+    allowed = {res for st in policy["Statement"] for res in st["Resource"]}
+    assert allowed == {"arn:aws:s3:::bucket/base/run/run-1/nodes/node-1/*", "arn:aws:s3:::bucket",
+                       "arn:aws:s3:::bucket/base/run/run-1/_guest/guest_runner-x.tar.gz"}
+    listing = next(st for st in policy["Statement"] if st["Action"] == ["s3:ListBucket"])
+    assert listing["Condition"]["StringLike"]["s3:prefix"][0] == "base/run/run-1/nodes/node-1/*"
+
+
+# -- launch, API errors and retries -------------------------------------------------------------------------
+
+
+def test_launch_creates_policy_then_secret_then_pod_owned_and_cleaned(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    h = rt.launch(make_spec(secret_env={"API_TOKEN": "v"}))
+    name = h.data["name"]
+    creates = [(r.resource, r.name or r.body["metadata"]["name"]) for r in kube.calls("create")]
+    assert creates == [("networkpolicies", name), ("secrets", name), ("pods", name)]
+    assert all(r.query.get("fieldValidation") == "Strict" for r in kube.calls("create"))
+    pod = kube.get("pods", name)
+    uid = pod["metadata"]["uid"]
+    for resource in ("networkpolicies", "secrets"):
+        refs = kube.get(resource, name)["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False}]
+    rt.destroy(h)
+    assert kube.names("pods") == kube.names("secrets") == kube.names("networkpolicies") == []
+    deletes = kube.calls("delete", "pods")
+    assert deletes[-1].query["gracePeriodSeconds"] == "5"
+    rt.destroy(h)  # idempotent: everything is already gone (404s) and that is fine
+    st = rt.status(h)
+    assert st.gone and not st.infrastructure
+
+
+def test_deleting_the_pod_collects_policy_and_secret(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    h = rt.launch(make_spec(secret_env={"API_TOKEN": "v"}))
+    kube.delete_externally(h.data["name"])
+    assert kube.names("secrets") == kube.names("networkpolicies") == []
+
+
+def test_rbac_403_names_the_verb_and_resource(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    kube.fail("create", "pods", 403)
+    with pytest.raises(LaunchError) as ei:
+        rt.launch(make_spec(secret_env={"API_TOKEN": "v"}))
+    msg = str(ei.value)
+    assert f"RBAC: cannot create pods in namespace '{NS}'" in msg
+    assert "system:serviceaccount:ci:resoluto" in msg
+    # What it had created before the refusal is removed again.
+    assert kube.names("networkpolicies") == kube.names("secrets") == []
+    kube.fail("create", "networkpolicies", 403)
+    with pytest.raises(LaunchError, match=f"RBAC: cannot create networkpolicies in namespace '{NS}'"):
+        rt.launch(make_spec())
+    kube.fail("list", "pods", 403)
+    assert "RBAC: cannot list pods" in rt.availability().why
+
+
+def test_runtime_class_missing_in_cluster_is_an_admission_refusal(kube: FakeKube) -> None:
+    rt = make_runtime(kube, runtime_class="kata-fc")
+    with pytest.raises(LaunchError) as ei:
+        rt.launch(make_spec())
+    assert "RBAC: cannot" not in str(ei.value)
+    assert 'RuntimeClass "kata-fc" not found' in str(ei.value)
+    assert "kubectl get runtimeclass" in str(ei.value)
+    assert kube.names("networkpolicies") == []
+
+
+def test_409_on_create_is_a_clear_error(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    kube.fail("create", "pods", 409)
+    with pytest.raises(LaunchError, match="already exists .*409 Conflict"):
+        rt.launch(make_spec())
+    assert kube.names("networkpolicies") == []
+
+
+def test_missing_namespace_says_how_to_create_it(kube: FakeKube) -> None:
+    rt = make_runtime(kube, namespace="nope")
+    with pytest.raises(LaunchError, match="kubectl create namespace nope"):
+        rt.launch(make_spec())
+
+
+def test_5xx_on_create_retried_then_succeeds(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    kube.fail("create", "pods", 503, times=2)
+    h = rt.launch(make_spec())
+    assert len(kube.calls("create", "pods")) == 3
+    assert kube.names("pods") == [h.data["name"]]
+
+
+def test_create_is_idempotent_when_the_response_was_lost(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    # The server creates the pod but the client sees a 504; the retry meets 409 and
+    # recognises its own object by the launch token.
+    kube.fail("create", "pods", 504, after=True)
+    kube.fail("create", "networkpolicies", 500, after=True)
+    h = rt.launch(make_spec())
+    statuses = [r.status for r in kube.calls("create", "pods")]
+    assert statuses == [504, 409]
+    assert kube.names("pods") == [h.data["name"]]
+    assert h.data["uid"] == kube.get("pods", h.data["name"])["metadata"]["uid"]
+
+
+def test_5xx_persistent_is_a_clear_error(kube: FakeKube) -> None:
+    rt = make_runtime(kube, api_retries=4)
+    h = rt.launch(make_spec())
+    kube.fail("get", "pods", 503, times=10)
+    with pytest.raises(KubernetesApiError) as ei:
+        rt.status(h)
+    msg = str(ei.value)
+    assert "kept failing to get pods/" in msg and "503" in msg and "after 4 attempt(s)" in msg
+    assert len([r for r in kube.calls("get", "pods") if r.status == 503]) == 4
+    kube.fail("create", "pods", 500, after=True)  # lands, but the client never hears of it
+    kube.fail("create", "pods", 500, times=10)
+    with pytest.raises(LaunchError, match="kept failing to create pods"):
+        rt.launch(make_spec())
+    assert kube.names("pods") == [h.data["name"]]  # the landed attempt was cleaned up too
+    assert kube.names("networkpolicies") == [h.data["name"]]
+
+
+def test_429_honours_retry_after(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    slept: list[float] = []
+    rt._sleep = slept.append
+    h = rt.launch(make_spec())
+    kube.fail("get", "pods", 429, retry_after=3)
+    assert rt.status(h).phase == "pending"
+    assert len(slept) == 1 and slept[0] >= 1.5  # jittered around Retry-After
+
+
+def test_delete_retried_on_5xx(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    h = rt.launch(make_spec())
+    kube.fail("delete", "pods", 502, times=2)
+    rt.destroy(h)
+    assert kube.names("pods") == []
+
+
+def test_api_server_unreachable(kube: FakeKube) -> None:
+    from kubernetes.client import ApiClient, Configuration
+
+    dead = FakeKube().start()
+    port = dead.port
+    dead.stop()
+    cfg = Configuration(host=f"http://127.0.0.1:{port}")
+    cfg.retries = 0
+    rt = make_runtime(api_client=ApiClient(cfg), api_retries=2, request_timeout_s=2)
+    with pytest.raises(LaunchError, match="cannot reach the Kubernetes API server"):
+        rt.launch(make_spec())
+
+
+# -- status mapping -----------------------------------------------------------------------------------------
+
+
+def launched(kube: FakeKube, **options: Any) -> tuple[KubernetesRuntime, SandboxHandle, str]:
+    rt = make_runtime(kube, **options)
+    h = rt.launch(make_spec(resources=Resources.from_quantities(memory="256Mi")))
+    return rt, h, h.data["name"]
+
+
+def test_status_pending_running_succeeded(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    st = rt.status(h)
+    assert (st.phase, st.terminal, st.unstartable) == ("pending", False, False)
+    kube.schedule(name)
+    assert rt.status(h).reason == "ContainerCreating"
+    kube.set_running(name)
+    assert rt.status(h).phase == "running"
+    kube.terminate(name, 0)
+    st = rt.status(h)
+    assert (st.phase, st.exit_code, st.infrastructure) == ("succeeded", 0, False)
+
+
+def test_status_user_failure_is_not_infrastructure(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.set_running(name)
+    kube.terminate(name, 3)
+    st = rt.status(h)
+    assert (st.phase, st.exit_code, st.infrastructure, st.unstartable) == ("failed", 3, False, False)
+    assert "exited with code 3" in st.reason
+
+
+@pytest.mark.parametrize("reason", ["ImagePullBackOff", "ErrImagePull", "InvalidImageName"])
+def test_status_image_pull_failures_are_unstartable(kube: FakeKube, reason: str) -> None:
+    rt, h, name = launched(kube)
+    kube.image_pull_backoff(name, reason=reason)
+    st = rt.status(h)
+    assert st.unstartable and not st.terminal
+    assert st.reason.startswith(f"{reason}: Back-off pulling image \"python:3.12-slim\"")
+    assert "cannot pull the image" in st.reason
+
+
+@pytest.mark.parametrize("reason", ["CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+                                    "CrashLoopBackOff"])
+def test_status_fatal_waiting_reasons(kube: FakeKube, reason: str) -> None:
+    rt, h, name = launched(kube, store_credentials_secret="resoluto-store")
+    kube.container_waiting(name, reason, 'secret "resoluto-store" not found')
+    st = rt.status(h)
+    assert st.unstartable and reason in st.reason and 'secret "resoluto-store" not found' in st.reason
+
+
+def test_status_unschedulable_then_unstartable_after_patience(kube: FakeKube) -> None:
+    rt, h, name = launched(kube, unschedulable_patience_s=60)
+    now = [1000.0]
+    rt._clock = lambda: now[0]
+    msg = "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+    kube.unschedulable(name, msg)
+    st = rt.status(h)
+    assert (st.phase, st.unstartable) == ("pending", False)
+    assert st.reason == f"Unschedulable: {msg}"
+    now[0] += 59
+    assert rt.status(h).unstartable is False
+    now[0] += 2
+    st = rt.status(h)
+    assert st.unstartable and st.phase == "pending"
+    assert msg in st.reason and "RuntimeClass 'kata'" in st.reason
+
+
+def test_status_unschedulable_clock_resets_once_scheduled(kube: FakeKube) -> None:
+    rt, h, name = launched(kube, unschedulable_patience_s=60)
+    now = [0.0]
+    rt._clock = lambda: now[0]
+    kube.unschedulable(name, "0/1 nodes are available: 1 Insufficient memory.")
+    rt.status(h)
+    kube.schedule(name)
+    now[0] += 100
+    assert rt.status(h).unstartable is False
+
+
+def test_status_oom_killed(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.set_running(name)
+    kube.oom_kill(name)
+    st = rt.status(h)
+    assert (st.phase, st.exit_code, st.infrastructure) == ("failed", 137, True)
+    assert "OOMKilled" in st.reason and str(256 * 1024**2) in st.reason
+
+
+def test_status_evicted(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.set_running(name)
+    kube.evict(name, "The node was low on resource: ephemeral-storage.")
+    st = rt.status(h)
+    assert (st.phase, st.infrastructure, st.exit_code) == ("failed", True, 137)
+    assert st.reason == "Evicted: The node was low on resource: ephemeral-storage."
+
+
+def test_status_node_lost(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.set_running(name)
+    kube.node_lost(name)
+    st = rt.status(h)
+    assert (st.phase, st.infrastructure) == ("failed", True)
+    assert "DeletionByPodGC" in st.reason
+    rt2, h2, name2 = launched(kube)
+    kube.set_running(name2)
+    kube.node_lost(name2, legacy=True)
+    st = rt2.status(h2)
+    assert (st.phase, st.infrastructure) == ("failed", True) and st.reason.startswith("NodeLost")
+
+
+def test_status_deleted_externally_is_gone(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.set_running(name)
+    kube.delete_externally(name)
+    st = rt.status(h)
+    assert st.gone and st.infrastructure and not st.terminal
+    assert "deleted from outside" in st.reason
+
+
+def test_status_after_finish_then_deleted_keeps_the_verdict(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.terminate(name, 0)
+    assert rt.status(h).phase == "succeeded"
+    kube.delete_externally(name)
+    st = rt.status(h)
+    assert st.gone and st.phase == "succeeded" and st.exit_code == 0
+
+
+def test_status_pod_deleted_while_running_is_infrastructure(kube_exec: FakeKube) -> None:
+    rt = make_runtime(kube_exec)
+    h = rt.launch(make_spec(command=["python3", "-c", "import time; print('up', flush=True); time.sleep(60)"]))
+    name = h.data["name"]
+    kube_exec.wait_for(lambda: rt.status(h).phase == "running", what="running")
+    kube_exec._delete_pod(NS, name, grace=5)  # someone else's `kubectl delete pod`
+    st = rt.status(h)
+    if st.phase == "running":
+        assert "being deleted from outside" in st.reason
+    final = kube_exec.wait_for(lambda: (s := rt.status(h)).gone and s, what="pod gone")
+    assert final.infrastructure
+
+
+# -- sweep and logs ------------------------------------------------------------------------------------------
+
+
+def test_sweep_by_labels(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    a = [rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-a"}, secret_env={"T": "1"})) for _ in range(2)]
+    b = rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-b"}))
+    assert rt.sweep({"resoluto.flow-run-id": "flow-a"}) == 2
+    assert kube.names("pods") == [b.data["name"]]
+    assert kube.names("networkpolicies") == [b.data["name"]]
+    assert kube.names("secrets") == []
+    selectors = {r.query.get("labelSelector") for r in kube.calls("list")}
+    assert selectors == {f"{MANAGED_BY_LABEL}={MANAGED_BY},resoluto.flow-run-id=flow-a"}
+    assert rt.sweep({"resoluto.flow-run-id": "flow-a"}) == 0
+    assert all(h.data["name"] not in kube.names("pods") for h in a)
+
+
+def test_sweep_reaps_leftovers_of_a_half_done_launch(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    kube.fail("patch", "networkpolicies", 403)  # no owner reference: the GC cannot help
+    h = rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-c"}))
+    kube.delete_externally(h.data["name"])
+    assert kube.names("networkpolicies") == [h.data["name"]]
+    assert rt.sweep({"resoluto.flow-run-id": "flow-c"}) == 0
+    assert kube.names("networkpolicies") == []
+
+
+def test_sweep_leaves_foreign_pods_alone(kube: FakeKube) -> None:
+    rt = make_runtime(kube)
+    foreign = make_runtime(kube).manifests(make_spec(labels={"resoluto.flow-run-id": "flow-a"})).pod
+    foreign["metadata"]["labels"].pop(MANAGED_BY_LABEL)
+    foreign["metadata"]["name"] = "someone-elses"
+    from kubernetes.client import CoreV1Api
+
+    CoreV1Api(kube.api_client()).create_namespaced_pod(NS, foreign)
+    assert rt.sweep({"resoluto.flow-run-id": "flow-a"}) == 0
+    assert kube.names("pods") == ["someone-elses"]
+
+
+def test_logs_tail(kube_exec: FakeKube) -> None:
+    rt = make_runtime(kube_exec)
+    h = rt.launch(make_spec(command=["python3", "-c", "for i in range(5): print('line', i)"]))
+    kube_exec.wait_for(lambda: rt.status(h).terminal, what="pod finished")
+    assert rt.logs(h, tail=2) == "line 3\nline 4\n"
+    assert rt.logs(h).count("line") == 5
+    assert [r.query for r in kube_exec.calls("log")][0] == {"container": "guest", "tailLines": "2"}
+
+
+def test_logs_of_a_waiting_or_missing_pod_do_not_raise(kube: FakeKube) -> None:
+    rt, h, name = launched(kube)
+    kube.image_pull_backoff(name)
+    assert "waiting to start: ImagePullBackOff" in rt.logs(h)
+    rt.destroy(h)
+    assert "not found" in rt.logs(h)
+
+
+# -- the stand-in itself must enforce the contract ---------------------------------------------------------
+
+
+def test_fake_rejects_what_the_api_server_would(kube: FakeKube) -> None:
+    from kubernetes.client import ApiClient, CoreV1Api
+    from kubernetes.client.exceptions import ApiException
+
+    raw = ApiClient(kube.configuration())
+
+    def send(body: dict[str, Any], path: str = f"/api/v1/namespaces/{NS}/pods") -> tuple[int, dict[str, Any]]:
+        r = raw.rest_client.pool_manager.request("POST", kube.url + path, body=json.dumps(body),
+                                                 headers={"Content-Type": "application/json"})
+        return r.status, json.loads(r.data.decode())
+
+    good = make_runtime().manifests(make_spec()).pod
+    bogus = json.loads(json.dumps(good))
+    bogus["spec"]["containers"][0]["securityContext"]["runAsRoot"] = True
+    status, body = send(bogus)
+    assert status == 400 and 'unknown field "spec.containers[0].securityContext.runAsRoot"' in body["message"]
+    missing = json.loads(json.dumps(good))
+    del missing["spec"]["containers"][0]["name"]
+    assert send(missing)[0] == 422
+    bad_label = json.loads(json.dumps(good))
+    bad_label["metadata"]["labels"]["task"] = "not a valid value"
+    assert send(bad_label)[0] == 422
+    literal_and_ref = json.loads(json.dumps(good))
+    literal_and_ref["spec"]["containers"][0]["env"].append(
+        {"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}})
+    assert send(literal_and_ref)[0] == 422
+    status, body = send(good)
+    assert status == 201 and body["metadata"]["uid"] and body["metadata"]["resourceVersion"]
+    assert body["status"]["phase"] == "Pending" and body["metadata"]["creationTimestamp"]
+    status, body = send(good)
+    assert status == 409 and body["reason"] == "AlreadyExists"
+    wrong_ns = json.loads(json.dumps(good))
+    wrong_ns["metadata"]["namespace"] = "elsewhere"
+    wrong_ns["metadata"]["name"] = "other"
+    assert send(wrong_ns)[0] == 400
+    np_ = make_runtime().manifests(make_spec(egress=["10.0.0.0/8"])).network_policy
+    np_["metadata"]["name"] = "np-bad"
+    np_["spec"]["egress"][2]["to"][0]["ipBlock"]["except"] = ["192.168.0.0/16"]
+    path = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
+    status, body = send(np_, path)
+    assert status == 422 and "strict subset" in body["message"]
+    nowhere = json.loads(json.dumps(good))
+    del nowhere["metadata"]["namespace"]
+    status, body = send(nowhere, "/api/v1/namespaces/missing/pods")
+    assert status == 404 and body["message"] == 'namespaces "missing" not found'
+    with pytest.raises(ApiException) as ei:
+        CoreV1Api(raw).read_namespaced_pod("nope", NS)
+    assert ei.value.status == 404
+    with pytest.raises(ApiException) as ei:
+        CoreV1Api(raw).list_namespaced_pod(NS, label_selector="a in (")
+    assert ei.value.status == 400
+
+
+def test_fake_label_selectors() -> None:
+    labels = {"app": "x", "tier": "db", "env": "prod"}
+
+    def match(sel: str) -> bool:
+        return all(r.matches(labels) for r in parse_selector(sel))
+
+    assert match("app=x,tier==db") and not match("app!=x") and match("env in (prod, dev)")
+    assert match("env notin (dev)") and match("tier") and match("!missing") and not match("!app")
+    assert match("")
+    from k8s_fake import ApiError
+
+    for bad in ("app=x,", "a b", "in in ()", "app=not valid"):
+        with pytest.raises(ApiError):
+            parse_selector(bad)
+
+
+# -- a whole node through the runtime, for real ------------------------------------------------------------
+
+
+STORE_SECRET = "resoluto-store"
+
+
+def store_secret(kube: FakeKube) -> None:
+    from kubernetes.client import CoreV1Api
+
+    CoreV1Api(kube.api_client()).create_namespaced_secret(NS, {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": STORE_SECRET},
+        "stringData": {"AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+                       "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]},
+    })
+
+
+@pytest.fixture
+def k8s_node(kube_exec: FakeKube, s3_conduit: Any) -> Any:
+    from prefect_resoluto.node import NodeSpec, drive_node
+
+    rt = make_runtime(kube_exec, guest_source="bundle", store_credentials_secret=STORE_SECRET,
+                      store_egress_cidr=None, store_egress_port=None)
+
+    def run(argv: list[str], **spec_fields: Any) -> Any:
+        spec = NodeSpec(run_id=spec_fields.pop("run_id", "run-k8s"), node_id=spec_fields.pop("node_id", "n1"),
+                        argv=argv, **spec_fields)
+        events: list[dict[str, Any]] = []
+        outcome = drive_node(spec, s3_conduit, rt, on_event=events.append, min_isolation="vm",
+                             silence_window=60)
+        return outcome, events
+
+    return rt, run
+
+
+def test_node_end_to_end_through_pods(k8s_node: Any, kube_exec: FakeKube, s3_conduit: Any,
+                                      tmp_path: Path) -> None:
+    store_secret(kube_exec)
+    rt, run = k8s_node
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "input.txt").write_text("21\n")
+    code = ("import os, pathlib; n = int(pathlib.Path('input.txt').read_text()); print('doubling', n); "
+            "pathlib.Path('out').mkdir(); pathlib.Path('out/answer.txt').write_text(str(2 * n)); "
+            "print('token seen:', os.environ.get('API_TOKEN', '')[::-1] == '321-kot'); "
+            "print('aws key visible:', 'AWS_SECRET_ACCESS_KEY' in os.environ)")
+    outcome, events = run(["python3", "-c", code], workspace=ws, output_paths=["out/*.txt"],
+                          secret_env={"API_TOKEN": "tok-123"})
+    assert outcome.ok, outcome.describe()
+    assert outcome.exit_code == 0 and outcome.runtime == "kubernetes" and outcome.isolation == "vm"
+    lines = [e["data"].get("line", "") for e in events if e.get("event") == "log"]
+    text = "\n".join(map(str, lines))
+    assert "doubling 21" in text
+    assert "token seen: True" in text
+    assert "aws key visible: False" in text  # store credentials are the runner's, not the workload's
+    assert (outcome.output_dir / "out" / "answer.txt").read_text() == "42"
+    # Pod, policy and secret were all reaped; the guest ran from the shipped bundle.
+    assert kube_exec.names("pods") == kube_exec.names("networkpolicies") == []
+    assert kube_exec.names("secrets") == [STORE_SECRET]  # the operator's; the node's own is gone
+    log_lines = [line for lines in kube_exec.logs.values() for line in lines]
+    assert any(line.startswith("resoluto bootstrap: guest_runner ") for line in log_lines)
+    sha, _ = guest_bundle.build_guest_bundle()
+    assert s3_conduit.get(guest_bundle.guest_bundle_key("run-k8s", "", sha)) == guest_bundle.build_guest_bundle()[1]
+    pod_bodies = [r.body for r in kube_exec.calls("create", "pods")]
+    assert len(pod_bodies) == 1
+    assert "tok-123" not in json.dumps(pod_bodies[0])
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(pod_bodies[0])
+
+
+def test_node_workload_failure_through_pods(k8s_node: Any, kube_exec: FakeKube) -> None:
+    store_secret(kube_exec)
+    rt, run = k8s_node
+    outcome, events = run(["python3", "-c", "import sys; print('about to fail'); sys.exit(3)"], node_id="n2")
+    assert not outcome.ok
+    assert outcome.failure == "workload" and outcome.exit_code == 3
+    assert kube_exec.names("pods") == []
+
+
+def test_node_without_store_credentials_is_unstartable(k8s_node: Any, kube_exec: FakeKube) -> None:
+    rt, run = k8s_node  # no store Secret created: the kubelet cannot start the container
+    outcome, _ = run(["true"], node_id="n3")
+    assert outcome.failure == "unstartable"
+    assert f'secret "{STORE_SECRET}" not found' in outcome.reason
+    assert "CreateContainerConfigError" in outcome.reason
+    assert kube_exec.names("pods") == [] and kube_exec.names("networkpolicies") == []
+
+
+def test_node_with_unpullable_image_is_unstartable(k8s_node: Any, kube_exec: FakeKube) -> None:
+    store_secret(kube_exec)
+    rt, run = k8s_node
+    kube_exec.unpullable_images.add("registry.invalid/nope:1")
+    outcome, _ = run(["true"], node_id="n4", image="registry.invalid/nope:1")
+    assert outcome.failure == "unstartable"
+    assert "ImagePullBackOff" in outcome.reason and "registry.invalid/nope:1" in outcome.reason
+
+
+@pytest.mark.usefixtures("prefect")
+def test_flow_through_the_task_runner_on_kubernetes(kube_exec: FakeKube, s3_conduit: Any, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from prefect import flow
+
+    from prefect_resoluto import ResolutoTaskRunner
+
+    # The flow's task module is the workspace: shipped to the pod and imported there by name.
+    ws = tmp_path / "flow_ws"
+    ws.mkdir()
+    (ws / "k8s_flow_tasks.py").write_text(
+        "from prefect import task\n\n\n@task\ndef square(x: int) -> int:\n"
+        "    print(f'squaring {x} in a pod')\n    return x * x\n")
+    monkeypatch.syspath_prepend(str(ws))
+    sf = importlib.import_module("k8s_flow_tasks")
+    store_secret(kube_exec)
+    rt = make_runtime(kube_exec, guest_source="bundle", store_credentials_secret=STORE_SECRET,
+                      store_egress_cidr=None, store_egress_port=None)
+
+    @flow(task_runner=ResolutoTaskRunner(runtime=rt, conduit=s3_conduit, min_isolation="vm",
+                                         workspace=ws, outputs_dir=tmp_path / "out"))
+    def fan_out() -> list[int]:
+        return [f.result() for f in sf.square.map([1, 2, 3])]
+
+    state = fan_out(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == [1, 4, 9]
+    creates = [(r.resource, r.body["metadata"]["name"]) for r in kube_exec.calls("create")
+               if r.resource != "secrets"]
+    pods = [n for res, n in creates if res == "pods"]
+    assert len(pods) == 3
+    for name in pods:  # each pod's policy was in place before the pod
+        assert creates.index(("networkpolicies", name)) < creates.index(("pods", name))
+    labels = [r.body["metadata"]["labels"] for r in kube_exec.calls("create", "pods")]
+    fr = str(state.state_details.flow_run_id)
+    assert all(lab["resoluto.flow-run-id"] == fr and lab[MANAGED_BY_LABEL] == MANAGED_BY for lab in labels)
+    assert kube_exec.names("pods") == kube_exec.names("networkpolicies") == []
