@@ -17,6 +17,7 @@ from _runtime_checks import (
     check_unavailable,
     require,
     spec,
+    wait_for,
     wait_terminal,
 )
 
@@ -109,5 +110,30 @@ def test_status_from_another_process_uses_the_record(rt: ProcessRuntime) -> None
         finally:
             _local._CHILDREN[("process", h.id)] = proc
         assert os.path.isdir(h.data["dir"])
+    finally:
+        rt.destroy(h)
+
+
+@pytest.mark.parametrize("limits", ["none", "cgroup"])
+def test_stragglers_die_with_the_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: str) -> None:
+    """A workload that backgrounds a child must not leave it running after the sandbox ends."""
+    if limits == "cgroup" and _cgroup.detect() is None:
+        pytest.skip("no writable cgroup hierarchy here")
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    rt = require(ProcessRuntime(limits=limits))
+    code = "import subprocess; p = subprocess.Popen(['sleep', '60']); print('CHILD', p.pid, flush=True)"
+    h = rt.launch(spec(code))
+    try:
+        assert wait_terminal(rt, h).phase == "succeeded"
+        child = int(next(ln for ln in rt.logs(h).splitlines() if ln.startswith("CHILD")).split()[1])
+
+        def gone() -> bool:
+            try:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return True
+            return state == "Z"
+
+        wait_for(gone, timeout=10, what="the backgrounded child to be killed")
     finally:
         rt.destroy(h)

@@ -209,7 +209,7 @@ class LocalChildRuntime(SandboxRuntime):
             return SandboxStatus("failed", reason="sandbox was destroyed before it finished", gone=True)
         d = sandbox_dir(self.state, handle.id)
         if proc is not None:
-            code = proc.poll()
+            code = _poll_and_kill_stragglers(proc)
             if code is None:
                 return SandboxStatus("running")
             st = self._exit_status(handle, code)
@@ -317,6 +317,22 @@ def _feed(pipe: IO[bytes], data: bytes) -> None:
                 pass
 
     threading.Thread(target=write, name="resoluto-stdin", daemon=True).start()
+
+
+def _poll_and_kill_stragglers(proc: subprocess.Popen[bytes]) -> int | None:
+    """The child's exit code, or None while it runs. When it has exited, first kill what it
+    left behind in its process group (a backgrounded workload of the plain process runtime):
+    the un-reaped zombie still holds the pid, so the group id cannot have been reused."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere (Popen.wait in destroy): nothing pins the pid
+        return proc.poll()
+    if not exited:
+        return None
+    _killpg(proc.pid)
+    return proc.poll()
 
 
 def _killpg(pid: int) -> None:
