@@ -263,6 +263,7 @@ def drive_node(
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
     runtime.check_spec(launch)
+    runtime.prepare(conduit, spec.run_id)
 
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
     events = 0

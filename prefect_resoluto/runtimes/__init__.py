@@ -28,6 +28,7 @@ _PATHS: dict[str, str] = {
     "bubblewrap": "prefect_resoluto.runtimes.bubblewrap:BubblewrapRuntime",
     "gvisor": "prefect_resoluto.runtimes.gvisor:GVisorRuntime",
     "container": "prefect_resoluto.runtimes.container:ContainerRuntime",
+    "kubernetes": "prefect_resoluto.runtimes.kubernetes:KubernetesRuntime",
 }
 
 # Local candidates for best_available(), strongest isolation first; within a level the

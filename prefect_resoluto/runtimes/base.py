@@ -28,7 +28,7 @@ class IsolationLevel(enum.IntEnum):
         return self.name.lower().replace("_", "-")
 
     @classmethod
-    def parse(cls, value: "str | IsolationLevel") -> "IsolationLevel":
+    def parse(cls, value: str | IsolationLevel) -> IsolationLevel:
         if isinstance(value, IsolationLevel):
             return value
         key = str(value).strip().lower().replace("-", "_")
@@ -49,7 +49,7 @@ _FACTORS = {
 }
 
 
-def parse_quantity(value: "str | int") -> int:
+def parse_quantity(value: str | int) -> int:
     """Bytes from a Kubernetes-style quantity: ``512Mi``, ``2Gi``, ``1G``, ``1048576``."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
@@ -67,7 +67,7 @@ def parse_quantity(value: "str | int") -> int:
     return n
 
 
-def parse_cpus(value: "str | float | int") -> float:
+def parse_cpus(value: str | float | int) -> float:
     """Cores from ``"2"``, ``"0.5"`` or ``"500m"``."""
     s = str(value).strip()
     try:
@@ -92,7 +92,7 @@ class Resources:
     def from_quantities(
         cls, memory: str | None = None, cpus: str | float | None = None, disk: str | None = None,
         pids: int | None = 4096,
-    ) -> "Resources":
+    ) -> Resources:
         return cls(
             memory_bytes=parse_quantity(memory) if memory else None,
             cpus=parse_cpus(cpus) if cpus else None,
@@ -174,7 +174,7 @@ class IsolationTooWeak(RuntimeError):
     """A runtime weaker than the configured minimum isolation level was asked for."""
 
 
-def check_isolation(runtime: "SandboxRuntime", minimum: "IsolationLevel | str") -> None:
+def check_isolation(runtime: SandboxRuntime, minimum: IsolationLevel | str) -> None:
     minimum = IsolationLevel.parse(minimum)
     if runtime.isolation < minimum:
         raise IsolationTooWeak(
@@ -218,6 +218,10 @@ class SandboxRuntime(ABC):
     supports_local_conduit: ClassVar[bool] = True
     #: Whether the runtime can enforce a non-empty egress allowlist.
     supports_egress_allowlist: ClassVar[bool] = False
+
+    def prepare(self, conduit: Any, run_id: str) -> None:  # noqa: B027 - optional hook
+        """Called before each launch of a run; runtimes that stage per-run material
+        (the Kubernetes guest bundle) do it here, once."""
 
     def require_available(self) -> None:
         avail = self.availability()

@@ -624,6 +624,9 @@ class KubernetesRuntime(SandboxRuntime):
         if kind != "s3":
             raise LaunchError(self._local_conduit_message(kind or type(conduit).__name__))
         if self.guest_source == "bundle":
+            with self._lock:
+                if run_id in self._bundles:
+                    return
             key, sha = upload_guest_bundle(conduit, run_id)
             with self._lock:
                 self._bundles[run_id] = (key, sha)
