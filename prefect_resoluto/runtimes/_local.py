@@ -93,8 +93,12 @@ class LocalChildRuntime(SandboxRuntime):
     def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
         """Argv, env and cwd of the child for ``spec``; may write files under ``sandbox``."""
 
-    def _teardown(self, sandbox_id: str, record: SandboxRecord | None) -> None:
-        """Runtime-specific cleanup before the state directory is removed."""
+    def _before_start(self, spec: LaunchSpec) -> None:
+        """Host-side set-up right before the child starts (its record already exists)."""
+
+    def _teardown(self, sandbox_id: str, record: SandboxRecord | None, exit_code: int | None) -> None:
+        """Runtime-specific cleanup before the state directory is removed. ``exit_code`` is
+        the child's, if it has exited (negative: killed by that signal)."""
 
     def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
         """A runtime-specific reading of a child exit code, or None for the default."""
@@ -164,6 +168,7 @@ class LocalChildRuntime(SandboxRuntime):
             rec = SandboxRecord(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels), dir=str(d),
                                 extra={**prep.extra, "cgroup": cgrouped})
             rec.save()  # before the child exists, so a crash right after launch is still sweepable
+            self._before_start(spec)
             with open_log(d / LOG_NAME) as log:
                 proc = subprocess.Popen(
                     argv, env=prep.env, cwd=prep.cwd, stdout=log, stderr=subprocess.STDOUT,
@@ -264,11 +269,10 @@ class LocalChildRuntime(SandboxRuntime):
             proc = _CHILDREN.pop(key, None)
             final: SandboxStatus | None = _TERMINAL.pop(key, None)
         rec = SandboxRecord.load(d)
-        if final is None:  # not judged yet: judge it now, before the evidence is removed
-            code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
-            if code is not None:
-                final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code)
-        self._teardown(sandbox_id, rec)
+        code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
+        if final is None and code is not None:  # judge it now, before the evidence is removed
+            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code)
+        self._teardown(sandbox_id, rec, code)
         if proc is not None:
             if proc.poll() is None:
                 _killpg(proc.pid)

@@ -41,6 +41,8 @@ from .base import (
 LABEL_PREFIX = "io.resoluto.label/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Reads `export K='v'` lines from stdin (the secrets), then becomes the guest.
+# `runsc run`'s own exit status when it fails (any other status is the container's).
+_RUNSC_FAILED = 128
 _SECRET_PRELUDE = 'eval "$(cat)"; exec "$@"'
 
 
@@ -254,14 +256,6 @@ class GVisorRuntime(LocalChildRuntime):
             target.symlink_to(link)
         for d in ("proc", "dev", "sys"):
             (rootfs / d).mkdir(exist_ok=True)
-        if not self._ignore_cgroups():
-            # Pre-create the cgroup runsc will join: runsc deletes only cgroups it created,
-            # so this one outlives the sandbox and its oom_kill count can be read after exit
-            # (an OOM under systrap otherwise looks like a plain exit code 1).
-            try:
-                _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
-            except OSError as e:
-                raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay), indent=1))
         exe = self._binary() or self.runsc
@@ -272,19 +266,32 @@ class GVisorRuntime(LocalChildRuntime):
                         extra={"bundle": str(bundle)}, host_limits=False,
                         stdin_data=secrets.encode() if secrets else None)
 
+    def _before_start(self, spec: LaunchSpec) -> None:
+        if self._ignore_cgroups():
+            return
+        # Pre-create the cgroup runsc will join: runsc deletes only cgroups it created, so
+        # this one outlives the sandbox and its oom_kill count can be read after exit (an
+        # OOM under systrap otherwise looks like a plain exit code 1). destroy removes it.
+        try:
+            _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
+        except OSError as e:
+            raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
+
     # ----------------------------------------------------------------- observe & reap
 
     def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
-        if code == 128 and _runsc_failed(self.logs(handle, tail=20)):
+        if code == _RUNSC_FAILED and _runsc_failed(self.logs(handle, tail=20)):
             # runsc could not create the sandbox at all (bad mount, cgroup refused ...).
             return SandboxStatus("failed", reason="runsc failed to start the sandbox: "
                                  + self.logs(handle, tail=5).strip(), exit_code=code,
                                  unstartable=True, infrastructure=True)
         return None
 
-    def _teardown(self, sandbox_id: str, record: SandboxRecord | None) -> None:
+    def _teardown(self, sandbox_id: str, record: SandboxRecord | None, exit_code: int | None) -> None:
         if self._binary() is None:
             return
+        if exit_code is not None and exit_code >= 0 and exit_code != _RUNSC_FAILED:
+            return  # `runsc run` exited by itself, and deleted its container on the way out
         try:
             self._runsc("kill", sandbox_id, "KILL")
             self._runsc("delete", "--force", sandbox_id)
