@@ -147,3 +147,17 @@ def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
         assert st.phase == "failed" and st.infrastructure and st.unstartable, (st, bad.logs(h))
     finally:
         bad.destroy(h)
+
+
+def test_debug_logs_only_when_asked(rt: GVisorRuntime) -> None:
+    h = rt.launch(spec("print('quiet')"))
+    assert wait_terminal(rt, h).phase == "succeeded"
+    rt.destroy(h)
+    assert not (rt.state / "debug").exists()
+    loud = GVisorRuntime(debug=True)
+    h = loud.launch(spec("print('loud')"))
+    try:
+        assert wait_terminal(loud, h).phase == "succeeded"
+    finally:
+        loud.destroy(h)
+    assert list((loud.state / "debug" / h.id).glob("runsc.log.*"))  # survives destroy

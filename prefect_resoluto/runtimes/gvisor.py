@@ -114,7 +114,8 @@ class GVisorRuntime(LocalChildRuntime):
         ``python``: interpreter for the guest (default ``sys.executable``, bound read-only with
         its prefix and virtualenv). ``ignore_cgroups``: skip host cgroups (no limits);
         default: only when no writable cgroup hierarchy exists. ``debug``: runsc debug logs
-        into the sandbox's state directory. ``runsc_flags``: extra global runsc flags."""
+        into ``<state>/debug/<sandbox id>/`` (kept after destroy; never written otherwise).
+        ``runsc_flags``: extra global runsc flags."""
         # gVisor enforces limits itself through runsc's cgroup, never a host-side wrapper.
         super().__init__(state_dir=state_dir, limits="none")
         self.runsc = runsc
@@ -172,7 +173,8 @@ class GVisorRuntime(LocalChildRuntime):
         if self._ignore_cgroups():
             flags.append("--ignore-cgroups")
         if self.debug and sandbox is not None:
-            flags += ["--debug", f"--debug-log={sandbox}/runsc-debug/"]
+            # Outside the sandbox's own directory, so the logs survive destroy for a post-mortem.
+            flags += ["--debug", f"--debug-log={self.state / 'debug' / sandbox.name}/"]
         return flags + self.runsc_flags
 
     def _runsc(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
