@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 from prefect.blocks.core import Block
+from prefect.types import SecretDict
 from pydantic import Field, SecretStr, field_validator
 
 from guest_runner.conduit import Conduit, LocalConduit
@@ -95,8 +96,9 @@ def my_flow(): ...
     infrastructure_retries: int = Field(1, ge=0, description="Re-launches after an infrastructure failure.")
     output_paths: list[str] = Field(default_factory=list, description="Paths/globs returned from every node.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every sandbox.")
-    secret_env: dict[str, SecretStr] = Field(
-        default_factory=dict, description="Secret environment: masked here, redacted from every log line.")
+    secret_env: SecretDict = Field(
+        default_factory=lambda: SecretDict({}),
+        description="Secret environment: masked here, redacted from every log line.")
     egress: list[str] = Field(default_factory=list, description="Egress allowlist (runtimes that enforce one).")
     conduit: Union[LocalConduitBlock, S3ConduitBlock, None] = Field(  # noqa: UP007 - pydantic union
         None, description="Conduit; empty: a local directory under the user's cache.")
@@ -135,7 +137,7 @@ def my_flow(): ...
             conduit=self.conduit.to_conduit() if self.conduit is not None else None,
             output_paths=list(self.output_paths),
             env=dict(self.env),
-            secret_env={k: v.get_secret_value() for k, v in self.secret_env.items()},
+            secret_env={str(k): str(v) for k, v in self.secret_env.get_secret_value().items()},
             memory=self.memory,
             cpus=self.cpus,
             image=self.image,

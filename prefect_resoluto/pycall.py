@@ -49,7 +49,7 @@ def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, st
             f"task function {qualname!r} is defined inside another function; the sandbox imports task "
             "functions by name, so move it to module level"
         )
-    src = inspect.getsourcefile(fn)
+    src = _source_file(fn)
     if workspace is not None and src:
         try:
             rel = Path(src).resolve().relative_to(Path(workspace).resolve())
@@ -65,6 +65,29 @@ def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, st
         f"task function {qualname!r} lives in {src or module!r}, outside the workspace {str(workspace)!r}, "
         "and is not an installed module; set the runner's workspace to a directory that contains its file"
     )
+
+
+def _source_file(fn: Callable[..., Any]) -> str | None:
+    """The file defining ``fn``, also when Prefect loaded it from a deployment's entrypoint
+    script (its code then reports "<dynamic-code>" instead of a path)."""
+    import os
+
+    try:
+        src = inspect.getsourcefile(fn)
+    except TypeError:
+        src = None
+    if src and os.path.isfile(src):
+        return src
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    mod_file = getattr(module, "__file__", None)
+    if mod_file and os.path.isfile(mod_file):
+        return mod_file
+    # A flow run started by a runner/worker: the function lives in the entrypoint's script.
+    entrypoint = os.environ.get("PREFECT__FLOW_ENTRYPOINT", "")
+    path = entrypoint.rsplit(":", 1)[0] if ":" in entrypoint else ""
+    if path.endswith(".py") and os.path.isfile(path):
+        return os.path.abspath(path)
+    return src
 
 
 def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -121,6 +121,21 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
 
+    _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
+                  "_flow_run_objs", "_cancelled", "_pacer")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
+        # process: only configuration travels; live state is rebuilt on the other side.
+        state = super().__getstate__()
+        for name in self._TRANSIENT:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_state()
+
     def duplicate(self) -> ResolutoTaskRunner:
         return type(self)(sandbox=self._sandbox, max_workers=self._max_workers, **self._options)
 

@@ -408,6 +408,15 @@ def test_duplicate_copies_all_configuration(conduit, tmp_path):
     assert d == r and d is not r and d._options == r._options and d._max_workers == 3
 
 
+def test_the_runner_pickles_with_its_configuration_only(conduit, tmp_path):
+    import cloudpickle
+
+    r = runner(conduit, tmp_path, memory="1Gi")
+    with r:
+        clone = cloudpickle.loads(cloudpickle.dumps(r))
+    assert clone == r and clone._config is None and clone._live == {}
+
+
 def test_async_flow_with_async_tasks(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     async def async_flow():

@@ -1,0 +1,37 @@
+"""A flow served as a deployment with a schedule; its tasks run in sandboxes.
+
+Run by tests/test_deployments.py as a separate process (like `python served_flow.py`
+on a real host): RESOLUTO_TEST_CONDUIT and RESOLUTO_TEST_INTERVAL configure it.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from prefect import flow, task
+
+from prefect_resoluto import ResolutoTaskRunner
+
+
+@task
+def where_am_i(n: int) -> str:
+    print(f"task {n} says hello from the sandbox")
+    return os.environ.get("RESOLUTO_NODE_ID", "not in a sandbox")
+
+
+@flow(name="served-sandboxed", task_runner=ResolutoTaskRunner(
+    runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
+    conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
+    workspace=Path(__file__).parent,
+))
+def served_sandboxed(count: int = 2) -> list[str]:
+    return [f.result() for f in where_am_i.map(range(count))]
+
+
+if __name__ == "__main__":
+    served_sandboxed.serve(
+        name="every-few-seconds",
+        interval=timedelta(seconds=float(os.environ.get("RESOLUTO_TEST_INTERVAL", "3600"))),
+    )
