@@ -43,7 +43,9 @@ class Redactor:
                     declared = {str(n) for n in names}
             except ValueError:
                 pass
-        values = [v for k, v in env.items() if k in declared or name_looks_secret(k)]
+        # RESOLUTO_* are the runner's own settings (RESOLUTO_SECRET_ENV holds names, not secrets)
+        values = [v for k, v in env.items()
+                  if k in declared or (name_looks_secret(k) and not k.startswith("RESOLUTO_"))]
         return cls(list(values) + list(extra))
 
     def text(self, s: str) -> str:

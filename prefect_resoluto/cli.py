@@ -600,20 +600,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"render needs the kubernetes runtime's renderer (prefect_resoluto.k8s_render), "
                          f"which is not available here: {e}") from None
-    from guest_runner import wire
-    from prefect_resoluto.node import LABEL_NODE, LABEL_RUN, guest_env, new_sandbox_id
-    from prefect_resoluto.runtimes.base import LaunchSpec
+    from prefect_resoluto.node import launch_spec
 
     plan = plan_node(args, for_render=True)
-    spec, conduit = plan.spec, plan.conduit
-    # The same LaunchSpec drive_node would build (node.py has no public builder for it).
-    launch = LaunchSpec(
-        sandbox_id=new_sandbox_id(),
-        env=guest_env(spec, conduit, wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)),
-        secret_env=dict(spec.secret_env), conduit_root=None, conduit_subdir="",
-        resources=spec.resources, labels={**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id},
-        egress=list(spec.egress), image=spec.image,
-    )
+    launch = launch_spec(plan.spec, plan.conduit)  # exactly what drive_node would launch
     try:
         text = render_yaml(launch, plan.runtime)  # type: ignore[arg-type]
     except (ValueError, RuntimeError) as e:
@@ -664,7 +654,7 @@ def doctor_report() -> dict[str, Any]:
         rows.append(row(name, options))
     # The variants best_available() tries (e.g. the container runtime with Kata) when they
     # differ from a runtime's defaults -- so the "why not" of a stronger pick is visible.
-    for name, options in getattr(runtimes, "_PREFERENCE", ()):
+    for name, options in runtimes.candidates():
         base = defaults.get(name)
         if not options or base is None or all(getattr(base, k, object()) == v for k, v in options.items()):
             continue

@@ -7,12 +7,12 @@ conduit; blocks and keyword arguments both become one.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
+from prefect_resoluto.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,
     IsolationLevel,
@@ -23,11 +23,6 @@ from prefect_resoluto.runtimes.base import (
     parse_quantity,
 )
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "prefect-resoluto"
 
 
 def default_conduit_url() -> str:

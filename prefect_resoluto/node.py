@@ -46,6 +46,10 @@ LABEL_RUN = "resoluto.run-id"
 LABEL_NODE = "resoluto.node-id"
 
 
+class NodeSpecError(ValueError):
+    """The node cannot be run as specified (bad argv, workspace, outputs, ids, env)."""
+
+
 class NodeFailure(RuntimeError):
     """Base of every way a node can fail to produce a successful result."""
 
@@ -113,17 +117,21 @@ class NodeSpec:
     outputs_dir: Path | None = None
 
     def validate(self) -> None:
-        wire.check_id(self.run_id, "run id")
-        wire.check_id(self.node_id, "node id")
+        """Raises NodeSpecError for anything that would make the node unrunnable."""
+        try:
+            wire.check_id(self.run_id, "run id")
+            wire.check_id(self.node_id, "node id")
+            for p in self.output_paths:
+                archive.check_pattern(p)
+        except ValueError as e:
+            raise NodeSpecError(str(e)) from None
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
-            raise ValueError("argv must be a non-empty list of strings (the command to run in the sandbox)")
+            raise NodeSpecError("argv must be a non-empty list of strings (the command to run in the sandbox)")
         if self.workspace is not None and not Path(self.workspace).is_dir():
-            raise FileNotFoundError(f"workspace directory {str(self.workspace)!r} does not exist")
-        for p in self.output_paths:
-            archive.check_pattern(p)
+            raise NodeSpecError(f"workspace directory {str(self.workspace)!r} does not exist")
         for k in list(self.env) + list(self.secret_env):
             if not k or "=" in k or "\x00" in k:
-                raise ValueError(f"invalid environment variable name {k!r}")
+                raise NodeSpecError(f"invalid environment variable name {k!r}")
 
 
 @dataclass
@@ -214,6 +222,24 @@ def _json(v: Any) -> str:
     return json.dumps(v, separators=(",", ":"))
 
 
+def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
+    """What the runtime is asked to start for ``spec`` (also used to render manifests)."""
+    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
+    store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
+    local = isinstance(conduit, LocalConduit)
+    return LaunchSpec(
+        sandbox_id=new_sandbox_id(),
+        env=guest_env(spec, conduit, store_prefix),
+        secret_env=dict(spec.secret_env),
+        conduit_root=conduit.root if local else None,
+        conduit_subdir=rel_prefix if local else "",
+        resources=spec.resources,
+        labels={**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id},
+        egress=list(spec.egress),
+        image=spec.image,
+    )
+
+
 def new_sandbox_id() -> str:
     return f"rsl-{uuid.uuid4().hex[:16]}"
 
@@ -242,27 +268,16 @@ def drive_node(
     store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
     redactor = Redactor(spec.secret_env.values())
 
+    launch = launch_spec(spec, conduit)
+    runtime.check_spec(launch)  # refusals (egress, local conduit on a remote runtime) before any put
+
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
         conduit.put(wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME), archive.pack(spec.workspace))
     for name, data in spec.extra_inbox.items():
         conduit.put(wire.inbox_key(rel_prefix, name), data)
-
-    labels = {**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id}
-    launch = LaunchSpec(
-        sandbox_id=new_sandbox_id(),
-        env=guest_env(spec, conduit, store_prefix),
-        secret_env=dict(spec.secret_env),
-        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
-        conduit_subdir=rel_prefix if isinstance(conduit, LocalConduit) else "",
-        resources=spec.resources,
-        labels=labels,
-        egress=list(spec.egress),
-        image=spec.image,
-    )
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
-    runtime.check_spec(launch)
     runtime.prepare(conduit, spec.run_id)
 
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
@@ -338,6 +353,8 @@ def drive_node(
     except _Stop:
         pass
     finally:
+        if handle is not None and failure is None and not st.terminal:
+            st = _settle(runtime, handle, st)
         if handle is not None:
             try:
                 runtime.destroy(handle)
@@ -423,6 +440,21 @@ def _drain_after_exit(
         return "killed", st.reason or "killed by the substrate before writing a result"
     code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
     return "no_result", f"the sandbox exited{code} without writing _manifest.json"
+
+
+def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus) -> SandboxStatus:
+    """The guest wrote its manifest and is exiting: observe the exit (briefly) so the
+    outcome records the phase the substrate reported, not "running"."""
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        try:
+            st = runtime.status(handle)
+        except Exception:
+            return st
+        if st.terminal or st.gone:
+            return st
+        time.sleep(0.005)
+    return st
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:

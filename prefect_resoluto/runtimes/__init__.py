@@ -65,6 +65,11 @@ class _LazyRegistry(Mapping[str, type[SandboxRuntime]]):
 RUNTIMES: Mapping[str, type[SandboxRuntime]] = _LazyRegistry(_PATHS)
 
 
+def candidates() -> list[tuple[str, dict[str, Any]]]:
+    """The local (runtime name, options) pairs best_available() tries, strongest first."""
+    return [(name, dict(options)) for name, options in _PREFERENCE]
+
+
 def get_runtime(name: str, **options: Any) -> SandboxRuntime:
     """An instance of the runtime called ``name``, built with ``options``."""
     if name not in RUNTIMES:
@@ -116,5 +121,5 @@ def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "RUNTIMES", "Availability", "IsolationLevel", "LaunchError", "LaunchSpec", "Resources",
     "RuntimeUnavailable", "SandboxHandle", "SandboxRuntime", "SandboxStatus", "best_available",
-    "get_runtime", "why_unavailable",
+    "candidates", "get_runtime", "why_unavailable",
 ]

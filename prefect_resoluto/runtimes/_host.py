@@ -233,13 +233,15 @@ def sandbox_env(
 
 
 def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> Path:
-    """``$RESOLUTO_STATE_DIR/<runtime>`` or ``~/.cache/prefect-resoluto/sandboxes/<runtime>``."""
+    """``$RESOLUTO_STATE_DIR/<runtime>`` or ``<cache dir>/sandboxes/<runtime>``."""
     if override:
         base = Path(override)
     elif os.environ.get(STATE_ENV):
         base = Path(os.environ[STATE_ENV])
     else:
-        base = Path.home() / ".cache" / "prefect-resoluto" / "sandboxes"
+        from prefect_resoluto.paths import cache_dir
+
+        base = cache_dir() / "sandboxes"
     d = base / runtime
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     return d
