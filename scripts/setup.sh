@@ -46,3 +46,18 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 runsc_v=$(runsc --version 2>/dev/null || true); echo "setup: ready ($(.venv/bin/python --version), ${runsc_v%%$'\n'*})"
+
+# The reference implementation, resoluto-sandbox 0.1.0 (Python >= 3.12), in its own venv for the
+# wire-compatibility tests and the `reference` benchmark; skipped where no Python 3.12 exists.
+# (The pyenv shim on PATH fails unless PYENV_VERSION is set, so pyenv's installs are tried too.)
+ref_py=""
+for c in "$(command -v python3.12 2>/dev/null || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+  if [ -n "$c" ] && [ -x "$c" ] && "$c" -S -c pass >/dev/null 2>&1; then ref_py=$c; break; fi
+done
+if [ -z "$ref_py" ]; then
+  echo "setup: no Python 3.12 here; wire-compatibility tests and the reference benchmark will skip" >&2
+elif ! .venv-ref/bin/python -c 'import resoluto.sandbox.driver' >/dev/null 2>&1; then
+  { "$ref_py" -m venv .venv-ref \
+    && .venv-ref/bin/python -m pip install -q --disable-pip-version-check 'resoluto-sandbox==0.1.0'; } \
+    || echo "setup: could not install resoluto-sandbox 0.1.0 into .venv-ref; its tests will skip" >&2
+fi

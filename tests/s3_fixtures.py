@@ -107,22 +107,34 @@ def classify(method: str, target: str) -> tuple[str, str]:
     return method, bucket
 
 
+def client_of(authorization: str) -> str:
+    """The access key id a SigV4 ``Authorization`` header was signed with ('' if unsigned)."""
+    _, sep, rest = authorization.partition("Credential=")
+    return rest.split("/", 1)[0].strip() if sep else ""
+
+
 class RequestCounter:
-    """Requests that reached the endpoint, by kind (and by bucket). Thread-safe."""
+    """Requests that reached the endpoint, by kind (and by bucket, and by client: the
+    access key id that signed the request). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._total: Counter[str] = Counter()
         self._by_bucket: dict[str, Counter[str]] = {}
+        self._by_client: dict[str, Counter[str]] = {}
 
-    def record(self, kind: str, bucket: str) -> None:
+    def record(self, kind: str, bucket: str, client: str = "") -> None:
         with self._lock:
             self._total[kind] += 1
             self._by_bucket.setdefault(bucket, Counter())[kind] += 1
+            self._by_client.setdefault(client, Counter())[kind] += 1
 
-    def snapshot(self, bucket: str | None = None) -> dict[str, int]:
-        """``{"LIST": n, "GET": n, "PUT": n, ...}`` since the last reset (kinds seen only)."""
+    def snapshot(self, bucket: str | None = None, client: str | None = None) -> dict[str, int]:
+        """``{"LIST": n, "GET": n, "PUT": n, ...}`` since the last reset (kinds seen only),
+        of one bucket or of one client (access key id) when given."""
         with self._lock:
+            if client is not None:
+                return dict(self._by_client.get(client, Counter()))
             c = self._total if bucket is None else self._by_bucket.get(bucket, Counter())
             return dict(c)
 
@@ -133,6 +145,7 @@ class RequestCounter:
         with self._lock:
             self._total.clear()
             self._by_bucket.clear()
+            self._by_client.clear()
 
 
 @dataclass
@@ -274,7 +287,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = self._read_body()
         kind, bucket = classify(self.command, self.path)
         proxy = self.proxy
-        proxy.counter.record(kind, bucket)
+        proxy.counter.record(kind, bucket, client_of(self.headers.get("Authorization", "")))
         fault = proxy.faults._take(kind)
         if fault is not None:
             if fault.mode == "status":

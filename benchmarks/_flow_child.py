@@ -1,0 +1,123 @@
+"""Runs in its own process with Prefect's ephemeral API (a temporary server on 127.0.0.1).
+
+Measures, in one server lifetime (its ~20 s start is paid once, before any timing):
+the wall time of an N-way mapped trivial task under ThreadPoolTaskRunner and under
+ResolutoTaskRunner on each requested runtime, and the latency of sandbox log lines at
+the Prefect log API (``created`` of each stored log row minus the print time the guest
+wrote into the line). Writes one JSON object to the path given as ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--runtimes", default="process,gvisor")
+    ap.add_argument("--latency-seconds", type=float, default=5.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-flow-"))
+    ws = work / "ws"
+    ws.mkdir()
+    shutil.copy(HERE / "_bench_tasks.py", ws / "bench_tasks.py")
+    sys.path.insert(0, str(ws))
+    import bench_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from prefect_resoluto.task_runner import ResolutoTaskRunner
+
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+    logging.getLogger("prefect.task_runs").setLevel(logging.INFO)  # forwarded sandbox lines pass
+    out: dict[str, object] = {"n": args.n}
+
+    def resoluto(runtime: str) -> ResolutoTaskRunner:
+        return ResolutoTaskRunner(runtime=runtime, conduit=(work / "conduit").as_uri(), workspace=ws,
+                                  outputs_dir=work / "outputs",
+                                  min_isolation="none" if runtime == "process" else None)
+
+    def mapped(runner: object, n: int) -> float:
+        @flow(task_runner=runner, name="bench-mapped", persist_result=False)
+        def bench_mapped() -> list[int]:
+            futures = bench_tasks.noop.map(range(n))
+            return [f.result() for f in futures]
+
+        t0 = time.perf_counter()
+        res = bench_mapped()
+        took = time.perf_counter() - t0
+        if res != list(range(n)):
+            raise RuntimeError(f"mapped flow returned {res!r}")
+        return took
+
+    # Warm-up: starts the ephemeral server and imports everything once.
+    t0 = time.perf_counter()
+    mapped(ThreadPoolTaskRunner(), 2)
+    out["server_warmup_s"] = round(time.perf_counter() - t0, 2)
+    runtimes = [r for r in args.runtimes.split(",") if r]
+    for rt in runtimes:
+        mapped(resoluto(rt), 1)
+
+    walls: dict[str, float] = {}
+    tp = ThreadPoolTaskRunner()
+    walls["threadpool"] = mapped(tp, args.n)
+    out["threadpool_max_workers"] = tp._max_workers
+    for rt in runtimes:
+        runner = resoluto(rt)
+        out["resoluto_max_workers"] = runner._max_workers
+        walls[rt] = mapped(runner, args.n)
+    out["wall_s"] = {k: round(v, 3) for k, v in walls.items()}
+
+    # Latency at the Prefect log API, on the process runtime (the cheapest sandbox, so
+    # the figure is the log path's own).
+    if args.latency_seconds > 0:
+        out["api_latency"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds)
+    Path(args.out).write_text(json.dumps(out))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def api_latency(runner: object, bench_tasks: object, seconds: float) -> dict[str, object]:
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    @flow(task_runner=runner, name="bench-latency", persist_result=False)
+    def bench_latency() -> int:
+        return bench_tasks.ticker.submit(seconds).result()  # type: ignore[attr-defined]
+
+    state = bench_latency(return_state=True)
+    printed = state.result()
+    flow_run_id = state.state_details.flow_run_id
+    lat: list[float] = []
+    seen: set[int] = set()
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                    limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC)
+            if not page:
+                break
+            offset += len(page)
+            for row in page:
+                parts = row.message.split()
+                if len(parts) == 3 and parts[0] == "tick":
+                    seen.add(int(parts[1]))
+                    lat.append(row.created.timestamp() - float(parts[2]))
+    return {"printed": printed, "received": len(seen), "latencies_s": lat}
+
+
+if __name__ == "__main__":
+    main()
