@@ -14,8 +14,12 @@ Modes::
 
     guest                       the reference guest, configured by RESOLUTO_* like runner_main
                                 (local store only: RESOLUTO_STORE_KIND=localfs)
-    read ROOT PREFIX            the reference host side reads a finished node: every event
-                                through ChunkReader, result.json through NodeResult; prints JSON
+    read ROOT PREFIX [DEST GLOBS_JSON]
+                                the reference host side reads a finished node: every event
+                                through ChunkReader, result.json through NodeResult, and (with
+                                DEST) the outbox through fetch_outputs scoped to GLOBS; prints JSON
+    reencode                    stdin {"events": [line...], "result": text}: each parsed by the
+                                reference models and serialised again; prints the JSON
     bench ROOT N WORKLOAD_JSON  N trivial nodes through the reference drive_node, its
                                 LocalConduit and a minimal subprocess runtime; prints JSON
 """
@@ -36,10 +40,12 @@ from resoluto.sandbox.contracts import (
     SandboxLaunchSpec,
     SandboxRuntime,
     SandboxStatus,
+    SpanEvent,
 )
 from resoluto.sandbox.driver import drive_node
 from resoluto.sandbox.egress_canary import CanaryVerdict, ProbeResult, probe_store
 from resoluto.sandbox.runner import run_node_in_sandbox
+from resoluto.sandbox.staging import fetch_outputs
 from resoluto.sandbox.telemetry import ChunkReader, result_key
 
 
@@ -69,7 +75,7 @@ def guest() -> int:
     return 0 if result.status == "success" else 1
 
 
-async def read(root: str, prefix: str) -> dict[str, object]:
+async def read(root: str, prefix: str, dest: str | None = None, globs: list[str] | None = None) -> dict[str, object]:
     store = LocalConduit(root)
     reader = ChunkReader(store, prefix)
     events = []
@@ -78,7 +84,15 @@ async def read(root: str, prefix: str) -> dict[str, object]:
         if reader.finished:
             break
     result = NodeResult.model_validate_json(await store.get(result_key(prefix)))
-    return {"finished": reader.finished, "events": events, "result": result.model_dump(mode="json")}
+    out: dict[str, object] = {"finished": reader.finished, "events": events, "result": result.model_dump(mode="json")}
+    if dest is not None:
+        out["fetched"] = await fetch_outputs(store, prefix, dest, globs)
+    return out
+
+
+def reencode(doc: dict[str, object]) -> dict[str, object]:
+    events = [SpanEvent.model_validate_json(line).model_dump_json() for line in doc["events"]]  # type: ignore[union-attr]
+    return {"events": events, "result": NodeResult.model_validate_json(str(doc["result"])).model_dump_json()}
 
 
 class SubprocessRuntime(SandboxRuntime):
@@ -137,7 +151,11 @@ def main(argv: list[str]) -> int:
     if mode == "guest":
         return guest()
     if mode == "read":
-        print(json.dumps(asyncio.run(read(argv[2], argv[3]))))
+        dest, globs = (argv[4], json.loads(argv[5])) if len(argv) > 5 else (None, None)
+        print(json.dumps(asyncio.run(read(argv[2], argv[3], dest, globs)), ensure_ascii=False))
+        return 0
+    if mode == "reencode":
+        print(json.dumps(reencode(json.load(sys.stdin)), ensure_ascii=False))
         return 0
     if mode == "bench":
         print(json.dumps(asyncio.run(bench(argv[2], int(argv[3]), json.loads(argv[4])))))
