@@ -15,6 +15,7 @@ RESOLUTO_OUTPUT_PATHS      JSON list of paths/globs collected into the outbox
 RESOLUTO_SETUP_ARGV        JSON list, optional: runs before the workload
 RESOLUTO_CLEANUP_ARGV      JSON list, optional: runs last, even after a failure
 RESOLUTO_SECRET_ENV        JSON list of variable names whose values are redacted
+RESOLUTO_HEARTBEAT_INTERVAL  seconds of quiet before a heartbeat record (default 10)
 =========================  ==================================================
 
 Exit status is 0 exactly when the workload succeeded.
@@ -33,7 +34,7 @@ from typing import Dict, List, Mapping, Optional
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, conduit_from_env
 from guest_runner.redact import Redactor
-from guest_runner.shipper import Shipper, Span
+from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
 
 # Conduit credentials are for the runner, not for the workload it runs.
 _RUNNER_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
@@ -211,7 +212,13 @@ def main(env: Optional[Mapping[str, str]] = None) -> int:
     except wire.WireError as e:
         print(f"resoluto guest: {e}", file=sys.stderr)
         return 3
-    shipper = Shipper(conduit, prefix, run_id, redactor=redactor).start()
+    try:
+        # A shorter heartbeat lets a host run with a tight silence window.
+        heartbeat = float(env.get("RESOLUTO_HEARTBEAT_INTERVAL") or DEFAULT_HEARTBEAT_INTERVAL)
+    except ValueError:
+        heartbeat = DEFAULT_HEARTBEAT_INTERVAL
+    shipper = Shipper(conduit, prefix, run_id, redactor=redactor,
+                      heartbeat_interval=max(heartbeat, 0.1)).start()
     try:
         cfg = NodeConfig(env)
         result = run_node(cfg, conduit, shipper)
