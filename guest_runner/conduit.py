@@ -82,6 +82,10 @@ class Conduit(ABC):
         """RESOLUTO_STORE_* variables a guest needs to reach this conduit (no credentials)."""
         raise NotImplementedError
 
+    def guest_credentials(self) -> Dict[str, str]:
+        """Secret variables a guest on this host needs to reach the store ('' for none)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release clients; the default has nothing to release."""
 

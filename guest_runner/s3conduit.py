@@ -129,6 +129,7 @@ class S3Conduit(Conduit):
                 aws_session_token=session_token,
                 region_name=self._region,
             )
+            self._session = session
             self._client = session.client("s3", endpoint_url=self._endpoint_url, config=config)
         except Exception as e:  # bad endpoint URL, unknown region format, broken config file
             raise ConduitUnavailable(
@@ -172,6 +173,18 @@ class S3Conduit(Conduit):
         if self._endpoint_url:
             env["RESOLUTO_STORE_ENDPOINT"] = self._endpoint_url
         env["RESOLUTO_STORE_REGION"] = self._region
+        return env
+
+    def guest_credentials(self) -> Dict[str, str]:
+        """The credentials this conduit uses (explicit or ambient), as AWS_* variables for a
+        guest on this host. Never for remote sandboxes: those get scoped credentials."""
+        creds = self._session.get_credentials()
+        if creds is None:
+            return {}
+        frozen = creds.get_frozen_credentials()
+        env = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+        if frozen.token:
+            env["AWS_SESSION_TOKEN"] = frozen.token
         return env
 
     def close(self) -> None:

@@ -269,6 +269,10 @@ def drive_node(
     redactor = Redactor(spec.secret_env.values())
 
     launch = launch_spec(spec, conduit)
+    if runtime.supports_local_conduit:
+        # A sandbox on this host reaches the store with the host's own credentials; the
+        # guest runner keeps them from the workload. Remote runtimes mint their own.
+        launch.secret_env = {**conduit.guest_credentials(), **launch.secret_env}
     runtime.check_spec(launch)  # refusals (egress, local conduit on a remote runtime) before any put
 
     # -- inbox ---------------------------------------------------------------------
