@@ -170,9 +170,11 @@ def main(argv: "list[str] | None" = None) -> int:
             spec = json.load(f)
         if not isinstance(spec, dict) or not isinstance(spec.get("parameters", {}), dict):
             raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
-        if not spec.get("real_prefect"):
-            from guest_runner import standin
+        from guest_runner import standin
 
+        if spec.get("real_prefect"):  # opt-out of the stand-ins: pay for the real import up front
+            standin.use_real_prefect()
+        else:
             standin.install()
         fn = load_function(spec)
         result = call(fn, spec.get("parameters", {}))

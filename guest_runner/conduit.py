@@ -10,11 +10,12 @@ is a different exception from a store that cannot be reached
 from __future__ import annotations
 
 import os
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
-from urllib.parse import parse_qs, unquote, urlparse
+
+# tempfile and urllib.parse are not imported here: the guest runner imports this module
+# in every sandbox, where each import costs (see runner.py).
 
 _TMP_MARK = ".resoluto-tmp-"
 
@@ -92,6 +93,13 @@ class Conduit(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
+    def __eq__(self, other: object) -> bool:
+        # Two conduits are the same store when they address the same place.
+        return type(other) is type(self) and other.url == self.url  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.url))
+
 
 class LocalConduit(Conduit):
     """A directory on a filesystem both sides can see (a bind mount for sandboxes).
@@ -129,7 +137,7 @@ class LocalConduit(Conduit):
         path = self.path_for(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_MARK, dir=path.parent)
+            fd, tmp = _create_temp(path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -195,8 +203,21 @@ class LocalConduit(Conduit):
         return n
 
 
+def _create_temp(directory: Path) -> "tuple[int, str]":
+    """A new, exclusively created temporary file in ``directory`` (what mkstemp does)."""
+    for _ in range(100):
+        tmp = os.path.join(directory, _TMP_MARK + os.urandom(6).hex())
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name in {directory}")
+
+
 def conduit_from_url(url: str) -> Conduit:
     """``file:///abs/dir`` or ``s3://bucket[/base]?endpoint_url=...&region=...``."""
+    from urllib.parse import parse_qs, unquote, urlparse
+
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):

@@ -190,6 +190,11 @@ def install() -> None:
     sys.meta_path.insert(0, _Finder())
 
 
+def use_real_prefect() -> None:
+    """Import the real prefect now, with get_run_logger working outside a run context."""
+    _patch_real_prefect(importlib.import_module("prefect"))
+
+
 def uses_real_prefect() -> bool:
     mod = sys.modules.get("prefect")
     return mod is not None and not isinstance(mod, _LazyModule)

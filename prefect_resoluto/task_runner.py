@@ -130,6 +130,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         state = super().__getstate__()
         for name in self._TRANSIENT:
             state.pop(name, None)
+        state["_executor"] = None  # a started runner pickles as a fresh one
+        state["_cancel_events"] = {}
+        state["_started"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
