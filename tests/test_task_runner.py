@@ -424,3 +424,31 @@ def test_async_flow_with_async_tasks(gvisor, conduit, tmp_path):
         return [f.result() for f in futures]
 
     assert asyncio.run(async_flow()) == [10, 11, 12]
+
+
+def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    state = tmp_path / "state"
+    env = {**os.environ, "RESOLUTO_STATE_DIR": str(state), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+           "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(), "PYTHONPATH": str(FLOWS)}
+    proc = subprocess.Popen([sys.executable, str(FLOWS / "interruptible_flow.py")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rt = get_runtime("gvisor", state_dir=state)
+    try:
+        deadline = time.monotonic() + 120
+        while len(rt.list_ids()) < 2:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the sandboxes never started"
+            time.sleep(0.05)  # polling the runtime's own listing
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rt.list_ids() == [] and rt.containers() == []
