@@ -385,13 +385,13 @@ def test_access_denied_is_unavailable_and_not_retried(
 def test_read_timeout_is_retried_then_unavailable(
     make_conduit, s3_faults: Faults, s3_counter: RequestCounter, s3_bucket: str
 ) -> None:
-    retrying = make_conduit(base_prefix="base", max_attempts=2, read_timeout=0.5)
+    retrying = make_conduit(base_prefix="base", max_attempts=2, read_timeout=2.0)
     retrying.put("k", b"v")
     s3_faults.hang_next(1, kinds="GET")
     assert retrying.get("k") == b"v"  # the hung attempt timed out, the retry answered
     s3_faults.clear()
 
-    once = make_conduit(base_prefix="base", max_attempts=1, read_timeout=0.5)
+    once = make_conduit(base_prefix="base", max_attempts=1, read_timeout=2.0)
     s3_counter.reset()
     s3_faults.hang_next(1, kinds="GET")
     with pytest.raises(ConduitUnavailable) as ei:
