@@ -27,11 +27,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import traceback
 from typing import Dict, List, Mapping, Optional
 
-from guest_runner import archive, wire
+# archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
+# needed: a node without inbox archives or outputs never pays for them, and every
+# import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
+from guest_runner import wire
 from guest_runner.conduit import Conduit, ConduitError, conduit_from_env
 from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
@@ -104,7 +105,9 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
     try:
         proc = subprocess.Popen(
             argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+            # Buffered: readline() then takes whole lines out of each read(2) instead of one
+            # byte per system call, and still returns as soon as a newline is available.
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1,
         )
     except FileNotFoundError:
         span.log(f"command not found: {argv[0]}")
@@ -139,13 +142,20 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
 def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, object]:
     """Run one node and return its result (not yet written)."""
     result = wire.make_result(cfg.node_id)
-    workspace = cfg.workspace or tempfile.mkdtemp(prefix="resoluto-ws-")
+    if cfg.workspace:
+        workspace = cfg.workspace
+    else:
+        import tempfile
+
+        workspace = tempfile.mkdtemp(prefix="resoluto-ws-")
     try:
         with shipper.span("", "node", cfg.node_id, {"argv": cfg.argv}) as node:
             os.makedirs(workspace, exist_ok=True)
             staged = 0
             for key in conduit.list_prefix(wire.inbox_prefix(cfg.prefix)):
                 if wire.is_archive_key(key):
+                    from guest_runner import archive
+
                     archive.unpack(conduit.get(key), workspace, label=key)
                     staged += 1
             node.log(f"staged {staged} input archive(s) -> {workspace}")
@@ -168,6 +178,8 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
                 elif rc != 0:
                     result["reason"] = f"workload exited with code {rc}"
                 if cfg.output_paths:
+                    from guest_runner import archive
+
                     # Collected after a failure too: partial outputs and error reports are
                     # evidence. The status stays what the workload said.
                     files, missing = archive.select(workspace, cfg.output_paths)
@@ -189,6 +201,25 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
             except Exception as e:  # cleanup must never mask the workload's verdict
                 shipper.log("", f"cleanup failed: {type(e).__name__}: {e}")
     return result
+
+
+def _is_archive_error(e: BaseException) -> bool:
+    archive = sys.modules.get("guest_runner.archive")  # never imported: it raised nothing
+    return archive is not None and isinstance(e, archive.ArchiveError)
+
+
+def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseException) -> Dict[str, object]:
+    """The runner itself broke: still leave a verdict behind."""
+    import traceback
+
+    tb = redactor.text(traceback.format_exc())
+    try:
+        shipper.log("", f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
+                    kind="error", traceback=tb)
+    except Exception:
+        pass
+    return wire.make_result(node_id, "failure", None, None,
+                            reason=f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}")
 
 
 def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, object]) -> None:
@@ -225,18 +256,12 @@ def main(env: Optional[Mapping[str, str]] = None) -> int:
     except ConfigError as e:
         shipper.log("", f"configuration error: {e}", kind="error")
         result = wire.make_result(node_id, "failure", None, None, reason=f"configuration error: {e}")
-    except archive.ArchiveError as e:
-        shipper.log("", f"inbox rejected: {e}", kind="error")
-        result = wire.make_result(node_id, "failure", None, None, reason=f"inbox rejected: {e}")
-    except BaseException as e:  # the runner itself broke: still leave a verdict behind
-        tb = redactor.text(traceback.format_exc())
-        try:
-            shipper.log("", f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
-                        kind="error", traceback=tb)
-        except Exception:
-            pass
-        result = wire.make_result(node_id, "failure", None, None,
-                                  reason=f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}")
+    except BaseException as e:
+        if _is_archive_error(e):
+            shipper.log("", f"inbox rejected: {e}", kind="error")
+            result = wire.make_result(node_id, "failure", None, None, reason=f"inbox rejected: {e}")
+        else:
+            result = _crashed(shipper, redactor, node_id, e)
     result["reason"] = redactor.text(str(result.get("reason") or ""))
     try:
         _finish(conduit, shipper, prefix, result)

@@ -311,24 +311,29 @@ def drive_node(
         if on_launch is not None:
             on_launch(handle)
         unstartable_seen = gone_seen = 0
-        last_status = 0.0
+        # Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a
+        # paid request), the runtime's status every STATUS_INTERVAL; a local conduit also
+        # wakes the loop the moment an object lands.
+        next_poll = next_status = time.monotonic()
         while True:
-            try:
-                tailer.poll(deliver)
-            except TailError as e:
-                failure, reason = "protocol", str(e)
-                break
-            except ConduitError as e:
-                failure, reason = "lost", f"conduit unavailable while tailing: {e}"
-                break
-            if tailer.finished:
-                break
+            if time.monotonic() >= next_poll:
+                try:
+                    tailer.poll(deliver)
+                except TailError as e:
+                    failure, reason = "protocol", str(e)
+                    break
+                except ConduitError as e:
+                    failure, reason = "lost", f"conduit unavailable while tailing: {e}"
+                    break
+                if tailer.finished:
+                    break
+                next_poll = time.monotonic() + tailer.next_delay()
             if should_cancel is not None and should_cancel():
                 failure, reason = "lost", "cancelled by the host"
                 break
             now = time.monotonic()
-            if now - last_status >= STATUS_INTERVAL or tailer.result_seen:
-                last_status = now
+            if now >= next_status or tailer.result_seen:
+                next_status = now + STATUS_INTERVAL
                 st = runtime.status(handle)
                 if st.phase == "running":
                     tailer.arm()
@@ -351,12 +356,14 @@ def drive_node(
                 reason = (f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
                           "the sandbox is presumed dead")
                 break
-            time.sleep(min(tailer.next_delay(), STATUS_INTERVAL))
+            if tailer.wait(min(next_poll, next_status) - time.monotonic()):
+                next_poll = 0.0  # something landed: read it now
         if failure is not None and failure != "workload" and handle is not None:
             substrate_logs = _logs(runtime, handle)
     except _Stop:
         pass
     finally:
+        tailer.close()
         if handle is not None and failure is None and not st.terminal:
             st = _settle(runtime, handle, st)
         if handle is not None:
@@ -431,7 +438,7 @@ def _drain_after_exit(
             while not tailer.finished:
                 tailer.poll(deliver)
                 if not tailer.finished:
-                    time.sleep(tailer.next_delay())
+                    tailer.wait(tailer.next_delay())
             if st.infrastructure:
                 return "killed", st.reason or "killed by the substrate"
             return None, ""

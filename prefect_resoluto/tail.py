@@ -13,12 +13,15 @@ even a heartbeat) for ``silence_window`` seconds means the guest is gone.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import select
 import time
 from collections.abc import Callable
 from typing import Any
 
 from guest_runner import wire
-from guest_runner.conduit import Conduit, ObjectNotFound
+from guest_runner.conduit import Conduit, LocalConduit, ObjectNotFound
 
 Event = dict[str, Any]
 
@@ -47,6 +50,59 @@ class MissingChunk(TailError):
 
 class ManifestMismatch(TailError):
     pass
+
+
+class DirWatch:
+    """Wakes a waiter as soon as an object lands in one local directory (Linux inotify).
+
+    A local conduit's writers publish by rename (temporary file, then ``os.replace``), so
+    ``IN_MOVED_TO`` marks every new object; ``IN_CLOSE_WRITE`` also catches writers that
+    write in place. Through ctypes, so nothing beyond the standard library is needed;
+    :meth:`open` returns None where inotify is unavailable and callers fall back to sleeping.
+    """
+
+    _IN_CLOSE_WRITE = 0x00000008
+    _IN_MOVED_TO = 0x00000080
+    _libc: Any = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls, path: str) -> DirWatch | None:
+        try:
+            if cls._libc is None:
+                cls._libc = ctypes.CDLL(None, use_errno=True)
+            libc = cls._libc
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        if libc.inotify_add_watch(fd, os.fsencode(path), cls._IN_MOVED_TO | cls._IN_CLOSE_WRITE) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; True when something landed (events drained)."""
+        if self.fd < 0:
+            time.sleep(max(0.0, timeout))
+            return False
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
+        if not ready:
+            return False
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ChunkTailer:
@@ -78,6 +134,8 @@ class ChunkTailer:
         self._delay = min_poll
         self._gap_since: float | None = None
         self.first_event_at: float | None = None
+        self._watch: DirWatch | None = None
+        self._watch_tried = False
 
     # -- liveness ---------------------------------------------------------------
     def arm(self) -> None:
@@ -108,6 +166,36 @@ class ChunkTailer:
 
     def next_delay(self) -> float:
         return self._delay
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds between polls. On a local conduit, wake as soon
+        as an object lands in the node's directory (True), so arrival is seen at once
+        without polling fast; elsewhere just sleep (False)."""
+        watch = self._watcher()
+        if watch is None:
+            time.sleep(max(0.0, timeout))
+            return False
+        return watch.wait(timeout)
+
+    def _watcher(self) -> DirWatch | None:
+        if self._watch is None and not self._watch_tried and isinstance(self.conduit, LocalConduit):
+            path = self.conduit.path_for(self.prefix)
+            if path.is_dir():  # else: not created yet, try again next time
+                self._watch_tried = True
+                self._watch = DirWatch.open(str(path))
+        return self._watch
+
+    def close(self) -> None:
+        """Release the directory watch (if any); the tailer still polls afterwards."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     # -- polling ------------------------------------------------------------------
     def poll(self, on_event: Callable[[Event], None]) -> int:
@@ -218,16 +306,20 @@ class ChunkTailer:
         on_event: Callable[[Event], None],
         *,
         stop: Callable[[], bool] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
-        """Poll until finished (or ``stop()``), sleeping the adaptive delay in between."""
+        """Poll until finished (or ``stop()``), waiting the adaptive delay in between
+        (:meth:`wait`, which wakes early on a local conduit, unless ``sleep`` is given)."""
         while not self.finished:
             self.poll(on_event)
             if self.finished or (stop is not None and stop()):
                 return
             if self.silent:
                 raise TailError(f"no events for {self.silence:.0f}s (silence window {self.silence_window}s)")
-            sleep(self._delay)
+            if sleep is not None:
+                sleep(self._delay)
+            else:
+                self.wait(self._delay)
 
 
 def text_line(raw: bytes, offset: int) -> int:
