@@ -1017,3 +1017,49 @@ def test_flow_through_the_task_runner_on_kubernetes(kube_exec: FakeKube, s3_cond
     fr = str(state.state_details.flow_run_id)
     assert all(lab["resoluto.flow-run-id"] == fr and lab[MANAGED_BY_LABEL] == MANAGED_BY for lab in labels)
     assert kube_exec.names("pods") == kube_exec.names("networkpolicies") == []
+
+
+def test_flow_through_a_sandbox_block_naming_the_kubernetes_runtime(
+        kube_exec: FakeKube, moto_server: Any, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block path: runtime by name, context pinned in the block, kubeconfig from KUBECONFIG."""
+    import importlib
+
+    from prefect import flow
+
+    from prefect_resoluto import ResolutoTaskRunner
+    from prefect_resoluto.blocks import S3ConduitBlock, SandboxBlock
+
+    ws = tmp_path / "block_ws"
+    ws.mkdir()
+    (ws / "k8s_block_tasks.py").write_text("from prefect import task\n\n\n@task\ndef inc(x: int) -> int:\n"
+                                            "    return x + 1\n")
+    monkeypatch.syspath_prepend(str(ws))
+    tasks = importlib.import_module("k8s_block_tasks")
+    monkeypatch.setenv("KUBECONFIG", kube_exec.write_kubeconfig(str(tmp_path / "kubeconfig"), contexts=("fake",)))
+    store_secret(kube_exec)
+    block = SandboxBlock(
+        runtime="kubernetes", kube_context="fake", kube_namespace=NS, runtime_class="kata", min_isolation="vm",
+        image="python:3.12-slim", store_credentials_secret=STORE_SECRET,
+        conduit=S3ConduitBlock(bucket=s3_bucket, base_prefix="blk", endpoint_url=moto_server.endpoint_url),
+    )
+
+    @flow(task_runner=ResolutoTaskRunner(sandbox=block, workspace=ws, outputs_dir=tmp_path / "out"))
+    def via_block() -> list[int]:
+        return [f.result() for f in tasks.inc.map([1, 2])]
+
+    state = via_block(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == [2, 3]
+    pods = kube_exec.calls("create", "pods")
+    assert len(pods) == 2 and all(p.body["spec"]["runtimeClassName"] == "kata" for p in pods)
+    assert kube_exec.names("pods") == []
+
+
+def test_a_local_conduit_is_refused_for_kubernetes_before_any_pod(kube: FakeKube, tmp_path: Path) -> None:
+    from prefect_resoluto.config import SandboxConfig
+
+    rt = make_runtime(kube)
+    cfg = SandboxConfig(runtime=rt, conduit=(tmp_path / "c").as_uri(), min_isolation="vm")
+    with pytest.raises(ValueError, match="cannot see the local conduit directory .* configure an S3 conduit"):
+        cfg.check_conduit_fits(rt, cfg.build_conduit())
+    assert kube.calls("create") == []
