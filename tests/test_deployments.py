@@ -100,28 +100,76 @@ def test_block_field_validation_and_s3_conduit_block(moto_server, s3_bucket):
                                    "node_selector": {"pool": "sandbox"}, "image": "img:1"}
 
 
+def serve(tmp_path: Path, conduit_dir: Path, **extra: str):
+    """Start served_flow.py like a user would (`python served_flow.py`); wait for its deployment."""
+    from prefect.client.orchestration import get_client
+
+    server = subprocess.Popen(
+        [sys.executable, str(FLOWS / "served_flow.py")],
+        env=cli_env(RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(), RESOLUTO_TEST_INTERVAL="3600",
+                    PYTHONPATH=str(ROOT), **extra),
+        cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(server.stdout.read() if server.stdout else "the served process died")
+        with get_client(sync_client=True) as c:
+            try:
+                return server, c.read_deployment_by_name("served-sandboxed/every-few-seconds")
+            except Exception:
+                time.sleep(0.5)  # polling the API for the deployment to appear
+    server.kill()
+    raise AssertionError("the served deployment never registered")
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    state_dir = tmp_path / "state"
+    server, _ = serve(tmp_path, tmp_path / "conduit", RESOLUTO_STATE_DIR=str(state_dir))
+    rt = get_runtime("gvisor", state_dir=state_dir)
+    try:
+        run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300},
+                             timeout=0)
+        deadline = time.monotonic() + 180
+        while len(rt.list_ids()) < 2:
+            assert time.monotonic() < deadline, "the run's sandboxes never started"
+            time.sleep(0.1)  # polling the runtime's own listing
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(run.id, Cancelling(), force=True)
+            while True:
+                fr = c.read_flow_run(run.id)
+                if fr.state.type in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED):
+                    break
+                assert time.monotonic() < deadline + 60, f"the run was never cancelled: {fr.state}"
+                time.sleep(0.2)  # polling the API for the cancellation
+        assert fr.state.type == StateType.CANCELLED, fr.state
+        while rt.list_ids() and time.monotonic() < deadline + 90:
+            time.sleep(0.1)  # the flow-run process reaps on its way out
+        assert rt.list_ids() == [] and rt.containers() == []
+    finally:
+        stop(server)
+
+
 def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
     conduit_dir = tmp_path / "conduit"
-    server = subprocess.Popen(
-        [sys.executable, str(FLOWS / "served_flow.py")],
-        env=cli_env(RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(), RESOLUTO_TEST_INTERVAL="3600",
-                    PYTHONPATH=str(ROOT)),
-        cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    server, deployment = serve(tmp_path, conduit_dir)
     try:
-        deadline = time.monotonic() + 180
-        deployment = None
-        while deployment is None and time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            with get_client(sync_client=True) as c:
-                try:
-                    deployment = c.read_deployment_by_name("served-sandboxed/every-few-seconds")
-                except Exception:
-                    time.sleep(0.5)  # polling the API for the deployment to appear
-        assert deployment is not None, "the served deployment never registered"
         assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 3600
 
         # on demand
@@ -138,8 +186,4 @@ def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, t
             trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
         assert finished == {str(t.id) for t in trs} and len(finished) == 2
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)

@@ -7,6 +7,7 @@ on a real host): RESOLUTO_TEST_CONDUIT and RESOLUTO_TEST_INTERVAL configure it.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from prefect_resoluto import ResolutoTaskRunner
 
 
 @task
-def where_am_i(n: int) -> str:
-    print(f"task {n} says hello from the sandbox")
+def where_am_i(n: int, linger: float = 0.0) -> str:
+    print(f"task {n} says hello from the sandbox", flush=True)
+    time.sleep(linger)
     return os.environ.get("RESOLUTO_NODE_ID", "not in a sandbox")
 
 
@@ -26,8 +28,8 @@ def where_am_i(n: int) -> str:
     conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
     workspace=Path(__file__).parent,
 ))
-def served_sandboxed(count: int = 2) -> list[str]:
-    return [f.result() for f in where_am_i.map(range(count))]
+def served_sandboxed(count: int = 2, linger: float = 0.0) -> list[str]:
+    return [f.result() for f in where_am_i.map(range(count), linger=linger)]
 
 
 if __name__ == "__main__":
