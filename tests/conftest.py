@@ -40,6 +40,18 @@ def validate(schemas):
 
 
 @pytest.fixture
+def gvisor():
+    """The gVisor runtime, or a skip saying why this machine has none."""
+    from prefect_resoluto.runtimes import get_runtime
+
+    rt = get_runtime("gvisor")
+    avail = rt.availability()
+    if not avail.ok:
+        pytest.skip(f"gVisor is not available here: {avail.why}")
+    return rt
+
+
+@pytest.fixture
 def local_conduit(tmp_path: Path):
     from guest_runner.conduit import LocalConduit
 

@@ -35,13 +35,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def gvisor():
-    avail = get_runtime("gvisor").availability()
-    if not avail.ok:
-        pytest.skip(f"gVisor is not available here: {avail.why}")
-
-
 def test_blocks_register_from_the_cli_and_by_entry_point():
     from importlib.metadata import entry_points
 

@@ -18,15 +18,6 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import IsolationTooWeak, LaunchError, Resources
 
 
-@pytest.fixture(scope="module")
-def gvisor():
-    rt = get_runtime("gvisor")
-    avail = rt.availability()
-    if not avail.ok:
-        pytest.skip(f"gVisor is not available here: {avail.why}")
-    return rt
-
-
 @pytest.fixture
 def conduit(tmp_path: Path) -> LocalConduit:
     return LocalConduit(tmp_path / "conduit")

@@ -28,15 +28,6 @@ pytestmark = pytest.mark.usefixtures("prefect")
 FLOWS = Path(sf.__file__).parent
 
 
-@pytest.fixture(scope="module")
-def gvisor():
-    rt = get_runtime("gvisor")
-    avail = rt.availability()
-    if not avail.ok:
-        pytest.skip(f"gVisor is not available here: {avail.why}")
-    return rt
-
-
 @pytest.fixture
 def conduit(tmp_path: Path) -> LocalConduit:
     return LocalConduit(tmp_path / "conduit")
