@@ -916,9 +916,9 @@ class FakeKube:
             self.container_waiting(name, "RunContainerError", "no command and no entrypoint for the image",
                                    namespace)
             return
-        if argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
         argv = [mapped(a) for a in argv]
+        if argv[0] in ("python", "python3"):  # after mapping: the host's interpreter may live under /tmp
+            argv[0] = sys.executable
         cwd = mapped(container.get("workingDir") or "") or root
         try:
             popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -85,14 +85,16 @@ class BubblewrapRuntime(LocalChildRuntime):
                            extra_ro=self.extra_ro_paths)
         argv = [self._binary() or self.bwrap, *_NAMESPACE_FLAGS, "--hostname", "sandbox",
                 "--proc", "/proc", "--dev", "/dev"]
-        for src, dst in lay.ro_binds:
-            argv += ["--ro-bind", src, dst]
-        for target, dst in lay.symlinks:
-            argv += ["--symlink", target, dst]
+        # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
+        # host tree that lives under /tmp (a checkout or virtualenv there).
         for dst in lay.tmpfs:
             if dst == "/tmp" and spec.resources.disk_bytes:
                 argv += ["--size", str(spec.resources.disk_bytes)]
             argv += ["--tmpfs", dst]
+        for src, dst in lay.ro_binds:
+            argv += ["--ro-bind", src, dst]
+        for target, dst in lay.symlinks:
+            argv += ["--symlink", target, dst]
         for src, dst in lay.rw_binds:
             argv += ["--bind", src, dst]
         # The environment is bwrap's own (set exactly by Popen), not --clearenv/--setenv:
