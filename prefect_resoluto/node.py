@@ -35,9 +35,6 @@ from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
 log = logging.getLogger("prefect_resoluto.node")
 
 GUEST_WORKSPACE = "/workspace"
-# How often the runtime is asked for status while the tail is busy; status may be an
-# API call (Kubernetes), the conduit poll is the fast path.
-STATUS_INTERVAL = 0.2
 # Consecutive observations before "unstartable"/"gone" is believed (a pod may report
 # a transient ErrImagePull, a process may be between fork and exec).
 CONFIRMATIONS = 3
@@ -312,7 +309,7 @@ def drive_node(
             on_launch(handle)
         unstartable_seen = gone_seen = 0
         # Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a
-        # paid request), the runtime's status every STATUS_INTERVAL; a local conduit also
+        # paid request), the runtime's status every runtime.status_interval; a local conduit also
         # wakes the loop the moment an object lands.
         next_poll = next_status = time.monotonic()
         while True:
@@ -333,7 +330,7 @@ def drive_node(
                 break
             now = time.monotonic()
             if now >= next_status or tailer.result_seen:
-                next_status = now + STATUS_INTERVAL
+                next_status = now + runtime.status_interval
                 st = runtime.status(handle)
                 if st.phase == "running":
                     tailer.arm()

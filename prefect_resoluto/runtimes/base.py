@@ -216,6 +216,9 @@ class SandboxRuntime(ABC):
 
     #: Whether the sandbox can reach a local conduit directory (False for remote pods).
     supports_local_conduit: ClassVar[bool] = True
+    #: Seconds between status checks while a node runs. Cheap for a local child process;
+    #: an API call per sandbox on a cluster, where the conduit carries the fast path.
+    status_interval: ClassVar[float] = 0.2
     #: Whether the runtime can enforce a non-empty egress allowlist.
     supports_egress_allowlist: ClassVar[bool] = False
 

@@ -328,6 +328,8 @@ class KubernetesRuntime(SandboxRuntime):
     name: ClassVar[str] = "kubernetes"
     supports_local_conduit: ClassVar[bool] = False
     supports_egress_allowlist: ClassVar[bool] = True
+    # A pod's status is an API request: ask every 2 s and let the conduit carry the fast path.
+    status_interval: ClassVar[float] = 2.0
 
     def __init__(
         self,
