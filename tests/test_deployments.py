@@ -38,13 +38,17 @@ def cli_env(**extra: str) -> dict[str, str]:
 def test_blocks_register_from_the_cli_and_by_entry_point():
     from importlib.metadata import entry_points
 
+    from prefect.client.orchestration import get_client
+
     eps = [ep for ep in entry_points(group="prefect.collections") if ep.name == "prefect_resoluto"]
     assert eps and eps[0].load().SandboxBlock is SandboxBlock
+    # The session's server registered them on start, through the entry point (this is the
+    # first test of the session to touch blocks; a save would register its own type).
+    with get_client(sync_client=True) as c:
+        assert c.read_block_type_by_slug("resoluto-sandbox").slug == "resoluto-sandbox"
     proc = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_resoluto.blocks"],
                           env=cli_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from prefect.client.orchestration import get_client
-
     with get_client(sync_client=True) as c:
         for slug in ("resoluto-sandbox", "resoluto-local-conduit", "resoluto-s3-conduit"):
             assert c.read_block_type_by_slug(slug).slug == slug
