@@ -12,8 +12,10 @@ figure 1) run through a thread pool as wide as the task runner's, and
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,14 +30,28 @@ def bare_concurrency(n: int, width: int) -> dict[str, Any]:
     if not rt.availability().ok:
         return {"available": False}
     with scratch("flow-bare") as work:
-        launch, cleanup = bare_launcher("gvisor", rt, work)
+        # One bundle (and so one cgroup) per concurrent slot, as the runtime gives each sandbox.
+        launchers = [bare_launcher("gvisor", rt, work) for _ in range(width)]
+        free: queue.Queue[Callable[[], None]] = queue.Queue()
+        for launch, _ in launchers:
+            free.put(launch)
+
+        def one(_i: int) -> None:
+            launch = free.get()
+            try:
+                launch()
+            finally:
+                free.put(launch)
+
         try:
+            launch = launchers[0][0]
             launch()
             singles = [timed(launch)[0] for _ in range(3)]
             with ThreadPoolExecutor(max_workers=width) as pool:
-                wall, _ = timed(lambda: list(pool.map(lambda _i: launch(), range(n))))
+                wall, _ = timed(lambda: list(pool.map(one, range(n))))
         finally:
-            cleanup()
+            for _, cleanup in launchers:
+                cleanup()
     single = median(singles)
     return {"available": True, "single_s": r3(single), "wall_s": r3(wall), "width": width,
             "effective_concurrency": r3(n * single / wall)}

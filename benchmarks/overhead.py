@@ -62,8 +62,9 @@ def bare_launcher(name: str, rt: SandboxRuntime, work: Path) -> tuple[Callable[[
         def run_runsc() -> None:
             argv = list(prep.argv)
             argv[-1] = f"{spec.sandbox_id}-{next(counter)}"
-            subprocess.run(argv, env=prep.env, cwd=prep.cwd, check=True, stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL)
+            res = subprocess.run(argv, env=prep.env, cwd=prep.cwd, stdin=subprocess.DEVNULL, capture_output=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"bare runsc run failed ({res.returncode}): {res.stderr.decode(errors='replace')[-800:]}")
 
         def cleanup_runsc() -> None:
             from prefect_resoluto.runtimes import _cgroup
