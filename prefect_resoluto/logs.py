@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from guest_runner.redact import Redactor
@@ -66,7 +65,8 @@ class FlushPacer:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._dirty.wait(timeout=1.0):
-                time.sleep(self.interval)  # pace, not synchronisation: batch what arrives meanwhile
+                # Pace: let what arrives in the next interval join this batch (stop ends it early).
+                self._stop.wait(self.interval)
                 self._dirty.clear()
                 flush_api_logs()
 
