@@ -123,9 +123,9 @@ def new_span_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def _dumps(obj: Any) -> str:
-    # pydantic's model_dump_json in the reference: compact separators, UTF-8 kept as is.
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+# pydantic's model_dump_json in the reference: compact separators, UTF-8 kept as is.
+# One encoder for the process: json.dumps with options builds a new one per call.
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def make_event(
