@@ -128,13 +128,16 @@ def _link_stays_inside(root: Path, link_rel: str, target: str) -> bool:
     return resolved != ".." and not resolved.startswith("../") and not resolved.startswith("/")
 
 
-def _walk(root: Path, excludes: "frozenset[str]") -> List[Tuple[str, Path]]:
-    """(relative path, absolute path) of every entry to pack, sorted, never following links."""
+def _walk(root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = frozenset()) -> List[Tuple[str, Path]]:
+    """(relative path, absolute path) of every entry to pack, sorted, never following links.
+
+    ``excludes`` are names skipped anywhere; ``skip`` are relative paths skipped exactly."""
     entries: List[Tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if d not in excludes)
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in excludes and (f"{rel_dir}/{d}" if rel_dir else d) not in skip)
         for d in dirnames:
             entries.append((f"{rel_dir}/{d}" if rel_dir else d, Path(dirpath, d)))
         for f in sorted(filenames):
@@ -167,11 +170,14 @@ def pack(
     patterns: Optional[Sequence[str]] = None,
     excludes: Iterable[str] = DEFAULT_EXCLUDES,
     extra: Optional[Sequence[Tuple[str, bytes]]] = None,
+    skip: Iterable[str] = (),
 ) -> bytes:
     """Tar + gzip a directory (or only what ``patterns`` select) into bytes.
 
     Symlinks are stored as links only when they point inside the tree; others are
-    skipped, never followed. ``extra`` adds in-memory files (relative name, content).
+    skipped, never followed. ``extra`` adds in-memory files (relative name, content);
+    ``skip`` names relative directories to leave out (a conduit or outputs directory
+    that lives inside the workspace).
     """
     root_path = Path(root)
     if not root_path.is_dir():
@@ -181,7 +187,7 @@ def pack(
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=_GZIP_LEVEL, mtime=0) as gz:
         with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for rel, path in _walk(root_path, excl):
+            for rel, path in _walk(root_path, excl, frozenset(skip)):
                 if matcher is not None and matcher.match(rel) is None:
                     continue
                 try:

@@ -112,6 +112,9 @@ class NodeSpec:
     extra_inbox: dict[str, bytes] = field(default_factory=dict)
     #: Where declared outputs land on the host (default: a fresh temporary directory).
     outputs_dir: Path | None = None
+    #: Host directories never shipped with the workspace even when inside it (an outputs
+    #: root; the local conduit and ``outputs_dir`` are always left out).
+    workspace_skip: list[Path] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raises NodeSpecError for anything that would make the node unrunnable."""
@@ -274,7 +277,8 @@ def drive_node(
 
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
-        conduit.put(wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME), archive.pack(spec.workspace))
+        conduit.put(wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
+                    archive.pack(spec.workspace, skip=_nested_dirs(spec, conduit)))
     for name, data in spec.extra_inbox.items():
         conduit.put(wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
@@ -448,6 +452,26 @@ def _drain_after_exit(
         return "killed", st.reason or "killed by the substrate before writing a result"
     code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
     return "no_result", f"the sandbox exited{code} without writing _manifest.json"
+
+
+def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
+    """Our own directories inside the workspace (a local conduit, the outputs): shipping
+    them would make every node's inbox hold every earlier node's, growing without bound."""
+    assert spec.workspace is not None
+    ws = Path(spec.workspace).resolve()
+    nested = []
+    candidates = [conduit.root if isinstance(conduit, LocalConduit) else None, spec.outputs_dir,
+                  *spec.workspace_skip]
+    for d in candidates:
+        if d is None:
+            continue
+        try:
+            rel = Path(d).resolve().relative_to(ws)
+        except ValueError:
+            continue
+        if rel.parts:
+            nested.append(rel.as_posix())
+    return nested
 
 
 def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus) -> SandboxStatus:

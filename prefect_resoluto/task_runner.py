@@ -359,6 +359,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 image=cfg.image,
                 extra_inbox=dict(extra_inbox or {}),
                 outputs_dir=(cfg.outputs_dir or default_outputs_root()) / run_id / node_id,
+                workspace_skip=[cfg.outputs_dir or default_outputs_root()],
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,

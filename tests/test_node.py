@@ -204,3 +204,23 @@ def test_hostile_outbox_is_refused_and_earlier_data_kept(conduit, tmp_path):
     assert "outbox rejected" in outcome.reason and "'../../../evil.txt'" in outcome.reason
     assert not (tmp_path / "evil.txt").exists()
     assert wire.decode_result(conduit.get("run/run1/nodes/node1/result.json"))["status"] == "success"
+
+
+def test_a_conduit_and_outputs_inside_the_workspace_are_not_shipped(tmp_path):
+    """Otherwise every node's inbox would carry every earlier node's inbox."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "code.py").write_text("x = 1\n")
+    conduit = LocalConduit(ws / "conduit")
+    rt = get_runtime("process")
+    sizes = []
+    for i in range(3):
+        s = NodeSpec(run_id="run1", node_id=f"n{i}", argv=[sys.executable, "-c", "import os; print(sorted(os.listdir('.')))"],
+                     workspace=ws, outputs_dir=ws / "outputs" / f"n{i}", output_paths=["*.py"],
+                     workspace_skip=[ws / "outputs"])
+        events: list[dict] = []
+        outcome = drive_node(s, conduit, rt, min_isolation="none", on_event=events.append)
+        assert outcome.ok, outcome.describe()
+        assert "['code.py']" in [e.get("data", {}).get("line") for e in events]
+        sizes.append(len(conduit.get(f"run/run1/nodes/n{i}/inbox/workspace.tar.gz")))
+    assert sizes[0] == sizes[1] == sizes[2]
