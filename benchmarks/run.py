@@ -18,6 +18,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+# Nothing may leave this machine: Prefect's server would try to send usage telemetry.
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

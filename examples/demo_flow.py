@@ -13,9 +13,13 @@ import os
 import platform
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+# Prefect's ephemeral server would otherwise try to send usage telemetry off this machine.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
 
-from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options
+from prefect import flow, get_run_logger, task  # noqa: E402
+
+from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options  # noqa: E402
 
 TEXTS = {
     "hamlet": "To be, or not to be, that is the question",

@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Nothing may leave this machine: Prefect's server would try to send usage telemetry, and
+# every subprocess a test starts inherits this.
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
 SCHEMAS = ROOT / "schemas"
 
 from s3_fixtures import *  # noqa: E402,F401,F403
