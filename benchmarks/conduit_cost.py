@@ -41,21 +41,11 @@ SECRET = "bench-secret"
 def s3_endpoint():  # type: ignore[no-untyped-def]
     import logging
 
-    from moto.server import ThreadedMotoServer
-    from s3_fixtures import CountingProxy
+    from s3_fixtures import serve_s3
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log per request
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
-    assert host == "127.0.0.1", host
-    proxy = CountingProxy("127.0.0.1", port)
-    proxy.start()
-    try:
-        yield proxy, f"http://127.0.0.1:{port}"
-    finally:
-        proxy.stop()
-        moto.stop()
+    with serve_s3() as served:
+        yield served
 
 
 def _conduit(bucket: str, endpoint: str, key_id: str) -> S3Conduit:

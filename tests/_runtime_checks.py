@@ -11,12 +11,12 @@ import os
 import signal
 import socket
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from polling import wait_for  # noqa: F401  (re-exported to the runtime tests)
 
 from prefect_resoluto.runtimes.base import (
     LaunchError,
@@ -37,19 +37,6 @@ def require(rt: SandboxRuntime) -> SandboxRuntime:
     if not avail.ok:
         pytest.skip(f"{rt.name} is not available on this machine: {avail.why}")
     return rt
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(delay)  # polling interval, not synchronisation
-        delay = min(delay * 1.5, 0.2)
 
 
 def wait_terminal(rt: SandboxRuntime, h: SandboxHandle, timeout: float = 60.0) -> SandboxStatus:

@@ -49,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -591,16 +590,9 @@ class FakeKube:
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
         """Poll ``predicate`` until truthy (returns it) or fail after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(delay)  # polling interval, not synchronisation
-            delay = min(delay * 2, 0.1)
+        from polling import wait_for
+
+        return wait_for(predicate, timeout, what, first_delay=0.005, max_delay=0.1, growth=2)
 
     # -- scripted pod states ----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ Fixtures (``from s3_fixtures import *`` in a conftest or test module):
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -434,10 +435,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serve_s3() -> Iterator[tuple[CountingProxy, str]]:
+    """moto's S3 server on 127.0.0.1 behind the counting, fault-injecting proxy:
+    yields (proxy, moto's own URL). Shared by the fixtures and the benchmarks."""
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    assert host == "127.0.0.1", host
+    proxy = CountingProxy("127.0.0.1", port)
+    proxy.start()
+    try:
+        yield proxy, f"http://127.0.0.1:{port}"
+    finally:
+        proxy.stop()
+        moto.stop()
+
+
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
     pytest.importorskip("boto3")
-    moto_srv = pytest.importorskip("moto.server", reason="moto[server] is needed for S3 tests")
+    pytest.importorskip("moto.server", reason="moto[server] is needed for S3 tests")
     nowhere = tmp_path_factory.mktemp("aws") / "absent"
     with pytest.MonkeyPatch.context() as mp:
         # Fake credentials, and nothing that could send a request anywhere but 127.0.0.1.
@@ -469,21 +489,8 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
         mp.setenv("NO_PROXY", "127.0.0.1,localhost")
         mp.setenv("no_proxy", "127.0.0.1,localhost")
 
-        moto = moto_srv.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        moto.start()
-        host, port = moto.get_host_and_port()
-        assert host == "127.0.0.1", host
-        proxy = CountingProxy("127.0.0.1", port)
-        proxy.start()
-        try:
-            yield S3Endpoint(
-                endpoint_url=proxy.endpoint_url,
-                moto_endpoint_url=f"http://127.0.0.1:{port}",
-                proxy=proxy,
-            )
-        finally:
-            proxy.stop()
-            moto.stop()
+        with serve_s3() as (proxy, moto_url):
+            yield S3Endpoint(endpoint_url=proxy.endpoint_url, moto_endpoint_url=moto_url, proxy=proxy)
 
 
 @pytest.fixture

@@ -28,14 +28,6 @@ def spec(tmp_path: Path, argv: list[str], **kw) -> NodeSpec:
                     outputs_dir=tmp_path / "outputs", **kw)
 
 
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
 def test_happy_path_on_gvisor(gvisor, conduit, tmp_path, validate):
     ws = tmp_path / "ws"
     ws.mkdir()
