@@ -357,3 +357,18 @@ def tail_file(path: Path, lines: int, max_bytes: int = 1 << 20) -> str:
     if lines <= 0:
         return ""
     return "\n".join(text.splitlines()[-lines:]) + ("\n" if text.endswith("\n") else "")
+
+
+# --------------------------------------------------------------------------- network
+
+
+def add_network(lay: GuestLayout, net: Any, sandbox: Path) -> None:
+    """Give a guest its egress network's view: /etc/resolv.conf pointing at the run's
+    proxy, a minimal /etc/hosts, and the proxy variables (the guest's own env wins for
+    nothing here: these are the runtime's)."""
+    etc = sandbox / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "resolv.conf").write_text(net.resolv_conf)
+    (etc / "hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost\n")
+    lay.ro_binds += [(str(etc / "resolv.conf"), "/etc/resolv.conf"), (str(etc / "hosts"), "/etc/hosts")]
+    lay.env.update(net.env)

@@ -18,7 +18,7 @@ import threading
 import time
 from abc import abstractmethod
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from . import _cgroup
 from ._host import (
@@ -35,6 +35,8 @@ from ._host import (
     state_dir,
     tail_file,
 )
+from prefect_resoluto import egress
+
 from .base import (
     Availability,
     LaunchError,
@@ -45,6 +47,9 @@ from .base import (
     SandboxStatus,
 )
 
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import SandboxNetwork
+
 # Children are shared by every instance in this process: get_runtime() may hand out a
 # new instance per call, and status() must still see the Popen (and so the exit code).
 _CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
@@ -53,6 +58,8 @@ _TERMINAL: dict[tuple[str, str], SandboxStatus] = {}
 # Status of sandboxes destroyed by this process: the last terminal status, if seen.
 _DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
 _LOCK = threading.Lock()
+# Sandboxes with an egress network, by (runtime, sandbox id) -> run id.
+_NETWORKS: dict[tuple[str, str], str] = {}
 
 LIMIT_MODES = ("auto", "cgroup", "rlimit", "none")
 
@@ -90,8 +97,9 @@ class LocalChildRuntime(SandboxRuntime):
         """Probe the machine once (cached by availability())."""
 
     @abstractmethod
-    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
-        """Argv, env and cwd of the child for ``spec``; may write files under ``sandbox``."""
+    def _prepare(self, spec: LaunchSpec, sandbox: Path, net: SandboxNetwork | None = None) -> Prepared:
+        """Argv, env and cwd of the child for ``spec``; may write files under ``sandbox``.
+        With ``net`` the child must run in ``net.netns`` (see :func:`network_layout`)."""
 
     def _before_start(self, spec: LaunchSpec) -> None:
         """Host-side set-up right before the child starts (its record already exists)."""
@@ -160,8 +168,20 @@ class LocalChildRuntime(SandboxRuntime):
         except FileExistsError:
             raise LaunchError(f"a sandbox named {spec.sandbox_id!r} already exists in {self.state}") from None
         key = (self.name, spec.sandbox_id)
+        request = network_request_of(spec)
+        net: SandboxNetwork | None = None
         try:
-            prep = self._prepare(spec, d)
+            if request is not None:
+                try:
+                    net = egress.attach(request, spec.sandbox_id)
+                except (egress.netns.NetnsError, OSError) as e:
+                    raise LaunchError(f"{self.name}: cannot give sandbox {spec.sandbox_id!r} its egress "
+                                      f"network: {e}") from e
+                with _LOCK:
+                    _NETWORKS[key] = request.run_id
+            prep = self._prepare(spec, d, net)
+            if net is not None:
+                prep.extra["egress"] = {"run_id": request.run_id if request else "", "netns": net.netns}
             argv, cgrouped = prep.argv, False
             if prep.host_limits:
                 argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
@@ -194,6 +214,7 @@ class LocalChildRuntime(SandboxRuntime):
         )
 
     def _cleanup_failed_launch(self, sandbox_id: str, d: Path) -> None:
+        self._detach_network(sandbox_id, None)
         cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg:
             cg.remove()
@@ -285,11 +306,21 @@ class LocalChildRuntime(SandboxRuntime):
         cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg is not None:
             _drain_cgroup(cg)
+        self._detach_network(sandbox_id, rec)
         remove_tree(d)
         with _LOCK:
             # Keep the first destroy's verdict: a second destroy has nothing left to read.
             if key not in _DESTROYED and (proc is not None or rec is not None):
                 _DESTROYED[key] = final
+
+    def _detach_network(self, sandbox_id: str, rec: SandboxRecord | None) -> None:
+        with _LOCK:
+            run_id = _NETWORKS.pop((self.name, sandbox_id), None)
+        recorded = (rec.extra.get("egress") if rec is not None else None) or {}
+        if run_id is None and recorded:
+            run_id = str(recorded.get("run_id", ""))
+        if run_id is not None:
+            egress.detach(run_id, sandbox_id)
 
     def sweep(self, labels: dict[str, str]) -> int:
         n = 0
@@ -297,6 +328,8 @@ class LocalChildRuntime(SandboxRuntime):
             if labels_match(rec.labels, labels):
                 self._destroy(rec.id)
                 n += 1
+        if self.supports_egress_allowlist:
+            egress.sweep()  # namespaces of hosts that died before they could destroy
         return n
 
     def list_ids(self) -> list[str]:
@@ -305,6 +338,18 @@ class LocalChildRuntime(SandboxRuntime):
 
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
         return tail_file(sandbox_dir(self.state, handle.id) / LOG_NAME, tail)
+
+
+def network_request_of(spec: LaunchSpec) -> egress.NetworkRequest | None:
+    """The spec's network request; a bare ``egress`` list (a runtime used directly) becomes one."""
+    if spec.network is not None or not spec.egress:
+        return spec.network
+    run_id = spec.labels.get("resoluto.run-id", spec.sandbox_id)
+    node_id = spec.labels.get("resoluto.node-id", spec.sandbox_id)
+    try:
+        return egress.network_request(run_id, node_id, egress=spec.egress)
+    except egress.EgressPolicyError as e:
+        raise LaunchError(str(e)) from None
 
 
 def _feed(pipe: IO[bytes], data: bytes) -> None:

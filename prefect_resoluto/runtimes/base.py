@@ -118,6 +118,9 @@ class LaunchSpec:
     resources: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     egress: list[str] = field(default_factory=list)
+    #: A node's per-name allowlist (a ``prefect_resoluto.egress.NetworkRequest``) for runtimes
+    #: that enforce one on this host; None: the sandbox gets no interface but ``lo``.
+    network: Any = None
     image: str | None = None
     #: Replaces the runtime's way of starting the guest runner (tests, foreign guests).
     command: list[str] | None = None
@@ -221,6 +224,9 @@ class SandboxRuntime(ABC):
     status_interval: ClassVar[float] = 0.2
     #: Whether the runtime can enforce a non-empty egress allowlist.
     supports_egress_allowlist: ClassVar[bool] = False
+    #: Whether that allowlist is by name through the host's per-run proxy (local runtimes),
+    #: rather than by CIDR (Kubernetes NetworkPolicy).
+    egress_by_name: ClassVar[bool] = False
 
     def prepare(self, conduit: Any, run_id: str) -> None:  # noqa: B027 - optional hook
         """Called before each launch of a run; runtimes that stage per-run material
@@ -231,9 +237,23 @@ class SandboxRuntime(ABC):
         if not avail.ok:
             raise RuntimeUnavailable(f"runtime {self.name!r} is not available here: {avail.why}")
 
+    def egress_support(self) -> str:
+        """"" when this runtime can enforce an allowlist here, else why not (for ``doctor``)."""
+        if not self.supports_egress_allowlist:
+            return f"runtime {self.name!r} cannot enforce an egress allowlist (its sandboxes get no network)"
+        if self.egress_by_name:
+            from prefect_resoluto import egress
+
+            return egress.available()
+        return ""
+
     def check_spec(self, spec: LaunchSpec) -> None:
-        if spec.egress and not self.supports_egress_allowlist:
+        if (spec.egress or spec.network is not None) and not self.supports_egress_allowlist:
             raise LaunchError(
                 f"runtime {self.name!r} cannot enforce an egress allowlist; refusing to run "
                 f"with egress={spec.egress!r} (sandboxes here get no network at all)"
             )
+        if spec.network is not None and not self.egress_by_name:
+            raise LaunchError(
+                f"runtime {self.name!r} enforces egress by address (CIDR), not by name: per-name "
+                "allowlists, setup_egress and egress_forward need a local runtime")

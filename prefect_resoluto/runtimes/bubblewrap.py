@@ -17,11 +17,14 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from ._host import guest_layout
+from ._host import add_network, guest_layout
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchSpec
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import SandboxNetwork
 
 _NAMESPACE_FLAGS = (
     "--unshare-all",  # ipc, pid, net (only lo), uts, cgroup; user only if possible ...
@@ -35,6 +38,8 @@ _NAMESPACE_FLAGS = (
 
 class BubblewrapRuntime(LocalChildRuntime):
     name: ClassVar[str] = "bubblewrap"
+    supports_egress_allowlist: ClassVar[bool] = True
+    egress_by_name: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -79,11 +84,22 @@ class BubblewrapRuntime(LocalChildRuntime):
             return Availability(False, why=f"bwrap cannot create namespaces here: {res.stderr.strip()}")
         return Availability(True, detail=f"{version or 'bwrap'} at {exe}; {self.limits_detail()}")
 
-    def build_argv(self, spec: LaunchSpec, workspace: Path) -> tuple[list[str], dict[str, str]]:
-        """The bwrap command line and the sandbox env (public for tests and benchmarks)."""
+    def build_argv(self, spec: LaunchSpec, workspace: Path,
+                   net: SandboxNetwork | None = None) -> tuple[list[str], dict[str, str]]:
+        """The bwrap command line and the sandbox env (public for tests and benchmarks).
+
+        With an egress network bwrap starts inside its namespace and keeps it
+        (``--share-net``): the sandbox's root holds no capability over a namespace owned
+        by the host's user namespace, so it cannot change its routes or addresses."""
         lay = guest_layout(spec, python=self.python, workspace_host_dir=str(workspace),
                            extra_ro=self.extra_ro_paths)
-        argv = [self._binary() or self.bwrap, *_NAMESPACE_FLAGS, "--hostname", "sandbox",
+        prefix: list[str] = []
+        flags: tuple[str, ...] = _NAMESPACE_FLAGS
+        if net is not None:
+            add_network(lay, net, workspace.parent)
+            prefix = ["nsenter", f"--net=/run/netns/{net.netns}"]
+            flags = (*_NAMESPACE_FLAGS, "--share-net")
+        argv = [*prefix, self._binary() or self.bwrap, *flags, "--hostname", "sandbox",
                 "--proc", "/proc", "--dev", "/dev"]
         # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
         # host tree that lives under /tmp (a checkout or virtualenv there).
@@ -103,8 +119,8 @@ class BubblewrapRuntime(LocalChildRuntime):
         argv += ["--chdir", lay.cwd, "--setenv", "PWD", lay.cwd]
         return argv + ["--", *lay.argv], lay.env
 
-    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
+    def _prepare(self, spec: LaunchSpec, sandbox: Path, net: SandboxNetwork | None = None) -> Prepared:
         workspace = sandbox / "workspace"
         workspace.mkdir()
-        argv, env = self.build_argv(spec, workspace)
+        argv, env = self.build_argv(spec, workspace, net)
         return Prepared(argv=argv, env=env, cwd=str(sandbox))

@@ -24,10 +24,10 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import _cgroup
-from ._host import GuestLayout, SandboxRecord, guest_layout, labels_match
+from ._host import GuestLayout, SandboxRecord, add_network, guest_layout, labels_match
 from ._local import LocalChildRuntime, Prepared
 from .base import (
     Availability,
@@ -37,6 +37,9 @@ from .base import (
     SandboxHandle,
     SandboxStatus,
 )
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import SandboxNetwork
 
 LABEL_PREFIX = "io.resoluto.label/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -96,6 +99,8 @@ def _probe_run(exe: str, flags: tuple[str, ...]) -> str:
 
 class GVisorRuntime(LocalChildRuntime):
     name: ClassVar[str] = "gvisor"
+    supports_egress_allowlist: ClassVar[bool] = True
+    egress_by_name: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -168,8 +173,9 @@ class GVisorRuntime(LocalChildRuntime):
         return Availability(True, detail=f"{version} at {exe}; platform {platform} "
                             f"(available: {', '.join(platforms)}); {limits}")
 
-    def _global_flags(self, sandbox: Path | None = None) -> list[str]:
-        flags = [f"--root={self.state / 'runsc-root'}", f"--platform={self._platform()}", "--network=none"]
+    def _global_flags(self, sandbox: Path | None = None, network: bool = False) -> list[str]:
+        flags = [f"--root={self.state / 'runsc-root'}", f"--platform={self._platform()}",
+                 "--network=sandbox" if network else "--network=none"]
         if self._ignore_cgroups():
             flags.append("--ignore-cgroups")
         if self.debug and sandbox is not None:
@@ -184,8 +190,9 @@ class GVisorRuntime(LocalChildRuntime):
 
     # ----------------------------------------------------------------- the bundle
 
-    def bundle_config(self, spec: LaunchSpec, lay: GuestLayout) -> dict[str, Any]:
-        """The OCI config.json for ``spec`` (public for tests)."""
+    def bundle_config(self, spec: LaunchSpec, lay: GuestLayout, netns: str | None = None) -> dict[str, Any]:
+        """The OCI config.json for ``spec`` (public for tests). With ``netns`` the sandbox
+        joins that prepared namespace; without, runsc makes an empty one."""
         r = spec.resources
         mounts: list[dict[str, Any]] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -230,17 +237,20 @@ class GVisorRuntime(LocalChildRuntime):
             "mounts": mounts,
             "annotations": {LABEL_PREFIX + k: v for k, v in spec.labels.items()},
             "linux": {
-                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "namespaces": [{"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network" else {})}
+                               for t in ("pid", "network", "ipc", "uts", "mount")],
                 "resources": resources,
                 "cgroupsPath": f"/{_cgroup.PARENT}/{self._cgroup_name(spec.sandbox_id)}",
             },
         }
 
-    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
+    def _prepare(self, spec: LaunchSpec, sandbox: Path, net: SandboxNetwork | None = None) -> Prepared:
         for k in spec.secret_env:
             if not _ENV_NAME.match(k):
                 raise LaunchError(f"secret variable name {k!r} is not a valid environment name")
         lay = guest_layout(spec, python=self.python, extra_ro=self.extra_ro_paths)
+        if net is not None:
+            add_network(lay, net, sandbox)
         bundle = sandbox / "bundle"
         rootfs = bundle / "rootfs"
         rootfs.mkdir(parents=True)
@@ -259,9 +269,12 @@ class GVisorRuntime(LocalChildRuntime):
         for d in ("proc", "dev", "sys"):
             (rootfs / d).mkdir(exist_ok=True)
         cfg = bundle / "config.json"
-        cfg.write_text(json.dumps(self.bundle_config(spec, lay), indent=1))
+        cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None), indent=1))
         exe = self._binary() or self.runsc
-        argv = [exe, *self._global_flags(sandbox), "run", f"--bundle={bundle}", spec.sandbox_id]
+        argv = [exe, *self._global_flags(sandbox, network=net is not None), "run", f"--bundle={bundle}",
+                spec.sandbox_id]
+        if net is not None:
+            argv = netns_argv(net.netns, argv)
         # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
         secrets = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in spec.secret_env.items())
         return Prepared(argv=argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd=str(sandbox),
@@ -321,6 +334,19 @@ class GVisorRuntime(LocalChildRuntime):
                 self._destroy(c["id"])
                 n += 1
         return n
+
+
+def netns_argv(netns: str, argv: list[str]) -> list[str]:
+    """``argv`` (a ``runsc ... run``) started inside ``netns`` with gVisor's own network stack.
+
+    runsc takes the sandbox's interfaces from the namespace it runs in, and refuses to
+    start its netstack when ``/proc/sys/net/core/rmem_default`` exists, which it reads as
+    "this is the root namespace" — on kernels >= 6.x the file exists in every namespace
+    (google/gvisor#10704). So: a private mount namespace where that directory is an
+    empty tmpfs (see docs/security.md)."""
+    # nsenter, not `ip netns exec`: that one remounts /sys, hiding the cgroup tree runsc needs.
+    return ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--mount", "sh", "-c",
+            'mount -t tmpfs none /proc/sys/net/core && exec "$@"', "sh", *argv]
 
 
 def _runsc_failed(log: str) -> bool:

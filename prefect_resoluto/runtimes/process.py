@@ -42,7 +42,7 @@ class ProcessRuntime(LocalChildRuntime):
             return Availability(False, why=f"python interpreter {self.python!r} is not executable")
         return Availability(True, detail=f"python {self.python}; {self.limits_detail()}")
 
-    def _prepare(self, spec: LaunchSpec, sandbox: Path) -> Prepared:
+    def _prepare(self, spec: LaunchSpec, sandbox: Path, net: object = None) -> Prepared:
         workspace = sandbox / "workspace"
         home = sandbox / "home"
         workspace.mkdir()
