@@ -16,6 +16,10 @@ RESOLUTO_SETUP_ARGV        JSON list, optional: runs before the workload
 RESOLUTO_CLEANUP_ARGV      JSON list, optional: runs last, even after a failure
 RESOLUTO_SECRET_ENV        JSON list of variable names whose values are redacted
 RESOLUTO_HEARTBEAT_INTERVAL  seconds of quiet before a heartbeat record (default 10)
+RESOLUTO_EGRESS_PROXY      with an allowlist: the run's proxy (``addr:port``)
+RESOLUTO_EGRESS_CANARY     JSON list of ``host:port`` that must be unreachable
+RESOLUTO_EGRESS_PHASES     JSON list: ``["setup", "workload"]`` when setup has its own
+RESOLUTO_EGRESS_CANARY_WORKLOAD  JSON list: setup-only names, refused after the switch
 =========================  ==================================================
 
 Exit status is 0 exactly when the workload succeeded.
@@ -60,6 +64,9 @@ class NodeConfig:
         self.output_paths = _str_list(env, "RESOLUTO_OUTPUT_PATHS") or []
         user_env = _str_list(env, "RESOLUTO_USER_ENV") or []
         self.child_env = {k: v for k, v in env.items() if k not in _RUNNER_ONLY_ENV or k in user_env}
+        self.egress = bool(env.get("RESOLUTO_EGRESS_PROXY"))
+        self.egress_phases = _str_list(env, "RESOLUTO_EGRESS_PHASES") or ["workload"]
+        self.env = dict(env)
         # Python children flush line by line, so a print() reaches the conduit at once.
         self.child_env.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -100,11 +107,12 @@ def _log_record(line: str) -> Optional[Dict[str, str]]:
 
 
 def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[str],
-                   env: Dict[str, str]) -> int:
-    """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code."""
+                   env: Dict[str, str], own_group: bool = False) -> int:
+    """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code.
+    ``own_group``: in its own process group, all of which is killed when it exits."""
     try:
         proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=own_group,
             # Buffered: readline() then takes whole lines out of each read(2) instead of one
             # byte per system call, and still returns as soon as a newline is available.
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1,
@@ -130,6 +138,13 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
                     continue
             span.log(line)
     rc = proc.wait()
+    if own_group:
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what it left running must not outlive its phase
+        except OSError:
+            pass
     if rc < 0:
         span.log(f"{argv[0]} was killed by signal {-rc}")
         rc = 128 - rc
@@ -160,14 +175,29 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
                     staged += 1
             node.log(f"staged {staged} input archive(s) -> {workspace}")
             ok = True
-            if cfg.setup_argv:
+            phased = cfg.egress and "setup" in cfg.egress_phases
+            if cfg.egress:
+                ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY")
+            if ok and cfg.setup_argv:
                 with shipper.span(node.span_id, "setup", "setup", {"argv": cfg.setup_argv}) as sp:
-                    src = _exec_streamed(shipper, sp, cfg.setup_argv, workspace, cfg.child_env)
+                    src = _exec_streamed(shipper, sp, cfg.setup_argv, workspace, cfg.child_env,
+                                         own_group=bool(phased))
                 if src != 0:
                     ok = False
                     result.update(status="failure", exit_code=src,
                                   reason=f"setup command exited {src}; workload skipped")
                     node.log(f"setup failed (exit {src}); skipping workload")
+            if ok and phased:
+                from guest_runner import egress
+
+                why = egress.switch_to_workload(cfg.env)
+                if why:
+                    ok = False
+                    result.update(status="failure", exit_code=None, reason=why)
+                    node.log(why, level="ERROR")
+                else:
+                    node.log("egress: switched to the workload allowlist")
+                    ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY_WORKLOAD")
             if ok:
                 with shipper.span(node.span_id, "workload", cfg.node_id, {"argv": cfg.argv}) as sp:
                     rc = _exec_streamed(shipper, sp, cfg.argv, workspace, cfg.child_env)
@@ -201,6 +231,20 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
             except Exception as e:  # cleanup must never mask the workload's verdict
                 shipper.log("", f"cleanup failed: {type(e).__name__}: {e}")
     return result
+
+
+def _egress_check(node: Span, result: Dict[str, object], env: Mapping[str, str], name: str) -> bool:
+    """The fail-closed canary; False (and the result filled in) when egress is open."""
+    from guest_runner import egress
+
+    why, checked = egress.canary(env, name)
+    if why:
+        result.update(status="failure", exit_code=None, reason=why)
+        node.log(f"{why}; the workload was not run", level="ERROR")
+        return False
+    if checked:
+        node.log(f"egress canary: {checked} destination(s) outside the allowlist unreachable, as required")
+    return True
 
 
 def _is_archive_error(e: BaseException) -> bool:

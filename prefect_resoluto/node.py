@@ -9,6 +9,7 @@ from the guest.
 from __future__ import annotations
 
 import logging
+import queue
 import tempfile
 import time
 import uuid
@@ -83,6 +84,14 @@ class ProtocolError(InfrastructureError):
     """The guest's objects break the wire contract (malformed chunk, gap, bad result)."""
 
 
+class EgressNotEnforced(InfrastructureError):
+    """The guest's canary reached a destination outside the allowlist: the workload never ran."""
+
+
+#: How the guest's fail-closed canary words its verdict (guest_runner.egress).
+EGRESS_NOT_ENFORCED = "egress is not enforced"
+
+
 FAILURE_TYPES: dict[str, type[NodeFailure]] = {
     "workload": WorkloadFailed,
     "unstartable": SandboxUnstartable,
@@ -90,6 +99,7 @@ FAILURE_TYPES: dict[str, type[NodeFailure]] = {
     "killed": SandboxKilled,
     "no_result": NoResult,
     "protocol": ProtocolError,
+    "egress": EgressNotEnforced,
 }
 
 
@@ -104,7 +114,17 @@ class NodeSpec:
     secret_env: dict[str, str] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
+    #: Names the workload may reach (``api.example.com``, ``*.example.com``, ``host:8443``).
     egress: list[str] = field(default_factory=list)
+    #: The setup step's own allowlist (None: the same as ``egress``); the proxy switches
+    #: to ``egress`` before the workload starts, without restarting the sandbox.
+    setup_egress: list[str] | None = None
+    #: Name -> address pins for allowlisted names, like ``curl --resolve``.
+    egress_resolve: dict[str, str] = field(default_factory=dict)
+    #: ``"name:port"`` the sandbox dials -> one host ``"127.0.0.1:port"`` (e.g. the Prefect API).
+    egress_forward: dict[str, str] = field(default_factory=dict)
+    #: Destinations the guest checks are unreachable before the workload (default: egress.DEFAULT_CANARY).
+    egress_canary: list[str] | None = None
     image: str | None = None
     setup_argv: list[str] | None = None
     cleanup_argv: list[str] | None = None
@@ -132,6 +152,18 @@ class NodeSpec:
         for k in list(self.env) + list(self.secret_env):
             if not k or "=" in k or "\x00" in k:
                 raise NodeSpecError(f"invalid environment variable name {k!r}")
+
+    def network_request(self) -> Any:
+        """The node's per-name egress request (None: no network), for local runtimes."""
+        from prefect_resoluto import egress
+
+        try:
+            return egress.network_request(
+                self.run_id, self.node_id, egress=self.egress, setup_egress=self.setup_egress,
+                resolve=self.egress_resolve, forward=self.egress_forward, has_setup=bool(self.setup_argv),
+                canary=self.egress_canary)
+        except egress.EgressPolicyError as e:
+            raise NodeSpecError(str(e)) from None
 
 
 @dataclass
@@ -179,6 +211,7 @@ class NodeOutcome:
             "killed": "was killed by the sandbox substrate",
             "no_result": "ended without a result",
             "protocol": "broke the wire protocol",
+            "egress": "was stopped before its workload",
         }.get(self.failure or "", "failed")
         code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
         msg = f"node {self.node_id} {what} on {self.runtime}{code}: {self.reason or 'no reason given'}"
@@ -269,6 +302,10 @@ def drive_node(
     redactor = Redactor(spec.secret_env.values())
 
     launch = launch_spec(spec, conduit)
+    if runtime.egress_by_name:
+        launch.network = spec.network_request()
+    elif spec.setup_egress or spec.egress_forward:
+        launch.network = spec.network_request()  # refused by check_spec below, with the reason
     if runtime.supports_local_conduit:
         # A sandbox on this host reaches the store with the host's own credentials; the
         # guest runner keeps them from the workload. Remote runtimes mint their own.
@@ -287,6 +324,13 @@ def drive_node(
 
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
     events = 0
+    # The proxy's decisions arrive on its threads; they are delivered from this one.
+    egress_queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    egress_events: list[dict[str, Any]] = []
+    if launch.network is not None:
+        from prefect_resoluto import egress as _egress
+
+        _egress.listen(spec.run_id, spec.node_id, egress_queue.put)
 
     def deliver(ev: dict[str, Any]) -> None:
         nonlocal events
@@ -295,6 +339,15 @@ def drive_node(
             if redactor.count:
                 ev["data"] = redactor.data(ev.get("data") or {})
             on_event(ev)
+
+    def deliver_egress() -> None:
+        while True:
+            try:
+                ev = egress_queue.get_nowait()
+            except queue.Empty:
+                return
+            egress_events.append(ev)
+            deliver(ev)
 
     failure: str | None = None
     reason = ""
@@ -357,6 +410,7 @@ def drive_node(
                 reason = (f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
                           "the sandbox is presumed dead")
                 break
+            deliver_egress()
             if tailer.wait(min(next_poll, next_status) - time.monotonic()):
                 next_poll = 0.0  # something landed: read it now
         if failure is not None and failure != "workload" and handle is not None:
@@ -372,6 +426,10 @@ def drive_node(
                 runtime.destroy(handle)
             except Exception as e:  # reaping must not hide the real outcome
                 log.warning("could not destroy sandbox %s: %s", handle.id, e)
+        if launch.network is not None:
+            _egress.unlisten(spec.run_id, spec.node_id)
+            deliver_egress()
+            _save_egress_events(conduit, spec, egress_events)
     timings["finish"] = time.monotonic() - t0
     if tailer.first_event_at is not None:
         timings["first_event"] = tailer.first_event_at - t0
@@ -387,6 +445,8 @@ def drive_node(
             if status != "success":
                 failure = "workload"
                 reason = result.get("reason") or f"workload exited with code {exit_code}"
+                if launch.network is not None and reason.startswith(EGRESS_NOT_ENFORCED):
+                    failure = "egress"
         except ObjectNotFound:
             failure, reason = "no_result", "the sandbox wrote a manifest but no result.json"
         except wire.WireError as e:
@@ -428,6 +488,20 @@ def drive_node(
 
 class _Stop(Exception):
     pass
+
+
+def egress_events_key(run_id: str, node_id: str) -> str:
+    """Where the host keeps a node's proxy decisions: outside the node's prefix, which
+    the guest may write, so the guest can neither forge nor erase them."""
+    return f"run/{run_id}/egress/{node_id}.jsonl"
+
+
+def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, Any]]) -> None:
+    try:
+        conduit.put(egress_events_key(spec.run_id, spec.node_id),
+                    "".join(wire.encode_event(ev) + "\n" for ev in evs).encode())
+    except (ConduitError, wire.WireError, TypeError, ValueError) as e:
+        log.warning("could not store the egress decisions of node %s: %s", spec.node_id, e)
 
 
 def _drain_after_exit(
