@@ -7,7 +7,7 @@ is what a scheduled deployment uses: ``ResolutoTaskRunner(sandbox="my-sandbox")`
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from prefect.blocks.core import Block
 from prefect.types import SecretDict
@@ -99,7 +99,15 @@ def my_flow(): ...
     secret_env: SecretDict = Field(
         default_factory=lambda: SecretDict({}),
         description="Secret environment: masked here, redacted from every log line.")
-    egress: list[str] = Field(default_factory=list, description="Egress allowlist (runtimes that enforce one).")
+    egress: list[str] = Field(default_factory=list, description=(
+        "Egress allowlist: names (api.example.com, *.example.com, host:8443) on local runtimes, CIDRs on "
+        "Kubernetes. Empty: no network at all."))
+    egress_resolve: dict[str, str] = Field(
+        default_factory=dict, description="Pin allowlisted names to addresses (HOST -> IP), like curl --resolve.")
+    setup_egress: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
+        None, description="The setup command's own allowlist (e.g. a package index); the workload's is egress.")
+    setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
+        None, description="A command run in the sandbox before each task (e.g. pip install ...).")
     conduit: Union[LocalConduitBlock, S3ConduitBlock, None] = Field(  # noqa: UP007 - pydantic union
         None, description="Conduit; empty: a local directory under the user's cache.")
     # Kubernetes runtime settings
@@ -142,6 +150,9 @@ def my_flow(): ...
             cpus=self.cpus,
             image=self.image,
             egress=list(self.egress),
+            egress_resolve=dict(self.egress_resolve),
+            setup_egress=list(self.setup_egress) if self.setup_egress is not None else None,
+            setup_argv=list(self.setup_argv) if self.setup_argv else None,
             min_isolation=self.min_isolation,
             silence_window=self.silence_window,
             infrastructure_retries=self.infrastructure_retries,

@@ -322,9 +322,14 @@ def plan_node(args: argparse.Namespace, *, for_render: bool = False) -> RunPlan:
         run_id=run_id, node_id=node_id, argv=argv, workspace=workspace, output_paths=outputs,
         env=env, secret_env=secret_env, resources=Resources(memory_bytes=memory, cpus=cpus),
         labels={**labels, LABEL_SOURCE: "cli"}, image=args.image, outputs_dir=outputs_dir,
+        egress=list(args.egress or []), egress_resolve=_parse_pairs(args.egress_resolve, "--egress-resolve"),
+        setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
+        setup_argv=["sh", "-c", args.setup] if args.setup else None,
     )
     try:
         spec.validate()
+        if runtime.egress_by_name:
+            spec.network_request()
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     if not for_render:
@@ -648,6 +653,7 @@ def doctor_report() -> dict[str, Any]:
             r["why"] = f"probe failed: {type(e).__name__}: {e}"
             return r
         r.update(available=avail.ok, why=avail.why, detail=avail.detail)
+        r["egress"] = _egress_row(rt) if avail.ok else {"enforced": False, "why": "runtime not available"}
         return r
 
     for name, options in entries:
@@ -682,6 +688,23 @@ def doctor_report() -> dict[str, Any]:
     }
 
 
+def _egress_row(rt: SandboxRuntime) -> dict[str, Any]:
+    """Whether ``rt`` can enforce an allowlist here, how, and if not why not."""
+    try:
+        why = rt.egress_support()
+    except Exception as e:  # a probe must never take doctor down
+        why = f"probe failed: {type(e).__name__}: {e}"
+    if why:
+        return {"enforced": False, "why": why}
+    if rt.egress_by_name:
+        how = "by name: per-run proxy (CONNECT + SNI/Host + DNS), host-side; IMDS and private ranges refused"
+        extra = getattr(rt, "egress_detail", None)
+        detail = f"{how}; runsc netstack: {extra()}" if callable(extra) else how
+    else:
+        detail = "by CIDR: a NetworkPolicy per pod (cannot filter by name); IMDS always refused"
+    return {"enforced": True, "detail": detail}
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     report = doctor_report()
     if args.json:
@@ -693,6 +716,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for r in rows:
         info = r["detail"] if r["available"] else r["why"]
         print(f"{r['label']:<{w}}{r['isolation'] or '?':<13}{'yes' if r['available'] else 'no':<11}{info}")
+    print()
+    print("egress allowlists (--egress), per runtime:")
+    for r in rows:
+        eg = r.get("egress") or {"enforced": False, "why": r["why"] or "not checked"}
+        info = eg.get("detail", "") if eg["enforced"] else eg["why"]
+        print(f"  {r['label']:<{w}}{'enforced' if eg['enforced'] else 'no':<10}{info}")
     print()
     print("`run` picks, by --min-isolation floor:")
     for p in report["picks"]:
@@ -783,6 +812,25 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
     if rep.total_chunks is not None and rep.total_chunks != len(rep.chunks):
         raise ReplayError(f"{wire.manifest_key(rep.prefix)} declares {rep.total_chunks} chunk(s) but "
                           f"{len(rep.chunks)} exist")
+
+
+def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict[str, Any]]:
+    """The proxy's decisions for a node (written by the host, outside the node's prefix)."""
+    from guest_runner import wire
+    from guest_runner.conduit import ConduitError, ObjectNotFound
+    from prefect_resoluto.node import egress_events_key
+
+    try:
+        raw = conduit.get(egress_events_key(run_id, node_id))
+    except (ObjectNotFound, ConduitError):
+        return []
+    out = []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            out.append(wire.decode_event(line))
+        except wire.WireError:
+            continue
+    return out
 
 
 def read_result(conduit: Conduit, prefix: str) -> dict[str, Any] | None:
@@ -897,10 +945,15 @@ def cmd_events(args: argparse.Namespace) -> int:
         error = str(e)
     except ConduitError as e:
         error = f"conduit {conduit.url}: {e}"
+    egress_events = read_egress_events(conduit, args.run_id, args.node_id)
+    if egress_events and not args.json:
+        print(f"-- egress decisions by the run's proxy (host side): {len(egress_events)}")
+        for ev in egress_events:
+            printer(ev)
     if args.json:
         print(json.dumps({
             "run_id": args.run_id, "node_id": args.node_id, "conduit": conduit.url,
-            "prefix": rep.prefix if rep else None, "events": events,
+            "prefix": rep.prefix if rep else None, "events": events, "egress": egress_events,
             "chunks": len(rep.chunks) if rep else 0, "total_chunks": rep.total_chunks if rep else None,
             "result": result, "outbox": rep.outbox if rep else [], "error": error or None,
         }))
@@ -1004,6 +1057,14 @@ def _node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--silence-window", type=float, metavar="S",
                    help="seconds without any event (not even a heartbeat) before the sandbox is presumed dead "
                    "(default 600)")
+    p.add_argument("--egress", action="append", metavar="HOST",
+                   help="allowlist a name the sandbox may reach (repeatable): api.example.com, "
+                        "*.example.com, host:8443 (default ports 443 and 80); without it: no network")
+    p.add_argument("--egress-resolve", action="append", metavar="HOST=IP",
+                   help="pin an allowlisted name to an address (like curl --resolve; repeatable)")
+    p.add_argument("--setup", metavar="SHELL", help="a shell command run in the sandbox before the command")
+    p.add_argument("--setup-egress", action="append", metavar="HOST",
+                   help="the --setup command's own allowlist (repeatable); the command gets --egress")
     p.add_argument("--outputs-dir", metavar="DIR", help="where outputs land (default ./resoluto-outputs/<node-id>)")
     p.add_argument("--run-id", metavar="ID", help="run id (default: a fresh random id)")
     p.add_argument("--node-id", metavar="ID", help="node id (default: cli-<random>)")

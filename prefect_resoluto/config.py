@@ -50,6 +50,10 @@ class SandboxConfig:
     cpus: str | float | None = None
     image: str | None = None
     egress: list[str] = field(default_factory=list)
+    #: The setup step (``setup_argv``) may reach these instead; see NodeSpec.setup_egress.
+    setup_egress: list[str] | None = None
+    setup_argv: list[str] | None = None
+    egress_resolve: dict[str, str] = field(default_factory=dict)
     min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION
     silence_window: float = DEFAULT_SILENCE_WINDOW
     infrastructure_retries: int = 1
@@ -79,7 +83,7 @@ class SandboxConfig:
                 continue
             if k not in {f.name for f in dataclasses.fields(self)}:
                 raise TypeError(f"unknown sandbox option {k!r}")
-            if k in ("env", "secret_env", "runtime_options"):
+            if k in ("env", "secret_env", "runtime_options", "egress_resolve"):
                 v = {**getattr(self, k), **v}
             merged[k] = v
         return dataclasses.replace(self, **merged)

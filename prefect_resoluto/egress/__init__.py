@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import netns, proxy
-from .policy import DEFAULT_PORTS, EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port
+from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port
 
 __all__ = [
     "EgressPolicyError", "NetworkRequest", "SandboxNetwork", "attach", "build_policy", "detach", "listen",
@@ -167,4 +167,4 @@ def sweep() -> int:
     return netns.sweep()
 
 
-_ = DEFAULT_PORTS
+

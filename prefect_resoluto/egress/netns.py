@@ -21,7 +21,6 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,7 +87,7 @@ def entered(name: str | None) -> Iterator[None]:
     if not name:
         yield
         return
-    own = os.open(f"/proc/thread-self/ns/net", os.O_RDONLY)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     target = os.open(NETNS_DIR / name, os.O_RDONLY)
     try:
         _setns(target)
@@ -244,4 +243,4 @@ def _short(run_id: str) -> str:
     return hashlib.sha256(run_id.encode()).hexdigest()[:8]
 
 
-_lock = threading.Lock()
+

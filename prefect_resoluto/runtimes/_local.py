@@ -20,6 +20,8 @@ from abc import abstractmethod
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from prefect_resoluto import egress
+
 from . import _cgroup
 from ._host import (
     LOG_NAME,
@@ -35,8 +37,6 @@ from ._host import (
     state_dir,
     tail_file,
 )
-from prefect_resoluto import egress
-
 from .base import (
     Availability,
     LaunchError,

@@ -62,7 +62,27 @@ def _probe(exe: str) -> tuple[str, tuple[str, ...]]:
 
 
 @functools.lru_cache(maxsize=8)
-def _probe_run(exe: str, flags: tuple[str, ...]) -> str:
+def _probe_network(exe: str, flags: tuple[str, ...]) -> str:
+    """Whether runsc's own network stack starts in a prepared namespace here: "" if so,
+    else why not. Says whether the rmem_default workaround was needed."""
+    name = f"rsl-s-probe-{os.getpid()}-{os.urandom(3).hex()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    try:
+        needed = subprocess.run(["nsenter", f"--net=/run/netns/{name}", "test", "-e",
+                                 "/proc/sys/net/core/rmem_default"], timeout=30).returncode == 0
+        failure = _probe_run(exe, (*flags, "--network=sandbox"), name)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    if failure:
+        return f"runsc cannot start its network stack in a prepared namespace: {failure}"
+    return "ok: " + ("needs the rmem_default workaround (google/gvisor#10704) and it works" if needed
+                     else "no workaround needed")
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_run(exe: str, flags: tuple[str, ...], netns: str | None = None) -> str:
     """Start one real sandbox running /usr/bin/true; "" on success, else runsc's complaint.
 
     Cached per process: a runsc that is installed but cannot start sandboxes here (no
@@ -81,13 +101,18 @@ def _probe_run(exe: str, flags: tuple[str, ...]) -> str:
             "root": {"path": "rootfs", "readonly": True},
             "mounts": [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
                        {"destination": "/proc", "type": "proc", "source": "proc"}],
-            "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]},
+            "linux": {"namespaces": [{"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network"
+                                                     else {})}
+                                     for t in ("pid", "network", "ipc", "uts", "mount")]},
         }
         Path(tmp, "config.json").write_text(json.dumps(cfg))
         cid = f"probe-{os.getpid()}-{os.urandom(4).hex()}"
-        base = [exe, f"--root={tmp}/root", "--network=none", "--ignore-cgroups", *flags]
+        base = [exe, f"--root={tmp}/root", "--ignore-cgroups", *flags]
+        if "--network=sandbox" not in flags:
+            base.insert(2, "--network=none")
+        cmd = [*base, "run", f"--bundle={tmp}", cid]
         try:
-            res = subprocess.run([*base, "run", f"--bundle={tmp}", cid], capture_output=True, text=True,
+            res = subprocess.run(netns_argv(netns, cmd) if netns else cmd, capture_output=True, text=True,
                                  timeout=20, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             res = None
@@ -187,6 +212,18 @@ class GVisorRuntime(LocalChildRuntime):
         exe = self._binary() or self.runsc
         return subprocess.run([exe, *self._global_flags(), *args], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def egress_support(self) -> str:
+        why = super().egress_support() or self.availability().why
+        if why:
+            return why
+        exe = self._binary() or self.runsc
+        verdict = _probe_network(exe, (f"--platform={self._platform()}", *self.runsc_flags))
+        return "" if verdict.startswith("ok") else verdict
+
+    def egress_detail(self) -> str:
+        exe = self._binary() or self.runsc
+        return _probe_network(exe, (f"--platform={self._platform()}", *self.runsc_flags)).removeprefix("ok: ")
 
     # ----------------------------------------------------------------- the bundle
 
