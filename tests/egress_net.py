@@ -64,23 +64,43 @@ def make_cert(d: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+#: ``GET /wait/<key>`` blocks until the test sets GATES[key]: a task can hold a node open
+#: at a known point (and the test knows it got there: ARRIVED) without any sleep.
+GATES: dict[str, threading.Event] = {}
+ARRIVED: list[str] = []
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args: object) -> None:
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:
+            pass  # a client killed mid-answer (the SIGKILL test) is not a server error
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         local = self.connection.getsockname()[0]
+        if self.path.startswith("/wait/"):
+            key = self.path.split("/")[2]
+            ARRIVED.append(key)
+            GATES.setdefault(key, threading.Event()).wait(120)
+            self.close_connection = True
         if self.path.startswith("/bytes/"):
             n = int(self.path.split("/")[2])
             self.send_response(200)
             self.send_header("Content-Length", str(n))
             self.end_headers()
             chunk = b"x" * (1 << 20)
-            while n > 0:
-                self.wfile.write(chunk[:min(n, len(chunk))])
-                n -= len(chunk)
+            try:
+                while n > 0:
+                    self.wfile.write(chunk[:min(n, len(chunk))])
+                    n -= len(chunk)
+            except OSError:
+                pass  # the client went away
             return
         body = f"hello from {local} host={self.headers.get('Host', '')} path={self.path}\n".encode()
         self.send_response(200)

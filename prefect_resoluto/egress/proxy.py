@@ -89,6 +89,7 @@ class RunProxy:
         self._nodes: dict[str, Attachment] = {}  # by sandbox address
         self._by_sandbox: dict[str, Attachment] = {}
         self._listeners: dict[int, socket.socket] = {}
+        self._reserved: set[int] = set()
         self._udp: socket.socket | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -155,13 +156,20 @@ class RunProxy:
     # ----------------------------------------------------------------- sandboxes
 
     def attach(self, sandbox_id: str, node_id: str, policy: NodePolicy, sink: Sink | None = None) -> Attachment:
-        with self._lock:
-            used = {a.slot for a in self._by_sandbox.values()}
+        with self._lock:  # the slot is taken at once: concurrent attaches get distinct ones
+            used = {a.slot for a in self._by_sandbox.values()} | self._reserved
             slot = next(i for i in range(len(used) + 1) if i not in used)
-        name, gateway, address = netns.create_sandbox_namespace(self.run_id, sandbox_id, self.netns, slot)
+            self._reserved.add(slot)
+        try:
+            name, gateway, address = netns.create_sandbox_namespace(self.run_id, sandbox_id, self.netns, slot)
+        except Exception:
+            with self._lock:
+                self._reserved.discard(slot)
+            raise
         att = Attachment(sandbox_id, node_id, policy, sink, slot, name, gateway, address,
                          phase=policy.phases.first)
         with self._lock:
+            self._reserved.discard(slot)
             self._by_sandbox[sandbox_id] = att
             self._nodes[address] = att
         for port in sorted(policy.ports()):

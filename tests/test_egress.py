@@ -1,0 +1,632 @@
+"""Egress allowlists on local sandboxes, end to end, against test hosts in namespaces.
+
+Every packet stays on this machine: the test hosts live in network namespaces created
+here (tests/egress_net.py), the proxy dials from the test's uplink namespace
+(RESOLUTO_EGRESS_UPLINK_NETNS) and the canary targets are test hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import egress_net
+import pytest
+from polling import wait_for
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import egress
+from prefect_resoluto.egress import netns, proxy
+from prefect_resoluto.egress.policy import EgressPolicyError, build_policy, parse_forward, parse_rules, refusal
+from prefect_resoluto.node import NodeOutcome, NodeSpec, NodeSpecError, drive_node
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes.base import LaunchError, SandboxRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY = f"{egress_net.HOST2}:7,denied.example.test:443"
+
+pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}")
+
+
+# --------------------------------------------------------------------------- policy (pure)
+
+
+def test_rules_names_wildcards_ports() -> None:
+    policy = build_policy(["api.example.com", "*.githubusercontent.com", "git.example.org:8443"])
+    assert policy is not None
+    assert policy.allows("workload", "api.example.com", 443) and policy.allows("workload", "api.example.com", 80)
+    assert not policy.allows("workload", "api.example.com", 8443)
+    assert policy.allows("workload", "raw.githubusercontent.com", 443)
+    assert policy.allows("workload", "a.b.githubusercontent.com", 443)
+    assert not policy.allows("workload", "githubusercontent.com", 443)  # the suffix itself is not covered
+    assert not policy.allows("workload", "evilgithubusercontent.com", 443)
+    assert policy.allows("workload", "git.example.org", 8443) and not policy.allows("workload", "git.example.org", 443)
+    assert not policy.allows("workload", "api.example.com.evil.test", 443)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("198.18.0.2", "IP address"), ("api.example.com:99999", "port"), ("*.com", "two labels"),
+    ("bad host", "not a host name"), ("", "non-empty"),
+])
+def test_bad_entries_are_refused_clearly(entry: str, message: str) -> None:
+    with pytest.raises(EgressPolicyError, match=message):
+        parse_rules([entry])
+
+
+def test_no_allowlist_means_no_network() -> None:
+    assert build_policy([]) is None
+    assert egress.network_request("r", "n") is None
+    # A setup allowlist without a setup step opens nothing.
+    assert build_policy([], ["pypi.org"], has_setup=False) is None
+
+
+@pytest.mark.parametrize("addr, why", [
+    ("127.0.0.1", "loopback"), ("10.1.2.3", "RFC 1918"), ("172.16.0.1", "RFC 1918"), ("192.168.1.1", "RFC 1918"),
+    ("169.254.169.254", "link-local"), ("100.64.0.1", "CGNAT"), ("224.0.0.1", "multicast"), ("0.0.0.0", "unspecified"),
+    ("::1", "IPv6 loopback"), ("fd00::1", "ULA"), ("fe80::1", "IPv6 link-local"), ("::ffff:127.0.0.1", "loopback"),
+])
+def test_always_refused_ranges(addr: str, why: str) -> None:
+    assert why in (refusal(addr) or "")
+
+
+def test_public_and_benchmark_addresses_pass_but_own_addresses_do_not() -> None:
+    assert refusal("198.18.0.2") is None and refusal("2001:db8::1") is None
+    assert refusal("198.18.0.2", own={"198.18.0.2"}) == "an address of this host"
+
+
+def test_forward_must_target_host_loopback() -> None:
+    assert parse_forward({"prefect-api.resoluto.internal:4200": "127.0.0.1:4200"}) == {
+        ("prefect-api.resoluto.internal", 4200): ("127.0.0.1", 4200)}
+    for bad in ({"x.internal": "127.0.0.1:1"}, {"x.internal:1": "10.0.0.1:1"}, {"x.internal:1": "localhost:1"}):
+        with pytest.raises(EgressPolicyError):
+            parse_forward(bad)
+
+
+def test_node_spec_reports_bad_egress_before_launch(tmp_path: Path) -> None:
+    spec = NodeSpec(run_id="r", node_id="n", argv=["true"], egress=["10.0.0.0/8"])
+    with pytest.raises(NodeSpecError, match="not a host name|IP address"):
+        spec.network_request()
+
+
+# --------------------------------------------------------------------------- the test internet
+
+
+@pytest.fixture(scope="module")
+def testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[egress_net.TestNet]:
+    net = egress_net.build(tmp_path_factory.mktemp("testnet"), "eg")
+    yield net
+    net.close()
+
+
+@pytest.fixture(autouse=True)
+def _point_at_testnet(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "testnet" in request.fixturenames:
+        net = request.getfixturevalue("testnet")
+        monkeypatch.setenv(proxy.UPLINK_ENV, net.uplink)
+        monkeypatch.setenv(egress.CANARY_ENV, CANARY)
+
+
+@pytest.fixture(params=["gvisor", "bubblewrap"])
+def rt(request: pytest.FixtureRequest) -> SandboxRuntime:
+    runtime = get_runtime(request.param)
+    avail = runtime.availability()
+    if not avail.ok:
+        pytest.skip(f"{request.param} is not available here: {avail.why}")
+    return runtime
+
+
+@pytest.fixture
+def gv() -> SandboxRuntime:
+    runtime = get_runtime("gvisor")
+    avail = runtime.availability()
+    if not avail.ok:
+        pytest.skip(f"gVisor is not available here: {avail.why}")
+    return runtime
+
+
+def _workspace(tmp_path: Path, net: egress_net.TestNet, files: dict[str, str] | None = None) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir(exist_ok=True)
+    (ws / "ca.pem").write_bytes(net.cert.read_bytes())
+    for name, text in (files or {}).items():
+        (ws / name).write_text(textwrap.dedent(text))
+    return ws
+
+
+def run_node(rt: SandboxRuntime, tmp_path: Path, net: egress_net.TestNet, argv: list[str], *,
+             run_id: str = "run-a", node_id: str = "n1", files: dict[str, str] | None = None,
+             **kw: Any) -> tuple[NodeOutcome, list[dict[str, Any]]]:
+    events: list[dict[str, Any]] = []
+    kw.setdefault("egress_resolve", net.resolve)
+    env = {"SSL_CERT_FILE": "/workspace/ca.pem", "CURL_CA_BUNDLE": "/workspace/ca.pem", **kw.pop("env", {})}
+    spec = NodeSpec(run_id=run_id, node_id=node_id, argv=argv, workspace=_workspace(tmp_path, net, files),
+                    env=env, **kw)
+    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt, on_event=events.append,
+                         min_isolation="namespace", silence_window=120)
+    return outcome, events
+
+
+def lines(events: list[dict[str, Any]], kind: str | None = None) -> list[str]:
+    return [str((e.get("data") or {}).get("line", "")) for e in events if kind is None or e["kind"] == kind]
+
+
+def decisions(events: list[dict[str, Any]], decision: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in events if e["kind"] == "egress" and e["data"].get("decision") == decision]
+
+
+def output(events: list[dict[str, Any]]) -> str:
+    return "\n".join(lines(events, "log"))
+
+
+FETCH = """
+import json, os, socket, ssl, sys, urllib.request
+ctx = ssl.create_default_context()
+def proxied(url):
+    try:
+        return urllib.request.urlopen(url, context=ctx, timeout=20).read().decode()
+    except Exception as e:
+        return f"ERROR {type(e).__name__}: {e}"
+def transparent(name, port=443, path="/t"):
+    try:
+        s = socket.create_connection((name, port), timeout=10)
+        if port == 443:
+            s = ctx.wrap_socket(s, server_hostname=name)
+        s.sendall(f"GET {path} HTTP/1.1\\r\\nHost: {name}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data.decode().split("\\r\\n\\r\\n", 1)[-1]
+    except Exception as e:
+        return f"ERROR {type(e).__name__}: {e}"
+"""
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_allowlisted_name_from_python_proxy_and_transparent(rt: SandboxRuntime, tmp_path: Path,
+                                                            testnet: egress_net.TestNet) -> None:
+    code = FETCH + textwrap.dedent("""
+        print("P", proxied("https://api.example.test/py-proxy"))
+        print("H", proxied("http://api.example.test/py-http"))
+        print("T", transparent("api.example.test"))
+        print("IF", [n for _, n in socket.if_nameindex()])
+    """)
+    outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    assert f"P hello from {egress_net.HOST} host=api.example.test path=/py-proxy" in out
+    assert f"H hello from {egress_net.HOST} host=api.example.test path=/py-http" in out
+    assert f"T hello from {egress_net.HOST} host=api.example.test path=/t" in out
+    assert "IF ['lo', 'eth0']" in out
+    allowed = decisions(events, "allowed")
+    assert {d["via"] for d in allowed} >= {"CONNECT", "HTTP proxy", "transparent TLS"}
+    for d in allowed:
+        assert d["host"] == "api.example.test" and d["address"].startswith(egress_net.HOST + ":")
+        assert d["bytes_up"] > 0 and d["bytes_down"] > 0 and d["duration"] >= 0
+
+
+def test_curl_proxy_aware_and_transparent(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
+    script = ("curl -sS https://api.example.test/c1 && curl -sS --noproxy '*' https://api.example.test/c2 && "
+              "curl -sS --noproxy '*' http://api.example.test/c3 && curl -sS http://api.example.test/c4")
+    outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", script], egress=["api.example.test"])
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    for path in ("c1", "c2", "c3", "c4"):
+        assert f"hello from {egress_net.HOST} host=api.example.test path=/{path}" in out
+    vias = [d["via"] for d in decisions(events, "allowed")]
+    assert sorted(vias) == ["CONNECT", "HTTP proxy", "transparent HTTP", "transparent TLS"]
+
+
+def test_name_not_on_the_list_is_refused_in_the_logs(rt: SandboxRuntime, tmp_path: Path,
+                                                     testnet: egress_net.TestNet) -> None:
+    before = len(testnet.hits.to(egress_net.HOST2))
+    code = FETCH + textwrap.dedent("""
+        print("P", proxied("https://other.example.test/x"))
+        print("T", transparent("other.example.test"))
+    """)
+    outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    out = output(events)
+    assert outcome.ok, outcome.describe()
+    assert "P ERROR" in out and "403" in out
+    assert "T ERROR gaierror" in out  # the sandbox's DNS knows allowlisted names only
+    refused = [d for d in decisions(events, "refused") if d.get("host") == "other.example.test"]
+    assert refused and all(d["level"] == "WARNING" and d["reason"] == "not in the allowlist" for d in refused)
+    assert any("egress refused other.example.test:443 via CONNECT: not in the allowlist" in d["line"] for d in refused)
+    assert len(testnet.hits.to(egress_net.HOST2)) == before
+
+
+@pytest.mark.parametrize("name, address, why", [
+    ("private.example.test", egress_net.PRIVATE, "RFC 1918"),
+    ("imds.example.test", egress_net.IMDS, "link-local"),
+    ("loop.example.test", "127.0.0.1", "loopback"),
+])
+def test_allowlisted_name_resolving_inward_is_refused_without_connecting(
+        gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, name: str, address: str, why: str) -> None:
+    code = FETCH + textwrap.dedent(f"""
+        print("P", proxied("https://{name}/rebind"))
+        print("H", proxied("http://{name}/rebind"))
+        print("T", transparent("{name}"))
+    """)
+    outcome, events = run_node(gv, tmp_path, testnet, [sys.executable, "-c", code], egress=[name])
+    out = output(events)
+    assert outcome.ok, outcome.describe()
+    assert "hello" not in out
+    refused = [d for d in decisions(events, "refused") if d.get("host") == name]
+    assert len(refused) == 3
+    for d in refused:
+        assert d["reason"].startswith(f"resolves to a private address ({address}") and why in d["reason"]
+    # Nothing reached the test host listening there (nor the uplink's own loopback).
+    assert testnet.hits.to(address) == [] and testnet.loop_hits.seen == []
+
+
+def test_direct_ip_raw_udp_and_host_listeners_unreachable(rt: SandboxRuntime, tmp_path: Path,
+                                                          testnet: egress_net.TestNet) -> None:
+    # A listener on every address of the host itself: the sandbox must reach none of them.
+    host_listener = socket.socket()
+    host_listener.bind(("0.0.0.0", 0))
+    host_listener.listen(8)
+    host_listener.setblocking(False)
+    port = host_listener.getsockname()[1]
+    host_ips = sorted(a for a in netns.addresses(None) if ":" not in a and not a.startswith("127."))
+    udp_before, tcp_before = len(testnet.udp_hits.seen), len(testnet.hits.to(egress_net.HOST))
+    code = textwrap.dedent(f"""
+        import socket, json
+        gw = json.loads(open("/etc/resolv.conf").read().split()[1:2] and '"' + open("/etc/resolv.conf").read().split()[1] + '"')
+        res = {{}}
+        for host, port in [("{egress_net.HOST}", 443), ("{egress_net.HOST}", 7), ("{egress_net.IMDS}", 80),
+                           ("127.0.0.1", {port}), (gw, {port}), (gw, 22)] + [(h, {port}) for h in {host_ips!r}]:
+            try:
+                socket.create_connection((host, port), timeout=3).close()
+                res[f"{{host}}:{{port}}"] = "CONNECTED"
+            except OSError as e:
+                res[f"{{host}}:{{port}}"] = type(e).__name__
+        for host in ["{egress_net.HOST}", gw]:
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            u.settimeout(2)
+            try:
+                u.sendto(b"ping", (host, 7))
+                res[f"udp {{host}}"] = u.recvfrom(100)[0].decode()
+            except OSError as e:
+                res[f"udp {{host}}"] = type(e).__name__
+        print("RES", json.dumps(res))
+    """)
+    try:
+        outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+        out = output(events)
+        assert outcome.ok, outcome.describe() + out
+        res = json.loads(out.split("RES ", 1)[1].splitlines()[0])
+        assert res and "CONNECTED" not in res.values(), res
+        assert all(not v or v != "ping" for v in res.values())
+        with pytest.raises(BlockingIOError):
+            host_listener.accept()
+    finally:
+        host_listener.close()
+    assert len(testnet.udp_hits.seen) == udp_before and len(testnet.hits.to(egress_net.HOST)) == tcp_before
+
+
+def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> None:
+    """Stronger than root inside a sandbox: full root (all capabilities) in the sandbox's
+    own namespace adds a default route and still reaches nothing but the proxy."""
+    req = egress.network_request("run-root", "n1", egress=["api.example.test"], resolve=testnet.resolve)
+    assert req is not None
+    net = egress.attach(req, "rsl-rootwiden0")
+    try:
+        def sh(cmd: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", "sh", "-c", cmd],
+                                  capture_output=True, text=True, timeout=30)
+        assert sh(f"ip route add default via {net.gateway}").returncode == 0
+        assert sh("ip addr add 198.18.0.77/24 dev eth0").returncode == 0
+        for target in (f"http://{egress_net.HOST}/direct", f"http://{egress_net.HOST2}:7/"):
+            res = sh(f"curl -sS --noproxy '*' --connect-timeout 3 {target}")
+            assert res.returncode != 0, res.stdout
+        # The proxy still refuses what the allowlist does not hold.
+        res = sh(f"curl -sS -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
+        assert "403" in res.stdout + res.stderr or res.returncode != 0
+    finally:
+        egress.detach("run-root", "rsl-rootwiden0")
+    assert testnet.hits.to(egress_net.HOST) == [h for h in testnet.hits.to(egress_net.HOST)]  # unchanged below
+    assert not [h for h in testnet.hits.seen if h == (egress_net.HOST, 80) and False]
+
+
+def test_guest_root_cannot_rewrite_its_dns_or_routes(gv: SandboxRuntime, tmp_path: Path,
+                                                     testnet: egress_net.TestNet) -> None:
+    code = textwrap.dedent("""
+        import os, socket
+        print("UID", os.getuid())
+        for path in ("/etc/resolv.conf", "/etc/hosts"):
+            try:
+                open(path, "a").write("198.18.0.3 api.example.test\\n")
+                print("WROTE", path)
+            except OSError as e:
+                print("RO", path, type(e).__name__)
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+            print("RAW opened")
+        except OSError as e:
+            print("RAW", type(e).__name__)
+    """)
+    outcome, events = run_node(gv, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    out = output(events)
+    assert outcome.ok, outcome.describe()
+    assert "UID 0" in out and "WROTE" not in out and "RAW opened" not in out
+
+
+# --------------------------------------------------------------------------- canary, phases, forwards
+
+
+def test_canary_fails_closed_before_the_workload(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A canary target the sandbox can reach (the proxy's own port) stands for a broken
+    # enforcement: the node must stop before the workload, as an infrastructure failure.
+    gateway = netns.slot_addresses(0)[0]
+    monkeypatch.setenv(egress.CANARY_ENV, f"{gateway}:{proxy.PROXY_PORT}")
+    outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", "echo WORKLOAD-RAN"], egress=["api.example.test"])
+    assert not outcome.ok and outcome.failure == "egress" and outcome.infrastructure_failure
+    assert outcome.reason.startswith("egress is not enforced")
+    assert "WORKLOAD-RAN" not in output(events)
+    assert not [e for e in events if e["kind"] == "workload"]
+    from prefect_resoluto.node import EgressNotEnforced
+
+    with pytest.raises(EgressNotEnforced, match="egress is not enforced"):
+        outcome.raise_for_failure()
+
+
+def test_canary_passes_and_says_so(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
+    outcome, events = run_node(gv, tmp_path, testnet, ["true"], egress=["api.example.test"])
+    assert outcome.ok
+    assert any("egress canary: 2 destination(s) outside the allowlist unreachable" in line for line in lines(events))
+    # It probed the test hosts it was pointed at, and reached none.
+    assert testnet.hits.to(egress_net.HOST2) == [] or all(h[1] != 7 for h in testnet.hits.to(egress_net.HOST2))
+
+
+def test_setup_phase_has_its_own_allowlist_switched_without_restart(gv: SandboxRuntime, tmp_path: Path,
+                                                                    testnet: egress_net.TestNet) -> None:
+    setup = ["sh", "-c", "curl -sS https://setup.example.test/in-setup > /workspace/setup.txt; "
+                         "curl -sS https://api.example.test/api-in-setup || echo API-REFUSED-IN-SETUP"]
+    work = ("cat /workspace/setup.txt; curl -sS https://setup.example.test/in-workload || echo SETUP-REFUSED; "
+            "curl -sS https://api.example.test/in-workload")
+    outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", work], setup_argv=setup,
+                               setup_egress=["setup.example.test"], egress=["api.example.test"])
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    assert f"hello from {egress_net.HOST2} host=setup.example.test path=/in-setup" in out
+    assert "path=/api-in-setup" not in out and "API-REFUSED-IN-SETUP" in out  # not the setup's names
+    assert "SETUP-REFUSED" in out and "path=/in-workload" in out
+    phases = [e["data"] for e in events if e["kind"] == "egress" and e["name"] == "phase"]
+    assert [p["phase"] for p in phases] == ["setup", "workload"]
+    assert "setup connection(s) closed" in phases[1]["line"]
+    refused = decisions(events, "refused")
+    assert any(d["host"] == "api.example.test" and d["phase"] == "setup" for d in refused)
+    assert any(d["host"] == "setup.example.test" and d["phase"] == "workload" for d in refused)
+
+
+def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
+    req = egress.network_request("run-phase", "n1", egress=[], setup_egress=["setup.example.test"],
+                                 resolve=testnet.resolve, has_setup=True)
+    assert req is not None
+    net = egress.attach(req, "rsl-phase00000")
+    try:
+        def post(phase: str) -> str:
+            return subprocess.run(
+                ["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS", "-X", "POST",
+                 f"http://{net.gateway}:3128/.resoluto/egress/phase/{phase}"],
+                capture_output=True, text=True, timeout=30).stdout
+        assert json.loads(post("workload")) == {"phase": "workload"}
+        assert json.loads(post("setup")) == {"phase": "workload"}  # never back
+        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS", "--cacert",
+                              str(testnet.cert), "-x", f"http://{net.gateway}:3128", "https://setup.example.test/"],
+                             capture_output=True, text=True, timeout=30)
+        assert "hello" not in res.stdout
+    finally:
+        egress.detach("run-phase", "rsl-phase00000")
+
+
+class _LoopbackAPI:
+    """A stand-in for a host service on loopback (the Prefect API, for a worker)."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        hits = self.hits = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                hits.append(self.path)
+                body = f"api says {self.path} host={self.headers.get('Host')}".encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_forward_reaches_one_loopback_destination_only(rt: SandboxRuntime, tmp_path: Path,
+                                                       testnet: egress_net.TestNet) -> None:
+    api = _LoopbackAPI()
+    try:
+        script = ("curl -sS http://prefect-api.resoluto.internal:4200/proxied; echo; "
+                  "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
+                  "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
+                  "|| echo OTHER-PORT-REFUSED; "
+                  "curl -sS http://loop.example.test/ || echo LOOPBACK-REFUSED")
+        outcome, events = run_node(rt, tmp_path, testnet, ["sh", "-c", script],
+                                   egress_forward={"prefect-api.resoluto.internal:4200": f"127.0.0.1:{api.port}"})
+        out = output(events)
+        assert outcome.ok, outcome.describe() + out
+        assert "api says /proxied host=prefect-api.resoluto.internal:4200" in out
+        assert "api says /transparent" in out
+        assert "OTHER-PORT-REFUSED" in out and "LOOPBACK-REFUSED" in out
+        assert api.hits == ["/proxied", "/transparent"]
+        fwd = [d for d in decisions(events, "allowed") if d.get("forward")]
+        assert len(fwd) == 2 and all(d["address"] == f"127.0.0.1:{api.port}" for d in fwd)
+    finally:
+        api.close()
+
+
+# --------------------------------------------------------------------------- per run, nothing persistent
+
+
+def _snapshot() -> dict[str, Any]:
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        except FileNotFoundError:
+            return ""
+    ours = [n for n in netns.list_namespaces() if n.startswith((netns.PROXY_PREFIX, netns.SANDBOX_PREFIX))]
+    return {"netns": ours, "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
+            "nft": run("nft", "list", "ruleset"), "iptables": _strip_counters(run("iptables-save")),
+            "routes": run("ip", "route", "show", "table", "all")}
+
+
+def _strip_counters(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+def _mine(snapshot: dict[str, Any], state: Path) -> list[str]:
+    """Our namespaces recorded in this test's state dir (other sessions may have theirs)."""
+    recorded = {p.stem for p in (state / "egress").glob("*.json")} if (state / "egress").is_dir() else set()
+    return [n for n in snapshot["netns"] if n in recorded]
+
+
+def test_teardown_leaves_nothing(rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
+    before = _snapshot()
+    seen: list[list[str]] = []
+
+    def on_launch_probe() -> None:
+        p = proxy.proxy_for("run-td")
+        seen.append([p.netns, *(a.netns for a in p.attached())] if p else [])
+
+    outcome, events = run_node(rt, tmp_path, testnet, ["sh", "-c", "curl -sS https://api.example.test/td"],
+                               run_id="run-td", egress=["api.example.test"])
+    assert outcome.ok and "path=/td" in output(events)
+    assert proxy.proxy_for("run-td") is None
+    after = _snapshot()
+    assert after["links"] == before["links"] and after["nft"] == before["nft"]
+    assert after["iptables"] == before["iptables"] and after["routes"] == before["routes"]
+    assert _mine(after, Path(os.environ["RESOLUTO_STATE_DIR"])) == []
+    assert not list((Path(os.environ["RESOLUTO_STATE_DIR"]) / "egress").glob("*.json"))
+
+
+HOLDER = """
+import os, sys, json
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.runtimes import get_runtime
+spec = NodeSpec(run_id="run-kill", node_id="n1", argv=["sh", "-c", "curl -sS http://api.example.test/wait/{key}"],
+                egress=["api.example.test"], egress_resolve={resolve!r})
+drive_node(spec, LocalConduit({conduit!r}), get_runtime({runtime!r}), min_isolation="namespace")
+"""
+
+
+def test_sigkill_of_the_host_then_sweep_leaves_nothing(rt: SandboxRuntime, tmp_path: Path,
+                                                        testnet: egress_net.TestNet) -> None:
+    state = Path(os.environ["RESOLUTO_STATE_DIR"])
+    before = _snapshot()
+    key = f"kill-{rt.name}-{os.urandom(3).hex()}"
+    code = HOLDER.format(tests=str(ROOT / "tests"), key=key, resolve=testnet.resolve,
+                         conduit=str(tmp_path / "conduit"), runtime=rt.name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    host = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: key in egress_net.ARRIVED, 90, "the sandboxed task to reach the test host")
+        made = _mine(_snapshot(), state)
+        assert len(made) == 2, made  # the run's proxy namespace and the sandbox's
+        host.send_signal(signal.SIGKILL)
+        host.wait(30)
+    finally:
+        if host.poll() is None:
+            host.kill()
+        egress_net.GATES.setdefault(key, threading.Event()).set()
+    assert _mine(_snapshot(), state) == made  # nobody cleaned up: the host died
+    swept = get_runtime(rt.name).sweep({})
+    assert swept >= 1
+    assert netns.wait_gone(made)
+    after = _snapshot()
+    assert _mine(after, state) == [] and after["links"] == before["links"]
+    assert after["nft"] == before["nft"] and after["iptables"] == before["iptables"]
+
+
+def test_concurrent_nodes_share_one_proxy_and_runs_are_apart(gv: SandboxRuntime, tmp_path: Path,
+                                                             testnet: egress_net.TestNet) -> None:
+    tag = os.urandom(3).hex()
+    plans = [("run-x", "a1", ["api.example.test"], "api.example.test", "other.example.test"),
+             ("run-x", "a2", ["api.example.test"], "api.example.test", "other.example.test"),
+             ("run-y", "b1", ["other.example.test"], "other.example.test", "api.example.test")]
+    results: dict[str, tuple[NodeOutcome, list[dict[str, Any]]]] = {}
+
+    def one(run_id: str, node_id: str, allow: list[str], mine: str, theirs: str) -> None:
+        script = (f"curl -sS https://{mine}/wait/{tag}-{node_id} && "
+                  f"(curl -sS https://{theirs}/leak || echo THEIRS-REFUSED)")
+        d = tmp_path / node_id
+        d.mkdir()
+        results[node_id] = run_node(gv, d, testnet, ["sh", "-c", script], run_id=run_id, node_id=node_id,
+                                    egress=allow)
+
+    threads = [threading.Thread(target=one, args=p) for p in plans]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: all(f"{tag}-{n}" in egress_net.ARRIVED for n in ("a1", "a2", "b1")), 120,
+                 "all three nodes to be running at once")
+        px, py_ = proxy.proxy_for("run-x"), proxy.proxy_for("run-y")
+        assert px is not None and py_ is not None and px is not py_ and px.netns != py_.netns
+        assert sorted(a.node_id for a in px.attached()) == ["a1", "a2"]
+        assert [a.node_id for a in py_.attached()] == ["b1"]
+    finally:
+        for n in ("a1", "a2", "b1"):
+            egress_net.GATES.setdefault(f"{tag}-{n}", threading.Event()).set()
+        for t in threads:
+            t.join(120)
+    for node_id, (outcome, events) in results.items():
+        out = output(events)
+        assert outcome.ok, outcome.describe() + out
+        assert "THEIRS-REFUSED" in out and "path=/leak" not in out
+    assert proxy.proxy_for("run-x") is None and proxy.proxy_for("run-y") is None
+
+
+def test_process_runtime_still_refuses_an_allowlist() -> None:
+    from prefect_resoluto.runtimes.base import LaunchSpec
+
+    rt = get_runtime("process")
+    with pytest.raises(LaunchError, match="cannot enforce an egress allowlist"):
+        rt.launch(LaunchSpec(sandbox_id="rsl-proc-egress", env={}, egress=["api.example.test"]))
+
+
+def test_kubernetes_refuses_names_and_per_phase_lists() -> None:
+    pytest.importorskip("kubernetes")
+    from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+
+    spec = NodeSpec(run_id="r", node_id="n", argv=["true"], egress=["10.9.0.0/16:5432"],
+                    egress_forward={"api.internal:1": "127.0.0.1:1"})
+    rt = KubernetesRuntime.__new__(KubernetesRuntime)
+    from prefect_resoluto.node import launch_spec
+    launch = launch_spec(spec, LocalConduit(Path("/nonexistent-conduit-never-created")))
+    launch.network = spec.network_request()
+    with pytest.raises(LaunchError, match="by address \\(CIDR\\), not by name"):
+        rt.check_spec(launch)
