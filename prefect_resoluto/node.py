@@ -304,8 +304,10 @@ def drive_node(
     launch = launch_spec(spec, conduit)
     if runtime.egress_by_name:
         launch.network = spec.network_request()
-    elif spec.setup_egress or spec.egress_forward:
-        launch.network = spec.network_request()  # refused by check_spec below, with the reason
+    elif spec.setup_egress or spec.egress_forward or spec.egress_resolve:
+        raise NodeSpecError(
+            f"runtime {runtime.name!r} enforces egress by address (CIDR), not by name: setup_egress, "
+            "egress_forward and egress_resolve need a local runtime (gvisor, bubblewrap, container)")
     if runtime.supports_local_conduit:
         # A sandbox on this host reaches the store with the host's own credentials; the
         # guest runner keeps them from the workload. Remote runtimes mint their own.
