@@ -639,3 +639,69 @@ def _refuses_per_name_features(rt: SandboxRuntime, local_conduit: LocalConduit) 
         spec = NodeSpec(run_id="r", node_id="n", argv=["true"], egress=["10.9.0.0/16:5432"], **extra)
         with pytest.raises(NodeSpecError, match="by address \\(CIDR\\), not by name"):
             drive_node(spec, local_conduit, rt, min_isolation="none")
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefect_resoluto.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_cli_run_with_egress_then_events_shows_the_decisions(gv: SandboxRuntime, tmp_path: Path,
+                                                             testnet: egress_net.TestNet) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ws = _workspace(tmp_path, testnet)
+    conduit = (tmp_path / "conduit").as_uri()
+    res = _cli("run", "--runtime", "gvisor", "--conduit", conduit, "--workspace", str(ws),
+               "--run-id", "cli-run", "--node-id", "cli-node",
+               "--egress", "api.example.test", "--egress-resolve", f"api.example.test={egress_net.HOST}",
+               "--env", "CURL_CA_BUNDLE=/workspace/ca.pem", "--",
+               "sh", "-c", "curl -sS https://api.example.test/cli && (curl -sS https://other.example.test/ || true)",
+               cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    assert f"hello from {egress_net.HOST} host=api.example.test path=/cli" in res.stdout
+    assert "egress refused other.example.test:443 via CONNECT: not in the allowlist" in res.stdout + res.stderr
+    ev = _cli("events", "--conduit", conduit, "cli-run", "cli-node", cwd=tmp_path, env=env)
+    assert ev.returncode == 0, ev.stderr
+    assert "egress decisions by the run's proxy" in ev.stdout
+    assert "[WARNING resoluto.egress] egress refused other.example.test:443" in ev.stdout
+    assert "egress allowed api.example.test:443 -> 198.18.0.2:443 via CONNECT" in ev.stdout
+    js = json.loads(_cli("events", "--json", "--conduit", conduit, "cli-run", "cli-node", cwd=tmp_path,
+                         env=env).stdout)
+    assert {e["data"]["decision"] for e in js["egress"] if "decision" in e["data"]} == {"allowed", "refused"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--egress", "198.18.0.2"], "IP address"),
+    (["--egress", "api.example.test", "--egress-resolve", "api.example.test"], "KEY=VALUE"),
+    (["--egress", "api.example.test", "--egress-resolve", "api.example.test=not-an-ip"], "not an IP address"),
+])
+def test_cli_refuses_bad_egress_before_launching(gv: SandboxRuntime, tmp_path: Path, args: list[str],
+                                                 message: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = _cli("run", "--runtime", "gvisor", "--conduit", (tmp_path / "c").as_uri(), *args, "--", "true",
+               cwd=tmp_path, env=env)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert gv.list_ids() == []
+
+
+def test_cli_process_runtime_refuses_egress(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = _cli("run", "--runtime", "process", "--min-isolation", "none", "--conduit", (tmp_path / "c").as_uri(),
+               "--egress", "api.example.test", "--", "true", cwd=tmp_path, env=env)
+    assert res.returncode != 0 and "cannot enforce an egress allowlist" in res.stderr, res.stderr
+
+
+def test_doctor_says_per_runtime_whether_allowlists_are_enforced(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = _cli("doctor", "--json", cwd=tmp_path, env=env)
+    rows = {r["label"]: r for r in json.loads(res.stdout)["runtimes"]}
+    assert rows["process"]["egress"] == {"enforced": False, "why": "runtime 'process' cannot enforce an egress "
+                                         "allowlist (its sandboxes get no network)"}
+    if rows["gvisor"]["available"]:
+        assert rows["gvisor"]["egress"]["enforced"], rows["gvisor"]["egress"]
+        assert "runsc netstack" in rows["gvisor"]["egress"]["detail"]
+    text = _cli("doctor", cwd=tmp_path, env=env).stdout
+    assert "egress allowlists (--egress), per runtime:" in text
