@@ -121,8 +121,9 @@ def _point_at_testnet(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
         monkeypatch.setenv(egress.CANARY_ENV, CANARY)
 
 
-@pytest.fixture(params=["gvisor", "bubblewrap"])
+@pytest.fixture(params=["gvisor", "bubblewrap", "container"])
 def rt(request: pytest.FixtureRequest) -> SandboxRuntime:
+    """Each local runtime that enforces allowlists; ``container`` is podman with runsc."""
     runtime = get_runtime(request.param)
     avail = runtime.availability()
     if not avail.ok:
@@ -705,3 +706,28 @@ def test_doctor_says_per_runtime_whether_allowlists_are_enforced(tmp_path: Path)
         assert "runsc netstack" in rows["gvisor"]["egress"]["detail"]
     text = _cli("doctor", cwd=tmp_path, env=env).stdout
     assert "egress allowlists (--egress), per runtime:" in text
+
+
+def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
+    """nerdctl + Kata cannot run here (no KVM, no dedicated containerd): its argv only.
+    podman + runsc runs for real in the ``rt``-parametrized tests above."""
+    from prefect_resoluto.runtimes.base import LaunchSpec
+    from prefect_resoluto.runtimes.container import ContainerRuntime
+
+    net = egress.SandboxNetwork(netns="rsl-s-rsl-argv", gateway="172.30.0.1", address="172.30.0.2",
+                                env={"HTTPS_PROXY": "http://172.30.0.1:3128"}, resolv_conf="nameserver 172.30.0.1\n")
+    spec = LaunchSpec(sandbox_id="rsl-argv", env={}, egress=["api.example.test"])
+    kata = ContainerRuntime(engine="nerdctl", address=str(tmp_path / "containerd.sock"), oci_runtime="kata",
+                            state_dir=tmp_path / "state")
+    argv = kata.build_run_argv(spec, "python:3.12-slim", net=net)
+    assert argv[argv.index("--network") + 1] == "ns:/run/netns/rsl-s-rsl-argv"
+    assert argv[argv.index("--runtime") + 1] == "io.containerd.kata.v2"
+    assert "HTTPS_PROXY=http://172.30.0.1:3128" in argv
+    assert any(a.endswith(":/etc/resolv.conf:ro") for a in argv)
+    without = kata.build_run_argv(spec, "python:3.12-slim")
+    assert without[without.index("--network") + 1] == "none"
+    podman = ContainerRuntime(engine="podman", oci_runtime="runsc", state_dir=tmp_path / "state")
+    argv = podman.build_run_argv(spec, "img", net=net)
+    wrapper = Path(argv[argv.index("--runtime") + 1])
+    assert "--runtime-flag=network=none" not in argv
+    assert "nsenter --net=/run/netns/rsl-s-rsl-argv" in wrapper.read_text()

@@ -12,8 +12,7 @@ from prefect import flow
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
-from prefect_resoluto.egress import netns, proxy
-from prefect_resoluto.egress import CANARY_ENV
+from prefect_resoluto.egress import CANARY_ENV, netns, proxy
 
 pytestmark = [pytest.mark.usefixtures("prefect"),
               pytest.mark.skipif(bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}")]

@@ -9,7 +9,6 @@ import pytest
 from _runtime_checks import (
     check_confinement,
     check_destroy_idempotent,
-    check_egress_refused,
     check_failure,
     check_killed_from_outside,
     check_success,
@@ -76,10 +75,6 @@ def test_sweep_by_labels(rt: ContainerRuntime) -> None:
 def test_unavailable_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
     check_unavailable(ContainerRuntime(engine_path="/nonexistent/bin/podman"))
-
-
-def test_egress_refused(rt: ContainerRuntime) -> None:
-    check_egress_refused(rt)
 
 
 def test_only_loopback_and_host_hidden(rt: ContainerRuntime) -> None:

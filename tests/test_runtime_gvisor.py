@@ -130,8 +130,8 @@ def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
     s = spec("print(1)")
     orig = bad._prepare
 
-    def prepare_then_remove(sp, d):  # type: ignore[no-untyped-def]
-        prep = orig(sp, d)
+    def prepare_then_remove(sp, d, net=None):  # type: ignore[no-untyped-def]
+        prep = orig(sp, d, net)
         gone.rmdir()
         return prep
 

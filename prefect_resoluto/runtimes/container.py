@@ -33,7 +33,10 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._host import guest_layout, sandbox_dir, state_dir
+from prefect_resoluto import egress
+
+from ._host import add_network, guest_layout, remove_tree, sandbox_dir, state_dir
+from ._local import network_request_of
 from .base import (
     Availability,
     IsolationLevel,
@@ -54,6 +57,17 @@ _PODMAN_BINARIES = {"kata": "kata-runtime"}
 _WAITERS: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
 _LOCK = threading.Lock()
 _SHIMS = {"kata": "io.containerd.kata.v2", "runsc": "io.containerd.runsc.v1", "runc": "io.containerd.runc.v2"}
+# Containers with an egress network: (engine, sandbox id) -> run id.
+_NETWORKS: dict[tuple[str, str], str] = {}
+# podman hands runsc the namespace by path; runsc's "root namespace" test must not see
+# /proc/sys/net/core/rmem_default there (google/gvisor#10704): the same cure as the gvisor
+# runtime, as a per-container OCI runtime wrapper (podman calls it for every verb).
+_RUNSC_WRAPPER = """#!/bin/sh
+if [ -e {ns} ]; then
+  exec nsenter --net={ns} unshare --mount sh -c 'mount -t tmpfs none /proc/sys/net/core && exec "$0" "$@"' {runsc} "$@"
+fi
+exec {runsc} "$@"
+"""
 
 
 def isolation_of(oci_runtime: str) -> IsolationLevel:
@@ -82,6 +96,8 @@ def skeleton_tar() -> bytes:
 
 class ContainerRuntime(SandboxRuntime):
     name: ClassVar[str] = "container"
+    supports_egress_allowlist: ClassVar[bool] = True
+    egress_by_name: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -202,18 +218,29 @@ class ContainerRuntime(SandboxRuntime):
         return image, host_python
 
     def build_run_argv(self, spec: LaunchSpec, image: str, env_file: str | None = None,
-                       host_python: bool = False) -> list[str]:
-        """The full ``<engine> run`` command for ``spec`` (public for unit tests)."""
+                       host_python: bool = False, net: egress.SandboxNetwork | None = None) -> list[str]:
+        """The full ``<engine> run`` command for ``spec`` (public for unit tests).
+
+        With ``net`` the container joins that prepared namespace (``--network ns:PATH``:
+        podman's own option, and nerdctl's CNI-free one), so it reaches only the run's
+        proxy, whatever the OCI runtime (runsc's netstack, a Kata VM's tap)."""
         lay = guest_layout(spec, python=self.python if host_python else (self.python or "python3"),
                            host_python=host_python)
+        runtime_arg = self._runtime_arg()
+        network = "none"
+        if net is not None:
+            add_network(lay, net, self._net_dir(spec.sandbox_id))
+            network = f"ns:/run/netns/{net.netns}"
+            if self.engine == "podman" and self._is_runsc():
+                runtime_arg = self._runsc_wrapper(spec.sandbox_id, net.netns)
         argv = [*self._base()]
         runsc = self._is_runsc()
         if self.engine == "podman":
             # Global flags handed to the OCI runtime: gVisor's own network stack off too.
-            flags = (["network=none"] if runsc else []) + self.runtime_flags
+            flags = (["network=none"] if runsc and net is None else []) + self.runtime_flags
             argv += [f"--runtime-flag={f}" for f in flags]
-        argv += ["run", "-d", "--name", spec.sandbox_id, "--runtime", self._runtime_arg(),
-                 "--network", "none", "--workdir", lay.cwd]
+        argv += ["run", "-d", "--name", spec.sandbox_id, "--runtime", runtime_arg,
+                 "--network", network, "--workdir", lay.cwd]
         if self.engine == "podman":
             argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--pull", "never"]
         if self.read_only:
@@ -249,9 +276,45 @@ class ContainerRuntime(SandboxRuntime):
         argv += [*self.extra_run_args, image, *lay.argv]
         return argv
 
+    def _net_dir(self, sandbox_id: str) -> Path:
+        d = sandbox_dir(self.state, sandbox_id).with_suffix(".net")
+        d.mkdir(mode=0o700, exist_ok=True)
+        return d
+
+    def _runsc_wrapper(self, sandbox_id: str, netns: str) -> str:
+        path = self._net_dir(sandbox_id) / "runsc"
+        path.write_text(_RUNSC_WRAPPER.format(ns=f"/run/netns/{netns}", runsc=self._runtime_arg()))
+        path.chmod(0o755)
+        return str(path)
+
+    def _detach(self, name: str) -> None:
+        with _LOCK:
+            run_id = _NETWORKS.pop((self.engine, name), None)
+        d = sandbox_dir(self.state, name).with_suffix(".net")
+        if run_id is not None:
+            egress.detach(run_id, name)
+        if d.exists():
+            remove_tree(d)
+
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         self.check_spec(spec)
         self.require_available()
+        request = network_request_of(spec)
+        net = None
+        if request is not None:
+            try:
+                net = egress.attach(request, spec.sandbox_id)
+            except (egress.netns.NetnsError, OSError) as e:
+                raise LaunchError(f"container: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}") from e
+            with _LOCK:
+                _NETWORKS[(self.engine, spec.sandbox_id)] = request.run_id
+        try:
+            return self._launch(spec, net)
+        except BaseException:
+            self._detach(spec.sandbox_id)
+            raise
+
+    def _launch(self, spec: LaunchSpec, net: egress.SandboxNetwork | None) -> SandboxHandle:
         chosen, host_python = self._image_for(spec)
         image = chosen or self.ensure_skeleton_image()
         env_file = None
@@ -268,7 +331,7 @@ class ContainerRuntime(SandboxRuntime):
                         raise LaunchError(f"secret {k!r} contains a newline, which an env-file cannot carry")
                     f.write(f"{k}={v}\n")
         try:
-            argv = self.build_run_argv(spec, image, str(env_file) if env_file else None, host_python)
+            argv = self.build_run_argv(spec, image, str(env_file) if env_file else None, host_python, net)
             i = argv.index("run") + 2  # after "run -d"
             argv[i:i] = ["--cidfile", str(cidfile)]
             try:
@@ -345,6 +408,7 @@ class ContainerRuntime(SandboxRuntime):
             self._run_engine(*args, timeout=120)
         except (OSError, subprocess.TimeoutExpired):
             pass
+        self._detach(name)
 
     def list_ids(self, labels: dict[str, str] | None = None) -> list[str]:
         """Names of this runtime's containers carrying all ``labels``."""
@@ -360,6 +424,7 @@ class ContainerRuntime(SandboxRuntime):
         names = self.list_ids(labels)
         for name in names:
             self._remove(name)
+        egress.sweep()  # namespaces of hosts that died before they could destroy
         return len(names)
 
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
