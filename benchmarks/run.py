@@ -4,7 +4,8 @@ Prints one human-readable table (every figure, then every target with its measur
 value) and, with ``--json``, one JSON object on the last line of stdout. Progress goes
 to stderr. ``--quick`` scales counts and durations down to finish in under 3 minutes on
 a 2-core machine; the full run takes several minutes more. See docs/performance.md for
-what each figure means. Only 127.0.0.1 is ever contacted.
+what each figure means. Only 127.0.0.1 and test hosts in network namespaces this run
+creates (the egress figure) are ever contacted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
-FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference")
+FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress")
 
 
 def machine() -> dict[str, Any]:
@@ -62,6 +63,7 @@ def main() -> int:
     os.environ.setdefault("RESOLUTO_STATE_DIR", state)
 
     import conduit_cost
+    import egress_cost
     import flow
     import latency
     import overhead
@@ -70,7 +72,7 @@ def main() -> int:
     import throughput
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
-               "conduit_cost": conduit_cost, "staging": staging, "reference": reference}
+               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}

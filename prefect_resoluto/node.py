@@ -348,6 +348,8 @@ def drive_node(
                 ev = egress_queue.get_nowait()
             except queue.Empty:
                 return
+            if redactor.count:
+                ev["data"] = redactor.data(ev.get("data") or {})
             egress_events.append(ev)
             deliver(ev)
 
