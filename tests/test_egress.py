@@ -731,3 +731,32 @@ def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
     wrapper = Path(argv[argv.index("--runtime") + 1])
     assert "--runtime-flag=network=none" not in argv
     assert "nsenter --net=/run/netns/rsl-s-rsl-argv" in wrapper.read_text()
+
+
+def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egress_net.TestNet) -> None:
+    """A kept-alive connection cannot name a second host after the first request."""
+    req = egress.network_request("run-ka", "n1", egress=["api.example.test", "other.example.test"],
+                                 resolve=testnet.resolve)
+    assert req is not None
+    other_before = testnet.hits.to(egress_net.HOST2)
+    net = egress.attach(req, "rsl-keepalive0")
+    try:
+        client = textwrap.dedent(f"""
+            import socket
+            s = socket.create_connection(("{net.gateway}", 3128), timeout=10)
+            s.sendall(b"GET http://api.example.test/one HTTP/1.1\\r\\nHost: api.example.test\\r\\n\\r\\n"
+                      b"GET http://other.example.test/two HTTP/1.1\\r\\nHost: other.example.test\\r\\n\\r\\n")
+            data = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            print(data.decode())
+        """)
+        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        egress.detach("run-ka", "rsl-keepalive0")
+    assert "path=/one" in res.stdout and "path=/two" not in res.stdout, res.stdout + res.stderr
+    assert testnet.hits.to(egress_net.HOST2) == other_before
