@@ -12,6 +12,11 @@ command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v podman >/dev/null 2>&1 || need_apt+=(podman)
 command -v runc >/dev/null 2>&1 || need_apt+=(runc)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# Egress allowlists: nsenter/unshare start sandboxes in their namespace; the egress tests'
+# test hosts use curl (a command task) and openssl (their self-signed certificate).
+command -v nsenter >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 
 if ! command -v runsc >/dev/null 2>&1 || [ ${#need_apt[@]} -gt 0 ]; then
   # bookworm-backports carries a runsc with the systrap platform (much cheaper syscalls

@@ -399,6 +399,8 @@ def test_canary_passes_and_says_so(gv: SandboxRuntime, tmp_path: Path, testnet: 
     # It probed the test hosts it was pointed at (direct, by DNS, through the proxy) and reached none.
     probes = [d for d in decisions(events, "refused") if d.get("host") in (egress_net.HOST2, "denied.example.test")]
     assert {d["via"] for d in probes} == {"CONNECT", "DNS"}
+    # Expected refusals are not warnings: the task's logs keep WARNING for real attempts.
+    assert all(d["canary"] and d["level"] == "INFO" and "(canary probe, as required)" in d["line"] for d in probes)
     assert [h for h in testnet.hits.to(egress_net.HOST2) if h[1] == 7] == echo_before
 
 

@@ -119,7 +119,8 @@ def attach(req: NetworkRequest, sandbox_id: str) -> SandboxNetwork:
     run_proxy = proxy.acquire(req.run_id)
     try:
         att = run_proxy.attach(sandbox_id, req.node_id, req.policy,
-                               sink=lambda ev: _publish(req.run_id, req.node_id, ev))
+                               sink=lambda ev: _publish(req.run_id, req.node_id, ev),
+                               canary=frozenset(split_host_port(t)[0] for t in req.canary))
     except Exception:
         proxy.release(req.run_id)
         raise

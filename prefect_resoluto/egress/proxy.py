@@ -65,6 +65,8 @@ class Attachment:
     gateway: str
     address: str
     phase: str = ""
+    #: The guest canary's targets: refusing them is the expected outcome, logged at INFO.
+    canary: frozenset[str] = frozenset()
     conns: set[socket.socket] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -155,7 +157,8 @@ class RunProxy:
 
     # ----------------------------------------------------------------- sandboxes
 
-    def attach(self, sandbox_id: str, node_id: str, policy: NodePolicy, sink: Sink | None = None) -> Attachment:
+    def attach(self, sandbox_id: str, node_id: str, policy: NodePolicy, sink: Sink | None = None,
+               canary: frozenset[str] = frozenset()) -> Attachment:
         with self._lock:  # the slot is taken at once: concurrent attaches get distinct ones
             used = {a.slot for a in self._by_sandbox.values()} | self._reserved
             slot = next(i for i in range(len(used) + 1) if i not in used)
@@ -167,7 +170,7 @@ class RunProxy:
                 self._reserved.discard(slot)
             raise
         att = Attachment(sandbox_id, node_id, policy, sink, slot, name, gateway, address,
-                         phase=policy.phases.first)
+                         phase=policy.phases.first, canary=canary)
         with self._lock:
             self._reserved.discard(slot)
             self._by_sandbox[sandbox_id] = att
@@ -379,9 +382,11 @@ class RunProxy:
 
     def _refuse(self, att: Attachment, name: str, port: int, via: str, reason: str, address: str = "") -> None:
         what = f"{name}:{port}" if name else f"port {port}"
-        self._event(att, "refused", f"egress refused {what} via {via}: {reason}", level="WARNING",
+        probe = name in att.canary
+        self._event(att, "refused", f"egress refused {what} via {via}: {reason}"
+                    + (" (canary probe, as required)" if probe else ""), level="INFO" if probe else "WARNING",
                     host=name, port=port, address=address, via=via, reason=reason, decision="refused",
-                    phase=att.phase, bytes_up=0, bytes_down=0)
+                    phase=att.phase, bytes_up=0, bytes_down=0, canary=probe)
 
     # ----------------------------------------------------------------- DNS
 
@@ -425,8 +430,11 @@ class RunProxy:
         if known and qtype == 1:
             answers = struct.pack("!HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(att.gateway)
         if not known:
-            self._event(att, "dns", f"egress DNS refused {name}: not in the allowlist", level="WARNING",
-                        host=name, decision="refused", reason="not in the allowlist", via="DNS", phase=att.phase)
+            probe = name in att.canary
+            self._event(att, "dns", f"egress DNS refused {name}: not in the allowlist"
+                        + (" (canary probe, as required)" if probe else ""), level="INFO" if probe else "WARNING",
+                        host=name, decision="refused", reason="not in the allowlist", via="DNS", phase=att.phase,
+                        canary=probe)
         header = struct.pack("!HHHHHH", qid, 0x8000 | 0x0400 * known | rd | 0x0080 | rcode, 1,
                              1 if answers else 0, 0, 0)
         return header + question + answers
