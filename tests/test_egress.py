@@ -762,3 +762,34 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
         egress.detach("run-ka", "rsl-keepalive0")
     assert "path=/one" in res.stdout and "path=/two" not in res.stdout, res.stdout + res.stderr
     assert testnet.hits.to(egress_net.HOST2) == other_before
+
+
+def test_settings_carry_the_allowlist_everywhere() -> None:
+    from prefect_resoluto import ResolutoTaskRunner, sandbox_options
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.config import SandboxConfig
+
+    block = SandboxBlock(runtime="gvisor", egress=["api.example.com"], egress_resolve={"api.example.com": "198.18.0.2"},
+                         setup_egress=["pypi.org"], setup_argv=["pip", "install", "x"])
+    cfg = block.to_config()
+    assert cfg.egress == ["api.example.com"] and cfg.egress_resolve == {"api.example.com": "198.18.0.2"}
+    assert cfg.setup_egress == ["pypi.org"] and cfg.setup_argv == ["pip", "install", "x"]
+    merged = SandboxConfig(egress_resolve={"a.example.com": "198.18.0.2"}).replace(
+        egress_resolve={"b.example.com": "198.18.0.3"}, egress=["b.example.com"])
+    assert merged.egress_resolve == {"a.example.com": "198.18.0.2", "b.example.com": "198.18.0.3"}
+    runner = ResolutoTaskRunner(egress=["api.example.com"], egress_resolve={"api.example.com": "198.18.0.2"},
+                                setup_egress=["pypi.org"], setup_argv=["true"])
+    assert runner._options["egress_resolve"] == {"api.example.com": "198.18.0.2"}
+    with sandbox_options(egress=["other.example.com"], egress_resolve={"other.example.com": "198.18.0.3"}):
+        pass
+    with pytest.raises(TypeError, match="unknown sandbox option"):
+        with sandbox_options(egres=["typo.example.com"]):
+            pass
+
+
+def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "conduit")
+    spec = NodeSpec(run_id="r-bad", node_id="n1", argv=["true"], egress=["169.254.169.254"])
+    with pytest.raises(NodeSpecError, match="IP address"):
+        drive_node(spec, conduit, gv)
+    assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
