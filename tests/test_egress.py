@@ -793,3 +793,39 @@ def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_
     with pytest.raises(NodeSpecError, match="IP address"):
         drive_node(spec, conduit, gv)
     assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
+
+
+def test_a_connection_or_dns_flood_is_bounded(testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each open connection costs the host threads, each decision a log line: both capped."""
+    monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(proxy, "MAX_EVENTS", 20)
+    req = egress.network_request("run-flood", "n1", egress=["api.example.test"], resolve=testnet.resolve)
+    assert req is not None
+    events: list[dict[str, Any]] = []
+    egress.listen("run-flood", "n1", events.append)
+    net = egress.attach(req, "rsl-flood00000")
+    try:
+        client = textwrap.dedent(f"""
+            import socket, struct
+            held = [socket.create_connection(("{net.gateway}", 3128), timeout=10) for _ in range(8)]
+            extra = socket.create_connection(("{net.gateway}", 3128), timeout=10)
+            print("EXTRA", extra.recv(10) == b"")       # closed at once: over the cap
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            u.settimeout(5)
+            answered = 0
+            for i in range(40):
+                q = struct.pack("!HHHHHH", i, 0x0100, 1, 0, 0, 0) + b"\\x05flood\\x07example\\x04test\\x00" + struct.pack("!HH", 1, 1)
+                u.sendto(q, ("{net.gateway}", 53))
+                answered += u.recvfrom(512)[0][3] & 0x0F == 3   # NXDOMAIN
+            print("NX", answered)
+        """)
+        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        egress.detach("run-flood", "rsl-flood00000")
+        egress.unlisten("run-flood", "n1")
+    assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
+    capped = [e for e in events if "connections open at once" in e["data"]["line"]]
+    assert capped and capped[0]["data"]["reason"] == "more than 8 connections open at once"
+    assert len(events) == 21  # 20 decisions, then one summary of what was dropped
+    assert "more decision(s) were not logged" in events[-1]["data"]["line"]

@@ -48,6 +48,10 @@ _HEAD_LIMIT = 64 * 1024
 _BUF = 256 * 1024
 _CLIENT_TIMEOUT = 30.0
 _DIAL_TIMEOUT = 10.0
+#: Open connections per sandbox (each costs the host two threads): beyond, refused.
+MAX_CONNECTIONS = 256
+#: Decision events per sandbox; beyond, only counted (a flood must not flood the logs).
+MAX_EVENTS = 2000
 
 Sink = Callable[[dict[str, Any]], None]
 
@@ -69,6 +73,9 @@ class Attachment:
     canary: frozenset[str] = frozenset()
     conns: set[socket.socket] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    slots: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS))
+    events: int = 0
+    dropped: int = 0
 
     @property
     def proxy_url(self) -> str:
@@ -148,11 +155,18 @@ class RunProxy:
                              name="egress-conn").start()
 
     def _guarded(self, serve: Callable[[socket.socket, int], None], client: socket.socket, port: int) -> None:
+        att = self._node(client)
+        if att is None or not att.slots.acquire(blocking=False):
+            if att is not None:
+                self._refuse(att, "", port, "any", f"more than {MAX_CONNECTIONS} connections open at once")
+            _close(client)
+            return
         try:
             serve(client, port)
         except Exception as e:  # one broken connection never takes the proxy down
             log.debug("egress connection failed: %s", e)
         finally:
+            att.slots.release()
             _close(client)
 
     # ----------------------------------------------------------------- sandboxes
@@ -194,6 +208,10 @@ class RunProxy:
         for c in conns:
             _shutdown(c)
         netns.delete(att.netns)
+        if att.dropped:
+            att.events = 0  # the summary itself must get through
+            self._event(att, "summary", f"egress: {att.dropped} more decision(s) were not logged "
+                        f"(more than {MAX_EVENTS} for one sandbox)", level="WARNING", dropped=att.dropped)
 
     def attached(self) -> list[Attachment]:
         with self._lock:
@@ -442,6 +460,11 @@ class RunProxy:
     # ----------------------------------------------------------------- events
 
     def _event(self, att: Attachment, name: str, line: str, level: str = "INFO", **data: Any) -> None:
+        with att.lock:
+            att.events += 1
+            if att.events > MAX_EVENTS:
+                att.dropped += 1
+                return
         ev = {"run_id": self.run_id, "span_id": uuid.uuid4().hex[:16], "parent_span_id": "", "kind": "egress",
               "name": name, "event": "log", "ts": time.time(), "status": "",
               "data": {"line": line, "level": level, "logger": "resoluto.egress", "node_id": att.node_id, **data}}
