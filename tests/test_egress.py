@@ -480,6 +480,7 @@ def test_forward_reaches_one_loopback_destination_only(rt: SandboxRuntime, tmp_p
     api = _LoopbackAPI()
     try:
         script = ("curl -sS http://prefect-api.resoluto.internal:4200/proxied; echo; "
+                  "curl -sS -p http://prefect-api.resoluto.internal:4200/tunnel; echo; "
                   "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
                   "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
                   "|| echo OTHER-PORT-REFUSED; "
@@ -491,9 +492,11 @@ def test_forward_reaches_one_loopback_destination_only(rt: SandboxRuntime, tmp_p
         assert "api says /proxied host=prefect-api.resoluto.internal:4200" in out
         assert "api says /transparent" in out
         assert "OTHER-PORT-REFUSED" in out and "LOOPBACK-REFUSED" in out
-        assert api.hits == ["/proxied", "/transparent"]
+        assert "api says /tunnel" in out
+        assert api.hits == ["/proxied", "/tunnel", "/transparent"]
         fwd = [d for d in decisions(events, "allowed") if d.get("forward")]
-        assert len(fwd) == 2 and all(d["address"] == f"127.0.0.1:{api.port}" for d in fwd)
+        assert sorted(d["via"] for d in fwd) == ["CONNECT", "HTTP proxy", "transparent"]
+        assert all(d["address"] == f"127.0.0.1:{api.port}" for d in fwd)
     finally:
         api.close()
 
