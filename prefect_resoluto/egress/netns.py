@@ -225,11 +225,8 @@ def sweep(run_id: str | None = None, include_live: bool = False) -> int:
     n = 0
     recs = sorted(records(), key=lambda r: r.get("kind") != "sandbox")
     for rec in recs:
-        alive = same_process(rec.get("pid"), rec.get("start_time"))  # type: ignore[arg-type]
-        if alive and rec.get("pid") == os.getpid() and not include_live:
-            continue
-        if alive and not include_live:
-            continue
+        if not include_live and same_process(rec.get("pid"), rec.get("start_time")):  # type: ignore[arg-type]
+            continue  # its host is alive: it destroys its own
         if run_id is not None and rec.get("run_id") != run_id:
             continue
         delete(str(rec["name"]))
