@@ -25,8 +25,11 @@ from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_ho
 
 __all__ = [
     "EgressPolicyError", "NetworkRequest", "SandboxNetwork", "attach", "build_policy", "detach", "listen",
-    "unlisten", "network_request", "available", "CANARY_ENV", "DEFAULT_CANARY",
+    "unlisten", "network_request", "available", "proxy_for", "CANARY_ENV", "DEFAULT_CANARY",
 ]
+
+#: The live proxy of a run in this process (``None`` when none of its sandboxes is up).
+proxy_for = proxy.proxy_for
 
 #: Host-side override of the canary targets (comma separated ``host:port``).
 CANARY_ENV = "RESOLUTO_EGRESS_CANARY"
