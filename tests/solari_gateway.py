@@ -35,9 +35,11 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +112,8 @@ class SolariGateway:
         self._faults: dict[str, list[Fault]] = {}
         self._drop_after_reads: dict[str, int] = {}
         self.drops = 0
+        #: How often each framing hazard was put on the wire.
+        self.hazard_counts: Counter[str] = Counter()
         self._gvisor: Any = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -168,8 +172,12 @@ class SolariGateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app(), log_level="warning", ws="websockets", lifespan="off",
-                                ws_max_size=2**31)
+        # ws="websockets": the implementation that offers the ASGI denial response (a 401 on the upgrade).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = uvicorn.Config(self._app(), log_level="warning", ws="websockets", lifespan="off",
+                                    ws_max_size=2**31)
+            config.load()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="solari-standin", daemon=True)
@@ -492,10 +500,13 @@ class _Conn:
             return
         self.loop.call_soon_threadsafe(self.out.put_nowait, line)
 
-    def drop(self) -> None:
+    def drop(self, injected: bool = False) -> None:
         if not self.closed:
             self.closed = True
-            self.gw.drops += 1
+            if injected:
+                with self.gw.changed:
+                    self.gw.drops += 1
+                    self.gw.changed.notify_all()
             self.loop.call_soon_threadsafe(self.out.put_nowait, None)
 
     async def pump(self) -> None:
@@ -520,12 +531,20 @@ class _Conn:
                         noisy.append(json.dumps({"id": "v1-legacy", "stream": "stdout", "data": "legacy"}) + "\n")
                     noisy.append(line)
                 text = "".join(noisy)
+                counts = self.gw.hazard_counts
+                counts["non_json_lines"] += text.count("stand-in: this line is not JSON")
+                counts["v1_frames"] += text.count('"v1-legacy"')
                 cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 3)))) \
                     if len(text) > 1 else []
-                pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+                pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             else:
                 pieces = ["".join(batch)]
             for p in pieces:
+                if self.gw.hazards:
+                    if not p.endswith("\n"):
+                        self.gw.hazard_counts["frames_split"] += 1
+                    if p.count("\n") > 1:
+                        self.gw.hazard_counts["messages_packed"] += 1
                 await self.ws.send_text(p)
                 self.sent_messages += 1
 
@@ -553,7 +572,7 @@ class _Conn:
                     left -= 1
                     if left <= 0:
                         gw._drop_after_reads.pop(self.s.id, None)
-                        self.drop()
+                        self.drop(injected=True)
                     else:
                         gw._drop_after_reads[self.s.id] = left
 
@@ -628,7 +647,8 @@ class _Conn:
         if gw.executor == "process":
             inside = str(s.root)
             argv = [gw.translate(s, cmd, inside)] + [gw.translate(s, a, inside) for a in args]
-            full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inside}
+            # The VM's image is assumed to carry the flow's interpreter (as a user's template would).
+            full_env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "HOME": inside}
             full_env.update({k: gw.translate(s, v, inside) for k, v in env.items()})
             try:
                 c.proc = subprocess.Popen(argv, cwd=gw.translate(s, cwd, inside) if cwd else inside,
@@ -646,7 +666,10 @@ class _Conn:
         # The ordering hazard: output pumps start before the reply is sent.
         self.send({"type": "cmd.data", "cmdId": cmd_id, "stream": "stderr",
                    "base64": base64.b64encode(f"[stand-in] {cmd_id} started\n".encode()).decode()})
+        gw.hazard_counts["data_before_reply"] += 1
         await asyncio.get_running_loop().run_in_executor(None, c.done.wait, 0.05)
+        if c.done.is_set():
+            gw.hazard_counts["exit_before_reply"] += 1
         return {"cmdId": cmd_id}
 
     def _pump_pipe(self, cmd_id: str, stream: str, pipe: Any) -> None:

@@ -394,10 +394,13 @@ class SolariRuntime(SandboxRuntime):
     # -- run preparation ------------------------------------------------------------------
 
     def prepare(self, conduit: Any, run_id: str) -> None:
-        kind = getattr(conduit, "kind", "")
-        if self.conduit_mode == "direct" and kind != "s3":
-            raise LaunchError(self._direct_needs_s3(kind))
+        """Remember the run's conduit: the relay mirrors the VM's objects into it."""
         self._conduits[run_id] = conduit
+
+    def check_spec(self, spec: LaunchSpec) -> None:
+        super().check_spec(spec)
+        if self.conduit_mode == "direct" and spec.env.get("RESOLUTO_STORE_KIND") != "s3":
+            raise LaunchError(self._direct_needs_s3(spec.env.get("RESOLUTO_STORE_KIND", "")))
 
     @staticmethod
     def _direct_needs_s3(kind: str) -> str:
@@ -493,8 +496,6 @@ class SolariRuntime(SandboxRuntime):
         for var in ("RESOLUTO_RUN_ID", "RESOLUTO_NODE_ID"):
             if not spec.env.get(var):
                 raise LaunchError(f"the node's environment lacks {var}")
-        if self.conduit_mode == "direct" and spec.env.get("RESOLUTO_STORE_KIND") != "s3":
-            raise LaunchError(self._direct_needs_s3(spec.env.get("RESOLUTO_STORE_KIND", "")))
 
     def _secret_env(self, spec: LaunchSpec, conduit: Any, *, mint: bool) -> dict[str, str]:
         secrets = dict(spec.secret_env)
@@ -584,6 +585,7 @@ class SolariRuntime(SandboxRuntime):
             answer("created")
             if s.destroyed:
                 return
+            asyncio.ensure_future(self._keepalive(s))
             s.state = "staging"
             await self._stage(s)
             await self._start_command(s)
@@ -722,10 +724,6 @@ class SolariRuntime(SandboxRuntime):
         while not s.destroyed:
             now = time.monotonic()
             try:
-                if now - s.last_keepalive >= self.session_timeout_s / 3:
-                    # Liveness is ours: while the host watches the node, the gateway keeps it.
-                    await s.sbx.set_timeout(int(self.session_timeout_s * 1000))
-                    s.last_keepalive = now
                 if now - s.last_view >= self.view_interval_s:
                     s.last_view = now
                     if not await self._still_there(client, s):
@@ -761,6 +759,18 @@ class SolariRuntime(SandboxRuntime):
                 continue
             delay = self.relay_poll_min_s if progressed else min(self.relay_poll_max_s, delay * 2)
             await asyncio.sleep(delay)
+
+    async def _keepalive(self, s: _Session) -> None:
+        """Liveness is ours: while the host watches the node, the gateway keeps the session."""
+        while not (s.finished or s.destroyed):
+            try:
+                await s.sbx.set_timeout(int(self.session_timeout_s * 1000))
+                s.last_keepalive = time.monotonic()
+            except Exception as e:  # the watch loop judges a gone sandbox; retry soon
+                logger.debug("solari set_timeout on %s failed: %r", s.gw_id, e)
+                await asyncio.sleep(min(1.0, self.session_timeout_s / 6))
+                continue
+            await asyncio.sleep(self.session_timeout_s / 3)
 
     async def _still_there(self, client: Any, s: _Session) -> bool:
         from solari_core.errors import NotFoundError
