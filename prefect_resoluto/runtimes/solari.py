@@ -385,8 +385,9 @@ class SolariRuntime(SandboxRuntime):
                 hint = " -- check api_key / SOLARI_API_KEY"
             elif status == 402:
                 hint = " -- the organisation's plan does not allow sandboxes"
+            http = f"HTTP {status} " if status else ""
             return Availability(False, f"gateway {self.base_url} did not answer a read-only request: "
-                                       f"{type(e).__name__}: {_gateway_words(e)}{hint}")
+                                       f"{http}{type(e).__name__}: {_gateway_words(e)}{hint}")
         return Availability(True, detail=f"gateway {self.base_url} answered (GET /sandboxes, "
                                          f"{len(page.get('sandboxes', []))} listed); conduit mode "
                                          f"{self.conduit_mode}, template {self.template or '(default)'}")
