@@ -170,6 +170,9 @@ class SolariGateway:
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # As a real gateway does (Go sets it on every connection): a frame split across two
+        # messages must not wait for the delayed ACK of the first (Nagle). Accepted sockets inherit it.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         # ws="websockets": the implementation that offers the ASGI denial response (a 401 on the upgrade).

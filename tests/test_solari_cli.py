@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 from solari_gateway import SolariGateway, _check_create
-from test_cli import Cli, cli, last_json  # noqa: F401 - the fixture
+from test_cli import Cli, last_json
+from test_cli import cli as _cli_fixture
+
+cli = _cli_fixture  # the CLI fixture of test_cli.py, under its own name here
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
