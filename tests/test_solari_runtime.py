@@ -28,6 +28,12 @@ PY = "python3"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.fixture(autouse=True)
+def _no_proxy_for_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDK's WebSocket honours proxy variables (SDK divergence 10); loopback is never proxied.
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
 @pytest.fixture
 def gw(tmp_path: Path):
     g = SolariGateway(tmp_path / "gateway", executor="process").start()

@@ -53,6 +53,7 @@ import random
 import tarfile
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -141,9 +142,15 @@ def _make_http_client(base_url: str, max_retries: int = 5) -> Any:
 
     class SeedRetryPolicy(httpx.AsyncBaseTransport):
         def __init__(self) -> None:
-            # SDK divergence 10: httpx trusts proxy variables; a loopback gateway must not be proxied.
-            host = urlparse(base_url).hostname or ""
-            self._inner = httpx.AsyncHTTPTransport(trust_env=host not in ("127.0.0.1", "localhost", "::1"))
+            # SDK divergence 10: httpx trusts proxy variables (and websockets uses a proxy by default).
+            # Choose the proxy the way the WebSocket side does (urllib's rules, NO_PROXY honoured),
+            # never for a loopback gateway, and keep this retry policy in front of it either way.
+            url = urlparse(base_url)
+            proxy = None
+            if url.hostname not in ("127.0.0.1", "localhost", "::1") and \
+                    not urllib.request.proxy_bypass(url.netloc):
+                proxy = urllib.request.getproxies().get(url.scheme)
+            self._inner = httpx.AsyncHTTPTransport(proxy=proxy)
             self.retried = 0
 
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
