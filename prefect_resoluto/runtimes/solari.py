@@ -658,12 +658,12 @@ class SolariRuntime(SandboxRuntime):
     def _refusal(self, e: BaseException) -> str:
         status = _gateway_status(e)
         words = _gateway_words(e)
-        if status in (401, 403):
-            return (f"the Solari gateway {self.base_url} refused the API key ({status}): {words}. "
-                    "Fix api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY.")
         if status == 402 or (getattr(e, "code", "") or "").startswith("plan_") or type(e).__name__ == "PlanError":
             return (f"the Solari organisation's plan does not allow this sandbox ({status}): {words}. "
                     "Upgrade the plan, or lower cpu/mem_mb/disk_gb/template in the runtime options.")
+        if status in (401, 403):
+            return (f"the Solari gateway {self.base_url} refused the API key ({status}): {words}. "
+                    "Fix api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY.")
         if status == 400:
             return f"the Solari gateway rejected the create request (400): {words}. Check the runtime options."
         if status == 404:
