@@ -247,6 +247,7 @@ class _Session:
 
 
 _SESSIONS: dict[str, _Session] = {}
+_KEEP_REAPED = 64
 _SESSIONS_LOCK = threading.Lock()
 
 
@@ -304,6 +305,7 @@ class SolariRuntime(SandboxRuntime):
         store_role_arn: str | None = None,
         store_sts_endpoint: str | None = None,
         store_credentials_ttl_s: int = 3600,
+        rpc_timeout_s: float = 120.0,
     ) -> None:
         if conduit_mode not in CONDUIT_MODES:
             raise ValueError(f"conduit_mode must be one of {CONDUIT_MODES}, got {conduit_mode!r}")
@@ -333,6 +335,10 @@ class SolariRuntime(SandboxRuntime):
         self.store_role_arn = store_role_arn
         self.store_sts_endpoint = store_sts_endpoint
         self.store_credentials_ttl_s = int(store_credentials_ttl_s)
+        # Bounds one control-channel call (not the node): a hung call is treated like a dropped
+        # channel (checked by id, reconnected), so a silent gateway cannot stall the relay for the
+        # SDK's default 300 s.
+        self.rpc_timeout_s = float(rpc_timeout_s)
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._conduits: dict[str, Any] = {}
@@ -365,12 +371,13 @@ class SolariRuntime(SandboxRuntime):
             raise SolariConfigError(problem)
         with self._client_lock:
             if self._client is None:
-                base_url, key = self.base_url, self._api_key
+                base_url, key, rpc_ms = self.base_url, self._api_key, int(self.rpc_timeout_s * 1000)
 
                 async def make() -> Any:
                     from solari_sandbox import SandboxClient
 
-                    return SandboxClient(api_key=key, base_url=base_url, http=_make_http_client(base_url))
+                    return SandboxClient(api_key=key, base_url=base_url, http=_make_http_client(base_url),
+                                         call_timeout_ms=rpc_ms)
 
                 self._client = _loop().run(make())
             return self._client
@@ -568,6 +575,10 @@ class SolariRuntime(SandboxRuntime):
         )
         with _SESSIONS_LOCK:
             _SESSIONS[spec.sandbox_id] = s
+            # Keep the last few reaped sessions (status/logs after destroy), not every one ever run.
+            reaped = [k for k, v in _SESSIONS.items() if v.destroyed]
+            for k in reaped[: max(0, len(reaped) - _KEEP_REAPED)]:
+                del _SESSIONS[k]
         # The first create answers here, so a refused key or plan fails the launch at once; a
         # 429 returns a handle that waits for admission in the background.
         first = concurrent.futures.Future()  # type: ignore[var-annotated]
@@ -927,6 +938,7 @@ class SolariRuntime(SandboxRuntime):
             self._run(reap(), timeout=60)
         finally:
             handle.data["destroyed"] = True
+            s.sbx = s.cmd = s.conduit = None
 
     def sweep(self, labels: dict[str, str]) -> int:
         client = self._sdk()
