@@ -147,7 +147,14 @@ def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_run
     ref = node(tmp_path, code, node_id="n-ref", output_paths=["out/*"], secret_env={"TOKEN": "tok-very-secret-1"})
     ref_out = drive_node(ref, conduit, gvisor)
     assert ref_out.ok, ref_out.describe()
-    assert node_keys(conduit, "run-solari", "n1") == node_keys(conduit, "run-solari", "n-ref")
+    def shape(keys: list[str]) -> tuple[list[str], bool]:
+        # How many chunks a guest writes depends on timing; the keys around them may not differ.
+        chunks = [wire.chunk_index(k) for k in keys if wire.chunk_index(k) is not None]
+        return [k for k in keys if wire.chunk_index(k) is None], chunks == list(range(1, len(chunks) + 1))
+
+    assert shape(node_keys(conduit, "run-solari", "n1")) == shape(node_keys(conduit, "run-solari", "n-ref"))
+    assert shape(node_keys(conduit, "run-solari", "n1"))[0] == [
+        "_manifest.json", "inbox/workspace.tar.gz", "outbox/output.tar.gz", "result.json"]
 
     # The gateway saw escaped session ids, the bearer key on every upgrade, and no VM is left.
     assert all("%3A" in r.raw_path for r in gw_gvisor.requests if r.raw_path.startswith("/sandboxes/"))
