@@ -112,6 +112,10 @@ class SolariGateway:
         self._faults: dict[str, list[Fault]] = {}
         self._drop_after_reads: dict[str, int] = {}
         self.drops = 0
+        #: Refuse every control-WebSocket upgrade with 401 (a key valid for REST only).
+        self.refuse_upgrades = False
+        #: Answer GET /sandboxes (the list) with 404, as a gateway with only the seed's core routes.
+        self.list_route = True
         #: How often each framing hazard was put on the wire.
         self.hazard_counts: Counter[str] = Counter()
         self._gvisor: Any = None
@@ -370,6 +374,8 @@ class SolariGateway:
             rec, refused = await record(request, "list")
             if refused is not None:
                 return refused
+            if not gw.list_route:
+                return answer("list", rec, 404, {"code": "NotFound", "message": "no such route"})
             want = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
             out = [view(s) for s in gw.live() if all(s.metadata.get(k) == v for k, v in want.items())]
             limit = request.query_params.get("limit")
@@ -381,7 +387,8 @@ class SolariGateway:
             sid = ws.path_params["sid"]
             raw_path = ws.scope.get("raw_path", b"").decode()
             auth = ws.headers.get("authorization")
-            entry = {"raw_path": raw_path, "authorized": auth == f"Bearer {gw.api_key}", "sandbox": sid}
+            entry = {"raw_path": raw_path, "authorized": auth == f"Bearer {gw.api_key}" and not gw.refuse_upgrades,
+                     "sandbox": sid}
             with gw.changed:
                 gw.ws_upgrades.append(entry)
                 gw.changed.notify_all()

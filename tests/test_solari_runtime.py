@@ -259,6 +259,22 @@ def test_401_is_unstartable_at_once_naming_the_setting(tmp_path: Path, gw: Solar
     assert [r.status for r in gw.requests] == [401]  # refused once, never retried
 
 
+def test_a_refused_websocket_upgrade_is_unstartable_and_the_vm_is_reaped(tmp_path: Path, gw: SolariGateway):
+    gw.refuse_upgrades = True
+    conduit = LocalConduit(tmp_path / "conduit")
+    out, _ = run(node(tmp_path, "print('never')"), conduit, solari(gw))
+    assert out.failure == "unstartable", out.describe()
+    assert "401" in out.reason and "SOLARI_API_KEY" in out.reason
+    assert gw.ws_upgrades and gw.live() == []  # created, refused on the channel, killed
+
+
+def test_availability_probes_by_id_when_the_gateway_has_no_list_route(gw: SolariGateway):
+    gw.list_route = False
+    avail = solari(gw).availability()
+    assert avail.ok, avail
+    assert [r.method for r in gw.requests] == ["GET", "GET"] and gw.sandboxes == {}
+
+
 def test_402_plan_is_unstartable_naming_the_plan(tmp_path: Path, gw: SolariGateway):
     gw.fail("create", 402, body={"code": "plan_cpu_limit", "message": "plan allows 2 vCPUs"})
     conduit = LocalConduit(tmp_path / "conduit")

@@ -391,7 +391,7 @@ class SolariRuntime(SandboxRuntime):
             return Availability(False, problem)
         try:
             client = self._sdk()
-            page = self._run(client.list(limit=1), timeout=30)
+            page = self._run(self._probe(client), timeout=30)
         except Exception as e:
             status = _gateway_status(e)
             hint = ""
@@ -405,6 +405,22 @@ class SolariRuntime(SandboxRuntime):
         return Availability(True, detail=f"gateway {self.base_url} answered (GET /sandboxes, "
                                          f"{len(page.get('sandboxes', []))} listed); conduit mode "
                                          f"{self.conduit_mode}, template {self.template or '(default)'}")
+
+    @staticmethod
+    async def _probe(client: Any) -> dict[str, Any]:
+        """A read-only request: the list (which sweep needs too), else a GET by a made-up id --
+        a 404 from an authenticated GET still proves the gateway and the key."""
+        from solari_core.errors import NotFoundError
+
+        try:
+            return await client.list(limit=1)
+        except NotFoundError:
+            pass
+        try:
+            await client.get("resoluto-doctor:probe:none.0")
+        except NotFoundError:
+            return {"sandboxes": []}
+        return {"sandboxes": []}
 
     # -- run preparation ------------------------------------------------------------------
 
@@ -615,7 +631,10 @@ class SolariRuntime(SandboxRuntime):
         except Exception as e:  # an unexpected error must end as a verdict, not a hung node
             if not (s.lost or s.unstartable):
                 if s.state in ("admission", "staging"):
-                    s.unstartable = f"could not start the Solari sandbox: {type(e).__name__}: {_gateway_words(e)}"
+                    words = _gateway_words(e)
+                    hint = " (the control channel refused the API key: fix api_key or SOLARI_API_KEY)" \
+                        if ("401" in words or "403" in words) else ""
+                    s.unstartable = f"could not start the Solari sandbox: {type(e).__name__}: {words}{hint}"
                 else:
                     s.lost = f"lost contact with the Solari sandbox: {type(e).__name__}: {_gateway_words(e)}"
             logger.debug("solari session %s ended with %r", s.spec_id, e)
