@@ -84,6 +84,8 @@ _TMP_MARK = ".resoluto-tmp-"
 _STORE_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 # The statuses the SDK retries itself on an idempotent request (solari_core/_http.py).
 _SDK_RETRIED = frozenset({502, 503, 504, 507})
+#: How long the relay keeps polling at its fastest after the last new object.
+_HOT_S = 0.25
 _TRANSIENT_RPC = ("SolariConnectionError", "SolariTimeoutError")
 
 
@@ -299,7 +301,7 @@ class SolariRuntime(SandboxRuntime):
         admission_patience_s: float | None = None,
         capacity_retries: int = 5,
         reconnect_patience_s: float = 60.0,
-        relay_poll_min_s: float = 0.005,
+        relay_poll_min_s: float = 0.01,
         relay_poll_max_s: float = 0.25,
         view_interval_s: float = 5.0,
         store_role_arn: str | None = None,
@@ -758,6 +760,7 @@ class SolariRuntime(SandboxRuntime):
 
     async def _watch(self, client: Any, s: _Session) -> None:
         delay = self.relay_poll_min_s
+        last_progress = time.monotonic()
         lost_channel_at: float | None = None
         while not s.destroyed:
             now = time.monotonic()
@@ -795,7 +798,14 @@ class SolariRuntime(SandboxRuntime):
                 except Exception as again:
                     logger.debug("solari reconnect of %s failed: %r", s.gw_id, again)
                 continue
-            delay = self.relay_poll_min_s if progressed else min(self.relay_poll_max_s, delay * 2)
+            # A busy guest ships a chunk every flush interval (50 ms): stay fast for a few of them
+            # after the last new object, then back off while it is quiet (each poll is one RPC).
+            if progressed:
+                last_progress = time.monotonic()
+            if time.monotonic() - last_progress < _HOT_S:
+                delay = self.relay_poll_min_s
+            else:
+                delay = min(self.relay_poll_max_s, delay * 2)
             await asyncio.sleep(delay)
 
     async def _keepalive(self, s: _Session) -> None:
