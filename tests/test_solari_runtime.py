@@ -384,6 +384,20 @@ def test_direct_mode_the_guest_writes_to_s3_itself(tmp_path: Path, gw: SolariGat
     assert start["params"]["env"]["RESOLUTO_STORE_KIND"] == "s3"
 
 
+def test_direct_mode_mints_scoped_store_credentials_per_node(tmp_path: Path, gw: SolariGateway, s3_conduit,
+                                                             moto_server):
+    rt = solari(gw, conduit_mode="direct", store_role_arn="arn:aws:iam::123456789012:role/resoluto-node",
+                store_sts_endpoint=moto_server.moto_endpoint_url)
+    out, events = run(node(tmp_path, "print('scoped')"), s3_conduit, rt)
+    assert out.ok, out.describe()
+    env = next(f for f in gw.rpc_frames if f.get("method") == "cmd.start")["params"]["env"]
+    host = s3_conduit.guest_credentials()
+    assert env["AWS_SESSION_TOKEN"] and env["AWS_ACCESS_KEY_ID"] != host["AWS_ACCESS_KEY_ID"]
+    assert host["AWS_SECRET_ACCESS_KEY"] not in json.dumps(gw.bodies_seen())
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(
+        json.loads(env["RESOLUTO_SECRET_ENV"]))
+
+
 def test_direct_mode_refuses_a_local_conduit(tmp_path: Path, gw: SolariGateway):
     from prefect_resoluto.runtimes.base import LaunchError
 

@@ -487,7 +487,7 @@ class SolariRuntime(SandboxRuntime):
             env.update({"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": self._store_root,
                         "RESOLUTO_STORE_PREFIX": rel})
         env["RESOLUTO_WORKSPACE_DIR"] = self._workspace
-        env["PYTHONPATH"] = self._lib_dir
+        env["PYTHONPATH"] = self._lib_dir + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("HOME", self.guest_dir)
         env.update(secret_env if secret_env is not None else spec.secret_env)
