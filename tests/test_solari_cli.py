@@ -91,3 +91,7 @@ def test_run_on_solari_through_the_cli(cli: Cli, gw: SolariGateway, tmp_path: Pa
     out = last_json(res.stdout)
     assert out["runtime"] == "solari" and out["isolation"] == "vm" and out["status"] == "success"
     assert gw.live() == []
+    # The relayed conduit replays like any other runtime's.
+    rep = cli.run("events", "--conduit", out["conduit_url"], out["run_id"], out["node_id"], env=env)
+    assert rep.returncode == 0, rep.stderr
+    assert "hi from ***" in rep.stdout and "tok-123" not in rep.stdout

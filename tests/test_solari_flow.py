@@ -129,3 +129,37 @@ def test_a_task_waiting_for_a_slot_says_so_and_spends_no_infrastructure_retry(tm
         t.join(30)
         client.close()
         gw.stop()
+
+
+def test_a_vm_killed_mid_task_is_relaunched_by_the_runner(tmp_path: Path):
+    gw = SolariGateway(tmp_path / "gateway", executor="process").start()
+    killed: list[str] = []
+
+    def kill_the_first_vm() -> None:
+        vms = gw.wait_for(lambda: [s for s in gw.live() if s.commands], timeout=120)
+        # Once its guest has written an event chunk: the task is running, not starting.
+        gw.wait_for(lambda: any(p.name.startswith("events-") for p in vms[0].root.rglob("events-*")), timeout=60)
+        killed.append(vms[0].id)
+        gw.kill_vm(vms[0].id)
+
+    t = threading.Thread(target=kill_the_first_vm, daemon=True)
+    t.start()
+    try:
+        @flow(task_runner=ResolutoTaskRunner(
+            runtime="solari", runtime_options=options(gw), conduit=LocalConduit(tmp_path / "conduit"),
+            workspace=FLOWS, outputs_dir=tmp_path / "out", min_isolation="vm", infrastructure_retries=1))
+        def survives():
+            return sf.sleeper.submit(2.0).result()
+
+        state = survives(return_state=True)
+        assert state.is_completed(), state
+        assert killed
+        (tr,) = task_runs(state.state_details.flow_run_id)
+        msgs = [log.message for log in logs_of(tr.id)]
+        assert any("re-launching" in m and "lost" in m for m in msgs), msgs
+        assert any(killed[0] in m for m in msgs), msgs  # the gateway's words name the VM
+        assert gw.live() == []
+    finally:
+        t.join(30)
+        gw.stop()
+

@@ -332,7 +332,12 @@ def test_socket_drops_are_reconnected_with_no_event_lost_or_duplicated(tmp_path:
     assert len({u["sandbox"] for u in upgrades}) == 1
 
 
-def test_a_20000_line_node_is_relayed_complete_and_in_order(tmp_path: Path, gw: SolariGateway):
+@pytest.mark.parametrize("executor", ["process", "gvisor"])
+def test_a_20000_line_node_is_relayed_complete_and_in_order(tmp_path: Path, executor: str, request):
+    if executor == "gvisor":
+        request.getfixturevalue("gvisor")  # skips, saying why, where gVisor is missing
+    gw = SolariGateway(tmp_path / "gateway", executor=executor).start()
+    request.addfinalizer(gw.stop)
     conduit = LocalConduit(tmp_path / "conduit")
     out, events = run(node(tmp_path, "for i in range(20000):\n    print(f'line-{i:05d}')"), conduit, solari(gw))
     assert out.ok, out.describe()
