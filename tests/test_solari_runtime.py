@@ -187,6 +187,21 @@ def test_relay_mirrors_each_object_once_chunks_in_order_manifest_last(tmp_path: 
         assert gw.hazard_counts[hazard] > 0, hazard
 
 
+def test_the_runtime_works_from_inside_a_running_event_loop(tmp_path: Path, gw: SolariGateway):
+    # A Prefect async task calls the runtime from a thread that runs an event loop, where the
+    # SDK's own sync client refuses to work; the runtime's calls go to a loop of its own.
+    import asyncio
+
+    conduit = LocalConduit(tmp_path / "conduit")
+
+    async def inside() -> tuple[NodeOutcome, list[dict]]:
+        return run(node(tmp_path, "print('from a loop')"), conduit, solari(gw))
+
+    out, events = asyncio.run(inside())
+    assert out.ok, out.describe()
+    assert workload_lines(events) == ["from a loop"]
+
+
 def test_a_failing_task_is_a_workload_failure_with_its_exit_code(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     spec = node(tmp_path, "import sys; print('about to fail'); sys.exit(3)")
