@@ -264,6 +264,24 @@ def test_503_and_500_are_retried_with_the_same_idempotency_key(tmp_path: Path, g
     assert gw.answers[("create", 503)] == 2 and gw.answers[("create", 500)] == 1
 
 
+def test_a_429_of_another_code_also_waits_for_admission(tmp_path: Path, gw: SolariGateway):
+    gw.fail("create", 429, times=2, body={"code": "TooManyRequests", "message": "slow down"})
+    out, events = run(node(tmp_path, "print('in')"), LocalConduit(tmp_path / "c"),
+                      solari(gw, admission_backoff_max_s=0.2))
+    assert out.ok, out.describe()
+    assert gw.answers[("create", 429)] == 2
+
+
+def test_no_capacity_that_outlasts_every_retry_is_unstartable_with_the_gateways_words(
+        tmp_path: Path, gw: SolariGateway):
+    gw.fail("create", 503, times=1000, body={"code": "NoCapacity", "message": "no host in pool-lo1"})
+    out, _ = run(node(tmp_path, "print('never')"), LocalConduit(tmp_path / "c"), solari(gw, capacity_retries=0))
+    assert out.failure == "unstartable", out.describe()
+    assert "no host in pool-lo1" in out.reason and "no capacity" in out.reason
+    assert gw.answers[("create", 503)] == 6  # the SDK's own attempt and its 5 retries, one key
+    assert len({r.headers["idempotency-key"] for r in gw.requests if r.method == "POST"}) == 1
+
+
 def test_401_is_unstartable_at_once_naming_the_setting(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     rt = get_runtime("solari", base_url=gw.base_url, api_key="sk-wrong-key-123")

@@ -654,23 +654,16 @@ class SolariRuntime(SandboxRuntime):
             try:
                 # The SDK's create carries one Idempotency-Key across its own retries.
                 sbx = await client.create(**_create_kwargs(s.create))
-            except ConcurrencyLimitError as e:
-                # Held for admission: never unstartable, never an infrastructure retry.
-                if s.waiting_since is None:
-                    s.waiting_since = time.monotonic()
-                    answer("waiting")
-                s.admission_waits += 1
-                s.unstartable = ""
-                waited = time.monotonic() - s.waiting_since
-                if self.admission_patience_s is not None and waited >= self.admission_patience_s:
-                    s.unstartable = (f"no Solari slot for {waited:.0f}s (admission_patience_s "
-                                     f"{self.admission_patience_s:.0f}): {_gateway_words(e)}")
+            except Exception as e:
+                kind = _admission_kind(e, ConcurrencyLimitError, NoCapacityError, SolariConnectionError)
+                if kind is None:
+                    s.unstartable = self._refusal(e)
                     return False
-                await asyncio.sleep(min(self.admission_backoff_max_s, 0.2 * 2 ** min(attempt, 6))
-                                    * (0.5 + random.random() / 2))
-                attempt += 1
-                continue
-            except (NoCapacityError, SolariConnectionError) as e:
+                if kind == "slot":
+                    if not await self._wait_for_slot(s, e, answer, attempt):
+                        return False
+                    attempt += 1
+                    continue
                 capacity_tries += 1
                 if capacity_tries > self.capacity_retries:
                     s.unstartable = (f"the Solari gateway {self.base_url} had no capacity / could not be reached "
@@ -678,15 +671,28 @@ class SolariRuntime(SandboxRuntime):
                     return False
                 await asyncio.sleep(_backoff_s(capacity_tries))
                 continue
-            except Exception as e:
-                s.unstartable = self._refusal(e)
-                return False
             s.sbx, s.gw_id = sbx, sbx.id
             if s.destroyed:  # destroyed while the create was in flight: do not leak the VM
                 await self._kill(client, s)
                 return False
             return True
         return False
+
+    async def _wait_for_slot(self, s: _Session, e: BaseException, answer: Callable[[str], None],
+                             attempt: int) -> bool:
+        """Held for admission (429): never unstartable, never an infrastructure retry."""
+        if s.waiting_since is None:
+            s.waiting_since = time.monotonic()
+            answer("waiting")
+        s.admission_waits += 1
+        waited = time.monotonic() - s.waiting_since
+        if self.admission_patience_s is not None and waited >= self.admission_patience_s:
+            s.unstartable = (f"no Solari slot for {waited:.0f}s (admission_patience_s "
+                             f"{self.admission_patience_s:.0f}): {_gateway_words(e)}")
+            return False
+        await asyncio.sleep(min(self.admission_backoff_max_s, 0.2 * 2 ** min(attempt, 6))
+                            * (0.5 + random.random() / 2))
+        return True
 
     def _refusal(self, e: BaseException) -> str:
         status = _gateway_status(e)
@@ -993,6 +999,18 @@ class SolariRuntime(SandboxRuntime):
         lines = list(s.output) + [v for v in s.partial.values() if v]
         head = f"[solari sandbox {s.gw_id or '(not created)'}, {s.reconnects} reconnect(s)]"
         return "\n".join([head, *lines[-max(1, int(tail)):]])
+
+
+def _admission_kind(e: BaseException, slot: type, capacity: type, connection: type) -> str | None:
+    """``"slot"`` for a 429 of any code (the seed: the organisation is at its session cap),
+    ``"capacity"`` for no capacity / a gateway that could not be reached, None for a refusal."""
+    status = _gateway_status(e)
+    code = str(getattr(e, "code", "") or "").lower()
+    if isinstance(e, slot) or status == 429:
+        return "slot"
+    if isinstance(e, (capacity, connection)) or status in (502, 503, 504) or code in ("no_capacity", "nocapacity"):
+        return "capacity"
+    return None
 
 
 def _create_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
