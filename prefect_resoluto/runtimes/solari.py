@@ -695,6 +695,8 @@ class SolariRuntime(SandboxRuntime):
         return True
 
     def _refusal(self, e: BaseException) -> str:
+        # SDK divergence 12: a 403 without code NotEntitled is a plain GatewayError, not AuthError
+        # (seed: 401/403 are AuthError); judged by status here.
         status = _gateway_status(e)
         words = _gateway_words(e)
         if status == 402 or (getattr(e, "code", "") or "").startswith("plan_") or type(e).__name__ == "PlanError":
@@ -1003,7 +1005,13 @@ class SolariRuntime(SandboxRuntime):
 
 def _admission_kind(e: BaseException, slot: type, capacity: type, connection: type) -> str | None:
     """``"slot"`` for a 429 of any code (the seed: the organisation is at its session cap),
-    ``"capacity"`` for no capacity / a gateway that could not be reached, None for a refusal."""
+    ``"capacity"`` for no capacity / a gateway that could not be reached, None for a refusal.
+
+    SDK divergence 11: the SDK maps by status *and* code -- a 429 that is not
+    ``ConcurrencyLimitExceeded``, or a 503 that is not ``NoCapacity``, comes back as a plain
+    ``GatewayError`` -- where the seed maps 429 to the concurrency limit and 503 to no
+    capacity. Decide by status here, the seed's way.
+    """
     status = _gateway_status(e)
     code = str(getattr(e, "code", "") or "").lower()
     if isinstance(e, slot) or status == 429:
