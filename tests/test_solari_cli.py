@@ -95,3 +95,24 @@ def test_run_on_solari_through_the_cli(cli: Cli, gw: SolariGateway, tmp_path: Pa
     rep = cli.run("events", "--conduit", out["conduit_url"], out["run_id"], out["node_id"], env=env)
     assert rep.returncode == 0, rep.stderr
     assert "hi from ***" in rep.stdout and "tok-123" not in rep.stdout
+
+
+def test_sweep_reaches_the_gateway_only_when_named(cli: Cli, gw: SolariGateway) -> None:
+    from solari_sandbox import SyncSandboxClient
+
+    env = {**cli.env, "SOLARI_API_KEY": gw.api_key, "SOLARI_BASE_URL": gw.base_url}
+    client = SyncSandboxClient(api_key=gw.api_key, base_url=gw.base_url)
+    handles = [client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-sweep"})
+               for _ in range(2)]
+    before = len(gw.requests)
+    res = cli.run("sweep", "--label", "resoluto.run-id=r-sweep", "--json", env=env)
+    assert "solari" not in json.loads(res.stdout)["reaped"]
+    assert len(gw.requests) == before and len(gw.live()) == 2  # unnamed: not even a list
+    res = cli.run("sweep", "--runtime", "solari", "--label", "resoluto.run-id=r-sweep", "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["reaped"] == {"solari": 2}
+    assert gw.live() == []
+    for h in handles:
+        h.close()
+    client.close()
+

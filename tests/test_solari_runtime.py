@@ -446,6 +446,14 @@ def test_direct_mode_refuses_a_local_conduit(tmp_path: Path, gw: SolariGateway):
     assert conduit.list_prefix("run/") == []  # refused before anything was put
 
 
+def test_an_egress_allowlist_is_refused_before_anything_is_sent(tmp_path: Path, gw: SolariGateway):
+    from prefect_resoluto.runtimes.base import LaunchError
+
+    with pytest.raises(LaunchError, match="cannot enforce an egress allowlist"):
+        run(node(tmp_path, "pass", egress=["pypi.org"]), LocalConduit(tmp_path / "c"), solari(gw))
+    assert gw.requests == []
+
+
 def test_sweep_kills_only_the_labelled_vms(tmp_path: Path, gw: SolariGateway):
     from solari_sandbox import SyncSandboxClient
 
