@@ -174,7 +174,7 @@ def test_relay_mirrors_each_object_once_chunks_in_order_manifest_last(tmp_path: 
     out, events = run(spec, conduit, rt, on_launch=seen.append)
     assert out.ok, out.describe()
     assert workload_lines(events) == [f"line {i}" for i in range(40)]
-    log = solari_mod._SESSIONS[seen[0].id].mirror_log
+    log = solari_mod._SESSIONS[seen[0].id].relay.log
     assert len(log) == len(set(log))
     rel = [k.rsplit("/nodes/n1/", 1)[1] for k in log]
     chunks = [r for r in rel if r.startswith("events-")]

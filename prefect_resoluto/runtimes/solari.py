@@ -32,7 +32,9 @@ holds the node for admission -- it waits with backoff and says so in the task's 
 while 401/403/402 make it unstartable at once with the setting to fix.
 
 The SDK is async and its sync wrapper cannot run inside a running event loop (a Prefect
-async task has one), so every SDK call runs on one event loop in a thread of our own.
+async task has one), so every SDK call runs on one event loop in a thread of our own
+(:mod:`._solari_sdk`, which also restores the seed's HTTP retry rules under the SDK); the
+mirror out of the VM is :mod:`._solari_relay`.
 
 Where the SDK diverges from the gateway's wire contract (``solari-sdk-wire-protocol.md``)
 in a way that matters here, the workaround is marked ``SDK divergence N`` with the
@@ -53,13 +55,21 @@ import random
 import tarfile
 import threading
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import urlparse
 
 from guest_runner import wire
+from prefect_resoluto.runtimes._solari_relay import VmRelay
+from prefect_resoluto.runtimes._solari_sdk import (
+    admission_kind,
+    backoff_s,
+    gateway_status,
+    gateway_words,
+    loop,
+    make_http_client,
+    transient_rpc_error,
+)
 from prefect_resoluto.runtimes.base import (
     Availability,
     IsolationLevel,
@@ -79,135 +89,13 @@ MANAGED_BY = "prefect-resoluto"
 SANDBOX_ID_KEY = "resoluto.sandbox-id"
 CONDUIT_MODES = ("relay", "direct")
 DEFAULT_GUEST_DIR = "/tmp/resoluto"
-#: The temporary-file mark of the guest's local store (guest_runner.conduit): never mirrored.
-_TMP_MARK = ".resoluto-tmp-"
 _STORE_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-# The statuses the SDK retries itself on an idempotent request (solari_core/_http.py).
-_SDK_RETRIED = frozenset({502, 503, 504, 507})
 #: How long the relay keeps polling at its fastest after the last new object.
 _HOT_S = 0.25
-_TRANSIENT_RPC = ("SolariConnectionError", "SolariTimeoutError")
 
 
 class SolariConfigError(LaunchError):
     """The runtime is not configured well enough to talk to a gateway."""
-
-
-# -- one event loop of our own ---------------------------------------------------------------
-
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread; every SDK object lives and is used on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="resoluto-solari", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[_T], timeout: float | None = None) -> _T:
-        if threading.current_thread() is self.thread:
-            raise RuntimeError("SolariRuntime: a blocking call from the SDK's own loop would deadlock")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise
-
-    def spawn(self, coro: Awaitable[Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
-
-_LOOP: _LoopThread | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def _loop() -> _LoopThread:
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or not _LOOP.thread.is_alive():
-            _LOOP = _LoopThread()
-        return _LOOP
-
-
-# -- the HTTP policy the seed asks for, under the SDK ----------------------------------------
-
-
-def _backoff_s(attempt: int) -> float:
-    """The seed's ``min(150 * 2^attempt, 8000) + rand(0..250)`` ms."""
-    return min(0.15 * 2 ** attempt, 8.0) + random.random() * 0.25
-
-
-def _make_http_client(base_url: str, max_retries: int = 5) -> Any:
-    """The ``httpx.AsyncClient`` handed to the SDK, with the seed's retry rules restored."""
-    import httpx
-
-    class SeedRetryPolicy(httpx.AsyncBaseTransport):
-        def __init__(self) -> None:
-            # SDK divergence 10: httpx trusts proxy variables (and websockets uses a proxy by default).
-            # Choose the proxy the way the WebSocket side does (urllib's rules, NO_PROXY honoured),
-            # never for a loopback gateway, and keep this retry policy in front of it either way.
-            url = urlparse(base_url)
-            proxy = None
-            if url.hostname not in ("127.0.0.1", "localhost", "::1") and \
-                    not urllib.request.proxy_bypass(url.netloc):
-                proxy = urllib.request.getproxies().get(url.scheme)
-            self._inner = httpx.AsyncHTTPTransport(proxy=proxy)
-            self.retried = 0
-
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            idempotent = request.method in ("GET", "DELETE") or "idempotency-key" in request.headers
-            attempt = 0
-            while True:
-                resp = await self._inner.handle_async_request(request)
-                status = resp.status_code
-                # SDK divergence 2: the SDK retries only 502/503/504/507, the seed every 5xx of an
-                # idempotent request. Retry the others here, with the same request (and so the same
-                # Idempotency-Key); the SDK's own list is left to the SDK so attempts do not multiply.
-                if idempotent and status >= 500 and status not in _SDK_RETRIED and attempt < max_retries:
-                    await resp.aread()
-                    await resp.aclose()
-                    await asyncio.sleep(_backoff_s(attempt))
-                    attempt += 1
-                    self.retried += 1
-                    continue
-                if status == 429:
-                    # SDK divergence 1: a 429 whose body says "retryable": true is retried by the SDK;
-                    # the seed says 429 (the organisation at its session cap) is never retried. Clear
-                    # the flag so the SDK raises ConcurrencyLimitError at once and our admission wait
-                    # (which says so in the task's logs) is the only one.
-                    body = await resp.aread()
-                    await resp.aclose()
-                    try:
-                        parsed = json.loads(body or b"null")
-                    except ValueError:
-                        parsed = None
-                    if isinstance(parsed, dict) and parsed.get("retryable") is True:
-                        parsed["retryable"] = False
-                        body = json.dumps(parsed).encode()
-                    headers = [(k, v) for k, v in resp.headers.items()
-                               if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
-                    return httpx.Response(status, headers=headers, content=body, request=request)
-                return resp
-
-        async def aclose(self) -> None:
-            await self._inner.aclose()
-
-    return httpx.AsyncClient(transport=SeedRetryPolicy(), trust_env=False)
-
-
-# -- errors -> what they mean for a node -----------------------------------------------------
-
-
-def _gateway_status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def _gateway_words(exc: BaseException) -> str:
-    code = getattr(exc, "code", None)
-    msg = str(exc) or type(exc).__name__
-    return f"{msg} ({code})" if code and code not in msg else msg
 
 
 # -- per-sandbox state -------------------------------------------------------------------------
@@ -234,11 +122,8 @@ class _Session:
     lost: str = ""
     exit_code: int | None = None
     exited: bool = False
-    relay_done: bool = False  # _manifest.json mirrored
+    relay: VmRelay | None = None
     finished: bool = False  # nothing more will come from the VM
-    next_chunk: int = 1
-    mirrored: set[str] = field(default_factory=set)
-    mirror_log: list[str] = field(default_factory=list)
     reconnects: int = 0
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=2000))
     partial: dict[str, str] = field(default_factory=dict)
@@ -379,14 +264,14 @@ class SolariRuntime(SandboxRuntime):
                 async def make() -> Any:
                     from solari_sandbox import SandboxClient
 
-                    return SandboxClient(api_key=key, base_url=base_url, http=_make_http_client(base_url),
+                    return SandboxClient(api_key=key, base_url=base_url, http=make_http_client(base_url),
                                          call_timeout_ms=rpc_ms)
 
-                self._client = _loop().run(make())
+                self._client = loop().run(make())
             return self._client
 
     def _run(self, coro: Awaitable[_T], timeout: float | None = 120.0) -> _T:
-        return _loop().run(coro, timeout)
+        return loop().run(coro, timeout)
 
     def availability(self) -> Availability:
         problem = self._config_problem()
@@ -396,7 +281,7 @@ class SolariRuntime(SandboxRuntime):
             client = self._sdk()
             page = self._run(self._probe(client), timeout=30)
         except Exception as e:
-            status = _gateway_status(e)
+            status = gateway_status(e)
             hint = ""
             if status in (401, 403):
                 hint = " -- check api_key / SOLARI_API_KEY"
@@ -404,7 +289,7 @@ class SolariRuntime(SandboxRuntime):
                 hint = " -- the organisation's plan does not allow sandboxes"
             http = f"HTTP {status} " if status else ""
             return Availability(False, f"gateway {self.base_url} did not answer a read-only request: "
-                                       f"{http}{type(e).__name__}: {_gateway_words(e)}{hint}")
+                                       f"{http}{type(e).__name__}: {gateway_words(e)}{hint}")
         return Availability(True, detail=f"gateway {self.base_url} answered (GET /sandboxes, "
                                          f"{len(page.get('sandboxes', []))} listed); conduit mode "
                                          f"{self.conduit_mode}, template {self.template or '(default)'}")
@@ -601,7 +486,7 @@ class SolariRuntime(SandboxRuntime):
         # The first create answers here, so a refused key or plan fails the launch at once; a
         # 429 returns a handle that waits for admission in the background.
         first = concurrent.futures.Future()  # type: ignore[var-annotated]
-        s.task = _loop().spawn(self._drive(client, s, first))
+        s.task = loop().spawn(self._drive(client, s, first))
         try:
             verdict = first.result(timeout=300)
         except concurrent.futures.TimeoutError:
@@ -626,6 +511,8 @@ class SolariRuntime(SandboxRuntime):
             asyncio.ensure_future(self._keepalive(s))
             s.state = "staging"
             await self._stage(s)
+            if s.mode == "relay":
+                s.relay = VmRelay(s.sbx.files, self._store_root, s.rel_prefix, s.conduit)
             await self._start_command(s)
             s.state = "running"
             await self._watch(client, s)
@@ -634,12 +521,12 @@ class SolariRuntime(SandboxRuntime):
         except Exception as e:  # an unexpected error must end as a verdict, not a hung node
             if not (s.lost or s.unstartable):
                 if s.state in ("admission", "staging"):
-                    words = _gateway_words(e)
+                    words = gateway_words(e)
                     hint = " (the control channel refused the API key: fix api_key or SOLARI_API_KEY)" \
                         if ("401" in words or "403" in words) else ""
                     s.unstartable = f"could not start the Solari sandbox: {type(e).__name__}: {words}{hint}"
                 else:
-                    s.lost = f"lost contact with the Solari sandbox: {type(e).__name__}: {_gateway_words(e)}"
+                    s.lost = f"lost contact with the Solari sandbox: {type(e).__name__}: {gateway_words(e)}"
             logger.debug("solari session %s ended with %r", s.spec_id, e)
         finally:
             answer("refused" if s.unstartable else "")
@@ -655,7 +542,7 @@ class SolariRuntime(SandboxRuntime):
                 # The SDK's create carries one Idempotency-Key across its own retries.
                 sbx = await client.create(**_create_kwargs(s.create))
             except Exception as e:
-                kind = _admission_kind(e, ConcurrencyLimitError, NoCapacityError, SolariConnectionError)
+                kind = admission_kind(e, ConcurrencyLimitError, NoCapacityError, SolariConnectionError)
                 if kind is None:
                     s.unstartable = self._refusal(e)
                     return False
@@ -667,9 +554,9 @@ class SolariRuntime(SandboxRuntime):
                 capacity_tries += 1
                 if capacity_tries > self.capacity_retries:
                     s.unstartable = (f"the Solari gateway {self.base_url} had no capacity / could not be reached "
-                                     f"after {capacity_tries} create attempts: {_gateway_words(e)}")
+                                     f"after {capacity_tries} create attempts: {gateway_words(e)}")
                     return False
-                await asyncio.sleep(_backoff_s(capacity_tries))
+                await asyncio.sleep(backoff_s(capacity_tries))
                 continue
             s.sbx, s.gw_id = sbx, sbx.id
             if s.destroyed:  # destroyed while the create was in flight: do not leak the VM
@@ -688,7 +575,7 @@ class SolariRuntime(SandboxRuntime):
         waited = time.monotonic() - s.waiting_since
         if self.admission_patience_s is not None and waited >= self.admission_patience_s:
             s.unstartable = (f"no Solari slot for {waited:.0f}s (admission_patience_s "
-                             f"{self.admission_patience_s:.0f}): {_gateway_words(e)}")
+                             f"{self.admission_patience_s:.0f}): {gateway_words(e)}")
             return False
         await asyncio.sleep(min(self.admission_backoff_max_s, 0.2 * 2 ** min(attempt, 6))
                             * (0.5 + random.random() / 2))
@@ -697,8 +584,8 @@ class SolariRuntime(SandboxRuntime):
     def _refusal(self, e: BaseException) -> str:
         # SDK divergence 12: a 403 without code NotEntitled is a plain GatewayError, not AuthError
         # (seed: 401/403 are AuthError); judged by status here.
-        status = _gateway_status(e)
-        words = _gateway_words(e)
+        status = gateway_status(e)
+        words = gateway_words(e)
         if status == 402 or (getattr(e, "code", "") or "").startswith("plan_") or type(e).__name__ == "PlanError":
             return (f"the Solari organisation's plan does not allow this sandbox ({status}): {words}. "
                     "Upgrade the plan, or lower cpu/mem_mb/disk_gb/template in the runtime options.")
@@ -779,25 +666,25 @@ class SolariRuntime(SandboxRuntime):
                     if not await self._still_there(client, s):
                         return
                 progressed = False
-                if s.mode == "relay" and not s.relay_done:
+                if s.relay is not None and not s.relay.done:
                     exited_before = s.exited
-                    progressed = await self._relay_pass(s)
-                    if not s.relay_done and exited_before:
+                    progressed = await s.relay.step()
+                    if not s.relay.done and exited_before:
                         return  # a whole pass after the exit found no manifest: the guest left none
-                if s.relay_done or (s.mode == "direct" and s.exited):
+                if (s.relay is not None and s.relay.done) or (s.relay is None and s.exited):
                     return
                 lost_channel_at = None
             except Exception as e:
-                if type(e).__name__ not in _TRANSIENT_RPC and not _is_closed_channel(e):
+                if not transient_rpc_error(e):
                     raise
                 lost_channel_at = lost_channel_at or time.monotonic()
                 if not await self._still_there(client, s):
                     return
                 if time.monotonic() - lost_channel_at > self.reconnect_patience_s:
                     s.lost = (f"the control channel to Solari sandbox {s.gw_id} dropped and could not be "
-                              f"re-established for {self.reconnect_patience_s:.0f}s: {_gateway_words(e)}")
+                              f"re-established for {self.reconnect_patience_s:.0f}s: {gateway_words(e)}")
                     return
-                await asyncio.sleep(_backoff_s(min(s.reconnects, 4)))
+                await asyncio.sleep(backoff_s(min(s.reconnects, 4)))
                 try:
                     # SDK divergence 4: client.connect(id) derives the control URL from base_url and
                     # ignores the one the gateway returned; reconnecting the handle itself keeps the
@@ -836,7 +723,7 @@ class SolariRuntime(SandboxRuntime):
             view = await client.get(s.gw_id)
         except NotFoundError as e:
             if not s.destroyed:
-                s.lost = f"the Solari sandbox {s.gw_id} is gone (404 from the gateway: {_gateway_words(e)})"
+                s.lost = f"the Solari sandbox {s.gw_id} is gone (404 from the gateway: {gateway_words(e)})"
             return False
         except Exception as e:  # the gateway itself is unreachable: keep trying, the watchdog decides
             logger.debug("solari GET %s failed: %r", s.gw_id, e)
@@ -846,56 +733,6 @@ class SolariRuntime(SandboxRuntime):
                       f"{view.state!r} (expires at {view.expiresAt})")
             return False
         return True
-
-    async def _relay_pass(self, s: _Session) -> bool:
-        """Mirror what is new in the VM's node directory; True when anything was mirrored."""
-        node_dir = f"{self._store_root}/{s.rel_prefix}"
-        before = len(s.mirrored)
-        names = await self._list_files(s, node_dir)
-        chunks = {wire.chunk_index(n): n for n in names}
-        chunks.pop(None, None)
-        while s.next_chunk in chunks:
-            await self._mirror(s, chunks[s.next_chunk])
-            s.next_chunk += 1
-        if wire.MANIFEST not in names:
-            return len(s.mirrored) > before
-        raw = await s.sbx.files.read(f"{node_dir}/{wire.MANIFEST}")
-        try:
-            total = wire.decode_manifest(raw)
-        except wire.WireError:
-            total = s.next_chunk - 1  # mirror it as it is: the host's tail reports the broken manifest
-        if s.next_chunk <= total:  # written before the manifest, so listed by now
-            chunks = {wire.chunk_index(n): n for n in await self._list_files(s, node_dir)}
-            while s.next_chunk <= total and s.next_chunk in chunks:
-                await self._mirror(s, chunks[s.next_chunk])
-                s.next_chunk += 1
-        if wire.RESULT in names:
-            await self._mirror(s, wire.RESULT)
-        for name in await self._list_files(s, f"{node_dir}/{wire.OUTBOX}"):
-            await self._mirror(s, f"{wire.OUTBOX}/{name}")
-        await self._mirror(s, wire.MANIFEST, raw)
-        s.relay_done = True
-        return True
-
-    async def _list_files(self, s: _Session, path: str) -> list[str]:
-        from solari_core.errors import ActionError
-
-        try:
-            entries = await s.sbx.files.list(path)
-        except ActionError:  # no such directory (yet)
-            return []
-        return sorted(e.name for e in entries if not e.dir and not e.name.startswith(_TMP_MARK))
-
-    async def _mirror(self, s: _Session, rel: str, data: bytes | None = None) -> None:
-        key = f"{s.rel_prefix}/{rel}"
-        if key in s.mirrored:
-            return
-        if data is None:
-            data = await s.sbx.files.read(f"{self._store_root}/{key}")
-        # The run's conduit may be S3 (blocking boto3): off the loop, so other nodes keep moving.
-        await asyncio.get_running_loop().run_in_executor(None, s.conduit.put, key, data)
-        s.mirrored.add(key)
-        s.mirror_log.append(key)
 
     async def _kill(self, client: Any, s: _Session) -> None:
         if s.gw_id:
@@ -940,7 +777,7 @@ class SolariRuntime(SandboxRuntime):
             if s.exited and s.exit_code not in (0, None):
                 return SandboxStatus("failed", exit_code=s.exit_code,
                                      reason=f"the guest exited with code {s.exit_code}")
-            if s.exited or s.relay_done:
+            if s.exited or (s.relay is not None and s.relay.done):
                 return SandboxStatus("succeeded", exit_code=s.exit_code, reason="the guest command exited")
             if s.destroyed:
                 return SandboxStatus("unknown", gone=True, reason=f"sandbox {s.gw_id} was destroyed")
@@ -1003,30 +840,7 @@ class SolariRuntime(SandboxRuntime):
         return "\n".join([head, *lines[-max(1, int(tail)):]])
 
 
-def _admission_kind(e: BaseException, slot: type, capacity: type, connection: type) -> str | None:
-    """``"slot"`` for a 429 of any code (the seed: the organisation is at its session cap),
-    ``"capacity"`` for no capacity / a gateway that could not be reached, None for a refusal.
-
-    SDK divergence 11: the SDK maps by status *and* code -- a 429 that is not
-    ``ConcurrencyLimitExceeded``, or a 503 that is not ``NoCapacity``, comes back as a plain
-    ``GatewayError`` -- where the seed maps 429 to the concurrency limit and 503 to no
-    capacity. Decide by status here, the seed's way.
-    """
-    status = _gateway_status(e)
-    code = str(getattr(e, "code", "") or "").lower()
-    if isinstance(e, slot) or status == 429:
-        return "slot"
-    if isinstance(e, (capacity, connection)) or status in (502, 503, 504) or code in ("no_capacity", "nocapacity"):
-        return "capacity"
-    return None
-
-
 def _create_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     """``client.create`` keyword arguments for a ``CreateSandboxRequest`` body."""
     names = {"memMb": "mem_mb", "diskGb": "disk_gb", "timeoutMs": "timeout_ms"}
     return {names.get(k, k): v for k, v in body.items() if k != "kind"}
-
-
-def _is_closed_channel(e: BaseException) -> bool:
-    text = str(e)
-    return any(m in text for m in ("Control channel", "Not connected", "Failed to send"))
