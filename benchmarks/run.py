@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
-FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress")
+FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress",
+           "solari_relay")
 
 
 def machine() -> dict[str, Any]:
@@ -68,11 +69,13 @@ def main() -> int:
     import latency
     import overhead
     import reference
+    import solari_relay
     import staging
     import throughput
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
-               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost}
+               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost,
+               "solari_relay": solari_relay}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}

@@ -123,6 +123,16 @@ def my_flow(): ...
     store_credentials_secret: str | None = Field(
         None, description="Kubernetes Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for pods.")
 
+    # Solari runtime settings (runtime="solari")
+    solari_base_url: str | None = Field(None, description="Solari gateway base URL (default: SOLARI_BASE_URL).")
+    solari_api_key: SecretStr | None = Field(None, description="Solari API key (default: SOLARI_API_KEY).")
+    solari_template: str | None = Field(None, description="Solari template for the sandbox VMs.")
+    solari_conduit_mode: str | None = Field(
+        None, description="relay (default: the VM needs no network) or direct (the VM reaches the S3 conduit).")
+    solari_session_timeout_s: float | None = Field(
+        None, description="Gateway session timeout, extended while the node runs (default 300).")
+    solari_metadata: dict[str, str] = Field(default_factory=dict, description="Extra metadata on every VM.")
+
     @field_validator("min_isolation")
     @classmethod
     def _level(cls, v: str) -> str:
@@ -137,6 +147,13 @@ def my_flow(): ...
             "store_credentials_secret": self.store_credentials_secret, "image": self.image,
         }
         runtime_options = {k: v for k, v in kube.items() if v is not None} if self.runtime == "kubernetes" else {}
+        if self.runtime == "solari":
+            solari = {
+                "base_url": self.solari_base_url, "api_key": self.solari_api_key, "template": self.solari_template,
+                "conduit_mode": self.solari_conduit_mode, "session_timeout_s": self.solari_session_timeout_s,
+                "metadata": self.solari_metadata or None,
+            }
+            runtime_options = {k: v for k, v in solari.items() if v is not None}
         if self.runtime == "container" and self.image:
             runtime_options["image"] = self.image
         return SandboxConfig(

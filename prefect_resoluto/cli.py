@@ -3,7 +3,8 @@
 Subcommands: ``run`` (drive one node and stream its output), ``doctor`` (which runtimes
 work here and which one ``run`` picks), ``events`` (replay a node's events from the
 conduit, also after the sandbox is gone), ``sweep`` (reap orphaned sandboxes) and
-``render`` (the Kubernetes objects of one node, as YAML).
+``render`` (the Kubernetes objects of one node as YAML, or the Solari create request and
+guest command as JSON).
 
 Output conventions of ``run``:
 
@@ -309,7 +310,7 @@ def plan_node(args: argparse.Namespace, *, for_render: bool = False) -> RunPlan:
     if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
         raise UsageError(f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the "
                          f"local conduit {conduit.root}; pass --conduit s3://bucket/prefix?endpoint_url=...")
-    if (not isinstance(conduit, LocalConduit) and runtime.supports_local_conduit
+    if (not isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and not runtime.remote
             and runtime.isolation > IsolationLevel.NONE):
         # Local sandboxes get no network at all, so they could never reach an object store.
         raise UsageError(f"runtime {runtime.name!r} gives its sandbox no network, so it cannot reach the "
@@ -579,9 +580,16 @@ def _rel(path: Path | None) -> str:
 def _render_runtime(args: argparse.Namespace, options: dict[str, Any]) -> SandboxRuntime:
     from prefect_resoluto.runtimes.base import IsolationTooWeak, check_isolation
 
+    if args.runtime == "solari":
+        from prefect_resoluto.runtimes.solari import SolariRuntime
+
+        try:
+            return SolariRuntime(**options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"solari runtime: {e}") from None
     if (args.runtime or "kubernetes") != "kubernetes":
-        raise UsageError(f"render only supports --runtime kubernetes (got {args.runtime!r}); local runtimes "
-                         "have no objects to render")
+        raise UsageError(f"render only supports --runtime kubernetes or solari (got {args.runtime!r}); local "
+                         "runtimes have no objects to render")
     try:
         from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
     except ImportError as e:
@@ -600,6 +608,8 @@ def _render_runtime(args: argparse.Namespace, options: dict[str, Any]) -> Sandbo
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    if args.runtime == "solari":
+        return _render_solari(args)
     try:
         from prefect_resoluto.k8s_render import render_yaml
     except ImportError as e:
@@ -614,6 +624,21 @@ def cmd_render(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         raise UsageError(f"cannot render: {plan.redactor.text(str(e))}") from None
     sys.stdout.write(plan.redactor.text(text))
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+def _render_solari(args: argparse.Namespace) -> int:
+    """The create request body and the guest command the Solari runtime would send, as JSON."""
+    from prefect_resoluto.node import launch_spec
+
+    plan = plan_node(args, for_render=True)
+    launch = launch_spec(plan.spec, plan.conduit)
+    try:
+        doc = plan.runtime.render(launch)  # type: ignore[attr-defined]
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"cannot render: {plan.redactor.text(str(e))}") from None
+    sys.stdout.write(plan.redactor.text(json.dumps(doc, indent=2)) + "\n")
     sys.stdout.flush()
     return EXIT_OK
 
@@ -683,7 +708,7 @@ def doctor_report() -> dict[str, Any]:
         "default_floor": DEFAULT_MIN_ISOLATION.label,
         "default_pick": default["runtime"],
         "default_conduit": default_conduit_url(),
-        "note": "run picks among local runtimes only; kubernetes (and other remote runtimes) "
+        "note": "run picks among local runtimes only; kubernetes and solari (remote runtimes) "
                 "are used only when named with --runtime",
     }
 
@@ -996,7 +1021,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if name not in runtimes.RUNTIMES:
             raise UsageError(f"unknown runtime {name!r}; known runtimes: {', '.join(_known_runtimes())}")
     if not explicit:  # remote runtimes (kubernetes) only when named: their sweep is a cluster call
-        names = [n for n in runtimes.RUNTIMES if runtimes.RUNTIMES[n].supports_local_conduit]
+        names = [n for n in runtimes.RUNTIMES
+                 if runtimes.RUNTIMES[n].supports_local_conduit and not runtimes.RUNTIMES[n].remote]
     chosen: list[tuple[str, SandboxRuntime | None, str]] = []
     for name in names:
         try:
@@ -1106,7 +1132,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--json", action="store_true")
     sw.set_defaults(func=cmd_sweep)
 
-    rd = sub.add_parser("render", help="print the Kubernetes objects of one node as YAML (no cluster needed)",
+    rd = sub.add_parser("render", help="print what one node would send: Kubernetes objects as YAML, or the "
+                        "Solari create request and guest command as JSON (no cluster or gateway needed)",
                         allow_abbrev=False)
     _node_options(rd)
     rd.set_defaults(func=cmd_render)

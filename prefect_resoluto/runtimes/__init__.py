@@ -29,6 +29,7 @@ _PATHS: dict[str, str] = {
     "gvisor": "prefect_resoluto.runtimes.gvisor:GVisorRuntime",
     "container": "prefect_resoluto.runtimes.container:ContainerRuntime",
     "kubernetes": "prefect_resoluto.runtimes.kubernetes:KubernetesRuntime",
+    "solari": "prefect_resoluto.runtimes.solari:SolariRuntime",
 }
 
 # Local candidates for best_available(), strongest isolation first; within a level the

@@ -222,6 +222,9 @@ class SandboxRuntime(ABC):
     #: Seconds between status checks while a node runs. Cheap for a local child process;
     #: an API call per sandbox on a cluster, where the conduit carries the fast path.
     status_interval: ClassVar[float] = 0.2
+    #: The sandbox runs on another machine (a hosted gateway): ``sweep`` is a network call made
+    #: only when the runtime is named, and the sandbox has a network of its own.
+    remote: ClassVar[bool] = False
     #: Whether the runtime can enforce a non-empty egress allowlist.
     supports_egress_allowlist: ClassVar[bool] = False
     #: Whether that allowlist is by name through the host's per-run proxy (local runtimes),
