@@ -515,3 +515,63 @@ def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor,
     assert fr.state.is_failed(), fr.state
     logs = run_logs(run.id)
     assert any("DIAL REFUSED" in m for m in logs), logs
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewhere(tmp_path, monkeypatch):
+    import anyio
+    from prefect.exceptions import InfrastructureNotFound
+
+    from prefect_resoluto.node import LABEL_RUN, NodeSpec, launch_spec
+    from prefect_resoluto.worker import ResolutoJobConfiguration, ResolutoWorker
+
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    rt = get_runtime("process")
+    run_id = str(uuid.uuid4())
+    spec = NodeSpec(run_id=run_id, node_id="flow-run-x",
+                    argv=[sys.executable, "-c", "import time; time.sleep(600)"])
+    handle = rt.launch(launch_spec(spec, LocalConduit(tmp_path / "conduit")))
+    assert handle.labels[LABEL_RUN] == run_id and rt.list_ids() == [handle.id]
+    cfg = ResolutoJobConfiguration(runtime="process", min_isolation="none")
+    worker = ResolutoWorker(work_pool_name="unused")  # another worker than the one that launched it
+    anyio.run(worker.kill_infrastructure, f"process:{run_id}", cfg)
+    assert rt.list_ids() == []
+    with pytest.raises(InfrastructureNotFound, match=run_id):
+        anyio.run(worker.kill_infrastructure, f"process:{run_id}", cfg)
+
+
+def test_gvisor_sandbox_sees_the_deployment_code_read_only_and_imports_prefects_engine(gvisor, tmp_path):
+    """What a gVisor flow run stands on before it talks to the API: the host's interpreter
+    and virtualenv (Prefect's entry point importable) and the deployment's code directory
+    bound read-only at its host path, where the pull step will chdir."""
+    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.flow_runs import code_directories, with_code_mounts
+    from prefect_resoluto.node import NodeSpec, drive_node
+
+    steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(FLOWS)}}]
+    dirs = code_directories(steps, None)
+    assert dirs == [str(FLOWS)]
+    cfg = with_code_mounts(SandboxConfig(runtime="gvisor"), "gvisor", dirs)
+    rt = cfg.build_runtime()
+    probe = (
+        "import os, importlib.util\n"
+        "assert importlib.util.find_spec('prefect.engine') is not None\n"
+        f"os.chdir({str(FLOWS)!r})\n"
+        "print('code:', open('worker_flows.py').readline().strip())\n"
+        "try:\n"
+        "    open('written-from-the-sandbox', 'w')\n"
+        "    print('writable')\n"
+        "except OSError as e:\n"
+        "    print('read-only:', e.errno)\n"
+    )
+    spec = NodeSpec(run_id=f"r{uuid.uuid4().hex[:8]}", node_id="flow-run-probe", argv=[sys.executable, "-c", probe])
+    lines: list[str] = []
+    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt,
+                         on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))))
+    assert outcome.ok, outcome.describe()
+    assert f"code: {open(FLOWS / 'worker_flows.py').readline().strip()}" in lines, lines
+    assert any(line.startswith("read-only:") for line in lines), lines
+    assert not (FLOWS / "written-from-the-sandbox").exists()
+    assert rt.list_ids() == []
