@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
-FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference")
+FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "worker")
 
 
 def machine() -> dict[str, Any]:
@@ -68,9 +68,10 @@ def main() -> int:
     import reference
     import staging
     import throughput
+    import worker
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
-               "conduit_cost": conduit_cost, "staging": staging, "reference": reference}
+               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "worker": worker}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
