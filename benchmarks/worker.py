@@ -67,7 +67,7 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
             m = res[v]
             out.append((f"worker {v}", f"startup {m['startup_s']} s, body {m['body_s']} s, "
                                        f"submit->final {m['e2e_s']} s (median of {res['n']})"))
-    added = ", ".join(f"{v} +{ms} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items())
+    added = ", ".join(f"{v} {ms:+d} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items())
     out.append(("worker added startup vs process", added))
     if res["gvisor"] != "measured":
         out.append(("worker resoluto-gvisor", f"n/a: {res['gvisor']}"))
