@@ -55,6 +55,8 @@ RuntimeName = Literal["gvisor", "container", "kubernetes", "bubblewrap", "proces
 IsolationName = Literal["vm", "user-kernel", "namespace", "none"]
 ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydantic union of blocks
 
+CANCELLED = "cancelled from the API"
+WORKER_STOPPED = "the worker stopped"
 #: Seconds between the worker's looks at a running flow run's state (cancellation).
 CANCEL_POLL_SECONDS = 2.0
 #: Seconds a stopping worker gives a sandbox whose run is already final to exit by itself
@@ -237,7 +239,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         # Every sandbox of this worker process carries this label: its exit sweeps by it.
         self._instance = uuid.uuid4().hex[:16]
         self._live: dict[str, _Live] = {}
-        self._runtimes: list[Any] = []
+        self._runtimes: dict[str, Any] = {}  # one per runtime name: what the exit sweeps
 
     async def run(
         self,
@@ -283,23 +285,24 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             finally:
                 conduit.close()
 
-        outcome_future = loop.run_in_executor(None, drive)
+        outcome_future = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
         try:
             try:
                 outcome = await self._until_done(outcome_future, launched, flow_run, live, task_status,
                                                  f"{runtime.name}:{fr_id}")
+            except Exception:
+                raise  # refused before launch (spec, isolation, egress): the base worker reports it
             except BaseException:
                 # The worker is stopping (or this task was cancelled): the sandbox goes with it,
                 # unless the run is already over and only flushing its last logs.
                 with anyio.CancelScope(shield=True):
                     if await self._run_is_final(flow_run):
                         await asyncio.wait({outcome_future}, timeout=FINISHING_GRACE_SECONDS)
-                    live.stop("the worker stopped")
-                    outcome = await outcome_future
-                    if not outcome.ok:
-                        await self._propose_crashed_state(
-                            flow_run, f"The resoluto worker stopped; sandbox {outcome.sandbox_id} on "
-                                      f"{outcome.runtime} was destroyed.")
+                    live.stop(WORKER_STOPPED)
+                    with contextlib.suppress(Exception):
+                        outcome = await outcome_future
+                        if not outcome.ok:
+                            await self._propose_crashed_state(flow_run, _stopped_message(outcome))
                 raise
         finally:
             self._live.pop(fr_id, None)
@@ -344,12 +347,15 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             return
         state = current.state
         if state is not None and (state.is_cancelling() or state.is_cancelled()):
-            live.stop("cancelled from the API")
+            live.stop(CANCELLED)
 
     async def _report(self, flow_run: FlowRun, outcome: NodeOutcome, live: _Live, evidence: list[str],
                       logger: Any) -> ResolutoWorkerResult:
         ident = f"{outcome.runtime}:{outcome.sandbox_id}"
-        if live.cancel.is_set() and live.why == "cancelled from the API":
+        if live.why == WORKER_STOPPED and not outcome.ok:
+            await self._propose_crashed_state(flow_run, _stopped_message(outcome))
+            return ResolutoWorkerResult(status_code=outcome.exit_code or -1, identifier=ident)
+        if live.why == CANCELLED:
             from prefect.states import Cancelled
 
             msg = f"Flow run cancelled; its sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
@@ -414,7 +420,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             **extra,
         )
         spec.validate()
-        self._runtimes.append(runtime)
+        self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg
 
     async def kill_infrastructure(self, infrastructure_pid: str, configuration: ResolutoJobConfiguration,
@@ -425,7 +431,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         runtime_name, _, fr_id = infrastructure_pid.partition(":")
         live = self._live.get(fr_id)
         if live is not None:
-            live.stop("cancelled from the API")
+            live.stop(CANCELLED)
             return
         cfg = configuration.sandbox_config().replace(runtime=runtime_name)
         runtime = await anyio.to_thread.run_sync(cfg.build_runtime)
@@ -435,7 +441,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
     async def teardown(self, *exc_info: Any) -> None:
         for live in list(self._live.values()):
-            live.stop("the worker stopped")
+            live.stop(WORKER_STOPPED)
         try:
             await super().teardown(*exc_info)
         finally:
@@ -443,15 +449,40 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 await anyio.to_thread.run_sync(self._sweep_own)
 
     def _sweep_own(self) -> None:
-        seen: set[str] = set()
-        for rt in self._runtimes:
-            if rt.name in seen:
-                continue
-            seen.add(rt.name)
+        for rt in self._runtimes.values():
             with contextlib.suppress(Exception):
                 n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
                 if n:
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _stopped_message(outcome: NodeOutcome) -> str:
+    return f"The resoluto worker stopped; sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
+
+
+def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Any, *, name: str) -> asyncio.Future[Any]:
+    """``fn()`` in a thread of its own (not the loop's small default pool: every running
+    flow run holds one for its whole life), as a future of ``loop``."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, False, e)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return fut
 
 
 _FAILED_HOW = {

@@ -370,12 +370,18 @@ def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path):
     with running_worker(pool, tmp_path) as worker:
         # gVisor (at or above the default floor) without the egress proxy, or a floor no
         # runtime here meets: either way the run never starts and says why.
-        dep = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="process",
-                     min_isolation="user-kernel")
-        run = schedule(dep)
-        fr = final_run(run.id, worker)
-    assert fr.state.is_crashed(), fr.state
-    assert "isolation level 'none', below the required minimum 'user-kernel'" in (fr.state.message or "")
+        too_weak = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="process",
+                          min_isolation="user-kernel")
+        # The host network cannot enforce an allowlist: refused, never run with an open network.
+        open_net = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", egress=["db.example.test:5432"])
+        runs = [schedule(too_weak), schedule(open_net)]
+        weak, unenforceable = (final_run(r.id, worker) for r in runs)
+    assert weak.state.is_crashed(), weak.state
+    assert "isolation level 'none', below the required minimum 'user-kernel'" in (weak.state.message or "")
+    assert unenforceable.state.is_crashed(), unenforceable.state
+    assert "cannot enforce an egress allowlist" in (unenforceable.state.message or "")
+    assert not any(m.startswith("FACTS ") for r in runs for m in run_logs(r.id))
+    assert sandbox_ids(tmp_path / "state") == []
 
 
 def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
@@ -484,7 +490,8 @@ def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor
     assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
     f = facts(run.id)
     host_ifaces = sorted(name for _, name in socket.if_nameindex())
-    assert f["interfaces"] != host_ifaces and set(f["interfaces"]) <= {"lo", "eth0"}, f
+    # gVisor's own network stack: loopback and at most the one link the egress proxy gives it.
+    assert f["interfaces"] != host_ifaces and "lo" in f["interfaces"] and len(f["interfaces"]) <= 2, f
     assert f["api_url"].startswith("http://prefect-api.resoluto.internal:"), f
     assert sandbox_ids(tmp_path / "state", "gvisor") == []
 
@@ -509,7 +516,7 @@ def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor,
     pool = create_pool()
     with listener() as port, running_worker(pool, tmp_path) as worker:
         allowed = deploy(pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
-                         min_isolation="user-kernel", egress=[f"127.0.0.1:{port + 1}"])
+                         min_isolation="user-kernel", egress=["allowed.resoluto.test:80"])
         run = schedule(allowed, host="127.0.0.1", port=port)
         fr = final_run(run.id, worker)
     assert fr.state.is_failed(), fr.state
