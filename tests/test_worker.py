@@ -269,8 +269,14 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     pool = create_pool()
     conduit = tmp_path / "conduit"
     with running_worker(pool, tmp_path) as worker:
+        from prefect.blocks.system import Secret
+
+        block_id = Secret(value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519"}).save(
+            f"worker-env-{uuid.uuid4().hex[:6]}")
+        # As the UI stores a chosen block in job variables: a reference, resolved by the worker.
         dep = deploy(pool, "worker_flows.py:where_am_i", conduit,
-                     secret_env={"WORKER_TEST_SECRET": "never-shown-7731"})
+                     secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
+                     secret_env_block={"$ref": {"block_document_id": str(block_id)}})
         runs = [schedule(dep, marker=f"m{i}") for i in range(2)]
         done = [final_run(r.id, worker) for r in runs]
         assert all(fr.state.is_completed() for fr in done), (
@@ -279,17 +285,20 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
         for r, f in zip(runs, seen, strict=True):
             # The flow's code ran in the guest runner's child, one node per flow run.
             assert f["run_id"] == str(r.id) and f["node_id"].startswith("flow-run-")
-            assert f["pid"] != worker.proc.pid and f["secret_seen"] is True
+            assert f["pid"] != worker.proc.pid and f["secret_seen"] is True and f["block_secret_seen"] is True
             events = node_events(conduit, r.id)
             lines = [str((e.get("data") or {}).get("line", "")) for e in events if e.get("event") == "log"]
             assert f"plain stdout from the flow: {f['marker']}" in lines, lines[-20:]
-            assert all("never-shown-7731" not in json.dumps(e) for e in events)
+            assert all("never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
+                       for e in events)
         assert seen[0]["node_id"] != seen[1]["node_id"]
         with get_client(sync_client=True) as c:
             for r in runs:
                 fr = c.read_flow_run(r.id)
                 assert fr.infrastructure_pid == f"process:{r.id}" and fr.work_pool_name == pool
-        assert "never-shown-7731" not in worker.output()
+        out = worker.output()
+        assert "never-shown-7731" not in out and "from-a-block-5519" not in out
+        assert "secrets: " in out, "the flow's own print reached the worker's log, redacted"
         for r in runs:
             assert all("never-shown-7731" not in m for m in run_logs(r.id))
     assert sandbox_ids(tmp_path / "state") == []

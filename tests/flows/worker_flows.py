@@ -49,7 +49,8 @@ def _facts(marker: str) -> dict:
         "memory_limit": _memory_limit(),
         "rlimit_data": None if data_limit == resource.RLIM_INFINITY else data_limit,
         "api_url": os.environ.get("PREFECT_API_URL"),
-        "secret_seen": bool(os.environ.get("WORKER_TEST_SECRET")),
+        "secret_seen": os.environ.get("WORKER_TEST_SECRET") == "never-shown-7731",
+        "block_secret_seen": os.environ.get("WORKER_TEST_BLOCK_SECRET") == "from-a-block-5519",
     }
 
 
@@ -57,6 +58,8 @@ def _facts(marker: str) -> dict:
 def where_am_i(marker: str = "hello") -> dict:
     facts = _facts(marker)
     print(f"plain stdout from the flow: {marker}", flush=True)
+    # A flow printing its secrets: the sandbox's events carry them redacted.
+    print(f"secrets: {os.environ.get('WORKER_TEST_SECRET')} {os.environ.get('WORKER_TEST_BLOCK_SECRET')}", flush=True)
     get_run_logger().info("FACTS %s", json.dumps(facts))
     return facts
 
