@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -87,3 +88,33 @@ def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
     assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "prefect.engine"]
     assert engine_argv("prefect flow-run execute", get_runtime("process"), None) == \
         ["prefect", "flow-run", "execute"]
+
+
+def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no_more():
+    """The Kubernetes path, rendered by the real runtime (no cluster needed): the flow run's
+    API joins the NetworkPolicy; its key travels in the pod's Secret, not its spec."""
+    from guest_runner.s3conduit import S3Conduit
+    from prefect_resoluto.k8s_render import render_documents
+    from prefect_resoluto.node import NodeSpec, launch_spec
+    from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+
+    rt = KubernetesRuntime(namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000,
+                           image="flows:1")
+    api = "http://10.20.30.40:4200/api"
+    net = sandbox_network(rt, api, ["10.1.0.0/16:5432"])
+    env, secret = split_env({"PREFECT_API_URL": api, "PREFECT_API_KEY": "pnu_worker_key_123"}, {})
+    spec = NodeSpec(run_id="0b5d6c1e-flow-run", node_id="flow-run-abc", argv=engine_argv(None, rt, "flows:1"),
+                    env=env, secret_env=secret, egress=net.egress, image="flows:1")
+    conduit = S3Conduit("bucket", endpoint_url="http://10.9.9.9:9000", access_key_id="a", secret_access_key="b")
+    docs = {d["kind"]: d for d in render_documents(launch_spec(spec, conduit), rt)}
+    allowed = set()
+    for rule in docs["NetworkPolicy"]["spec"]["egress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if ports == {53}:
+            continue  # DNS
+        for peer in rule["to"]:
+            allowed |= {(peer["ipBlock"]["cidr"], port) for port in ports}
+    assert allowed == {("10.9.9.9/32", 9000), ("10.1.0.0/16", 5432), ("10.20.30.40/32", 4200)}
+    pod = json.dumps(docs["Pod"])
+    assert "pnu_worker_key_123" not in pod and "PREFECT_API_KEY" in json.dumps(docs["Secret"])
+    assert "prefect.engine" in pod and api in pod
