@@ -28,6 +28,7 @@ from prefect.blocks.system import Secret
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field, PrivateAttr, SecretStr, field_validator
 
+from guest_runner import wire
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
 from prefect_resoluto.config import SandboxConfig
 from prefect_resoluto.flow_runs import (
@@ -57,6 +58,7 @@ ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydanti
 
 CANCELLED = "cancelled from the API"
 WORKER_STOPPED = "the worker stopped"
+DELETED = "the flow run was deleted"
 #: Seconds between the worker's looks at a running flow run's state (cancellation).
 CANCEL_POLL_SECONDS = 2.0
 #: Seconds a stopping worker gives a sandbox whose run is already final to exit by itself
@@ -262,6 +264,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         def on_launch(handle: Any) -> None:
             handle_ids.append(handle.id)
+            logger.info("sandbox %s on %s (%s isolation); its events: conduit %s %s", handle.id, runtime.name,
+                        runtime.isolation.label, conduit.url,
+                        wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix))
             loop.call_soon_threadsafe(launched.set)
 
         def on_event(ev: dict[str, Any]) -> None:
@@ -340,8 +345,13 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         return current.state is not None and current.state.is_final()
 
     async def _check_cancelled(self, flow_run: FlowRun, live: _Live) -> None:
+        from prefect.exceptions import ObjectNotFound
+
         try:
             current = await self.client.read_flow_run(flow_run.id)
+        except ObjectNotFound:
+            live.stop(DELETED)  # nothing is left to report to
+            return
         except Exception as e:  # the API is briefly away: the sandbox keeps running
             self._logger.debug("could not read the state of flow run %s: %s", flow_run.id, e)
             return
@@ -352,6 +362,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
     async def _report(self, flow_run: FlowRun, outcome: NodeOutcome, live: _Live, evidence: list[str],
                       logger: Any) -> ResolutoWorkerResult:
         ident = f"{outcome.runtime}:{outcome.sandbox_id}"
+        if live.why == DELETED:
+            self._logger.info("flow run %s was deleted; its sandbox %s was destroyed", flow_run.id, outcome.sandbox_id)
+            return ResolutoWorkerResult(status_code=0, identifier=ident)
         if live.why == WORKER_STOPPED and not outcome.ok:
             await self._propose_crashed_state(flow_run, _stopped_message(outcome))
             return ResolutoWorkerResult(status_code=outcome.exit_code or -1, identifier=ident)

@@ -292,6 +292,9 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
             assert all("never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
                        for e in events)
         assert seen[0]["node_id"] != seen[1]["node_id"]
+        for r, f in zip(runs, seen, strict=True):  # the worker names the sandbox in the run's logs
+            wait_for(lambda r=r, f=f: any(m.startswith("sandbox rsl-") and f"run/{r.id}/nodes/{f['node_id']}" in m
+                                          for m in run_logs(r.id)), timeout=30, what="the sandbox line")
         with get_client(sync_client=True) as c:
             for r in runs:
                 fr = c.read_flow_run(r.id)
@@ -338,6 +341,23 @@ def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path):
         assert sandbox in (fr.state.message or "")
         assert sandbox_ids(state) == []
         assert not _alive(pid), "the flow's process outlived its sandbox"
+
+
+def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path):
+    from prefect.client.orchestration import get_client
+
+    pool = create_pool()
+    state = tmp_path / "state"
+    with running_worker(pool, tmp_path) as worker:
+        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
+        run = schedule(dep, seconds=600)
+        started(run.id)
+        pid = facts(run.id)["pid"]
+        assert len(sandbox_ids(state)) == 1
+        with get_client(sync_client=True) as c:
+            c.delete_flow_run(run.id)
+        wait_for(lambda: sandbox_ids(state) == [], timeout=60, what="the deleted run's sandbox to go")
+        assert not _alive(pid) and worker.proc.poll() is None
 
 
 def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path):
