@@ -307,40 +307,61 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     assert sandbox_ids(tmp_path / "state") == []
 
 
-def test_job_variable_overrides_apply_memory(tmp_path):
+@pytest.mark.parametrize("runtime", ["process", pytest.param("gvisor", marks=needs_egress)])
+def test_job_variable_overrides_apply_memory(tmp_path, request, runtime):
     pool = create_pool()
     conduit = tmp_path / "conduit"
     with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:where_am_i", conduit, memory="700Mi")
-        base = deploy(pool, "worker_flows.py:where_am_i", conduit)
+        variables = on_runtime(request, runtime)
+        dep = deploy(pool, "worker_flows.py:where_am_i", conduit, memory="700Mi", **variables)
+        base = deploy(pool, "worker_flows.py:where_am_i", conduit, **variables)
         big, plain = schedule(dep), schedule(base)
         for r in (big, plain):
             assert final_run(r.id, worker).state.is_completed(), worker.output()[-4000:]
         big_facts, plain_facts = facts(big.id), facts(plain.id)
     limit = 700 * 1024 * 1024
-    assert limit in (big_facts["memory_limit"], big_facts["rlimit_data"]), big_facts
-    assert limit not in (plain_facts["memory_limit"], plain_facts["rlimit_data"]), plain_facts
+    seen = ("memory_limit", "rlimit_data", "meminfo_total")
+    assert limit in [big_facts[k] for k in seen], big_facts
+    assert limit not in [plain_facts[k] for k in seen], plain_facts
 
 
-def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path):
+RUNTIMES = ["process", pytest.param("gvisor", marks=needs_egress)]
+
+
+def on_runtime(request: pytest.FixtureRequest, runtime: str) -> dict[str, Any]:
+    """Job variables for ``runtime`` (a gVisor case skips where gVisor is unavailable)."""
+    if runtime == "gvisor":
+        request.getfixturevalue("gvisor")
+        return {"runtime": "gvisor", "min_isolation": "user-kernel"}
+    return dict(PROCESS)
+
+
+def gone(state: Path, runtime: str, host_pid: int | None) -> bool:
+    """No sandbox left in the runtime's own listing (and, on process, no flow process)."""
+    rt = get_runtime(runtime, state_dir=state)
+    left = rt.list_ids() + ([c["id"] for c in rt.containers()] if runtime == "gvisor" else [])  # type: ignore[attr-defined]
+    return not left and (host_pid is None or not _alive(host_pid))
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path, request, runtime):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
     pool = create_pool()
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
+        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
         run = schedule(dep, seconds=600)
         started(run.id)
-        (sandbox,) = sandbox_ids(state)
-        pid = facts(run.id)["pid"]
+        (sandbox,) = sandbox_ids(state, runtime)
+        pid = facts(run.id)["pid"] if runtime == "process" else None  # gVisor pids are its own
         with get_client(sync_client=True) as c:
             c.set_flow_run_state(run.id, Cancelling(), force=True)
         fr = final_run(run.id, worker, timeout=120)
         assert fr.state.is_cancelled(), fr.state
         assert sandbox in (fr.state.message or "")
-        assert sandbox_ids(state) == []
-        assert not _alive(pid), "the flow's process outlived its sandbox"
+        assert gone(state, runtime, pid), "the sandbox (or the flow's process) outlived the cancellation"
 
 
 def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path):
@@ -360,21 +381,22 @@ def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path):
         assert not _alive(pid) and worker.proc.poll() is None
 
 
-def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path):
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path, request, runtime):
     pool = create_pool()
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
+        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
         run = schedule(dep, seconds=600)
         started(run.id)
-        (sandbox,) = sandbox_ids(state)
-        record = json.loads((state / "process" / sandbox / "sandbox.json").read_text())
+        (sandbox,) = sandbox_ids(state, runtime)
+        record = json.loads((state / runtime / sandbox / "sandbox.json").read_text())
         os.killpg(record["pid"], signal.SIGKILL)  # the sandbox's whole process group, from outside
         fr = final_run(run.id, worker, timeout=120)
         assert fr.state.is_crashed(), fr.state
         msg = fr.state.message or ""
-        assert sandbox in msg and "process" in msg and "SIGKILL" in msg, msg
-        assert wait_for(lambda: sandbox_ids(state) == [], timeout=30, what="the sandbox to be reaped")
+        assert sandbox in msg and f"on {runtime} was killed" in msg and "SIGKILL" in msg, msg
+        assert wait_for(lambda: gone(state, runtime, None), timeout=30, what="the sandbox to be reaped")
 
 
 def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(tmp_path):
@@ -576,6 +598,24 @@ def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewher
     assert rt.list_ids() == []
     with pytest.raises(InfrastructureNotFound, match=run_id):
         anyio.run(worker.kill_infrastructure, f"process:{run_id}", cfg)
+
+
+def test_the_memory_job_variable_is_the_gvisor_sandboxs_memory(gvisor, tmp_path):
+    """The job variable's path to gVisor's limit, without the API: configuration -> runtime ->
+    the sandbox's own view of its memory."""
+    from prefect_resoluto.node import NodeSpec, drive_node
+    from prefect_resoluto.worker import ResolutoJobConfiguration
+
+    cfg = ResolutoJobConfiguration(runtime="gvisor", memory="700Mi").sandbox_config()
+    rt = cfg.build_runtime()
+    lines: list[str] = []
+    spec = NodeSpec(run_id=f"r{uuid.uuid4().hex[:8]}", node_id="flow-run-mem", resources=cfg.resources,
+                    argv=[sys.executable, "-c", "print(open('/proc/meminfo').readline())"])
+    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt,
+                         on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))))
+    assert outcome.ok, outcome.describe()
+    totals = [int(line.split()[1]) for line in lines if line.startswith("MemTotal:")]
+    assert totals == [700 * 1024], lines
 
 
 def test_gvisor_sandbox_sees_the_deployment_code_read_only_and_imports_prefects_engine(gvisor, tmp_path):

@@ -38,6 +38,15 @@ def _memory_limit() -> int | None:
     return None
 
 
+def _meminfo_total() -> int | None:
+    """MemTotal in bytes: gVisor reports its sandbox's memory limit here."""
+    try:
+        first = open("/proc/meminfo").readline().split()
+        return int(first[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _facts(marker: str) -> dict:
     data_limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
     return {
@@ -47,6 +56,7 @@ def _facts(marker: str) -> dict:
         "pid": os.getpid(),
         "interfaces": sorted(name for _, name in socket.if_nameindex()),
         "memory_limit": _memory_limit(),
+        "meminfo_total": _meminfo_total(),
         "rlimit_data": None if data_limit == resource.RLIM_INFINITY else data_limit,
         "api_url": os.environ.get("PREFECT_API_URL"),
         "secret_seen": os.environ.get("WORKER_TEST_SECRET") == "never-shown-7731",
