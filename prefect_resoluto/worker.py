@@ -403,8 +403,6 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         if mounted.runtime_options != cfg.runtime_options:
             cfg = mounted.replace(runtime=runtime.name)
             runtime = cfg.build_runtime()
-        conduit = cfg.build_conduit()
-        cfg.check_conduit_fits(runtime, conduit)
         env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
         env = {**cfg.env, **env}
         api_url = env.get("PREFECT_API_URL") or str(PREFECT_API_URL.value() or "")
@@ -433,6 +431,12 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             **extra,
         )
         spec.validate()
+        conduit = cfg.build_conduit()  # last: nothing above may leave it open
+        try:
+            cfg.check_conduit_fits(runtime, conduit)
+        except Exception:
+            conduit.close()
+            raise
         self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg
 
