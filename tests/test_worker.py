@@ -307,6 +307,82 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     assert sandbox_ids(tmp_path / "state") == []
 
 
+@contextlib.contextmanager
+def scheduling_server(tmp_path: Path) -> Iterator[str]:
+    """A `prefect server start` of its own: the session's test harness runs no scheduler,
+    and a scheduled deployment is what the worker must serve. Its scheduler loops every
+    second; the API listens on 127.0.0.1 only."""
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**cli_env(PREFECT_HOME=str(tmp_path / "server-home"), PREFECT_UI_ENABLED="false",
+                     PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1"), "PREFECT_API_URL": url}
+    with open(tmp_path / "server.log", "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                   "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+    def healthy() -> bool:
+        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, timeout=180, what="the scheduling Prefect server", max_delay=0.5)
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+
+
+def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
+    """`prefect work-pool create`, `prefect worker start --pool`, a deployment with a schedule
+    and no run_deployment: the server's scheduler makes the run, the worker sandboxes it."""
+    import datetime
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    conduit = tmp_path / "conduit"
+    with scheduling_server(tmp_path):
+        pool = create_pool()
+        with running_worker(pool, tmp_path) as worker:
+            source = flow.from_source(source=str(FLOWS), entrypoint="worker_flows.py:where_am_i")
+            anchor = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=5)
+            dep_id = source.deploy(name="every-hour", work_pool_name=pool,
+                                   job_variables={**PROCESS, "conduit": {"path": str(conduit)}},
+                                   schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=anchor),
+                                   build=False, push=False, print_next_steps=False)
+
+            def completed_run() -> Any:
+                with get_client(sync_client=True) as c:
+                    runs = c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+                return next((r for r in runs if r.state is not None and r.state.is_completed()), None)
+
+            try:
+                fr = wait_for(completed_run, timeout=240, what="a scheduled run to complete", max_delay=1.0)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n--- worker output ---\n{worker.output()[-6000:]}") from None
+            assert fr.auto_scheduled and fr.expected_start_time >= anchor - datetime.timedelta(seconds=1)
+            assert facts(fr.id)["run_id"] == str(fr.id)
+    assert node_events(conduit, fr.id), "the scheduled run went through a sandbox"
+
+
 @pytest.mark.parametrize("runtime", ["process", pytest.param("gvisor", marks=needs_egress)])
 def test_job_variable_overrides_apply_memory(tmp_path, request, runtime):
     pool = create_pool()
