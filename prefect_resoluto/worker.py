@@ -314,7 +314,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         if not handle_ids:  # never started: the base worker reports the run Crashed with this
             raise RuntimeError(f"the sandbox could not start: {outcome.reason}")
-        return await self._report(flow_run, outcome, live, list(evidence), logger)
+        return await self._report(flow_run, outcome, live, list(evidence), logger, cfg.memory)
 
     async def _until_done(self, outcome_future: asyncio.Future[NodeOutcome], launched: asyncio.Event,
                           flow_run: FlowRun, live: _Live, task_status: anyio.abc.TaskStatus[str],
@@ -360,7 +360,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             live.stop(CANCELLED)
 
     async def _report(self, flow_run: FlowRun, outcome: NodeOutcome, live: _Live, evidence: list[str],
-                      logger: Any) -> ResolutoWorkerResult:
+                      logger: Any, memory: str | None) -> ResolutoWorkerResult:
         ident = f"{outcome.runtime}:{outcome.sandbox_id}"
         if live.why == DELETED:
             self._logger.info("flow run %s was deleted; its sandbox %s was destroyed", flow_run.id, outcome.sandbox_id)
@@ -376,10 +376,13 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             logger.info(msg)
             return ResolutoWorkerResult(status_code=0, identifier=ident)
         if outcome.ok or outcome.failure == "workload":
-            # The flow run reported its own final state; a non-zero exit is Prefect's business.
             if not outcome.ok and evidence:
                 logger.info("sandbox output (last %d lines, from the conduit %s %s):\n%s", len(evidence),
                             outcome.conduit_url, outcome.conduit_prefix, "\n".join(evidence))
+            if not outcome.ok and not await self._run_is_final(flow_run):
+                # The engine died before it could report (killed, out of memory, a crash at
+                # import): say what the sandbox saw, before the base worker's generic message.
+                await self._propose_crashed_state(flow_run, _died_message(outcome, memory))
             return ResolutoWorkerResult(status_code=outcome.exit_code or 0, identifier=ident)
         # The sandbox itself failed: killed, OOM, lost, unstartable. Say so with its reason
         # before the base worker's generic non-zero exit message can.
@@ -471,6 +474,16 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
                 if n:
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _died_message(outcome: NodeOutcome, memory: str | None) -> str:
+    code = outcome.exit_code
+    msg = (f"Sandbox {outcome.sandbox_id} on {outcome.runtime}: the flow run's process exited with code {code} "
+           "before it reported a final state")
+    if code in (137, -9):
+        limit = f" (memory limit {memory})" if memory else ""
+        msg += f"; it was killed by SIGKILL: out of memory{limit}, or killed from outside"
+    return msg + "."
 
 
 def _stopped_message(outcome: NodeOutcome) -> str:

@@ -475,6 +475,18 @@ def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp
         assert wait_for(lambda: gone(state, runtime, None), timeout=30, what="the sandbox to be reaped")
 
 
+def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path):
+    pool = create_pool()
+    with running_worker(pool, tmp_path) as worker:
+        dep = deploy(pool, "worker_flows.py:hog", tmp_path / "conduit", memory="400Mi")
+        run = schedule(dep, mb=800)
+        fr = final_run(run.id, worker)
+    assert fr.state.is_crashed(), fr.state
+    msg = fr.state.message or ""
+    assert "exited with code 137 before it reported" in msg and "out of memory (memory limit 400Mi)" in msg, msg
+    assert sandbox_ids(tmp_path / "state") == []
+
+
 def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(tmp_path):
     pool = create_pool()
     conduit = tmp_path / "conduit"
@@ -484,7 +496,8 @@ def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(t
         run = schedule(dep)
         fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
-    assert "status code 3" in (fr.state.message or ""), fr.state.message
+    assert "the flow run's process exited with code 3 before it reported a final state" in (fr.state.message or ""), \
+        fr.state.message
     lines = [str((e.get("data") or {}).get("line", "")) for e in node_events(conduit, run.id)
              if e.get("event") == "log"]
     assert "evidence-before-the-api" in lines

@@ -98,3 +98,13 @@ def dial(host: str, port: int) -> str:
 @flow
 def dies_before_the_api() -> None:  # never runs: its deployment's command replaces the engine
     pass
+
+
+@flow
+def hog(mb: int = 600) -> int:
+    """Allocate past the sandbox's memory limit."""
+    get_run_logger().info("FACTS %s", json.dumps(_facts("hogging")))
+    blocks = [bytearray(1024 * 1024) for _ in range(mb)]
+    for b in blocks:
+        b[::4096] = b"x" * len(b[::4096])  # touch every page
+    return len(blocks)
