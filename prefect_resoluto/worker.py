@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 import threading
 import uuid
 from collections import deque
@@ -90,7 +91,7 @@ _CONDUIT = "Where the worker and the sandbox exchange events. Empty: the sandbox
 _SANDBOX = "A saved Resoluto Sandbox block used as the base; the fields above override it where set."
 _WORKING_DIR = ("A host directory shipped into the sandbox as the flow run's working directory (a copy). "
                 "Empty: an empty directory; the deployment's pull steps fetch its code.")
-_STREAM = "Echo the sandbox's output (from the conduit) in the worker's own log."
+_STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
 
 
 def _check_memory(v: str | None) -> str | None:
@@ -260,7 +261,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         launched = asyncio.Event()
         handle_ids: list[str] = []
         evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
-        echo = self._logger.info if configuration.stream_output else None
+        echo = _stream if configuration.stream_output else None
 
         def on_launch(handle: Any) -> None:
             handle_ids.append(handle.id)
@@ -276,7 +277,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 line = str((ev.get("data") or {}).get("line", ""))
                 evidence.append(line)
                 if echo is not None:
-                    echo("%s | %s", flow_run.name, line)
+                    echo(line)
             else:
                 described = describe_event(ev)
                 if described is not None:
@@ -474,6 +475,13 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
                 if n:
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _stream(line: str) -> None:
+    # As Prefect's process worker streams its child: to the worker's own stdout, not its
+    # logger (whose records may go to the API as worker logs). Lines arrive redacted.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _died_message(outcome: NodeOutcome, memory: str | None) -> str:
