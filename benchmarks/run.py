@@ -31,7 +31,7 @@ import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
 FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress",
-           "solari_relay")
+           "solari_relay", "worker")
 
 
 def machine() -> dict[str, Any]:
@@ -72,10 +72,11 @@ def main() -> int:
     import solari_relay
     import staging
     import throughput
+    import worker
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
                "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost,
-               "solari_relay": solari_relay}
+               "solari_relay": solari_relay, "worker": worker}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}

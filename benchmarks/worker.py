@@ -1,0 +1,74 @@
+"""Figure 8, worker: per-flow-run overhead of the ``resoluto`` worker next to Prefect's
+own ``process`` worker, on the same trivial flow, the same API, one run at a time.
+
+Both workers are real ``prefect worker start`` processes (in a child with Prefect's
+ephemeral API). The figure is the flow run's *startup*: Pending (the worker accepted
+it) to Running (the flow body starts), from the server's own state timestamps. It
+holds the infrastructure (a process, or a sandbox + conduit + guest runner) and
+Prefect's engine start-up, and leaves out the worker's poll delay, which both share.
+gVisor flow runs need the egress proxy to reach the API; without it the figure says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from common import BENCH, Target, log, loopback_env, median, r3, scratch
+
+from prefect_resoluto.flow_runs import egress_forwarding_supported
+from prefect_resoluto.runtimes import get_runtime
+
+
+def run(quick: bool) -> dict[str, Any]:
+    n = 3 if quick else 10
+    variants = ["process", "resoluto-process"]
+    gvisor_note = ""
+    if not get_runtime("gvisor").availability().ok:
+        gvisor_note = "gVisor unavailable here"
+    elif not egress_forwarding_supported():
+        gvisor_note = "egress forwarding (issue 10) not on this branch"
+    else:
+        variants.append("resoluto-gvisor")
+    with scratch("worker") as work:
+        out_path = work / "worker.json"
+        env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                            "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"})
+        log(f"worker: {n} flow runs each on {', '.join(variants)} (real workers; ephemeral Prefect server)")
+        cmd = [sys.executable, str(BENCH / "_worker_child.py"), "--n", str(n), "--variants", ",".join(variants),
+               "--out", str(out_path)]
+        with open(work / "child.log", "wb") as child_log:
+            res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=1800)
+        if res.returncode != 0:
+            tail = (work / "child.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"worker benchmark child failed (exit {res.returncode}):\n{tail}")
+        samples = json.loads(out_path.read_text())["samples"]
+    out: dict[str, Any] = {"n": n, "gvisor": gvisor_note or "measured"}
+    for v, runs in samples.items():
+        out[v] = {k: r3(median(r[k] for r in runs)) for k in ("startup_s", "body_s", "e2e_s")}
+    base = out["process"]["startup_s"]
+    out["added_startup_ms"] = {v: round((out[v]["startup_s"] - base) * 1000) for v in samples if v != "process"}
+    out["startup_ratio"] = {v: r3(out[v]["startup_s"] / base) for v in samples if v != "process" and base > 0}
+    return out
+
+
+def targets(res: dict[str, Any]) -> list[Target]:
+    # No target was set by the issue: the note gives the figure. One for the record.
+    r = res.get("startup_ratio", {}).get("resoluto-process")
+    return [Target("worker", "resoluto(process)/process flow-run startup", "reported", f"{r} x", None)]
+
+
+def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for v in ("process", "resoluto-process", "resoluto-gvisor"):
+        if v in res:
+            m = res[v]
+            out.append((f"worker {v}", f"startup {m['startup_s']} s, body {m['body_s']} s, "
+                                       f"submit->final {m['e2e_s']} s (median of {res['n']})"))
+    added = ", ".join(f"{v} {ms:+d} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items())
+    out.append(("worker added startup vs process", added))
+    if res["gvisor"] != "measured":
+        out.append(("worker resoluto-gvisor", f"n/a: {res['gvisor']}"))
+    return out

@@ -1,0 +1,532 @@
+"""The ``resoluto`` worker: each flow run of a work pool in its own fresh sandbox.
+
+``prefect work-pool create P --type resoluto`` gives a pool whose base job template
+holds the sandbox settings below as variables (a form in the UI); deployments override
+them with ``job_variables``; ``prefect worker start --pool P`` runs each flow run as one
+sandbox node: Prefect's own entry point (``python -m prefect.engine``, as the process
+worker runs it) on the configured runtime, the deployment's code fetched by its own pull
+steps. The flow run reports its logs and states to the API itself; the worker watches
+from outside: cancellation destroys the sandbox, a sandbox that dies marks the run
+Crashed with the runtime's reason, and the sandbox's own output travels the conduit
+as node events (so a run that never reached the API still leaves evidence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import sys
+import threading
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import anyio
+import anyio.abc
+from prefect.blocks.system import Secret
+from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from pydantic import Field, PrivateAttr, SecretStr, field_validator
+
+from guest_runner import wire
+from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
+from prefect_resoluto.config import SandboxConfig
+from prefect_resoluto.flow_runs import (
+    LABEL_WORK_POOL,
+    LABEL_WORKER,
+    LABEL_WORKER_INSTANCE,
+    code_directories,
+    engine_argv,
+    new_node_id,
+    sandbox_network,
+    split_env,
+    with_code_mounts,
+)
+from prefect_resoluto.logs import describe_event
+from prefect_resoluto.node import LABEL_RUN, NodeOutcome, NodeSpec, drive_node
+from prefect_resoluto.runtimes.base import parse_cpus, parse_quantity
+from prefect_resoluto.task_runner import LABEL_FLOW_RUN, label_value
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import Flow as APIFlow
+    from prefect.client.schemas.objects import FlowRun, WorkPool
+    from prefect.client.schemas.responses import DeploymentResponse
+
+RuntimeName = Literal["gvisor", "container", "kubernetes", "bubblewrap", "process"]
+IsolationName = Literal["vm", "user-kernel", "namespace", "none"]
+ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydantic union of blocks
+
+CANCELLED = "cancelled from the API"
+WORKER_STOPPED = "the worker stopped"
+DELETED = "the flow run was deleted"
+#: Seconds between the worker's looks at a running flow run's state (cancellation).
+CANCEL_POLL_SECONDS = 2.0
+#: Seconds a stopping worker gives a sandbox whose run is already final to exit by itself
+#: (the engine flushes its last logs to the API on the way out).
+FINISHING_GRACE_SECONDS = 10.0
+#: Lines of the sandbox's own output kept for a crashed run's report.
+EVIDENCE_LINES = 40
+
+
+# --------------------------------------------------------------------------- the pool's form
+
+_RUNTIME = ("Sandbox runtime for each flow run: gvisor (user-space kernel), container (podman + runsc or "
+            "kata), kubernetes (a pod, RuntimeClass kata), bubblewrap (namespaces) or process (no isolation; "
+            "needs min isolation 'none'). Empty: the sandbox block's, else the strongest one available on the "
+            "worker's host.")
+_MIN_ISOLATION = ("Refuse a runtime weaker than this. Empty: the sandbox block's, else user-kernel. 'none' is for "
+                  "trusted flows only.")
+_IMAGE = "Image for container/kubernetes runtimes; it must bring Python and Prefect. Empty: the host's interpreter."
+_MEMORY = "Memory limit of the sandbox, e.g. 2Gi or 512Mi. Empty: the sandbox block's, else the runtime's default."
+_CPUS = "CPU limit of the sandbox, e.g. 2, 0.5 or 500m. Empty: the sandbox block's, else unlimited."
+_SILENCE = ("Seconds without any event from the sandbox before it is presumed dead and the run marked Crashed. "
+            "Empty: the sandbox block's, else 600.")
+_EGRESS = ("Hosts the flow run may reach besides the Prefect API ('host' or 'host:port'; CIDRs on kubernetes). "
+           "Added to the sandbox block's. Everything else is refused.")
+_SECRET_ENV = "Secret environment variables: masked in the UI, redacted from every log line and event."
+_SECRET_BLOCK = ("A Secret block holding a JSON object of secret environment variables {NAME: value}, merged "
+                 "with Secret Environment Variables.")
+_CONDUIT = "Where the worker and the sandbox exchange events. Empty: the sandbox block's, else a local directory."
+_SANDBOX = "A saved Resoluto Sandbox block used as the base; the fields above override it where set."
+_WORKING_DIR = ("A host directory shipped into the sandbox as the flow run's working directory (a copy). "
+                "Empty: an empty directory; the deployment's pull steps fetch its code.")
+_STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
+
+
+def _check_memory(v: str | None) -> str | None:
+    if v is not None and v != "":
+        parse_quantity(v)
+    return v or None
+
+
+def _check_cpus(v: str | None) -> str | None:
+    if v is not None and v != "":
+        parse_cpus(v)
+    return v or None
+
+
+class ResolutoWorkerVariables(BaseVariables):
+    """The variables of a ``resoluto`` pool's base job template (the UI's form)."""
+
+    runtime: Optional[RuntimeName] = Field(default=None, title="Runtime", description=_RUNTIME)
+    min_isolation: Optional[IsolationName] = Field(default=None, title="Minimum Isolation",
+                                                   description=_MIN_ISOLATION)
+    image: Optional[str] = Field(default=None, title="Image", description=_IMAGE)
+    memory: Optional[str] = Field(default=None, title="Memory", description=_MEMORY, examples=["2Gi"])
+    cpus: Optional[str] = Field(default=None, title="CPUs", description=_CPUS, examples=["1"])
+    silence_window: Optional[float] = Field(default=None, gt=0, title="Silence Window (seconds)",
+                                            description=_SILENCE)
+    egress: list[str] = Field(default_factory=list, title="Egress Allowlist", description=_EGRESS)
+    secret_env: dict[str, SecretStr] = Field(default_factory=dict, title="Secret Environment Variables",
+                                             description=_SECRET_ENV)
+    secret_env_block: Optional[Secret] = Field(default=None, title="Secret Environment Block",
+                                               description=_SECRET_BLOCK)
+    conduit: Optional[ConduitBlock] = Field(default=None, title="Conduit", description=_CONDUIT)
+    sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox Block", description=_SANDBOX)
+    working_dir: Optional[Path] = Field(default=None, title="Working Directory", description=_WORKING_DIR)
+    stream_output: bool = Field(default=True, title="Stream Output", description=_STREAM)
+
+    _memory = field_validator("memory")(_check_memory)
+    _cpus = field_validator("cpus")(_check_cpus)
+
+
+class ResolutoJobConfiguration(BaseJobConfiguration):
+    """One flow run's sandbox, as the worker receives it (template + job variables)."""
+
+    runtime: Optional[RuntimeName] = Field(default=None)
+    min_isolation: Optional[IsolationName] = Field(default=None)
+    image: Optional[str] = Field(default=None)
+    memory: Optional[str] = Field(default=None)
+    cpus: Optional[str] = Field(default=None)
+    silence_window: Optional[float] = Field(default=None, gt=0)
+    egress: list[str] = Field(default_factory=list)
+    secret_env: dict[str, SecretStr] = Field(default_factory=dict)
+    secret_env_block: Optional[Secret] = Field(default=None)
+    conduit: Optional[ConduitBlock] = Field(default=None)
+    sandbox: Optional[SandboxBlock] = Field(default=None)
+    working_dir: Optional[Path] = Field(default=None)
+    stream_output: bool = Field(default=True)
+
+    _memory = field_validator("memory")(_check_memory)
+    _cpus = field_validator("cpus")(_check_cpus)
+    _command_configured: bool = PrivateAttr(default=False)
+    _pull_steps: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _deployment_path: Optional[str] = PrivateAttr(default=None)
+
+    def prepare_for_flow_run(
+        self,
+        flow_run: FlowRun,
+        deployment: DeploymentResponse | None = None,
+        flow: APIFlow | None = None,
+        work_pool: WorkPool | None = None,
+        worker_name: str | None = None,
+        worker_id: uuid.UUID | None = None,
+    ) -> None:
+        # As the process worker: an explicit command is kept, else Prefect's engine entry point
+        # (chosen at launch, when the runtime and so the interpreter are known).
+        self._command_configured = self.command is not None
+        super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
+        if not self._command_configured:
+            self.command = None
+        if deployment is not None:
+            self._pull_steps = list(deployment.pull_steps or [])
+            self._deployment_path = deployment.path
+
+    def sandbox_config(self) -> SandboxConfig:
+        """The sandbox block (if any) as the base, the set fields of this job on top."""
+        base = self.sandbox.to_config() if self.sandbox is not None else SandboxConfig()
+        if self.runtime and base.runtime and self.runtime != base.runtime:
+            base = dataclasses.replace(base, runtime_options={})  # options of another runtime do not apply
+        secrets = {k: v.get_secret_value() for k, v in self.secret_env.items()}
+        if self.secret_env_block is not None:
+            secrets = {**_secret_block_env(self.secret_env_block), **secrets}
+        cfg = base.replace(
+            runtime=self.runtime,
+            min_isolation=self.min_isolation,
+            image=self.image,
+            memory=self.memory,
+            cpus=self.cpus,
+            silence_window=self.silence_window,
+            conduit=self.conduit.to_conduit() if self.conduit is not None else None,
+            secret_env=secrets,
+            egress=list(dict.fromkeys([*base.egress, *self.egress])),
+            infrastructure_retries=0,  # a flow run is not idempotent: a dead sandbox is Crashed
+        )
+        if cfg.runtime == "container" and cfg.image:
+            cfg = cfg.replace(runtime_options={"image": cfg.image})
+        return cfg
+
+
+def _secret_block_env(block: Secret) -> dict[str, str]:
+    value = block.get()
+    if not isinstance(value, dict):
+        raise ValueError("the secret environment block must hold a JSON object {NAME: value}, "
+                         f"not a {type(value).__name__}")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+class ResolutoWorkerResult(BaseWorkerResult):
+    """The sandbox's exit, as the flow run's infrastructure result."""
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class _Live:
+    """A flow run's sandbox while it runs: how to stop it from the event loop."""
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()
+        self.why = ""
+
+    def stop(self, why: str) -> None:
+        if not self.cancel.is_set():
+            self.why = why
+            self.cancel.set()
+
+
+class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariables, ResolutoWorkerResult]):
+    type = "resoluto"
+    job_configuration = ResolutoJobConfiguration
+    job_configuration_variables = ResolutoWorkerVariables
+
+    _description = ("Run each flow run in its own fresh sandbox (gVisor, a Kata microVM, a Kubernetes pod) that "
+                    "reaches the Prefect API and nothing else (prefect-resoluto).")
+    _display_name = "Resoluto Sandbox"
+    _documentation_url = "https://github.com/prefect-resoluto/prefect-resoluto/blob/main/docs/worker.md"
+    _logo_url = "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc18bcf188fdad43c1d22ea9/assets/block-logos/process.png"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Every sandbox of this worker process carries this label: its exit sweeps by it.
+        self._instance = uuid.uuid4().hex[:16]
+        self._live: dict[str, _Live] = {}
+        self._runtimes: dict[str, Any] = {}  # one per runtime name: what the exit sweeps
+
+    async def run(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        task_status: anyio.abc.TaskStatus[str] | None = None,
+    ) -> ResolutoWorkerResult:
+        if task_status is None:
+            task_status = anyio.TASK_STATUS_IGNORED
+        logger = self.get_flow_run_logger(flow_run)
+        plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
+        spec, runtime, conduit, cfg = plan
+        fr_id = str(flow_run.id)
+        live = self._live[fr_id] = _Live()
+        loop = asyncio.get_running_loop()
+        launched = asyncio.Event()
+        handle_ids: list[str] = []
+        evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
+        echo = _stream if configuration.stream_output else None
+
+        def on_launch(handle: Any) -> None:
+            handle_ids.append(handle.id)
+            logger.info("sandbox %s on %s (%s isolation); its events: conduit %s %s", handle.id, runtime.name,
+                        runtime.isolation.label, conduit.url,
+                        wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix))
+            loop.call_soon_threadsafe(launched.set)
+
+        def on_event(ev: dict[str, Any]) -> None:
+            if ev.get("kind") == "heartbeat":
+                return
+            if ev.get("event") == "log":
+                line = str((ev.get("data") or {}).get("line", ""))
+                evidence.append(line)
+                if echo is not None:
+                    echo(line)
+            else:
+                described = describe_event(ev)
+                if described is not None:
+                    self._logger.debug("%s | %s", flow_run.name, described[1])
+
+        def drive() -> NodeOutcome:
+            try:
+                return drive_node(spec, conduit, runtime, on_event=on_event, min_isolation=cfg.min_isolation,
+                                  silence_window=cfg.silence_window, on_launch=on_launch,
+                                  should_cancel=live.cancel.is_set)
+            finally:
+                conduit.close()
+
+        outcome_future = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
+        try:
+            try:
+                outcome = await self._until_done(outcome_future, launched, flow_run, live, task_status,
+                                                 f"{runtime.name}:{fr_id}")
+            except Exception:
+                raise  # refused before launch (spec, isolation, egress): the base worker reports it
+            except BaseException:
+                # The worker is stopping (or this task was cancelled): the sandbox goes with it,
+                # unless the run is already over and only flushing its last logs.
+                with anyio.CancelScope(shield=True):
+                    if await self._run_is_final(flow_run):
+                        await asyncio.wait({outcome_future}, timeout=FINISHING_GRACE_SECONDS)
+                    live.stop(WORKER_STOPPED)
+                    with contextlib.suppress(Exception):
+                        outcome = await outcome_future
+                        if not outcome.ok:
+                            await self._propose_crashed_state(flow_run, _stopped_message(outcome))
+                raise
+        finally:
+            self._live.pop(fr_id, None)
+
+        if not handle_ids:  # never started: the base worker reports the run Crashed with this
+            raise RuntimeError(f"the sandbox could not start: {outcome.reason}")
+        return await self._report(flow_run, outcome, live, list(evidence), logger, cfg.memory)
+
+    async def _until_done(self, outcome_future: asyncio.Future[NodeOutcome], launched: asyncio.Event,
+                          flow_run: FlowRun, live: _Live, task_status: anyio.abc.TaskStatus[str],
+                          infrastructure_pid: str) -> NodeOutcome:
+        """Report the start, then watch the run's state until the sandbox is done."""
+        started = False
+        while not outcome_future.done():
+            if not started and launched.is_set():
+                task_status.started(infrastructure_pid)
+                started = True
+            waiter = asyncio.ensure_future(launched.wait()) if not started else None
+            pending = {outcome_future} | ({waiter} if waiter else set())
+            await asyncio.wait(pending, timeout=CANCEL_POLL_SECONDS if started else None,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+            if started and not outcome_future.done():
+                await self._check_cancelled(flow_run, live)
+        if not started and launched.is_set():
+            task_status.started(infrastructure_pid)
+        return outcome_future.result()
+
+    async def _run_is_final(self, flow_run: FlowRun) -> bool:
+        try:
+            current = await self.client.read_flow_run(flow_run.id)
+        except Exception:
+            return False
+        return current.state is not None and current.state.is_final()
+
+    async def _check_cancelled(self, flow_run: FlowRun, live: _Live) -> None:
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            current = await self.client.read_flow_run(flow_run.id)
+        except ObjectNotFound:
+            live.stop(DELETED)  # nothing is left to report to
+            return
+        except Exception as e:  # the API is briefly away: the sandbox keeps running
+            self._logger.debug("could not read the state of flow run %s: %s", flow_run.id, e)
+            return
+        state = current.state
+        if state is not None and (state.is_cancelling() or state.is_cancelled()):
+            live.stop(CANCELLED)
+
+    async def _report(self, flow_run: FlowRun, outcome: NodeOutcome, live: _Live, evidence: list[str],
+                      logger: Any, memory: str | None) -> ResolutoWorkerResult:
+        ident = f"{outcome.runtime}:{outcome.sandbox_id}"
+        if live.why == DELETED:
+            self._logger.info("flow run %s was deleted; its sandbox %s was destroyed", flow_run.id, outcome.sandbox_id)
+            return ResolutoWorkerResult(status_code=0, identifier=ident)
+        if live.why == WORKER_STOPPED and not outcome.ok:
+            await self._propose_crashed_state(flow_run, _stopped_message(outcome))
+            return ResolutoWorkerResult(status_code=outcome.exit_code or -1, identifier=ident)
+        if live.why == CANCELLED:
+            from prefect.states import Cancelled
+
+            msg = f"Flow run cancelled; its sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
+            await self.client.set_flow_run_state(flow_run.id, Cancelled(message=msg), force=True)
+            logger.info(msg)
+            return ResolutoWorkerResult(status_code=0, identifier=ident)
+        if outcome.ok or outcome.failure == "workload":
+            if not outcome.ok and evidence:
+                logger.info("sandbox output (last %d lines, from the conduit %s %s):\n%s", len(evidence),
+                            outcome.conduit_url, outcome.conduit_prefix, "\n".join(evidence))
+            if not outcome.ok and not await self._run_is_final(flow_run):
+                # The engine died before it could report (killed, out of memory, a crash at
+                # import): say what the sandbox saw, before the base worker's generic message.
+                await self._propose_crashed_state(flow_run, _died_message(outcome, memory))
+            return ResolutoWorkerResult(status_code=outcome.exit_code or 0, identifier=ident)
+        # The sandbox itself failed: killed, OOM, lost, unstartable. Say so with its reason
+        # before the base worker's generic non-zero exit message can.
+        logger.error("sandbox %s on %s (%s): %s\nsandbox output (last %d lines, from the conduit %s %s):\n%s",
+                     outcome.sandbox_id, outcome.runtime, outcome.isolation, outcome.failure, len(evidence),
+                     outcome.conduit_url, outcome.conduit_prefix, "\n".join(evidence) or "(none)")
+        await self._propose_crashed_state(flow_run, f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
+                                                    f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
+                                                    f"{outcome.reason}")
+        code = outcome.exit_code if outcome.exit_code not in (None, 0) else -1
+        return ResolutoWorkerResult(status_code=code, identifier=ident)
+
+    def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> tuple[Any, ...]:
+        """Everything decided before launch (may raise: the base worker marks the run Crashed)."""
+        from prefect.settings import PREFECT_API_URL
+
+        cfg = configuration.sandbox_config()
+        runtime = cfg.build_runtime()  # which runtime, and whether it can run here
+        mounted = with_code_mounts(cfg, runtime.name, code_directories(configuration._pull_steps,
+                                                                       configuration._deployment_path))
+        if mounted.runtime_options != cfg.runtime_options:
+            cfg = mounted.replace(runtime=runtime.name)
+            runtime = cfg.build_runtime()
+        env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
+        env = {**cfg.env, **env}
+        api_url = env.get("PREFECT_API_URL") or str(PREFECT_API_URL.value() or "")
+        if not api_url:
+            raise ValueError("PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report")
+        net = sandbox_network(runtime, api_url, cfg.egress)
+        env.update(net.env)
+        labels = {
+            LABEL_FLOW_RUN: label_value(str(flow_run.id)),
+            LABEL_WORKER: label_value(self.name),
+            LABEL_WORKER_INSTANCE: self._instance,
+            LABEL_WORK_POOL: label_value(self.work_pool.name),
+        }
+        extra: dict[str, Any] = {"egress_forward": net.egress_forward} if net.egress_forward else {}
+        spec = NodeSpec(
+            run_id=str(flow_run.id),
+            node_id=new_node_id(),
+            argv=engine_argv(configuration.command, runtime, cfg.image),
+            workspace=configuration.working_dir,
+            env=env,
+            secret_env=secret_env,
+            resources=cfg.resources,
+            labels=labels,
+            egress=net.egress,
+            image=cfg.image,
+            **extra,
+        )
+        spec.validate()
+        conduit = cfg.build_conduit()  # last: nothing above may leave it open
+        try:
+            cfg.check_conduit_fits(runtime, conduit)
+        except Exception:
+            conduit.close()
+            raise
+        self._runtimes[runtime.name] = runtime
+        return spec, runtime, conduit, cfg
+
+    async def kill_infrastructure(self, infrastructure_pid: str, configuration: ResolutoJobConfiguration,
+                                  grace_seconds: int = 30) -> None:
+        """Destroy the flow run's sandbox (``<runtime>:<flow run id>``), in this worker or not."""
+        from prefect.exceptions import InfrastructureNotFound
+
+        runtime_name, _, fr_id = infrastructure_pid.partition(":")
+        live = self._live.get(fr_id)
+        if live is not None:
+            live.stop(CANCELLED)
+            return
+        cfg = configuration.sandbox_config().replace(runtime=runtime_name)
+        runtime = await anyio.to_thread.run_sync(cfg.build_runtime)
+        n = await anyio.to_thread.run_sync(runtime.sweep, {LABEL_RUN: fr_id})
+        if not n:
+            raise InfrastructureNotFound(f"no sandbox of flow run {fr_id} on {runtime_name}")
+
+    async def teardown(self, *exc_info: Any) -> None:
+        for live in list(self._live.values()):
+            live.stop(WORKER_STOPPED)
+        try:
+            await super().teardown(*exc_info)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._sweep_own)
+
+    def _sweep_own(self) -> None:
+        for rt in self._runtimes.values():
+            with contextlib.suppress(Exception):
+                n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
+                if n:
+                    self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _stream(line: str) -> None:
+    # As Prefect's process worker streams its child: to the worker's own stdout, not its
+    # logger (whose records may go to the API as worker logs). Lines arrive redacted.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _died_message(outcome: NodeOutcome, memory: str | None) -> str:
+    code = outcome.exit_code
+    msg = (f"Sandbox {outcome.sandbox_id} on {outcome.runtime}: the flow run's process exited with code {code} "
+           "before it reported a final state")
+    if code in (137, -9):
+        limit = f" (memory limit {memory})" if memory else ""
+        msg += f"; it was killed by SIGKILL: out of memory{limit}, or killed from outside"
+    return msg + "."
+
+
+def _stopped_message(outcome: NodeOutcome) -> str:
+    return f"The resoluto worker stopped; sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
+
+
+def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Any, *, name: str) -> asyncio.Future[Any]:
+    """``fn()`` in a thread of its own (not the loop's small default pool: every running
+    flow run holds one for its whole life), as a future of ``loop``."""
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, False, e)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return fut
+
+
+_FAILED_HOW = {
+    "unstartable": "could not start",
+    "lost": "was lost",
+    "killed": "was killed",
+    "no_result": "ended without reporting",
+    "protocol": "broke the wire protocol",
+}

@@ -1,0 +1,120 @@
+"""How a flow run's sandbox is wired: the one network decision, env, code locations."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from prefect_resoluto import flow_runs
+from prefect_resoluto.flow_runs import (
+    API_ALIAS,
+    SandboxNetworkUnavailable,
+    code_directories,
+    engine_argv,
+    sandbox_network,
+    split_env,
+)
+from prefect_resoluto.runtimes import get_runtime
+
+
+@pytest.fixture
+def with_forwarding(monkeypatch):
+    monkeypatch.setattr(flow_runs, "egress_forwarding_supported", lambda: True)
+
+
+def test_host_network_keeps_the_url_and_forwards_nothing():
+    net = sandbox_network(get_runtime("process"), "http://127.0.0.1:4200/api", [])
+    assert (net.env, net.egress, net.egress_forward) == ({}, [], {})
+
+
+def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
+    rt = get_runtime("gvisor")
+    for url, target in (("http://127.0.0.1:4200/api", "127.0.0.1:4200"),
+                        ("http://localhost:4201/api", "127.0.0.1:4201")):
+        net = sandbox_network(rt, url, ["pypi.example.test:443"])
+        port = target.rsplit(":", 1)[1]
+        assert net.env == {"PREFECT_API_URL": f"http://{API_ALIAS}:{port}/api"}
+        assert net.egress_forward == {f"{API_ALIAS}:{port}": target}
+        assert net.egress == ["pypi.example.test:443"]  # the loopback is never an allowlist entry
+
+
+def test_a_remote_api_joins_the_allowlist(with_forwarding):
+    net = sandbox_network(get_runtime("gvisor"), "https://prefect.example.test/api", ["a.example.test"])
+    assert net.env == {} and net.egress_forward == {}
+    assert net.egress == ["a.example.test", "prefect.example.test:443"]
+
+
+def test_a_pod_cannot_reach_the_workers_loopback():
+    rt = get_runtime("kubernetes")
+    with pytest.raises(SandboxNetworkUnavailable, match="on its loopback"):
+        sandbox_network(rt, "http://127.0.0.1:4200/api", [])
+    net = sandbox_network(rt, "http://10.20.30.40:4200/api", ["10.0.0.0/8:5432"])
+    assert net.egress == ["10.0.0.0/8:5432", "10.20.30.40:4200"] and net.egress_forward == {}
+
+
+def test_without_the_egress_proxy_a_local_sandbox_refuses_with_the_way_out(monkeypatch):
+    monkeypatch.setattr(flow_runs, "egress_forwarding_supported", lambda: False)
+    with pytest.raises(SandboxNetworkUnavailable, match="no egress proxy.*runtime 'process'"):
+        sandbox_network(get_runtime("gvisor"), "http://127.0.0.1:4200/api", [])
+    with pytest.raises(SandboxNetworkUnavailable, match="not an http"):
+        sandbox_network(get_runtime("bubblewrap"), "ftp://x/api", [])
+
+
+def test_prefect_credentials_cross_as_secrets_and_the_workers_home_stays_behind():
+    plain, secret = split_env(
+        {"PREFECT_API_URL": "http://127.0.0.1:1/api", "PREFECT_API_KEY": "pnu_123", "PREFECT_HOME": "/root/.prefect",
+         "PREFECT_SERVER_API_AUTH_STRING": "admin:pass", "PREFECT__FLOW_RUN_ID": "abc", "EMPTY": None},
+        {"MY_TOKEN": "t"})
+    assert plain == {"PREFECT_API_URL": "http://127.0.0.1:1/api", "PREFECT__FLOW_RUN_ID": "abc"}
+    assert secret == {"MY_TOKEN": "t", "PREFECT_API_KEY": "pnu_123", "PREFECT_SERVER_API_AUTH_STRING": "admin:pass"}
+
+
+def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
+    code = tmp_path / "project"
+    code.mkdir()
+    steps = [{"prefect.deployments.steps.git_clone": {"repository": "https://git.example.test/r.git"}},
+             {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}},
+             {"prefect.deployments.steps.set_working_directory": {"directory": "{{ clone.directory }}"}},
+             {"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path / "missing")}}]
+    assert code_directories(steps, None) == [str(code)]
+    assert code_directories([], str(code)) == [str(code)]  # no pull steps: the deployment's path
+    assert code_directories(steps[:1], str(code)) == []  # pull steps win over the path
+
+
+def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
+    assert engine_argv(None, get_runtime("gvisor"), None) == [sys.executable, "-m", "prefect.engine"]
+    assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "prefect.engine"]
+    assert engine_argv("prefect flow-run execute", get_runtime("process"), None) == \
+        ["prefect", "flow-run", "execute"]
+
+
+def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no_more():
+    """The Kubernetes path, rendered by the real runtime (no cluster needed): the flow run's
+    API joins the NetworkPolicy; its key travels in the pod's Secret, not its spec."""
+    from guest_runner.s3conduit import S3Conduit
+    from prefect_resoluto.k8s_render import render_documents
+    from prefect_resoluto.node import NodeSpec, launch_spec
+    from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+
+    rt = KubernetesRuntime(namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000,
+                           image="flows:1")
+    api = "http://10.20.30.40:4200/api"
+    net = sandbox_network(rt, api, ["10.1.0.0/16:5432"])
+    env, secret = split_env({"PREFECT_API_URL": api, "PREFECT_API_KEY": "pnu_worker_key_123"}, {})
+    spec = NodeSpec(run_id="0b5d6c1e-flow-run", node_id="flow-run-abc", argv=engine_argv(None, rt, "flows:1"),
+                    env=env, secret_env=secret, egress=net.egress, image="flows:1")
+    conduit = S3Conduit("bucket", endpoint_url="http://10.9.9.9:9000", access_key_id="a", secret_access_key="b")
+    docs = {d["kind"]: d for d in render_documents(launch_spec(spec, conduit), rt)}
+    allowed = set()
+    for rule in docs["NetworkPolicy"]["spec"]["egress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if ports == {53}:
+            continue  # DNS
+        for peer in rule["to"]:
+            allowed |= {(peer["ipBlock"]["cidr"], port) for port in ports}
+    assert allowed == {("10.9.9.9/32", 9000), ("10.1.0.0/16", 5432), ("10.20.30.40/32", 4200)}
+    pod = json.dumps(docs["Pod"])
+    assert "pnu_worker_key_123" not in pod and "PREFECT_API_KEY" in json.dumps(docs["Secret"])
+    assert "prefect.engine" in pod and api in pod
