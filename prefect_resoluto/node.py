@@ -29,6 +29,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
     check_isolation,
+    memory_hint,
 )
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
 
@@ -404,6 +405,11 @@ def drive_node(
             failure, status, reason = "protocol", "failure", f"outbox rejected: {e}"
     if failure is not None:
         status = "failure"
+    if failure == "workload" and st.memory_exhausted:
+        # The workload died at the memory limit; the guest runner only saw an exit code.
+        failure, reason = "killed", f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})"
+    if failure == "killed" and "memory" in reason.lower() and spec.resources.memory_bytes:
+        reason += f"; {memory_hint(spec.resources)}"
     return NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
