@@ -38,13 +38,15 @@ class RemoteError:
     remote_message: str
     remote_traceback: str
 
-    def _remote_init(self, type_name: str, message: str, traceback: str) -> None:
+    def _remote_init(self, type_name: str, message: str, traceback: str, typed: bool = False) -> None:
         self.remote_type = type_name
         self.remote_message = message
         self.remote_traceback = traceback
-        text = f"{type_name}: {message}" if message else type_name
+        # An instance of the original class reads like one (Prefect prefixes the type
+        # name itself); a RemoteTaskError names the remote type.
+        text = message if typed else (f"{type_name}: {message}" if message else type_name)
         if traceback:
-            text += "\n--- traceback from the sandbox ---\n" + traceback.rstrip()
+            text += ("\n" if text else "") + "--- traceback from the sandbox ---\n" + traceback.rstrip()
         self._remote_text = text
         BaseException.__init__(self, text)  # type: ignore[arg-type]
 
@@ -95,7 +97,7 @@ def _remote_class(cls: type[BaseException]) -> type:
         bases: tuple[type, ...] = (RemoteTaskError, cls) if issubclass(cls, Exception) else (RemoteError, cls)
         try:
             made = type(cls.__name__, bases, {
-                "__init__": lambda self, t, m, tb: self._remote_init(t, m, tb),
+                "__init__": lambda self, t, m, tb: self._remote_init(t, m, tb, typed=True),
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "__str__": RemoteError.__str__, "__repr__": RemoteError.__repr__,
                 "__reduce__": RemoteError.__reduce__, "_remote_base": cls,
