@@ -183,8 +183,16 @@ def inline_call(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> An
     kwargs = {k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")}
     result = fn(*args, **kwargs)
     if _isawaitable(result):
-        return result  # an async task called from async code: the caller awaits it
-    return result
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # an async task called from sync code: Prefect runs it to the end
+            async def _await(aw: Any) -> Any:
+                return await aw
+
+            return asyncio.run(_await(result))
+    return result  # from async code the caller awaits it, as under Prefect
 
 
 class StandInTask:

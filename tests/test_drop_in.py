@@ -499,3 +499,21 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     assert bundle["linux"]["resources"]["pids"] == {"limit": 64}
     sizes = {m["destination"]: m.get("options", []) for m in bundle["mounts"] if m["type"] == "tmpfs"}
     assert f"size={1024**3}" in sizes["/tmp"] and f"size={1024**3}" in sizes["/workspace"]
+
+
+# -- Prefect's own generic task-runner checks, on a sandboxed runner ----------------------------------
+def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(gvisor, conduit, tmp_path):
+    """As Prefect's ThreadPoolTaskRunner tests drive a runner: entered directly, tasks
+    submitted with a parameters dict, tags from the submitting context."""
+    results = {}
+    for name, task_runner in (("threads", ThreadPoolTaskRunner()), ("sandbox", runner(conduit, tmp_path))):
+        with task_runner as r:
+            plain = r.submit(sf.square, {"x": 3})
+            with tags("tag1"):
+                probe = r.submit(df.context_probe, {})
+            results[name] = (plain.result(), probe.result())
+    (square, probe), (th_square, th_probe) = results["sandbox"], results["threads"]
+    assert square == th_square == 9
+    assert probe["tags"] == th_probe["tags"] == ["tag1"]
+    assert probe["flow_run"] == th_probe["flow_run"] and probe["deployment"] == th_probe["deployment"]
+    assert probe["task_run"]["task_name"] == th_probe["task_run"]["task_name"] == "context_probe"
