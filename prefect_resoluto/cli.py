@@ -264,11 +264,11 @@ def plan_node(args: argparse.Namespace, *, for_render: bool = False) -> RunPlan:
     options = _parse_options(args.runtime_option)
     floor = _floor(args.min_isolation)
     try:
-        parse_quantity(args.memory) if args.memory else None
+        memory = parse_quantity(args.memory) if args.memory else None
     except ValueError as e:
         raise UsageError(f"--memory: {e}") from None
     try:
-        parse_cpus(args.cpus) if args.cpus else None
+        cpus = parse_cpus(args.cpus) if args.cpus else None
     except ValueError as e:
         raise UsageError(f"--cpus: {e}") from None
     if args.silence_window is not None and args.silence_window <= 0:
@@ -320,7 +320,7 @@ def plan_node(args: argparse.Namespace, *, for_render: bool = False) -> RunPlan:
 
     spec = NodeSpec(
         run_id=run_id, node_id=node_id, argv=argv, workspace=workspace, output_paths=outputs,
-        env=env, secret_env=secret_env, resources=Resources.from_quantities(memory=args.memory or None, cpus=args.cpus or None),
+        env=env, secret_env=secret_env, resources=Resources.from_quantities(memory=memory, cpus=cpus),
         labels={**labels, LABEL_SOURCE: "cli"}, image=args.image, outputs_dir=outputs_dir,
     )
     try:

@@ -108,7 +108,7 @@ class Resources:
 
     @classmethod
     def from_quantities(
-        cls, memory: str | None = None, cpus: str | float | None = None, disk: str | None = None,
+        cls, memory: str | int | None = None, cpus: str | float | None = None, disk: str | int | None = None,
         pids: int | None = DEFAULT_PIDS,
     ) -> Resources:
         if pids is not None and (isinstance(pids, bool) or int(pids) <= 0):
