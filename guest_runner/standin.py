@@ -357,6 +357,71 @@ def _stand_in(name: str, provided: "dict[str, Any]", fallback: Optional[Callable
     sys.modules[name] = module
 
 
+class _TagsContext:
+    """``prefect.context.TagsContext`` where Prefect is not installed: the run's tags."""
+
+    def __init__(self, current_tags: "set[str]") -> None:
+        self.current_tags = set(current_tags)
+
+    _stack: "List[_TagsContext]" = []
+
+    @classmethod
+    def get(cls) -> "_TagsContext":
+        return cls._stack[-1] if cls._stack else cls(set(map(str, _CONTEXT.get("tags") or [])))
+
+
+class _tags:
+    """``prefect.tags(...)`` where Prefect is not installed: adds to the current tags."""
+
+    def __init__(self, *new_tags: str) -> None:
+        self.new_tags = set(new_tags)
+
+    def __enter__(self) -> "set[str]":
+        ctx = _TagsContext(_TagsContext.get().current_tags | self.new_tags)
+        _TagsContext._stack.append(ctx)
+        return ctx.current_tags
+
+    def __exit__(self, *exc: Any) -> None:
+        _TagsContext._stack.pop()
+
+
+_RUNTIME_EMPTY: Dict[str, Dict[str, Any]] = {
+    "task_run": {"id": None, "name": None, "task_name": None, "run_count": 0, "parameters": {}, "tags": []},
+    "flow_run": {"id": None, "name": None, "flow_name": None, "tags": [], "parameters": {}},
+    "deployment": {"id": None, "name": None},
+}
+
+
+def _runtime_module(key: str) -> types.ModuleType:
+    module = types.ModuleType(f"prefect.runtime.{key}")
+
+    def __getattr__(name: str) -> Any:
+        values = _CONTEXT.get(key) if isinstance(_CONTEXT.get(key), dict) else {}
+        if name in values:
+            return values[name]
+        if name in _RUNTIME_EMPTY[key]:
+            return _RUNTIME_EMPTY[key][name]
+        raise AttributeError(f"prefect.runtime.{key} has no attribute {name!r} in the sandbox")
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    return module
+
+
+def _install_without_prefect() -> "dict[str, Any]":
+    """Prefect is not installed in this image: what a task can still read of its run."""
+    runtime = types.ModuleType("prefect.runtime")
+    for key in _RUNTIME_EMPTY:
+        sub = _runtime_module(key)
+        setattr(runtime, key, sub)
+        sys.modules[sub.__name__] = sub
+    sys.modules["prefect.runtime"] = runtime
+    context = types.ModuleType("prefect.context")
+    context.TagsContext = _TagsContext  # type: ignore[attr-defined]
+    context.tags = _tags  # type: ignore[attr-defined]
+    sys.modules["prefect.context"] = context
+    return {"runtime": runtime, "context": context, "tags": _tags}
+
+
 _installed = False
 
 
@@ -367,7 +432,10 @@ def install() -> None:
         return
     _installed = True
     if "prefect" not in sys.modules:
-        _stand_in("prefect", {"task": task, "flow": flow, "get_run_logger": get_run_logger}, None)
+        provided: "dict[str, Any]" = {"task": task, "flow": flow, "get_run_logger": get_run_logger}
+        if PathFinder.find_spec("prefect") is None:
+            provided.update(_install_without_prefect())
+        _stand_in("prefect", provided, None)
     if "prefect_resoluto" not in sys.modules:
         # On the guest, the task runner and its helpers are inert: the flow never runs here.
         _stand_in("prefect_resoluto", {}, lambda attr: _Inert())

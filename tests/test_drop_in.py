@@ -517,3 +517,35 @@ def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(gvisor
     assert probe["tags"] == th_probe["tags"] == ["tag1"]
     assert probe["flow_run"] == th_probe["flow_run"] and probe["deployment"] == th_probe["deployment"]
     assert probe["task_run"]["task_name"] == th_probe["task_run"]["task_name"] == "context_probe"
+
+
+def test_an_image_without_prefect_still_gives_tasks_their_run_context_and_nested_calls(tmp_path):
+    """Guest side only: the interpreter runs without site-packages (``-S``), as in the
+    guest image, which has no Prefect. The stand-ins answer from call.json's context."""
+    import shutil
+
+    ws = tmp_path / "ws"
+    (ws / ".resoluto").mkdir(parents=True)
+    shutil.copy(FLOWS / "dropin_flows.py", ws)
+    context = {"tags": ["a", "b"],
+               "task_run": {"id": "t1", "name": "context_probe-1", "task_name": "context_probe", "run_count": 2,
+                            "parameters": {}, "tags": ["a", "b"]},
+               "flow_run": {"id": "f1", "name": "brave-fox", "flow_name": "f", "tags": ["nightly"],
+                            "parameters": {"n": 3}},
+               "deployment": {"id": "d1", "name": "prod"}}
+    out = {}
+    for qualname, params in (("context_probe", {}), ("nested_calls", {"x": 2})):
+        (ws / ".resoluto" / "call.json").write_text(json.dumps(
+            {"file": "dropin_flows.py", "qualname": qualname, "parameters": params, "context": context}))
+        proc = subprocess.run([sys.executable, "-S", "-m", "guest_runner.call", ".resoluto/call.json"], cwd=ws,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[qualname] = json.loads((ws / ".resoluto" / "return.json").read_text())["value"]
+        if qualname == "nested_calls":
+            assert "nested task 'double'" in proc.stdout and "runs inline in this sandbox" in proc.stdout
+    probe = out["context_probe"]
+    assert probe["real_prefect_loaded"] is False  # nothing of Prefect was there to load
+    assert probe["tags"] == ["a", "b"] and probe["task_run"] == context["task_run"]
+    assert probe["flow_run"] == context["flow_run"] and probe["deployment"] == context["deployment"]
+    assert out["nested_calls"] == {"direct": 4, "submitted": 6, "mapped": [4, 6, 8]}
