@@ -4,7 +4,12 @@
 qualname, or an importable ``module``) and its parameters as JSON. The function's
 module is imported under its own name, so its ``if __name__ == "__main__":`` block
 does not run. The return value goes to ``.resoluto/return.json``; an exception to
-``.resoluto/error.json`` (type, message, traceback). Nothing is pickled.
+``.resoluto/error.json`` (type, message, traceback), redacted of secrets before it is
+written: the traceback and message are the runner's words about the task, and may quote
+a secret. The return value is the task's data and is written as it is. Nothing is pickled.
+
+``call.json`` may also carry the run's ``context`` (tags, task_run, flow_run,
+deployment), which :mod:`guest_runner.standin` makes visible through ``prefect``.
 """
 
 from __future__ import annotations
@@ -163,9 +168,29 @@ def _write(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _error_record(e: BaseException, task_module: "str | None", redact: Any) -> Dict[str, Any]:
+    cls = type(e)
+    return {
+        "type": cls.__name__,
+        "module": cls.__module__,
+        "qualname": cls.__qualname__,
+        # The class came from the task's own module: the host knows that module by the
+        # task function's name for it.
+        "task_module": task_module is not None and cls.__module__ == task_module,
+        "exception": isinstance(e, Exception),
+        "message": redact(str(e)),
+        "traceback": redact(traceback.format_exc()),
+    }
+
+
 def main(argv: "list[str] | None" = None) -> int:
+    from guest_runner.redact import Redactor
+
     argv = sys.argv[1:] if argv is None else argv
     call_path = argv[0] if argv else CALL_FILE
+    # Read before the task runs: it may change its own environment.
+    redact = Redactor.from_env(os.environ).text
+    task_module: "str | None" = None
     try:
         with open(call_path, encoding="utf-8") as f:
             spec = json.load(f)
@@ -173,30 +198,39 @@ def main(argv: "list[str] | None" = None) -> int:
             raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
         from guest_runner import standin
 
+        standin.set_run_context(spec.get("context"))
         if spec.get("real_prefect"):  # opt-out of the stand-ins: pay for the real import up front
             standin.use_real_prefect()
         else:
             standin.install()
         fn = load_function(spec)
+        task_module = getattr(fn, "__module__", None)
         result = call(fn, spec.get("parameters", {}))
         try:
             _write(RETURN_FILE, {"value": result})
         except (TypeError, ValueError) as e:
-            _write(ERROR_FILE, {"type": "ResultNotSerializable", "message": str(e), "traceback": ""})
-            print(f"error: {e}", file=sys.stderr)
+            _write(ERROR_FILE, {"type": "ResultNotSerializable", "module": None, "exception": True,
+                                "message": redact(str(e)), "traceback": ""})
             return 1
         return 0
     except BaseException as e:  # report every failure, then fail
-        if isinstance(e, SystemExit) and e.code in (0, None):
-            return 0
-        tb = traceback.format_exc()
-        _write(ERROR_FILE, {
-            "type": type(e).__name__,
-            "module": type(e).__module__,
-            "message": str(e),
-            "traceback": tb,
-        })
-        sys.stderr.write(tb)
+        # SystemExit and KeyboardInterrupt too, whatever the code: Prefect's engine makes
+        # any BaseException in a task a crash, and the host does the same with this record.
+        # The host logs the traceback as one record; it is not printed here line by line.
+        try:
+            record = _error_record(e, task_module, redact)
+        except MemoryError:
+            record = {"type": type(e).__name__, "module": type(e).__module__, "qualname": type(e).__qualname__,
+                      "exception": isinstance(e, Exception), "message": "", "traceback": ""}
+        # Let go of the task's frames, and the memory they hold, before writing: after a
+        # MemoryError there is otherwise none left to write the report with.
+        traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        del e
+        import gc
+
+        gc.collect()
+        _write(ERROR_FILE, record)
         return 1
 
 

@@ -173,7 +173,7 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
 
                     archive.unpack(conduit.get(key), workspace, label=key)
                     staged += 1
-            node.log(f"staged {staged} input archive(s) -> {workspace}")
+            node.log(f"staged {staged} input archive(s) -> {workspace}", level="DEBUG")
             ok = True
             phased = cfg.egress and "setup" in cfg.egress_phases
             if cfg.egress:
@@ -220,7 +220,9 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
                         key = wire.outbox_key(cfg.prefix)
                         conduit.put(key, archive.pack(workspace, patterns=files))
                         result["output_archive"] = key
-                        node.log(f"collected {len(files)} output file(s) -> {key}")
+                        # The Python-call protocol's own files are not the user's outputs.
+                        declared = [f for f in files if not f.startswith(".resoluto/")]
+                        node.log(f"collected {len(declared)} output file(s) -> {key}", level="DEBUG")
             if result["status"] != "success":
                 node.status = "failure"
     finally:

@@ -4,6 +4,11 @@ Importing ``prefect`` costs seconds (more under gVisor, where syscalls are dear)
 task module usually needs nothing from it but ``@task``, ``@flow`` and
 ``get_run_logger``. Until the module touches anything else, those names come from
 here; the first other attribute or submodule loads the real package transparently.
+
+Whichever is in use, a task in the sandbox sees the run it belongs to (the host sends
+it as JSON): ``prefect.runtime.task_run`` / ``flow_run`` / ``deployment`` and the
+current tags. Calling another task from a task runs it inline, in this sandbox, as a
+plain call of its function: there is no Prefect API in here to create task runs with.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import sys
 import types
 from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec, PathFinder
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from guest_runner.wire import LOG_MARKER
 
@@ -48,8 +53,151 @@ def get_run_logger(*args: Any, **kwargs: Any) -> logging.Logger:
     return _LOGGER
 
 
+# -- the run this sandbox works for ------------------------------------------------------
+#: What the host sent in call.json's "context": tags, task_run, flow_run, deployment.
+_CONTEXT: Dict[str, Any] = {}
+
+
+def set_run_context(context: Optional[Dict[str, Any]]) -> None:
+    """Record the run context (before install() / use_real_prefect())."""
+    _CONTEXT.clear()
+    if isinstance(context, dict):
+        _CONTEXT.update(context)
+
+
+def _apply_run_context(prefect: types.ModuleType) -> None:
+    """Make the real package answer from the host's context, not from an API it cannot reach."""
+    runtime_modules = {"task_run": "prefect.runtime.task_run", "flow_run": "prefect.runtime.flow_run",
+                       "deployment": "prefect.runtime.deployment"}
+    for key, modname in runtime_modules.items():
+        values = _CONTEXT.get(key)
+        if not isinstance(values, dict):
+            continue
+        module = importlib.import_module(modname)
+        fields = getattr(module, "FIELDS", None)
+        if isinstance(fields, dict):
+            for name, value in values.items():
+                fields[name] = (lambda v=value: v)
+    tags = _CONTEXT.get("tags")
+    if isinstance(tags, list) and tags:
+        context = importlib.import_module("prefect.context")
+        # Entered for the rest of this process, which is the task's whole life.
+        context.TagsContext(current_tags=set(map(str, tags))).__enter__()
+
+
+# -- nested task calls ---------------------------------------------------------------------
+_ANNOUNCED: "set[str]" = set()
+
+
+def _announce(name: str, how: str) -> None:
+    if name not in _ANNOUNCED:
+        _ANNOUNCED.add(name)
+        get_run_logger().info(
+            "nested task %r (%s) runs inline in this sandbox as a plain call of its function: "
+            "no separate task run, state, retries or cache", name, how)
+
+
+class InlineFuture:
+    """What ``task.submit()`` returns inside the sandbox: the call already happened."""
+
+    def __init__(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        self._value: Any = None
+        self._error: Optional[BaseException] = None
+        try:
+            self._value = fn(*args, **kwargs)
+        except Exception as e:  # raised again from result(), as a Prefect future would
+            self._error = e
+        if self._value is not None and _isawaitable(self._value):
+            import asyncio
+
+            async def _await(aw: Any) -> Any:
+                return await aw
+
+            try:
+                self._value = asyncio.run(_await(self._value))
+            except Exception as e:
+                self._value, self._error = None, e
+
+    def result(self, timeout: Optional[float] = None, raise_on_failure: bool = True) -> Any:
+        if self._error is not None:
+            if raise_on_failure:
+                raise self._error
+            return self._error
+        return self._value
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, fn: Callable[["InlineFuture"], Any]) -> None:
+        fn(self)
+
+
+def _isawaitable(v: Any) -> bool:
+    import inspect
+
+    return inspect.isawaitable(v)
+
+
+def _plain(value: Any) -> Any:
+    """Unwrap ``unmapped(x)`` / ``quote(x)`` / a future (Prefect's annotations) to the value."""
+    if isinstance(value, InlineFuture):
+        return value.result()
+    if type(value).__name__ in ("unmapped", "quote", "allow_failure") and hasattr(value, "value"):
+        inner = value.value
+        return inner() if callable(inner) and type(value).__name__ != "unmapped" else inner
+    return value
+
+
+def inline_submit(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> InlineFuture:
+    _announce(name, "submit")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")}
+    return InlineFuture(fn, [_plain(a) for a in args], {k: _plain(v) for k, v in kwargs.items()})
+
+
+def inline_map(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> List[InlineFuture]:
+    """Prefect's map semantics: iterables are mapped element-wise, everything else (and
+    ``unmapped(x)``) is passed whole to every call."""
+    _announce(name, "map")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")}
+
+    def mapped(v: Any) -> bool:
+        return type(v).__name__ != "unmapped" and isinstance(v, (list, tuple, set, frozenset, range))
+
+    lengths = {len(list(v)) for v in list(args) + list(kwargs.values()) if mapped(v)}
+    if len(lengths) > 1:
+        raise ValueError(f"map of {name!r} got iterable arguments of different lengths {sorted(lengths)}")
+    n = lengths.pop() if lengths else 0
+    futures = []
+    for i in range(n):
+        a = [list(v)[i] if mapped(v) else _plain(v) for v in args]
+        k = {key: (list(v)[i] if mapped(v) else _plain(v)) for key, v in kwargs.items()}
+        futures.append(InlineFuture(fn, a, k))
+    return futures
+
+
+def inline_call(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    _announce(name, "call")
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")}
+    result = fn(*args, **kwargs)
+    if _isawaitable(result):
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # an async task called from sync code: Prefect runs it to the end
+            async def _await(aw: Any) -> Any:
+                return await aw
+
+            return asyncio.run(_await(result))
+    return result  # from async code the caller awaits it, as under Prefect
+
+
 class StandInTask:
-    """Enough of a Prefect Task to import a module that defines tasks."""
+    """Enough of a Prefect Task to import a module that defines tasks, and to call,
+    submit or map one task from another (inline, in this sandbox)."""
 
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         self.fn = fn
@@ -58,7 +206,13 @@ class StandInTask:
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        return inline_call(self.name, self.fn, args, kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> InlineFuture:
+        return inline_submit(self.name, self.fn, args, kwargs)
+
+    def map(self, *args: Any, **kwargs: Any) -> List[InlineFuture]:
+        return inline_map(self.name, self.fn, args, kwargs)
 
     def with_options(self, **options: Any) -> "StandInTask":
         return self
@@ -66,8 +220,13 @@ class StandInTask:
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(
             f"{name!r} of a task is not available inside the sandbox: the sandbox runs the task's "
-            "function only (submit/map belong to the flow on the host)"
+            "function, and nested calls of other tasks run inline"
         )
+
+
+class StandInFlow(StandInTask):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 def _decorator(kind: type) -> Callable[..., Any]:
@@ -80,7 +239,7 @@ def _decorator(kind: type) -> Callable[..., Any]:
 
 
 task = _decorator(StandInTask)
-flow = _decorator(StandInTask)
+flow = _decorator(StandInFlow)
 
 
 class _Inert:
@@ -129,26 +288,43 @@ def _load_real(name: str) -> types.ModuleType:
     return real
 
 
+_PATCHED = False
+
+
 def _patch_real_prefect(prefect: types.ModuleType) -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
     # The real get_run_logger needs a run context that only exists on the host.
     prefect.get_run_logger = get_run_logger  # type: ignore[attr-defined]
-    try:
-        loggers = importlib.import_module("prefect.logging.loggers")
-        loggers.get_run_logger = get_run_logger  # type: ignore[attr-defined]
-        logging_pkg = importlib.import_module("prefect.logging")
-        logging_pkg.get_run_logger = get_run_logger  # type: ignore[attr-defined]
-    except Exception:
-        pass
+    loggers = importlib.import_module("prefect.logging.loggers")
+    loggers.get_run_logger = get_run_logger  # type: ignore[attr-defined]
+    logging_pkg = importlib.import_module("prefect.logging")
+    logging_pkg.get_run_logger = get_run_logger  # type: ignore[attr-defined]
+    # Calling a real Task from a task would look for a task runner and an API: run inline.
+    tasks = importlib.import_module("prefect.tasks")
+    cls = tasks.Task
+    cls.__call__ = lambda self, *a, **k: inline_call(self.name, self.fn, a, k)  # type: ignore[method-assign]
+    cls.submit = lambda self, *a, **k: inline_submit(self.name, self.fn, a, k)  # type: ignore[method-assign]
+    cls.map = lambda self, *a, **k: inline_map(self.name, self.fn, a, k)  # type: ignore[method-assign]
+    _apply_run_context(prefect)
 
 
 class _Loaded(Loader):
     """Hands the import system a module the real package's import already created."""
 
+    def __init__(self, real_spec: Optional[ModuleSpec]) -> None:
+        self.real_spec = real_spec
+
     def create_module(self, spec: ModuleSpec) -> types.ModuleType:
         return sys.modules[spec.name]
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass
+        # The import system stamped our spec on the module: give it its own back.
+        if self.real_spec is not None:
+            module.__spec__ = self.real_spec
+            module.__loader__ = self.real_spec.loader
 
 
 class _Finder(MetaPathFinder):
@@ -158,8 +334,16 @@ class _Finder(MetaPathFinder):
         for pkg in ("prefect", "prefect_resoluto"):
             if fullname.startswith(pkg + ".") and isinstance(sys.modules.get(pkg), _LazyModule):
                 _load_real(pkg)
-                if fullname in sys.modules:
-                    return ModuleSpec(fullname, _Loaded())
+                module = sys.modules.get(fullname)
+                if module is not None:
+                    # Loading the real package imported ``fullname`` too. The import system,
+                    # seeing it in sys.modules, would take the module's own spec and execute
+                    # the module a second time (a fresh object, its submodules unbound from
+                    # it). With no __spec__ for a moment, it takes ours, whose loader hands
+                    # back the module as it is.
+                    real_spec = getattr(module, "__spec__", None)
+                    module.__spec__ = None
+                    return ModuleSpec(fullname, _Loaded(real_spec))
         return None
 
 
@@ -173,6 +357,71 @@ def _stand_in(name: str, provided: "dict[str, Any]", fallback: Optional[Callable
     sys.modules[name] = module
 
 
+class _TagsContext:
+    """``prefect.context.TagsContext`` where Prefect is not installed: the run's tags."""
+
+    def __init__(self, current_tags: "set[str]") -> None:
+        self.current_tags = set(current_tags)
+
+    _stack: "List[_TagsContext]" = []
+
+    @classmethod
+    def get(cls) -> "_TagsContext":
+        return cls._stack[-1] if cls._stack else cls(set(map(str, _CONTEXT.get("tags") or [])))
+
+
+class _tags:
+    """``prefect.tags(...)`` where Prefect is not installed: adds to the current tags."""
+
+    def __init__(self, *new_tags: str) -> None:
+        self.new_tags = set(new_tags)
+
+    def __enter__(self) -> "set[str]":
+        ctx = _TagsContext(_TagsContext.get().current_tags | self.new_tags)
+        _TagsContext._stack.append(ctx)
+        return ctx.current_tags
+
+    def __exit__(self, *exc: Any) -> None:
+        _TagsContext._stack.pop()
+
+
+_RUNTIME_EMPTY: Dict[str, Dict[str, Any]] = {
+    "task_run": {"id": None, "name": None, "task_name": None, "run_count": 0, "parameters": {}, "tags": []},
+    "flow_run": {"id": None, "name": None, "flow_name": None, "tags": [], "parameters": {}},
+    "deployment": {"id": None, "name": None},
+}
+
+
+def _runtime_module(key: str) -> types.ModuleType:
+    module = types.ModuleType(f"prefect.runtime.{key}")
+
+    def __getattr__(name: str) -> Any:
+        values = _CONTEXT.get(key) if isinstance(_CONTEXT.get(key), dict) else {}
+        if name in values:
+            return values[name]
+        if name in _RUNTIME_EMPTY[key]:
+            return _RUNTIME_EMPTY[key][name]
+        raise AttributeError(f"prefect.runtime.{key} has no attribute {name!r} in the sandbox")
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    return module
+
+
+def _install_without_prefect() -> "dict[str, Any]":
+    """Prefect is not installed in this image: what a task can still read of its run."""
+    runtime = types.ModuleType("prefect.runtime")
+    for key in _RUNTIME_EMPTY:
+        sub = _runtime_module(key)
+        setattr(runtime, key, sub)
+        sys.modules[sub.__name__] = sub
+    sys.modules["prefect.runtime"] = runtime
+    context = types.ModuleType("prefect.context")
+    context.TagsContext = _TagsContext  # type: ignore[attr-defined]
+    context.tags = _tags  # type: ignore[attr-defined]
+    sys.modules["prefect.context"] = context
+    return {"runtime": runtime, "context": context, "tags": _tags}
+
+
 _installed = False
 
 
@@ -183,7 +432,10 @@ def install() -> None:
         return
     _installed = True
     if "prefect" not in sys.modules:
-        _stand_in("prefect", {"task": task, "flow": flow, "get_run_logger": get_run_logger}, None)
+        provided: "dict[str, Any]" = {"task": task, "flow": flow, "get_run_logger": get_run_logger}
+        if PathFinder.find_spec("prefect") is None:
+            provided.update(_install_without_prefect())
+        _stand_in("prefect", provided, None)
     if "prefect_resoluto" not in sys.modules:
         # On the guest, the task runner and its helpers are inert: the flow never runs here.
         _stand_in("prefect_resoluto", {}, lambda attr: _Inert())

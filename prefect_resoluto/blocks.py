@@ -7,7 +7,7 @@ is what a scheduled deployment uses: ``ResolutoTaskRunner(sandbox="my-sandbox")`
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from prefect.blocks.core import Block
 from prefect.types import SecretDict
@@ -15,7 +15,12 @@ from pydantic import Field, SecretStr, field_validator
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.config import SandboxConfig
-from prefect_resoluto.runtimes.base import IsolationLevel
+from prefect_resoluto.runtimes import RUNTIMES
+from prefect_resoluto.runtimes.base import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_PIDS, IsolationLevel
+
+# Choices, so the block form shows dropdowns: every registered runtime, every level.
+RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]
+IsolationName = Literal[tuple(level.label for level in sorted(IsolationLevel, reverse=True))]  # type: ignore[valid-type]
 
 
 class LocalConduitBlock(Block):
@@ -67,6 +72,24 @@ class S3ConduitBlock(Block):
         )
 
 
+#: What the conduit choice in the sandbox block's form shows, per block class. Put on each
+#: choice, not on the nested schemas: Prefect's server keys nested block definitions by
+#: their title, so renaming those would break the form's references.
+CONDUIT_CHOICES = {"LocalConduitBlock": "Local directory", "S3ConduitBlock": "S3 bucket"}
+
+
+def _title_choices(schema: dict[str, Any], titles: dict[str, str]) -> None:
+    for choice in schema.get("anyOf", []):
+        # While the schema is built, refs carry pydantic's provisional names
+        # (``prefect_resoluto__blocks__LocalConduitBlock-Input__1``).
+        ref = str(choice.get("$ref", "")).rsplit("/", 1)[-1]
+        found = [t for name, t in titles.items() if ref == name or f"__{name}-" in ref or ref.endswith(f"__{name}")]
+        if found:
+            choice["title"] = found[0]
+        elif choice.get("type") == "null":
+            choice["title"] = "Default (a local directory under the user's cache)"
+
+
 class SandboxBlock(Block):
     """Everything ResolutoTaskRunner needs to place task runs in sandboxes."""
 
@@ -83,15 +106,20 @@ def my_flow(): ...
 ```
 """
 
-    runtime: str | None = Field(
-        None, description="gvisor, container, kubernetes, bubblewrap or process; empty: the strongest "
-                          "runtime available on the host that runs the flow.")
+    runtime: RuntimeName | None = Field(  # type: ignore[valid-type]
+        None, description="Where sandboxes run; empty: the strongest runtime available on the host "
+                          "that runs the flow.")
     image: str | None = Field(None, description="Image for container/kubernetes runtimes.")
-    memory: str | None = Field(None, description="Memory limit per sandbox, e.g. 512Mi or 2Gi.")
-    cpus: str | None = Field(None, description="CPU limit per sandbox, e.g. 1, 0.5 or 500m.")
-    min_isolation: str = Field(
+    memory: str | None = Field(None, description=f"Memory limit per sandbox, e.g. 512Mi or 8Gi; "
+                                                 f"empty: {DEFAULT_MEMORY}.")
+    cpus: str | None = Field(None, description=f"CPU limit per sandbox, e.g. 1, 0.5 or 500m; empty: {DEFAULT_CPUS:g}.")
+    disk: str | None = Field(None, description="Size of /tmp and /workspace per sandbox where the runtime "
+                                               "can size them (ephemeral storage on Kubernetes); empty: "
+                                               "the memory limit. In-memory scratch counts against memory.")
+    pids: int = Field(DEFAULT_PIDS, gt=0, description="Most processes and threads per sandbox.")
+    min_isolation: IsolationName = Field(  # type: ignore[valid-type]
         IsolationLevel.USER_KERNEL.label,
-        description="Refuse runtimes weaker than this: vm, user-kernel, namespace or none.")
+        description="Refuse runtimes weaker than this.")
     silence_window: float = Field(600.0, description="Seconds without any event before a sandbox is presumed dead.")
     infrastructure_retries: int = Field(1, ge=0, description="Re-launches after an infrastructure failure.")
     output_paths: list[str] = Field(default_factory=list, description="Paths/globs returned from every node.")
@@ -109,7 +137,8 @@ def my_flow(): ...
     setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
         None, description="A command run in the sandbox before each task (e.g. pip install ...).")
     conduit: Union[LocalConduitBlock, S3ConduitBlock, None] = Field(  # noqa: UP007 - pydantic union
-        None, description="Conduit; empty: a local directory under the user's cache.")
+        None, description="Conduit; empty: a local directory under the user's cache.",
+        json_schema_extra=lambda schema: _title_choices(schema, CONDUIT_CHOICES))
     # Kubernetes runtime settings
     kube_namespace: str | None = Field(None, description="Kubernetes namespace for sandbox pods.")
     kube_context: str | None = Field(None, description="kubeconfig context to use (required unless in-cluster).")
@@ -127,13 +156,13 @@ def my_flow(): ...
     solari_base_url: str | None = Field(None, description="Solari gateway base URL (default: SOLARI_BASE_URL).")
     solari_api_key: SecretStr | None = Field(None, description="Solari API key (default: SOLARI_API_KEY).")
     solari_template: str | None = Field(None, description="Solari template for the sandbox VMs.")
-    solari_conduit_mode: str | None = Field(
+    solari_conduit_mode: Optional[Literal["relay", "direct"]] = Field(  # noqa: UP045 - pydantic field
         None, description="relay (default: the VM needs no network) or direct (the VM reaches the S3 conduit).")
     solari_session_timeout_s: float | None = Field(
         None, description="Gateway session timeout, extended while the node runs (default 300).")
     solari_metadata: dict[str, str] = Field(default_factory=dict, description="Extra metadata on every VM.")
 
-    @field_validator("min_isolation")
+    @field_validator("min_isolation", mode="before")
     @classmethod
     def _level(cls, v: str) -> str:
         return IsolationLevel.parse(v).label
@@ -165,6 +194,8 @@ def my_flow(): ...
             secret_env={str(k): str(v) for k, v in self.secret_env.get_secret_value().items()},
             memory=self.memory,
             cpus=self.cpus,
+            disk=self.disk,
+            pids=self.pids,
             image=self.image,
             egress=list(self.egress),
             egress_resolve=dict(self.egress_resolve),

@@ -321,7 +321,7 @@ def plan_node(args: argparse.Namespace, *, for_render: bool = False) -> RunPlan:
 
     spec = NodeSpec(
         run_id=run_id, node_id=node_id, argv=argv, workspace=workspace, output_paths=outputs,
-        env=env, secret_env=secret_env, resources=Resources(memory_bytes=memory, cpus=cpus),
+        env=env, secret_env=secret_env, resources=Resources.from_quantities(memory=memory, cpus=cpus),
         labels={**labels, LABEL_SOURCE: "cli"}, image=args.image, outputs_dir=outputs_dir,
         egress=list(args.egress or []), egress_resolve=_parse_pairs(args.egress_resolve, "--egress-resolve"),
         setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,

@@ -15,6 +15,7 @@ from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
 from prefect_resoluto.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,
+    DEFAULT_PIDS,
     IsolationLevel,
     Resources,
     SandboxRuntime,
@@ -46,8 +47,10 @@ class SandboxConfig:
     output_paths: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     secret_env: dict[str, str] = field(default_factory=dict)
-    memory: str | None = None
-    cpus: str | float | None = None
+    memory: str | None = None  # None: DEFAULT_MEMORY (4Gi)
+    cpus: str | float | None = None  # None: DEFAULT_CPUS (2)
+    disk: str | None = None  # /tmp and /workspace size where the runtime can; None: the memory limit
+    pids: int | None = DEFAULT_PIDS
     image: str | None = None
     egress: list[str] = field(default_factory=list)
     #: The setup step (``setup_argv``) may reach these instead; see NodeSpec.setup_egress.
@@ -65,6 +68,9 @@ class SandboxConfig:
             parse_quantity(self.memory)
         if self.cpus is not None:
             parse_cpus(self.cpus)
+        if self.disk is not None:
+            parse_quantity(self.disk)
+        Resources.from_quantities(pids=self.pids)  # validates pids
         if self.infrastructure_retries < 0:
             raise ValueError("infrastructure_retries must be >= 0")
         if self.silence_window <= 0:
@@ -90,7 +96,7 @@ class SandboxConfig:
 
     @property
     def resources(self) -> Resources:
-        return Resources.from_quantities(memory=self.memory, cpus=self.cpus)
+        return Resources.from_quantities(memory=self.memory, cpus=self.cpus, disk=self.disk, pids=self.pids)
 
     def build_conduit(self) -> Conduit:
         if isinstance(self.conduit, Conduit):

@@ -15,6 +15,7 @@ from typing import Any
 from guest_runner.redact import Redactor
 
 SANDBOX_LOGGER = "resoluto.sandbox"
+RUNNER_SPANS = frozenset({"node", "setup", "workload", "cleanup"})
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
            "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 
@@ -32,15 +33,18 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
             line = f"[{logger}] {line}"
         return level, line
     name = ev.get("name", "")
+    # The guest runner's own spans are bookkeeping: the host's start and outcome lines say
+    # what a user needs (an outcome line carries the failure), so these stay at DEBUG.
+    own = kind in RUNNER_SPANS
     if event == "open":
         argv = data.get("argv")
-        extra = f" {' '.join(map(str, argv))}" if isinstance(argv, list) and kind in ("setup", "workload", "cleanup") else ""
-        return logging.DEBUG if kind == "node" else logging.INFO, f"> {kind} {name}{extra}".rstrip()
+        extra = f" {' '.join(map(str, argv))}" if isinstance(argv, list) and kind in RUNNER_SPANS else ""
+        return logging.DEBUG if own else logging.INFO, f"> {kind} {name}{extra}".rstrip()
     if event == "close":
         status = ev.get("status") or "done"
         code = data.get("exit_code")
         tail = f" (exit code {code})" if code is not None else ""
-        level = logging.ERROR if status == "failure" else logging.DEBUG if kind == "node" else logging.INFO
+        level = logging.DEBUG if own else logging.ERROR if status == "failure" else logging.INFO
         return level, f"< {kind} {name}: {status}{tail}"
     return logging.INFO, str(ev)
 

@@ -30,6 +30,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
     check_isolation,
+    memory_hint,
 )
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
 
@@ -424,7 +425,9 @@ def drive_node(
     finally:
         tailer.close()
         if handle is not None and failure is None and not st.terminal:
-            st = _settle(runtime, handle, st)
+            # A failed workload may have died at the memory limit, which only the
+            # substrate's view of the exited sandbox tells: wait longer for it.
+            st = _settle(runtime, handle, st, 5.0 if _workload_failed(conduit, rel_prefix) else 0.5)
         if handle is not None:
             try:
                 runtime.destroy(handle)
@@ -468,6 +471,11 @@ def drive_node(
             failure, status, reason = "protocol", "failure", f"outbox rejected: {e}"
     if failure is not None:
         status = "failure"
+    if failure == "workload" and st.memory_exhausted:
+        # The workload died at the memory limit; the guest runner only saw an exit code.
+        failure, reason = "killed", f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})"
+    if failure == "killed" and "memory" in reason.lower() and spec.resources.memory_bytes:
+        reason += f"; {memory_hint(spec.resources)}"
     return NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
@@ -552,10 +560,12 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     return nested
 
 
-def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus) -> SandboxStatus:
+def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus,
+            patience: float = 0.5) -> SandboxStatus:
     """The guest wrote its manifest and is exiting: observe the exit (briefly) so the
     outcome records the phase the substrate reported, not "running"."""
-    deadline = time.monotonic() + 0.5
+    deadline = time.monotonic() + patience
+    pause = 0.005
     while time.monotonic() < deadline:
         try:
             st = runtime.status(handle)
@@ -563,8 +573,16 @@ def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus) -
             return st
         if st.terminal or st.gone:
             return st
-        time.sleep(0.005)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
     return st
+
+
+def _workload_failed(conduit: Conduit, rel_prefix: str) -> bool:
+    try:
+        return wire.decode_result(conduit.get(wire.result_key(rel_prefix))).get("status") != "success"
+    except Exception:
+        return False
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:

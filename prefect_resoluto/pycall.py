@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guest_runner import archive, call
+from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
 
 CALL_ARCHIVE = "call"
@@ -25,17 +26,134 @@ class NotSandboxable(TypeError):
     """A task, parameter or result that cannot cross the sandbox boundary."""
 
 
-class RemoteTaskError(RuntimeError):
-    """The task's function raised inside the sandbox."""
+class RemoteError:
+    """Mixed into every exception re-raised on the host for one raised in the sandbox.
 
-    def __init__(self, type_name: str, message: str, traceback: str) -> None:
+    ``remote_type``, ``remote_message`` and ``remote_traceback`` are what the sandbox
+    reported (secrets redacted). ``str()`` gives the type, message and the sandbox's
+    traceback; ``repr()`` stays short, as Prefect prints it in its failure line.
+    """
+
+    remote_type: str
+    remote_message: str
+    remote_traceback: str
+
+    def _remote_init(self, type_name: str, message: str, traceback: str, typed: bool = False) -> None:
         self.remote_type = type_name
         self.remote_message = message
         self.remote_traceback = traceback
-        text = f"{type_name}: {message}"
+        # An instance of the original class reads like one (Prefect prefixes the type
+        # name itself); a RemoteTaskError names the remote type.
+        text = message if typed else (f"{type_name}: {message}" if message else type_name)
         if traceback:
-            text += "\n--- traceback from the sandbox ---\n" + traceback.rstrip()
-        super().__init__(text)
+            text += ("\n" if text else "") + "--- traceback from the sandbox ---\n" + traceback.rstrip()
+        self._remote_text = text
+        BaseException.__init__(self, text)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return self._remote_text
+
+    def __repr__(self) -> str:
+        return f"{self.remote_type}({self.remote_message!r})"
+
+    def __reduce__(self) -> Any:
+        # Classes made for one remote type are not importable: rebuild through this module.
+        base = getattr(type(self), "_remote_base", None)
+        ref = (base.__module__, base.__qualname__) if base is not None else None
+        return (_rebuild_remote, (ref, self.remote_type, self.remote_message, self.remote_traceback))
+
+
+class RemoteTaskError(RemoteError, RuntimeError):
+    """The task's function raised inside the sandbox, and its exception's class could not
+    be found on the host (else the raised exception is also an instance of that class)."""
+
+    def __init__(self, type_name: str, message: str, traceback: str) -> None:
+        self._remote_init(type_name, message, traceback)
+
+
+_REMOTE_CLASSES: dict[type, type] = {}
+
+
+def remote_exception(cls: type[BaseException] | None, type_name: str, message: str,
+                     traceback: str) -> BaseException:
+    """An exception to raise on the host for one the sandbox reported.
+
+    With the original class ``cls``: an instance of ``cls`` that is also a
+    :class:`RemoteError` (and a :class:`RemoteTaskError` when ``cls`` is an ``Exception``),
+    so ``except ValueError`` and type-based retry conditions work. A ``BaseException``
+    that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) stays one, so
+    Prefect's engine makes the task run Crashed, as it does for the same task on threads.
+    """
+    if cls is None or issubclass(cls, BaseExceptionGroup) or cls in (RemoteTaskError, RemoteError):
+        if cls is not None and not issubclass(cls, Exception):
+            return _remote_class(BaseException)(type_name, message, traceback)
+        return RemoteTaskError(type_name, message, traceback)
+    return _remote_class(cls)(type_name, message, traceback)
+
+
+def _remote_class(cls: type[BaseException]) -> type:
+    made = _REMOTE_CLASSES.get(cls)
+    if made is None:
+        bases: tuple[type, ...] = (RemoteTaskError, cls) if issubclass(cls, Exception) else (RemoteError, cls)
+        try:
+            made = type(cls.__name__, bases, {
+                "__init__": lambda self, t, m, tb: self._remote_init(t, m, tb, typed=True),
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__str__": RemoteError.__str__, "__repr__": RemoteError.__repr__,
+                "__reduce__": RemoteError.__reduce__, "_remote_base": cls,
+            })
+        except TypeError:  # a class that cannot be mixed (layout conflict, final)
+            made = RemoteTaskError if issubclass(cls, Exception) else _remote_class(BaseException)
+        _REMOTE_CLASSES[cls] = made
+    return made
+
+
+def _rebuild_remote(ref: tuple[str, str] | None, type_name: str, message: str, traceback: str) -> BaseException:
+    cls = None
+    if ref is not None:
+        cls = _find_class(ref[0], ref[1], allow_import=False)
+    return remote_exception(cls, type_name, message, traceback)
+
+
+def _find_class(module: str | None, qualname: str | None, *, allow_import: bool = True) -> type[BaseException] | None:
+    """The exception class ``module.qualname`` on the host: builtins, modules already
+    imported (the task's own), or installed packages (stdlib, site-packages); never code
+    from the current directory or the workspace, which the sandbox's word does not make
+    safe to run here."""
+    if not module or not qualname or "<locals>" in qualname:
+        return None
+    mod = sys.modules.get(module)
+    if mod is None and allow_import:
+        mod = _import_installed(module)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        return obj
+    return None
+
+
+def _import_installed(module: str) -> Any:
+    import importlib
+    import importlib.util
+    import sysconfig
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if not origin:
+        return None
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if not any(Path(origin).resolve().is_relative_to(Path(r).resolve()) for r in roots):
+        return None
+    try:
+        return importlib.import_module(module)
+    except Exception:
+        return None
 
 
 def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, str]:
@@ -107,8 +225,10 @@ def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, A
     return out
 
 
-def call_archive(ref: dict[str, str], parameters: dict[str, Any], *, real_prefect: bool = False) -> bytes:
-    body = json.dumps({**ref, "parameters": parameters, "real_prefect": real_prefect}).encode()
+def call_archive(ref: dict[str, str], parameters: dict[str, Any], *, real_prefect: bool = False,
+                 context: dict[str, Any] | None = None) -> bytes:
+    body = json.dumps({**ref, "parameters": parameters, "real_prefect": real_prefect,
+                       "context": context or {}}).encode()
     return archive.pack(_empty_dir(), patterns=[], extra=[(call.CALL_FILE, body)])
 
 
@@ -124,14 +244,18 @@ def guest_argv(python: str = "python3") -> list[str]:
     return [python, "-m", "guest_runner.call", call.CALL_FILE]
 
 
-def read_outcome(output_dir: Path | None) -> tuple[bool, Any]:
-    """(True, value) from return.json, or raises RemoteTaskError from error.json."""
+def read_outcome(output_dir: Path | None, *, redactor: Redactor | None = None,
+                 task_module: str | None = None, memory_hint: str = "") -> tuple[bool, Any]:
+    """(True, value) from return.json, or raises the task's exception from error.json.
+
+    error.json is redacted again here (the guest already did; this host does not take
+    its word for it), and the redacted text replaces the file in ``output_dir``. The
+    return value is the task's data and is not altered.
+    """
     if output_dir is not None:
         err = output_dir / call.ERROR_FILE
         if err.is_file():
-            e = json.loads(err.read_text())
-            raise RemoteTaskError(str(e.get("type", "Exception")), str(e.get("message", "")),
-                                  str(e.get("traceback", "")))
+            raise error_from_record(read_error(err, redactor), task_module, memory_hint)
         ret = output_dir / call.RETURN_FILE
         if ret.is_file():
             try:
@@ -139,6 +263,40 @@ def read_outcome(output_dir: Path | None) -> tuple[bool, Any]:
             except (ValueError, KeyError) as e:
                 raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {e}") from None
     return False, None
+
+
+def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
+    """error.json as a dict of strings, redacted, and rewritten redacted in place."""
+    raw = path.read_text(errors="replace")
+    try:
+        e = json.loads(raw)
+    except ValueError:
+        e = {"type": "Exception", "message": f"{call.ERROR_FILE} from the sandbox is malformed",
+             "traceback": raw[:4000]}
+    if not isinstance(e, dict):
+        e = {"type": "Exception", "message": str(e)}
+    if redactor is not None and redactor.count:
+        clean = redactor.data(e)
+        if clean != e:
+            path.write_text(json.dumps(clean, ensure_ascii=False))
+        e = clean
+    return e
+
+
+def error_from_record(e: dict[str, Any], task_module: str | None = None, memory_hint: str = "") -> BaseException:
+    type_name = str(e.get("type") or "Exception")
+    message, traceback = str(e.get("message") or ""), str(e.get("traceback") or "")
+    if type_name == "MemoryError" and memory_hint:
+        message = f"{message}: {memory_hint}" if message else memory_hint
+    module = e.get("module")
+    if e.get("task_module") is True and task_module:
+        module = task_module  # the guest imported the task's file under another name, maybe
+    cls = _find_class(str(module) if module else None, str(e.get("qualname") or type_name))
+    if cls is not None and issubclass(cls, Exception) != bool(e.get("exception", True)):
+        cls = None  # not the class the sandbox meant
+    if cls is None and e.get("exception") is False:
+        return _remote_class(BaseException)(type_name, message, traceback)
+    return remote_exception(cls, type_name, message, traceback)
 
 
 def rebuild(value: Any, annotation: Any) -> Any:

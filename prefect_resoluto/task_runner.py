@@ -29,7 +29,7 @@ from prefect_resoluto import pycall
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import EventLogForwarder, FlushPacer
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
-from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -83,6 +83,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         secret_env: dict[str, str] | None = None,
         memory: str | None = None,
         cpus: str | float | None = None,
+        disk: str | None = None,
+        pids: int | None = None,
         image: str | None = None,
         egress: list[str] | None = None,
         egress_resolve: dict[str, str] | None = None,
@@ -99,7 +101,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._options: dict[str, Any] = {
             k: v for k, v in dict(
                 runtime=runtime, conduit=conduit, workspace=workspace, output_paths=output_paths, env=env,
-                secret_env=secret_env, memory=memory, cpus=cpus, image=image, egress=egress,
+                secret_env=secret_env, memory=memory, cpus=cpus, disk=disk, pids=pids, image=image, egress=egress,
                 egress_resolve=egress_resolve, setup_egress=setup_egress, setup_argv=setup_argv,
                 min_isolation=min_isolation, silence_window=silence_window,
                 infrastructure_retries=infrastructure_retries, outputs_dir=outputs_dir,
@@ -109,7 +111,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
         self._sandbox = sandbox
         if max_workers is None:
-            max_workers = max(4, 2 * (os.cpu_count() or 1))
+            # As ThreadPoolTaskRunner: PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS, read
+            # now; without it, a bound (each worker holds a sandbox), not sys.maxsize.
+            from prefect.settings import get_current_settings
+
+            max_workers = get_current_settings().tasks.runner.thread_pool_max_workers or default_max_workers()
         super().__init__(max_workers=max_workers)
         self._reset_state()
 
@@ -124,9 +130,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
+        self._announced: set[str] = set()
+        self._deployment_names: dict[str, str | None] = {}
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -244,10 +252,30 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         fr_ctx = FlowRunContext.get()
         if fr_ctx is not None and fr_ctx.flow_run is not None:
             self._flow_run_objs[str(fr_ctx.flow_run.id)] = fr_ctx.flow_run
+            self._announce(fr_ctx)
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
         return super().submit(sandboxed, parameters, wait_for, dependencies)
+
+    def _announce(self, fr_ctx: Any) -> None:
+        """One line in the flow run's logs saying where its tasks will run. The flow engine
+        enters the runner before its run context exists, so this waits for the first
+        submission of each flow run."""
+        key = str(fr_ctx.flow_run.id)
+        with self._live_lock:
+            if key in self._announced:
+                return
+            self._announced.add(key)
+        from prefect.logging.loggers import flow_run_logger
+
+        rt, conduit = self._runtime, self._conduit
+        assert rt is not None and conduit is not None
+        r = self.config.resources
+        flow_run_logger(fr_ctx.flow_run, fr_ctx.flow).info(
+            "ResolutoTaskRunner: each task runs in its own sandbox; runtime %s, isolation %s, conduit %s, "
+            "max_workers %d, per sandbox %s", rt.name, rt.isolation.label, conduit.url, self._max_workers,
+            r.describe())
 
     def _wrap(self, task: Any, overrides: dict[str, Any]) -> Any:
         fn = task.fn
@@ -294,23 +322,72 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         cfg = self.config.replace(**overrides)
         ref = pycall.function_ref(fn, cfg.workspace or _default_workspace())
         params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
+        redactor = Redactor(cfg.secret_env.values())
+        task_module = getattr(fn, "__module__", None)
+
+        def raised(outcome: NodeOutcome) -> str | None:
+            """The task's exception and traceback, for the outcome line."""
+            err = outcome.output_dir / pycall.call.ERROR_FILE if outcome.output_dir else None
+            if err is None or not err.is_file():
+                return None
+            e = pycall.read_error(err, redactor)
+            tb = str(e.get("traceback") or "").rstrip()
+            return tb or f"{e.get('type', 'Exception')}: {e.get('message', '')}"
+
         outcome = self.run_node(
             task_name=task.name,
             argv=pycall.guest_argv(),
             cfg=cfg,
-            extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, params)},
+            extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, params, context=self._run_context(ctx, params))},
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
+            failure_detail=raised,
         )
         if outcome.failure == "workload":
-            pycall.read_outcome(outcome.output_dir)  # raises RemoteTaskError with the remote traceback
+            # raises the task's own exception type (or RemoteTaskError), remote traceback kept
+            pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module,
+                                memory_hint=memory_hint(cfg.resources))
             raise WorkloadFailed(outcome.describe(), outcome)
         outcome.raise_for_failure()
-        found, value = pycall.read_outcome(outcome.output_dir)
+        found, value = pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module)
         if not found:
             raise WorkloadFailed(f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome)
         value = _paths_to_host(value, outcome)
         return pycall.rebuild(value, pycall.return_annotation(fn))
+
+    def _run_context(self, ctx: Any, params: dict[str, Any]) -> dict[str, Any]:
+        """What a task can read of its run, as JSON for the sandbox: the current tags and
+        prefect.runtime's task_run, flow_run and deployment."""
+        from prefect.context import FlowRunContext, TagsContext
+
+        tr = ctx.task_run
+        tags_ctx = TagsContext.get()
+        out: dict[str, Any] = {
+            "tags": sorted(tags_ctx.current_tags) if tags_ctx is not None else [],
+            "task_run": {"id": str(tr.id), "name": tr.name, "task_name": ctx.task.name,
+                         "run_count": tr.run_count, "parameters": params, "tags": list(tr.tags or [])},
+        }
+        fr_ctx = FlowRunContext.get()
+        fr = fr_ctx.flow_run if fr_ctx is not None else None
+        if fr is not None:
+            out["flow_run"] = {"id": str(fr.id), "name": fr.name,
+                               "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
+                               "tags": list(fr.tags or []), "parameters": _json_only(fr_ctx.parameters or {})}
+            dep = str(fr.deployment_id) if fr.deployment_id else None
+            out["deployment"] = {"id": dep, "name": self._deployment_name(dep) if dep else None}
+        return out
+
+    def _deployment_name(self, deployment_id: str) -> str | None:
+        if deployment_id not in self._deployment_names:
+            try:
+                from prefect.client.orchestration import get_client
+
+                with get_client(sync_client=True) as client:
+                    self._deployment_names[deployment_id] = client.read_deployment(deployment_id).name
+            except Exception as e:  # the name is a convenience; the id is the reference
+                log.debug("could not read deployment %s: %s", deployment_id, e)
+                self._deployment_names[deployment_id] = None
+        return self._deployment_names[deployment_id]
 
     def run_node(
         self,
@@ -322,10 +399,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         extra_outputs: list[str] | None = None,
         cancel: threading.Event | None = None,
         line_sink: Callable[[str], None] | None = None,
+        failure_detail: Callable[[NodeOutcome], str | None] | None = None,
     ) -> NodeOutcome:
         """Drive one node for the current task run, re-launching on infrastructure failure.
 
-        ``line_sink`` receives the workload's merged output lines, in order."""
+        ``line_sink`` receives the workload's merged output lines, in order;
+        ``failure_detail`` what the outcome line of a failed workload says instead of
+        the generic description (a Python task's traceback)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -405,8 +485,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                     for h in launched:
                         self._live.pop(h.id, None)
             level = logging.INFO if outcome.ok else logging.ERROR
-            forward.emit(level, _summary(outcome))
-            _publish_artifact(outcome, task_name)
+            detail = failure_detail(outcome) if failure_detail is not None and outcome.failure == "workload" else None
+            forward.emit(level, _summary(outcome, detail))
+            _publish_artifact(outcome, task_name, attempt)
             if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
                     and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
                 logger.warning(
@@ -443,17 +524,39 @@ def _default_workspace() -> Path:
     return Path.cwd()
 
 
-def _summary(o: NodeOutcome) -> str:
+def default_max_workers() -> int:
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def _json_only(values: dict[str, Any]) -> dict[str, Any]:
+    """The values that survive JSON encoding (the rest is left out, not stringified)."""
+    import json
+
+    from pydantic_core import to_jsonable_python
+
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        try:
+            out[str(k)] = to_jsonable_python(v)
+            json.dumps(out[str(k)])
+        except Exception:
+            out.pop(str(k), None)
+    return out
+
+
+def _summary(o: NodeOutcome, detail: str | None = None) -> str:
+    """The outcome line: one record, and on failure the whole story (a traceback too)."""
     took = o.timings.get("finish")
     parts = [f"node {o.node_id}: {o.status}", f"exit code {o.exit_code}", f"runtime {o.runtime}",
              f"isolation {o.isolation}", f"conduit {o.conduit_url} prefix {o.conduit_prefix}"]
     if took is not None:
         parts.append(f"{took:.2f}s")
-    if o.output_files:
-        parts.append(f"{len(o.output_files)} output file(s) in {o.output_dir}")
+    declared = [k for k in o.output_files if not k.startswith(".resoluto/")]
+    if declared:
+        parts.append(f"{len(declared)} output file(s) in {o.output_dir}")
     msg = "; ".join(parts)
     if not o.ok:
-        msg += f"\n{o.describe()}"
+        msg += f"\n{detail}" if detail else f"\n{o.describe()}"
     return msg
 
 
@@ -477,25 +580,42 @@ def _paths_to_host(value: Any, outcome: NodeOutcome) -> Any:
     return conv(value)
 
 
-def _publish_artifact(o: NodeOutcome, task_name: str) -> None:
+def artifact_key(task_name: str, node_id: str) -> str:
+    """A valid Prefect artifact key (lowercase letters, digits, dashes) naming the node:
+    ``resoluto-<task>-<last 8 of the task run id>[-<attempt>]``. The tail of the id, since
+    task run ids are UUIDv7, whose leading digits are a timestamp shared by neighbours."""
+    slug = re.sub(r"[^a-z0-9]+", "-", task_name.lower()).strip("-")[:40].strip("-") or "task"
+    run_id, _, attempt = node_id.partition(".")
+    short = re.sub(r"[^a-z0-9]", "", run_id.lower())[-8:] or "node"
+    return f"resoluto-{slug}-{short}" + (f"-{attempt}" if attempt else "")
+
+
+def _publish_artifact(o: NodeOutcome, task_name: str, attempt: int = 1) -> None:
     try:
         from prefect.artifacts import create_table_artifact
 
+        status = o.status + (f" ({o.failure})" if o.failure else "")
         rows = [
-            {"field": "node id", "value": o.node_id},
             {"field": "task", "value": task_name},
-            {"field": "status", "value": o.status + (f" ({o.failure})" if o.failure else "")},
+            {"field": "attempt", "value": str(attempt)},
+            {"field": "status", "value": status},
+            {"field": "node id", "value": o.node_id},
             {"field": "runtime", "value": o.runtime},
             {"field": "isolation", "value": o.isolation},
             {"field": "exit code", "value": str(o.exit_code)},
             {"field": "duration (s)", "value": f"{o.timings.get('finish', 0.0):.2f}"},
-            {"field": "conduit", "value": f"{o.conduit_url} {o.conduit_prefix}"},
+            {"field": "conduit", "value": o.conduit_url},
+            {"field": "node prefix", "value": o.conduit_prefix},
         ]
+        if not o.ok:
+            rows.append({"field": "reason", "value": o.reason})  # redacted by the node driver
         for rel, path in sorted(o.output_files.items()):
             if rel.startswith(".resoluto/"):
                 continue
             rows.append({"field": f"output {rel}", "value": f"{path} (from {', '.join(o.output_archives)})"})
-        create_table_artifact(table=rows, description=f"Sandbox node {o.node_id} of task {task_name}",
+        # The Artifacts page cuts descriptions after ~30 characters: what tells nodes apart first.
+        description = f"{task_name} attempt {attempt}: {status} — sandbox node {o.node_id} on {o.runtime}"
+        create_table_artifact(table=rows, key=artifact_key(task_name, o.node_id), description=description,
                               _sync=True)  # type: ignore[call-arg]
     except Exception as e:  # an artifact is a convenience; never fail the task over it
         log.debug("could not publish the node artifact: %s", e)

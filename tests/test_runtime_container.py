@@ -141,7 +141,7 @@ def test_nerdctl_kata_argv(tmp_path: Path) -> None:
     assert not any("API_KEY" in a for a in argv)  # secrets never on argv
     assert ("-v", f"{tmp_path}/run/r1/nodes/n1:/conduit/run/r1/nodes/n1:rw") in pairs
     assert any(a.endswith(":/opt/resoluto/guest_runner:ro") for a in argv)
-    assert "--read-only" in argv and ("--tmpfs", "/workspace:rw,mode=1777") in pairs
+    assert "--read-only" in argv and ("--tmpfs", f"/workspace:rw,mode=1777,size={1 << 30}") in pairs  # sized: counts against memory
     assert not any(a.startswith("--runtime-flag") or a == "--ulimit" for a in argv)  # podman-only
     assert not any(a.startswith("/usr:") for a in argv)  # the image brings its own Python
     assert argv[-4:] == ["localhost:5000/resoluto-base:0.1.0", "python3", "-m", "guest_runner"]

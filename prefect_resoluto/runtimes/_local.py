@@ -267,9 +267,9 @@ class LocalChildRuntime(SandboxRuntime):
         cg = _cgroup.existing(self._cgroup_name(handle.id))
         if code != 0 and cg is not None and cg.oom_killed():
             return SandboxStatus("failed", reason="OOM-killed: the sandbox exceeded its memory limit",
-                                 exit_code=code, infrastructure=True)
+                                 exit_code=code, infrastructure=True, memory_exhausted=True)
         if code == 0:
-            return SandboxStatus("succeeded", exit_code=0)
+            return SandboxStatus("succeeded", exit_code=0, memory_exhausted=cg is not None and cg.oom_killed())
         if code < 0:
             return SandboxStatus("failed", reason=f"sandbox process killed by {_signame(-code)}",
                                  exit_code=code, infrastructure=True)

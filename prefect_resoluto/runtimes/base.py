@@ -79,26 +79,70 @@ def parse_cpus(value: str | float | int) -> float:
     return cpus
 
 
+#: What every sandbox gets unless its settings say otherwise (as the reference backends).
+DEFAULT_MEMORY = "4Gi"
+DEFAULT_CPUS = 2.0
+DEFAULT_PIDS = 4096
+
+
+def format_bytes(n: int) -> str:
+    for unit, factor in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    for unit, factor in (("Gi", 1024**3), ("Mi", 1024**2)):
+        if n >= factor:
+            return f"{n / factor:.1f}{unit}"
+    return str(n)
+
+
 @dataclass(frozen=True)
 class Resources:
-    """What one sandbox may use. ``None`` leaves the runtime's default."""
+    """What one sandbox may use. ``None`` leaves the runtime's default (unlimited);
+    :meth:`from_quantities`, which every configured sandbox goes through, fills in
+    :data:`DEFAULT_MEMORY` / :data:`DEFAULT_CPUS` / :data:`DEFAULT_PIDS`."""
 
     memory_bytes: int | None = None
     cpus: float | None = None
-    pids: int | None = 4096
+    pids: int | None = DEFAULT_PIDS
     disk_bytes: int | None = None
 
     @classmethod
     def from_quantities(
-        cls, memory: str | None = None, cpus: str | float | None = None, disk: str | None = None,
-        pids: int | None = 4096,
+        cls, memory: str | int | None = None, cpus: str | float | None = None, disk: str | int | None = None,
+        pids: int | None = DEFAULT_PIDS,
     ) -> Resources:
+        if pids is not None and (isinstance(pids, bool) or int(pids) <= 0):
+            raise ValueError(f"pids must be a positive number of processes, got {pids!r}")
         return cls(
-            memory_bytes=parse_quantity(memory) if memory else None,
-            cpus=parse_cpus(cpus) if cpus else None,
+            memory_bytes=parse_quantity(memory or DEFAULT_MEMORY),
+            cpus=parse_cpus(cpus) if cpus else DEFAULT_CPUS,
             disk_bytes=parse_quantity(disk) if disk else None,
-            pids=pids,
+            pids=int(pids) if pids is not None else None,
         )
+
+    @property
+    def tmpfs_bytes(self) -> int | None:
+        """The size of each in-memory scratch mount (/tmp, /workspace): the disk quantity
+        if one is set, else the memory limit (what is written there is memory)."""
+        return self.disk_bytes or self.memory_bytes
+
+    def describe(self) -> str:
+        parts = [f"memory {format_bytes(self.memory_bytes)}" if self.memory_bytes else "memory unlimited",
+                 f"{self.cpus:g} CPU(s)" if self.cpus else "CPUs unlimited",
+                 f"pids {self.pids}" if self.pids else "pids unlimited"]
+        if self.tmpfs_bytes:
+            parts.append(f"scratch (/tmp, /workspace) {format_bytes(self.tmpfs_bytes)} each")
+        return ", ".join(parts)
+
+
+def memory_hint(resources: Resources) -> str:
+    """What to tell a user whose task hit the sandbox's memory limit."""
+    if not resources.memory_bytes:
+        return ""
+    default = " (the default)" if resources.memory_bytes == parse_quantity(DEFAULT_MEMORY) else ""
+    return (f"the sandbox's memory limit is {format_bytes(resources.memory_bytes)}{default}, set by the "
+            "`memory` setting: raise it with ResolutoTaskRunner(memory=...), the sandbox block's memory, "
+            "or sandbox_options(memory=...) around one submission")
 
 
 @dataclass
@@ -148,6 +192,9 @@ class SandboxStatus:
     gone: bool = False
     #: An infrastructure kill the guest could not report itself (OOM, eviction, signal).
     infrastructure: bool = False
+    #: A process in the sandbox was killed at its memory limit, even if the sandbox itself
+    #: then exited cleanly (the guest runner survives a killed workload and reports it).
+    memory_exhausted: bool = False
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

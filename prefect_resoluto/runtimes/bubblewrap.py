@@ -104,8 +104,8 @@ class BubblewrapRuntime(LocalChildRuntime):
         # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
         # host tree that lives under /tmp (a checkout or virtualenv there).
         for dst in lay.tmpfs:
-            if dst == "/tmp" and spec.resources.disk_bytes:
-                argv += ["--size", str(spec.resources.disk_bytes)]
+            if spec.resources.tmpfs_bytes:
+                argv += ["--size", str(spec.resources.tmpfs_bytes)]
             argv += ["--tmpfs", dst]
         for src, dst in lay.ro_binds:
             argv += ["--ro-bind", src, dst]

@@ -271,7 +271,7 @@ class ContainerRuntime(SandboxRuntime):
                 if os.path.exists(target):
                     argv += ["-v", f"{target}:{dst}:ro"]
         for dst in lay.tmpfs:
-            size = f",size={r.disk_bytes}" if r.disk_bytes and dst == "/tmp" else ""
+            size = f",size={r.tmpfs_bytes}" if r.tmpfs_bytes else ""
             argv += ["--tmpfs", f"{dst}:rw,mode=1777{size}"]
         argv += [*self.extra_run_args, image, *lay.argv]
         return argv

@@ -238,8 +238,8 @@ class GVisorRuntime(LocalChildRuntime):
         ]
         for dst in lay.tmpfs:
             opts = ["nosuid", "nodev", "mode=1777"]
-            if r.disk_bytes:
-                opts.append(f"size={r.disk_bytes}")
+            if r.tmpfs_bytes:  # gVisor's tmpfs is sandbox memory: never larger than the limit
+                opts.append(f"size={r.tmpfs_bytes}")
             mounts.append({"destination": dst, "type": "tmpfs", "source": "tmpfs", "options": opts})
         for src, dst in lay.ro_binds:
             mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro"]})

@@ -1,0 +1,551 @@
+"""Drop-in fidelity: a sandboxed task behaves like the same task under ThreadPoolTaskRunner.
+
+Every test runs against a real Prefect API; sandboxed tasks run on gVisor (tests about
+Prefect glue alone say so). Where it makes sense, the same flow also runs under
+Prefect's own ThreadPoolTaskRunner and the two are compared.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flows import dropin_flows as df
+from flows import real_prefect_flows as rf
+from flows import sample_flows as sf
+from prefect import flow, tags
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner, sandbox_options
+from prefect_resoluto.pycall import RemoteTaskError
+
+pytestmark = pytest.mark.usefixtures("prefect")
+
+FLOWS = Path(df.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def conduit(tmp_path: Path) -> LocalConduit:
+    return LocalConduit(tmp_path / "conduit")
+
+
+def runner(conduit: LocalConduit, tmp_path: Path, **kw) -> ResolutoTaskRunner:
+    kw.setdefault("runtime", "gvisor")
+    return ResolutoTaskRunner(conduit=conduit, workspace=FLOWS, outputs_dir=tmp_path / "outputs", **kw)
+
+
+def client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def task_runs(flow_run_id) -> list:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return sorted(runs, key=lambda r: r.expected_start_time or r.created)
+
+
+def logs(**filters) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    f = LogFilter(task_run_id=LogFilterTaskRunId(any_=[filters["task_run_id"]])) if "task_run_id" in filters \
+        else LogFilter(flow_run_id=LogFilterFlowRunId(any_=[filters["flow_run_id"]]))
+    with client() as c:
+        return c.read_logs(log_filter=f, sort=LogSort.TIMESTAMP_ASC)
+
+
+def artifacts_of(task_run_id) -> list:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
+
+    with client() as c:
+        return c.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
+
+
+def raised(future) -> BaseException:
+    """In a flow: what a task's future raises (BaseExceptions too, as under threads)."""
+    try:
+        future.result()
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt/SystemExit are the point
+        return e
+    raise AssertionError("the task was expected to fail")
+
+
+# -- 1: no secret leaks through an exception ---------------------------------------------------
+def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and_artifacts(gvisor, conduit, tmp_path):
+    secret = f"tok-{uuid.uuid4().hex}"
+
+    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}))
+    def leaky():
+        e = raised(df.leak_secret.submit())
+        return type(e).__name__, str(e), repr(e)
+
+    state = leaky(return_state=True)
+    name, text, rep = state.result()
+    assert name == "RuntimeError" and "boom ***" in text and secret not in text + rep
+    fr = state.state_details.flow_run_id
+    (tr,) = task_runs(fr)
+    assert tr.state.is_failed() and "boom ***" in tr.state.message and secret not in tr.state.message
+    every_log = [entry.message for entry in logs(flow_run_id=fr)]
+    assert any("boom ***" in m for m in every_log) and not any(secret in m for m in every_log)
+    # the outbox in the conduit, and what the guest wrote into it
+    outbox = [k for k in conduit.list_prefix(f"run/{fr}/") if k.endswith(".tar.gz") and "/outbox/" in k]
+    assert outbox
+    with tarfile.open(fileobj=io.BytesIO(conduit.get(outbox[0]))) as tar:
+        error = json.loads(tar.extractfile(".resoluto/error.json").read())
+    assert error["message"] == "boom ***" and secret not in json.dumps(error)
+    assert not any(secret.encode() in conduit.get(k) for k in conduit.list_prefix(f"run/{fr}/"))
+    # the outputs directory on the host
+    written = [p for p in (tmp_path / "outputs").rglob("*") if p.is_file()]
+    assert any(p.name == "error.json" for p in written)
+    assert not any(secret.encode() in p.read_bytes() for p in written)
+    # the node's artifact
+    arts = artifacts_of(tr.id)
+    assert arts and not any(secret in json.dumps(a.data) + str(a.description) for a in arts)
+
+
+def test_the_host_redacts_again_what_a_guest_left_in_clear(tmp_path):
+    """Prefect glue only: a guest that ignored redaction (an old or hostile one) still
+    cannot get a secret into the exception, the state message or the outputs directory."""
+    from guest_runner.redact import Redactor
+    from prefect_resoluto import pycall
+
+    secret = "s3cr3t-value-123"
+    err = tmp_path / ".resoluto" / "error.json"
+    err.parent.mkdir()
+    err.write_text(json.dumps({"type": "ValueError", "module": "builtins", "qualname": "ValueError",
+                               "exception": True, "message": f"bad {secret}",
+                               "traceback": f"Traceback ...\nValueError: bad {secret}\n"}))
+    with pytest.raises(ValueError) as info:
+        pycall.read_outcome(tmp_path, redactor=Redactor([secret]))
+    assert secret not in str(info.value) and "bad ***" in str(info.value)
+    assert secret not in err.read_text() and "bad ***" in err.read_text()
+
+
+# -- 2: exception types survive ---------------------------------------------------------------
+def retry_on_value_error(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except ValueError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def retry_on_type_error(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except TypeError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _exception_flow(task_runner):
+    @flow(task_runner=task_runner)
+    def exceptions():
+        out: dict[str, Any] = {}
+        try:
+            df.raise_value_error.submit("bad input 42").result()
+        except ValueError as e:  # the except clause a user writes under threads
+            out["value_error"] = e
+        out["quota"] = raised(df.raise_quota.submit(12))
+        out["chained"] = raised(df.raise_chained.submit())
+        out["group"] = raised(df.raise_group.submit())
+        raised(df.raise_value_error.with_options(retries=1, retry_delay_seconds=0,
+                                                 retry_condition_fn=retry_on_value_error).submit("retry me"))
+        raised(df.raise_value_error.with_options(retries=1, retry_delay_seconds=0,
+                                                 retry_condition_fn=retry_on_type_error).submit("do not retry"))
+        return out
+
+    return exceptions
+
+
+def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tmp_path):
+    state = _exception_flow(runner(conduit, tmp_path))(return_state=True)
+    out = state.result()
+    ve = out["value_error"]
+    assert isinstance(ve, ValueError) and isinstance(ve, RemoteTaskError)
+    assert ve.remote_type == "ValueError" and ve.remote_message == "bad input 42"
+    assert 'dropin_flows.py", line' in ve.remote_traceback and "raise ValueError(message)" in ve.remote_traceback
+    assert repr(ve) == "ValueError('bad input 42')"
+    shown = [r.state.message for r in task_runs(state.state_details.flow_run_id) if "bad input 42" in r.state.message]
+    assert shown == ["Task run encountered an exception ValueError: bad input 42\n--- traceback from the sandbox ---\n"
+                     + ve.remote_traceback.rstrip()]  # as the UI shows it: no doubled type name
+    quota = out["quota"]  # the task module's own class, with its own constructor
+    assert isinstance(quota, df.QuotaExceeded) and isinstance(quota, RemoteTaskError)
+    assert str(quota).startswith("used 12 of 10\n--- traceback from the sandbox ---")
+    chained = out["chained"]
+    assert isinstance(chained, LookupError) and "KeyError: 'missing'" in chained.remote_traceback
+    assert "direct cause" in chained.remote_traceback
+    group = out["group"]  # not rebuilt: the remote text is kept
+    assert type(group) is RemoteTaskError and group.remote_type == "ExceptionGroup"
+    assert "ValueError: one" in group.remote_traceback and "TypeError: two" in group.remote_traceback
+
+    runs = task_runs(state.state_details.flow_run_id)
+    retried = [r for r in runs if r.run_count == 2]
+    assert len(retried) == 1, [(r.name, r.run_count) for r in runs]  # only the retry condition that matches the type retries
+    # the same flow under Prefect's own thread pool gives the same states and run counts
+    th = _exception_flow(ThreadPoolTaskRunner())(return_state=True)
+    th_runs = task_runs(th.state_details.flow_run_id)
+    assert sorted((r.state.type, r.run_count) for r in th_runs) == sorted((r.state.type, r.run_count) for r in runs)
+    assert isinstance(th.result()["quota"], df.QuotaExceeded)
+
+
+# -- 3: KeyboardInterrupt / SystemExit crash, as under threads ------------------------------------
+def _crash_flow(task_runner):
+    @flow(task_runner=task_runner)
+    def crashing():
+        return [type(raised(t)).__mro__[0].__name__ for t in
+                (df.interrupt.submit(), df.exit_with.submit(0), df.exit_with.submit(3))]
+
+    return crashing
+
+
+def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(gvisor, conduit, tmp_path):
+    sandboxed = _crash_flow(runner(conduit, tmp_path))(return_state=True)
+    threaded = _crash_flow(ThreadPoolTaskRunner())(return_state=True)
+    assert sandboxed.is_completed() and threaded.is_completed()
+    assert sandboxed.result() == threaded.result() == ["KeyboardInterrupt", "SystemExit", "SystemExit"]
+    s_runs, t_runs = task_runs(sandboxed.state_details.flow_run_id), task_runs(threaded.state_details.flow_run_id)
+    assert [r.state.type.value for r in s_runs] == ["CRASHED"] * 3
+    assert [(r.state.type, r.run_count) for r in s_runs] == [(r.state.type, r.run_count) for r in t_runs]
+    assert all(r.run_count == 1 for r in s_runs)  # retries=2 on both tasks: a crash is not retried
+    messages = sorted(r.state.message for r in s_runs)
+    assert messages == sorted(r.state.message for r in t_runs)
+
+
+# -- 4: the stand-in's import orders ---------------------------------------------------------------
+ORDER_MODULES = ["prefect", "prefect.logging", "prefect.client.schemas", "prefect.context", "prefect.runtime",
+                 "prefect.futures", "prefect.variables"]
+
+_ORDER_PROBE = """
+import importlib, sys
+from guest_runner import standin
+if sys.argv[1] == "real":
+    standin.use_real_prefect()
+else:
+    standin.install()
+first = sys.argv[2]
+order = [first] + [m for m in {modules!r} if m != first]
+for name in order:
+    importlib.import_module(name)
+from prefect import task, flow, get_run_logger, tags
+from prefect.logging import get_run_logger as logging_get_run_logger
+assert get_run_logger is logging_get_run_logger is standin.get_run_logger
+for name, module in sorted(sys.modules.items()):
+    if name.startswith("prefect.") and module is not None:
+        parent, _, child = name.rpartition(".")
+        bound = getattr(sys.modules[parent], child, None)
+        assert bound is module or not isinstance(bound, type(sys)), f"{{name}} is not bound on {{parent}}"
+assert not isinstance(sys.modules["prefect"], standin._LazyModule)
+@task
+def t(x):
+    return x + 1
+print("ok", t(1))
+"""
+
+
+@pytest.mark.parametrize("path", ["standin", "real"])
+@pytest.mark.parametrize("first", ORDER_MODULES)
+def test_every_import_order_works_in_the_stand_in_and_the_real_package(path, first):
+    """Guest side only (no sandbox, no API): a fresh interpreter per order."""
+    probe = _ORDER_PROBE.format(modules=ORDER_MODULES)
+    proc = subprocess.run([sys.executable, "-c", probe, path, first], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                            "PREFECT_HOME": "/nonexistent-prefect-home-for-probe"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok 2"), proc.stderr[-3000:]
+
+
+# -- 5 and 6: run context in the sandbox; nested task calls ------------------------------------------
+def _context_flow(task_runner):
+    @flow(task_runner=task_runner)
+    def with_context(n: int = 3, label: str = "x"):
+        with tags("alpha", "beta"):
+            a = df.context_probe.submit()
+            b = rf.context_probe_real.submit()
+        nested = df.nested_calls.submit(n).result()
+        nested_real = rf.nested_calls_real.submit(n).result()
+        return a.result(), b.result(), nested, nested_real
+
+    return with_context
+
+
+def test_tags_and_prefect_runtime_reach_the_sandbox_and_nested_tasks_run_inline(gvisor, conduit, tmp_path):
+    state = _context_flow(runner(conduit, tmp_path))(return_state=True)
+    standin_ctx, real_ctx, nested, nested_real = state.result()
+    th = _context_flow(ThreadPoolTaskRunner())(return_state=True)
+    th_standin, th_real, th_nested, th_nested_real = th.result()
+
+    fr = state.state_details.flow_run_id
+    runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs(fr)}
+    for ctx, threaded, task_name in ((standin_ctx, th_standin, "context_probe"),
+                                     (real_ctx, th_real, "context_probe_real")):
+        tr = runs[task_name]
+        assert ctx["tags"] == ["alpha", "beta"] == threaded["tags"]
+        assert ctx["task_run"]["id"] == str(tr.id) and ctx["task_run"]["name"] == tr.name
+        assert ctx["task_run"]["task_name"] == task_name == threaded["task_run"]["task_name"]
+        assert ctx["task_run"]["run_count"] == 1 == threaded["task_run"]["run_count"]
+        assert ctx["task_run"]["parameters"] == {} == threaded["task_run"]["parameters"]
+        assert sorted(ctx["task_run"]["tags"]) == ["alpha", "beta"] == sorted(threaded["task_run"]["tags"])
+        assert ctx["flow_run"]["id"] == str(fr) and ctx["flow_run"]["flow_name"] == "with-context"
+        assert ctx["flow_run"]["parameters"] == {"n": 3, "label": "x"} == threaded["flow_run"]["parameters"]
+        assert ctx["flow_run"]["tags"] == threaded["flow_run"]["tags"] == []
+        assert ctx["deployment"] == {"id": None, "name": None} == threaded["deployment"]
+        assert ctx["real_prefect_loaded"] is True
+    assert nested == th_nested == {"direct": 6, "submitted": 8, "mapped": [6, 8, 10]}
+    assert nested_real == th_nested_real == {"direct": 9, "submitted": 12, "mapped": [9, 12]}
+    # nested calls ran inside the parent's sandbox: no task runs of their own, one line each
+    assert set(runs) == {"context_probe", "context_probe_real", "nested_calls", "nested_calls_real"}
+    for parent, child in (("nested_calls", "double"), ("nested_calls_real", "triple")):
+        msgs = [entry.message for entry in logs(task_run_id=runs[parent].id)]
+        inline = [m for m in msgs if "runs inline in this sandbox" in m]
+        assert len(inline) == 1 and f"nested task {child!r}" in inline[0], msgs  # one line per nested task
+
+
+# -- 7: max_workers ------------------------------------------------------------------------------
+def test_max_workers_follows_prefects_thread_pool_setting():
+    """Prefect glue only: the setting is read as ThreadPoolTaskRunner reads it."""
+    from prefect.settings import PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS, temporary_settings
+
+    from prefect_resoluto.task_runner import default_max_workers
+
+    assert ResolutoTaskRunner()._max_workers == default_max_workers()
+    with temporary_settings({PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS: 3}):
+        r = ResolutoTaskRunner()
+        assert r._max_workers == 3 == ThreadPoolTaskRunner()._max_workers
+        assert ResolutoTaskRunner(max_workers=7)._max_workers == 7 == ThreadPoolTaskRunner(max_workers=7)._max_workers
+    assert r.duplicate()._max_workers == 3  # duplicate() keeps what __init__ read
+
+
+# -- 8, 9, 11: what the logs show ------------------------------------------------------------------
+def test_a_failure_is_one_error_record_with_the_whole_traceback_and_a_short_repr(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def failing():
+        return raised(df.raise_value_error.submit("bad input 7"))
+
+    state = failing(return_state=True)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    records = logs(task_run_id=tr.id)
+    ours = [r for r in records if r.name == "resoluto.sandbox"]
+    errors = [r for r in ours if r.level >= 40]
+    assert len(errors) == 1, [r.message for r in errors]
+    (err,) = errors
+    assert "Traceback (most recent call last):" in err.message and "raise ValueError(message)" in err.message
+    assert err.message.rstrip().endswith("ValueError: bad input 7")
+    assert not any("Traceback" in r.message for r in ours if r.level < 40)
+    engine = [r.message for r in records if r.name == "prefect.task_runs" and r.message.startswith("Task run failed")]
+    assert engine and engine[0].splitlines()[0] == "Task run failed with exception: ValueError('bad input 7')"
+
+
+def test_a_task_shows_a_start_and_an_outcome_line_and_the_flow_one_runner_line(gvisor, conduit, tmp_path):
+    r = runner(conduit, tmp_path, max_workers=3)
+
+    @flow(task_runner=r)
+    def quiet():
+        square = sf.square.submit(3)
+        with sandbox_options(output_paths=["out/*.txt"]):
+            report = sf.write_report.submit("q")
+        return square.result(), report.result()
+
+    state = quiet(return_state=True)
+    fr = state.state_details.flow_run_id
+    runs = {t.name.rsplit("-", 1)[0]: t for t in task_runs(fr)}
+    for name, user_lines in (("square", ["squaring 3"]), ("write_report", [])):
+        info = [x.message for x in logs(task_run_id=runs[name].id) if x.name == "resoluto.sandbox" and x.level >= 20]
+        assert len(info) == 2 + len(user_lines), "\n".join(info)
+        assert info[0].startswith("sandbox node ") and info[1:-1] == user_lines
+        assert info[-1].startswith(f"node {runs[name].id}: success")
+    report_line = [x.message for x in logs(task_run_id=runs["write_report"].id) if x.name == "resoluto.sandbox"][-1]
+    assert "1 output file(s)" in report_line  # the declared output, not .resoluto/return.json
+    flow_lines = [x.message for x in logs(flow_run_id=fr) if x.task_run_id is None and "ResolutoTaskRunner" in x.message]
+    assert len(flow_lines) == 1, flow_lines
+    assert "runtime gvisor" in flow_lines[0] and "isolation user-kernel" in flow_lines[0]
+    assert f"conduit {conduit.url}" in flow_lines[0] and "max_workers 3" in flow_lines[0]
+
+
+def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
+    """Guest side only: the guest runner's own line counts declared outputs."""
+    from conftest import PY, guest_env
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    cmd = "mkdir -p out .resoluto && echo r > out/a.txt && echo '{}' > .resoluto/return.json"
+    env = guest_env(tmp_path / "conduit", "r1", "n1", ["sh", "-c", cmd], RESOLUTO_WORKSPACE_DIR=str(ws),
+                    RESOLUTO_OUTPUT_PATHS=json.dumps(["out/*.txt", ".resoluto/return.json"]))
+    subprocess.run([PY, "-m", "guest_runner"], env=env, check=True, timeout=60)
+    conduit = LocalConduit(tmp_path / "conduit")
+    lines = [json.loads(line)["data"].get("line", "") for k in conduit.list_prefix("run/r1/nodes/n1/events-")
+             for line in conduit.get(k).decode().splitlines()]
+    collected = [x for x in lines if x.startswith("collected")]
+    assert len(collected) == 1 and collected[0].startswith("collected 1 output file(s)"), lines
+
+
+# -- 10: artifacts ---------------------------------------------------------------------------------
+def test_each_node_artifact_has_a_key_and_a_description_that_tells_attempts_apart(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def retrying():
+        return sf.fail_on_first_attempt.submit().result()
+
+    state = retrying(return_state=True)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    arts = sorted(artifacts_of(tr.id), key=lambda a: a.created)
+    assert len(arts) == 2
+    keys = [a.key for a in arts]
+    assert all(k and re.fullmatch(r"[a-z0-9-]+", k) and k.startswith("resoluto-fail-on-first-attempt-") for k in keys)
+    assert len(set(keys)) == 2 and keys[1].endswith("-2")
+    assert arts[0].description.startswith("fail_on_first_attempt attempt 1: failure")
+    assert arts[1].description.startswith("fail_on_first_attempt attempt 2: success")
+    data = json.loads(arts[1].data) if isinstance(arts[1].data, str) else arts[1].data
+    rows = {row["field"]: row["value"] for row in data}
+    assert rows["conduit"] == conduit.url
+    assert rows["node prefix"] == f"run/{state.state_details.flow_run_id}/nodes/{tr.id}.2"
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with client() as c:  # what the Artifacts page lists: the latest artifact of each key
+        latest = c.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    assert sorted(a.key for a in latest) == sorted(keys)
+
+
+# -- 12: block form ---------------------------------------------------------------------------------
+def test_the_registered_block_schema_offers_choices_with_readable_names():
+    """Prefect glue only: what Prefect's UI renders the sandbox block's form from."""
+    from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
+
+    for block in (LocalConduitBlock, S3ConduitBlock, SandboxBlock):
+        block.register_type_and_schema()
+    with client() as c:
+        block_type = c.read_block_type_by_slug("resoluto-sandbox")
+        schema = c.get_most_recent_block_schema_for_block_type(block_type.id).fields
+    props = schema["properties"]
+    runtime_enum = next(o["enum"] for o in props["runtime"]["anyOf"] if "enum" in o)
+    assert {"gvisor", "container", "kubernetes", "bubblewrap", "process"} <= set(runtime_enum)
+    assert props["min_isolation"]["enum"] == ["vm", "user-kernel", "namespace", "none"]
+    choices = {o["$ref"].rsplit("/", 1)[-1]: o.get("title") for o in props["conduit"]["anyOf"] if "$ref" in o}
+    assert set(choices.values()) == {"Local directory", "S3 bucket"}
+    assert set(choices) <= set(schema["definitions"])  # every choice still resolves in the stored schema
+    assert props["pids"]["default"] == 4096 and "disk" in props
+    with pytest.raises(ValueError, match="runtime"):
+        SandboxBlock(runtime="gvisr")
+    assert SandboxBlock(min_isolation="user_kernel").min_isolation == "user-kernel"
+
+
+# -- 13: sane defaults -----------------------------------------------------------------------------
+def test_a_sandbox_gets_4gib_2_cpus_and_sized_scratch_by_default(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path))
+    def limits():
+        default = df.read_limits.submit()
+        with sandbox_options(memory="1Gi", disk="256Mi"):
+            small = df.read_limits.submit()
+        return default.result(), small.result()
+
+    default, small = limits()
+    gib = 1024**3
+    assert default["tmp_bytes"] == default["workspace_bytes"] == 4 * gib
+    assert small["tmp_bytes"] == small["workspace_bytes"] == 256 * 1024**2
+    assert small["mem_total_kib"] < default["mem_total_kib"] <= 4 * gib // 1024
+
+
+def test_a_task_over_the_default_memory_limit_is_stopped_and_told_which_setting(gvisor, conduit, tmp_path):
+    from prefect_resoluto.node import SandboxKilled
+
+    @flow(task_runner=runner(conduit, tmp_path, infrastructure_retries=0))
+    def hungry():
+        return raised(df.hog_memory.submit(6))
+
+    state = hungry(return_state=True)
+    e = state.result()
+    assert isinstance(e, SandboxKilled)
+    assert "OOM-killed" in str(e) and "memory limit is 4Gi (the default)" in str(e) and "`memory` setting" in str(e)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tr.state.is_failed() and "`memory` setting" in tr.state.message
+
+
+def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
+    """Prefect glue and bundle only: the gVisor bundle carries the limits."""
+    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.node import NodeSpec, launch_spec
+    from prefect_resoluto.runtimes.gvisor import GVisorRuntime
+
+    r = ResolutoTaskRunner(pids=64, disk="1Gi", memory="2Gi", cpus="1")
+    cfg = SandboxConfig().replace(**r._options)
+    res = cfg.resources
+    assert (res.pids, res.disk_bytes, res.memory_bytes, res.cpus) == (64, 1024**3, 2 * 1024**3, 1.0)
+    assert SandboxConfig().resources.memory_bytes == 4 * 1024**3 and SandboxConfig().resources.cpus == 2.0
+    with pytest.raises(ValueError, match="pids"):
+        ResolutoTaskRunner(pids=0)
+    spec = launch_spec(NodeSpec(run_id="r", node_id="n", argv=["true"], resources=res),
+                       LocalConduit(tmp_path / "c"))
+    from prefect_resoluto.runtimes._host import guest_layout
+
+    bundle = GVisorRuntime().bundle_config(spec, guest_layout(spec, python="python3"))
+    assert bundle["linux"]["resources"]["pids"] == {"limit": 64}
+    sizes = {m["destination"]: m.get("options", []) for m in bundle["mounts"] if m["type"] == "tmpfs"}
+    assert f"size={1024**3}" in sizes["/tmp"] and f"size={1024**3}" in sizes["/workspace"]
+
+
+# -- Prefect's own generic task-runner checks, on a sandboxed runner ----------------------------------
+def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(gvisor, conduit, tmp_path):
+    """As Prefect's ThreadPoolTaskRunner tests drive a runner: entered directly, tasks
+    submitted with a parameters dict, tags from the submitting context."""
+    results = {}
+    for name, task_runner in (("threads", ThreadPoolTaskRunner()), ("sandbox", runner(conduit, tmp_path))):
+        with task_runner as r:
+            plain = r.submit(sf.square, {"x": 3})
+            with tags("tag1"):
+                probe = r.submit(df.context_probe, {})
+            results[name] = (plain.result(), probe.result())
+    (square, probe), (th_square, th_probe) = results["sandbox"], results["threads"]
+    assert square == th_square == 9
+    assert probe["tags"] == th_probe["tags"] == ["tag1"]
+    assert probe["flow_run"] == th_probe["flow_run"] and probe["deployment"] == th_probe["deployment"]
+    assert probe["task_run"]["task_name"] == th_probe["task_run"]["task_name"] == "context_probe"
+
+
+def test_an_image_without_prefect_still_gives_tasks_their_run_context_and_nested_calls(tmp_path):
+    """Guest side only: the interpreter runs without site-packages (``-S``), as in the
+    guest image, which has no Prefect. The stand-ins answer from call.json's context."""
+    import shutil
+
+    ws = tmp_path / "ws"
+    (ws / ".resoluto").mkdir(parents=True)
+    shutil.copy(FLOWS / "dropin_flows.py", ws)
+    context = {"tags": ["a", "b"],
+               "task_run": {"id": "t1", "name": "context_probe-1", "task_name": "context_probe", "run_count": 2,
+                            "parameters": {}, "tags": ["a", "b"]},
+               "flow_run": {"id": "f1", "name": "brave-fox", "flow_name": "f", "tags": ["nightly"],
+                            "parameters": {"n": 3}},
+               "deployment": {"id": "d1", "name": "prod"}}
+    out = {}
+    for qualname, params in (("context_probe", {}), ("nested_calls", {"x": 2})):
+        (ws / ".resoluto" / "call.json").write_text(json.dumps(
+            {"file": "dropin_flows.py", "qualname": qualname, "parameters": params, "context": context}))
+        proc = subprocess.run([sys.executable, "-S", "-m", "guest_runner.call", ".resoluto/call.json"], cwd=ws,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out[qualname] = json.loads((ws / ".resoluto" / "return.json").read_text())["value"]
+        if qualname == "nested_calls":
+            assert "nested task 'double'" in proc.stdout and "runs inline in this sandbox" in proc.stdout
+    probe = out["context_probe"]
+    assert probe["real_prefect_loaded"] is False  # nothing of Prefect was there to load
+    assert probe["tags"] == ["a", "b"] and probe["task_run"] == context["task_run"]
+    assert probe["flow_run"] == context["flow_run"] and probe["deployment"] == context["deployment"]
+    assert out["nested_calls"] == {"direct": 4, "submitted": 6, "mapped": [4, 6, 8]}
