@@ -147,7 +147,7 @@ def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit,
 
     @flow(task_runner=runner(conduit, tmp_path))
     def slow_flow():
-        return sf.sleeper.submit(6).result()
+        return sf.sleeper.submit(10).result()  # room for a loaded machine's log batching
 
     def watch():
         from prefect.client.schemas.filters import LogFilter, LogFilterName

@@ -141,8 +141,9 @@ def memory_hint(resources: Resources) -> str:
         return ""
     default = " (the default)" if resources.memory_bytes == parse_quantity(DEFAULT_MEMORY) else ""
     return (f"the sandbox's memory limit is {format_bytes(resources.memory_bytes)}{default}, set by the "
-            "`memory` setting: raise it with ResolutoTaskRunner(memory=...), the sandbox block's memory, "
-            "or sandbox_options(memory=...) around one submission")
+            "`memory` setting: raise it with ResolutoTaskRunner(memory=...), sandbox_options(memory=...) "
+            "around one submission, the sandbox block's memory, the work pool's `memory` job variable, "
+            "or --memory on the command line")
 
 
 @dataclass
