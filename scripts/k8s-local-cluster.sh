@@ -167,7 +167,7 @@ cmd_up() {
     --service-account-signing-key-file="$DIR/sa.key" --service-cluster-ip-range=10.0.0.0/24 \
     --endpoint-reconciler-type=none --kubelet-preferred-address-types=InternalIP \
     --allow-privileged=false --profiling=false
-  wait_for kube-apiserver 120 curl -fsSk -H "Authorization: Bearer $token" "https://127.0.0.1:$api/readyz"
+  wait_for kube-apiserver 120 curl -fsS --cacert "$DIR/certs/apiserver.crt" -H "Authorization: Bearer $token" "https://127.0.0.1:$api/readyz"
   cat >"$DIR/kubeconfig" <<KC
 apiVersion: v1
 kind: Config
@@ -175,7 +175,7 @@ clusters:
 - name: resoluto-local
   cluster:
     server: https://127.0.0.1:$api
-    insecure-skip-tls-verify: true
+    certificate-authority: $DIR/certs/apiserver.crt
 users:
 - name: admin
   user:
@@ -201,6 +201,7 @@ KUBECONFIG=$DIR/kubeconfig
 RESOLUTO_K8S_CONTEXT=resoluto-local
 RESOLUTO_K8S_SERVER=https://127.0.0.1:$api
 RESOLUTO_K8S_TOKEN=$token
+RESOLUTO_K8S_CA=$DIR/certs/apiserver.crt
 RESOLUTO_K8S_ETCD=http://127.0.0.1:$etcd_c
 ENV
   log "up in $(python3 -c "import sys; print(round($(date +%s.%N) - $t0, 1))") s: apiserver https://127.0.0.1:$api (kubeconfig $DIR/kubeconfig, context resoluto-local)"

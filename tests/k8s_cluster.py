@@ -42,13 +42,14 @@ class Cluster:
     kubeconfig: str
     server: str
     token: str
+    ca: str
     start_s: float
 
     def configuration(self, token: str | None = None, server: str | None = None) -> Any:
         from kubernetes.client import Configuration
 
         cfg = Configuration(host=server or self.server)
-        cfg.verify_ssl = False
+        cfg.ssl_ca_cert = self.ca
         cfg.api_key["BearerToken"] = token or self.token
         cfg.api_key_prefix["BearerToken"] = "Bearer"
         cfg.retries = 0
@@ -64,12 +65,13 @@ class Cluster:
         """A kubeconfig whose contexts (name -> namespace) all point at this cluster."""
         import yaml
 
+        c = f"cluster-{path.name}"  # unique per file: merged kubeconfigs resolve names first-wins
         doc = {
             "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "local", "cluster": {"server": server or self.server,
-                                                        "insecure-skip-tls-verify": True}}],
-            "users": [{"name": "u", "user": {"token": token or self.token}}],
-            "contexts": [{"name": n, "context": {"cluster": "local", "user": "u", "namespace": ns}}
+            "clusters": [{"name": c, "cluster": {"server": server or self.server,
+                                                        "certificate-authority": self.ca}}],
+            "users": [{"name": c, "user": {"token": token or self.token}}],
+            "contexts": [{"name": n, "context": {"cluster": c, "user": c, "namespace": ns}}
                          for n, ns in contexts.items()],
         }
         if current:
@@ -103,7 +105,7 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.fail(f"k8s-local-cluster.sh up failed:\n{up.stderr[-4000:]}")
     env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
     cluster = Cluster(dir=d, kubeconfig=env["KUBECONFIG"], server=env["RESOLUTO_K8S_SERVER"],
-                      token=env["RESOLUTO_K8S_TOKEN"], start_s=time.monotonic() - t0)
+                      token=env["RESOLUTO_K8S_TOKEN"], ca=env["RESOLUTO_K8S_CA"], start_s=time.monotonic() - t0)
     print(f"\nk8s: control plane up in {cluster.start_s:.1f}s at {cluster.server}")
     try:
         _bootstrap(cluster)

@@ -54,13 +54,11 @@ def _verb(method: str, name: str | None) -> str:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, ca_file: str) -> None:
         u = urlsplit(upstream)
         self.upstream_host = u.hostname or "127.0.0.1"
         self.upstream_port = u.port or 443
-        self._ctx = ssl.create_default_context()
-        self._ctx.check_hostname = False
-        self._ctx.verify_mode = ssl.CERT_NONE
+        self._ctx = ssl.create_default_context(cafile=ca_file)
         self._faults: list[Fault] = []
         self._hooks: list[tuple[str, str, Any]] = []
         self._lock = threading.Lock()

@@ -64,7 +64,7 @@ IMAGE_ENTRYPOINT = ["python3", "-m", "guest_runner"]
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
 def _iso(t: dt.datetime | None = None) -> str:
@@ -219,7 +219,7 @@ class NodeAgent:
             lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                      "metadata": {"name": self.name, "namespace": "kube-node-lease"},
                      "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 40,
-                              "renewTime": dt.datetime.now(dt.timezone.utc)}}
+                              "renewTime": dt.datetime.now(dt.UTC)}}
             try:
                 try:
                     coord.replace_namespaced_lease(self.name, "kube-node-lease", lease)
@@ -365,7 +365,6 @@ class NodeAgent:
             self._waiting(pod, "RunContainerError", f"node agent: {type(e).__name__}: {e}")
 
     def _start_pod_inner(self, pod: Any) -> None:
-        ns, name = pod.metadata.namespace, pod.metadata.name
         if len(pod.spec.containers) != 1 or pod.spec.init_containers:
             self._waiting(pod, "CreateContainerError", "the resoluto node agent runs single-container pods only")
             return

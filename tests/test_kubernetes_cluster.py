@@ -26,7 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from k8s_cluster import *  # noqa: E402,F401,F403
-from k8s_cluster import CONTEXT, Cluster, make_namespace  # noqa: E402
+from k8s_cluster import CONTEXT, Cluster  # noqa: E402
 from k8s_fault_proxy import FaultProxy  # noqa: E402
 from k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
 from polling import wait_for  # noqa: E402
@@ -56,7 +56,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture
 def proxy(k8s_cluster: Cluster) -> Any:
-    with FaultProxy(k8s_cluster.server) as p:
+    with FaultProxy(k8s_cluster.server, k8s_cluster.ca) as p:
         yield p
 
 
@@ -289,7 +289,8 @@ def least_privilege(k8s_cluster: Cluster, k8s_ns: str) -> Any:
             r = dict(r)
             if resource in r["resources"]:
                 r["verbs"] = [v for v in r["verbs"] if v != verb]
-            rules.append(r)
+            if r["verbs"]:  # the server refuses a rule without verbs
+                rules.append(r)
         rbac.patch_namespaced_role(role["metadata"]["name"], k8s_ns, {"rules": rules})
         # The authorizer caches through a watch: wait until it agrees, not a guessed time.
         wait_for(lambda: not allowed(verb, resource), timeout=30, what=f"RBAC to deny {verb} {resource}")
@@ -399,7 +400,7 @@ def test_pinned_context_reaches_the_cluster(k8s_cluster: Cluster, k8s_ns: str, t
     good = k8s_cluster.write_kubeconfig(tmp_path / "kc2", {"dev": k8s_ns})
     monkeypatch.setenv("KUBECONFIG", os.pathsep.join([dead, good]))
     monkeypatch.setenv("RESOLUTO_SANDBOX_KUBECONTEXT", "dev")
-    rt = make_runtime(k8s_cluster, k8s_ns, api_client=None)
+    rt = make_runtime(k8s_cluster, k8s_ns, api_client=None, node_selector={"resoluto.io/none": "x"})
     assert rt.context == "dev"
     avail = rt.availability()
     assert avail.ok, avail.why

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,6 @@ from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
     MANAGED_BY,
     MANAGED_BY_LABEL,
     SANDBOX_LABEL,
-    KubernetesApiError,
     KubernetesConfigError,
     KubernetesRuntime,
     label_key,
