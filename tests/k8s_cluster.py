@@ -163,6 +163,8 @@ def k8s_agent(k8s_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
         yield agent
     finally:
         agent.stop()
+        if agent.errors:
+            print(f"\nk8s node agent errors ({len(agent.errors)}):\n  " + "\n  ".join(e[:300] for e in agent.errors[-10:]))
         shutil.rmtree(agent.work, ignore_errors=True)
 
 

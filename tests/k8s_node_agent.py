@@ -213,23 +213,32 @@ class NodeAgent:
         self.core.patch_node_status(self.name, body, _content_type=MERGE)
 
     def _heartbeat(self, port: int) -> None:
+        """Renew the node's Lease and post its status every 10 s (the node controller's grace is 40 s)."""
         coord = client.CoordinationV1Api(self.api)
-        while not self._stop.wait(0 if not hasattr(self, "_beat") else 10):
-            self._beat = True
-            lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                     "metadata": {"name": self.name, "namespace": "kube-node-lease"},
-                     "spec": {"holderIdentity": self.name, "leaseDurationSeconds": 40,
-                              "renewTime": dt.datetime.now(dt.UTC)}}
+        first = True
+        while not self._stop.wait(0 if first else 10):
+            first = False
+            renew = {"holderIdentity": self.name, "leaseDurationSeconds": 40,
+                     "renewTime": dt.datetime.now(dt.timezone.utc)}
             try:
-                try:
-                    coord.replace_namespaced_lease(self.name, "kube-node-lease", lease)
-                except ApiException as e:
-                    if e.status != 404:
-                        raise
-                    coord.create_namespaced_lease("kube-node-lease", lease)
-                self._node_status(port)
+                # A merge patch needs no resourceVersion (an update would, or fail with a 422).
+                coord.patch_namespaced_lease(self.name, "kube-node-lease", {"spec": renew}, _content_type=MERGE)
+            except ApiException as e:
+                if e.status == 404:
+                    try:
+                        coord.create_namespaced_lease("kube-node-lease", {
+                            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                            "metadata": {"name": self.name, "namespace": "kube-node-lease"}, "spec": renew})
+                    except ApiException as e2:
+                        self.errors.append(f"lease: {e2.status} {e2.reason}")
+                else:
+                    self.errors.append(f"lease: {e.status} {e.reason}")
             except Exception as e:  # the next beat retries
-                self.errors.append(f"heartbeat: {e}")
+                self.errors.append(f"lease: {type(e).__name__}: {e}")
+            try:
+                self._node_status(port)
+            except Exception as e:
+                self.errors.append(f"node status: {type(e).__name__}: {e}")
 
     # -- watching pods ----------------------------------------------------------------------------
 
