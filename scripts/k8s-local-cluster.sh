@@ -10,6 +10,9 @@
 #   k8s-local-cluster.sh env DIR      print DIR/env (KUBECONFIG=..., RESOLUTO_K8S_*)
 #   k8s-local-cluster.sh status       print the cache directory if the build is there (exit 1 if not)
 #
+# With RESOLUTO_K8S_OWNER_PID set, `up` also leaves a watchdog that runs `down` once that
+# process is gone (a test session killed before its teardown).
+#
 # Source: Debian bookworm's `kubernetes` source package (the full upstream v1.20.2 tree with
 # vendor/), built offline with Debian's Go 1.19 after one vendored library (reflect2, which crashes
 # the apiserver under Go >= 1.18) is swapped for Debian's newer copy. etcd is Debian's etcd-server,
@@ -204,13 +207,29 @@ RESOLUTO_K8S_TOKEN=$token
 RESOLUTO_K8S_CA=$DIR/certs/apiserver.crt
 RESOLUTO_K8S_ETCD=http://127.0.0.1:$etcd_c
 ENV
+  if [ -n "${RESOLUTO_K8S_OWNER_PID:-}" ]; then
+    # A test session killed before its teardown must not leave a control plane behind.
+    setsid bash "$0" _watch "$DIR" "$RESOLUTO_K8S_OWNER_PID" >/dev/null 2>&1 </dev/null &
+    echo $! >"$DIR/watchdog.pid"
+  fi
   log "up in $(python3 -c "import sys; print(round($(date +%s.%N) - $t0, 1))") s: apiserver https://127.0.0.1:$api (kubeconfig $DIR/kubeconfig, context resoluto-local)"
+}
+
+cmd_watch() {
+  local owner=$1
+  while kill -0 "$owner" 2>/dev/null && [ -s "$DIR/pids" ]; do sleep 2; done
+  rm -f "$DIR/watchdog.pid"
+  cmd_down
 }
 
 cmd_down() {
   [ -n "$DIR" ] || die "usage: $0 down DIR"
-  [ -f "$DIR/pids" ] || return 0
   local name pid n
+  if [ -f "$DIR/watchdog.pid" ]; then
+    kill "$(cat "$DIR/watchdog.pid")" 2>/dev/null || true
+    rm -f "$DIR/watchdog.pid"
+  fi
+  [ -f "$DIR/pids" ] || return 0
   # Reverse order: scheduler and controller-manager first, etcd last. A pid is ours only
   # while its command line still names our directory or cache (pids are reused).
   tac "$DIR/pids" | while read -r name pid; do
@@ -231,5 +250,6 @@ case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
   env) cat "$DIR/env" ;;
+  _watch) cmd_watch "$3" ;;
   *) die "usage: $0 build|status|up DIR|down DIR|env DIR" ;;
 esac

@@ -99,7 +99,8 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(f"genuine kube-apiserver unavailable: {why}")
     d = tmp_path_factory.mktemp("k8s")
     t0 = time.monotonic()
-    up = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=300)
+    up = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())})
     if up.returncode != 0:
         subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
         pytest.fail(f"k8s-local-cluster.sh up failed:\n{up.stderr[-4000:]}")

@@ -150,12 +150,12 @@ class FaultProxy:
             self._answer_error(h, fault, verb, res, name)
             return
         status, headers, data = self._forward(h, body)
-        if fault is not None and fault.delay_s:
-            time.sleep(fault.delay_s)  # the slow answer itself is the fault
         if fault is not None and fault.after:
             self._answer_error(h, fault, verb, res, name)
             return
-        self._record(verb, res, status)
+        self._record(verb, res, status)  # what the server said, whether or not the client waits for it
+        if fault is not None and fault.delay_s:
+            time.sleep(fault.delay_s)  # the slow answer itself is the fault
         h.send_response(status)
         for k, v in headers:
             if k.lower() not in _HOP:

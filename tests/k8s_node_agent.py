@@ -117,6 +117,7 @@ class NodeAgent:
         self._refused_images: set[str] = set()
         self._runs: dict[str, _PodRun] = {}  # pod uid -> run
         self._seen: set[str] = set()
+        self._waiting_why: dict[tuple[str, str], str] = {}  # (ns, pod) -> reason, while not started
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -219,7 +220,7 @@ class NodeAgent:
         while not self._stop.wait(0 if first else 10):
             first = False
             renew = {"holderIdentity": self.name, "leaseDurationSeconds": 40,
-                     "renewTime": dt.datetime.now(dt.timezone.utc)}
+                     "renewTime": dt.datetime.now(dt.UTC)}
             try:
                 # A merge patch needs no resourceVersion (an update would, or fail with a 422).
                 coord.patch_namespaced_lease(self.name, "kube-node-lease", {"spec": renew}, _content_type=MERGE)
@@ -356,6 +357,7 @@ class NodeAgent:
 
     def _waiting(self, pod: Any, reason: str, message: str = "", extra: list[dict[str, Any]] | None = None) -> bool:
         waiting: dict[str, Any] = {"reason": reason}
+        self._waiting_why[(pod.metadata.namespace, pod.metadata.name)] = reason
         if message:
             waiting["message"] = message
         return self._status(pod.metadata.namespace, pod.metadata.name, {
@@ -549,6 +551,7 @@ class NodeAgent:
 
     def _launch(self, pod: Any, c: Any, run: _PodRun, extra: list[dict[str, Any]]) -> None:
         ns, name = run.namespace, run.name
+        self._waiting_why.pop((ns, name), None)
         log = open(run.log, "ab")
         try:
             run.proc = subprocess.Popen([*self._runsc(), "run", f"--bundle={run.dir / 'bundle'}", run.cid],
@@ -640,8 +643,17 @@ class NodeAgent:
                 if len(parts) != 4 or parts[0] != "containerLogs":
                     self.send_error(404)
                     return
-                _, ns, pod, _container = parts
+                _, ns, pod, container = parts
                 text = agent.log_text(ns, pod)
+                why = agent._waiting_why.get((ns, pod))
+                if text is None and why:  # the kubelet's answer for a container that never started
+                    msg = f'container "{container}" in pod "{pod}" is waiting to start: {why}'.encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
                 if text is None:
                     self.send_error(404, f"pod {ns}/{pod} has no container on this node")
                     return

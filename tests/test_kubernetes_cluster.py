@@ -463,8 +463,9 @@ def test_kata_is_emulated_and_says_so(k8s_cluster: Cluster, k8s_ns: str, k8s_age
 def test_unpullable_image_is_unstartable(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(image="registry.invalid/nope:1"))
-    st = wait_for(lambda: (s := rt.status(h)).unstartable and s, timeout=60, what="ImagePullBackOff")
-    assert not st.terminal and st.reason.startswith('ImagePullBackOff: Back-off pulling image "registry.invalid/nope:1"')
+    st = wait_for(lambda: (s := rt.status(h)).reason.startswith("ImagePullBackOff") and s, timeout=60,
+                  what="ImagePullBackOff")
+    assert st.unstartable and not st.terminal and st.reason.startswith('ImagePullBackOff: Back-off pulling image "registry.invalid/nope:1"')
     assert "cannot pull the image" in st.reason
     # The apiserver itself refuses logs of a container that never started.
     assert "is waiting to start: ImagePullBackOff" in rt.logs(h)
@@ -502,7 +503,7 @@ def test_unschedulable_then_unstartable_after_patience(k8s_cluster: Cluster, k8s
                   what="the scheduler's verdict")
     assert (st.phase, st.unstartable) == ("pending", False)
     assert "0/1 nodes are available" in st.reason
-    assert ("node selector" in st.reason) if how == "selector" else ("Insufficient memory" in st.reason)
+    assert (("didn't match Pod's node affinity" in st.reason) if how == "selector" else ("Insufficient memory" in st.reason)), st.reason
     now[0] += 61
     st = rt.status(h)
     assert st.unstartable and "RuntimeClass 'gvisor'" in st.reason
@@ -616,12 +617,12 @@ def test_a_409_from_another_writer_is_a_clear_error(k8s_cluster: Cluster, k8s_ns
     rt = make_runtime(k8s_cluster, k8s_ns, node_selector={"resoluto.io/none": "x"})
     fixed = uuid.UUID("0123456789abcdef0123456789abcdef")
     monkeypatch.setattr(kmod.uuid, "uuid4", lambda: fixed)
-    theirs = rt.manifests(make_spec(), token="someone-else").pod
+    theirs = rt.manifests(make_spec(), token="f" * 32, name=kmod.pod_name("rsl-abc123", fixed.hex)).pod
     core(k8s_cluster).create_namespaced_pod(k8s_ns, theirs)
     with pytest.raises(LaunchError, match=r"already exists .*409 Conflict"):
         rt.launch(make_spec())
     pod = core(k8s_cluster).read_namespaced_pod(theirs["metadata"]["name"], k8s_ns)
-    assert pod.metadata.annotations["resoluto.io/launch-token"] == "someone-else"  # untouched
+    assert pod.metadata.annotations["resoluto.io/launch-token"] == "f" * 32  # untouched
     assert names(k8s_cluster, k8s_ns, "networkpolicies") == []  # our half-launch was removed
 
 
