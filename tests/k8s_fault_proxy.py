@@ -107,6 +107,12 @@ class FaultProxy:
         with self._lock:
             self._hooks.append((verb, resource, hook))
 
+    def rewrite(self, verb: str, resource: str, fn: Any) -> None:
+        """Forward matching requests with their JSON body replaced by ``fn(body)`` (once)."""
+        self.before(verb, resource, None)
+        with self._lock:
+            self._hooks[-1] = (verb, resource, ("rewrite", fn))
+
     def calls(self, verb: str, resource: str) -> list[int]:
         """Statuses the client saw for each matching request, in order (0 for a reset)."""
         with self._lock:
@@ -138,7 +144,10 @@ class FaultProxy:
             hooks = [x for x in self._hooks if x[0] == verb and x[1] == res]
             self._hooks = [x for x in self._hooks if x not in hooks]
         for _, _, hook in hooks:
-            hook(verb, res, urlsplit(h.path).path)
+            if isinstance(hook, tuple):
+                body = json.dumps(hook[1](json.loads(body))).encode()
+            else:
+                hook(verb, res, urlsplit(h.path).path)
         if fault is not None and fault.reset:
             self._record(verb, res, 0)
             # RST, not FIN: the client sees "connection reset by peer" mid-request.

@@ -848,3 +848,66 @@ def test_availability_against_the_real_server(k8s_cluster: Cluster, k8s_ns: str)
     avail = rt.availability()
     assert avail.ok and k8s_ns in avail.detail
     assert MANAGED_BY == "prefect-resoluto"
+
+
+def test_a_pod_stored_with_weaker_security_is_deleted_at_once(k8s_cluster: Cluster, k8s_ns: str,
+                                                           k8s_agent: NodeAgent, proxy: FaultProxy) -> None:
+    """The proxy drops seccompProfile from the pod on its way in -- what a server that does not
+    know the field (< 1.19, Strict validation ignored) or a mutating webhook does. The real
+    server stores the weaker pod; the runtime must notice and delete it at once."""
+    def strip(body: dict[str, Any]) -> dict[str, Any]:
+        body["spec"]["securityContext"].pop("seccompProfile")
+        body["spec"]["containers"][0]["securityContext"].pop("seccompProfile")
+        return body
+
+    rt = make_runtime(k8s_cluster, k8s_ns, via=proxy)
+    proxy.rewrite("create", "pods", strip)
+    with pytest.raises(LaunchError) as ei:
+        rt.launch(make_spec(command=py("print('must not run')")))
+    msg = str(ei.value)
+    assert "did not keep the sandbox's security settings" in msg
+    assert "pod seccompProfile RuntimeDefault" in msg and "container seccompProfile RuntimeDefault" in msg
+    assert proxy.calls("create", "pods") == [201] and proxy.calls("delete", "pods") == [200]
+    for resource in ("pods", "networkpolicies"):
+        wait_for(lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} removed")
+
+
+def _paths(obj: Any, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if v in ([], {}):  # omitempty: an empty list or map reads back as absent, same meaning
+                continue
+            out |= {f"{prefix}.{k}"} | _paths(v, f"{prefix}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out |= _paths(v, f"{prefix}[{i}]")
+    return out
+
+
+def test_the_server_keeps_every_field_the_runtime_sends(k8s_cluster: Cluster, k8s_ns: str) -> None:
+    """Servers before 1.25 ignore fieldValidation=Strict and silently drop fields they do not
+    know -- a dropped securityContext field would be a silent weakening. Nothing may be dropped."""
+    from kubernetes.client import ApiClient
+
+    rt = make_runtime(k8s_cluster, k8s_ns, guest_source="bundle", store_credentials_secret=STORE_SECRET,
+                      node_selector={"resoluto.io/none": "x"}, priority_class=None)
+    rt._bundles["run-1"] = ("base/run/run-1/_guest/guest_runner-x.tar.gz", "0" * 64)  # as prepare() would
+    spec = make_spec(secret_env={"API_TOKEN": "x"}, egress=["public_https"],
+                     resources=Resources.from_quantities(memory="1Gi", cpus="0.5", disk="2Gi"))
+    h = rt.launch(spec)
+    name, token = h.data["name"], h.data["token"]
+    sent = rt.manifests(spec, name=name, token=token)
+    raw = ApiClient(k8s_cluster.configuration())
+    got = {
+        "Pod": raw.sanitize_for_serialization(core(k8s_cluster).read_namespaced_pod(name, k8s_ns)),
+        "NetworkPolicy": raw.sanitize_for_serialization(net(k8s_cluster).read_namespaced_network_policy(name, k8s_ns)),
+        "Secret": raw.sanitize_for_serialization(core(k8s_cluster).read_namespaced_secret(name, k8s_ns)),
+    }
+    for doc in sent.documents():
+        # hostNetwork/hostPID/hostIPC are plain booleans with omitempty: false reads back as absent.
+        # Pointer booleans (privileged, allowPrivilegeEscalation, runAsNonRoot ...) must come back.
+        omitted = {".spec.hostNetwork", ".spec.hostPID", ".spec.hostIPC"}
+        dropped = sorted(p for p in _paths(doc) - _paths(got[doc["kind"]]) if ".status" not in p and p not in omitted)
+        assert dropped == [], (doc["kind"], dropped)
+    rt.destroy(h)
