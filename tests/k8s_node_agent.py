@@ -263,6 +263,9 @@ class NodeAgent:
                     if ev["type"] == "ERROR":
                         rv = ""
                         break
+                    if isinstance(obj, dict):  # a BOOKMARK arrives undecoded: only its resourceVersion counts
+                        rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                        continue
                     rv = obj.metadata.resource_version
                     if ev["type"] != "BOOKMARK":
                         self._on_pod(ev["type"], obj)
