@@ -96,6 +96,10 @@ def _why_no_cluster() -> str:
 def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     why = _why_no_cluster()
     if why:
+        bookworm = "bookworm" in Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else False
+        if os.environ.get("CI") and bookworm:
+            # CI ran scripts/setup.sh, which builds it on bookworm: a missing build is a failure there.
+            pytest.fail(f"genuine kube-apiserver unavailable on a bookworm CI machine: {why}")
         pytest.skip(f"genuine kube-apiserver unavailable: {why}")
     d = tmp_path_factory.mktemp("k8s")
     t0 = time.monotonic()
