@@ -51,6 +51,11 @@ SRC
 
 cmd_build() {
   if have_build; then log "cached build in $CACHE (kubernetes $PKG_VERSION)"; return 0; fi
+  # Two set-ups on one machine (parallel worktrees) must not build into the same tree at once.
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/.build.lock"
+  flock 9
+  if have_build; then log "cached build in $CACHE (kubernetes $PKG_VERSION), made meanwhile"; return 0; fi
   grep -q bookworm /etc/os-release 2>/dev/null || die "the build needs Debian bookworm's kubernetes source package"
   local t0 work
   t0=$(date +%s)
