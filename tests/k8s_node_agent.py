@@ -117,6 +117,7 @@ class NodeAgent:
         self._refused_images: set[str] = set()
         self._runs: dict[str, _PodRun] = {}  # pod uid -> run
         self._seen: set[str] = set()
+        self._deleted: set[str] = set()  # uids being or already deleted: never (re)start them
         self._waiting_why: dict[tuple[str, str], str] = {}  # (ns, pod) -> reason, while not started
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -285,6 +286,9 @@ class NodeAgent:
             run = self._runs.get(uid)
             fresh = uid not in self._seen
             self._seen.add(uid)
+        if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
+            with self._lock:
+                self._deleted.add(uid)
         if kind == "DELETED":
             if run is not None:
                 run.stop_reason = run.stop_reason or "deleted"
@@ -412,6 +416,12 @@ class NodeAgent:
         run = self._prepare(pod, c, env)
         with self._lock:
             self._runs[pod.metadata.uid] = run
+            deleted = pod.metadata.uid in self._deleted
+        if deleted:  # deleted while it was being set up: the delete path found no process to stop
+            self._cleanup(run)
+            run.done.set()
+            self._force_delete(pod)
+            return
         self._launch(pod, c, run, extra)
 
     def _pull(self, pod: Any, image: str, extra: list[dict[str, Any]]) -> bool:
@@ -495,8 +505,17 @@ class NodeAgent:
             os.chmod(host, 0o2775)
             mounts.append({"destination": vm.mount_path, "type": "bind", "source": str(host),
                            "options": ["rbind", "ro" if vm.read_only else "rw"]})
-        for m in mounts[3:]:
+        # Parents before children, as container runtimes order mounts: an emptyDir at /tmp must not
+        # hide the emulated image's Python when that lives under /tmp (a checkout in /tmp).
+        binds = sorted(mounts[3:], key=lambda m: len(Path(m["destination"]).parts))
+        mounts[3:] = binds
+        for i, m in enumerate(binds):
             (rootfs / m["destination"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+            for outer in reversed(binds[:i]):  # a mount point inside an earlier volume lives in the volume
+                rel = os.path.relpath(m["destination"], outer["destination"])
+                if not rel.startswith("..") and outer["source"].startswith(str(pdir / "volumes")):
+                    Path(outer["source"], rel).mkdir(parents=True, exist_ok=True)
+                    break
         for link in ("bin", "lib", "lib64", "sbin"):
             if not (rootfs / link).exists():
                 (rootfs / link).symlink_to(f"usr/{link}")
@@ -562,6 +581,11 @@ class NodeAgent:
                                         start_new_session=True)
         finally:
             log.close()
+        with self._lock:
+            deleted = run.uid in self._deleted
+        if deleted:  # the delete arrived between the check above and the start
+            run.stop_reason = run.stop_reason or "deleted"
+            self._kill(run, grace=0)
         run.started = _iso()
         self._status(ns, name, {
             "phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1",

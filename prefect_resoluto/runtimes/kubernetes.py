@@ -14,6 +14,10 @@ unique ``resoluto.io/sandbox`` label:
    capability dropped, ``RuntimeDefault`` seccomp, requests = limits from the node's
    resources.
 
+The pod the server stored is checked against those guarantees before the launch counts:
+servers before 1.25 ignore strict field validation and drop fields they do not know, and
+mutating webhooks rewrite pods, so a weakened pod is deleted at once and the launch fails.
+
 Policy and Secret exist before the pod (the policy must be in force when the pod's
 network comes up; the kubelet needs the Secret to start the container), so they cannot
 name the pod as their owner at creation. Right after the pod exists they are patched to
