@@ -34,7 +34,6 @@ from polling import wait_for  # noqa: E402
 from prefect_resoluto import guest_bundle  # noqa: E402
 from prefect_resoluto.runtimes.base import IsolationLevel, LaunchError, LaunchSpec, Resources  # noqa: E402
 from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
-    MANAGED_BY,
     MANAGED_BY_LABEL,
     KubernetesApiError,
     KubernetesRuntime,
@@ -847,7 +846,9 @@ def test_availability_against_the_real_server(k8s_cluster: Cluster, k8s_ns: str)
     rt = make_runtime(k8s_cluster, k8s_ns)
     avail = rt.availability()
     assert avail.ok and k8s_ns in avail.detail
-    assert MANAGED_BY == "prefect-resoluto"
+    # A real server lists an absent namespace as empty (200), so listing alone cannot tell.
+    missing = make_runtime(k8s_cluster, "rsl-absent-namespace").availability()
+    assert not missing.ok and "kubectl create namespace rsl-absent-namespace" in missing.why
 
 
 def test_a_pod_stored_with_weaker_security_is_deleted_at_once(k8s_cluster: Cluster, k8s_ns: str,

@@ -431,6 +431,15 @@ class KubernetesRuntime(SandboxRuntime):
             core = self._core()
             self._call("list", "pods", "", lambda: core.list_namespaced_pod(
                 self.namespace, limit=1, _request_timeout=self._timeout()))
+            # A real server lists an absent namespace as empty (200); a dry-run create says 404
+            # (and that this identity may create what a launch creates first). Nothing is stored.
+            probe = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"generateName": "resoluto-availability-"},
+                     "spec": {"podSelector": {"matchLabels": {SANDBOX_LABEL: "availability-probe"}},
+                              "policyTypes": ["Ingress"]}}
+            net = self._net()
+            self._call("create", "networkpolicies", "", lambda: net.create_namespaced_network_policy(
+                self.namespace, probe, dry_run="All", _request_timeout=self._timeout()))
         except (KubernetesConfigError, KubernetesApiError) as e:
             return Availability(False, str(e))
         except Exception as e:  # anything else: report, never raise from a probe
