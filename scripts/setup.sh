@@ -45,6 +45,14 @@ SRC
   fi
 fi
 
+# A genuine Kubernetes control plane for the kubernetes runtime's tests: built once from
+# Debian bookworm's kubernetes source package and cached under ~/.cache (a cold build is
+# 5-15 minutes on 2 cores; later runs reuse it). Its tests skip, saying why, without it.
+if [ "${RESOLUTO_SKIP_K8S_BUILD:-}" != "1" ]; then
+  bash scripts/k8s-local-cluster.sh build \
+    || echo "setup: the Kubernetes build failed; the tests against a genuine kube-apiserver will skip" >&2
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

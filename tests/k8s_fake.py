@@ -22,15 +22,12 @@ the contract the real server would, instead of echoing:
 Tests script the rest: per-pod phase transitions (:meth:`FakeKube.schedule`,
 :meth:`~FakeKube.set_running`, :meth:`~FakeKube.terminate`, :meth:`~FakeKube.image_pull_backoff`,
 :meth:`~FakeKube.unschedulable`, :meth:`~FakeKube.oom_kill`, :meth:`~FakeKube.evict`,
-:meth:`~FakeKube.node_lost`, :meth:`~FakeKube.delete_externally`), injected failures
-(:meth:`~FakeKube.fail`: any status on any verb/resource, N times), and -- with
-``execute=True`` -- a kubelet that *runs* each pod's container command as a local process
-with the pod's environment (``secretKeyRef`` resolved from stored Secrets, a missing one
-is ``CreateContainerConfigError`` like the kubelet), emptyDir volumes as temporary
-directories (their mount paths rewritten in env values and argv), ``python``/``python3``
-as this interpreter, the exit code as the container's terminated state and the merged
-stdout/stderr as the pod log. Resource limits, runAsUser and network policy are *not*
-enforced by the local process.
+:meth:`~FakeKube.node_lost`, :meth:`~FakeKube.delete_externally`) and injected failures
+(:meth:`~FakeKube.fail`: any status on any verb/resource, N times).
+
+Everything a genuine kube-apiserver can show is tested against one instead
+(tests/test_kubernetes_cluster.py, with tests/k8s_node_agent.py running the pods); this
+stand-in stays for pod states neither Kubernetes 1.20 nor the agent produce.
 """
 
 from __future__ import annotations
@@ -41,17 +38,11 @@ import datetime as dt
 import ipaddress
 import itertools
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -450,36 +441,24 @@ class _Fault:
     after: bool = False
 
 
-@dataclass
-class _Proc:
-    popen: subprocess.Popen[bytes]
-    root: str
-    lines: list[str] = field(default_factory=list)
-
-
 class FakeKube:
     """The API server + kubelet stand-in. Use as a context manager or start()/stop()."""
 
     def __init__(self, namespaces: tuple[str, ...] = ("resoluto-sandboxes",),
-                 runtime_classes: tuple[str, ...] = ("kata", "gvisor"), *, execute: bool = False,
+                 runtime_classes: tuple[str, ...] = ("kata", "gvisor"), *,
                  token: str | None = None, user: str = "system:serviceaccount:ci:resoluto") -> None:
         self.namespaces = set(namespaces)
         self.runtime_classes = set(runtime_classes)
-        self.execute = execute
         self.token = token
         self.user = user
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {r: {} for r in RESOURCES}
         self.requests: list[Request] = []
         self.logs: dict[tuple[str, str], list[str]] = {}
-        self.unpullable_images: set[str] = set()
-        self.image_entrypoints: dict[str, list[str]] = {}
         self._faults: list[_Fault] = []
-        self._procs: dict[tuple[str, str], _Proc] = {}
         self._rv = itertools.count(1000)
         self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._tmp = tempfile.mkdtemp(prefix="k8s-fake-")
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -497,16 +476,9 @@ class FakeKube:
         return self
 
     def stop(self) -> None:
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.kill()
-                p.popen.wait()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> FakeKube:
         return self.start()
@@ -722,10 +694,6 @@ class FakeKube:
             obj = self.objects[resource].pop((namespace, name), None)
             if obj is None:
                 return None
-            if resource == "pods":
-                proc = self._procs.get((namespace, name))
-                if proc is not None and proc.popen.poll() is None:
-                    proc.popen.kill()
             uid = obj["metadata"]["uid"]
             for res in RESOURCES:  # background garbage collection of dependents
                 for (ns, n), dep in list(self.objects[res].items()):
@@ -782,9 +750,6 @@ class FakeKube:
             self.objects[resource][(namespace, name)] = body
             # What a client reads back must itself be a valid model.
             decode_model(json.dumps(body), model)
-        if resource == "pods" and self.execute:
-            threading.Thread(target=self._kubelet, args=(namespace, name), daemon=True,
-                             name=f"kubelet-{name}").start()
         return body
 
     def _check_body(self, resource: str, raw: str, body: Any) -> None:
@@ -843,142 +808,13 @@ class FakeKube:
 
     # -- the kubelet --------------------------------------------------------------------------------
 
-    def _kubelet(self, namespace: str, name: str) -> None:
-        try:
-            self._run_pod(namespace, name)
-        except KeyError:
-            pass  # deleted while starting
-
-    def _run_pod(self, namespace: str, name: str) -> None:
-        self.schedule(name, namespace)
-        with self._lock:
-            pod = json.loads(json.dumps(self._pod(name, namespace)))
-        container = pod["spec"]["containers"][0]
-        if container["image"] in self.unpullable_images:
-            self.image_pull_backoff(name, namespace)
-            return
-        env: dict[str, str] = {}
-        for e in container.get("env") or []:
-            if "valueFrom" in e:
-                ref = e["valueFrom"].get("secretKeyRef")
-                if ref is None:
-                    self.container_waiting(name, "CreateContainerConfigError",
-                                           f"the fake kubelet only resolves secretKeyRef ({e['name']})", namespace)
-                    return
-                with self._lock:
-                    secret = self.objects["secrets"].get((namespace, ref["name"]))
-                if secret is None:
-                    if ref.get("optional"):
-                        continue
-                    self.container_waiting(name, "CreateContainerConfigError",
-                                           f'secret "{ref["name"]}" not found', namespace)
-                    return
-                data = secret.get("data") or {}
-                if ref["key"] not in data:
-                    if ref.get("optional"):
-                        continue
-                    self.container_waiting(name, "CreateContainerConfigError",
-                                           f"couldn't find key {ref['key']} in Secret {namespace}/{ref['name']}",
-                                           namespace)
-                    return
-                env[e["name"]] = base64.b64decode(data[ref["key"]]).decode()
-            else:
-                env[e["name"]] = e.get("value", "")
-        root = tempfile.mkdtemp(prefix=f"{name}-", dir=self._tmp)
-        mounts: dict[str, str] = {}
-        for vm in container.get("volumeMounts") or []:
-            host = os.path.join(root, "volumes", vm["name"])
-            os.makedirs(host, exist_ok=True)
-            mounts[vm["mountPath"].rstrip("/") or "/"] = host
-
-        def mapped(value: str) -> str:
-            for mp in sorted(mounts, key=len, reverse=True):
-                if value == mp or value.startswith(mp + "/"):
-                    return mounts[mp] + value[len(mp):]
-            return value
-
-        env = {k: mapped(v) for k, v in env.items()}
-        if "/tmp" in mounts:
-            env.setdefault("TMPDIR", mounts["/tmp"])
-        env.setdefault("PATH", os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin",
-                                                "/bin"]))
-        argv = list(container.get("command") or self.image_entrypoints.get(container["image"], []))
-        argv += list(container.get("args") or [])
-        if not argv:
-            self.container_waiting(name, "RunContainerError", "no command and no entrypoint for the image",
-                                   namespace)
-            return
-        argv = [mapped(a) for a in argv]
-        if argv[0] in ("python", "python3"):  # after mapping: the host's interpreter may live under /tmp
-            argv[0] = sys.executable
-        cwd = mapped(container.get("workingDir") or "") or root
-        try:
-            popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
-            self.container_waiting(name, "RunContainerError", f"exec: {e}", namespace)
-            return
-        proc = _Proc(popen, root)
-        with self._lock:
-            if (namespace, name) not in self.objects["pods"]:
-                popen.kill()
-                popen.wait()
-                return
-            self._procs[(namespace, name)] = proc
-            self.logs[(namespace, name)] = proc.lines
-        self.set_running(name, namespace)
-        assert popen.stdout is not None
-        for raw in iter(popen.stdout.readline, b""):
-            with self._lock:
-                proc.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
-        rc = popen.wait()
-        popen.stdout.close()
-        if rc < 0:
-            rc = 128 - rc
-        with self._lock:
-            if (namespace, name) not in self.objects["pods"]:
-                return
-        self.terminate(name, rc, namespace=namespace)
-
-    def _terminate_process(self, namespace: str, name: str, grace: int) -> None:
-        proc = self._procs.get((namespace, name))
-        if proc is None or proc.popen.poll() is not None:
-            return
-        try:
-            os.killpg(proc.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.popen.wait(timeout=max(0, grace))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
     def _delete_pod(self, namespace: str, name: str, grace: int | None) -> dict[str, Any]:
+        # No process runs here, so a graceful delete completes at once, like a kubelet-less pod.
         with self._lock:
-            pod = self.objects["pods"].get((namespace, name))
-            if pod is None:
-                raise ApiError(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
-            proc = self._procs.get((namespace, name))
-            running = proc is not None and proc.popen.poll() is None
-            if grace is None:
-                grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
-            if not running or grace == 0:
-                self._remove("pods", namespace, name)
-                return pod
-            pod["metadata"]["deletionTimestamp"] = _now()
-            pod["metadata"]["deletionGracePeriodSeconds"] = grace
-            self._touch(pod)
-            out = json.loads(json.dumps(pod))
-
-        def finish() -> None:
-            self._terminate_process(namespace, name, grace)
-            self._remove("pods", namespace, name)
-
-        threading.Thread(target=finish, daemon=True).start()
-        return out
+            pod = self._remove("pods", namespace, name)
+        if pod is None:
+            raise ApiError(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
+        return pod
 
     # -- request handling -----------------------------------------------------------------------------
 

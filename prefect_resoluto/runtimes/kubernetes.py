@@ -14,6 +14,10 @@ unique ``resoluto.io/sandbox`` label:
    capability dropped, ``RuntimeDefault`` seccomp, requests = limits from the node's
    resources.
 
+The pod the server stored is checked against those guarantees before the launch counts:
+servers before 1.25 ignore strict field validation and drop fields they do not know, and
+mutating webhooks rewrite pods, so a weakened pod is deleted at once and the launch fails.
+
 Policy and Secret exist before the pod (the policy must be in force when the pod's
 network comes up; the kubelet needs the Secret to start the container), so they cannot
 name the pod as their owner at creation. Right after the pod exists they are patched to
@@ -427,6 +431,15 @@ class KubernetesRuntime(SandboxRuntime):
             core = self._core()
             self._call("list", "pods", "", lambda: core.list_namespaced_pod(
                 self.namespace, limit=1, _request_timeout=self._timeout()))
+            # A real server lists an absent namespace as empty (200); a dry-run create says 404
+            # (and that this identity may create what a launch creates first). Nothing is stored.
+            probe = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"generateName": "resoluto-availability-"},
+                     "spec": {"podSelector": {"matchLabels": {SANDBOX_LABEL: "availability-probe"}},
+                              "policyTypes": ["Ingress"]}}
+            net = self._net()
+            self._call("create", "networkpolicies", "", lambda: net.create_namespaced_network_policy(
+                self.namespace, probe, dry_run="All", _request_timeout=self._timeout()))
         except (KubernetesConfigError, KubernetesApiError) as e:
             return Availability(False, str(e))
         except Exception as e:  # anything else: report, never raise from a probe
@@ -1007,6 +1020,15 @@ class KubernetesRuntime(SandboxRuntime):
                 ns, m.pod, field_validation="Strict", _request_timeout=t),
                 on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token))
             created.append("pods")
+            weakened = self._weakened(pod)
+            if weakened:
+                raise LaunchError(
+                    f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
+                    f"({'; '.join(weakened)}); the pod was deleted at once. Servers before "
+                    "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
+                    "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
+                    "upgrade the cluster or exempt the namespace from that webhook"
+                )
         except KubernetesApiError as e:
             if e.resource == "pods" and (e.status is None or e.status >= 500):
                 created.append("pods")  # an earlier attempt may have landed despite the errors
@@ -1020,6 +1042,29 @@ class KubernetesRuntime(SandboxRuntime):
         self._adopt(name, pod.metadata.uid, created)
         logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.runtime_class)
         return handle
+
+    def _weakened(self, pod: Any) -> list[str]:
+        """The isolation guarantees the stored pod lost on its way in (empty when intact)."""
+        spec = pod.spec
+        psc = spec.security_context
+        c = next((c for c in spec.containers if c.name == CONTAINER_NAME), None)
+        csc = c.security_context if c is not None else None
+        seccomp = lambda sc: getattr(getattr(sc, "seccomp_profile", None), "type", None)  # noqa: E731
+        checks = {
+            f"runtimeClassName {self.runtime_class!r}": spec.runtime_class_name == self.runtime_class,
+            "automountServiceAccountToken false": spec.automount_service_account_token is False,
+            "no host namespaces": not (spec.host_network or spec.host_pid or spec.host_ipc),
+            "pod runAsNonRoot": bool(psc and psc.run_as_non_root),
+            "pod seccompProfile RuntimeDefault": seccomp(psc) == "RuntimeDefault",
+            "container securityContext": csc is not None,
+            "allowPrivilegeEscalation false": bool(csc) and csc.allow_privilege_escalation is False,
+            "privileged false": bool(csc) and not csc.privileged,
+            "capabilities drop ALL": bool(csc and csc.capabilities and "ALL" in (csc.capabilities.drop or [])),
+            "container seccompProfile RuntimeDefault": seccomp(csc) == "RuntimeDefault",
+            "readOnlyRootFilesystem": not self.read_only_root_filesystem
+            or bool(csc and csc.read_only_root_filesystem),
+        }
+        return [what for what, ok in checks.items() if not ok]
 
     def _mine(self, read: Callable[[], Any], token: str) -> Any:
         try:
