@@ -303,6 +303,27 @@ def drive_node(
     for bad input before anything is launched, and re-raises interruption after the
     sandbox has been reaped.
     """
+    try:
+        return _drive(spec, conduit, runtime, on_event=on_event, min_isolation=min_isolation,
+                      silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm)
+    except BaseException:
+        if warm is not None:
+            warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
+        raise
+
+
+def _drive(
+    spec: NodeSpec,
+    conduit: Conduit,
+    runtime: SandboxRuntime,
+    *,
+    on_event: Callable[[dict[str, Any]], None] | None,
+    min_isolation: IsolationLevel | str,
+    silence_window: float,
+    on_launch: Callable[[SandboxHandle], None] | None,
+    should_cancel: Callable[[], bool] | None,
+    warm: WarmSandbox | None,
+) -> NodeOutcome:
     spec.validate()
     check_isolation(runtime, min_isolation)
     t0 = time.monotonic()

@@ -125,6 +125,7 @@ class WarmSandbox:
         return self.handle
 
     def discard(self) -> None:
+        """Destroy the sandbox (idempotent; after ``assign`` the node's driver does it)."""
         try:
             self.runtime.destroy(self.handle)
         except Exception as e:
@@ -204,6 +205,10 @@ class WarmPool:
             self._idle.clear()
         for w in idle:
             w.discard()
+        try:  # any taken but never driven (the process is leaving): by the runtime's own listing
+            self.runtime.sweep({LABEL_POOL: self.id})
+        except Exception as e:
+            log.warning("sweeping the warm pool's sandboxes failed: %s", e)
 
     def ready_count(self, key: PoolKey) -> int:
         """Idle sandboxes of ``key`` that have said they are ready (tests, benchmarks)."""
@@ -305,3 +310,34 @@ def default_size(warm_pool: int | None, max_workers: int) -> int:
     if warm_pool is not None:
         return max(0, warm_pool)
     return min(DEFAULT_CAP, max(1, max_workers))
+
+
+def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: int) -> WarmPool | None:
+    """The task runner's pool (None when disabled or unsupported), already warming the
+    runner's own settings so the first task finds a sandbox ready."""
+    size = default_size(cfg.warm_pool, max_workers)
+    if size == 0:
+        return None
+    pool = WarmPool(runtime, conduit, size=size)
+    if not pool.enabled:
+        if cfg.warm_pool:  # asked for explicitly: say why it is not there
+            log.warning("warm_pool=%d ignored: %s", cfg.warm_pool, pool.why_not)
+        return None
+    if not (cfg.egress or cfg.setup_egress or cfg.egress_resolve):
+        pool.want(PoolKey(image=cfg.image, resources=cfg.resources))
+    return pool
+
+
+def take_for(pool: WarmPool | None, spec: Any, *, prefect: bool = False) -> tuple[WarmSandbox | None, str]:
+    """A warm sandbox for ``spec`` if one is ready, and the words for the task's log."""
+    if pool is None:
+        return None, "cold sandbox (warm pool off)"
+    key = key_for(spec, prefect=prefect)
+    if key is None:
+        return None, "cold sandbox (nodes with egress are never pre-started)"
+    w, waited = pool.take(key)
+    if w is None:
+        return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
+    age = time.monotonic() - w.started
+    return w, (f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s "
+               f"ahead{', still booting' if not w.ready() else ''})")

@@ -25,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
+from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import EventLogForwarder, FlushPacer
@@ -94,6 +95,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         outputs_dir: str | Path | None = None,
         runtime_options: dict[str, Any] | None = None,
         max_workers: int | None = None,
+        warm_pool: int | None = None,
     ) -> None:
         # Runs at import time (@flow(task_runner=...)): record, validate cheaply, load nothing.
         self._options: dict[str, Any] = {
@@ -103,7 +105,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 egress_resolve=egress_resolve, setup_egress=setup_egress, setup_argv=setup_argv,
                 min_isolation=min_isolation, silence_window=silence_window,
                 infrastructure_retries=infrastructure_retries, outputs_dir=outputs_dir,
-                runtime_options=runtime_options,
+                runtime_options=runtime_options, warm_pool=warm_pool,
             ).items() if v is not None
         }
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
@@ -124,9 +126,10 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
+        self._pool: warm_pool_mod.WarmPool | None = None
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_pool")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -182,6 +185,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._pacer = FlushPacer()
         self._pacer.start()
         super().__enter__()
+        self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -194,6 +198,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 self._executor.shutdown(wait=True)
             super().__exit__(exc_type, exc_value, traceback)
         finally:
+            if self._pool is not None:
+                self._pool.close()
             self._sweep()
             if self._pacer is not None:
                 self._pacer.stop()
@@ -211,6 +217,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
 
     def cancel_all(self) -> None:
         self._cancelled.set()
+        if self._pool is not None:
+            self._pool.close()
         with self._live_lock:
             live = list(self._live.values())
         for handle in live:
@@ -301,6 +309,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, params)},
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
+            warm_prefect=warm_pool_mod.needs_real_prefect(_workspace_file(ref, cfg)),
         )
         if outcome.failure == "workload":
             pycall.read_outcome(outcome.output_dir)  # raises RemoteTaskError with the remote traceback
@@ -322,10 +331,12 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         extra_outputs: list[str] | None = None,
         cancel: threading.Event | None = None,
         line_sink: Callable[[str], None] | None = None,
+        warm_prefect: bool = False,
     ) -> NodeOutcome:
         """Drive one node for the current task run, re-launching on infrastructure failure.
 
-        ``line_sink`` receives the workload's merged output lines, in order."""
+        ``line_sink`` receives the workload's merged output lines, in order. ``warm_prefect``:
+        the task's module imports the real Prefect (a warm sandbox pre-imports it)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -371,8 +382,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
                                         redactor=redactor, pacer=self._pacer)
+            warm, how = warm_pool_mod.take_for(self._pool, spec, prefect=warm_prefect)
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
-                                       f"({runtime.isolation.label} isolation), conduit {conduit.url}")
+                                       f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
             launched: list[SandboxHandle] = []
 
             def on_launch(handle: SandboxHandle, _launched: list[SandboxHandle] = launched) -> None:
@@ -399,6 +411,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                     silence_window=cfg.silence_window,
                     on_launch=on_launch,
                     should_cancel=lambda: self._cancelled.is_set() or (cancel is not None and cancel.is_set()),
+                    warm=warm,
                 )
             finally:
                 with self._live_lock:
@@ -441,6 +454,10 @@ def _default_workspace() -> Path:
         except TypeError:
             pass
     return Path.cwd()
+
+
+def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
+    return (cfg.workspace or _default_workspace()) / ref["file"] if ref.get("file") else None
 
 
 def _summary(o: NodeOutcome) -> str:
