@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
-FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress")
+FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress", "pool")
 
 
 def machine() -> dict[str, Any]:
@@ -67,12 +67,14 @@ def main() -> int:
     import flow
     import latency
     import overhead
+    import pool_cost
     import reference
     import staging
     import throughput
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
-               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost}
+               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost,
+               "pool": pool_cost}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}

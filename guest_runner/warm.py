@@ -28,7 +28,8 @@ from guest_runner import runner, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
 
 SLOT_ENV = "RESOLUTO_WARM_SLOT"
-#: "1": pre-start the call interpreter; "prefect": and import the real Prefect in it.
+#: "1": pre-start the call interpreter; "prefect:<module>,...": and import those real Prefect
+#: modules in it (what the task's module imports).
 CALL_ENV = "RESOLUTO_WARM_CALL"
 CALL_MODULE = "guest_runner.call"
 #: Printed (stdout: the sandbox's log) once everything is imported and started.
@@ -80,8 +81,8 @@ class _Prestarted:
 
     def __init__(self, mode: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
-        if mode == "prefect":
-            env["RESOLUTO_WARM_PREFECT"] = "1"
+        if mode.startswith("prefect:"):
+            env["RESOLUTO_WARM_PREFECT"] = mode[len("prefect:"):]
         self.proc: Optional[subprocess.Popen[bytes]] = subprocess.Popen(
             [sys.executable, "-m", "guest_runner.warmcall"], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1)

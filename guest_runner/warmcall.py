@@ -1,7 +1,7 @@
 """A Python task's call interpreter, started by a warm guest before its assignment.
 
 It pays the interpreter start and the call's own imports (and, with
-``RESOLUTO_WARM_PREFECT=1``, the real Prefect's) while the sandbox waits, then reads one
+``RESOLUTO_WARM_PREFECT=prefect.variables,...``, those modules of the real Prefect) while the sandbox waits, then reads one
 JSON line from stdin: ``{"argv": [call.json path], "cwd": ..., "env": {...}}`` and
 becomes ``python -m guest_runner.call`` with exactly that environment and directory.
 It was started before any credential reached the sandbox and never sees the runner's.
@@ -17,10 +17,15 @@ from guest_runner import call, standin
 
 
 def main() -> int:
-    if os.environ.get("RESOLUTO_WARM_PREFECT") == "1":
+    modules = [m for m in os.environ.pop("RESOLUTO_WARM_PREFECT", "").split(",") if m]
+    if modules:
+        import importlib
+
         try:
             standin.use_real_prefect()
-        except Exception:  # noqa: BLE001 - the call then imports what it can itself
+            for name in modules:
+                importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the call then imports (and reports) what it can itself
             pass
     print("resoluto warm: ready", flush=True)
     line = sys.stdin.readline()

@@ -57,34 +57,43 @@ class PoolKey:
     image: str | None = None
     resources: Resources = field(default_factory=Resources)
     egress: tuple[str, ...] = ()
-    #: The call's interpreter pre-imports the real Prefect.
-    prefect: bool = False
+    #: Modules of the real Prefect the call's interpreter pre-imports (empty: the stand-ins).
+    prefect: tuple[str, ...] = ()
 
 
-def key_for(spec: Any, *, prefect: bool = False) -> PoolKey | None:
+def key_for(spec: Any, *, prefect: tuple[str, ...] = ()) -> PoolKey | None:
     """The pool key of a NodeSpec, or None when it must run cold."""
     if spec.egress or spec.setup_egress or spec.egress_forward or spec.egress_resolve:
         return None
     return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), prefect=prefect)
 
 
-_REAL_PREFECT = re.compile(r"^\s*(?:import\s+prefect\.|from\s+prefect\.\S+\s+import\b|import\s+prefect\s*$)",
-                           re.MULTILINE)
-_needs_prefect: dict[str, bool] = {}
+_PREFECT_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)",
+                             re.MULTILINE)
+_FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
+#: What guest_runner.standin answers for ``from prefect import ...``.
+_STAND_INS = {"task", "flow", "get_run_logger"}
+_needs_prefect: dict[str, tuple[str, ...]] = {}
 
 
-def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> bool:
-    """Whether a task module imports more of Prefect than the guest's stand-ins give
-    (``import prefect.variables``, ``from prefect.blocks.system import ...``)."""
+def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+    """The real Prefect modules a task module imports beyond what the guest's stand-ins give
+    (``import prefect.variables``, ``from prefect.blocks.system import ...``): () when the
+    stand-ins do (``from prefect import task``, ``import prefect``), ("prefect",) for
+    ``from prefect import <anything else>``."""
     if not source_file:
-        return False
+        return ()
     path = str(source_file)
     if path not in _needs_prefect:
         try:
             text = Path(path).read_text(encoding="utf-8", errors="replace")
         except OSError:
             text = ""
-        _needs_prefect[path] = bool(_REAL_PREFECT.search(text))
+        found = {a or b for a, b in _PREFECT_IMPORT.findall(text)} - {"prefect"}
+        for names in _FROM_PREFECT.findall(text):
+            if {n.split(" as ")[0].strip() for n in names.strip("()").split(",") if n.strip()} - _STAND_INS:
+                found.add("prefect")
+        _needs_prefect[path] = tuple(sorted(found))
     return _needs_prefect[path]
 
 
@@ -273,7 +282,7 @@ class WarmPool:
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
         python = getattr(self.runtime, "python", None) or sys.executable
-        env = {"RESOLUTO_WARM_CALL": "prefect" if key.prefect else "1"}
+        env = {"RESOLUTO_WARM_CALL": ("prefect:" + ",".join(key.prefect)) if key.prefect else "1"}
         env.update(self.conduit.guest_env())
         state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
         spec = LaunchSpec(
@@ -328,7 +337,7 @@ def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: 
     return pool
 
 
-def take_for(pool: WarmPool | None, spec: Any, *, prefect: bool = False) -> tuple[WarmSandbox | None, str]:
+def take_for(pool: WarmPool | None, spec: Any, *, prefect: tuple[str, ...] = ()) -> tuple[WarmSandbox | None, str]:
     """A warm sandbox for ``spec`` if one is ready, and the words for the task's log."""
     if pool is None:
         return None, "cold sandbox (warm pool off)"

@@ -18,6 +18,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,10 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
         self._pool: warm_pool_mod.WarmPool | None = None
+        self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resoluto-artifacts")
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer", "_pool")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_pool", "_side")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -200,6 +202,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         finally:
             if self._pool is not None:
                 self._pool.close()
+            self._side.shutdown(wait=True)
             self._sweep()
             if self._pacer is not None:
                 self._pacer.stop()
@@ -331,12 +334,12 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         extra_outputs: list[str] | None = None,
         cancel: threading.Event | None = None,
         line_sink: Callable[[str], None] | None = None,
-        warm_prefect: bool = False,
+        warm_prefect: tuple[str, ...] = (),
     ) -> NodeOutcome:
         """Drive one node for the current task run, re-launching on infrastructure failure.
 
         ``line_sink`` receives the workload's merged output lines, in order. ``warm_prefect``:
-        the task's module imports the real Prefect (a warm sandbox pre-imports it)."""
+        the real Prefect modules the task's module imports (a warm sandbox pre-imports them)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -419,7 +422,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                         self._live.pop(h.id, None)
             level = logging.INFO if outcome.ok else logging.ERROR
             forward.emit(level, _summary(outcome))
-            _publish_artifact(outcome, task_name)
+            # Off the task's critical path (an API round trip, 20-300 ms); drained at exit.
+            self._side.submit(contextvars.copy_context().run, _publish_artifact, outcome, task_name)
             if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
                     and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
                 logger.warning(
