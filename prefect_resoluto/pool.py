@@ -45,6 +45,8 @@ LABEL_WARM = "resoluto.warm"
 DEFAULT_CAP = 4
 #: Sandboxes booting at once: boots compete with running tasks for the same cores.
 MAX_BOOTING = 2
+#: Seconds a node that found no warm sandbox counts as demand for its key.
+MISS_WINDOW = 5.0
 READY = "resoluto warm: ready"
 SLOT = "slot"
 GUEST_MODULE = "guest_runner.warm"
@@ -154,6 +156,11 @@ class WarmPool:
         self._idle: dict[PoolKey, list[WarmSandbox]] = {}
         self._wanted: list[PoolKey] = []
         self._broken: set[PoolKey] = set()
+        # Demand per key: warm sandboxes handed out (alive = their node still runs) and the
+        # times nodes found none (cold ones), which together say how many run at once.
+        self._taken: dict[PoolKey, list[WarmSandbox]] = {}
+        self._misses: dict[PoolKey, list[float]] = {}
+        self._floor: dict[PoolKey, int] = {}
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -164,13 +171,15 @@ class WarmPool:
         return not self.why_not
 
     # -- the host's side --------------------------------------------------------------
-    def want(self, key: PoolKey) -> None:
-        """Keep ``key`` warm from now on (the runner's defaults at start, every key in demand)."""
+    def want(self, key: PoolKey, idle: int = 0) -> None:
+        """Keep ``key`` warm from now on (the runner's defaults at start, every key in demand);
+        ``idle``: at least that many idle (up to ``size``) whatever the demand."""
         if not self.enabled:
             return
         with self._lock:
             if self._closed or key in self._broken:
                 return
+            self._floor[key] = max(self._floor.get(key, 0), min(idle, self.size))
             if key not in self._wanted:
                 self._wanted.append(key)
             if self._thread is None:
@@ -179,8 +188,10 @@ class WarmPool:
             self._lock.notify_all()
 
     def take(self, key: PoolKey | None) -> tuple[WarmSandbox | None, float]:
-        """A warm sandbox of ``key`` (ready ones first) and the seconds spent getting it;
-        (None, seconds) when there is none: the node runs cold, and the key is warmed."""
+        """A ready warm sandbox of ``key`` and the seconds spent getting it; (None, seconds)
+        when there is none: the node runs cold, and the key is warmed. Never one still
+        booting: until the guest says it is ready, runsc may not have opened the slot it
+        mounts, and moving the slot then would fail the sandbox's start."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
@@ -188,10 +199,12 @@ class WarmPool:
         while True:
             with self._lock:
                 idle = self._idle.get(key) or []
-                pick = next((w for w in idle if w.ready()), None) or (idle[0] if idle else None)
+                pick = next((w for w in idle if w.ready()), None)
                 if pick is None:
+                    self._misses.setdefault(key, []).append(time.monotonic())
                     return None, time.monotonic() - t0
                 idle.remove(pick)
+                self._taken.setdefault(key, []).append(pick)
                 self._lock.notify_all()
             if pick.alive():
                 return pick, time.monotonic() - t0
@@ -257,12 +270,22 @@ class WarmPool:
                 w.discard()
                 return
 
+    def target(self, key: PoolKey) -> int:
+        """Idle sandboxes to keep for ``key``: one more than its nodes running now (warm ones
+        still alive, cold ones started in the last MISS_WINDOW seconds), at most ``size``."""
+        now = time.monotonic()
+        taken = self._taken.get(key) or []
+        taken[:] = [w for w in taken if w.alive()]
+        misses = self._misses.get(key) or []
+        misses[:] = [t for t in misses if now - t < MISS_WINDOW]
+        return max(self._floor.get(key, 0), min(self.size, 1 + len(taken) + len(misses)))
+
     def _next_key(self) -> PoolKey | None:
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
         if booting >= MAX_BOOTING:
             return None
         for key in self._wanted:
-            if len(self._idle.get(key) or []) < self.size:
+            if len(self._idle.get(key) or []) < self.target(key):
                 return key
         return None
 
@@ -349,4 +372,4 @@ def take_for(pool: WarmPool | None, spec: Any, *, prefect: tuple[str, ...] = ())
         return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
     age = time.monotonic() - w.started
     return w, (f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s "
-               f"ahead{', still booting' if not w.ready() else ''})")
+               "ahead)")

@@ -18,7 +18,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +127,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._cancelled = threading.Event()
         self._pacer: FlushPacer | None = None
         self._pool: warm_pool_mod.WarmPool | None = None
-        self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resoluto-artifacts")
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer", "_pool", "_side")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_pool")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -202,7 +200,6 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         finally:
             if self._pool is not None:
                 self._pool.close()
-            self._side.shutdown(wait=True)
             self._sweep()
             if self._pacer is not None:
                 self._pacer.stop()
@@ -422,8 +419,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                         self._live.pop(h.id, None)
             level = logging.INFO if outcome.ok else logging.ERROR
             forward.emit(level, _summary(outcome))
-            # Off the task's critical path (an API round trip, 20-300 ms); drained at exit.
-            self._side.submit(contextvars.copy_context().run, _publish_artifact, outcome, task_name)
+            _publish_artifact(outcome, task_name)
             if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
                     and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
                 logger.warning(

@@ -27,7 +27,7 @@ def _ready_pool(rt, conduit: LocalConduit, key, n: int = 1) -> WarmPool:
     """A pool holding ``n`` warm sandboxes of ``key`` that have reported ready."""
     pool = WarmPool(rt, conduit, size=n)
     assert pool.enabled, pool.why_not
-    pool.want(key)
+    pool.want(key, idle=n)
     wait_for(lambda: pool.ready_count(key) == n or key in pool._broken, timeout=120, what="warm sandboxes")
     assert key not in pool._broken, "warm sandboxes ended before they were ready"
     return pool

@@ -41,6 +41,15 @@ def sandbox_line(task_run_id) -> str:
     return next(m for m in msgs if m.startswith("sandbox node "))
 
 
+def wait_ready() -> None:
+    """In a flow: until the live runner's pool has a ready sandbox of every key it warms."""
+    from prefect.context import FlowRunContext
+
+    pool = FlowRunContext.get().task_runner._pool
+    wait_for(lambda: pool._wanted and all(pool.ready_count(k) for k in pool._wanted), timeout=120,
+             what="a ready warm sandbox")
+
+
 def idle_warm(rt) -> list[str]:
     return [r.id for r in records(rt.state) if r.labels.get(LABEL_WARM) == "idle"]
 
@@ -48,14 +57,18 @@ def idle_warm(rt) -> list[str]:
 def test_sequential_tasks_get_warm_sandboxes_and_never_share_one(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path, warm_pool=2))
     def three_in_a_row() -> list[bool]:
-        return [pt.mark_tmp.submit().result() for _ in range(3)]
+        out = [pt.mark_tmp.submit().result()]
+        for _ in range(2):
+            wait_ready()  # a ready one is what a warm node takes; booting ones are left alone
+            out.append(pt.mark_tmp.submit().result())
+        return out
 
     state = three_in_a_row(return_state=True)
     assert state.is_completed(), state
     assert state.result() == [False, False, False]  # no task saw another's /tmp
     runs = task_runs(state.state_details.flow_run_id)
     lines = [sandbox_line(r.id) for r in runs]
-    # The first may find the pool still empty; later ones find one started while it ran.
+    # The first may find the pool still empty; later ones find a ready one.
     assert all("warm sandbox rsl-" in line for line in lines[1:]), lines
     assert all("waited" in line or "looked for" in line for line in lines), lines
     no_orphans()  # the idle ones went at runner exit
@@ -122,8 +135,7 @@ def test_a_task_module_needing_real_prefect_gets_it_pre_imported(gvisor, conduit
         from prefect_resoluto import pool
 
         assert pool.needs_real_prefect(rp.__file__)
-        wait_for(lambda: any(r.labels.get(LABEL_WARM) == "idle" and r.labels for r in records(get_runtime("gvisor").state)),
-                 timeout=60, what="a warm sandbox")
+        wait_ready()
         return [first, rp.has_variables.submit().result()]
 
     state = real(return_state=True)
