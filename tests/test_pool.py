@@ -200,3 +200,51 @@ def test_archive_of_a_warm_node_is_unpacked_by_the_host(gvisor, local_conduit, t
         pool.close()
     assert o.ok, o.describe()
     assert (tmp_path / "o" / "out" / "a.txt").read_text() == "hi\n"
+
+
+def test_warm_pool_setting_on_config_block_and_runner(tmp_path):
+    from prefect_resoluto import ResolutoTaskRunner
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.pool import default_size
+
+    with pytest.raises(ValueError, match="warm_pool"):
+        SandboxConfig(warm_pool=-1)
+    assert SandboxBlock(warm_pool=2).to_config().warm_pool == 2
+    assert SandboxBlock().to_config().warm_pool is None
+    assert ResolutoTaskRunner(warm_pool=0)._options["warm_pool"] == 0
+    assert default_size(None, 8) == 4 and default_size(None, 2) == 2 and default_size(0, 8) == 0
+
+
+def test_real_prefect_is_learned_from_the_module_imports(tmp_path):
+    from prefect_resoluto.pool import needs_real_prefect
+
+    cases = {
+        "from prefect import task, flow\nimport prefect\n": (),
+        "from prefect import (task,\n    get_run_logger)\n": (),
+        "import prefect.variables\nfrom prefect import task\n": ("prefect.variables",),
+        "from prefect.blocks.system import Secret\n": ("prefect.blocks.system",),
+        "from prefect import task, variables as v\n": ("prefect",),
+        "# import prefect.variables\nx = 'from prefect.x import y'\n": (),
+    }
+    for i, (src, want) in enumerate(cases.items()):
+        f = tmp_path / f"m{i}.py"
+        f.write_text(src)
+        assert needs_real_prefect(f) == want, src
+    assert needs_real_prefect(tmp_path / "missing.py") == ()
+
+
+def test_slot_conduit_holds_one_node_and_speaks_canonical_keys(tmp_path):
+    from guest_runner.conduit import InvalidKey
+    from guest_runner.warm import SlotConduit
+
+    slot = tmp_path / "slot"
+    c = SlotConduit(str(slot), "run/r/nodes/n")
+    c.put("run/r/nodes/n/events-000001.jsonl", b"{}\n")
+    assert (slot / "events-000001.jsonl").read_bytes() == b"{}\n"
+    assert c.list_prefix("run/r/nodes/n/events-") == ["run/r/nodes/n/events-000001.jsonl"]
+    assert c.get("run/r/nodes/n/events-000001.jsonl") == b"{}\n"
+    for bad in ("run/r/nodes/other/result.json", "run/r/nodes/n/../m/x", "inbox/x"):
+        with pytest.raises(InvalidKey):
+            c.put(bad, b"x")
+    assert c.delete_prefix("run/r/nodes/n/") == 1
