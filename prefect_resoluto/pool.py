@@ -281,6 +281,11 @@ class WarmPool:
         return max(self._floor.get(key, 0), min(self.size, 1 + len(taken) + len(misses)))
 
     def _next_key(self) -> PoolKey | None:
+        # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
+        for ws in self._idle.values():
+            for w in [w for w in ws if not w.ready() and not w.alive()]:
+                ws.remove(w)
+                threading.Thread(target=self._failed, args=(w,), daemon=True).start()
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
         if booting >= MAX_BOOTING:
             return None

@@ -248,3 +248,20 @@ def test_slot_conduit_holds_one_node_and_speaks_canonical_keys(tmp_path):
         with pytest.raises(InvalidKey):
             c.put(bad, b"x")
     assert c.delete_prefix("run/r/nodes/n/") == 1
+
+
+def test_a_warm_sandbox_that_dies_booting_stops_the_pool_for_its_key(gvisor, local_conduit, caplog):
+    from prefect_resoluto.pool import PoolKey
+    from prefect_resoluto.runtimes.base import Resources
+
+    # 1 MiB cannot hold an interpreter: the guest dies before it is ready.
+    key = PoolKey(resources=Resources(memory_bytes=1024 * 1024))
+    pool = WarmPool(gvisor, local_conduit, size=1)
+    try:
+        pool.want(key, idle=1)
+        wait_for(lambda: key in pool._broken, timeout=120, what="the pool to give up on the key")
+        assert pool.take(key)[0] is None
+        assert "ended before it was ready" in caplog.text
+    finally:
+        pool.close()
+    _no_sandboxes(gvisor)
