@@ -45,9 +45,10 @@ def main() -> None:
     logging.getLogger("prefect.task_runs").setLevel(logging.INFO)  # forwarded sandbox lines pass
     out: dict[str, object] = {"n": args.n}
 
-    def resoluto(runtime: str) -> ResolutoTaskRunner:
+    def resoluto(runtime: str, warm_pool: int | None = 0) -> ResolutoTaskRunner:
+        """``warm_pool``: 0 (off, the cold path) or None (the runner's default pool)."""
         return ResolutoTaskRunner(runtime=runtime, conduit=(work / "conduit").as_uri(), workspace=ws,
-                                  outputs_dir=work / "outputs",
+                                  outputs_dir=work / "outputs", warm_pool=warm_pool,
                                   min_isolation="none" if runtime == "process" else None)
 
     def mapped(runner: object, n: int) -> float:
@@ -79,6 +80,7 @@ def main() -> None:
         runner = resoluto(rt)
         out["resoluto_max_workers"] = runner._max_workers
         walls[rt] = mapped(runner, args.n)
+        walls[f"{rt}+pool"] = mapped(resoluto(rt, None), args.n)
     out["wall_s"] = {k: round(v, 3) for k, v in walls.items()}
 
     # Latency at the Prefect log API, on the process runtime (the cheapest sandbox, so

@@ -31,7 +31,7 @@ import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
 FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress",
-           "solari_relay", "worker")
+           "solari_relay", "worker", "pool")
 
 
 def machine() -> dict[str, Any]:
@@ -68,6 +68,7 @@ def main() -> int:
     import flow
     import latency
     import overhead
+    import pool_cost
     import reference
     import solari_relay
     import staging
@@ -76,7 +77,7 @@ def main() -> int:
 
     modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
                "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost,
-               "solari_relay": solari_relay, "worker": worker}
+               "solari_relay": solari_relay, "worker": worker, "pool": pool_cost}
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}

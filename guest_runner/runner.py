@@ -31,7 +31,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
@@ -106,17 +106,26 @@ def _log_record(line: str) -> Optional[Dict[str, str]]:
     return {"msg": rec["msg"], "level": str(rec.get("level", "INFO")), "logger": str(rec.get("logger", ""))}
 
 
+def _popen(argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool) -> "subprocess.Popen[bytes]":
+    return subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=own_group,
+        # Buffered: readline() then takes whole lines out of each read(2) instead of one
+        # byte per system call, and still returns as soon as a newline is available.
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1,
+    )
+
+
+#: Starts a phase's process: (argv, cwd, env, own_group) -> a Popen with stdout piped.
+#: A warm guest (guest_runner.warm) hands the workload an interpreter it started earlier.
+Starter = Callable[[List[str], Optional[str], Dict[str, str], bool], "subprocess.Popen[bytes]"]
+
+
 def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[str],
-                   env: Dict[str, str], own_group: bool = False) -> int:
+                   env: Dict[str, str], own_group: bool = False, start: Starter = _popen) -> int:
     """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code.
     ``own_group``: in its own process group, all of which is killed when it exits."""
     try:
-        proc = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=own_group,
-            # Buffered: readline() then takes whole lines out of each read(2) instead of one
-            # byte per system call, and still returns as soon as a newline is available.
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1,
-        )
+        proc = start(argv, cwd, env, own_group)
     except FileNotFoundError:
         span.log(f"command not found: {argv[0]}")
         span.outputs["exit_code"] = 127
@@ -154,7 +163,7 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
     return rc
 
 
-def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, object]:
+def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter = _popen) -> Dict[str, object]:
     """Run one node and return its result (not yet written)."""
     result = wire.make_result(cfg.node_id)
     if cfg.workspace:
@@ -200,7 +209,7 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper) -> Dict[str, o
                     ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY_WORKLOAD")
             if ok:
                 with shipper.span(node.span_id, "workload", cfg.node_id, {"argv": cfg.argv}) as sp:
-                    rc = _exec_streamed(shipper, sp, cfg.argv, workspace, cfg.child_env)
+                    rc = _exec_streamed(shipper, sp, cfg.argv, workspace, cfg.child_env, start=start)
                 result["exit_code"] = rc
                 result["status"] = "success" if rc == 0 else "failure"
                 if rc == 127:
@@ -274,11 +283,15 @@ def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, o
     shipper.write_manifest()
 
 
-def main(env: Optional[Mapping[str, str]] = None) -> int:
+def main(env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = None,
+         start: Starter = _popen) -> int:
+    """``conduit`` and ``start``: a warm guest's (its node directory mounted elsewhere, its
+    call interpreter already started); by default both come from the environment."""
     env = dict(os.environ if env is None else env)
     redactor = Redactor.from_env(env)
     try:
-        conduit = conduit_from_env(env)
+        if conduit is None:
+            conduit = conduit_from_env(env)
     except Exception as e:
         print(f"resoluto guest: cannot open the conduit: {redactor.text(str(e))}", file=sys.stderr)
         return 3
@@ -298,7 +311,7 @@ def main(env: Optional[Mapping[str, str]] = None) -> int:
                       heartbeat_interval=max(heartbeat, 0.1)).start()
     try:
         cfg = NodeConfig(env)
-        result = run_node(cfg, conduit, shipper)
+        result = run_node(cfg, conduit, shipper, start)
     except ConfigError as e:
         shipper.log("", f"configuration error: {e}", kind="error")
         result = wire.make_result(node_id, "failure", None, None, reason=f"configuration error: {e}")

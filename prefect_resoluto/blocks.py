@@ -122,6 +122,9 @@ def my_flow(): ...
         description="Refuse runtimes weaker than this.")
     silence_window: float = Field(600.0, description="Seconds without any event before a sandbox is presumed dead.")
     infrastructure_retries: int = Field(1, ge=0, description="Re-launches after an infrastructure failure.")
+    warm_pool: int | None = Field(
+        None, ge=0, description="Warm sandboxes kept ready per kind of node (0 disables; empty: the task "
+        "runner's concurrency, at most 4, on local runtimes).")
     output_paths: list[str] = Field(default_factory=list, description="Paths/globs returned from every node.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every sandbox.")
     secret_env: SecretDict = Field(
@@ -204,6 +207,7 @@ def my_flow(): ...
             min_isolation=self.min_isolation,
             silence_window=self.silence_window,
             infrastructure_retries=self.infrastructure_retries,
+            warm_pool=self.warm_pool,
         )
 
 

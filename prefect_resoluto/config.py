@@ -61,6 +61,9 @@ class SandboxConfig:
     silence_window: float = DEFAULT_SILENCE_WINDOW
     infrastructure_retries: int = 1
     outputs_dir: Path | None = None
+    #: Idle warm sandboxes kept per pool key (prefect_resoluto.pool); 0 disables; None: the
+    #: runner's max_workers, capped at pool.DEFAULT_CAP, on runtimes that support it.
+    warm_pool: int | None = None
 
     def __post_init__(self) -> None:
         self.min_isolation = IsolationLevel.parse(self.min_isolation)
@@ -73,6 +76,8 @@ class SandboxConfig:
         Resources.from_quantities(pids=self.pids)  # validates pids
         if self.infrastructure_retries < 0:
             raise ValueError("infrastructure_retries must be >= 0")
+        if self.warm_pool is not None and (isinstance(self.warm_pool, bool) or int(self.warm_pool) < 0):
+            raise ValueError("warm_pool must be a number of sandboxes >= 0 (0 disables the pool)")
         if self.silence_window <= 0:
             raise ValueError("silence_window must be positive (seconds)")
         if self.workspace is not None:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
@@ -33,6 +33,9 @@ from prefect_resoluto.runtimes.base import (
     memory_hint,
 )
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
+
+if TYPE_CHECKING:
+    from prefect_resoluto.pool import WarmSandbox
 
 log = logging.getLogger("prefect_resoluto.node")
 
@@ -187,6 +190,8 @@ class NodeOutcome:
     sandbox_id: str
     events: int
     timings: dict[str, float]
+    #: Whether the node ran in a sandbox started ahead of demand (prefect_resoluto.pool).
+    warm: bool = False
 
     @property
     def ok(self) -> bool:
@@ -288,13 +293,38 @@ def drive_node(
     silence_window: float = DEFAULT_SILENCE_WINDOW,
     on_launch: Callable[[SandboxHandle], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    warm: WarmSandbox | None = None,
 ) -> NodeOutcome:
     """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
+
+    ``warm``: a sandbox of ``runtime`` started ahead of demand (:mod:`prefect_resoluto.pool`),
+    assigned this node instead of launching one; it is destroyed with the node either way.
 
     Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
     for bad input before anything is launched, and re-raises interruption after the
     sandbox has been reaped.
     """
+    try:
+        return _drive(spec, conduit, runtime, on_event=on_event, min_isolation=min_isolation,
+                      silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm)
+    except BaseException:
+        if warm is not None:
+            warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
+        raise
+
+
+def _drive(
+    spec: NodeSpec,
+    conduit: Conduit,
+    runtime: SandboxRuntime,
+    *,
+    on_event: Callable[[dict[str, Any]], None] | None,
+    min_isolation: IsolationLevel | str,
+    silence_window: float,
+    on_launch: Callable[[SandboxHandle], None] | None,
+    should_cancel: Callable[[], bool] | None,
+    warm: WarmSandbox | None,
+) -> NodeOutcome:
     spec.validate()
     check_isolation(runtime, min_isolation)
     t0 = time.monotonic()
@@ -314,6 +344,15 @@ def drive_node(
         # guest runner keeps them from the workload. Remote runtimes mint their own.
         launch.secret_env = {**conduit.guest_credentials(), **launch.secret_env}
     runtime.check_spec(launch)  # refusals (egress, local conduit on a remote runtime) before any put
+    if warm is not None:
+        try:
+            warm.place(conduit, rel_prefix)  # the slot becomes the node's directory, before any put
+            launch.sandbox_id = warm.handle.id
+        except OSError as e:
+            log.warning("warm sandbox %s cannot take node %s (%s); launching a cold one", warm.handle.id,
+                        spec.node_id, e)
+            warm.discard()
+            warm = None
 
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
@@ -362,8 +401,13 @@ def drive_node(
     timings: dict[str, float] = {}
     try:
         try:
-            handle = runtime.launch(launch)
+            if warm is not None:
+                handle = warm.assign(launch)
+            else:
+                handle = runtime.launch(launch)
         except Exception as e:
+            if warm is not None:
+                handle = warm.handle  # reaped below like any other
             failure, reason = "unstartable", f"launch failed: {e}"
             raise _Stop() from None
         timings["launch"] = time.monotonic() - t0
@@ -495,6 +539,7 @@ def drive_node(
         sandbox_id=launch.sandbox_id,
         events=events,
         timings=timings,
+        warm=warm is not None,
     )
 
 

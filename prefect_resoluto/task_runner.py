@@ -25,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
+from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import EventLogForwarder, FlushPacer
@@ -96,6 +97,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         outputs_dir: str | Path | None = None,
         runtime_options: dict[str, Any] | None = None,
         max_workers: int | None = None,
+        warm_pool: int | None = None,
     ) -> None:
         # Runs at import time (@flow(task_runner=...)): record, validate cheaply, load nothing.
         self._options: dict[str, Any] = {
@@ -105,7 +107,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 egress_resolve=egress_resolve, setup_egress=setup_egress, setup_argv=setup_argv,
                 min_isolation=min_isolation, silence_window=silence_window,
                 infrastructure_retries=infrastructure_retries, outputs_dir=outputs_dir,
-                runtime_options=runtime_options,
+                runtime_options=runtime_options, warm_pool=warm_pool,
             ).items() if v is not None
         }
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
@@ -132,9 +134,10 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._pacer: FlushPacer | None = None
         self._announced: set[str] = set()
         self._deployment_names: dict[str, str | None] = {}
+        self._pool: warm_pool_mod.WarmPool | None = None
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -190,6 +193,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._pacer = FlushPacer()
         self._pacer.start()
         super().__enter__()
+        self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -202,6 +206,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 self._executor.shutdown(wait=True)
             super().__exit__(exc_type, exc_value, traceback)
         finally:
+            if self._pool is not None:
+                self._pool.close()
             self._sweep()
             if self._pacer is not None:
                 self._pacer.stop()
@@ -219,6 +225,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
 
     def cancel_all(self) -> None:
         self._cancelled.set()
+        if self._pool is not None:
+            self._pool.close()
         with self._live_lock:
             live = list(self._live.values())
         for handle in live:
@@ -342,6 +350,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
             failure_detail=raised,
+            warm_prefect=warm_pool_mod.needs_real_prefect(_workspace_file(ref, cfg)),
         )
         if outcome.failure == "workload":
             # raises the task's own exception type (or RemoteTaskError), remote traceback kept
@@ -400,12 +409,14 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         cancel: threading.Event | None = None,
         line_sink: Callable[[str], None] | None = None,
         failure_detail: Callable[[NodeOutcome], str | None] | None = None,
+        warm_prefect: tuple[str, ...] = (),
     ) -> NodeOutcome:
         """Drive one node for the current task run, re-launching on infrastructure failure.
 
         ``line_sink`` receives the workload's merged output lines, in order;
         ``failure_detail`` what the outcome line of a failed workload says instead of
-        the generic description (a Python task's traceback)."""
+        the generic description (a Python task's traceback); ``warm_prefect`` the real
+        Prefect modules the task's module imports (a warm sandbox pre-imports them)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -451,8 +462,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
                                         redactor=redactor, pacer=self._pacer)
+            warm, how = warm_pool_mod.take_for(self._pool, spec, prefect=warm_prefect)
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
-                                       f"({runtime.isolation.label} isolation), conduit {conduit.url}")
+                                       f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
             launched: list[SandboxHandle] = []
 
             def on_launch(handle: SandboxHandle, _launched: list[SandboxHandle] = launched) -> None:
@@ -479,6 +491,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                     silence_window=cfg.silence_window,
                     on_launch=on_launch,
                     should_cancel=lambda: self._cancelled.is_set() or (cancel is not None and cancel.is_set()),
+                    warm=warm,
                 )
             finally:
                 with self._live_lock:
@@ -542,6 +555,10 @@ def _json_only(values: dict[str, Any]) -> dict[str, Any]:
         except Exception:
             out.pop(str(k), None)
     return out
+
+
+def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
+    return (cfg.workspace or _default_workspace()) / ref["file"] if ref.get("file") else None
 
 
 def _summary(o: NodeOutcome, detail: str | None = None) -> str:

@@ -18,7 +18,7 @@ import threading
 import time
 from abc import abstractmethod
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, ClassVar
 
 from prefect_resoluto import egress
 
@@ -60,6 +60,8 @@ _DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
 _LOCK = threading.Lock()
 # Sandboxes with an egress network, by (runtime, sandbox id) -> run id.
 _NETWORKS: dict[tuple[str, str], str] = {}
+# Warm sandboxes' stdin, kept open until their assignment (or destroy) closes it.
+_STDIN: dict[tuple[str, str], IO[bytes]] = {}
 
 LIMIT_MODES = ("auto", "cgroup", "rlimit", "none")
 
@@ -192,10 +194,14 @@ class LocalChildRuntime(SandboxRuntime):
             with open_log(d / LOG_NAME) as log:
                 proc = subprocess.Popen(
                     argv, env=prep.env, cwd=prep.cwd, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL if prep.stdin_data is None else subprocess.PIPE,
+                    stdin=subprocess.PIPE if spec.hold_stdin or prep.stdin_data is not None
+                    else subprocess.DEVNULL,
                     start_new_session=True, close_fds=True,
                 )
-            if proc.stdin is not None:
+            if proc.stdin is not None and spec.hold_stdin:
+                with _LOCK:
+                    _STDIN[key] = proc.stdin
+            elif proc.stdin is not None:
                 _feed(proc.stdin, prep.stdin_data or b"")
         except (OSError, ValueError, LaunchError) as e:
             self._cleanup_failed_launch(spec.sandbox_id, d)
@@ -212,6 +218,27 @@ class LocalChildRuntime(SandboxRuntime):
             id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
             data={"pid": proc.pid, "start_time": rec.start_time, "dir": str(d), **prep.extra},
         )
+
+    supports_warm: ClassVar[bool] = True
+
+    def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
+        key = (self.name, handle.id)
+        with _LOCK:
+            pipe = _STDIN.pop(key, None)
+        if pipe is None:
+            raise LaunchError(f"sandbox {handle.id!r} is not a warm sandbox waiting for an assignment")
+        if labels:  # sweep by flow run finds it from now on
+            rec = SandboxRecord.load(sandbox_dir(self.state, handle.id))
+            if rec is not None:
+                rec.labels.update(labels)
+                rec.save()
+            handle.labels.update(labels)
+        try:
+            pipe.write(data)
+            pipe.close()
+        except OSError as e:
+            raise LaunchError(f"warm sandbox {handle.id!r} did not take its assignment (it has exited: "
+                              f"{self.status(handle).reason or e})") from e
 
     def _cleanup_failed_launch(self, sandbox_id: str, d: Path) -> None:
         self._detach_network(sandbox_id, None)
@@ -289,6 +316,12 @@ class LocalChildRuntime(SandboxRuntime):
         with _LOCK:
             proc = _CHILDREN.pop(key, None)
             final: SandboxStatus | None = _TERMINAL.pop(key, None)
+            pipe = _STDIN.pop(key, None)
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
         rec = SandboxRecord.load(d)
         code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
         if final is None and code is not None:  # judge it now, before the evidence is removed

@@ -169,6 +169,9 @@ class LaunchSpec:
     image: str | None = None
     #: Replaces the runtime's way of starting the guest runner (tests, foreign guests).
     command: list[str] | None = None
+    #: A warm sandbox (prefect_resoluto.pool): stdin stays an open pipe to the host, the
+    #: private channel its assignment arrives on (see ``assign``).
+    hold_stdin: bool = False
 
 
 @dataclass
@@ -278,6 +281,16 @@ class SandboxRuntime(ABC):
     #: Whether that allowlist is by name through the host's per-run proxy (local runtimes),
     #: rather than by CIDR (Kubernetes NetworkPolicy).
     egress_by_name: ClassVar[bool] = False
+
+    #: Whether the pool may keep sandboxes of this runtime warm (``assign`` works).
+    supports_warm: ClassVar[bool] = False
+    #: Whether a local conduit reaches the sandbox through a bind mount that follows its
+    #: directory when the host renames it (False: the guest sees host paths as they are).
+    mounts_conduit: ClassVar[bool] = True
+
+    def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
+        """Deliver a warm sandbox's assignment on its private channel, once."""
+        raise LaunchError(f"runtime {self.name!r} cannot keep sandboxes warm")
 
     def prepare(self, conduit: Any, run_id: str) -> None:  # noqa: B027 - optional hook
         """Called before each launch of a run; runtimes that stage per-run material

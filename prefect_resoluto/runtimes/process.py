@@ -20,6 +20,7 @@ from .base import Availability, IsolationLevel, LaunchSpec
 
 class ProcessRuntime(LocalChildRuntime):
     name: ClassVar[str] = "process"
+    mounts_conduit: ClassVar[bool] = False
 
     def __init__(
         self,

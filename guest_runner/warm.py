@@ -1,0 +1,164 @@
+"""A warm guest: ``python -m guest_runner.warm``, started ahead of demand.
+
+It boots with no node, no ids and no credentials: it imports the runner, starts the
+interpreter that will run a Python task's call (:mod:`guest_runner.warmcall`), and then
+blocks on stdin, a pipe only the host holds, for one JSON line, its *assignment*::
+
+    {"env": {...RESOLUTO_* and the user's variables...}, "secret_env": {...}}
+
+From there it is an ordinary node (``runner.main``). Nothing of the assignment touches
+the conduit or a file: a warm sandbox that is never assigned (stdin closes, the host
+went away) exits without writing anything.
+
+With ``RESOLUTO_WARM_SLOT`` the node's conduit directory is mounted at that fixed path
+(the host moves it to the node's canonical key path at assignment); the guest still
+writes canonical keys (``run/<run>/nodes/<node>/...``, also inside ``result.json``), which
+:class:`SlotConduit` maps into the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+from guest_runner import runner, wire
+from guest_runner.conduit import InvalidKey, LocalConduit
+
+SLOT_ENV = "RESOLUTO_WARM_SLOT"
+#: "1": pre-start the call interpreter; "prefect:<module>,...": and import those real Prefect
+#: modules in it (what the task's module imports).
+CALL_ENV = "RESOLUTO_WARM_CALL"
+CALL_MODULE = "guest_runner.call"
+#: Printed (stdout: the sandbox's log) once everything is imported and started.
+READY = "resoluto warm: ready"
+#: The runtime's own view of the sandbox, kept over the assignment's.
+RUNTIME_OWNED = ("RESOLUTO_WORKSPACE_DIR", "RESOLUTO_STORE_ROOT")
+
+
+class SlotConduit(LocalConduit):
+    """One node's directory, mounted at ``slot``: canonical keys under ``prefix`` only."""
+
+    def __init__(self, slot: str, prefix: str) -> None:
+        super().__init__(slot)
+        self.prefix = prefix.rstrip("/") + "/"
+
+    def _rel(self, key: str) -> str:
+        if not key.startswith(self.prefix):
+            raise InvalidKey(f"conduit key {key!r} is outside this node's prefix {self.prefix!r}")
+        return key[len(self.prefix):]
+
+    def put(self, key: str, data: bytes) -> None:
+        super().put(self._rel(key), data)
+
+    def get(self, key: str) -> bytes:
+        return super().get(self._rel(key))
+
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+        rel = self._rel(prefix)
+        after = self._rel(start_after) if start_after is not None else None
+        return [self.prefix + k for k in super().list_prefix(rel, after)]
+
+    def delete_prefix(self, prefix: str) -> int:
+        n = 0
+        for key in self.list_prefix(prefix):
+            try:
+                LocalConduit.path_for(self, self._rel(key)).unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
+
+    @property
+    def url(self) -> str:
+        return self.root.as_uri()
+
+
+class _Prestarted:
+    """The call's interpreter, started at boot before any credential existed here."""
+
+    def __init__(self, mode: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
+        if mode.startswith("prefect:"):
+            env["RESOLUTO_WARM_PREFECT"] = mode[len("prefect:"):]
+        self.proc: Optional[subprocess.Popen[bytes]] = subprocess.Popen(
+            [sys.executable, "-m", "guest_runner.warmcall"], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1)
+        assert self.proc.stdout is not None
+        # Its first line says its imports are done (anything else: it failed; go cold).
+        if self.proc.stdout.readline().strip() != READY.encode():
+            self.close()
+
+    def starter(self, argv: List[str], cwd: Optional[str], env: Dict[str, str],
+                own_group: bool) -> "subprocess.Popen[bytes]":
+        proc, self.proc = self.proc, None
+        if proc is None or own_group or argv[1:3] != ["-m", CALL_MODULE] or proc.poll() is not None:
+            self.close(proc)
+            return runner._popen(argv, cwd, env, own_group)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write((json.dumps({"argv": argv[3:], "cwd": cwd, "env": env}) + "\n").encode())
+            proc.stdin.close()
+        except OSError:  # it died at boot: a fresh interpreter, as a cold node would
+            self.close(proc)
+            return runner._popen(argv, cwd, env, own_group)
+        return proc
+
+    def close(self, proc: "Optional[subprocess.Popen[bytes]]" = None) -> None:
+        proc = proc or self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assignment(line: str) -> Dict[str, str]:
+    a = json.loads(line)
+    if not isinstance(a, dict) or not isinstance(a.get("env"), dict):
+        raise ValueError("the assignment must be a JSON object with an 'env' object")
+    env = {str(k): str(v) for k, v in a["env"].items()}
+    env.update({str(k): str(v) for k, v in (a.get("secret_env") or {}).items()})
+    return env
+
+
+def main() -> int:
+    mode = os.environ.get(CALL_ENV, "")
+    call = _Prestarted(mode) if mode else None
+    try:
+        print(READY, flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0  # never assigned: nothing was written anywhere
+        try:
+            assigned = _assignment(line)
+        except ValueError as e:
+            print(f"resoluto warm guest: bad assignment: {e}", file=sys.stderr)
+            return 3
+        boot = {k: v for k, v in os.environ.items() if k not in (SLOT_ENV, CALL_ENV)}
+        env = {**boot, **assigned}
+        for k in RUNTIME_OWNED:
+            if k in boot:
+                env[k] = boot[k]
+        if "PYTHONPATH" in assigned and boot.get("PYTHONPATH"):
+            env["PYTHONPATH"] = f"{boot['PYTHONPATH']}:{assigned['PYTHONPATH']}"
+        conduit = None
+        slot = os.environ.get(SLOT_ENV)
+        if slot:
+            try:
+                prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
+                    env.get("RESOLUTO_RUN_ID", ""), env.get("RESOLUTO_NODE_ID", ""))
+            except wire.WireError as e:
+                print(f"resoluto warm guest: {e}", file=sys.stderr)
+                return 3
+            conduit = SlotConduit(slot, prefix)
+        os.environ.clear()
+        os.environ.update(env)
+        return runner.main(env, conduit=conduit, start=call.starter if call else runner._popen)
+    finally:
+        if call is not None:
+            call.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Warm sandboxes: started ahead of demand, each serving exactly one node, then destroyed.
+
+A warm sandbox boots with nothing of a node: no run or node id, no argv, no env, no
+secret. It runs ``python -m guest_runner.warm``, which imports the runner, pre-starts
+the call's interpreter, prints that it is ready and blocks on stdin. Assignment
+(:meth:`WarmSandbox.assign`) is one JSON line on that pipe, which only the host holds:
+the conduit and every file on disk stay free of it.
+
+On a local conduit the sandbox mounts a *slot*, a directory in its own state directory
+(never in the conduit). At assignment the host renames the slot to the node's canonical
+directory ``run/<run>/nodes/<node>/`` (the bind mount follows the directory), so the
+node's objects land at the canonical keys and nowhere else, and a sandbox that is never
+assigned leaves nothing in the conduit.
+
+Pools are keyed by everything fixed at launch (:class:`PoolKey`); a node whose key has
+no sandbox ready gets a cold one. Nodes with egress are always cold: their network
+namespace and proxy belong to the run, which a sandbox started ahead of demand cannot
+know.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guest_runner.conduit import Conduit, LocalConduit
+from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+
+log = logging.getLogger("prefect_resoluto.pool")
+
+LABEL_POOL = "resoluto.pool"
+LABEL_WARM = "resoluto.warm"
+#: Idle warm sandboxes per key when ``warm_pool`` is not set: the runner's concurrency, capped
+#: (an idle gVisor sandbox holds ~65 MiB of host memory).
+DEFAULT_CAP = 4
+#: Sandboxes booting at once: boots compete with running tasks for the same cores.
+MAX_BOOTING = 2
+#: Seconds a node that found no warm sandbox counts as demand for its key.
+MISS_WINDOW = 5.0
+READY = "resoluto warm: ready"
+SLOT = "slot"
+GUEST_MODULE = "guest_runner.warm"
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What is fixed when a sandbox starts (the runtime and its mounts are the pool's own)."""
+
+    image: str | None = None
+    resources: Resources = field(default_factory=Resources)
+    egress: tuple[str, ...] = ()
+    #: Modules of the real Prefect the call's interpreter pre-imports (empty: the stand-ins).
+    prefect: tuple[str, ...] = ()
+
+
+def key_for(spec: Any, *, prefect: tuple[str, ...] = ()) -> PoolKey | None:
+    """The pool key of a NodeSpec, or None when it must run cold."""
+    if spec.egress or spec.setup_egress or spec.egress_forward or spec.egress_resolve:
+        return None
+    return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), prefect=prefect)
+
+
+_PREFECT_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)",
+                             re.MULTILINE)
+_FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
+#: What guest_runner.standin answers for ``from prefect import ...``.
+_STAND_INS = {"task", "flow", "get_run_logger"}
+_needs_prefect: dict[str, tuple[str, ...]] = {}
+
+
+def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+    """The real Prefect modules a task module imports beyond what the guest's stand-ins give
+    (``import prefect.variables``, ``from prefect.blocks.system import ...``): () when the
+    stand-ins do (``from prefect import task``, ``import prefect``), ("prefect",) for
+    ``from prefect import <anything else>``."""
+    if not source_file:
+        return ()
+    path = str(source_file)
+    if path not in _needs_prefect:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        found = {a or b for a, b in _PREFECT_IMPORT.findall(text)} - {"prefect"}
+        for names in _FROM_PREFECT.findall(text):
+            if {n.split(" as ")[0].strip() for n in names.strip("()").split(",") if n.strip()} - _STAND_INS:
+                found.add("prefect")
+        _needs_prefect[path] = tuple(sorted(found))
+    return _needs_prefect[path]
+
+
+class WarmSandbox:
+    def __init__(self, pool: WarmPool, key: PoolKey, handle: SandboxHandle, slot: Path | None) -> None:
+        self.pool, self.key, self.handle, self.slot = pool, key, handle, slot
+        self.started = time.monotonic()
+        self._ready = False
+
+    @property
+    def runtime(self) -> SandboxRuntime:
+        return self.pool.runtime
+
+    def ready(self) -> bool:
+        if not self._ready:
+            self._ready = READY in self.runtime.logs(self.handle, tail=5)
+        return self._ready
+
+    def alive(self) -> bool:
+        st = self.runtime.status(self.handle)
+        return not (st.terminal or st.gone)
+
+    def place(self, conduit: Conduit, rel_prefix: str) -> None:
+        """Move the slot to the node's canonical directory (before the inbox is put there)."""
+        if self.slot is None:
+            return
+        if not isinstance(conduit, LocalConduit):
+            raise OSError("a slotted warm sandbox needs the local conduit it was made for")
+        target = conduit.root / rel_prefix
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        self.slot = None
+
+    def assign(self, launch: LaunchSpec) -> SandboxHandle:
+        """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only."""
+        payload = json.dumps({"env": launch.env, "secret_env": launch.secret_env}, separators=(",", ":"))
+        self.runtime.assign(self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"})
+        return self.handle
+
+    def discard(self) -> None:
+        """Destroy the sandbox (idempotent; after ``assign`` the node's driver does it)."""
+        try:
+            self.runtime.destroy(self.handle)
+        except Exception as e:
+            log.warning("could not destroy warm sandbox %s: %s", self.handle.id, e)
+        if self.slot is not None:
+            shutil.rmtree(self.slot, ignore_errors=True)
+
+
+class WarmPool:
+    """Idle warm sandboxes of one runtime and conduit, per key, refilled in the background."""
+
+    def __init__(self, runtime: SandboxRuntime, conduit: Conduit, *, size: int,
+                 labels: dict[str, str] | None = None) -> None:
+        self.runtime, self.conduit, self.size = runtime, conduit, max(0, size)
+        self.id = uuid.uuid4().hex[:12]
+        self.labels = {**(labels or {}), LABEL_POOL: self.id, LABEL_WARM: "idle"}
+        self._idle: dict[PoolKey, list[WarmSandbox]] = {}
+        self._wanted: list[PoolKey] = []
+        self._broken: set[PoolKey] = set()
+        # Demand per key: warm sandboxes handed out (alive = their node still runs) and the
+        # times nodes found none (cold ones), which together say how many run at once.
+        self._taken: dict[PoolKey, list[WarmSandbox]] = {}
+        self._misses: dict[PoolKey, list[float]] = {}
+        self._floor: dict[PoolKey, int] = {}
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
+
+    @property
+    def enabled(self) -> bool:
+        return not self.why_not
+
+    # -- the host's side --------------------------------------------------------------
+    def want(self, key: PoolKey, idle: int = 0) -> None:
+        """Keep ``key`` warm from now on (the runner's defaults at start, every key in demand);
+        ``idle``: at least that many idle (up to ``size``) whatever the demand."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self._closed or key in self._broken:
+                return
+            self._floor[key] = max(self._floor.get(key, 0), min(idle, self.size))
+            if key not in self._wanted:
+                self._wanted.append(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._refill, name="resoluto-warm-pool", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def take(self, key: PoolKey | None) -> tuple[WarmSandbox | None, float]:
+        """A ready warm sandbox of ``key`` and the seconds spent getting it; (None, seconds)
+        when there is none: the node runs cold, and the key is warmed. Never one still
+        booting: until the guest says it is ready, runsc may not have opened the slot it
+        mounts, and moving the slot then would fail the sandbox's start."""
+        t0 = time.monotonic()
+        if key is None or not self.enabled:
+            return None, 0.0
+        self.want(key)
+        while True:
+            with self._lock:
+                idle = self._idle.get(key) or []
+                pick = next((w for w in idle if w.ready()), None)
+                if pick is None:
+                    self._misses.setdefault(key, []).append(time.monotonic())
+                    return None, time.monotonic() - t0
+                idle.remove(pick)
+                self._taken.setdefault(key, []).append(pick)
+                self._lock.notify_all()
+            if pick.alive():
+                return pick, time.monotonic() - t0
+            self._failed(pick)
+
+    def close(self) -> None:
+        """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
+        with self._lock:
+            self._closed = True
+            idle = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+            self._lock.notify_all()
+            thread = self._thread
+        for w in idle:
+            w.discard()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+        with self._lock:  # one launched while we joined
+            idle = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+        for w in idle:
+            w.discard()
+        try:  # any taken but never driven (the process is leaving): by the runtime's own listing
+            self.runtime.sweep({LABEL_POOL: self.id})
+        except Exception as e:
+            log.warning("sweeping the warm pool's sandboxes failed: %s", e)
+
+    def ready_count(self, key: PoolKey) -> int:
+        """Idle sandboxes of ``key`` that have said they are ready (tests, benchmarks)."""
+        with self._lock:
+            return sum(1 for w in self._idle.get(key) or [] if w.ready())
+
+    def idle_ids(self) -> list[str]:
+        with self._lock:
+            return [w.handle.id for ws in self._idle.values() for w in ws]
+
+    # -- the refill thread -----------------------------------------------------------------
+    def _refill(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                todo = self._next_key()
+                if todo is None:
+                    self._lock.wait(timeout=0.5)  # a boot finishing frees a slot: re-check
+                    continue
+            try:
+                w = self._launch(todo)
+            except Exception as e:
+                log.warning("could not start a warm sandbox on %s: %s; nodes of this kind run cold",
+                            self.runtime.name, e)
+                with self._lock:
+                    self._broken.add(todo)
+                    self._wanted.remove(todo)
+                continue
+            with self._lock:
+                if self._closed:
+                    closed = True
+                else:
+                    closed = False
+                    self._idle.setdefault(todo, []).append(w)
+            if closed:
+                w.discard()
+                return
+
+    def target(self, key: PoolKey) -> int:
+        """Idle sandboxes to keep for ``key``: one more than its nodes running now (warm ones
+        still alive, cold ones started in the last MISS_WINDOW seconds), at most ``size``."""
+        now = time.monotonic()
+        taken = self._taken.get(key) or []
+        taken[:] = [w for w in taken if w.alive()]
+        misses = self._misses.get(key) or []
+        misses[:] = [t for t in misses if now - t < MISS_WINDOW]
+        return max(self._floor.get(key, 0), min(self.size, 1 + len(taken) + len(misses)))
+
+    def _next_key(self) -> PoolKey | None:
+        # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
+        for ws in self._idle.values():
+            for w in [w for w in ws if not w.ready() and not w.alive()]:
+                ws.remove(w)
+                threading.Thread(target=self._failed, args=(w,), daemon=True).start()
+        booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
+        if booting >= MAX_BOOTING:
+            return None
+        for key in self._wanted:
+            if len(self._idle.get(key) or []) < self.target(key):
+                return key
+        return None
+
+    def _failed(self, w: WarmSandbox) -> None:
+        why = self.runtime.status(w.handle).reason
+        logs = self.runtime.logs(w.handle, tail=5).strip()
+        w.discard()
+        if not w._ready:
+            log.warning("a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
+                        self.runtime.name, why, logs[-400:])
+            with self._lock:
+                self._broken.add(w.key)
+                if w.key in self._wanted:
+                    self._wanted.remove(w.key)
+
+    def _launch(self, key: PoolKey) -> WarmSandbox:
+        sid = f"rsl-{uuid.uuid4().hex[:16]}"
+        slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
+        python = getattr(self.runtime, "python", None) or sys.executable
+        env = {"RESOLUTO_WARM_CALL": ("prefect:" + ",".join(key.prefect)) if key.prefect else "1"}
+        env.update(self.conduit.guest_env())
+        state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
+        spec = LaunchSpec(
+            sandbox_id=sid, env=env, resources=key.resources, labels=dict(self.labels), image=key.image,
+            command=[python, "-m", GUEST_MODULE], hold_stdin=True,
+            conduit_root=(state / sid) if slotted else None, conduit_subdir=SLOT if slotted else "",
+        )
+        if slotted:
+            from prefect_resoluto.runtimes._host import guest_conduit_dir
+
+            env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
+        handle = self.runtime.launch(spec)
+        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None)
+
+
+def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
+    """"" when ``runtime`` can keep sandboxes warm for ``conduit``, else why not."""
+    if not runtime.supports_warm:
+        return f"runtime {runtime.name!r} does not keep sandboxes warm"
+    state = getattr(runtime, "state", None)
+    if state is None:
+        return f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+    if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
+        try:
+            if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
+                return (f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
+                        "different filesystems, so a warm sandbox's directory cannot be moved into place")
+        except OSError as e:
+            return f"cannot check the conduit's filesystem: {e}"
+    return ""
+
+
+def default_size(warm_pool: int | None, max_workers: int) -> int:
+    if warm_pool is not None:
+        return max(0, warm_pool)
+    return min(DEFAULT_CAP, max(1, max_workers))
+
+
+def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: int) -> WarmPool | None:
+    """The task runner's pool (None when disabled or unsupported), already warming the
+    runner's own settings so the first task finds a sandbox ready."""
+    size = default_size(cfg.warm_pool, max_workers)
+    if size == 0:
+        return None
+    pool = WarmPool(runtime, conduit, size=size)
+    if not pool.enabled:
+        if cfg.warm_pool:  # asked for explicitly: say why it is not there
+            log.warning("warm_pool=%d ignored: %s", cfg.warm_pool, pool.why_not)
+        return None
+    if not (cfg.egress or cfg.setup_egress or cfg.egress_resolve):
+        pool.want(PoolKey(image=cfg.image, resources=cfg.resources))
+    return pool
+
+
+def take_for(pool: WarmPool | None, spec: Any, *, prefect: tuple[str, ...] = ()) -> tuple[WarmSandbox | None, str]:
+    """A warm sandbox for ``spec`` if one is ready, and the words for the task's log."""
+    if pool is None:
+        return None, "cold sandbox (warm pool off)"
+    key = key_for(spec, prefect=prefect)
+    if key is None:
+        return None, "cold sandbox (nodes with egress are never pre-started)"
+    w, waited = pool.take(key)
+    if w is None:
+        return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
+    age = time.monotonic() - w.started
+    return w, (f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s "
+               "ahead)")

@@ -1,0 +1,267 @@
+"""Warm sandboxes at the driver level: real sandboxes, a real pool, a local conduit.
+
+A warm sandbox boots without a node, takes its assignment on stdin, writes the node's
+objects at the canonical keys only (readable by the reference host), serves one node
+and is gone; one never assigned is destroyed and leaves nothing in the conduit.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from polling import wait_for
+from test_wire_compat import _WHY as REF_WHY
+from test_wire_compat import OUTPUTS, WORKLOAD, _raw, _ref, _validate_node
+
+from guest_runner import wire
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.pool import WarmPool, WarmSandbox, key_for
+from prefect_resoluto.runtimes import get_runtime
+
+
+def _ready_pool(rt, conduit: LocalConduit, key, n: int = 1) -> WarmPool:
+    """A pool holding ``n`` warm sandboxes of ``key`` that have reported ready."""
+    pool = WarmPool(rt, conduit, size=n)
+    assert pool.enabled, pool.why_not
+    pool.want(key, idle=n)
+    wait_for(lambda: pool.ready_count(key) == n or key in pool._broken, timeout=120, what="warm sandboxes")
+    assert key not in pool._broken, "warm sandboxes ended before they were ready"
+    return pool
+
+
+def _take(pool: WarmPool, key) -> WarmSandbox:
+    w, waited = pool.take(key)
+    assert w is not None and waited < 5
+    return w
+
+
+def _no_sandboxes(rt) -> None:
+    assert rt.list_ids() == []
+    if hasattr(rt, "containers"):
+        assert rt.containers() == []
+
+
+@pytest.fixture(params=["gvisor", "bubblewrap", "process"])
+def local_runtime(request):
+    rt = get_runtime(request.param)
+    if not rt.availability().ok:
+        pytest.skip(f"{request.param} is not available here: {rt.availability().why}")
+    return rt
+
+
+def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path):
+    rt = local_runtime
+    # HOME is /tmp in gVisor and bubblewrap (the issue's marker), the sandbox's own home on process.
+    marker = ["python3", "-c", "import os,sys; m=os.path.expanduser('~/marker'); seen=os.path.exists(m); "
+              "open(m,'w'); print('seen' if seen else 'fresh'); sys.exit(3 if seen else 0)"]
+    spec1 = NodeSpec(run_id="run-w", node_id="n1", argv=marker)
+    key = key_for(spec1)
+    pool = _ready_pool(rt, local_conduit, key, n=2)
+    try:
+        outcomes = []
+        for node in ("n1", "n2"):
+            w = _take(pool, key)
+            lines: list[str] = []
+            spec = NodeSpec(run_id="run-w", node_id=node, argv=marker)
+            o = drive_node(spec, local_conduit, rt, warm=w, min_isolation="none",
+                           on_event=lambda ev, _l=lines: _l.append((ev.get("data") or {}).get("line", "")))
+            assert o.ok and o.warm, o.describe()
+            assert "fresh" in lines  # /tmp of the first node's sandbox is not this one's
+            assert w.handle.id not in rt.list_ids()  # served its node and is gone
+            outcomes.append(o)
+        assert outcomes[0].sandbox_id != outcomes[1].sandbox_id
+    finally:
+        pool.close()
+    _no_sandboxes(rt)
+    # Everything in the conduit is under the two nodes' canonical prefixes.
+    files = sorted(p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file())
+    assert files and all(f.startswith(("run/run-w/nodes/n1/", "run/run-w/nodes/n2/")) for f in files), files
+
+
+@pytest.mark.skipif(bool(REF_WHY), reason=REF_WHY or "reference available")
+def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path, validate):
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "in.txt").write_text("staged by the host\n")
+    spec = NodeSpec(run_id="run-compat", node_id="warm", argv=["python3", "-c", WORKLOAD, "0"], workspace=src,
+                    output_paths=["out/*.txt"])
+    key = key_for(spec)
+    pool = _ready_pool(gvisor, local_conduit, key)
+    try:
+        o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key))
+    finally:
+        pool.close()
+    assert o.ok and o.warm, o.describe()
+    prefix = wire.node_prefix("run-compat", "warm")
+    keys, lines = _raw(local_conduit, prefix)
+    _validate_node(local_conduit, prefix, lines, validate)
+    assert set(keys) - {k for k in keys if wire.chunk_index(k)} == {
+        wire.RESULT, wire.MANIFEST, "inbox/workspace.tar.gz", "outbox/output.tar.gz"}
+    got = _ref("read", str(local_conduit.root), prefix, str(tmp_path / "fetched"), json.dumps(OUTPUTS))
+    assert got["finished"] is True
+    assert got["events"] == [json.loads(line) for line in lines]
+    assert got["result"]["output_archive"] == wire.outbox_key(prefix)  # canonical, not the slot's
+    assert (tmp_path / "fetched" / "out" / "report.txt").read_text() == "STAGED BY THE HOST\n"
+    _no_sandboxes(gvisor)
+
+
+def _files_containing(roots: list[Path], needle: bytes) -> list[str]:
+    hits = []
+    for root in roots:
+        for p in root.rglob("*"):
+            try:
+                if p.is_file() and needle in p.read_bytes():
+                    hits.append(str(p))
+            except OSError:
+                pass
+    return hits
+
+
+def test_assignment_secrets_never_reach_the_conduit_or_a_spec_file(gvisor, local_conduit, tmp_path):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    spec = NodeSpec(run_id="run-s", node_id="n1", secret_env={"API_TOKEN": secret},
+                    argv=["python3", "-c", "import os; print('len', len(os.environ['API_TOKEN']))"])
+    key = key_for(spec)
+    pool = _ready_pool(gvisor, local_conduit, key)
+    state = Path(gvisor.state)
+    scanned: list[list[str]] = []
+
+    def on_event(ev: dict) -> None:
+        line = (ev.get("data") or {}).get("line", "")
+        if line.startswith("len "):  # the workload holds the secret now; its sandbox's files all exist
+            assert line == f"len {len(secret)}"
+            scanned.append(_files_containing([state, local_conduit.root], secret.encode()))
+
+    try:
+        o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key), on_event=on_event)
+    finally:
+        pool.close()
+    assert o.ok and o.warm, o.describe()
+    assert scanned == [[]]
+    assert _files_containing([state, local_conduit.root], secret.encode()) == []
+
+
+def test_a_never_assigned_sandbox_is_destroyed_and_leaves_nothing(gvisor, local_conduit):
+    key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
+    pool = _ready_pool(gvisor, local_conduit, key, n=2)
+    ids = pool.idle_ids()
+    assert len(ids) == 2 and set(ids) <= {c["id"] for c in gvisor.containers()}
+    pool.close()
+    _no_sandboxes(gvisor)
+    assert list(local_conduit.root.iterdir()) == []
+
+
+def test_sweep_reaps_warm_sandboxes_of_a_host_that_lost_them(gvisor, local_conduit):
+    key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
+    pool = _ready_pool(gvisor, local_conduit, key)
+    try:
+        # As `prefect-resoluto sweep` would after the host process died: by the runtime's own listing.
+        assert gvisor.sweep({}) == 1
+        _no_sandboxes(gvisor)
+    finally:
+        pool.close()
+    assert list(local_conduit.root.iterdir()) == []
+
+
+def test_a_key_mismatch_gets_its_own_limits(gvisor, local_conduit):
+    from prefect_resoluto.runtimes.base import Resources
+
+    hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024); print('allocated')"]
+    spec = NodeSpec(run_id="run-m", node_id="small", argv=hog, resources=Resources.from_quantities(memory="256Mi"))
+    default_key = key_for(NodeSpec(run_id="run-m", node_id="x", argv=hog))
+    key = key_for(spec)
+    assert key != default_key
+    pool = _ready_pool(gvisor, local_conduit, key)
+    try:
+        assert pool.take(default_key)[0] is None  # nothing warm of the other key
+        w = _take(pool, key)
+        cfg = json.loads((Path(w.handle.data["bundle"]) / "config.json").read_text())
+        assert cfg["linux"]["resources"]["memory"]["limit"] == 256 * 1024 * 1024
+        o = drive_node(spec, local_conduit, gvisor, warm=w)
+    finally:
+        pool.close()
+    assert not o.ok and o.warm
+    assert o.failure in ("killed", "workload"), o.describe()
+    _no_sandboxes(gvisor)
+
+
+def test_archive_of_a_warm_node_is_unpacked_by_the_host(gvisor, local_conduit, tmp_path):
+    spec = NodeSpec(run_id="run-o", node_id="n1", argv=["sh", "-c", "mkdir -p out && echo hi > out/a.txt"],
+                    output_paths=["out/*.txt"], outputs_dir=tmp_path / "o")
+    key = key_for(spec)
+    pool = _ready_pool(gvisor, local_conduit, key)
+    try:
+        o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key))
+    finally:
+        pool.close()
+    assert o.ok, o.describe()
+    assert (tmp_path / "o" / "out" / "a.txt").read_text() == "hi\n"
+
+
+def test_warm_pool_setting_on_config_block_and_runner(tmp_path):
+    from prefect_resoluto import ResolutoTaskRunner
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.pool import default_size
+
+    with pytest.raises(ValueError, match="warm_pool"):
+        SandboxConfig(warm_pool=-1)
+    assert SandboxBlock(warm_pool=2).to_config().warm_pool == 2
+    assert SandboxBlock().to_config().warm_pool is None
+    assert ResolutoTaskRunner(warm_pool=0)._options["warm_pool"] == 0
+    assert default_size(None, 8) == 4 and default_size(None, 2) == 2 and default_size(0, 8) == 0
+
+
+def test_real_prefect_is_learned_from_the_module_imports(tmp_path):
+    from prefect_resoluto.pool import needs_real_prefect
+
+    cases = {
+        "from prefect import task, flow\nimport prefect\n": (),
+        "from prefect import (task,\n    get_run_logger)\n": (),
+        "import prefect.variables\nfrom prefect import task\n": ("prefect.variables",),
+        "from prefect.blocks.system import Secret\n": ("prefect.blocks.system",),
+        "from prefect import task, variables as v\n": ("prefect",),
+        "# import prefect.variables\nx = 'from prefect.x import y'\n": (),
+    }
+    for i, (src, want) in enumerate(cases.items()):
+        f = tmp_path / f"m{i}.py"
+        f.write_text(src)
+        assert needs_real_prefect(f) == want, src
+    assert needs_real_prefect(tmp_path / "missing.py") == ()
+
+
+def test_slot_conduit_holds_one_node_and_speaks_canonical_keys(tmp_path):
+    from guest_runner.conduit import InvalidKey
+    from guest_runner.warm import SlotConduit
+
+    slot = tmp_path / "slot"
+    c = SlotConduit(str(slot), "run/r/nodes/n")
+    c.put("run/r/nodes/n/events-000001.jsonl", b"{}\n")
+    assert (slot / "events-000001.jsonl").read_bytes() == b"{}\n"
+    assert c.list_prefix("run/r/nodes/n/events-") == ["run/r/nodes/n/events-000001.jsonl"]
+    assert c.get("run/r/nodes/n/events-000001.jsonl") == b"{}\n"
+    for bad in ("run/r/nodes/other/result.json", "run/r/nodes/n/../m/x", "inbox/x"):
+        with pytest.raises(InvalidKey):
+            c.put(bad, b"x")
+    assert c.delete_prefix("run/r/nodes/n/") == 1
+
+
+def test_a_warm_sandbox_that_dies_booting_stops_the_pool_for_its_key(gvisor, local_conduit, caplog):
+    from prefect_resoluto.pool import PoolKey
+    from prefect_resoluto.runtimes.base import Resources
+
+    # 1 MiB cannot hold an interpreter: the guest dies before it is ready.
+    key = PoolKey(resources=Resources(memory_bytes=1024 * 1024))
+    pool = WarmPool(gvisor, local_conduit, size=1)
+    try:
+        pool.want(key, idle=1)
+        wait_for(lambda: key in pool._broken, timeout=120, what="the pool to give up on the key")
+        assert pool.take(key)[0] is None
+        assert "ended before it was ready" in caplog.text
+    finally:
+        pool.close()
+    _no_sandboxes(gvisor)

@@ -1,0 +1,203 @@
+"""Warm sandboxes through ResolutoTaskRunner on gVisor, against a real Prefect API.
+
+The pool serves one node per sandbox, says warm or cold in the task's log, holds a
+submission with other settings to its own limits, and leaves no sandbox behind: at
+runner exit, on a failure elsewhere in the flow, on Ctrl-C, on cancellation of a
+deployment run (each checked by the runtime's own listing).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from flows import pool_tasks as pt
+from flows import real_prefect_tasks as rp
+from polling import wait_for
+from prefect import flow, task
+from test_task_runner import FLOWS, logs_of, no_orphans, runner, task_runs
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import sandbox_options
+from prefect_resoluto.pool import LABEL_WARM
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes._host import records
+
+pytestmark = pytest.mark.usefixtures("prefect")
+
+
+@pytest.fixture
+def conduit(tmp_path: Path) -> LocalConduit:
+    return LocalConduit(tmp_path / "conduit")
+
+
+def sandbox_line(task_run_id) -> str:
+    msgs = [log.message for log in logs_of(task_run_id)]
+    return next(m for m in msgs if m.startswith("sandbox node "))
+
+
+def wait_ready() -> None:
+    """In a flow: until the live runner's pool has a ready sandbox of every key it warms."""
+    from prefect.context import FlowRunContext
+
+    pool = FlowRunContext.get().task_runner._pool
+    wait_for(lambda: pool._wanted and all(pool.ready_count(k) for k in pool._wanted), timeout=120,
+             what="a ready warm sandbox")
+
+
+def idle_warm(rt) -> list[str]:
+    return [r.id for r in records(rt.state) if r.labels.get(LABEL_WARM) == "idle"]
+
+
+def test_sequential_tasks_get_warm_sandboxes_and_never_share_one(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=2))
+    def three_in_a_row() -> list[bool]:
+        out = [pt.mark_tmp.submit().result()]
+        for _ in range(2):
+            wait_ready()  # a ready one is what a warm node takes; booting ones are left alone
+            out.append(pt.mark_tmp.submit().result())
+        return out
+
+    state = three_in_a_row(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == [False, False, False]  # no task saw another's /tmp
+    runs = task_runs(state.state_details.flow_run_id)
+    lines = [sandbox_line(r.id) for r in runs]
+    # The first may find the pool still empty; later ones find a ready one.
+    assert all("warm sandbox rsl-" in line for line in lines[1:]), lines
+    assert all("waited" in line or "looked for" in line for line in lines), lines
+    no_orphans()  # the idle ones went at runner exit
+    files = [p.relative_to(conduit.root).as_posix() for p in conduit.root.rglob("*") if p.is_file()]
+    fr = str(state.state_details.flow_run_id)
+    assert files and all(f.startswith(f"run/{fr}/") for f in files), files
+
+
+def test_warm_pool_zero_runs_every_node_cold(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=0))
+    def cold() -> bool:
+        return pt.mark_tmp.submit().result()
+
+    state = cold(return_state=True)
+    assert state.is_completed(), state
+    [run] = task_runs(state.state_details.flow_run_id)
+    assert "cold sandbox (warm pool off)" in sandbox_line(run.id)
+    no_orphans()
+
+
+def test_a_key_mismatch_is_held_to_its_own_memory_limit(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
+    def limited() -> tuple[int, str]:
+        fine = pt.hog.submit(300).result()
+        with sandbox_options(memory="256Mi"):
+            try:
+                pt.hog.submit(300).result()
+                limited_result = "not limited"
+            except Exception as e:
+                limited_result = f"{type(e).__name__}: {e}"
+        return fine, limited_result
+
+    state = limited(return_state=True)
+    assert state.is_completed(), state
+    fine, limited_result = state.result()
+    assert fine == 300
+    assert "not limited" not in limited_result
+    assert "memory" in limited_result.lower() or "killed" in limited_result.lower(), limited_result
+    no_orphans()
+
+
+def test_a_failure_elsewhere_in_the_flow_destroys_idle_warm_sandboxes(gvisor, conduit, tmp_path):
+    rt = get_runtime("gvisor")
+
+    @task
+    def host_side_failure():
+        raise RuntimeError("the flow breaks")
+
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=2))
+    def breaks():
+        wait_for(lambda: idle_warm(rt), timeout=60, what="a warm sandbox")
+        host_side_failure()
+
+    state = breaks(return_state=True)
+    assert state.is_failed()
+    no_orphans()
+    assert list(conduit.root.iterdir()) == []  # a warm sandbox never assigned leaves nothing
+
+
+def test_a_task_module_needing_real_prefect_gets_it_pre_imported(gvisor, conduit, tmp_path):
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
+    def real() -> list[str]:
+        first = rp.has_variables.submit().result()  # teaches the pool: warm ones for this key
+        from prefect_resoluto import pool
+
+        assert pool.needs_real_prefect(rp.__file__)
+        wait_ready()
+        return [first, rp.has_variables.submit().result()]
+
+    state = real(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == ["Variable", "Variable"]
+    runs = task_runs(state.state_details.flow_run_id)
+    assert "warm sandbox rsl-" in sandbox_line(runs[-1].id)
+    no_orphans()
+
+
+def test_ctrl_c_destroys_idle_warm_sandboxes_too(gvisor, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    state = tmp_path / "state"
+    env = {**os.environ, "RESOLUTO_STATE_DIR": str(state), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+           "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(), "PYTHONPATH": str(FLOWS),
+           "RESOLUTO_TEST_WARM_POOL": "2"}
+    proc = subprocess.Popen([sys.executable, str(FLOWS / "interruptible_flow.py")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rt = get_runtime("gvisor", state_dir=state)
+    try:
+        deadline = time.monotonic() + 120
+        while not (len(rt.list_ids()) >= 3 and idle_warm(rt)):
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the sandboxes never started"
+            time.sleep(0.05)  # polling the runtime's own listing
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rt.list_ids() == [] and rt.containers() == []
+
+
+def test_cancelling_a_deployment_run_destroys_idle_warm_sandboxes(gvisor, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+    from test_deployments import serve, stop
+
+    state_dir = tmp_path / "state"
+    server, _ = serve(tmp_path, tmp_path / "conduit", RESOLUTO_STATE_DIR=str(state_dir), RESOLUTO_TEST_WARM_POOL="2")
+    rt = get_runtime("gvisor", state_dir=state_dir)
+    try:
+        run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300},
+                             timeout=0)
+        deadline = time.monotonic() + 180
+        while not (len(rt.list_ids()) >= 3 and idle_warm(rt)):
+            assert time.monotonic() < deadline, "the run's sandboxes never started"
+            time.sleep(0.1)  # polling the runtime's own listing
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(run.id, Cancelling(), force=True)
+            while True:
+                fr = c.read_flow_run(run.id)
+                if fr.state.type in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED):
+                    break
+                assert time.monotonic() < deadline + 60, f"the run was never cancelled: {fr.state}"
+                time.sleep(0.2)  # polling the API for the cancellation
+        assert fr.state.type == StateType.CANCELLED, fr.state
+        while rt.list_ids() and time.monotonic() < deadline + 90:
+            time.sleep(0.1)  # the flow-run process reaps on its way out
+        assert rt.list_ids() == [] and rt.containers() == []
+    finally:
+        stop(server)
