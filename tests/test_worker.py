@@ -483,7 +483,8 @@ def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path):
         fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
     msg = fr.state.message or ""
-    assert "exited with code 137 before it reported" in msg and "out of memory (memory limit 400Mi)" in msg, msg
+    # The runtime saw the cgroup's OOM kill: the run says so, with the limit that was hit.
+    assert "on process was killed: OOM-killed" in msg and "memory limit is 400Mi" in msg, msg
     assert sandbox_ids(tmp_path / "state") == []
 
 
