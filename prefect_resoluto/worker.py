@@ -216,9 +216,11 @@ class ResolutoWorkerResult(BaseWorkerResult):
 class _Live:
     """A flow run's sandbox while it runs: how to stop it from the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, flow_run: FlowRun) -> None:
+        self.flow_run = flow_run
         self.cancel = threading.Event()
         self.why = ""
+        self.outcome: asyncio.Future[NodeOutcome] | None = None
 
     def stop(self, why: str) -> None:
         if not self.cancel.is_set():
@@ -256,7 +258,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
         spec, runtime, conduit, cfg = plan
         fr_id = str(flow_run.id)
-        live = self._live[fr_id] = _Live()
+        live = self._live[fr_id] = _Live(flow_run)
         loop = asyncio.get_running_loop()
         launched = asyncio.Event()
         handle_ids: list[str] = []
@@ -291,7 +293,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             finally:
                 conduit.close()
 
-        outcome_future = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
+        outcome_future = live.outcome = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
         try:
             try:
                 outcome = await self._until_done(outcome_future, launched, flow_run, live, task_status,
@@ -461,6 +463,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             raise InfrastructureNotFound(f"no sandbox of flow run {fr_id} on {runtime_name}")
 
     async def teardown(self, *exc_info: Any) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._let_finished_runs_exit()
         for live in list(self._live.values()):
             live.stop(WORKER_STOPPED)
         try:
@@ -468,6 +472,19 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._sweep_own)
+
+    async def _let_finished_runs_exit(self) -> None:
+        """A run already final is only flushing: its engine sends its batched logs and runs
+        its completion hooks after the final state. Destroying its sandbox now would lose
+        them (a gVisor engine needs a second or two for that), so it gets a grace first."""
+        finishing = [lv.outcome for lv in list(self._live.values())
+                     if lv.outcome is not None and not lv.outcome.done() and await self._run_is_final(lv.flow_run)]
+        if not finishing:
+            return
+        self._logger.info("waiting up to %.0f s for %d finished flow run(s) to exit by themselves "
+                          "(their last logs and hooks) before destroying their sandboxes",
+                          FINISHING_GRACE_SECONDS, len(finishing))
+        await asyncio.wait(set(finishing), timeout=FINISHING_GRACE_SECONDS)
 
     def _sweep_own(self) -> None:
         for rt in self._runtimes.values():

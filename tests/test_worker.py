@@ -483,8 +483,9 @@ def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path):
         fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
     msg = fr.state.message or ""
-    # Classified by the runtime (the sandbox's cgroup counted the OOM kill), naming the setting to raise.
-    assert "OOM-killed" in msg and "memory limit is 400Mi" in msg and "`memory` job variable" in msg, msg
+    # The runtime saw the cgroup's OOM kill: the run says so, with the limit hit and the setting to raise.
+    assert "on process was killed: OOM-killed" in msg and "memory limit is 400Mi" in msg, msg
+    assert "`memory` job variable" in msg, msg
     assert sandbox_ids(tmp_path / "state") == []
 
 
@@ -542,6 +543,34 @@ def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(run.id)
     assert fr.state.is_crashed() and "worker stopped" in (fr.state.message or ""), fr.state
+
+
+def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
+    """A run whose state is final is still sending its batched logs and running its
+    completion hooks: a worker stopping then gives its sandbox a grace, not a kill."""
+    from prefect.client.orchestration import get_client
+
+    pool = create_pool()
+    state = tmp_path / "state"
+    release = tmp_path / "release"
+    with running_worker(pool, tmp_path) as worker:
+        dep = deploy(pool, "worker_flows.py:finishes_slowly", tmp_path / "conduit")
+        run = schedule(dep, release=str(release))
+        assert final_run(run.id, worker).state.is_completed()
+        wait_for(lambda: any(m.startswith("HOOK after") for m in run_logs(run.id)),
+                 timeout=60, what="the completion hook to start")
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "finished flow run(s) to exit by themselves" in worker.output(), timeout=60,
+                 what="the stopping worker to give the finished run a grace")
+        assert sandbox_ids(state), "the finished run's sandbox was destroyed before its hook returned"
+        release.touch()
+        assert worker.proc.wait(timeout=60) is not None
+    logs = run_logs(run.id)
+    assert "HOOK released" in logs, logs
+    assert any(m.startswith("FACTS ") for m in logs), logs
+    with get_client(sync_client=True) as c:
+        assert c.read_flow_run(run.id).state.is_completed()
+    assert sandbox_ids(state) == []
 
 
 def test_sweep_reaps_a_sandbox_left_by_a_worker_killed_outright(tmp_path):

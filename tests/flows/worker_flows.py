@@ -108,3 +108,19 @@ def hog(mb: int = 600) -> int:
     for b in blocks:
         b[::4096] = b"x" * len(b[::4096])  # touch every page
     return len(blocks)
+
+
+def _wait_for_release(flow, flow_run, state) -> None:
+    """An on-completion hook: runs after the run's final state is in the API, as slow as the
+    test wants (it waits for the test's release file)."""
+    release = flow_run.parameters["release"]
+    get_run_logger().info("HOOK after the final state, waiting for %s", release)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    get_run_logger().info("HOOK released")
+
+
+@flow(on_completion=[_wait_for_release])
+def finishes_slowly(release: str) -> None:
+    get_run_logger().info("FACTS %s", json.dumps(_facts("finishing slowly")))
