@@ -150,24 +150,30 @@ def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit,
         return sf.sleeper.submit(10).result()  # room for a loaded machine's log batching
 
     def watch():
-        from prefect.client.schemas.filters import LogFilter, LogFilterName
+        from prefect.client.schemas.filters import LogFilter, LogFilterName, LogFilterTimestamp
         from prefect.client.schemas.sorting import LogSort
 
+        # Only this test's lines: earlier tests' logs (however many, whatever their stamps)
+        # must not push ours out of the page.
+        only_ours = LogFilter(name=LogFilterName(any_=["resoluto.sandbox"]),
+                              timestamp=LogFilterTimestamp(after_=started))
         deadline = time.time() + 120
         while time.time() < deadline and "state" not in seen:
             with client() as c:
-                found = c.read_logs(log_filter=LogFilter(name=LogFilterName(any_=["resoluto.sandbox"])),
-                                    sort=LogSort.TIMESTAMP_DESC, limit=200)  # the newest, however many came before
-                hits = [entry for entry in found if entry.message == "sleeping"
-                        and entry.flow_run_id not in seen.get("old", set())]
+                found = c.read_logs(log_filter=only_ours, sort=LogSort.TIMESTAMP_DESC, limit=200)
+                hits = [entry for entry in found if entry.message == "sleeping"]
                 if hits:
                     with client() as c2:
                         seen["state"] = c2.read_task_run(hits[0].task_run_id).state.type.value
                     return
             time.sleep(0.1)  # polling the API, not synchronising with the flow
 
-    with client() as c:
-        seen["old"] = {entry.flow_run_id for entry in c.read_logs()}
+    from datetime import UTC, datetime, timedelta
+
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # earlier tests' queued log batches must not delay ours
+    started = datetime.now(UTC) - timedelta(seconds=1)
     w = threading.Thread(target=watch)
     w.start()
     assert slow_flow() == "woke"
