@@ -383,7 +383,8 @@ def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
     assert node_events(conduit, fr.id), "the scheduled run went through a sandbox"
 
 
-@pytest.mark.parametrize("runtime", ["process", pytest.param("gvisor", marks=needs_egress)])
+# The worker logic is the same on every runtime; gVisor (the one users run) is the variant kept.
+@pytest.mark.parametrize("runtime", [pytest.param("gvisor", marks=needs_egress)])
 def test_job_variable_overrides_apply_memory(tmp_path, request, runtime):
     pool = create_pool()
     conduit = tmp_path / "conduit"
@@ -419,7 +420,7 @@ def gone(state: Path, runtime: str, host_pid: int | None) -> bool:
     return not left and (host_pid is None or not _alive(host_pid))
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", [pytest.param("gvisor", marks=needs_egress)])
 def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path, request, runtime):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
@@ -604,19 +605,6 @@ def _alive(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------------- gVisor
-
-
-def test_gvisor_without_egress_forwarding_refuses_with_a_clear_reason(gvisor, tmp_path):
-    if egress_forwarding_supported():
-        pytest.skip("egress forwarding is present: gVisor flow runs reach the API (tests below)")
-    pool = create_pool()
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="gvisor",
-                     min_isolation="user-kernel")
-        fr = final_run(schedule(dep).id, worker)
-    assert fr.state.is_crashed(), fr.state
-    assert "no egress proxy to forward the Prefect API" in (fr.state.message or ""), fr.state.message
-    assert sandbox_ids(tmp_path / "state", "gvisor") == []
 
 
 @contextlib.contextmanager
