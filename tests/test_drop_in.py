@@ -23,6 +23,7 @@ from flows import real_prefect_flows as rf
 from flows import sample_flows as sf
 from prefect import flow, tags
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, sandbox_options
@@ -44,18 +45,6 @@ def runner(conduit: LocalConduit, tmp_path: Path, **kw) -> ResolutoTaskRunner:
     return ResolutoTaskRunner(conduit=conduit, workspace=FLOWS, outputs_dir=tmp_path / "outputs", **kw)
 
 
-def client():
-    from prefect.client.orchestration import get_client
-
-    return get_client(sync_client=True)
-
-
-def task_runs(flow_run_id) -> list:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with client() as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return sorted(runs, key=lambda r: r.expected_start_time or r.created)
 
 
 def logs(**filters) -> list:
@@ -69,12 +58,6 @@ def logs(**filters) -> list:
     with client() as c:
         return c.read_logs(log_filter=f, sort=LogSort.TIMESTAMP_ASC)
 
-
-def artifacts_of(task_run_id) -> list:
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
-
-    with client() as c:
-        return c.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
 
 
 def raised(future) -> BaseException:

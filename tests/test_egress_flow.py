@@ -31,7 +31,8 @@ def testnet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[egress_
 
 def test_flow_task_fetches_an_allowlisted_page_and_nothing_else(gvisor, testnet, tmp_path: Path) -> None:
     from flows.egress_flows import fetch
-    from test_task_runner import logs_of, task_runs
+    from prefect_readback import task_runs
+    from test_task_runner import logs_of
 
     certs = tmp_path / "certs"
     certs.mkdir()

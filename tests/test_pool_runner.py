@@ -20,7 +20,8 @@ from flows import pool_tasks as pt
 from flows import real_prefect_tasks as rp
 from polling import wait_for
 from prefect import flow, task
-from test_task_runner import FLOWS, logs_of, no_orphans, runner, task_runs
+from prefect_readback import task_runs
+from test_task_runner import FLOWS, logs_of, no_orphans, runner
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import sandbox_options

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from flows import sample_flows as sf
 from prefect import flow, task
+from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options
@@ -39,18 +40,6 @@ def runner(conduit: LocalConduit, tmp_path: Path, **kw) -> ResolutoTaskRunner:
 
 
 # -- reading back what a user sees ----------------------------------------------------
-def client():
-    from prefect.client.orchestration import get_client
-
-    return get_client(sync_client=True)
-
-
-def task_runs(flow_run_id) -> list:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with client() as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return sorted(runs, key=lambda r: r.expected_start_time or r.created)
 
 
 def logs_of(task_run_id) -> list:
@@ -63,12 +52,6 @@ def logs_of(task_run_id) -> list:
         return c.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
                            sort=LogSort.TIMESTAMP_ASC)
 
-
-def artifacts_of(task_run_id) -> list:
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
-
-    with client() as c:
-        return c.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
 
 
 def no_orphans(runtime_name: str = "gvisor") -> None:
