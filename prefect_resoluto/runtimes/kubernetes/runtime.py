@@ -42,16 +42,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlparse
 
 from guest_runner import wire
-from prefect_resoluto.guest_bundle import build_guest_bundle, guest_bundle_key, upload_guest_bundle
 from prefect_resoluto.runtimes._sts import mint_node_credentials
 from prefect_resoluto.runtimes.base import (
     Availability,
@@ -85,6 +81,7 @@ from prefect_resoluto.runtimes.kubernetes.manifests import (
     weakened,
 )
 from prefect_resoluto.runtimes.kubernetes.status import gone_status, pod_status, remember_terminal
+from prefect_resoluto.runtimes.kubernetes.store import GuestBundles, store_egress
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +206,8 @@ class KubernetesRuntime(SandboxRuntime):
         self.api_retries = max(1, int(api_retries))
         self.api_retry_base_s = float(api_retry_base_s)
         self.request_timeout_s = float(request_timeout_s)
-        self._lock = threading.Lock()
-        self._bundle_lock = threading.Lock()
-        self._bundles: dict[str, tuple[str, str]] = {}
+        self._bundle_cache = GuestBundles()
+        self._bundles = self._bundle_cache.known  # run id -> (key, sha256); tests pre-fill it
         # Seams for tests: monotonic clock and the back-off sleep.
         self._clock: Callable[[], float] = time.monotonic
         self._sleep: Callable[[float], None] = time.sleep
@@ -267,60 +263,7 @@ class KubernetesRuntime(SandboxRuntime):
         if kind != "s3":
             raise LaunchError(self._local_conduit_message(kind or type(conduit).__name__))
         if self.guest_source == "bundle":
-            with self._lock:
-                if run_id in self._bundles:
-                    return
-            key, sha = upload_guest_bundle(conduit, run_id)
-            with self._lock:
-                self._bundles[run_id] = (key, sha)
-
-    def _bundle_for(self, spec: LaunchSpec, *, upload: bool) -> tuple[str, str]:
-        run_id = spec.env.get("RESOLUTO_RUN_ID", "")
-        with self._lock:
-            known = self._bundles.get(run_id)
-        if known is not None:
-            return known
-        base = self._store_base(spec)
-        if not upload:
-            sha, _ = build_guest_bundle()
-            return guest_bundle_key(run_id, base, sha), sha
-        from guest_runner.s3conduit import S3Conduit
-
-        with self._bundle_lock:  # concurrent first launches of a run upload once
-            with self._lock:
-                known = self._bundles.get(run_id)
-            if known is not None:
-                return known
-            conduit = S3Conduit(
-                spec.env["RESOLUTO_STORE_BUCKET"], base_prefix=base,
-                endpoint_url=spec.env.get("RESOLUTO_STORE_ENDPOINT") or None,
-                region=spec.env.get("RESOLUTO_STORE_REGION") or None,
-            )
-            try:
-                key, sha = upload_guest_bundle(conduit, run_id)
-            except Exception as e:
-                raise LaunchError(f"cannot upload the guest runner bundle to s3://"
-                                  f"{spec.env['RESOLUTO_STORE_BUCKET']}/{base}: {e}") from e
-            finally:
-                conduit.close()
-            with self._lock:
-                self._bundles[run_id] = (key, sha)
-        return key, sha
-
-    @staticmethod
-    def _store_base(spec: LaunchSpec) -> str:
-        prefix = spec.env.get("RESOLUTO_STORE_PREFIX", "").strip("/")
-        run_id, node_id = spec.env.get("RESOLUTO_RUN_ID", ""), spec.env.get("RESOLUTO_NODE_ID", "")
-        if not prefix:
-            return ""
-        suffix = wire.node_prefix(run_id, node_id)
-        if prefix == suffix:
-            return ""
-        if prefix.endswith("/" + suffix):
-            return prefix[: -len(suffix) - 1]
-        raise LaunchError(
-            f"RESOLUTO_STORE_PREFIX {prefix!r} does not end with the node's key prefix {suffix!r}"
-        )
+            self._bundle_cache.prepare(conduit, run_id)
 
     # -- spec checks ----------------------------------------------------------------------
 
@@ -351,41 +294,7 @@ class KubernetesRuntime(SandboxRuntime):
     # -- what the pod is made of --------------------------------------------------------------
 
     def _store_egress(self, spec: LaunchSpec) -> tuple[list[IPNetwork], int]:
-        """Where pods reach the object store (for the NetworkPolicy): configured, or the endpoint resolved here."""
-        endpoint = spec.env.get("RESOLUTO_STORE_ENDPOINT", "")
-        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}") if endpoint else None
-        default_port = (parsed.port or (80 if parsed.scheme == "http" else 443)) if parsed else 443
-        port = self.store_egress_port or _int_env("RESOLUTO_STORE_EGRESS_PORT") or default_port
-        raw = self.store_egress_cidr or os.environ.get("RESOLUTO_STORE_EGRESS_CIDR", "")
-        if raw:
-            try:
-                nets = [parse_network(c) for c in raw.split(",") if c.strip()]
-            except ValueError as e:
-                raise LaunchError(f"store egress CIDR {raw!r} is not a CIDR list: {e}") from None
-            return nets, port
-        if parsed is None or not parsed.hostname:
-            raise LaunchError(
-                "cannot derive the object store's address for the pod's NetworkPolicy: no "
-                "RESOLUTO_STORE_ENDPOINT (plain AWS S3 has no fixed address). Set store_egress_cidr "
-                "(or RESOLUTO_STORE_EGRESS_CIDR), e.g. the CIDR of your S3 VPC endpoint, or allow "
-                "'public_https' egress for the node."
-            )
-        host = parsed.hostname
-        try:
-            return [parse_network(host)], port
-        except ValueError:
-            pass
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            raise LaunchError(
-                f"cannot resolve the store endpoint host {host!r} to build the NetworkPolicy ({e}); set "
-                "store_egress_cidr / RESOLUTO_STORE_EGRESS_CIDR to the address pods reach the store at"
-            ) from None
-        nets = sorted({parse_network(str(i[4][0])) for i in infos}, key=str)
-        logger.info("kubernetes runtime: store %s resolved here to %s; set store_egress_cidr if pods "
-                    "reach it at another address (DNAT, in-cluster service)", host, ", ".join(map(str, nets)))
-        return list(nets), port
+        return store_egress(spec, cidr=self.store_egress_cidr, port=self.store_egress_port)
 
     def egress_rules(self, spec: LaunchSpec) -> list[dict[str, Any]]:
         store_nets, store_port = self._store_egress(spec)
@@ -423,7 +332,7 @@ class KubernetesRuntime(SandboxRuntime):
             )
         bundle = None
         if not spec.command and self.guest_source == "bundle":
-            bundle = self._bundle_for(spec, upload=upload_bundle)
+            bundle = self._bundle_cache.for_spec(spec, upload=upload_bundle)
         store_nets, store_port = self._store_egress(spec)
         return build_manifests(spec, self.pod_settings(), name=name, token=token, image=image, bundle=bundle,
                                store_nets=store_nets, store_port=store_port, secret_values=secret_values)
@@ -434,7 +343,7 @@ class KubernetesRuntime(SandboxRuntime):
             spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"])
         read_only = []
         if self.guest_source == "bundle" and not spec.command:
-            key, _ = self._bundle_for(spec, upload=False)
+            key, _ = self._bundle_cache.for_spec(spec, upload=False)
             read_only.append(key)
         return mint_node_credentials(
             role_arn=self.store_role_arn, bucket=bucket, prefix=prefix.strip("/"), session_name=name,
@@ -619,12 +528,3 @@ class KubernetesRuntime(SandboxRuntime):
             return f"(no logs from pod {ns}/{name}: {e})"
         return out if isinstance(out, str) else str(out)
 
-
-def _int_env(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise LaunchError(f"{name}={raw!r} is not a port number") from None
