@@ -5,6 +5,7 @@ One job per module:
 * :mod:`.manifests` -- the node's NetworkPolicy, Secret and Pod as plain dicts (pure);
 * :mod:`.status` -- what a pod's phase, container reasons and conditions mean for the node (pure);
 * :mod:`.api` -- the pinned cluster connection, retries and error messages;
+* :mod:`.store` -- the store's address for the NetworkPolicy, the guest bundle uploaded once per run;
 * :mod:`.runtime` -- :class:`KubernetesRuntime` (launch/status/destroy/sweep/logs), composing them;
 * :mod:`.render` -- the same objects as YAML for ``prefect-resoluto render`` (imports PyYAML).
 
