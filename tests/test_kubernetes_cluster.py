@@ -615,7 +615,7 @@ def test_a_409_from_another_writer_is_a_clear_error(k8s_cluster: Cluster, k8s_ns
 
     rt = make_runtime(k8s_cluster, k8s_ns, node_selector={"resoluto.io/none": "x"})
     fixed = uuid.UUID("0123456789abcdef0123456789abcdef")
-    monkeypatch.setattr(kmod.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
     theirs = rt.manifests(make_spec(), token="f" * 32, name=kmod.pod_name("rsl-abc123", fixed.hex)).pod
     core(k8s_cluster).create_namespaced_pod(k8s_ns, theirs)
     with pytest.raises(LaunchError, match=r"already exists .*409 Conflict"):

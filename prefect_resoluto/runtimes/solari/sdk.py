@@ -1,5 +1,4 @@
-"""Plumbing under the official Solari SDK: an event loop of our own, the seed's HTTP retry
-rules, and reading the SDK's errors the seed's way.
+"""Plumbing under the official Solari SDK: an event loop of our own and the seed's HTTP retry rules.
 
 The SDK is async and its sync wrapper cannot run inside a running event loop (a Prefect
 async task has one), so every SDK object lives on one loop in a daemon thread. Where the
@@ -15,7 +14,7 @@ import json
 import random
 import threading
 import urllib.request
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -23,7 +22,6 @@ _T = TypeVar("_T")
 
 # The statuses the SDK retries itself on an idempotent request (solari_core/_http.py).
 _SDK_RETRIED = frozenset({502, 503, 504, 507})
-_TRANSIENT_RPC = ("SolariConnectionError", "SolariTimeoutError")
 
 
 # -- one event loop of our own ---------------------------------------------------------------
@@ -37,18 +35,18 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="resoluto-solari", daemon=True)
         self.thread.start()
 
-    def run(self, coro: Awaitable[_T], timeout: float | None = None) -> _T:
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         if threading.current_thread() is self.thread:
             raise RuntimeError("SolariRuntime: a blocking call from the SDK's own loop would deadlock")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise
 
-    def spawn(self, coro: Awaitable[Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
 
 _LOOP: LoopThread | None = None
@@ -68,7 +66,7 @@ def loop() -> LoopThread:
 
 def backoff_s(attempt: int) -> float:
     """The seed's ``min(150 * 2^attempt, 8000) + rand(0..250)`` ms."""
-    return min(0.15 * 2 ** attempt, 8.0) + random.random() * 0.25
+    return min(0.15 * 2.0 ** attempt, 8.0) + random.random() * 0.25
 
 
 def make_http_client(base_url: str, max_retries: int = 5) -> Any:
@@ -127,42 +125,3 @@ def make_http_client(base_url: str, max_retries: int = 5) -> Any:
             await self._inner.aclose()
 
     return httpx.AsyncClient(transport=SeedRetryPolicy(), trust_env=False)
-
-
-# -- errors -> what they mean for a node -----------------------------------------------------
-
-
-def gateway_status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def gateway_words(exc: BaseException) -> str:
-    code = getattr(exc, "code", None)
-    msg = str(exc) or type(exc).__name__
-    return f"{msg} ({code})" if code and code not in msg else msg
-
-
-def admission_kind(e: BaseException, slot: type, capacity: type, connection: type) -> str | None:
-    """``"slot"`` for a 429 of any code (the seed: the organisation is at its session cap),
-    ``"capacity"`` for no capacity / a gateway that could not be reached, None for a refusal.
-
-    SDK divergence 11: the SDK maps by status *and* code -- a 429 that is not
-    ``ConcurrencyLimitExceeded``, or a 503 that is not ``NoCapacity``, comes back as a plain
-    ``GatewayError`` -- where the seed maps 429 to the concurrency limit and 503 to no
-    capacity. Decide by status here, the seed's way.
-    """
-    status = gateway_status(e)
-    code = str(getattr(e, "code", "") or "").lower()
-    if isinstance(e, slot) or status == 429:
-        return "slot"
-    if isinstance(e, (capacity, connection)) or status in (502, 503, 504) or code in ("no_capacity", "nocapacity"):
-        return "capacity"
-    return None
-
-
-def transient_rpc_error(e: BaseException) -> bool:
-    """A control-channel failure that a reconnect may cure (a drop, a timeout, a failed send)."""
-    text = str(e)
-    return type(e).__name__ in _TRANSIENT_RPC or any(
-        m in text for m in ("Control channel", "Not connected", "Failed to send"))

@@ -1,0 +1,530 @@
+"""Kubernetes runtime: one short-lived pod per node, Kata (or gVisor) RuntimeClass, S3 conduit.
+
+For every node the runtime creates, in this order and all labelled with the node's
+unique ``resoluto.io/sandbox`` label:
+
+1. a **NetworkPolicy** selecting exactly that pod: no ingress, and no egress except DNS
+   (port 53), the object store's CIDR/port and the node's explicit allowlist; the cloud
+   metadata address is excepted from every block that would contain it;
+2. a **Secret** holding the node's secret environment (only when there is some, or when
+   short-lived store credentials were minted for it) -- the pod reads it through
+   ``secretKeyRef``; nothing secret is ever a literal value in the pod spec;
+3. the **Pod**: ``runtimeClassName`` kata/gvisor, ``restartPolicy: Never``, no service
+   account token, non-root, read-only root filesystem, no privilege escalation, every
+   capability dropped, ``RuntimeDefault`` seccomp, requests = limits from the node's
+   resources.
+
+The pod the server stored is checked against those guarantees before the launch counts:
+servers before 1.25 ignore strict field validation and drop fields they do not know, and
+mutating webhooks rewrite pods, so a weakened pod is deleted at once and the launch fails.
+
+Policy and Secret exist before the pod (the policy must be in force when the pod's
+network comes up; the kubelet needs the Secret to start the container), so they cannot
+name the pod as their owner at creation. Right after the pod exists they are patched to
+be owned by it, so the garbage collector removes them with the pod even if this host
+dies; :meth:`KubernetesRuntime.destroy` also deletes them explicitly, and
+:meth:`KubernetesRuntime.sweep` reaps all three kinds by label.
+
+Why a per-node Secret rather than referencing one: the node's secrets (task secrets,
+minted store credentials) are per node, and a per-node object lets the credentials die
+with the pod. Long-lived store keys are never copied anywhere: they stay in the
+operator's own Secret (``store_credentials_secret``) which pods reference by name.
+
+The guest runner reaches the pod through the conduit: the host uploads a deterministic
+tarball of ``guest_runner`` once per run (:mod:`prefect_resoluto.guest_bundle`) and the
+container command is a short ``python3 -c`` bootstrap that fetches, verifies, unpacks
+and execs it. Any image with Python >= 3.9 and boto3 works; ``guest_source="image"``
+uses an image that already contains the runner (``images/Dockerfile``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from guest_runner import wire
+from prefect_resoluto.runtimes._sts import mint_node_credentials
+from prefect_resoluto.runtimes.base import (
+    Availability,
+    IsolationLevel,
+    IsolationTooWeak,
+    LaunchError,
+    LaunchSpec,
+    SandboxHandle,
+    SandboxRuntime,
+    SandboxStatus,
+)
+from prefect_resoluto.runtimes.kubernetes.api import KubernetesApi, KubernetesApiError, KubernetesConfigError
+from prefect_resoluto.runtimes.kubernetes.manifests import (
+    CONTAINER_NAME,
+    DEFAULT_RUN_AS_USER,
+    DNS_LABEL,
+    ENV_NAME,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    SANDBOX_LABEL,
+    TOKEN_ANNOTATION,
+    IPNetwork,
+    Manifests,
+    PodSettings,
+    build_manifests,
+    check_name,
+    egress_rules,
+    parse_network,
+    pod_name,
+    sanitise_labels,
+    weakened,
+)
+from prefect_resoluto.runtimes.kubernetes.status import gone_status, pod_status, remember_terminal
+from prefect_resoluto.runtimes.kubernetes.store import GuestBundles, store_egress
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "resoluto-sandboxes"
+
+_VM_CLASSES = re.compile(r"^kata([-_.].*)?$")
+_USER_KERNEL_CLASSES = re.compile(r"^(gvisor|runsc)([-_.].*)?$")
+
+
+def isolation_of_runtime_class(runtime_class: str | None, declared: str | None = None) -> IsolationLevel:
+    """The isolation a RuntimeClass gives, or :class:`IsolationTooWeak` when it is not a sandbox.
+
+    ``kata`` and ``kata-*`` (kata-qemu, kata-clh, kata-fc ...) are hardware VMs; ``gvisor``,
+    ``runsc`` (and ``gvisor-*``) a user-space kernel. Other names must declare their level.
+    """
+    name = (runtime_class or "").strip()
+    if declared:
+        level = IsolationLevel.parse(declared)
+    elif _VM_CLASSES.match(name):
+        level = IsolationLevel.VM
+    elif _USER_KERNEL_CLASSES.match(name):
+        level = IsolationLevel.USER_KERNEL
+    else:
+        raise IsolationTooWeak(
+            f"RuntimeClass {name or '(none)'!r} is not a sandbox this runtime knows: without Kata "
+            "(runtime_class='kata', isolation 'vm') or gVisor (runtime_class='gvisor' or 'runsc', "
+            "isolation 'user-kernel') a pod shares the node's kernel with every other pod. Use one of "
+            "those, or if your cluster names its Kata/gVisor class differently, say which it is with "
+            "runtime_class_isolation='vm' or 'user-kernel'."
+        )
+    if not name:
+        raise IsolationTooWeak("runtime_class must name the cluster's Kata or gVisor RuntimeClass")
+    if level < IsolationLevel.USER_KERNEL:
+        raise IsolationTooWeak(
+            f"RuntimeClass {name!r} declared as isolation {level.label!r}: pods without Kata or gVisor "
+            "share the node's kernel, which this runtime does not offer as a sandbox; use a Kata "
+            "('vm') or gVisor ('user-kernel') RuntimeClass"
+        )
+    return level
+
+
+class KubernetesRuntime(SandboxRuntime):
+    """One pod per node on a Kubernetes cluster, under a Kata (or gVisor) RuntimeClass."""
+
+    name: ClassVar[str] = "kubernetes"
+    supports_local_conduit: ClassVar[bool] = False
+    supports_egress_allowlist: ClassVar[bool] = True
+    # A pod's status is an API request: ask every 2 s and let the conduit carry the fast path.
+    status_interval: ClassVar[float] = 2.0
+
+    def __init__(
+        self,
+        *,
+        namespace: str | None = None,
+        context: str | None = None,
+        kubeconfig: str | None = None,
+        allow_ambient_context: bool | None = None,
+        in_cluster: bool | None = None,
+        runtime_class: str = "kata",
+        runtime_class_isolation: str | None = None,
+        image: str | None = None,
+        image_pull_policy: str = "IfNotPresent",
+        guest_source: str = "bundle",
+        service_account: str | None = None,
+        priority_class: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        tolerations: Sequence[Mapping[str, Any]] | None = None,
+        store_egress_cidr: str | None = None,
+        store_egress_port: int | None = None,
+        store_credentials_secret: str | None = None,
+        store_role_arn: str | None = None,
+        store_sts_endpoint: str | None = None,
+        store_credentials_ttl_s: int = 3600,
+        dns_cidr: str = "0.0.0.0/0",
+        run_as_user: int | None = DEFAULT_RUN_AS_USER,
+        read_only_root_filesystem: bool = True,
+        unschedulable_patience_s: float = 300.0,
+        delete_grace_s: int = 5,
+        api_retries: int = 5,
+        api_retry_base_s: float = 0.25,
+        request_timeout_s: float = 30.0,
+        api_client: Any = None,
+    ) -> None:
+        env = os.environ
+        self.namespace = namespace or env.get("RESOLUTO_SANDBOX_NAMESPACE") or DEFAULT_NAMESPACE
+        if not DNS_LABEL.match(self.namespace) or len(self.namespace) > 63:
+            raise ValueError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace name")
+        self.context = context if context is not None else (env.get("RESOLUTO_SANDBOX_KUBECONTEXT") or None)
+        self.kubeconfig = kubeconfig
+        self.allow_ambient_context = (
+            allow_ambient_context if allow_ambient_context is not None
+            else env.get("RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT") == "1"
+        )
+        self.in_cluster = in_cluster
+        self.runtime_class = runtime_class
+        self.runtime_class_isolation = runtime_class_isolation
+        self._isolation = isolation_of_runtime_class(runtime_class, runtime_class_isolation)
+        self.image = image or env.get("RESOLUTO_SANDBOX_IMAGE") or None
+        if image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError("image_pull_policy must be Always, IfNotPresent or Never")
+        self.image_pull_policy = image_pull_policy
+        if guest_source not in ("bundle", "image"):
+            raise ValueError("guest_source must be 'bundle' (ship guest_runner via the conduit) or 'image'")
+        self.guest_source = guest_source
+        self.service_account = service_account
+        self.priority_class = priority_class
+        self.node_selector = dict(node_selector or {})
+        self.tolerations = [dict(t) for t in (tolerations or [])]
+        self.store_egress_cidr = store_egress_cidr
+        self.store_egress_port = store_egress_port
+        self.store_credentials_secret = store_credentials_secret
+        self.store_role_arn = store_role_arn
+        self.store_sts_endpoint = store_sts_endpoint
+        if store_credentials_ttl_s < 900:
+            raise ValueError("store_credentials_ttl_s must be at least 900 (the STS minimum)")
+        self.store_credentials_ttl_s = int(store_credentials_ttl_s)
+        self.dns_cidr = str(parse_network(dns_cidr))
+        self.run_as_user = run_as_user
+        self.read_only_root_filesystem = read_only_root_filesystem
+        self.unschedulable_patience_s = float(unschedulable_patience_s)
+        self.delete_grace_s = int(delete_grace_s)
+        self.api_retries = max(1, int(api_retries))
+        self.api_retry_base_s = float(api_retry_base_s)
+        self.request_timeout_s = float(request_timeout_s)
+        self._bundle_cache = GuestBundles()
+        self._bundles = self._bundle_cache.known  # run id -> (key, sha256); tests pre-fill it
+        # Seams for tests: monotonic clock and the back-off sleep.
+        self._clock: Callable[[], float] = time.monotonic
+        self._sleep: Callable[[float], None] = time.sleep
+        self._api = KubernetesApi(
+            namespace=self.namespace, context=self.context, kubeconfig=kubeconfig,
+            allow_ambient_context=self.allow_ambient_context, in_cluster=in_cluster,
+            runtime_class=runtime_class, retries=self.api_retries, retry_base_s=self.api_retry_base_s,
+            request_timeout_s=self.request_timeout_s, api_client=api_client,
+            sleep=lambda seconds: self._sleep(seconds),
+        )
+
+    # -- interface basics ----------------------------------------------------------------
+
+    @property
+    def isolation(self) -> IsolationLevel:
+        return self._isolation
+
+    def availability(self) -> Availability:
+        api = self._api
+        try:
+            core = api.core()
+            api.call("list", "pods", "", lambda: core.list_namespaced_pod(
+                self.namespace, limit=1, _request_timeout=api.timeout()))
+            # A real server lists an absent namespace as empty (200); a dry-run create says 404
+            # (and that this identity may create what a launch creates first). Nothing is stored.
+            probe = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                     "metadata": {"generateName": "resoluto-availability-"},
+                     "spec": {"podSelector": {"matchLabels": {SANDBOX_LABEL: "availability-probe"}},
+                              "policyTypes": ["Ingress"]}}
+            net = api.net()
+            api.call("create", "networkpolicies", "", lambda: net.create_namespaced_network_policy(
+                self.namespace, probe, dry_run="All", _request_timeout=api.timeout()))
+        except (KubernetesConfigError, KubernetesApiError) as e:
+            return Availability(False, str(e))
+        except Exception as e:  # anything else: report, never raise from a probe
+            return Availability(False, f"{type(e).__name__}: {e}")
+        return Availability(True, detail=f"{api.target}, namespace {self.namespace!r}, "
+                                         f"RuntimeClass {self.runtime_class!r}")
+
+    def _core(self) -> Any:
+        """The cluster connection's ``CoreV1Api`` (connecting on first use)."""
+        return self._api.core()
+
+    # -- guest bundle ---------------------------------------------------------------------
+
+    def prepare(self, conduit: Any, run_id: str) -> None:
+        """Host hook, once per run before launches: refuse a local conduit, upload the guest bundle.
+
+        Optional -- :meth:`launch` uploads the bundle itself (through the conduit described by
+        the node's RESOLUTO_STORE_* variables) when the run was not prepared.
+        """
+        kind = getattr(conduit, "kind", "")
+        if kind != "s3":
+            raise LaunchError(self._local_conduit_message(kind or type(conduit).__name__))
+        if self.guest_source == "bundle":
+            self._bundle_cache.prepare(conduit, run_id)
+
+    # -- spec checks ----------------------------------------------------------------------
+
+    @staticmethod
+    def _local_conduit_message(kind: str) -> str:
+        return (
+            f"the kubernetes runtime cannot use a {kind or 'local'} conduit: pods run on cluster nodes "
+            "and cannot see this host's disk. Use an S3-compatible conduit reachable from both this "
+            "host and the pods, e.g. conduit='s3://bucket/prefix?endpoint_url=http://minio.example:9000'."
+        )
+
+    def _check(self, spec: LaunchSpec) -> None:
+        self.check_spec(spec)
+        kind = spec.env.get("RESOLUTO_STORE_KIND", "")
+        if spec.conduit_root is not None or kind == "localfs":
+            raise LaunchError(self._local_conduit_message("local (filesystem)"))
+        if kind != "s3":
+            raise LaunchError(f"the kubernetes runtime needs RESOLUTO_STORE_KIND=s3 in the node's "
+                              f"environment, got {kind!r}")
+        for var in ("RESOLUTO_STORE_BUCKET", "RESOLUTO_RUN_ID", "RESOLUTO_NODE_ID"):
+            if not spec.env.get(var):
+                raise LaunchError(f"the node's environment lacks {var}")
+        for var in list(spec.env) + list(spec.secret_env):
+            if not ENV_NAME.match(var):
+                raise LaunchError(f"{var!r} is not a valid environment variable name for a pod")
+
+
+    # -- what the pod is made of --------------------------------------------------------------
+
+    def _store_egress(self, spec: LaunchSpec) -> tuple[list[IPNetwork], int]:
+        return store_egress(spec, cidr=self.store_egress_cidr, port=self.store_egress_port)
+
+    def egress_rules(self, spec: LaunchSpec) -> list[dict[str, Any]]:
+        store_nets, store_port = self._store_egress(spec)
+        return egress_rules(spec.egress, store_nets, store_port, self.dns_cidr)
+
+    def pod_settings(self) -> PodSettings:
+        """This runtime's options as :func:`~.manifests.build_manifests` takes them."""
+        return PodSettings(
+            namespace=self.namespace, runtime_class=self.runtime_class,
+            image_pull_policy=self.image_pull_policy, service_account=self.service_account,
+            priority_class=self.priority_class, node_selector=dict(self.node_selector),
+            tolerations=[dict(t) for t in self.tolerations], run_as_user=self.run_as_user,
+            read_only_root_filesystem=self.read_only_root_filesystem,
+            termination_grace_s=self.delete_grace_s, dns_cidr=self.dns_cidr,
+            store_credentials_secret=self.store_credentials_secret,
+            minted_store_credentials=bool(self.store_role_arn),
+        )
+
+    def manifests(self, spec: LaunchSpec, *, name: str | None = None, token: str | None = None,
+                  secret_values: Mapping[str, str] | None = None, upload_bundle: bool = False) -> Manifests:
+        """Render NetworkPolicy, Secret and Pod for ``spec`` without touching a cluster.
+
+        ``secret_values`` replaces the node's secret values (rendering passes placeholders).
+        """
+        self._check(spec)
+        token = token or uuid.uuid4().hex
+        if name is None:
+            name = pod_name(spec.sandbox_id, token)
+        check_name(name)
+        image = spec.image or self.image
+        if not image:
+            raise LaunchError(
+                "no image for the sandbox pod: set image= on the runtime (or RESOLUTO_SANDBOX_IMAGE) to any "
+                "image with python3 >= 3.9 and boto3, e.g. one built from images/Dockerfile"
+            )
+        bundle = None
+        if not spec.command and self.guest_source == "bundle":
+            bundle = self._bundle_cache.for_spec(spec, upload=upload_bundle)
+        store_nets, store_port = self._store_egress(spec)
+        return build_manifests(spec, self.pod_settings(), name=name, token=token, image=image, bundle=bundle,
+                               store_nets=store_nets, store_port=store_port, secret_values=secret_values)
+
+    def _mint_store_credentials(self, spec: LaunchSpec, name: str) -> dict[str, str]:
+        bucket = spec.env["RESOLUTO_STORE_BUCKET"]
+        prefix = spec.env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
+            spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"])
+        read_only = []
+        if self.guest_source == "bundle" and not spec.command:
+            key, _ = self._bundle_cache.for_spec(spec, upload=False)
+            read_only.append(key)
+        return mint_node_credentials(
+            role_arn=self.store_role_arn, bucket=bucket, prefix=prefix.strip("/"), session_name=name,
+            ttl_s=self.store_credentials_ttl_s, sts_endpoint=self.store_sts_endpoint,
+            region=spec.env.get("RESOLUTO_STORE_REGION"), read_only_keys=read_only,
+        )
+
+    # -- launch -----------------------------------------------------------------------------
+
+    def launch(self, spec: LaunchSpec) -> SandboxHandle:
+        self._check(spec)
+        api = self._api
+        try:
+            core, net = api.core(), api.net()
+        except KubernetesConfigError as e:
+            raise LaunchError(str(e)) from e
+        token = uuid.uuid4().hex
+        name = pod_name(spec.sandbox_id, token)
+        secret_values: dict[str, str] | None = None
+        if self.store_role_arn:
+            secret_values = {**spec.secret_env, **self._mint_store_credentials(spec, name)}
+        m = self.manifests(spec, name=name, token=token, secret_values=secret_values, upload_bundle=True)
+        ns, t = self.namespace, api.timeout()
+        handle = SandboxHandle(
+            id=f"{ns}/{name}", runtime=self.name, labels=dict(spec.labels),
+            data={"namespace": ns, "name": name, "token": token, "secret": m.secret is not None,
+                  "memory_limit": (m.pod["spec"]["containers"][0].get("resources") or {})
+                  .get("limits", {}).get("memory")},
+        )
+        created: list[str] = []
+        try:
+            api.call("create", "networkpolicies", name, lambda: net.create_namespaced_network_policy(
+                ns, m.network_policy, field_validation="Strict", _request_timeout=t),
+                on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token))
+            created.append("networkpolicies")
+            if m.secret is not None:
+                api.call("create", "secrets", name, lambda: core.create_namespaced_secret(
+                    ns, m.secret, field_validation="Strict", _request_timeout=t),
+                    on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token))
+                created.append("secrets")
+            pod = api.call("create", "pods", name, lambda: core.create_namespaced_pod(
+                ns, m.pod, field_validation="Strict", _request_timeout=t),
+                on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token))
+            created.append("pods")
+            lost = weakened(pod, self.runtime_class, self.read_only_root_filesystem)
+            if lost:
+                raise LaunchError(
+                    f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
+                    f"({'; '.join(lost)}); the pod was deleted at once. Servers before "
+                    "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
+                    "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
+                    "upgrade the cluster or exempt the namespace from that webhook"
+                )
+        except KubernetesApiError as e:
+            if e.resource == "pods" and (e.status is None or e.status >= 500):
+                created.append("pods")  # an earlier attempt may have landed despite the errors
+            self._cleanup(name, created)
+            raise LaunchError(str(e)) from e
+        except BaseException:
+            self._cleanup(name, created)
+            raise
+        handle.data["uid"] = pod.metadata.uid
+        handle.data["launched_at"] = self._clock()
+        self._adopt(name, pod.metadata.uid, created)
+        logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.runtime_class)
+        return handle
+
+    @staticmethod
+    def _mine(read: Callable[[], Any], token: str) -> Any:
+        try:
+            obj = read()
+        except Exception:
+            return None
+        annotations = (obj.metadata.annotations or {}) if obj is not None and obj.metadata else {}
+        return obj if annotations.get(TOKEN_ANNOTATION) == token else None
+
+    def _adopt(self, name: str, uid: str, created: list[str]) -> None:
+        """Make the policy and Secret owned by the pod, so they are collected with it."""
+        api = self._api
+        patch = {"metadata": {"ownerReferences": [{
+            "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False,
+        }]}}
+        ns, t = self.namespace, api.timeout()
+        ct = "application/merge-patch+json"
+        core, net = api.core(), api.net()
+        targets: list[tuple[str, Callable[[], Any]]] = [
+            ("networkpolicies", lambda: net.patch_namespaced_network_policy(
+                name, ns, patch, _content_type=ct, _request_timeout=t))]
+        if "secrets" in created:
+            targets.append(("secrets", lambda: core.patch_namespaced_secret(
+                name, ns, patch, _content_type=ct, _request_timeout=t)))
+        for resource, fn in targets:
+            try:
+                api.call("patch", resource, name, fn)
+            except KubernetesApiError as e:
+                logger.warning("kubernetes runtime: %s/%s will not be garbage-collected with its pod (%s); "
+                               "destroy/sweep still delete it", resource, name, e)
+
+    def _cleanup(self, name: str, created: list[str]) -> None:
+        for resource in reversed(created):
+            try:
+                self._api.delete(resource, name, grace_s=self.delete_grace_s)
+            except Exception as e:  # best effort: the original error matters more
+                logger.warning("kubernetes runtime: could not remove %s/%s after a failed launch: %s",
+                               resource, name, e)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        from kubernetes.client.exceptions import ApiException
+
+        ns, name = self._where(handle)
+        api = self._api
+        core = api.core()
+        try:
+            pod = api.call("get", "pods", name, lambda: core.read_namespaced_pod(
+                name, ns, _request_timeout=api.timeout()))
+        except KubernetesApiError as e:
+            if e.status != 404 or not isinstance(e.__cause__, ApiException):
+                raise
+            return gone_status(ns, name, handle.data)
+        st = pod_status(pod, handle.data, clock=self._clock,
+                        unschedulable_patience_s=self.unschedulable_patience_s,
+                        runtime_class=self.runtime_class, store_credentials_secret=self.store_credentials_secret)
+        remember_terminal(handle.data, st)
+        return st
+
+    # -- destroy / sweep / logs -------------------------------------------------------------------
+
+    @staticmethod
+    def _where(handle: SandboxHandle) -> tuple[str, str]:
+        ns = handle.data.get("namespace")
+        name = handle.data.get("name")
+        if not ns or not name:
+            ns, _, name = handle.id.partition("/")
+        return ns, name
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        ns, name = self._where(handle)
+        api = self._api
+        api.core()
+        handle.data["destroyed"] = True
+        for resource in ("pods", "networkpolicies", "secrets"):
+            api.delete(resource, name, ns, grace_s=self.delete_grace_s)
+
+    def sweep(self, labels: dict[str, str]) -> int:
+        """Delete every pod (and its policy and Secret) of this runtime carrying all ``labels``.
+
+        Policies and Secrets carry the pod's labels too, so the leftovers of a launch that
+        died half-way (a policy without a pod) are reaped by the same selector.
+        """
+        api = self._api
+        core, net = api.core(), api.net()
+        wanted = {**sanitise_labels(labels), MANAGED_BY_LABEL: MANAGED_BY}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+        ns, t = self.namespace, api.timeout()
+        listers: list[tuple[str, Callable[[], Any]]] = [
+            ("pods", lambda: core.list_namespaced_pod(ns, label_selector=selector, _request_timeout=t)),
+            ("networkpolicies", lambda: net.list_namespaced_network_policy(
+                ns, label_selector=selector, _request_timeout=t)),
+            ("secrets", lambda: core.list_namespaced_secret(ns, label_selector=selector, _request_timeout=t)),
+        ]
+        pods: set[str] = set()
+        for resource, lister in listers:
+            for obj in api.call("list", resource, "", lister).items:
+                if resource == "pods":
+                    pods.add(obj.metadata.name)
+                api.delete(resource, obj.metadata.name, grace_s=self.delete_grace_s)
+        if pods:
+            logger.info("kubernetes runtime: swept %d pod(s) matching %s", len(pods), selector)
+        return len(pods)
+
+    def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
+        ns, name = self._where(handle)
+        api = self._api
+        core = api.core()
+        try:
+            out = api.call("read logs of", "pods", name, lambda: core.read_namespaced_pod_log(
+                name, ns, container=CONTAINER_NAME, tail_lines=max(1, int(tail)),
+                _request_timeout=api.timeout()))
+        except KubernetesApiError as e:
+            return f"(no logs from pod {ns}/{name}: {e})"
+        return out if isinstance(out, str) else str(out)
+
