@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK, runtime_label
@@ -29,7 +30,6 @@ def doctor_report() -> dict[str, Any]:
 
     entries: list[tuple[str, dict[str, Any]]] = [(name, {}) for name in runtimes.RUNTIMES]
     defaults: dict[str, SandboxRuntime | None] = {}
-    rows: list[dict[str, Any]] = []
 
     def row(name: str, options: dict[str, Any]) -> dict[str, Any]:
         label = f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})" if options else name
@@ -56,15 +56,16 @@ def doctor_report() -> dict[str, Any]:
         r["egress"] = _egress_row(rt) if avail.ok else {"enforced": False, "why": "runtime not available"}
         return r
 
-    for name, options in entries:
-        rows.append(row(name, options))
-    # The variants best_available() tries (e.g. the container runtime with Kata) when they
-    # differ from a runtime's defaults -- so the "why not" of a stronger pick is visible.
-    for name, options in runtimes.candidates():
-        base = defaults.get(name)
-        if not options or base is None or all(getattr(base, k, object()) == v for k, v in options.items()):
-            continue
-        rows.append(row(name, dict(options)))
+    # Side by side: local probes mostly wait on subprocesses (runsc starting a sandbox,
+    # podman), remote ones import their client libraries. Rows keep the registry's order.
+    with ThreadPoolExecutor(max_workers=len(entries), thread_name_prefix="resoluto-doctor") as pool:
+        rows = list(pool.map(lambda entry: row(*entry), entries))
+        # The variants best_available() tries (e.g. the container runtime with Kata) when they
+        # differ from a runtime's defaults -- so the "why not" of a stronger pick is visible.
+        variants = [(name, dict(options)) for name, options in runtimes.candidates()
+                    if options and (base := defaults.get(name)) is not None
+                    and not all(getattr(base, k, object()) == v for k, v in options.items())]
+        rows += pool.map(lambda entry: row(*entry), variants)
 
     picks: list[dict[str, Any]] = []
     for level in sorted(IsolationLevel, reverse=True):
