@@ -35,16 +35,16 @@ def main(args: argparse.Namespace) -> int:
         except Exception as e:
             chosen.append((name, None, f"cannot be configured: {e}"))
     if explicit:
-        for name, rt, why in chosen:
-            if rt is None:
+        for name, found, why in chosen:
+            if found is None:
                 raise UsageError(f"runtime {name!r} is unavailable here: {why}")
     report: dict[str, Any] = {"labels": labels, "reaped": {}, "skipped": {}, "errors": {}}
-    for name, rt, why in chosen:
-        if rt is None:
+    for name, picked, why in chosen:
+        if picked is None:
             report["skipped"][name] = why
             continue
         try:
-            report["reaped"][name] = rt.sweep(labels)
+            report["reaped"][name] = picked.sweep(labels)
         except Exception as e:
             report["errors"][name] = f"{type(e).__name__}: {e}"
     if args.json:
@@ -57,6 +57,6 @@ def main(args: argparse.Namespace) -> int:
             out.line(f"  {name}: ", (f"reaped {n} sandbox(es)", OK if n else ""))
         for name, why in report["skipped"].items():
             out.line(f"  {name}: ", (f"skipped, unavailable: {why}", DIM))
-        for name, e in report["errors"].items():
-            out.line(f"  {name}: ", (f"error: {e}", BAD))
+        for name, problem in report["errors"].items():
+            out.line(f"  {name}: ", (f"error: {problem}", BAD))
     return EXIT_FAILED if report["errors"] else EXIT_OK
