@@ -16,6 +16,7 @@ import re
 import select
 import struct
 import subprocess
+import sys
 import termios
 import time
 import uuid
@@ -178,3 +179,24 @@ def test_progress_line_on_a_terminal_without_colour(cli: Cli, tmp_path: Path) ->
     assert b"\r\x1b[K" in seen and b"on process: " in seen and b"event(s)" in seen, seen
     assert not SGR.search(seen), seen
     assert b"done\n" in seen
+
+
+def test_help_loads_no_command_and_no_rich_and_doctor_no_prefect(cli: Cli) -> None:
+    """``--help`` costs the parser only; the drawing commands load rich, never Prefect."""
+    code = (
+        "import contextlib, io, sys\n"
+        "import prefect_resoluto.cli as c\n"
+        "def loaded(*names):\n"
+        "    return sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names))\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    c.main(['--help'])\n"
+        "print(loaded('rich', 'prefect', 'prefect_resoluto.cli.run', 'prefect_resoluto.cli.doctor',\n"
+        "             'prefect_resoluto.cli.events', 'prefect_resoluto.cli.output'))\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    c.main(['doctor'])\n"
+        "print('rich.table' in sys.modules, 'RUNTIME' in out.getvalue(), loaded('prefect'))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=cli.env, cwd=cli.work, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["[]", "True True []"], res.stdout
