@@ -112,7 +112,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def _lines(conduit: LocalConduit, out: Any) -> list[str]:
-    from prefect_resoluto.cli import iter_events, scan_node
+    from prefect_resoluto.cli.events import iter_events, scan_node
 
     rep = scan_node(conduit, out.run_id, out.node_id)
     return [str((e.get("data") or {}).get("line", "")) for e in iter_events(conduit, rep)]

@@ -70,7 +70,7 @@ export RESOLUTO_SANDBOX_KUBECONTEXT="$CTX"
 say "3. rendered manifests pass the API server's validation (server-side dry run)"
 "$PY" - <<'PYEOF' | "${K[@]}" apply --dry-run=server -f - >/dev/null || die "the API server rejected the rendered objects (above)"
 import os
-from prefect_resoluto.k8s_render import render_yaml
+from prefect_resoluto.runtimes.kubernetes.render import render_yaml
 from prefect_resoluto.runtimes.base import LaunchSpec, Resources
 from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 

@@ -478,7 +478,7 @@ def test_sweep_reaps_matching_sandboxes_and_leaves_others(cli: Cli) -> None:
 
 
 def test_render_prints_kubernetes_yaml_without_secrets(cli: Cli) -> None:
-    pytest.importorskip("prefect_resoluto.k8s_render", reason="the kubernetes renderer is not present")
+    pytest.importorskip("prefect_resoluto.runtimes.kubernetes.render", reason="the kubernetes renderer is not present")
     res = cli.run("render", "--runtime", "kubernetes", "--image", "python:3.12-slim",
                   "--conduit", "s3://bucket/base?endpoint_url=http://127.0.0.1:9000",
                   "--secret-env", f"API_TOKEN={SECRET}", "--memory", "256Mi", "--", "python3", "-c", "print(1)")

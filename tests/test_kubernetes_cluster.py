@@ -199,7 +199,7 @@ def test_missing_namespace_says_how_to_create_it(k8s_cluster: Cluster) -> None:
 
 
 def test_rendered_objects_pass_the_real_servers_validation(k8s_cluster: Cluster, k8s_ns: str) -> None:
-    from prefect_resoluto.k8s_render import render_documents
+    from prefect_resoluto.runtimes.kubernetes.render import render_documents
 
     rt = make_runtime(k8s_cluster, k8s_ns, guest_source="bundle", store_credentials_secret=STORE_SECRET,
                       service_account="default", tolerations=[{"key": "sandbox", "operator": "Exists",

@@ -28,7 +28,7 @@ from k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # n
 
 from guest_runner.conduit import LocalConduit  # noqa: E402
 from prefect_resoluto import guest_bundle  # noqa: E402
-from prefect_resoluto.k8s_render import render_documents, render_yaml  # noqa: E402
+from prefect_resoluto.runtimes.kubernetes.render import render_documents, render_yaml  # noqa: E402
 from prefect_resoluto.runtimes.base import (  # noqa: E402
     IsolationLevel,
     IsolationTooWeak,

@@ -1,0 +1,214 @@
+"""The flags of ``run`` and ``render`` turned into one validated node: spec, conduit, runtime.
+
+Everything is checked here, before anything is put on a conduit or launched, so bad
+input is always a one-line :class:`UsageError` (exit 2) and never a half-started node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefect_resoluto.cli.common import (
+    PROG,
+    UsageError,
+    known_runtimes,
+    parse_options,
+    parse_pairs,
+    parse_secret_env,
+    strip_dashdash,
+)
+
+if TYPE_CHECKING:
+    from guest_runner.conduit import Conduit
+    from guest_runner.redact import Redactor
+    from prefect_resoluto.node import NodeSpec
+    from prefect_resoluto.runtimes.base import IsolationLevel, SandboxRuntime
+
+LABEL_SOURCE = "resoluto.source"
+DEFAULT_OUTPUTS = "resoluto-outputs"
+
+# How a command picks its runtime from the flags: (args, --runtime-option values) -> runtime.
+RuntimePicker = Callable[[argparse.Namespace, dict[str, Any]], "SandboxRuntime"]
+
+
+@dataclass
+class RunPlan:
+    spec: NodeSpec
+    conduit: Conduit
+    runtime: SandboxRuntime
+    floor: IsolationLevel
+    silence_window: float
+    redactor: Redactor
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def floor(value: str) -> IsolationLevel:
+    from prefect_resoluto.runtimes.base import IsolationLevel
+
+    try:
+        return IsolationLevel.parse(value)
+    except ValueError as e:
+        raise UsageError(f"--min-isolation: {e}") from None
+
+
+def instantiate(name: str, options: dict[str, Any]) -> SandboxRuntime:
+    from prefect_resoluto.runtimes import RUNTIMES, get_runtime
+
+    if name not in RUNTIMES:
+        raise UsageError(f"unknown runtime {name!r}; known runtimes: {', '.join(known_runtimes())}")
+    try:
+        return get_runtime(name, **options)
+    except TypeError as e:  # an option the runtime's constructor does not take
+        raise UsageError(f"--runtime-option for {name!r}: {e}") from None
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"runtime {name!r} cannot be configured: {e}") from None
+
+
+def select_runtime(name: str | None, options: dict[str, Any], level: IsolationLevel) -> SandboxRuntime:
+    """The named runtime (checked against the floor, then probed), or the best one here."""
+    from prefect_resoluto.runtimes import best_available, why_unavailable
+    from prefect_resoluto.runtimes.base import IsolationLevel, IsolationTooWeak, check_isolation
+
+    if name:
+        rt = instantiate(name, options)
+        try:  # the floor first: no need to probe a runtime that would be refused anyway
+            check_isolation(rt, level)
+        except IsolationTooWeak as e:
+            raise UsageError(str(e)) from None
+        avail = rt.availability()
+        if not avail.ok:
+            raise UsageError(f"runtime {name!r} is unavailable here: {avail.why}")
+        return rt
+    try:
+        found = best_available(level, **options)
+    except TypeError as e:
+        raise UsageError(f"--runtime-option: {e}") from None
+    if found is None:
+        lower = IsolationLevel(max(level - 1, IsolationLevel.NONE)).label
+        raise UsageError(f"{why_unavailable(level, **options)} -- install gVisor (runsc) or bubblewrap, "
+                         f"or lower the floor explicitly with --min-isolation {lower}")
+    return found
+
+
+def pick_local(args: argparse.Namespace, options: dict[str, Any]) -> SandboxRuntime:
+    """``run``'s pick: the named runtime, or the strongest available at the floor."""
+    return select_runtime(args.runtime, options, floor(args.min_isolation))
+
+
+def takes_image(runtime: SandboxRuntime) -> bool:
+    import inspect
+
+    return "image" in inspect.signature(type(runtime).__init__).parameters
+
+
+def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fresh: bool = True) -> RunPlan:
+    """Validate everything ``run``/``render`` were given; raise UsageError on bad input.
+
+    ``fresh``: refuse a node id that already has objects in the conduit (``run``; a
+    ``render`` puts nothing there).
+    """
+    from guest_runner import archive, wire
+    from guest_runner.conduit import ConduitError, LocalConduit, conduit_from_url
+    from guest_runner.redact import Redactor
+    from prefect_resoluto.config import default_conduit_url
+    from prefect_resoluto.node import NodeSpec
+    from prefect_resoluto.runtimes.base import IsolationLevel, Resources, parse_cpus, parse_quantity
+
+    argv = strip_dashdash(args.argv)
+    if not argv or not argv[0]:
+        raise UsageError(f"no command given: put it after '--', e.g. {PROG} run -- python3 -c 'print(1)'")
+    env = parse_pairs(args.env, "--env")
+    secret_env = parse_secret_env(args.secret_env)
+    labels = parse_pairs(args.label, "--label")
+    options = parse_options(args.runtime_option)
+    level = floor(args.min_isolation)
+    try:
+        memory = parse_quantity(args.memory) if args.memory else None
+    except ValueError as e:
+        raise UsageError(f"--memory: {e}") from None
+    try:
+        cpus = parse_cpus(args.cpus) if args.cpus else None
+    except ValueError as e:
+        raise UsageError(f"--cpus: {e}") from None
+    if args.silence_window is not None and args.silence_window <= 0:
+        raise UsageError("--silence-window must be a positive number of seconds")
+
+    workspace: Path | None = None
+    if args.workspace is not None:
+        workspace = Path(args.workspace).expanduser()
+        if not workspace.exists():
+            raise UsageError(f"workspace directory {str(workspace)!r} does not exist")
+        if not workspace.is_dir():
+            raise UsageError(f"workspace {str(workspace)!r} is not a directory")
+        workspace = workspace.resolve()
+    outputs = list(args.output or [])
+    for pattern in outputs:
+        try:
+            archive.check_pattern(pattern)
+        except ValueError as e:
+            raise UsageError(f"--output: {e}") from None
+
+    run_id = args.run_id or uuid.uuid4().hex
+    node_id = args.node_id or f"cli-{uuid.uuid4().hex[:12]}"
+    for value, what in ((run_id, "--run-id"), (node_id, "--node-id")):
+        try:
+            wire.check_id(value, what)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    outputs_dir = Path(args.outputs_dir).expanduser() if args.outputs_dir else Path(DEFAULT_OUTPUTS) / node_id
+    outputs_dir = outputs_dir.absolute()  # relative to the cwd the user ran us in
+
+    conduit_url = args.conduit or default_conduit_url()
+    try:
+        conduit = conduit_from_url(conduit_url)
+    except (ValueError, ImportError, ConduitError) as e:
+        raise UsageError(f"--conduit: {e}") from None
+
+    runtime = pick(args, options)
+    if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
+        raise UsageError(f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the "
+                         f"local conduit {conduit.root}; pass --conduit s3://bucket/prefix?endpoint_url=...")
+    if (not isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and not runtime.remote
+            and runtime.isolation > IsolationLevel.NONE):
+        # Local sandboxes get no network at all, so they could never reach an object store.
+        raise UsageError(f"runtime {runtime.name!r} gives its sandbox no network, so it cannot reach the "
+                         f"conduit {conduit.url}; use a local conduit (file:///dir) with it")
+    if args.image and not takes_image(runtime):
+        raise UsageError(f"runtime {runtime.name!r} does not run images (it uses the host's /usr); "
+                         "--image applies to the container and kubernetes runtimes")
+
+    spec = NodeSpec(
+        run_id=run_id, node_id=node_id, argv=argv, workspace=workspace, output_paths=outputs,
+        env=env, secret_env=secret_env, resources=Resources.from_quantities(memory=memory, cpus=cpus),
+        labels={**labels, LABEL_SOURCE: "cli"}, image=args.image, outputs_dir=outputs_dir,
+        egress=list(args.egress or []), egress_resolve=parse_pairs(args.egress_resolve, "--egress-resolve"),
+        setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
+        setup_argv=["sh", "-c", args.setup] if args.setup else None,
+    )
+    try:
+        spec.validate()
+        if runtime.egress_by_name:
+            spec.network_request()
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    if fresh:
+        # Conduit objects are immutable evidence: never run a second node into the same place.
+        try:
+            taken = conduit.list_prefix(wire.node_prefix(run_id, node_id) + "/")
+        except ConduitError as e:
+            raise UsageError(f"conduit {conduit.url} is not usable: {e}") from None
+        if taken:
+            raise UsageError(f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
+                             "pick another --node-id (or --run-id)")
+    from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
+
+    return RunPlan(
+        spec=spec, conduit=conduit, runtime=runtime, floor=level,
+        silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
+        redactor=Redactor(secret_env.values()), labels=labels,
+    )
