@@ -94,9 +94,9 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no
     """The Kubernetes path, rendered by the real runtime (no cluster needed): the flow run's
     API joins the NetworkPolicy; its key travels in the pod's Secret, not its spec."""
     from guest_runner.s3conduit import S3Conduit
-    from prefect_resoluto.runtimes.kubernetes.render import render_documents
     from prefect_resoluto.node import NodeSpec, launch_spec
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+    from prefect_resoluto.runtimes.kubernetes.render import render_documents
 
     rt = KubernetesRuntime(namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000,
                            image="flows:1")

@@ -28,7 +28,6 @@ from k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # n
 
 from guest_runner.conduit import LocalConduit  # noqa: E402
 from prefect_resoluto import guest_bundle  # noqa: E402
-from prefect_resoluto.runtimes.kubernetes.render import render_documents, render_yaml  # noqa: E402
 from prefect_resoluto.runtimes.base import (  # noqa: E402
     IsolationLevel,
     IsolationTooWeak,
@@ -47,6 +46,7 @@ from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
     label_key,
     label_value,
 )
+from prefect_resoluto.runtimes.kubernetes.render import render_documents, render_yaml  # noqa: E402
 
 NS = "resoluto-sandboxes"
 METADATA = ipaddress.ip_address("169.254.169.254")
