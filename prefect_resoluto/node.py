@@ -295,6 +295,7 @@ def drive_node(
     should_cancel: Callable[[], bool] | None = None,
     warm: WarmSandbox | None = None,
     reap: Callable[[SandboxHandle], None] | None = None,
+    pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
 ) -> NodeOutcome:
     """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
 
@@ -307,6 +308,9 @@ def drive_node(
     waiting for them; ``observed_phase`` is then the phase seen before the hand-over
     (``running``). Without it, or for any other node, the sandbox is destroyed before return.
 
+    ``pack_workspace(root, skip)``: builds the workspace archive (default: ``archive.pack``;
+    the task runner's reuses one archive while the tree is unchanged).
+
     Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
     for bad input before anything is launched, and re-raises interruption after the
     sandbox has been reaped.
@@ -314,7 +318,7 @@ def drive_node(
     try:
         return _drive(spec, conduit, runtime, on_event=on_event, min_isolation=min_isolation,
                       silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm,
-                      reap=reap)
+                      reap=reap, pack_workspace=pack_workspace)
     except BaseException:
         if warm is not None:
             warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
@@ -333,6 +337,7 @@ def _drive(
     should_cancel: Callable[[], bool] | None,
     warm: WarmSandbox | None,
     reap: Callable[[SandboxHandle], None] | None,
+    pack_workspace: Callable[[Path, list[str]], bytes] | None,
 ) -> NodeOutcome:
     spec.validate()
     check_isolation(runtime, min_isolation)
@@ -366,7 +371,7 @@ def _drive(
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
         _put_inbox(conduit, wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-                   archive.pack(spec.workspace, skip=_nested_dirs(spec, conduit)))
+                   _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace))
     for name, data in spec.extra_inbox.items():
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
@@ -560,6 +565,10 @@ def _drive(
 
 class _Stop(Exception):
     pass
+
+
+def _pack(root: Path, skip: list[str], packer: Callable[[Path, list[str]], bytes] | None) -> bytes:
+    return packer(root, skip) if packer is not None else archive.pack(root, skip=skip)
 
 
 def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:

@@ -32,6 +32,7 @@ from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import EventLogForwarder, FlushPacer
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
+from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -143,10 +144,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._pool: warm_pool_mod.WarmPool | None = None
         self._artifacts: Background | None = None
         self._reaper: Background | None = None
+        self._packer: WorkspacePacker | None = None
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
                   "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool",
-                  "_artifacts", "_reaper")
+                  "_artifacts", "_reaper", "_packer")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -203,6 +205,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._pacer.start()
         self._artifacts = Background("resoluto-artifacts")
         self._reaper = Background("resoluto-reaper")
+        self._packer = WorkspacePacker()
         super().__enter__()
         self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
         return self
@@ -228,6 +231,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                 self._pacer.stop()
             if self._conduit is not None:
                 self._conduit.close()
+            self._packer = None  # its archives go with the runner
 
     def _flow_failed(self) -> bool:
         # The flow engine handles the flow's exception before leaving the runner's context,
@@ -529,6 +533,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                     should_cancel=lambda: self._cancelled.is_set() or (cancel is not None and cancel.is_set()),
                     warm=warm,
                     reap=reap if self._reaper is not None else None,
+                    pack_workspace=self._packer,
                 )
             finally:
                 with self._live_lock:
