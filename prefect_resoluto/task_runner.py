@@ -145,10 +145,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._artifacts: Background | None = None
         self._reaper: Background | None = None
         self._packer: WorkspacePacker | None = None
+        # Artifacts of task runs whose future is not done yet: published once it is, so the
+        # API call never competes with the task's own Completed-state call.
+        self._held: dict[str, list[Callable[[], None]]] = {}
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
                   "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool",
-                  "_artifacts", "_reaper", "_packer")
+                  "_artifacts", "_reaper", "_packer", "_held")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -225,6 +228,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             if self._reaper is not None:
                 self._reaper.close(REAP_DRAIN)
             self._sweep()
+            with self._live_lock:
+                held = [job for jobs in self._held.values() for job in jobs]
+                self._held.clear()
+            for job in held:  # task runs whose future never completed (cancelled, interrupted)
+                self._queue_artifact(job)
             if self._artifacts is not None:
                 self._artifacts.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
             if self._pacer is not None:
@@ -258,13 +266,25 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             self._live.pop(handle.id, None)
 
     def _publish(self, outcome: NodeOutcome, task_name: str, attempt: int) -> None:
-        """The node's artifact, off the task's critical path (an API round trip); in the API
-        before the runner's exit returns, so before the flow call does."""
+        """The node's artifact, off the task's critical path (an API round trip): queued when
+        the task run's future is done, in the API before the runner's exit returns, so before
+        the flow call does."""
+        from prefect.context import TaskRunContext
+
+        publish = functools.partial(_publish_artifact, outcome, task_name, attempt)
+        job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
+        ctx = TaskRunContext.get()
+        if ctx is None or ctx.task_run is None or self._artifacts is None:
+            job()
+            return
+        with self._live_lock:
+            self._held.setdefault(str(ctx.task_run.id), []).append(job)
+
+    def _queue_artifact(self, job: Callable[[], None]) -> None:
         if self._artifacts is None:
-            _publish_artifact(outcome, task_name, attempt)
+            job()
         else:
-            self._artifacts.submit(functools.partial(_publish_artifact, outcome, task_name, attempt),
-                                   f"artifact of node {outcome.node_id}")
+            self._artifacts.submit(job, "node artifact")
 
     def _destroy(self, handle: SandboxHandle) -> None:
         try:
@@ -297,7 +317,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
-        return super().submit(sandboxed, parameters, wait_for, dependencies)
+        future = super().submit(sandboxed, parameters, wait_for, dependencies)
+        future.add_done_callback(self._task_done)
+        return future
+
+    def _task_done(self, future: Any) -> None:
+        with self._live_lock:
+            held = self._held.pop(str(future.task_run_id), [])
+        for job in held:
+            self._queue_artifact(job)
 
     def _announce(self, fr_ctx: Any) -> None:
         """One line in the flow run's logs saying where its tasks will run. The flow engine
