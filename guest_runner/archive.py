@@ -148,6 +148,28 @@ def _walk(root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = froze
     return entries
 
 
+def stamp(root: "str | os.PathLike[str]", *, excludes: Iterable[str] = DEFAULT_EXCLUDES,
+          skip: Iterable[str] = ()) -> Tuple[str, int]:
+    """A digest of what :func:`pack` would read from ``root`` (every entry's name, type, mode,
+    size, inode, mtime and ctime, link targets), and the newest mtime/ctime in ns: equal
+    digests mean an unchanged tree unless a file was rewritten within the clock's
+    granularity, which the caller rules out by the second value."""
+    import hashlib
+
+    h = hashlib.sha256()
+    newest = 0
+    for rel, path in _walk(Path(root), frozenset(excludes), frozenset(skip)):
+        try:
+            st = os.lstat(path)
+            link = os.readlink(path) if os.path.islink(path) else ""
+        except OSError:
+            continue
+        newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
+        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0"
+                 f"{link}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest(), newest
+
+
 def select(root: "str | os.PathLike[str]", patterns: Sequence[str]) -> Tuple[List[str], List[str]]:
     """Workspace-relative files matched by ``patterns`` and the patterns that matched nothing."""
     matcher = PathMatcher(patterns)

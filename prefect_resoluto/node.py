@@ -294,11 +294,22 @@ def drive_node(
     on_launch: Callable[[SandboxHandle], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     warm: WarmSandbox | None = None,
+    reap: Callable[[SandboxHandle], None] | None = None,
+    pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
 ) -> NodeOutcome:
     """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
 
     ``warm``: a sandbox of ``runtime`` started ahead of demand (:mod:`prefect_resoluto.pool`),
     assigned this node instead of launching one; it is destroyed with the node either way.
+
+    ``reap``: takes over destroying the sandbox of a node whose guest wrote a complete
+    manifest and a successful result (its objects are all in the conduit; what is left is
+    the guest's interpreter exit and the runtime's teardown), so the outcome returns without
+    waiting for them; ``observed_phase`` is then the phase seen before the hand-over
+    (``running``). Without it, or for any other node, the sandbox is destroyed before return.
+
+    ``pack_workspace(root, skip)``: builds the workspace archive (default: ``archive.pack``;
+    the task runner's reuses one archive while the tree is unchanged).
 
     Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
     for bad input before anything is launched, and re-raises interruption after the
@@ -306,7 +317,8 @@ def drive_node(
     """
     try:
         return _drive(spec, conduit, runtime, on_event=on_event, min_isolation=min_isolation,
-                      silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm)
+                      silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm,
+                      reap=reap, pack_workspace=pack_workspace)
     except BaseException:
         if warm is not None:
             warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
@@ -324,6 +336,8 @@ def _drive(
     on_launch: Callable[[SandboxHandle], None] | None,
     should_cancel: Callable[[], bool] | None,
     warm: WarmSandbox | None,
+    reap: Callable[[SandboxHandle], None] | None,
+    pack_workspace: Callable[[Path, list[str]], bytes] | None,
 ) -> NodeOutcome:
     spec.validate()
     check_isolation(runtime, min_isolation)
@@ -356,10 +370,10 @@ def _drive(
 
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
-        conduit.put(wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-                    archive.pack(spec.workspace, skip=_nested_dirs(spec, conduit)))
+        _put_inbox(conduit, wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
+                   _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace))
     for name, data in spec.extra_inbox.items():
-        conduit.put(wire.inbox_key(rel_prefix, name), data)
+        _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
     runtime.prepare(conduit, spec.run_id)
@@ -471,7 +485,13 @@ def _drive(
         if handle is not None and failure is None and not st.terminal:
             # A failed workload may have died at the memory limit, which only the
             # substrate's view of the exited sandbox tells: wait longer for it.
-            st = _settle(runtime, handle, st, 5.0 if _workload_failed(conduit, rel_prefix) else 0.5)
+            verdict = _result_status(conduit, rel_prefix)
+            failed = verdict is not None and verdict != "success"
+            if reap is not None and verdict == "success" and tailer.finished and launch.network is None:
+                reap(handle)  # everything is in the conduit: the exit and teardown need not be waited for
+                handle = None
+            else:
+                st = _settle(runtime, handle, st, 5.0 if failed else 0.5)
         if handle is not None:
             try:
                 runtime.destroy(handle)
@@ -545,6 +565,18 @@ def _drive(
 
 class _Stop(Exception):
     pass
+
+
+def _pack(root: Path, skip: list[str], packer: Callable[[Path, list[str]], bytes] | None) -> bytes:
+    return packer(root, skip) if packer is not None else archive.pack(root, skip=skip)
+
+
+def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:
+    # The inbox matters only while this host drives the node: on the local disk, no fsync.
+    if isinstance(conduit, LocalConduit):
+        conduit.put(key, data, sync=False)
+    else:
+        conduit.put(key, data)
 
 
 def egress_events_key(run_id: str, node_id: str) -> str:
@@ -623,11 +655,12 @@ def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus,
     return st
 
 
-def _workload_failed(conduit: Conduit, rel_prefix: str) -> bool:
+def _result_status(conduit: Conduit, rel_prefix: str) -> str | None:
+    """result.json's status, None when there is no valid one (judged later, in full)."""
     try:
-        return wire.decode_result(conduit.get(wire.result_key(rel_prefix))).get("status") != "success"
+        return str(wire.decode_result(conduit.get(wire.result_key(rel_prefix))).get("status"))
     except Exception:
-        return False
+        return None
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import select
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -105,8 +107,34 @@ class DirWatch:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            _close_later(self.fd)
             self.fd = -1
+
+
+# Closing an inotify instance waits for the kernel's SRCU grace period (5-40 ms here,
+# more under load), which would sit between a node's last event and its result: the
+# descriptor is closed on a daemon thread instead (at exit the process closes the rest).
+_to_close: queue.SimpleQueue[int] = queue.SimpleQueue()
+_closer_lock = threading.Lock()
+_closer: threading.Thread | None = None
+
+
+def _close_later(fd: int) -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():
+            _closer = threading.Thread(target=_close_loop, name="resoluto-inotify-close", daemon=True)
+            _closer.start()
+    _to_close.put(fd)
+
+
+def _close_loop() -> None:
+    while True:
+        fd = _to_close.get()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class ChunkTailer:

@@ -27,10 +27,12 @@ from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
+from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import EventLogForwarder, FlushPacer
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
+from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -38,6 +40,11 @@ LABEL_FLOW_RUN = "resoluto.flow-run-id"
 LABEL_TASK_RUN = "resoluto.task-run-id"
 LABEL_TASK = "resoluto.task-name"
 LABEL_ATTEMPT = "resoluto.attempt"
+#: Seconds the runner's exit waits for queued artifacts (normal exit / interrupted or failed
+#: flow) and for sandboxes being reaped; a daemon thread never holds the process beyond them.
+ARTIFACT_DRAIN = 30.0
+ARTIFACT_DRAIN_INTERRUPTED = 5.0
+REAP_DRAIN = 60.0
 
 _overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("resoluto_overrides", default=None)
 
@@ -135,9 +142,16 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._announced: set[str] = set()
         self._deployment_names: dict[str, str | None] = {}
         self._pool: warm_pool_mod.WarmPool | None = None
+        self._artifacts: Background | None = None
+        self._reaper: Background | None = None
+        self._packer: WorkspacePacker | None = None
+        # Artifacts of task runs whose future is not done yet: published once it is, so the
+        # API call never competes with the task's own Completed-state call.
+        self._held: dict[str, list[Callable[[], None]]] = {}
 
     _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool")
+                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool",
+                  "_artifacts", "_reaper", "_packer", "_held")
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -192,6 +206,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._config.check_conduit_fits(self._runtime, self._conduit)
         self._pacer = FlushPacer()
         self._pacer.start()
+        self._artifacts = Background("resoluto-artifacts")
+        self._reaper = Background("resoluto-reaper")
+        self._packer = WorkspacePacker()
         super().__enter__()
         self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
         return self
@@ -208,11 +225,21 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         finally:
             if self._pool is not None:
                 self._pool.close()
+            if self._reaper is not None:
+                self._reaper.close(REAP_DRAIN)
             self._sweep()
+            with self._live_lock:
+                held = [job for jobs in self._held.values() for job in jobs]
+                self._held.clear()
+            for job in held:  # task runs whose future never completed (cancelled, interrupted)
+                self._queue_artifact(job)
+            if self._artifacts is not None:
+                self._artifacts.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
             if self._pacer is not None:
                 self._pacer.stop()
             if self._conduit is not None:
                 self._conduit.close()
+            self._packer = None  # its archives go with the runner
 
     def _flow_failed(self) -> bool:
         # The flow engine handles the flow's exception before leaving the runner's context,
@@ -232,6 +259,32 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         for handle in live:
             self._destroy(handle)
         super().cancel_all()
+
+    def _reap(self, handle: SandboxHandle) -> None:
+        self._destroy(handle)
+        with self._live_lock:
+            self._live.pop(handle.id, None)
+
+    def _publish(self, outcome: NodeOutcome, task_name: str, attempt: int) -> None:
+        """The node's artifact, off the task's critical path (an API round trip): queued when
+        the task run's future is done, in the API before the runner's exit returns, so before
+        the flow call does."""
+        from prefect.context import TaskRunContext
+
+        publish = functools.partial(_publish_artifact, outcome, task_name, attempt)
+        job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
+        ctx = TaskRunContext.get()
+        if ctx is None or ctx.task_run is None or self._artifacts is None:
+            job()
+            return
+        with self._live_lock:
+            self._held.setdefault(str(ctx.task_run.id), []).append(job)
+
+    def _queue_artifact(self, job: Callable[[], None]) -> None:
+        if self._artifacts is None:
+            job()
+        else:
+            self._artifacts.submit(job, "node artifact")
 
     def _destroy(self, handle: SandboxHandle) -> None:
         try:
@@ -264,7 +317,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
-        return super().submit(sandboxed, parameters, wait_for, dependencies)
+        future = super().submit(sandboxed, parameters, wait_for, dependencies)
+        future.add_done_callback(self._task_done)
+        return future
+
+    def _task_done(self, future: Any) -> None:
+        with self._live_lock:
+            held = self._held.pop(str(future.task_run_id), [])
+        for job in held:
+            self._queue_artifact(job)
 
     def _announce(self, fr_ctx: Any) -> None:
         """One line in the flow run's logs saying where its tasks will run. The flow engine
@@ -466,11 +527,18 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
                                        f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
             launched: list[SandboxHandle] = []
+            reaping: set[str] = set()
 
             def on_launch(handle: SandboxHandle, _launched: list[SandboxHandle] = launched) -> None:
                 _launched.append(handle)
                 with self._live_lock:
                     self._live[handle.id] = handle
+
+            def reap(handle: SandboxHandle, _reaping: set[str] = reaping) -> None:
+                # Stays in _live until destroyed, so cancel_all still reaches it.
+                _reaping.add(handle.id)
+                assert self._reaper is not None
+                self._reaper.submit(functools.partial(self._reap, handle), f"reaping sandbox {handle.id}")
 
             workload_spans: set[str] = set()
 
@@ -492,15 +560,18 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
                     on_launch=on_launch,
                     should_cancel=lambda: self._cancelled.is_set() or (cancel is not None and cancel.is_set()),
                     warm=warm,
+                    reap=reap if self._reaper is not None else None,
+                    pack_workspace=self._packer,
                 )
             finally:
                 with self._live_lock:
                     for h in launched:
-                        self._live.pop(h.id, None)
+                        if h.id not in reaping:
+                            self._live.pop(h.id, None)
             level = logging.INFO if outcome.ok else logging.ERROR
             detail = failure_detail(outcome) if failure_detail is not None and outcome.failure == "workload" else None
             forward.emit(level, _summary(outcome, detail))
-            _publish_artifact(outcome, task_name, attempt)
+            self._publish(outcome, task_name, attempt)
             if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
                     and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
                 logger.warning(
