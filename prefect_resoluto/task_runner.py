@@ -28,7 +28,7 @@ from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
-from prefect_resoluto.logs import EventLogForwarder, FlushPacer
+from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
 
@@ -131,7 +131,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._flow_runs: set[str] = set()
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
-        self._pacer: FlushPacer | None = None
+        self._pacer: ApiLogBatcher | None = None
         self._announced: set[str] = set()
         self._deployment_names: dict[str, str | None] = {}
         self._pool: warm_pool_mod.WarmPool | None = None
@@ -190,7 +190,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._runtime = self._config.build_runtime()
         self._conduit = self._config.build_conduit()
         self._config.check_conduit_fits(self._runtime, self._conduit)
-        self._pacer = FlushPacer()
+        self._pacer = ApiLogBatcher()
         self._pacer.start()
         super().__enter__()
         self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
@@ -461,7 +461,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
-                                        redactor=redactor, pacer=self._pacer)
+                                        redactor=redactor, batcher=self._pacer)
             warm, how = warm_pool_mod.take_for(self._pool, spec, prefect=warm_prefect)
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
                                        f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
@@ -500,6 +500,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             level = logging.INFO if outcome.ok else logging.ERROR
             detail = failure_detail(outcome) if failure_detail is not None and outcome.failure == "workload" else None
             forward.emit(level, _summary(outcome, detail))
+            forward.flush()  # the node's lines are in the API before the task's final state
             _publish_artifact(outcome, task_name, attempt)
             if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
                     and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
