@@ -87,7 +87,9 @@ def api_child(seconds: float) -> dict[str, Any]:
         env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"),
                             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                             "PREFECT_UI_ENABLED": "false",
-                            "PREFECT_LOGGING_LEVEL": "WARNING"})
+                            "PREFECT_LOGGING_LEVEL": "WARNING",
+                            # its 20 s default is too short on this machine under load
+                            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"})
         log(f"latency: ticker for {seconds:g} s at the Prefect log API, at 100 and 1 000 lines/s "
             "(ephemeral Prefect server, ~20 s to start)")
         cmd = [sys.executable, str(BENCH / "_flow_child.py"), "--n", "0", "--runtimes", "",

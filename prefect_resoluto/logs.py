@@ -4,8 +4,8 @@ Records carry the guest's own timestamp and the logger name ``resoluto.sandbox``
 go through the handlers of ``prefect.task_runs`` (the console and the API log handler),
 so they appear exactly where the task's own log lines do. Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
-instead, which sends a line within ~10–100 ms and coalesces heavy streams into the
-requests a 0.5 s cadence costs. The API handler still prepares every row.
+instead, which sends a line within ~10–100 ms and coalesces a heavy stream into about
+one request a second. Prefect's API handler still prepares every row.
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
 
 
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
-# chunks of other nodes landing together, share a request) and the previous request is at
-# least WINDOW old. WINDOW grows with the traffic: 0.5 ms per line/s of the last second,
-# between 0.1 s and 0.5 s. A quiet line goes out within ~10 ms, a moderate stream
-# (<= 200 lines/s) every 0.1 s, and at >= 1 000 lines/s every 0.5 s: no more requests
-# than the 0.5 s flush pacing this replaces.
+# chunks of other nodes landing together, share a request) and the previous request
+# returned at least WINDOW ago. WINDOW grows with the traffic: 1 ms per line/s over the
+# last half second, between 0.1 s and 1 s. A lone line goes out within ~10 ms, a moderate
+# stream (<= 100 lines/s) every 0.1 s, a heavy one (>= 1 000 lines/s) once a second:
+# fewer requests than the 0.5 s flush pacing this replaced, which paid a fresh log worker
+# and client per flush. Timing from the previous request's return lets a slow API set
+# the pace (fewer, larger requests), as Prefect's own worker does.
 COALESCE = 0.01
 MIN_WINDOW = 0.1
-MAX_WINDOW = 0.5
-WINDOW_PER_LINE_RATE = 0.0005
-_RATE_SPAN = 1.0  # seconds of traffic the rate is taken over
-_RATE_BUCKET = 0.1
+MAX_WINDOW = 1.0
+WINDOW_PER_LINE_RATE = 0.001
+_RATE_SPAN = 0.5  # seconds of traffic the rate is taken over
+_RATE_BUCKET = 0.05
 
 
 class ApiLogBatcher:
@@ -90,7 +92,7 @@ class ApiLogBatcher:
         self._added = 0  # lines ever added; lines ever sent (or dropped by a failed request):
         self._done = 0
         self._urgent = 0  # flush() callers waiting: send without waiting for the window
-        self._buckets: deque[list[float]] = deque()  # [bucket start, lines] over the last second
+        self._buckets: deque[list[float]] = deque()  # [bucket start, lines] over _RATE_SPAN
         self._stop = False
         self._thread: threading.Thread | None = None
         self.requests = 0
@@ -146,7 +148,7 @@ class ApiLogBatcher:
             self._thread = None
 
     def window(self, now: float) -> float:
-        """Least time between two requests, from the last second's line rate. Lock held."""
+        """Least time from one request's return to the next, from the recent line rate. Lock held."""
         while self._buckets and now - self._buckets[0][0] > _RATE_SPAN:
             self._buckets.popleft()
         rate = sum(b[1] for b in self._buckets) / _RATE_SPAN
