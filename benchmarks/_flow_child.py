@@ -110,13 +110,30 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
     def bench_latency() -> int:
         return bench_tasks.ticker.submit(seconds, every).result()  # type: ignore[attr-defined]
 
+    # When each line reached the host's log handlers (the forwarder): splits the latency
+    # into guest + tail (print -> here) and forwarding + API (here -> stored row).
+    arrived: dict[int, float] = {}
+
+    class Arrival(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            parts = record.getMessage().split()
+            if len(parts) == 3 and parts[0] == "tick":
+                arrived.setdefault(int(parts[1]), time.time())
+
+    arrival = Arrival()
+    logging.getLogger("prefect.task_runs").addHandler(arrival)
     APILogHandler().flush()  # earlier flows' queued logs are not this run's requests
-    with counting_api_requests() as count:
-        state = bench_latency(return_state=True)
-        APILogHandler().flush()
+    try:
+        with counting_api_requests() as count:
+            state = bench_latency(return_state=True)
+            APILogHandler().flush()
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(arrival)
     printed = state.result()
     flow_run_id = state.state_details.flow_run_id
     lat: list[float] = []
+    to_host: list[float] = []
+    to_row: list[float] = []
     seen: set[int] = set()
     with get_client(sync_client=True) as client:
         offset = 0
@@ -129,10 +146,15 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
             for row in page:
                 parts = row.message.split()
                 if len(parts) == 3 and parts[0] == "tick":
-                    seen.add(int(parts[1]))
+                    n = int(parts[1])
+                    seen.add(n)
                     lat.append(row.created.timestamp() - float(parts[2]))
+                    if n in arrived:
+                        to_host.append(arrived[n] - float(parts[2]))
+                        to_row.append(row.created.timestamp() - arrived[n])
     return {"printed": printed, "received": len(seen), "latencies_s": lat, "seconds": seconds,
-            "every_s": every, "log_posts": count.log_posts, "log_post_median_s": count.log_post_median_s()}
+            "every_s": every, "log_posts": count.log_posts, "log_post_median_s": count.log_post_median_s(),
+            "to_host_s": to_host, "to_row_s": to_row}
 
 
 if __name__ == "__main__":

@@ -111,6 +111,11 @@ def attach_api(res: dict[str, Any], api: dict[str, Any] | None) -> None:
     for key, got in (("prefect_api", api), ("prefect_api_1000", api.get("at_1000"))):
         if got:
             res[key] = summarise(got["latencies_s"], got["printed"])
+            if got.get("to_row_s"):  # print -> host handlers, host handlers -> stored row
+                res[key]["split_p50_ms"] = {"guest_and_tail": ms(percentile(got["to_host_s"], 50)),
+                                            "forwarder_and_api": ms(percentile(got["to_row_s"], 50))}
+                res[key]["split_p99_ms"] = {"guest_and_tail": ms(percentile(got["to_host_s"], 99)),
+                                            "forwarder_and_api": ms(percentile(got["to_row_s"], 99))}
             posts = got.get("log_posts")
             if posts is not None:
                 res[key].update(log_posts=posts, posts_per_s=round(posts / got["seconds"], 2),
@@ -148,5 +153,9 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
                 text += (f"; POST /logs/ {t['posts_per_s']}/s at {t['lines_per_s']} lines/s "
                          f"({t['log_posts']} in all, {t['posts_per_1000_lines']} per 1 000 lines, "
                          f"round trip p50 {t['post_round_trip_p50_ms']} ms)")
+            if "split_p50_ms" in t:
+                a50, a99 = t["split_p50_ms"], t["split_p99_ms"]
+                text += (f"; print -> host p50 {a50['guest_and_tail']} / p99 {a99['guest_and_tail']} ms, "
+                         f"host -> row p50 {a50['forwarder_and_api']} / p99 {a99['forwarder_and_api']} ms")
             out.append((label, text))
     return out
