@@ -58,18 +58,42 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
 
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
 # chunks of other nodes landing together, share a request) and the previous request
-# returned at least WINDOW ago. WINDOW grows with the traffic: 1 ms per line/s over the
-# last half second, between 0.1 s and 1 s. A lone line goes out within ~10 ms, a moderate
+# returned at least WINDOW ago. WINDOW grows with the traffic: 1 ms per line/s of the
+# streams' last half second, between 0.1 s and 1 s. A lone line goes out within ~10 ms, a moderate
 # stream (<= 100 lines/s) every 0.1 s, a heavy one (>= 1 000 lines/s) once a second:
 # fewer requests than the 0.5 s flush pacing this replaced, which paid a fresh log worker
 # and client per flush. Timing from the previous request's return lets a slow API set
-# the pace (fewer, larger requests), as Prefect's own worker does.
+# the pace (fewer, larger requests), as Prefect's own worker does. A stream's rate is read
+# on the guest's clock: a host that lags behind a fast stream still treats it as fast.
 COALESCE = 0.01
 MIN_WINDOW = 0.1
 MAX_WINDOW = 1.0
 WINDOW_PER_LINE_RATE = 0.001
-_RATE_SPAN = 0.5  # seconds of traffic the rate is taken over
+_RATE_SPAN = 0.5  # seconds of a stream the rate is taken over
 _RATE_BUCKET = 0.05
+
+
+class StreamRate:
+    """Lines per second of one node's stream over its last ``_RATE_SPAN``, by the guest's
+    timestamps (differences of one clock only, so the host's clock never enters)."""
+
+    def __init__(self) -> None:
+        self._buckets: deque[list[float]] = deque()  # [first guest ts, lines]
+        self.last_seen = 0.0  # host monotonic time of its latest line
+
+    def add(self, ts: float, now: float) -> None:
+        if self._buckets and 0.0 <= ts - self._buckets[-1][0] < _RATE_BUCKET:
+            self._buckets[-1][1] += 1
+        else:
+            self._buckets.append([ts, 1])
+        newest = self._buckets[-1][0]
+        while newest - self._buckets[0][0] > _RATE_SPAN:
+            self._buckets.popleft()
+        self.last_seen = now
+
+    def rate(self) -> float:
+        # the buckets kept cover up to one bucket more than the span
+        return sum(b[1] for b in self._buckets) / (_RATE_SPAN + _RATE_BUCKET)
 
 
 class ApiLogBatcher:
@@ -92,7 +116,7 @@ class ApiLogBatcher:
         self._added = 0  # lines ever added; lines ever sent (or dropped by a failed request):
         self._done = 0
         self._urgent = 0  # flush() callers waiting: send without waiting for the window
-        self._buckets: deque[list[float]] = deque()  # [bucket start, lines] over _RATE_SPAN
+        self._streams: dict[int, StreamRate] = {}  # the streams that sent lines lately
         self._stop = False
         self._thread: threading.Thread | None = None
         self.requests = 0
@@ -105,8 +129,9 @@ class ApiLogBatcher:
                                             daemon=True)
             self._thread.start()
 
-    def add(self, log: dict[str, Any]) -> None:
-        """Queue one ``LogCreate``-shaped dict (``APILogHandler.prepare``'s output)."""
+    def add(self, log: dict[str, Any], stream: StreamRate | None = None, ts: float | None = None) -> None:
+        """Queue one ``LogCreate``-shaped dict (``APILogHandler.prepare``'s output); ``ts``,
+        the guest's timestamp of the line, counts it in its ``stream``'s rate."""
         size = int(log.pop("__payload_size__", 0) or len(str(log))) + 1  # and its comma
         now = time.monotonic()
         with self._cond:
@@ -116,10 +141,9 @@ class ApiLogBatcher:
             self._pending.append((log, size))
             self._pending_bytes += size
             self._added += 1
-            if self._buckets and now - self._buckets[-1][0] < _RATE_BUCKET:
-                self._buckets[-1][1] += 1
-            else:
-                self._buckets.append([now, 1])
+            if stream is not None and ts is not None:
+                stream.add(ts, now)
+                self._streams[id(stream)] = stream
             if self._pending_bytes >= self._max_bytes:
                 self._cond.notify()
 
@@ -149,9 +173,9 @@ class ApiLogBatcher:
 
     def window(self, now: float) -> float:
         """Least time from one request's return to the next, from the recent line rate. Lock held."""
-        while self._buckets and now - self._buckets[0][0] > _RATE_SPAN:
-            self._buckets.popleft()
-        rate = sum(b[1] for b in self._buckets) / _RATE_SPAN
+        for key in [k for k, st in self._streams.items() if now - st.last_seen > _RATE_SPAN]:
+            del self._streams[key]  # a stream quiet on the host for a while no longer counts
+        rate = sum(st.rate() for st in self._streams.values())
         return min(MAX_WINDOW, max(MIN_WINDOW, rate * WINDOW_PER_LINE_RATE))
 
     def _next_batch(self) -> list[dict[str, Any]] | None:
@@ -258,6 +282,7 @@ class EventLogForwarder:
         # Without a batcher, or where the logging config has no API handler, records take
         # Prefect's own path unchanged.
         self._api = api_handler_of(self.target) if batcher is not None else None
+        self._rate = StreamRate()
         self.lines = 0
 
     def emit(self, level: int, message: str, ts: float | None = None) -> None:
@@ -285,7 +310,7 @@ class EventLogForwarder:
             api.handleError(record)
             return
         assert self.batcher is not None
-        self.batcher.add(log)
+        self.batcher.add(log, self._rate, ts)
 
     def flush(self) -> None:
         """Every line emitted so far is in the API when this returns (or the wait timed out):
