@@ -69,6 +69,7 @@ COALESCE = 0.01
 MIN_WINDOW = 0.1
 MAX_WINDOW = 1.0
 WINDOW_PER_LINE_RATE = 0.001
+STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
 _RATE_SPAN = 0.5  # seconds of a stream the rate is taken over
 _RATE_BUCKET = 0.05
 
@@ -163,13 +164,26 @@ class ApiLogBatcher:
                 self._urgent -= 1
 
     def stop(self) -> None:
-        """Send what is pending and end the thread (the runner's exit)."""
+        """Send what is pending and end the thread (the runner's exit). Waits as long as
+        requests keep completing, as Prefect's own worker does at exit, so a slow API
+        loses nothing; gives up only on an API that answers nothing for STALL seconds."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return
+        done, since = self._done, time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+            with self._cond:
+                if self._done != done:
+                    done, since = self._done, time.monotonic()
+                elif time.monotonic() - since > STALL:
+                    _report(RuntimeError(f"{self._added - self._done} sandbox log lines not sent: "
+                                         f"the API answered nothing for {STALL:g} s"))
+                    break
+        self._thread = None
 
     def window(self, now: float) -> float:
         """Least time from one request's return to the next, from the recent line rate. Lock held."""
