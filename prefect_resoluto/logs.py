@@ -4,8 +4,8 @@ Records carry the guest's own timestamp and the logger name ``resoluto.sandbox``
 go through the handlers of ``prefect.task_runs`` (the console and the API log handler),
 so they appear exactly where the task's own log lines do. Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
-instead, which sends a line within ~10–100 ms and coalesces a heavy stream into about
-one request a second. Prefect's API handler still prepares every row.
+instead, which sends a line within ~10–100 ms and coalesces a heavy stream into one
+request every 2 s or so. Prefect's API handler still prepares every row.
 """
 
 from __future__ import annotations
@@ -58,17 +58,18 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
 
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
 # chunks of other nodes landing together, share a request) and the previous request
-# returned at least WINDOW ago. WINDOW grows with the traffic: 1 ms per line/s of the
-# streams' last half second, between 0.1 s and 1 s. A lone line goes out within ~10 ms, a moderate
-# stream (<= 100 lines/s) every 0.1 s, a heavy one (>= 1 000 lines/s) once a second:
-# fewer requests than the 0.5 s flush pacing this replaced, which paid a fresh log worker
-# and client per flush. Timing from the previous request's return lets a slow API set
+# returned at least WINDOW ago. WINDOW grows with the square of the traffic (lines/s over
+# the streams' last half second): 0.1 s up to 100 lines/s, 0.4 s at 200, 0.9 s at 300,
+# 2 s from 450 on. A lone line goes out within ~10 ms and a stream a person can read
+# within ~0.1 s; a heavy one costs one request per 2 s plus the round trip, against one
+# per 0.5 s plus the round trip plus a fresh log worker and client for the 0.5 s flush
+# pacing this replaced. Timing from the previous request's return lets a slow API set
 # the pace (fewer, larger requests), as Prefect's own worker does. A stream's rate is read
 # on the guest's clock: a host that lags behind a fast stream still treats it as fast.
 COALESCE = 0.01
 MIN_WINDOW = 0.1
-MAX_WINDOW = 1.0
-WINDOW_PER_LINE_RATE = 0.001
+MAX_WINDOW = 2.0
+QUIET_RATE = 100.0  # lines/s up to which the window stays MIN_WINDOW
 STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
 _RATE_SPAN = 0.5  # seconds of a stream the rate is taken over
 _RATE_BUCKET = 0.05
@@ -190,7 +191,7 @@ class ApiLogBatcher:
         for key in [k for k, st in self._streams.items() if now - st.last_seen > _RATE_SPAN]:
             del self._streams[key]  # a stream quiet on the host for a while no longer counts
         rate = sum(st.rate() for st in self._streams.values())
-        return min(MAX_WINDOW, max(MIN_WINDOW, rate * WINDOW_PER_LINE_RATE))
+        return min(MAX_WINDOW, max(MIN_WINDOW, MIN_WINDOW * (rate / QUIET_RATE) ** 2))
 
     def _next_batch(self) -> list[dict[str, Any]] | None:
         """Wait until a batch is due and take it; None once stopped with nothing left."""
