@@ -115,8 +115,8 @@ class ApiLogBatcher:
         self._max_bytes = _max_batch_bytes()
         self._oldest = 0.0  # monotonic arrival of the oldest pending line
         self._last_send = 0.0
-        self._added = 0  # lines ever added; lines ever sent (or dropped by a failed request):
-        self._done = 0
+        self._added = 0  # lines ever added
+        self._done = 0  # lines ever sent, or given up with a failed request
         self._urgent = 0  # flush() callers waiting: send without waiting for the window
         self._streams: dict[int, StreamRate] = {}  # the streams that sent lines lately
         self._stop = False
