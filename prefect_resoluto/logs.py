@@ -71,6 +71,7 @@ MIN_WINDOW = 0.1
 MAX_WINDOW = 2.0
 QUIET_RATE = 100.0  # lines/s up to which the window stays MIN_WINDOW
 STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
+ATTEMPTS = 3  # a failed request is sent again (same lines, same order) this many times in all
 _RATE_SPAN = 0.5  # seconds of a stream the rate is taken over
 _RATE_BUCKET = 0.05
 
@@ -193,7 +194,7 @@ class ApiLogBatcher:
         rate = sum(st.rate() for st in self._streams.values())
         return min(MAX_WINDOW, max(MIN_WINDOW, MIN_WINDOW * (rate / QUIET_RATE) ** 2))
 
-    def _next_batch(self) -> list[dict[str, Any]] | None:
+    def _next_batch(self) -> list[tuple[dict[str, Any], int]] | None:
         """Wait until a batch is due and take it; None once stopped with nothing left."""
         with self._cond:
             while True:
@@ -208,15 +209,14 @@ class ApiLogBatcher:
                 else:
                     self._cond.wait()
 
-    def _take(self) -> list[dict[str, Any]]:
+    def _take(self) -> list[tuple[dict[str, Any], int]]:
         """Up to one request's worth of pending lines (Prefect's batch size; always at least
         one line, as Prefect's worker does). Lock held."""
-        batch: list[dict[str, Any]] = []
+        batch: list[tuple[dict[str, Any], int]] = []
         size = 0
         while self._pending and (not batch or size + self._pending[0][1] <= self._max_bytes):
-            log, n = self._pending.popleft()
-            batch.append(log)
-            size += n
+            batch.append(self._pending.popleft())
+            size += batch[-1][1]
         self._pending_bytes -= size
         self._oldest = time.monotonic()  # what is left waits from now
         return batch
@@ -231,19 +231,33 @@ class ApiLogBatcher:
         except Exception as e:
             _report(e)
             client = None
+        failures = 0
         try:
             while (batch := self._next_batch()) is not None:
+                sent = True
                 try:
                     if client is None:
                         raise RuntimeError("no Prefect API client")
-                    client.create_logs(batch)
                     self.requests += 1
-                except Exception as e:  # as Prefect's log worker: report, never break a task
-                    _report(e)
+                    client.create_logs([log for log, _ in batch])
+                    failures = 0
+                except Exception as e:  # report, never break a task; retry a few times first
+                    failures += 1
+                    sent = failures >= ATTEMPTS or client is None
+                    if sent:
+                        _report(e)
+                        failures = 0
                 with self._cond:
                     self._last_send = time.monotonic()
-                    self._done += len(batch)
+                    if sent:
+                        self._done += len(batch)
+                    else:  # back at the head, in order; the window spaces the retry
+                        self._pending.extendleft(reversed(batch))
+                        self._pending_bytes += sum(n for _, n in batch)
+                        self._oldest = self._last_send
                     self._cond.notify_all()
+                if not sent:
+                    time.sleep(0.5 * failures)  # an API in trouble gets a moment
         finally:
             if client is not None:
                 with contextlib.suppress(Exception):
