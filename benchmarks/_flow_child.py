@@ -17,9 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))  # api_requests: the request counter
 
 
 def main() -> None:
@@ -72,38 +74,66 @@ def main() -> None:
     for rt in runtimes:
         mapped(resoluto(rt), 1)
 
-    walls: dict[str, float] = {}
-    tp = ThreadPoolTaskRunner()
-    walls["threadpool"] = mapped(tp, args.n)
-    out["threadpool_max_workers"] = tp._max_workers
-    for rt in runtimes:
-        runner = resoluto(rt)
-        out["resoluto_max_workers"] = runner._max_workers
-        walls[rt] = mapped(runner, args.n)
-        walls[f"{rt}+pool"] = mapped(resoluto(rt, None), args.n)
-    out["wall_s"] = {k: round(v, 3) for k, v in walls.items()}
+    if args.n > 0:  # --n 0: the latency figure alone
+        walls: dict[str, float] = {}
+        tp = ThreadPoolTaskRunner()
+        walls["threadpool"] = mapped(tp, args.n)
+        out["threadpool_max_workers"] = tp._max_workers
+        for rt in runtimes:
+            runner = resoluto(rt)
+            out["resoluto_max_workers"] = runner._max_workers
+            walls[rt] = mapped(runner, args.n)
+            walls[f"{rt}+pool"] = mapped(resoluto(rt, None), args.n)
+        out["wall_s"] = {k: round(v, 3) for k, v in walls.items()}
 
     # Latency at the Prefect log API, on the process runtime (the cheapest sandbox, so
     # the figure is the log path's own).
     if args.latency_seconds > 0:
-        out["api_latency"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds)
+        out["api_latency"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds, every=0.01)
+        # The same at 1 000 lines/s: what a heavy stream costs in API requests.
+        out["api_latency"]["at_1000"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds,
+                                                    every=0.001)
     Path(args.out).write_text(json.dumps(out))
     shutil.rmtree(work, ignore_errors=True)
 
 
-def api_latency(runner: object, bench_tasks: object, seconds: float) -> dict[str, object]:
+def api_latency(runner: object, bench_tasks: object, seconds: float, every: float) -> dict[str, Any]:
+    """Latency of each ``tick`` line at the API, and the ``POST /logs/`` requests the whole
+    flow run cost (every log of the run: the sandbox's lines and the engine's own)."""
+    from api_requests import counting_api_requests
     from prefect import flow, get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
 
     @flow(task_runner=runner, name="bench-latency", persist_result=False)
     def bench_latency() -> int:
-        return bench_tasks.ticker.submit(seconds).result()  # type: ignore[attr-defined]
+        return bench_tasks.ticker.submit(seconds, every).result()  # type: ignore[attr-defined]
 
-    state = bench_latency(return_state=True)
+    # When each line reached the host's log handlers (the forwarder): splits the latency
+    # into guest + tail (print -> here) and forwarding + API (here -> stored row).
+    arrived: dict[int, float] = {}
+
+    class Arrival(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            parts = record.getMessage().split()
+            if len(parts) == 3 and parts[0] == "tick":
+                arrived.setdefault(int(parts[1]), time.time())
+
+    arrival = Arrival()
+    logging.getLogger("prefect.task_runs").addHandler(arrival)
+    APILogHandler().flush()  # earlier flows' queued logs are not this run's requests
+    try:
+        with counting_api_requests() as count:
+            state = bench_latency(return_state=True)
+            APILogHandler().flush()
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(arrival)
     printed = state.result()
     flow_run_id = state.state_details.flow_run_id
     lat: list[float] = []
+    to_host: list[float] = []
+    to_row: list[float] = []
     seen: set[int] = set()
     with get_client(sync_client=True) as client:
         offset = 0
@@ -116,9 +146,15 @@ def api_latency(runner: object, bench_tasks: object, seconds: float) -> dict[str
             for row in page:
                 parts = row.message.split()
                 if len(parts) == 3 and parts[0] == "tick":
-                    seen.add(int(parts[1]))
+                    n = int(parts[1])
+                    seen.add(n)
                     lat.append(row.created.timestamp() - float(parts[2]))
-    return {"printed": printed, "received": len(seen), "latencies_s": lat}
+                    if n in arrived:
+                        to_host.append(arrived[n] - float(parts[2]))
+                        to_row.append(row.created.timestamp() - arrived[n])
+    return {"printed": printed, "received": len(seen), "latencies_s": lat, "seconds": seconds,
+            "every_s": every, "log_posts": count.log_posts, "log_post_median_s": count.log_post_median_s(),
+            "to_host_s": to_host, "to_row_s": to_row}
 
 
 if __name__ == "__main__":

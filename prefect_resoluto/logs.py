@@ -2,14 +2,21 @@
 
 Records carry the guest's own timestamp and the logger name ``resoluto.sandbox`` and
 go through the handlers of ``prefect.task_runs`` (the console and the API log handler),
-so they appear exactly where the task's own log lines do. Prefect batches API logs; a
-background flush keeps a sandbox's output visible within about a second.
+so they appear exactly where the task's own log lines do. Prefect's log worker sends
+every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
+instead, which sends a line within ~10–100 ms and coalesces a heavy stream into one
+request every 2 s or so. Prefect's API handler still prepares every row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+import sys
 import threading
+import time
+from collections import deque
 from typing import Any
 
 from guest_runner.redact import Redactor
@@ -49,60 +56,262 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
     return logging.INFO, str(ev)
 
 
-class FlushPacer:
-    """Flushes Prefect's API log batch at most every ``interval`` seconds while dirty."""
+# A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
+# chunks of other nodes landing together, share a request) and the previous request
+# returned at least WINDOW ago. WINDOW grows with the square of the traffic (lines/s over
+# the streams' last half second): 0.1 s up to 100 lines/s, 0.4 s at 200, 0.9 s at 300,
+# 2 s from 450 on. A lone line goes out within ~10 ms and a stream a person can read
+# within ~0.1 s; a heavy one costs one request per 2 s plus the round trip, against one
+# per 0.5 s plus the round trip plus a fresh log worker and client for the 0.5 s flush
+# pacing this replaced. Timing from the previous request's return lets a slow API set
+# the pace (fewer, larger requests), as Prefect's own worker does. A stream's rate is read
+# on the guest's clock: a host that lags behind a fast stream still treats it as fast.
+COALESCE = 0.01
+MIN_WINDOW = 0.1
+MAX_WINDOW = 2.0
+QUIET_RATE = 100.0  # lines/s up to which the window stays MIN_WINDOW
+STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
+ATTEMPTS = 3  # a failed request is sent again (same lines, same order) this many times in all
+_RATE_SPAN = 0.5  # seconds of a stream the rate is taken over
+_RATE_BUCKET = 0.05
 
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval = interval
-        self._dirty = threading.Event()
-        self._stop = threading.Event()
+
+class StreamRate:
+    """Lines per second of one node's stream over its last ``_RATE_SPAN``, by the guest's
+    timestamps (differences of one clock only, so the host's clock never enters)."""
+
+    def __init__(self) -> None:
+        self._buckets: deque[list[float]] = deque()  # [first guest ts, lines]
+        self.last_seen = 0.0  # host monotonic time of its latest line
+
+    def add(self, ts: float, now: float) -> None:
+        if self._buckets and 0.0 <= ts - self._buckets[-1][0] < _RATE_BUCKET:
+            self._buckets[-1][1] += 1
+        else:
+            self._buckets.append([ts, 1])
+        newest = self._buckets[-1][0]
+        while newest - self._buckets[0][0] > _RATE_SPAN:
+            self._buckets.popleft()
+        self.last_seen = now
+
+    def rate(self) -> float:
+        # the buckets kept cover up to one bucket more than the span
+        return sum(b[1] for b in self._buckets) / (_RATE_SPAN + _RATE_BUCKET)
+
+
+class ApiLogBatcher:
+    """Sends a task runner's sandbox lines to the Prefect API, in coalesced batches.
+
+    One background thread and one API client for the runner's lifetime. Lines are
+    prepared by Prefect's own ``APILogHandler`` (identical rows to those it would send)
+    and sent in arrival order. Prefect's log worker is left alone: draining it (what
+    ``APILogHandler.flush()`` does) stops every worker instance and its client, and a
+    batch behind its 2 s interval is not what a sandbox's live output needs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (log, its bytes in a request body)
+        self._pending_bytes = 0
+        self._max_bytes = _max_batch_bytes()
+        self._oldest = 0.0  # monotonic arrival of the oldest pending line
+        self._last_send = 0.0
+        self._added = 0  # lines ever added
+        self._done = 0  # lines ever sent, or given up with a failed request
+        self._urgent = 0  # flush() callers waiting: send without waiting for the window
+        self._streams: dict[int, StreamRate] = {}  # the streams that sent lines lately
+        self._stop = False
         self._thread: threading.Thread | None = None
+        self.requests = 0
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="resoluto-log-flush", daemon=True)
+            # The caller's context carries Prefect's settings (the API URL, its key).
+            ctx = contextvars.copy_context()
+            self._thread = threading.Thread(target=ctx.run, args=(self._run,), name="resoluto-api-logs",
+                                            daemon=True)
             self._thread.start()
 
-    def mark(self) -> None:
-        self._dirty.set()
+    def add(self, log: dict[str, Any], stream: StreamRate | None = None, ts: float | None = None) -> None:
+        """Queue one ``LogCreate``-shaped dict (``APILogHandler.prepare``'s output); ``ts``,
+        the guest's timestamp of the line, counts it in its ``stream``'s rate."""
+        size = int(log.pop("__payload_size__", 0) or len(str(log))) + 1  # and its comma
+        now = time.monotonic()
+        with self._cond:
+            if not self._pending:
+                self._oldest = now
+                self._cond.notify()
+            self._pending.append((log, size))
+            self._pending_bytes += size
+            self._added += 1
+            if stream is not None and ts is not None:
+                stream.add(ts, now)
+                self._streams[id(stream)] = stream
+            if self._pending_bytes >= self._max_bytes:
+                self._cond.notify()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._dirty.wait(timeout=1.0):
-                # Pace: let what arrives in the next interval join this batch (stop ends it early).
-                self._stop.wait(self.interval)
-                self._dirty.clear()
-                flush_api_logs()
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Send every line added so far and wait until it has been sent (False on timeout)."""
+        with self._cond:
+            target = self._added
+            if self._done >= target:
+                return True
+            if self._thread is None or not self._thread.is_alive():
+                return False
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: self._done >= target, timeout=timeout)
+            finally:
+                self._urgent -= 1
 
     def stop(self) -> None:
-        self._stop.set()
-        self._dirty.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        flush_api_logs()
+        """Send what is pending and end the thread (the runner's exit). Waits as long as
+        requests keep completing, as Prefect's own worker does at exit, so a slow API
+        loses nothing; gives up only on an API that answers nothing for STALL seconds."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is None:
+            return
+        done, since = self._done, time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+            with self._cond:
+                if self._done != done:
+                    done, since = self._done, time.monotonic()
+                elif time.monotonic() - since > STALL:
+                    _report(RuntimeError(f"{self._added - self._done} sandbox log lines not sent: "
+                                         f"the API answered nothing for {STALL:g} s"))
+                    break
+        self._thread = None
+
+    def window(self, now: float) -> float:
+        """Least time from one request's return to the next, from the recent line rate. Lock held."""
+        for key in [k for k, st in self._streams.items() if now - st.last_seen > _RATE_SPAN]:
+            del self._streams[key]  # a stream quiet on the host for a while no longer counts
+        rate = sum(st.rate() for st in self._streams.values())
+        return min(MAX_WINDOW, max(MIN_WINDOW, MIN_WINDOW * (rate / QUIET_RATE) ** 2))
+
+    def _next_batch(self) -> list[tuple[dict[str, Any], int]] | None:
+        """Wait until a batch is due and take it; None once stopped with nothing left."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if self._pending:
+                    due = max(self._oldest + COALESCE, self._last_send + self.window(now))
+                    if self._stop or self._urgent or self._pending_bytes >= self._max_bytes or now >= due:
+                        return self._take()
+                    self._cond.wait(due - now)
+                elif self._stop:
+                    return None
+                else:
+                    self._cond.wait()
+
+    def _take(self) -> list[tuple[dict[str, Any], int]]:
+        """Up to one request's worth of pending lines (Prefect's batch size; always at least
+        one line, as Prefect's worker does). Lock held."""
+        batch: list[tuple[dict[str, Any], int]] = []
+        size = 0
+        while self._pending and (not batch or size + self._pending[0][1] <= self._max_bytes):
+            batch.append(self._pending.popleft())
+            size += batch[-1][1]
+        self._pending_bytes -= size
+        self._oldest = time.monotonic()  # what is left waits from now
+        return batch
+
+    def _run(self) -> None:
+        client: Any = None
+        try:
+            from prefect.client.orchestration import get_client
+
+            client = get_client(sync_client=True)
+            client.__enter__()
+        except Exception as e:
+            _report(e)
+            client = None
+        failures = 0
+        try:
+            while (batch := self._next_batch()) is not None:
+                sent = True
+                try:
+                    if client is None:
+                        raise RuntimeError("no Prefect API client")
+                    self.requests += 1
+                    client.create_logs([log for log, _ in batch])
+                    failures = 0
+                except Exception as e:  # report, never break a task; retry a few times first
+                    failures += 1
+                    sent = failures >= ATTEMPTS or client is None
+                    if sent:
+                        _report(e)
+                        failures = 0
+                with self._cond:
+                    self._last_send = time.monotonic()
+                    if sent:
+                        self._done += len(batch)
+                    else:  # back at the head, in order; the window spaces the retry
+                        self._pending.extendleft(reversed(batch))
+                        self._pending_bytes += sum(n for _, n in batch)
+                        self._oldest = self._last_send
+                    self._cond.notify_all()
+                if not sent:
+                    time.sleep(0.5 * failures)  # an API in trouble gets a moment
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.__exit__(None, None, None)
+            with self._cond:  # nobody waits for a thread that is gone
+                self._done = self._added
+                self._cond.notify_all()
 
 
-def flush_api_logs() -> None:
-    try:
-        from prefect.logging.handlers import APILogHandler
+def _max_batch_bytes() -> int:
+    from prefect.settings import PREFECT_LOGGING_TO_API_BATCH_SIZE, PREFECT_LOGGING_TO_API_MAX_LOG_SIZE
 
-        APILogHandler().flush()
-    except Exception:  # logging must never break a task
-        pass
+    return max(PREFECT_LOGGING_TO_API_BATCH_SIZE.value() - PREFECT_LOGGING_TO_API_MAX_LOG_SIZE.value() - 1, 1)
+
+
+def _report(e: BaseException) -> None:
+    if logging.raiseExceptions and sys.stderr:
+        sys.stderr.write(f"--- Error logging to API ---\n{e}\n")
+
+
+def api_handler_of(logger: logging.Logger) -> Any:
+    """The ``APILogHandler`` a record handled by ``logger`` reaches, or None."""
+    from prefect.logging.handlers import APILogHandler, WorkerAPILogHandler
+
+    lg: logging.Logger | None = logger
+    while lg is not None:
+        for h in lg.handlers:
+            if isinstance(h, APILogHandler) and not isinstance(h, WorkerAPILogHandler):
+                return h
+        lg = lg.parent if lg.propagate else None
+    return None
+
+
+def _to_api_enabled() -> bool:
+    from prefect.context import get_settings_context
+
+    return bool(get_settings_context().settings.logging.to_api.enabled)
 
 
 class EventLogForwarder:
     """Callable handed to the node driver: one Prefect log record per guest event."""
 
     def __init__(self, *, task_run_id: Any, flow_run_id: Any, node_id: str, redactor: Redactor | None = None,
-                 pacer: FlushPacer | None = None) -> None:
+                 batcher: ApiLogBatcher | None = None) -> None:
         self.task_run_id = task_run_id
         self.flow_run_id = flow_run_id
         self.node_id = node_id
         self.redactor = redactor or Redactor()
-        self.pacer = pacer
+        self.batcher = batcher
         self.target = logging.getLogger("prefect.task_runs")
+        # Without a batcher, or where the logging config has no API handler, records take
+        # Prefect's own path unchanged.
+        self._api = api_handler_of(self.target) if batcher is not None else None
+        self._rate = StreamRate()
         self.lines = 0
 
     def emit(self, level: int, message: str, ts: float | None = None) -> None:
@@ -113,11 +322,30 @@ class EventLogForwarder:
         record.task_run_id = self.task_run_id
         record.flow_run_id = self.flow_run_id
         record.resoluto_node_id = self.node_id
-        if self.target.isEnabledFor(level):
-            self.target.handle(record)
         self.lines += 1
-        if self.pacer is not None:
-            self.pacer.mark()
+        if not self.target.isEnabledFor(level):
+            return
+        api = self._api
+        if api is None:
+            self.target.handle(record)
+            return
+        record.send_to_api = False  # the console and other handlers as usual; the API below
+        self.target.handle(record)
+        if level < api.level or not api.filter(record) or not _to_api_enabled():
+            return
+        try:
+            log = api.prepare(record)
+        except Exception:
+            api.handleError(record)
+            return
+        assert self.batcher is not None
+        self.batcher.add(log, self._rate, ts)
+
+    def flush(self) -> None:
+        """Every line emitted so far is in the API when this returns (or the wait timed out):
+        called before the task reports its final state, as a thread's logs would be there."""
+        if self.batcher is not None and self._api is not None:
+            self.batcher.flush()
 
     def __call__(self, ev: dict[str, Any]) -> None:
         described = describe_event(ev)

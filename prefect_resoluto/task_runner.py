@@ -29,7 +29,7 @@ from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
-from prefect_resoluto.logs import EventLogForwarder, FlushPacer
+from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
 from prefect_resoluto.workspace import WorkspacePacker
@@ -138,7 +138,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._flow_runs: set[str] = set()
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
-        self._pacer: FlushPacer | None = None
+        self._pacer: ApiLogBatcher | None = None
         self._announced: set[str] = set()
         self._deployment_names: dict[str, str | None] = {}
         self._pool: warm_pool_mod.WarmPool | None = None
@@ -204,7 +204,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         self._runtime = self._config.build_runtime()
         self._conduit = self._config.build_conduit()
         self._config.check_conduit_fits(self._runtime, self._conduit)
-        self._pacer = FlushPacer()
+        self._pacer = ApiLogBatcher()
         self._pacer.start()
         self._artifacts = Background("resoluto-artifacts")
         self._reaper = Background("resoluto-reaper")
@@ -522,7 +522,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
-                                        redactor=redactor, pacer=self._pacer)
+                                        redactor=redactor, batcher=self._pacer)
             warm, how = warm_pool_mod.take_for(self._pool, spec, prefect=warm_prefect)
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
                                        f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")

@@ -1,0 +1,110 @@
+"""Sandbox lines into the task run's Prefect logs: every line, in order, with its level, on
+the console as well, and in coalesced requests (counted at the client's transport).
+
+On the `process` runtime: the log path (tail -> forwarder -> API) is the same on every
+runtime, and these tests are about that path, not about isolation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from api_requests import counting_api_requests
+from flows import burst_tasks as bt
+from prefect import flow
+from prefect_readback import client, task_runs
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner
+from prefect_resoluto.logs import SANDBOX_LOGGER
+
+pytestmark = pytest.mark.usefixtures("prefect")
+
+FLOWS = Path(bt.__file__).parent
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == SANDBOX_LOGGER:
+            self.messages.append(record.getMessage())
+
+
+def sandbox_logs(task_run_id) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterName, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    out: list = []
+    with client() as c:
+        while True:
+            page = c.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]),
+                                                    name=LogFilterName(any_=[SANDBOX_LOGGER])),
+                               sort=LogSort.TIMESTAMP_ASC, limit=200, offset=len(out))
+            if not page:
+                return out
+            out += page
+
+
+def run_burst(tmp_path: Path, n: int, per_second: float) -> tuple[list, list[str], int]:
+    """(the task run's sandbox rows in the API, the lines the console handlers saw, POST /logs/
+    requests the flow run sent). Nothing is flushed by hand: the runner must deliver."""
+    runner = ResolutoTaskRunner(runtime="process", min_isolation="none", conduit=LocalConduit(tmp_path / "c"),
+                                workspace=FLOWS, outputs_dir=tmp_path / "outputs", warm_pool=0)
+
+    @flow(task_runner=runner, persist_result=False)
+    def bursting() -> int:
+        return bt.burst.submit(n, per_second).result()
+
+    console = Captured()
+    target = logging.getLogger("prefect.task_runs")
+    target.addHandler(console)
+    try:
+        with counting_api_requests() as count:
+            state = bursting(return_state=True)
+    finally:
+        target.removeHandler(console)
+    assert state.result() == n
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    return sandbox_logs(tr.id), console.messages, count.log_posts
+
+
+def burst_lines(rows: list) -> list[tuple[int, int]]:
+    """(line number, level) of each stored burst line, in stored timestamp order."""
+    out = []
+    for row in rows:
+        parts = row.message.split()
+        if len(parts) == 2 and parts[0] == "burst":
+            out.append((int(parts[1]), row.level))
+    return out
+
+
+def test_a_burst_arrives_whole_in_order_with_levels_and_on_the_console(tmp_path):
+    n = 3000
+    rows, console, _ = run_burst(tmp_path, n, per_second=20000)
+    got = burst_lines(rows)
+    assert [i for i, _ in got] == list(range(n)), "every line once, in the guest's order"
+    wrong = [(i, level) for i, level in got if level != bt.LEVELS[i % 4]]
+    assert not wrong, f"levels as the guest logged them: {wrong[:5]}"
+    stamps = [row.timestamp for row in rows]
+    assert stamps == sorted(stamps)
+    assert all(row.flow_run_id and row.task_run_id for row in rows)
+    assert [f"burst {i}" for i in range(n)] == [m for m in console if m.startswith("burst ")], \
+        "the console sees every line too"
+    assert any(m.startswith("node ") and "success" in m for m in [row.message for row in rows]), \
+        "the node's outcome line, written after the last guest line, is there too"
+
+
+def test_requests_per_line_do_not_grow_with_the_stream(tmp_path):
+    # Lines paced at 2 000/s reach the host in ~100-line chunks (the guest flushes every
+    # 50 ms); sending per chunk would cost a request per ~100 lines, per line ~20x more.
+    small, large = 2000, 8000
+    rows_s, _, posts_s = run_burst(tmp_path / "s", small, per_second=2000)
+    rows_l, _, posts_l = run_burst(tmp_path / "l", large, per_second=2000)
+    assert len(burst_lines(rows_s)) == small and len(burst_lines(rows_l)) == large
+    assert posts_l / large <= posts_s / small, (posts_s, posts_l)
+    assert large / posts_l >= 250, f"{posts_l} requests for {large} lines"
