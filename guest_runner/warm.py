@@ -93,9 +93,13 @@ class _Prestarted:
         except OSError:
             return  # no pre-started call: the workload starts as on a cold node
         assert self.proc.stdout is not None
-        # Its first line says its imports are done (anything else: it failed; go cold).
-        if self.proc.stdout.readline().strip() != READY.encode():
-            self.close()
+        # Its READY line says its imports are done; what a pre-import printed before it (a
+        # warning) goes to the sandbox's log. EOF: it failed; the workload starts afresh.
+        for line in iter(self.proc.stdout.readline, b""):
+            if line.strip() == READY.encode():
+                return
+            sys.stderr.write("resoluto warm call: " + line.decode("utf-8", "replace"))
+        self.close()
 
     def starter(self, argv: List[str], cwd: Optional[str], env: Dict[str, str],
                 own_group: bool) -> "subprocess.Popen[bytes]":
