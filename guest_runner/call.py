@@ -37,6 +37,8 @@ ERROR_FILE = CALL_DIR + "/error.json"
 IMPORTS_FILE = CALL_DIR + "/imports.json"
 #: At most this many names are reported: a bound on what a pool pre-imports.
 MAX_IMPORTS = 200
+#: Loaded before any call (the interpreter's start, site's hooks): not the task's doing.
+_AT_START = frozenset(sys.modules)
 
 
 class CallError(Exception):
@@ -174,10 +176,11 @@ def _write(path: str, obj: Any) -> None:
 
 
 def imported_packages(workspace: str) -> "list[str]":
-    """Installed (non-standard-library) modules now loaded, at most two levels deep
-    (``pkg``, ``pkg.sub``), in import order: names only. Never the workspace's own modules,
-    the guest runner's or the stand-ins: a pool must only pre-import what the image
-    provides. Empty on Python < 3.10 (no list of the standard library to tell them apart)."""
+    """Installed (non-standard-library) modules now loaded, at most two levels deep:
+    every top-level package first, then ``pkg.sub`` names, each in the order sys.modules
+    holds them; names only. Never the workspace's own modules, the guest runner's, the
+    stand-ins or what the interpreter loaded at its start: a pool must only pre-import what
+    the image provides. Empty on Python < 3.10 (no list of the standard library)."""
     stdlib = getattr(sys, "stdlib_module_names", None)
     if stdlib is None:
         return []
@@ -185,7 +188,8 @@ def imported_packages(workspace: str) -> "list[str]":
     names: "list[str]" = []
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
-        if name.count(".") > 1 or top in stdlib or top in ("guest_runner", "__main__") or module is None:
+        if (name.count(".") > 1 or top in stdlib or top in ("guest_runner", "__main__") or module is None
+                or name in _AT_START):
             continue
         origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(module, "__file__", None)
         if not isinstance(origin, str) or not os.path.isabs(origin):  # built-in, namespace, stand-in
@@ -193,9 +197,8 @@ def imported_packages(workspace: str) -> "list[str]":
         if os.path.realpath(origin).startswith(root):
             continue
         names.append(name)
-        if len(names) >= MAX_IMPORTS:
-            break
-    return names
+    names.sort(key=lambda n: "." in n)  # stable: packages, then their submodules
+    return names[:MAX_IMPORTS]
 
 
 def _report_imports(workspace: str) -> None:
