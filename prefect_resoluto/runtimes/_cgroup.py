@@ -67,16 +67,6 @@ class Cgroup:
             except OSError:
                 pass
 
-    def set_cpu_priority(self, low: bool) -> None:
-        """``low``: the smallest CPU weight, so a sandbox booting ahead of demand (warm pool)
-        runs on CPU no running sandbox wants; else the default weight, from its assignment."""
-        for d in self.dirs:
-            p = Path(d)
-            if (p / "cpu.shares").exists():
-                _write(p / "cpu.shares", "2" if low else "1024")
-            elif (p / "cpu.weight").exists():
-                _write(p / "cpu.weight", "1" if low else "100")
-
     def remove(self) -> None:
         for d in self.dirs:
             try:

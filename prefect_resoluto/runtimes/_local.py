@@ -10,7 +10,6 @@ reap it without ever signalling a recycled pid.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
 import signal
@@ -51,7 +50,6 @@ from .base import (
 if TYPE_CHECKING:
     from prefect_resoluto.egress import SandboxNetwork
 
-log = logging.getLogger(__name__)
 # Children are shared by every instance in this process: get_runtime() may hand out a
 # new instance per call, and status() must still see the Popen (and so the exit code).
 _CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
@@ -235,12 +233,6 @@ class LocalChildRuntime(SandboxRuntime):
                 rec.labels.update(labels)
                 rec.save()
             handle.labels.update(labels)
-        cg = _cgroup.existing(self._cgroup_name(handle.id))
-        if cg is not None:  # booted at the lowest CPU weight (gvisor): the node runs at full weight
-            try:
-                cg.set_cpu_priority(low=False)
-            except OSError as e:
-                log.warning("cannot restore the CPU weight of sandbox %s: %s", handle.id, e)
         try:
             pipe.write(data)
             pipe.close()

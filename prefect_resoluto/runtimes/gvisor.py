@@ -325,14 +325,9 @@ class GVisorRuntime(LocalChildRuntime):
         # this one outlives the sandbox and its oom_kill count can be read after exit (an
         # OOM under systrap otherwise looks like a plain exit code 1). destroy removes it.
         try:
-            cg = _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
+            _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
         except OSError as e:
             raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
-        if cg is not None and spec.hold_stdin:  # warm: boots only on CPU that running sandboxes leave
-            try:
-                cg.set_cpu_priority(low=True)
-            except OSError:
-                pass  # a scheduling preference, never a reason to fail a launch
 
     # ----------------------------------------------------------------- observe & reap
 
