@@ -309,3 +309,23 @@ def test_learned_imports_are_checked_bounded_and_only_grow(tmp_path):
     report.write_text("not json")
     assert learned.learn(src, out) == () and learned.learn(src, tmp_path / "none") == ()
     assert learned.imports_for(tmp_path / "other.py") == ()
+
+
+def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
+    """In flight = warm nodes still running + cold ones started in the last MISS_WINDOW:
+    at the host's core count the refill boots nothing (no idle CPU to boot in)."""
+    import os
+    import time
+
+    from prefect_resoluto.pool import PoolKey
+
+    rt = get_runtime("process")
+    pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    key = PoolKey()
+    pool._wanted.append(key)  # as want() does, without starting the refill thread
+    assert not pool._saturated() and pool._next_key() == key
+    pool._misses[key] = [time.monotonic()] * (os.cpu_count() or 1)
+    assert pool._saturated() and pool._next_key() is None
+    pool._misses[key] = [time.monotonic() - 60] * (os.cpu_count() or 1)  # long gone
+    assert not pool._saturated() and pool._next_key() == key
