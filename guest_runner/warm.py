@@ -79,7 +79,8 @@ class SlotConduit(LocalConduit):
 
 
 class _Prestarted:
-    """The call's interpreter, started at boot before any credential existed here."""
+    """The call's process (a fork of this guest, or its own interpreter), ready at boot,
+    before any credential existed here."""
 
     def __init__(self, mode: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
