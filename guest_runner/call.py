@@ -32,6 +32,13 @@ CALL_DIR = ".resoluto"
 CALL_FILE = CALL_DIR + "/call.json"
 RETURN_FILE = CALL_DIR + "/return.json"
 ERROR_FILE = CALL_DIR + "/error.json"
+#: The installed packages the call imported (names only), so a warm pool can pre-import
+#: them for the module's next node (prefect_resoluto.pool.Learned).
+IMPORTS_FILE = CALL_DIR + "/imports.json"
+#: At most this many names are reported: a bound on what a pool pre-imports.
+MAX_IMPORTS = 200
+#: Loaded before any call (the interpreter's start, site's hooks): not the task's doing.
+_AT_START = frozenset(sys.modules)
 
 
 class CallError(Exception):
@@ -168,6 +175,39 @@ def _write(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def imported_packages(workspace: str) -> "list[str]":
+    """Installed (non-standard-library) modules now loaded, at most two levels deep:
+    every top-level package first, then ``pkg.sub`` names, each in the order sys.modules
+    holds them; names only. Never the workspace's own modules, the guest runner's, the
+    stand-ins or what the interpreter loaded at its start: a pool must only pre-import what
+    the image provides. Empty on Python < 3.10 (no list of the standard library)."""
+    stdlib = getattr(sys, "stdlib_module_names", None)
+    if stdlib is None:
+        return []
+    root = os.path.realpath(workspace) + os.sep
+    names: "list[str]" = []
+    for name, module in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        if (name.count(".") > 1 or top in stdlib or top in ("guest_runner", "__main__") or module is None
+                or name in _AT_START):
+            continue
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(module, "__file__", None)
+        if not isinstance(origin, str) or not os.path.isabs(origin):  # built-in, namespace, stand-in
+            continue
+        if os.path.realpath(origin).startswith(root):
+            continue
+        names.append(name)
+    names.sort(key=lambda n: "." in n)  # stable: packages, then their submodules
+    return names[:MAX_IMPORTS]
+
+
+def _report_imports(workspace: str) -> None:
+    try:
+        _write(IMPORTS_FILE, {"modules": imported_packages(workspace)})
+    except Exception:  # noqa: BLE001 - a hint for the pool, never the task's failure
+        pass
+
+
 def _error_record(e: BaseException, task_module: "str | None", redact: Any) -> Dict[str, Any]:
     cls = type(e)
     return {
@@ -191,6 +231,7 @@ def main(argv: "list[str] | None" = None) -> int:
     # Read before the task runs: it may change its own environment.
     redact = Redactor.from_env(os.environ).text
     task_module: "str | None" = None
+    workspace = os.getcwd()
     try:
         with open(call_path, encoding="utf-8") as f:
             spec = json.load(f)
@@ -199,13 +240,18 @@ def main(argv: "list[str] | None" = None) -> int:
         from guest_runner import standin
 
         standin.set_run_context(spec.get("context"))
-        if spec.get("real_prefect"):  # opt-out of the stand-ins: pay for the real import up front
+        if standin.uses_real_prefect():  # a warm call pre-imported it, before this context existed
+            standin.apply_run_context()
+        elif spec.get("real_prefect"):  # opt-out of the stand-ins: pay for the real import up front
             standin.use_real_prefect()
         else:
             standin.install()
         fn = load_function(spec)
         task_module = getattr(fn, "__module__", None)
-        result = call(fn, spec.get("parameters", {}))
+        try:
+            result = call(fn, spec.get("parameters", {}))
+        finally:
+            _report_imports(workspace)
         try:
             _write(RETURN_FILE, {"value": result})
         except (TypeError, ValueError) as e:

@@ -443,8 +443,17 @@ def install() -> None:
 
 
 def use_real_prefect() -> None:
-    """Import the real prefect now, with get_run_logger working outside a run context."""
-    _patch_real_prefect(importlib.import_module("prefect"))
+    """Import the real prefect now (over the stand-in, if installed), with get_run_logger
+    working outside a run context."""
+    _load_real("prefect")
+
+
+def apply_run_context() -> None:
+    """The run context (set_run_context) onto the real package imported before it was known."""
+    if _PATCHED:
+        _apply_run_context(sys.modules["prefect"])
+    else:
+        _patch_real_prefect(sys.modules["prefect"])
 
 
 def uses_real_prefect() -> bool:

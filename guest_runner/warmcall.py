@@ -1,10 +1,12 @@
 """A Python task's call interpreter, started by a warm guest before its assignment.
 
 It pays the interpreter start and the call's own imports (and, with
-``RESOLUTO_WARM_PREFECT=prefect.variables,...``, those modules of the real Prefect) while the sandbox waits, then reads one
-JSON line from stdin: ``{"argv": [call.json path], "cwd": ..., "env": {...}}`` and
-becomes ``python -m guest_runner.call`` with exactly that environment and directory.
-It was started before any credential reached the sandbox and never sees the runner's.
+``RESOLUTO_WARM_IMPORTS=prefect.variables,numpy,...``, those installed modules: the real
+Prefect when any is ``prefect.*``, else after the stand-ins, as a cold call would see them)
+while the sandbox waits, then reads one JSON line from stdin: ``{"argv": [call.json
+path], "cwd": ..., "env": {...}}`` and becomes ``python -m guest_runner.call`` with
+exactly that environment and directory. It was started (forked or run) before any
+credential reached the sandbox and never sees the runner's.
 """
 
 from __future__ import annotations
@@ -15,18 +17,31 @@ import sys
 
 from guest_runner import call, standin
 
+IMPORTS_ENV = "RESOLUTO_WARM_IMPORTS"
+
+
+def preimport(modules: "list[str]") -> None:
+    """Import ``modules`` now; one that fails is left for the call to import (and report)."""
+    import importlib
+
+    try:
+        if any(m == "prefect" or m.startswith("prefect.") for m in modules):
+            standin.use_real_prefect()
+        else:
+            standin.install()  # what a cold call's imports find: the stand-ins for `from prefect import task`
+    except Exception:  # noqa: BLE001
+        return
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):  # noqa: BLE001 - exiting at import: not this process's verdict
+            sys.modules.pop(name, None)
+
 
 def main() -> int:
-    modules = [m for m in os.environ.pop("RESOLUTO_WARM_PREFECT", "").split(",") if m]
+    modules = [m for m in os.environ.pop(IMPORTS_ENV, "").split(",") if m]
     if modules:
-        import importlib
-
-        try:
-            standin.use_real_prefect()
-            for name in modules:
-                importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the call then imports (and reports) what it can itself
-            pass
+        preimport(modules)
     print("resoluto warm: ready", flush=True)
     line = sys.stdin.readline()
     if not line.strip():

@@ -20,6 +20,7 @@ know.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -59,15 +60,16 @@ class PoolKey:
     image: str | None = None
     resources: Resources = field(default_factory=Resources)
     egress: tuple[str, ...] = ()
-    #: Modules of the real Prefect the call's interpreter pre-imports (empty: the stand-ins).
-    prefect: tuple[str, ...] = ()
+    #: Installed modules the call's interpreter pre-imports (:func:`imports_for`): the real
+    #: Prefect's the task module names, and what the module's earlier nodes imported.
+    imports: tuple[str, ...] = ()
 
 
-def key_for(spec: Any, *, prefect: tuple[str, ...] = ()) -> PoolKey | None:
+def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
     """The pool key of a NodeSpec, or None when it must run cold."""
     if spec.egress or spec.setup_egress or spec.egress_forward or spec.egress_resolve:
         return None
-    return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), prefect=prefect)
+    return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), imports=imports)
 
 
 _PREFECT_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)",
@@ -97,6 +99,56 @@ def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str,
                 found.add("prefect")
         _needs_prefect[path] = tuple(sorted(found))
     return _needs_prefect[path]
+
+
+#: A module name a call may report (``pkg`` or ``pkg.sub``): nothing else is pre-imported.
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?$")
+#: What one task module's warm sandboxes pre-import at most (guest_runner.call.MAX_IMPORTS).
+MAX_IMPORTS = 200
+
+
+class Learned:
+    """The installed packages each task module's calls imported (``.resoluto/imports.json``,
+    names only), so the next warm sandboxes for that module import them before their
+    assignment. Never the workspace's modules (the guest leaves them out and the names
+    are checked here): pre-importing runs before the node's env and secrets exist, which
+    installed packages do not depend on, and user code might. Grows only (a key that
+    flapped between two sets would keep two pools), and is bounded by MAX_IMPORTS."""
+
+    def __init__(self) -> None:
+        self._by_file: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.Lock()
+
+    def imports_for(self, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+        parsed = needs_real_prefect(source_file)
+        with self._lock:
+            learned = self._by_file.get(str(source_file), ()) if source_file else ()
+        return learned + tuple(m for m in parsed if m not in learned)
+
+    def learn(self, source_file: str | os.PathLike[str] | None, output_dir: Path | None) -> tuple[str, ...]:
+        """Add what a finished call of ``source_file``'s module reported; the new names."""
+        if not source_file or output_dir is None:
+            return ()
+        try:
+            reported = json.loads((output_dir / IMPORTS_FILE).read_text(encoding="utf-8")).get("modules")
+        except (OSError, ValueError, AttributeError):
+            return ()
+        if not isinstance(reported, list):
+            return ()
+        names = [m for m in reported if isinstance(m, str) and _MODULE_NAME.match(m)]
+        with self._lock:
+            have = self._by_file.get(str(source_file), ())
+            new = tuple(dict.fromkeys(m for m in names if m not in have))[:max(0, MAX_IMPORTS - len(have))]
+            if new:
+                self._by_file[str(source_file)] = have + new
+        if new:
+            log.debug("warm sandboxes for %s will pre-import %d more module(s): %s", source_file, len(new),
+                      ", ".join(new[:10]))
+        return new
+
+
+#: Where guest_runner.call reports its imports, relative to the node's outputs.
+IMPORTS_FILE = ".resoluto/imports.json"
 
 
 class WarmSandbox:
@@ -165,6 +217,7 @@ class WarmPool:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
+        self.learned = Learned()
 
     @property
     def enabled(self) -> bool:
@@ -187,21 +240,24 @@ class WarmPool:
                 self._thread.start()
             self._lock.notify_all()
 
-    def take(self, key: PoolKey | None) -> tuple[WarmSandbox | None, float]:
+    def take(self, key: PoolKey | None, *, warm: bool = True) -> tuple[WarmSandbox | None, float]:
         """A ready warm sandbox of ``key`` and the seconds spent getting it; (None, seconds)
-        when there is none: the node runs cold, and the key is warmed. Never one still
+        when there is none: the node runs cold, and the key is warmed (``warm=False``: a
+        fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
         mounts, and moving the slot then would fail the sandbox's start."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
-        self.want(key)
+        if warm:
+            self.want(key)
         while True:
             with self._lock:
                 idle = self._idle.get(key) or []
                 pick = next((w for w in idle if w.ready()), None)
                 if pick is None:
-                    self._misses.setdefault(key, []).append(time.monotonic())
+                    if warm:
+                        self._misses.setdefault(key, []).append(time.monotonic())
                     return None, time.monotonic() - t0
                 idle.remove(pick)
                 self._taken.setdefault(key, []).append(pick)
@@ -287,12 +343,21 @@ class WarmPool:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
-        if booting >= MAX_BOOTING:
+        if booting >= MAX_BOOTING or self._saturated():
             return None
         for key in self._wanted:
             if len(self._idle.get(key) or []) < self.target(key):
                 return key
         return None
+
+    def _saturated(self) -> bool:
+        """As many nodes in flight as the host has cores: no idle CPU to boot ahead in, and a
+        boot would only slow the running nodes (measured: a saturated gVisor map ran slower
+        with the pool booting replacements than without a pool)."""
+        for key in self._wanted:
+            self.target(key)  # prunes finished nodes and old misses
+        inflight = sum(len(ws) for ws in self._taken.values()) + sum(len(ts) for ts in self._misses.values())
+        return inflight >= (os.cpu_count() or 1)
 
     def _failed(self, w: WarmSandbox) -> None:
         why = self.runtime.status(w.handle).reason
@@ -310,7 +375,7 @@ class WarmPool:
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
         python = getattr(self.runtime, "python", None) or sys.executable
-        env = {"RESOLUTO_WARM_CALL": ("prefect:" + ",".join(key.prefect)) if key.prefect else "1"}
+        env = {"RESOLUTO_WARM_CALL": ("import:" + ",".join(key.imports)) if key.imports else "1"}
         env.update(self.conduit.guest_env())
         state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
         spec = LaunchSpec(
@@ -365,16 +430,34 @@ def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: 
     return pool
 
 
-def take_for(pool: WarmPool | None, spec: Any, *, prefect: tuple[str, ...] = ()) -> tuple[WarmSandbox | None, str]:
-    """A warm sandbox for ``spec`` if one is ready, and the words for the task's log."""
+def imports_for(pool: WarmPool | None, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+    """What warm sandboxes for a task of ``source_file`` pre-import (() without a pool)."""
+    return pool.learned.imports_for(source_file) if pool is not None else ()
+
+
+def learn(pool: WarmPool | None, source_file: str | os.PathLike[str] | None, output_dir: Path | None) -> None:
+    """Record what a finished Python call of ``source_file`` imported (see :class:`Learned`)."""
+    if pool is not None:
+        pool.learned.learn(source_file, output_dir)
+
+
+def take_for(pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ()) -> tuple[WarmSandbox | None, str]:
+    """A warm sandbox for ``spec`` if one is ready, and the words for the task's log. One
+    that pre-imported nothing serves when none with ``imports`` is ready: the call then
+    imports them itself, still without a sandbox boot."""
     if pool is None:
         return None, "cold sandbox (warm pool off)"
-    key = key_for(spec, prefect=prefect)
+    key = key_for(spec, imports=imports)
     if key is None:
         return None, "cold sandbox (nodes with egress are never pre-started)"
     w, waited = pool.take(key)
+    plain = ""
+    if w is None and key.imports:
+        w, more = pool.take(dataclasses.replace(key, imports=()), warm=False)
+        waited += more
+        plain = ", without the module's imports pre-loaded"
     if w is None:
         return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
     age = time.monotonic() - w.started
     return w, (f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s "
-               "ahead)")
+               f"ahead{plain})")

@@ -19,7 +19,7 @@ from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
 
 CALL_ARCHIVE = "call"
-RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE]
+RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
 
 
 class NotSandboxable(TypeError):

@@ -411,8 +411,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
             failure_detail=raised,
-            warm_prefect=warm_pool_mod.needs_real_prefect(_workspace_file(ref, cfg)),
+            warm_prefect=warm_pool_mod.imports_for(self._pool, _workspace_file(ref, cfg)),
         )
+        warm_pool_mod.learn(self._pool, _workspace_file(ref, cfg), outcome.output_dir)
         if outcome.failure == "workload":
             # raises the task's own exception type (or RemoteTaskError), remote traceback kept
             pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module,
@@ -476,8 +477,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
 
         ``line_sink`` receives the workload's merged output lines, in order;
         ``failure_detail`` what the outcome line of a failed workload says instead of
-        the generic description (a Python task's traceback); ``warm_prefect`` the real
-        Prefect modules the task's module imports (a warm sandbox pre-imports them)."""
+        the generic description (a Python task's traceback); ``warm_prefect`` the installed
+        modules a warm sandbox pre-imports for it (prefect_resoluto.pool.imports_for)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -523,7 +524,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
                                         redactor=redactor, batcher=self._pacer)
-            warm, how = warm_pool_mod.take_for(self._pool, spec, prefect=warm_prefect)
+            warm, how = warm_pool_mod.take_for(self._pool, spec, imports=warm_prefect)
             forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
                                        f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
             launched: list[SandboxHandle] = []

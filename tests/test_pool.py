@@ -265,3 +265,67 @@ def test_a_warm_sandbox_that_dies_booting_stops_the_pool_for_its_key(gvisor, loc
     finally:
         pool.close()
     _no_sandboxes(gvisor)
+
+
+def test_a_call_reports_installed_packages_only(tmp_path):
+    """imports.json names what the image provides (here jsonschema), never the standard
+    library, the guest runner, the stand-ins or the workspace's own modules."""
+    from test_guest_call import run_call
+
+    ws = tmp_path / "ws"
+    (ws / "pkg").mkdir(parents=True)
+    (ws / "pkg" / "__init__.py").write_text("")
+    (ws / "helper.py").write_text("X = 1\n")
+    (ws / "tasks.py").write_text("import json, helper, pkg\nfrom prefect import task\n\n"
+                                 "@task\ndef f():\n    import jsonschema\n    return helper.X\n")
+    proc, ret, err = run_call(ws, {"file": "tasks.py", "qualname": "f", "parameters": {}})
+    assert ret == {"value": 1}, (proc.stderr, err)
+    names = json.loads((ws / ".resoluto" / "imports.json").read_text())["modules"]
+    assert "jsonschema" in names
+    assert not {n.partition(".")[0] for n in names} & {"json", "os", "helper", "pkg", "tasks", "guest_runner",
+                                                       "prefect", "prefect_resoluto"}, names
+    assert all(n.count(".") <= 1 for n in names) and len(names) <= 200
+
+
+def test_learned_imports_are_checked_bounded_and_only_grow(tmp_path):
+    from prefect_resoluto.pool import IMPORTS_FILE, MAX_IMPORTS, Learned
+
+    src = tmp_path / "mod.py"
+    src.write_text("import prefect.variables\n")
+    out = tmp_path / "out"
+    (out / ".resoluto").mkdir(parents=True)
+    report = out / IMPORTS_FILE
+    learned = Learned()
+    assert learned.imports_for(src) == ("prefect.variables",)  # from the module's own imports first
+    report.write_text(json.dumps({"modules": ["yaml", "../evil", "os;rm -rf /", 3, "a.b.c", "yaml._yaml"]}))
+    assert learned.learn(src, out) == ("yaml", "yaml._yaml")
+    assert learned.imports_for(src) == ("yaml", "yaml._yaml", "prefect.variables")
+    report.write_text(json.dumps({"modules": ["attr"]}))  # a later node adds; nothing is forgotten
+    learned.learn(src, out)
+    assert learned.imports_for(src) == ("yaml", "yaml._yaml", "attr", "prefect.variables")
+    report.write_text(json.dumps({"modules": [f"m{i}" for i in range(2 * MAX_IMPORTS)]}))
+    learned.learn(src, out)
+    assert len(learned.imports_for(src)) == MAX_IMPORTS + 1  # the cap, plus the module's own
+    report.write_text("not json")
+    assert learned.learn(src, out) == () and learned.learn(src, tmp_path / "none") == ()
+    assert learned.imports_for(tmp_path / "other.py") == ()
+
+
+def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
+    """In flight = warm nodes still running + cold ones started in the last MISS_WINDOW:
+    at the host's core count the refill boots nothing (no idle CPU to boot in)."""
+    import os
+    import time
+
+    from prefect_resoluto.pool import PoolKey
+
+    rt = get_runtime("process")
+    pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    key = PoolKey()
+    pool._wanted.append(key)  # as want() does, without starting the refill thread
+    assert not pool._saturated() and pool._next_key() == key
+    pool._misses[key] = [time.monotonic()] * (os.cpu_count() or 1)
+    assert pool._saturated() and pool._next_key() is None
+    pool._misses[key] = [time.monotonic() - 60] * (os.cpu_count() or 1)  # long gone
+    assert not pool._saturated() and pool._next_key() == key

@@ -202,3 +202,58 @@ def test_cancelling_a_deployment_run_destroys_idle_warm_sandboxes(gvisor, tmp_pa
         assert rt.list_ids() == [] and rt.containers() == []
     finally:
         stop(server)
+
+
+def test_a_module_s_imports_are_learned_from_its_first_node(gvisor, conduit, tmp_path):
+    """The first node reports the installed packages it imported; the next warm sandboxes
+    for that module import them before their assignment (seen from the task itself), and
+    never the workspace's own modules."""
+    from flows import learned_tasks as lt
+
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
+    def learned() -> list[dict[str, bool]]:
+        first = lt.import_late.submit().result()
+        from prefect.context import FlowRunContext
+
+        pool = FlowRunContext.get().task_runner._pool
+        wanted = pool.learned.imports_for(lt.__file__)
+        assert "jsonschema" in wanted and not any(m.startswith(("pool_tasks", "learned_tasks")) for m in wanted)
+        wait_ready()
+        # The pool warms the learned kind when a node first asks for it; until one is
+        # ready, a warm sandbox without the imports serves (not a cold one).
+        second = lt.import_late.submit().result()
+        wait_ready()
+        return [first, second, lt.import_late.submit().result()]
+
+    state = learned(return_state=True)
+    assert state.is_completed(), state
+    first, second, third = state.result()
+    assert first == {"jsonschema": False, "pool_tasks": False}
+    assert third == {"jsonschema": True, "pool_tasks": False}
+    runs = task_runs(state.state_details.flow_run_id)
+    assert "warm sandbox rsl-" in sandbox_line(runs[1].id)
+    assert "warm sandbox rsl-" in sandbox_line(runs[-1].id) and "without" not in sandbox_line(runs[-1].id)
+    no_orphans()
+
+
+def test_a_zygote_call_holds_nothing_of_the_node_from_before_its_assignment(gvisor, conduit, tmp_path):
+    """The warm guest forks the call before it reads its assignment: the child's first
+    environment is the sandbox's boot environment (no node id, no secret), the secret
+    reaches it after the fork, and it holds no descriptor but its own stdio."""
+    from flows import learned_tasks as lt
+
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1, secret_env={"POOL_SECRET": "zygote-s3cr3t-9f2"}))
+    def zygote() -> dict[str, object]:
+        wait_ready()
+        return lt.call_process.submit().result()
+
+    state = zygote(return_state=True)
+    assert state.is_completed(), state
+    got = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    assert "warm sandbox rsl-" in sandbox_line(runs[-1].id)
+    assert "guest_runner.warm" in got["cmdline"], got["cmdline"]  # forked from the guest, not a new interpreter
+    assert got["secret_now"] and not got["secret_in_first_env"] and not got["node_in_first_env"], got
+    assert not [n for n in got["first_env_names"] if n.startswith("AWS_") or n == "POOL_SECRET"], got
+    assert set(got["fds"]) <= {0, 1, 2, 3}, got["fds"]  # 3: the listing's own directory
+    no_orphans()
