@@ -7,7 +7,7 @@ placeholders), Pod, in creation order -- and can ``kubectl apply -f`` it by hand
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -54,7 +54,7 @@ def render_documents(spec: LaunchSpec, runtime: KubernetesRuntime | None = None,
     return docs
 
 
-def to_yaml(documents: list[Mapping[str, Any]], header: str = "") -> str:
+def to_yaml(documents: Sequence[Mapping[str, Any]], header: str = "") -> str:
     body = yaml.dump_all([dict(d) for d in documents], Dumper=_Dumper, sort_keys=False,
                          default_flow_style=False, width=110, explicit_start=True)
     return header + body
