@@ -138,7 +138,7 @@ def call(fn: Any, params: Dict[str, Any]) -> Any:
         hints = typing.get_type_hints(fn)
     except Exception:
         hints = {}
-    args: list = []
+    args: list[Any] = []
     kwargs: Dict[str, Any] = {}
     for name, p in sig.parameters.items():
         if name not in params:

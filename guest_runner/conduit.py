@@ -95,7 +95,7 @@ class Conduit(ABC):
 
     def __eq__(self, other: object) -> bool:
         # Two conduits are the same store when they address the same place.
-        return type(other) is type(self) and other.url == self.url  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.url == self.url
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.url))

@@ -74,7 +74,7 @@ def canary(env: Mapping[str, str], name: str = "RESOLUTO_EGRESS_CANARY") -> Tupl
                 return f"{NOT_ENFORCED}: {host}:{port} is reachable directly from the sandbox", len(targets)
         else:
             try:
-                addrs = {ai[4][0] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+                addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
             except OSError:
                 addrs = set()
             for addr in sorted(addrs):

@@ -205,7 +205,8 @@ class S3Conduit(Conduit):
             resp = self._client.get_object(Bucket=self._bucket, Key=full)
             body = resp["Body"]
             try:
-                return body.read()
+                data: bytes = body.read()
+                return data
             finally:
                 body.close()
 
@@ -243,13 +244,11 @@ class S3Conduit(Conduit):
         deleted = 0
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": self._join(k)} for k in keys[i : i + _DELETE_BATCH]]
-            resp = self._call(
-                "delete",
-                self._join(prefix),
-                lambda b=batch: self._client.delete_objects(
-                    Bucket=self._bucket, Delete={"Objects": b, "Quiet": True}
-                ),
-            )
+
+            def delete(b: List[Dict[str, str]] = batch) -> Any:
+                return self._client.delete_objects(Bucket=self._bucket, Delete={"Objects": b, "Quiet": True})
+
+            resp = self._call("delete", self._join(prefix), delete)
             errors = resp.get("Errors") or []
             if errors:
                 first = errors[0]

@@ -20,7 +20,7 @@ import sys
 import types
 from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec, PathFinder
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 from guest_runner.wire import LOG_MARKER
 
@@ -201,7 +201,7 @@ class StandInTask:
 
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         self.fn = fn
-        self.name = options.get("name") or getattr(fn, "__name__", "task")
+        self.name = cast(str, options.get("name") or getattr(fn, "__name__", "task"))  # a Prefect task name
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -305,9 +305,9 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     # Calling a real Task from a task would look for a task runner and an API: run inline.
     tasks = importlib.import_module("prefect.tasks")
     cls = tasks.Task
-    cls.__call__ = lambda self, *a, **k: inline_call(self.name, self.fn, a, k)  # type: ignore[method-assign]
-    cls.submit = lambda self, *a, **k: inline_submit(self.name, self.fn, a, k)  # type: ignore[method-assign]
-    cls.map = lambda self, *a, **k: inline_map(self.name, self.fn, a, k)  # type: ignore[method-assign]
+    cls.__call__ = lambda self, *a, **k: inline_call(self.name, self.fn, a, k)
+    cls.submit = lambda self, *a, **k: inline_submit(self.name, self.fn, a, k)
+    cls.map = lambda self, *a, **k: inline_map(self.name, self.fn, a, k)
     _apply_run_context(prefect)
 
 
@@ -396,7 +396,8 @@ def _runtime_module(key: str) -> types.ModuleType:
     module = types.ModuleType(f"prefect.runtime.{key}")
 
     def __getattr__(name: str) -> Any:
-        values = _CONTEXT.get(key) if isinstance(_CONTEXT.get(key), dict) else {}
+        raw = _CONTEXT.get(key)
+        values = raw if isinstance(raw, dict) else {}
         if name in values:
             return values[name]
         if name in _RUNTIME_EMPTY[key]:

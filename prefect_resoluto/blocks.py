@@ -178,7 +178,7 @@ def my_flow(): ...
             "store_egress_cidr": self.store_egress_cidr, "store_egress_port": self.store_egress_port,
             "store_credentials_secret": self.store_credentials_secret, "image": self.image,
         }
-        runtime_options = {k: v for k, v in kube.items() if v is not None} if self.runtime == "kubernetes" else {}
+        runtime_options: dict[str, Any] = {k: v for k, v in kube.items() if v is not None} if self.runtime == "kubernetes" else {}
         if self.runtime == "solari":
             solari = {
                 "base_url": self.solari_base_url, "api_key": self.solari_api_key, "template": self.solari_template,

@@ -79,5 +79,5 @@ def _run_command(
 
 _run_command.__resoluto_command__ = True  # type: ignore[attr-defined]
 
-run_command: Any = task(_run_command, name="run_command")
+run_command: Any = task(name="run_command")(_run_command)
 """``run_command.submit(["make", "test"], output_paths=["reports/**"])`` -> CommandResult."""

@@ -270,7 +270,7 @@ def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
         sandbox_id=new_sandbox_id(),
         env=guest_env(spec, conduit, store_prefix),
         secret_env=dict(spec.secret_env),
-        conduit_root=conduit.root if local else None,
+        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
         conduit_subdir=rel_prefix if local else "",
         resources=spec.resources,
         labels={**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id},

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from guest_runner import archive, call
+from guest_runner import archive
+from guest_runner import call as call  # re-exported: task_runner reads its file names
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
 
@@ -71,7 +72,7 @@ class RemoteTaskError(RemoteError, RuntimeError):
         self._remote_init(type_name, message, traceback)
 
 
-_REMOTE_CLASSES: dict[type, type] = {}
+_REMOTE_CLASSES: dict[type, type[BaseException]] = {}
 
 
 def remote_exception(cls: type[BaseException] | None, type_name: str, message: str,
@@ -91,7 +92,7 @@ def remote_exception(cls: type[BaseException] | None, type_name: str, message: s
     return _remote_class(cls)(type_name, message, traceback)
 
 
-def _remote_class(cls: type[BaseException]) -> type:
+def _remote_class(cls: type[BaseException]) -> type[BaseException]:
     made = _REMOTE_CLASSES.get(cls)
     if made is None:
         bases: tuple[type, ...] = (RemoteTaskError, cls) if issubclass(cls, Exception) else (RemoteError, cls)
@@ -197,7 +198,7 @@ def _source_file(fn: Callable[..., Any]) -> str | None:
     if src and os.path.isfile(src):
         return src
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    mod_file = getattr(module, "__file__", None)
+    mod_file: str | None = getattr(module, "__file__", None)
     if mod_file and os.path.isfile(mod_file):
         return mod_file
     # A flow run started by a runner/worker: the function lives in the entrypoint's script.
@@ -269,14 +270,14 @@ def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
     """error.json as a dict of strings, redacted, and rewritten redacted in place."""
     raw = path.read_text(errors="replace")
     try:
-        e = json.loads(raw)
+        e: object = json.loads(raw)
     except ValueError:
         e = {"type": "Exception", "message": f"{call.ERROR_FILE} from the sandbox is malformed",
              "traceback": raw[:4000]}
     if not isinstance(e, dict):
         e = {"type": "Exception", "message": str(e)}
     if redactor is not None and redactor.count:
-        clean = redactor.data(e)
+        clean: dict[str, Any] = redactor.data(e)
         if clean != e:
             path.write_text(json.dumps(clean, ensure_ascii=False))
         e = clean

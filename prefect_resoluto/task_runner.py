@@ -71,7 +71,7 @@ def label_value(s: str) -> str:
     return v or "x"
 
 
-class ResolutoTaskRunner(ThreadPoolTaskRunner):
+class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     """Run each task run of a flow in its own sandbox.
 
     Either pass a saved sandbox block (``sandbox="my-sandbox"`` or an instance) or the
@@ -440,7 +440,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner):
         }
         fr_ctx = FlowRunContext.get()
         fr = fr_ctx.flow_run if fr_ctx is not None else None
-        if fr is not None:
+        if fr_ctx is not None and fr is not None:
             out["flow_run"] = {"id": str(fr.id), "name": fr.name,
                                "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
                                "tags": list(fr.tags or []), "parameters": _json_only(fr_ctx.parameters or {})}

@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 RuntimeName = Literal["gvisor", "container", "kubernetes", "bubblewrap", "process"]
 IsolationName = Literal["vm", "user-kernel", "namespace", "none"]
 ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydantic union of blocks
+if TYPE_CHECKING:
+    _SecretBlock = Secret[Any]
+else:  # pydantic evaluates field annotations, and for Secret[Any] it would make a new block class
+    _SecretBlock = Secret
 
 CANCELLED = "cancelled from the API"
 WORKER_STOPPED = "the worker stopped"
@@ -120,7 +124,7 @@ class ResolutoWorkerVariables(BaseVariables):
     egress: list[str] = Field(default_factory=list, title="Egress Allowlist", description=_EGRESS)
     secret_env: dict[str, SecretStr] = Field(default_factory=dict, title="Secret Environment Variables",
                                              description=_SECRET_ENV)
-    secret_env_block: Optional[Secret] = Field(default=None, title="Secret Environment Block",
+    secret_env_block: Optional[_SecretBlock] = Field(default=None, title="Secret Environment Block",
                                                description=_SECRET_BLOCK)
     conduit: Optional[ConduitBlock] = Field(default=None, title="Conduit", description=_CONDUIT)
     sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox Block", description=_SANDBOX)
@@ -142,7 +146,7 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
     silence_window: Optional[float] = Field(default=None, gt=0)
     egress: list[str] = Field(default_factory=list)
     secret_env: dict[str, SecretStr] = Field(default_factory=dict)
-    secret_env_block: Optional[Secret] = Field(default=None)
+    secret_env_block: Optional[_SecretBlock] = Field(default=None)
     conduit: Optional[ConduitBlock] = Field(default=None)
     sandbox: Optional[SandboxBlock] = Field(default=None)
     working_dir: Optional[Path] = Field(default=None)
@@ -198,7 +202,7 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
         return cfg
 
 
-def _secret_block_env(block: Secret) -> dict[str, str]:
+def _secret_block_env(block: Secret[Any]) -> dict[str, str]:
     value = block.get()
     if not isinstance(value, dict):
         raise ValueError("the secret environment block must hold a JSON object {NAME: value}, "
@@ -250,7 +254,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         self,
         flow_run: FlowRun,
         configuration: ResolutoJobConfiguration,
-        task_status: anyio.abc.TaskStatus[str] | None = None,
+        # BaseWorker says TaskStatus[int] (a process id) but stores str(value): ours is a sandbox id.
+        task_status: anyio.abc.TaskStatus[str] | None = None,  # type: ignore[override]
     ) -> ResolutoWorkerResult:
         if task_status is None:
             task_status = anyio.TASK_STATUS_IGNORED
@@ -395,7 +400,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         await self._propose_crashed_state(flow_run, f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
                                                     f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
                                                     f"{outcome.reason}")
-        code = outcome.exit_code if outcome.exit_code not in (None, 0) else -1
+        code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
         return ResolutoWorkerResult(status_code=code, identifier=ident)
 
     def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> tuple[Any, ...]:

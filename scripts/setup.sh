@@ -57,20 +57,17 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# Exact versions from the lock (what CI tested); `bash scripts/lock.sh` refreshes it.
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/dev.txt -e '.[dev]'
 runsc_v=$(runsc --version 2>/dev/null || true); echo "setup: ready ($(.venv/bin/python --version), ${runsc_v%%$'\n'*})"
 
 # The reference implementation, resoluto-sandbox 0.1.0 (Python >= 3.12), in its own venv for the
-# wire-compatibility tests and the `reference` benchmark; skipped where no Python 3.12 exists.
-# (The pyenv shim on PATH fails unless PYENV_VERSION is set, so pyenv's installs are tried too.)
-ref_py=""
-for c in "$(command -v python3.12 2>/dev/null || true)" "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
-  if [ -n "$c" ] && [ -x "$c" ] && "$c" -S -c pass >/dev/null 2>&1; then ref_py=$c; break; fi
-done
+# wire-compatibility tests and the `reference` benchmark, from its lock; skipped where no Python 3.12 exists.
+ref_py=$(bash scripts/find-python312.sh)
 if [ -z "$ref_py" ]; then
   echo "setup: no Python 3.12 here; wire-compatibility tests and the reference benchmark will skip" >&2
-elif ! .venv-ref/bin/python -c 'import resoluto.sandbox.driver' >/dev/null 2>&1; then
-  { "$ref_py" -m venv .venv-ref \
-    && .venv-ref/bin/python -m pip install -q --disable-pip-version-check 'resoluto-sandbox==0.1.0'; } \
+else
+  { { [ -x .venv-ref/bin/python ] || "$ref_py" -m venv .venv-ref; } \
+    && .venv-ref/bin/python -m pip install -q --disable-pip-version-check -c constraints/ref.txt 'resoluto-sandbox==0.1.0'; } \
     || echo "setup: could not install resoluto-sandbox 0.1.0 into .venv-ref; its tests will skip" >&2
 fi

@@ -114,7 +114,7 @@ def _pick(floor: IsolationLevel, common: dict[str, Any]) -> tuple[SandboxRuntime
     return None, reasons
 
 
-def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+def _accepted(cls: type[Any], options: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(cls.__init__).parameters
     return {k: v for k, v in options.items() if k in params}
 

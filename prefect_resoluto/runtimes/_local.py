@@ -376,7 +376,8 @@ class LocalChildRuntime(SandboxRuntime):
 def network_request_of(spec: LaunchSpec) -> egress.NetworkRequest | None:
     """The spec's network request; a bare ``egress`` list (a runtime used directly) becomes one."""
     if spec.network is not None or not spec.egress:
-        return spec.network
+        request: egress.NetworkRequest | None = spec.network  # LaunchSpec keeps it Any (no egress import)
+        return request
     run_id = spec.labels.get("resoluto.run-id", spec.sandbox_id)
     node_id = spec.labels.get("resoluto.node-id", spec.sandbox_id)
     try:

@@ -1,0 +1,67 @@
+"""The code checks, run as tests so that CI fails on a lint, format or type regression.
+
+Each test runs one tool from this venv as a subprocess, with the settings in
+pyproject.toml, and on failure shows what the tool printed. mypy keeps its cache in
+.mypy_cache, so a warm run only re-checks what changed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# TODO(issue 14): these files are being split or moved on other branches (the CLI package,
+# the Kubernetes runtime's modules, the Solari runtime); their strict-mode errors are fixed
+# after those merges. Then drop this, and `--follow-imports=silent` with it (which only keeps
+# mypy from reporting these modules where checked ones import them).
+MYPY_NOT_YET = r"^prefect_resoluto/(cli\.py|cli/|runtimes/kubernetes\.py|runtimes/solari\.py|runtimes/_solari_)"
+
+
+def check(*argv: str) -> None:
+    """Run `python -m <argv>` at the project root; fail with its output unless it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0:
+        output = "\n".join(s for s in (proc.stdout.strip(), proc.stderr.strip()) if s)
+        pytest.fail(f"`{' '.join(argv)}` exited {proc.returncode}:\n{output}", pytrace=False)
+
+
+def test_ruff_lint() -> None:
+    check("ruff", "check", "--no-fix", ".")
+
+
+@pytest.mark.xfail(strict=False, reason="tree formatted by the coordinator at merge")
+def test_ruff_format() -> None:
+    check("ruff", "format", "--check", ".")
+
+
+def test_mypy_strict() -> None:
+    """prefect_resoluto/ and guest_runner/, strict (the exceptions are in pyproject.toml)."""
+    check("mypy", "--exclude", MYPY_NOT_YET, "--follow-imports=silent")
+
+
+def test_guest_runner_syntax_is_python_3_9() -> None:
+    """The guest runner must run on any image's Python 3.9+: no newer syntax.
+
+    ruff parses for the target version and reports syntax added later (`match`, `except*`,
+    ...) as invalid; FA102 flags `X | Y` annotations, which 3.9 evaluates at run time
+    unless the module has `from __future__ import annotations`.
+    """
+    check("ruff", "check", "--isolated", "--no-fix", "--target-version", "py39", "--select", "FA102", "guest_runner")
+
+
+def test_guest_runner_uses_only_the_python_3_9_standard_library() -> None:
+    """Against typeshed's 3.9 view: modules, functions and arguments added later are errors
+    (`tomllib`, `datetime.UTC`, `itertools.pairwise`, `zip(strict=...)`, `dataclass(slots=...)`),
+    and so is `X | Y` evaluated at run time (an alias, a `cast`)."""
+    check("mypy", "--python-version", "3.9", "guest_runner")
