@@ -52,8 +52,8 @@ class SlotConduit(LocalConduit):
             raise InvalidKey(f"conduit key {key!r} is outside this node's prefix {self.prefix!r}")
         return key[len(self.prefix):]
 
-    def put(self, key: str, data: bytes) -> None:
-        super().put(self._rel(key), data)
+    def put(self, key: str, data: bytes, *, sync: bool = True) -> None:
+        super().put(self._rel(key), data, sync=sync)
 
     def get(self, key: str) -> bytes:
         return super().get(self._rel(key))

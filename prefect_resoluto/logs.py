@@ -270,7 +270,9 @@ class ApiLogBatcher:
 def _max_batch_bytes() -> int:
     from prefect.settings import PREFECT_LOGGING_TO_API_BATCH_SIZE, PREFECT_LOGGING_TO_API_MAX_LOG_SIZE
 
-    return max(PREFECT_LOGGING_TO_API_BATCH_SIZE.value() - PREFECT_LOGGING_TO_API_MAX_LOG_SIZE.value() - 1, 1)
+    batch: int = PREFECT_LOGGING_TO_API_BATCH_SIZE.value()
+    line: int = PREFECT_LOGGING_TO_API_MAX_LOG_SIZE.value()
+    return max(batch - line - 1, 1)
 
 
 def _report(e: BaseException) -> None:

@@ -15,13 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# TODO(issue 14): these files are being split or moved on other branches (the CLI package,
-# the Kubernetes runtime's modules, the Solari runtime); their strict-mode errors are fixed
-# after those merges. Then drop this, and `--follow-imports=silent` with it (which only keeps
-# mypy from reporting these modules where checked ones import them).
-MYPY_NOT_YET = r"^prefect_resoluto/(cli\.py|cli/|runtimes/kubernetes\.py|runtimes/solari\.py|runtimes/_solari_)"
-
-
 def check(*argv: str) -> None:
     """Run `python -m <argv>` at the project root; fail with its output unless it exits 0."""
     proc = subprocess.run(
@@ -47,7 +40,7 @@ def test_ruff_format() -> None:
 
 def test_mypy_strict() -> None:
     """prefect_resoluto/ and guest_runner/, strict (the exceptions are in pyproject.toml)."""
-    check("mypy", "--exclude", MYPY_NOT_YET, "--follow-imports=silent")
+    check("mypy")
 
 
 def test_guest_runner_syntax_is_python_3_9() -> None:

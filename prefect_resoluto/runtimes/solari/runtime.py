@@ -205,7 +205,7 @@ class SolariRuntime(SandboxRuntime):
                 assert base_url and key  # _config_problem() found both
 
                 async def make() -> Any:
-                    from solari_sandbox import SandboxClient
+                    from solari_sandbox.sandbox_client import SandboxClient
 
                     return SandboxClient(api_key=key, base_url=base_url, http=make_http_client(base_url),
                                          call_timeout_ms=rpc_ms)
