@@ -41,10 +41,23 @@ needs_egress = pytest.mark.skipif(not egress_forwarding_supported(), reason=NO_E
 PROCESS = {"runtime": "process", "min_isolation": "none"}
 
 
-def create_pool() -> str:
+def create_pool(cli: bool = True) -> str:
+    """A `resoluto` pool, made as a user makes one (`prefect work-pool create --type resoluto`),
+    or with ``cli=False`` (tests about something else) through the API with the template that
+    command sends, the worker type's default: the same pool without an interpreter's start."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from prefect_resoluto.worker import ResolutoWorker
+
     name = f"sandboxes-{uuid.uuid4().hex[:8]}"
-    proc = prefect_cli("work-pool", "create", name, "--type", "resoluto")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if cli:
+        proc = prefect_cli("work-pool", "create", name, "--type", "resoluto")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return name
+    with get_client(sync_client=True) as c:
+        c.create_work_pool(WorkPoolCreate(name=name, type="resoluto",
+                                          base_job_template=ResolutoWorker.get_default_base_job_template()))
     return name
 
 
@@ -218,6 +231,8 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
     pool = create_pool()
     with get_client(sync_client=True) as c:
         wp = c.read_work_pool(pool)
+        # the shortcut some tests take makes the same pool
+        assert c.read_work_pool(create_pool(cli=False)).base_job_template == wp.base_job_template
     assert wp.type == "resoluto"
     template = wp.base_job_template
     props = template["variables"]["properties"]
@@ -541,7 +556,7 @@ def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path, worker
 def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
         dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
@@ -562,7 +577,7 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
     completion hooks: a worker stopping then gives its sandbox a grace, not a kill."""
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     release = tmp_path / "release"
     with running_worker(pool, tmp_path) as worker:
@@ -586,7 +601,7 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
 
 
 def test_sweep_reaps_a_sandbox_left_by_a_worker_killed_outright(tmp_path):
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
         dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
