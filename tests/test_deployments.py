@@ -2,37 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flows import sample_flows as sf
+from polling import wait_for
 from prefect import flow
+from prefect_cli import cli_env
 from pydantic import SecretStr
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
+from prefect_resoluto.node import LABEL_RUN
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes._host import records
 
 pytestmark = pytest.mark.usefixtures("prefect")
 FLOWS = Path(sf.__file__).parent
 ROOT = FLOWS.parents[1]
-
-
-def api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
-
-    return str(PREFECT_API_URL.value())
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(PREFECT_API_URL=api_url(), PREFECT_SERVER_ANALYTICS_ENABLED="false", **extra)
-    return env
 
 
 def test_blocks_register_from_the_cli_and_by_entry_point():
@@ -98,19 +92,21 @@ def test_block_field_validation_and_s3_conduit_block(moto_server, s3_bucket):
 
 
 def serve(tmp_path: Path, conduit_dir: Path, **extra: str):
-    """Start served_flow.py like a user would (`python served_flow.py`); wait for its deployment."""
+    """Start served_flow.py like a user would (`python served_flow.py`); wait for its deployment.
+    Its output goes to ``tmp_path/served.log`` (a pipe nobody reads would block it)."""
     from prefect.client.orchestration import get_client
 
-    server = subprocess.Popen(
-        [sys.executable, str(FLOWS / "served_flow.py")],
-        env=cli_env(RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(), RESOLUTO_TEST_INTERVAL="3600",
-                    PYTHONPATH=str(ROOT), **extra),
-        cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    with open(tmp_path / "served.log", "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, str(FLOWS / "served_flow.py")],
+            env=cli_env(RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(), RESOLUTO_TEST_INTERVAL="3600",
+                        PYTHONPATH=str(ROOT), **extra),
+            cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(server.stdout.read() if server.stdout else "the served process died")
+            raise AssertionError((tmp_path / "served.log").read_text(errors="replace")[-6000:])
         with get_client(sync_client=True) as c:
             try:
                 return server, c.read_deployment_by_name("served-sandboxed/every-few-seconds")
@@ -128,59 +124,84 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, tmp_path):
+@dataclass
+class Served:
+    server: subprocess.Popen
+    deployment: Any
+    conduit: Path
+    state_dir: Path
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+@pytest.fixture(scope="module")
+def served(prefect_api: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One served process for the module's tests (starting one costs more than a run): each
+    test makes its own deployment run and reads back only that run's nodes and sandboxes."""
+    tmp = tmp_path_factory.mktemp("served")
+    conduit, state_dir = tmp / "conduit", tmp / "state"
+    server, deployment = serve(tmp, conduit, RESOLUTO_STATE_DIR=str(state_dir))
+    try:
+        yield Served(server, deployment, conduit, state_dir, tmp / "served.log")
+    finally:
+        stop(server)
+
+
+def run_sandboxes(state_dir: Path, run_id: Any) -> set[str]:
+    """The gVisor runtime's sandboxes of one flow run (by the run label every node carries)."""
+    return {r.id for r in records(state_dir / "gvisor") if r.labels.get(LABEL_RUN) == str(run_id)}
+
+
+def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, served):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
-    state_dir = tmp_path / "state"
-    server, _ = serve(tmp_path, tmp_path / "conduit", RESOLUTO_STATE_DIR=str(state_dir))
-    rt = get_runtime("gvisor", state_dir=state_dir)
-    try:
-        run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300},
-                             timeout=0)
-        deadline = time.monotonic() + 180
-        while len(rt.list_ids()) < 2:
-            assert time.monotonic() < deadline, "the run's sandboxes never started"
-            time.sleep(0.1)  # polling the runtime's own listing
-        with get_client(sync_client=True) as c:
-            c.set_flow_run_state(run.id, Cancelling(), force=True)
-            while True:
-                fr = c.read_flow_run(run.id)
-                if fr.state.type in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED):
-                    break
-                assert time.monotonic() < deadline + 60, f"the run was never cancelled: {fr.state}"
-                time.sleep(0.2)  # polling the API for the cancellation
-        assert fr.state.type == StateType.CANCELLED, fr.state
-        while rt.list_ids() and time.monotonic() < deadline + 90:
-            time.sleep(0.1)  # the flow-run process reaps on its way out
-        assert rt.list_ids() == [] and rt.containers() == []
-    finally:
-        stop(server)
+    assert served.server.poll() is None, served.output()
+    rt = get_runtime("gvisor", state_dir=served.state_dir)
+    run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0)
+
+    def both_started() -> set[str] | None:
+        ids = run_sandboxes(served.state_dir, run.id)
+        return ids if len(ids) >= 2 else None
+
+    sandboxes = wait_for(both_started, timeout=180, what="the run's sandboxes to start")
+    assert sandboxes <= set(rt.list_ids())
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(run.id, Cancelling(), force=True)
+
+        def ended() -> Any:
+            fr = c.read_flow_run(run.id)
+            return fr if fr.state.type in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED) else None
+
+        fr = wait_for(ended, timeout=60, what="the run to be cancelled", max_delay=0.5)
+    assert fr.state.type == StateType.CANCELLED, fr.state
+
+    def reaped() -> bool:  # the flow-run process reaps on its way out
+        return not (sandboxes & (set(rt.list_ids()) | {c["id"] for c in rt.containers()}))
+
+    wait_for(reaped, timeout=90, what="the cancelled run's sandboxes to go")
+    assert not run_sandboxes(served.state_dir, run.id)
 
 
-def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, tmp_path):
+def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, served):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    conduit_dir = tmp_path / "conduit"
-    server, deployment = serve(tmp_path, conduit_dir)
-    try:
-        assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 3600
+    assert served.server.poll() is None, served.output()
+    deployment = served.deployment
+    assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 3600
 
-        # on demand
-        run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2}, timeout=240)
-        if not run.state.is_completed():
-            server.terminate()
-            out = server.communicate(timeout=30)[0]
-            raise AssertionError(f"{run.state}\n--- served process output ---\n{out[-6000:]}")
-        nodes = LocalConduit(conduit_dir).list_prefix(f"run/{run.id}/nodes/")
-        finished = {k.split("/")[3] for k in nodes if k.endswith("/_manifest.json")}
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    # on demand
+    run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2}, timeout=240)
+    assert run.state.is_completed(), f"{run.state}\n--- served process output ---\n{served.output()}"
+    nodes = LocalConduit(served.conduit).list_prefix(f"run/{run.id}/nodes/")
+    finished = {k.split("/")[3] for k in nodes if k.endswith("/_manifest.json")}
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-        with get_client(sync_client=True) as c:
-            trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-        assert finished == {str(t.id) for t in trs} and len(finished) == 2
-    finally:
-        stop(server)
+    with get_client(sync_client=True) as c:
+        trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert finished == {str(t.id) for t in trs} and len(finished) == 2

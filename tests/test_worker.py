@@ -25,10 +25,13 @@ from typing import Any
 import pytest
 from flows import worker_flows
 from polling import wait_for
+from prefect_cli import cli_env, prefect_cli
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.flow_runs import egress_forwarding_supported
+from prefect_resoluto.node import LABEL_RUN
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes._host import records
 
 pytestmark = pytest.mark.usefixtures("prefect")
 FLOWS = Path(worker_flows.__file__).parent
@@ -38,27 +41,23 @@ needs_egress = pytest.mark.skipif(not egress_forwarding_supported(), reason=NO_E
 PROCESS = {"runtime": "process", "min_isolation": "none"}
 
 
-def api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
+def create_pool(cli: bool = True) -> str:
+    """A `resoluto` pool, made as a user makes one (`prefect work-pool create --type resoluto`),
+    or with ``cli=False`` (tests about something else) through the API with the template that
+    command sends, the worker type's default: the same pool without an interpreter's start."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
 
-    return str(PREFECT_API_URL.value())
+    from prefect_resoluto.worker import ResolutoWorker
 
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(PREFECT_API_URL=api_url(), PREFECT_SERVER_ANALYTICS_ENABLED="false", **extra)
-    return env
-
-
-def prefect_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prefect", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=180)
-
-
-def create_pool() -> str:
     name = f"sandboxes-{uuid.uuid4().hex[:8]}"
-    proc = prefect_cli("work-pool", "create", name, "--type", "resoluto")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if cli:
+        proc = prefect_cli("work-pool", "create", name, "--type", "resoluto")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return name
+    with get_client(sync_client=True) as c:
+        c.create_work_pool(WorkPoolCreate(name=name, type="resoluto",
+                                          base_job_template=ResolutoWorker.get_default_base_job_template()))
     return name
 
 
@@ -66,6 +65,7 @@ class Worker:
     """A `prefect worker start --pool P` process; its output is kept for failure reports."""
 
     def __init__(self, pool: str, tmp: Path, state_dir: Path, conduit: Path) -> None:
+        self.pool = pool
         self.log_path = tmp / f"worker-{pool}.log"
         self.state_dir = state_dir
         self.conduit = conduit
@@ -98,6 +98,24 @@ def running_worker(pool: str, tmp_path: Path) -> Iterator[Worker]:
         yield w
     finally:
         w.stop()
+
+
+@pytest.fixture(scope="module")
+def module_worker(prefect_api: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """One worker process on one pool for every test here that neither stops nor kills its
+    worker: starting and stopping a worker costs more than most of these tests' own runs.
+    Each test deploys its own flow, schedules its own runs and reads back only their
+    evidence (their logs, their sandboxes by run label), so the tests stay independent of
+    each other and of their order; the tests that stop or kill a worker start their own."""
+    tmp = tmp_path_factory.mktemp("module-worker")
+    with running_worker(create_pool(), tmp) as w:
+        yield w
+
+
+@pytest.fixture
+def worker(module_worker: Worker) -> Worker:
+    assert module_worker.proc.poll() is None, f"the module's worker died:\n{module_worker.output()[-6000:]}"
+    return module_worker
 
 
 def deploy(pool: str, entrypoint: str, conduit: Path, **job_variables: Any) -> str:
@@ -150,6 +168,19 @@ def facts(run_id: Any) -> dict[str, Any]:
         raise AssertionError(f"the flow run never logged its facts: {run_logs(run_id)}") from None
 
 
+def logs_with(run_id: Any, text: str) -> list[str]:
+    """The run's logs once one of them contains ``text`` (they arrive in batches)."""
+
+    def found() -> list[str] | None:
+        logs = run_logs(run_id)
+        return logs if any(text in m for m in logs) else None
+
+    try:
+        return wait_for(found, timeout=60, what=f"a log line with {text!r}", max_delay=0.5)
+    except AssertionError:
+        raise AssertionError(f"no log line of the run has {text!r}: {run_logs(run_id)}") from None
+
+
 def started(run_id: Any) -> None:
     wait_for(lambda: any(m.startswith("FACTS ") for m in run_logs(run_id)), timeout=240,
              what="the flow to start", max_delay=0.5)
@@ -164,8 +195,13 @@ def node_events(conduit: Path, run_id: Any) -> list[dict[str, Any]]:
     return out
 
 
-def sandbox_ids(state_dir: Path, runtime: str = "process") -> list[str]:
-    return get_runtime(runtime, state_dir=state_dir).list_ids()  # type: ignore[attr-defined]
+def sandbox_ids(state_dir: Path, runtime: str = "process", run_id: Any = None) -> list[str]:
+    """The runtime's own listing; with ``run_id``, only that flow run's sandboxes (by the run
+    label the worker gives them), as a test on the module's worker must see it."""
+    ids = get_runtime(runtime, state_dir=state_dir).list_ids()  # type: ignore[attr-defined]
+    if run_id is None:
+        return ids
+    return [r.id for r in records(state_dir / runtime) if r.id in ids and r.labels.get(LABEL_RUN) == str(run_id)]
 
 
 def schedule(deployment: str, **parameters: Any) -> Any:
@@ -195,6 +231,8 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
     pool = create_pool()
     with get_client(sync_client=True) as c:
         wp = c.read_work_pool(pool)
+        # the shortcut some tests take makes the same pool
+        assert c.read_work_pool(create_pool(cli=False)).base_job_template == wp.base_job_template
     assert wp.type == "resoluto"
     template = wp.base_job_template
     props = template["variables"]["properties"]
@@ -263,48 +301,47 @@ def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
 # --------------------------------------------------------------------------- flow runs (process runtime)
 
 
-def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_api(tmp_path):
+def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_api(tmp_path, worker):
+    from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
     conduit = tmp_path / "conduit"
-    with running_worker(pool, tmp_path) as worker:
-        from prefect.blocks.system import Secret
-
-        block_id = Secret(value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519"}).save(
-            f"worker-env-{uuid.uuid4().hex[:6]}")
-        # As the UI stores a chosen block in job variables: a reference, resolved by the worker.
-        dep = deploy(pool, "worker_flows.py:where_am_i", conduit,
-                     secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
-                     secret_env_block={"$ref": {"block_document_id": str(block_id)}})
-        runs = [schedule(dep, marker=f"m{i}") for i in range(2)]
-        done = [final_run(r.id, worker) for r in runs]
-        assert all(fr.state.is_completed() for fr in done), (
-            [fr.state for fr in done], worker.output()[-6000:])
-        seen = [facts(r.id) for r in runs]
-        for r, f in zip(runs, seen, strict=True):
-            # The flow's code ran in the guest runner's child, one node per flow run.
-            assert f["run_id"] == str(r.id) and f["node_id"].startswith("flow-run-")
-            assert f["pid"] != worker.proc.pid and f["secret_seen"] is True and f["block_secret_seen"] is True
-            events = node_events(conduit, r.id)
-            lines = [str((e.get("data") or {}).get("line", "")) for e in events if e.get("event") == "log"]
-            assert f"plain stdout from the flow: {f['marker']}" in lines, lines[-20:]
-            assert all("never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
-                       for e in events)
-        assert seen[0]["node_id"] != seen[1]["node_id"]
-        for r, f in zip(runs, seen, strict=True):  # the worker names the sandbox in the run's logs
-            wait_for(lambda r=r, f=f: any(m.startswith("sandbox rsl-") and f"run/{r.id}/nodes/{f['node_id']}" in m
-                                          for m in run_logs(r.id)), timeout=30, what="the sandbox line")
-        with get_client(sync_client=True) as c:
-            for r in runs:
-                fr = c.read_flow_run(r.id)
-                assert fr.infrastructure_pid == f"process:{r.id}" and fr.work_pool_name == pool
-        out = worker.output()
-        assert "never-shown-7731" not in out and "from-a-block-5519" not in out
-        assert "secrets: " in out, "the flow's own print reached the worker's log, redacted"
+    block_id = Secret(value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519"}).save(
+        f"worker-env-{uuid.uuid4().hex[:6]}")
+    # As the UI stores a chosen block in job variables: a reference, resolved by the worker.
+    dep = deploy(worker.pool, "worker_flows.py:where_am_i", conduit,
+                 secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
+                 secret_env_block={"$ref": {"block_document_id": str(block_id)}})
+    runs = [schedule(dep, marker=f"m{i}") for i in range(2)]
+    done = [final_run(r.id, worker) for r in runs]
+    assert all(fr.state.is_completed() for fr in done), ([fr.state for fr in done], worker.output()[-6000:])
+    seen = [facts(r.id) for r in runs]
+    for r, f in zip(runs, seen, strict=True):
+        # The flow's code ran in the guest runner's child, one node per flow run.
+        assert f["run_id"] == str(r.id) and f["node_id"].startswith("flow-run-")
+        assert f["pid"] != worker.proc.pid and f["secret_seen"] is True and f["block_secret_seen"] is True
+        events = node_events(conduit, r.id)
+        lines = [str((e.get("data") or {}).get("line", "")) for e in events if e.get("event") == "log"]
+        assert f"plain stdout from the flow: {f['marker']}" in lines, lines[-20:]
+        assert all("never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
+                   for e in events)
+    assert seen[0]["node_id"] != seen[1]["node_id"]
+    for r, f in zip(runs, seen, strict=True):  # the worker names the sandbox in the run's logs
+        wait_for(lambda r=r, f=f: any(m.startswith("sandbox rsl-") and f"run/{r.id}/nodes/{f['node_id']}" in m
+                                      for m in run_logs(r.id)), timeout=30, what="the sandbox line")
+    with get_client(sync_client=True) as c:
         for r in runs:
-            assert all("never-shown-7731" not in m for m in run_logs(r.id))
-    assert sandbox_ids(tmp_path / "state") == []
+            fr = c.read_flow_run(r.id)
+            assert fr.infrastructure_pid == f"process:{r.id}" and fr.work_pool_name == worker.pool
+    out = worker.output()
+    assert "never-shown-7731" not in out and "from-a-block-5519" not in out
+    # Only this test's runs have these secrets: the flow's own print reached the worker's log, redacted.
+    assert "secrets: *** ***" in out, out[-6000:]
+    for r in runs:
+        assert all("never-shown-7731" not in m for m in run_logs(r.id))
+    for r in runs:  # a finished run leaves no sandbox behind, with the worker still running
+        wait_for(lambda r=r: sandbox_ids(worker.state_dir, run_id=r.id) == [], timeout=60,
+                 what="the finished run's sandbox to go")
 
 
 @contextlib.contextmanager
@@ -385,17 +422,15 @@ def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
 
 # The worker logic is the same on every runtime; gVisor (the one users run) is the variant kept.
 @pytest.mark.parametrize("runtime", [pytest.param("gvisor", marks=needs_egress)])
-def test_job_variable_overrides_apply_memory(tmp_path, request, runtime):
-    pool = create_pool()
+def test_job_variable_overrides_apply_memory(tmp_path, request, runtime, worker):
     conduit = tmp_path / "conduit"
-    with running_worker(pool, tmp_path) as worker:
-        variables = on_runtime(request, runtime)
-        dep = deploy(pool, "worker_flows.py:where_am_i", conduit, memory="700Mi", **variables)
-        base = deploy(pool, "worker_flows.py:where_am_i", conduit, **variables)
-        big, plain = schedule(dep), schedule(base)
-        for r in (big, plain):
-            assert final_run(r.id, worker).state.is_completed(), worker.output()[-4000:]
-        big_facts, plain_facts = facts(big.id), facts(plain.id)
+    variables = on_runtime(request, runtime)
+    dep = deploy(worker.pool, "worker_flows.py:where_am_i", conduit, memory="700Mi", **variables)
+    base = deploy(worker.pool, "worker_flows.py:where_am_i", conduit, **variables)
+    big, plain = schedule(dep), schedule(base)
+    for r in (big, plain):
+        assert final_run(r.id, worker).state.is_completed(), worker.output()[-4000:]
+    big_facts, plain_facts = facts(big.id), facts(plain.id)
     limit = 700 * 1024 * 1024
     seen = ("memory_limit", "rlimit_data", "meminfo_total")
     assert limit in [big_facts[k] for k in seen], big_facts
@@ -413,124 +448,115 @@ def on_runtime(request: pytest.FixtureRequest, runtime: str) -> dict[str, Any]:
     return dict(PROCESS)
 
 
-def gone(state: Path, runtime: str, host_pid: int | None) -> bool:
-    """No sandbox left in the runtime's own listing (and, on process, no flow process)."""
+def gone(state: Path, runtime: str, sandbox: str, host_pid: int | None) -> bool:
+    """``sandbox`` left the runtime's own listing (and runsc's; on process, no flow process)."""
     rt = get_runtime(runtime, state_dir=state)
     left = rt.list_ids() + ([c["id"] for c in rt.containers()] if runtime == "gvisor" else [])  # type: ignore[attr-defined]
-    return not left and (host_pid is None or not _alive(host_pid))
+    return sandbox not in left and (host_pid is None or not _alive(host_pid))
 
 
 @pytest.mark.parametrize("runtime", [pytest.param("gvisor", marks=needs_egress)])
-def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path, request, runtime):
+def test_cancelling_from_the_api_destroys_the_sandbox(tmp_path, request, runtime, worker):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    pool = create_pool()
-    state = tmp_path / "state"
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
-        run = schedule(dep, seconds=600)
-        started(run.id)
-        (sandbox,) = sandbox_ids(state, runtime)
-        pid = facts(run.id)["pid"] if runtime == "process" else None  # gVisor pids are its own
-        with get_client(sync_client=True) as c:
-            c.set_flow_run_state(run.id, Cancelling(), force=True)
-        fr = final_run(run.id, worker, timeout=120)
-        assert fr.state.is_cancelled(), fr.state
-        assert sandbox in (fr.state.message or "")
-        assert gone(state, runtime, pid), "the sandbox (or the flow's process) outlived the cancellation"
+    state = worker.state_dir
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
+    run = schedule(dep, seconds=600)
+    started(run.id)
+    (sandbox,) = sandbox_ids(state, runtime, run.id)
+    pid = facts(run.id)["pid"] if runtime == "process" else None  # gVisor pids are its own
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(run.id, Cancelling(), force=True)
+    fr = final_run(run.id, worker, timeout=120)
+    assert fr.state.is_cancelled(), fr.state
+    assert sandbox in (fr.state.message or "")
+    assert gone(state, runtime, sandbox, pid), "the sandbox (or the flow's process) outlived the cancellation"
 
 
-def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path):
+def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path, worker):
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
-    state = tmp_path / "state"
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
-        run = schedule(dep, seconds=600)
-        started(run.id)
-        pid = facts(run.id)["pid"]
-        assert len(sandbox_ids(state)) == 1
-        with get_client(sync_client=True) as c:
-            c.delete_flow_run(run.id)
-        wait_for(lambda: sandbox_ids(state) == [], timeout=60, what="the deleted run's sandbox to go")
-        assert not _alive(pid) and worker.proc.poll() is None
+    state = worker.state_dir
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit")
+    run = schedule(dep, seconds=600)
+    started(run.id)
+    pid = facts(run.id)["pid"]
+    assert len(sandbox_ids(state, run_id=run.id)) == 1
+    with get_client(sync_client=True) as c:
+        c.delete_flow_run(run.id)
+    wait_for(lambda: sandbox_ids(state, run_id=run.id) == [], timeout=60, what="the deleted run's sandbox to go")
+    assert not _alive(pid) and worker.proc.poll() is None
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path, request, runtime):
-    pool = create_pool()
-    state = tmp_path / "state"
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
-        run = schedule(dep, seconds=600)
-        started(run.id)
-        (sandbox,) = sandbox_ids(state, runtime)
-        record = json.loads((state / runtime / sandbox / "sandbox.json").read_text())
-        os.killpg(record["pid"], signal.SIGKILL)  # the sandbox's whole process group, from outside
-        fr = final_run(run.id, worker, timeout=120)
-        assert fr.state.is_crashed(), fr.state
-        msg = fr.state.message or ""
-        assert sandbox in msg and f"on {runtime} was killed" in msg and "SIGKILL" in msg, msg
-        assert wait_for(lambda: gone(state, runtime, None), timeout=30, what="the sandbox to be reaped")
+def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path, request, runtime, worker):
+    state = worker.state_dir
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
+    run = schedule(dep, seconds=600)
+    started(run.id)
+    (sandbox,) = sandbox_ids(state, runtime, run.id)
+    record = json.loads((state / runtime / sandbox / "sandbox.json").read_text())
+    os.killpg(record["pid"], signal.SIGKILL)  # the sandbox's whole process group, from outside
+    fr = final_run(run.id, worker, timeout=120)
+    assert fr.state.is_crashed(), fr.state
+    msg = fr.state.message or ""
+    assert sandbox in msg and f"on {runtime} was killed" in msg and "SIGKILL" in msg, msg
+    assert wait_for(lambda: gone(state, runtime, sandbox, None), timeout=30, what="the sandbox to be reaped")
 
 
-def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path):
-    pool = create_pool()
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:hog", tmp_path / "conduit", memory="400Mi")
-        run = schedule(dep, mb=800)
-        fr = final_run(run.id, worker)
+def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path, worker):
+    dep = deploy(worker.pool, "worker_flows.py:hog", tmp_path / "conduit", memory="400Mi")
+    run = schedule(dep, mb=800)
+    fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
     msg = fr.state.message or ""
     # The runtime saw the cgroup's OOM kill: the run says so, with the limit hit and the setting to raise.
     assert "on process was killed: OOM-killed" in msg and "memory limit is 400Mi" in msg, msg
     assert "`memory` job variable" in msg, msg
-    assert sandbox_ids(tmp_path / "state") == []
+    wait_for(lambda: sandbox_ids(worker.state_dir, run_id=run.id) == [], timeout=60,
+             what="the killed run's sandbox to go")
 
 
-def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(tmp_path):
-    pool = create_pool()
+def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(tmp_path, worker):
     conduit = tmp_path / "conduit"
-    with running_worker(pool, tmp_path) as worker:
-        cmd = f"{sys.executable} -c \"print('evidence-before-the-api', flush=True); raise SystemExit(3)\""
-        dep = deploy(pool, "worker_flows.py:dies_before_the_api", conduit, command=cmd)
-        run = schedule(dep)
-        fr = final_run(run.id, worker)
+    cmd = f"{sys.executable} -c \"print('evidence-before-the-api', flush=True); raise SystemExit(3)\""
+    dep = deploy(worker.pool, "worker_flows.py:dies_before_the_api", conduit, command=cmd)
+    run = schedule(dep)
+    fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
     assert "the flow run's process exited with code 3 before it reported a final state" in (fr.state.message or ""), \
         fr.state.message
     lines = [str((e.get("data") or {}).get("line", "")) for e in node_events(conduit, run.id)
              if e.get("event") == "log"]
     assert "evidence-before-the-api" in lines
-    # ... and the worker put the tail into the run's logs, since the run itself never could.
-    assert any("evidence-before-the-api" in m for m in run_logs(run.id))
+    # ... and the worker put the tail into the run's logs, since the run itself never could
+    # (the worker's logs reach the API in batches: a running worker sends them a moment later).
+    logs_with(run.id, "evidence-before-the-api")
 
 
-def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path):
-    pool = create_pool()
-    with running_worker(pool, tmp_path) as worker:
-        # gVisor (at or above the default floor) without the egress proxy, or a floor no
-        # runtime here meets: either way the run never starts and says why.
-        too_weak = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="process",
-                          min_isolation="user-kernel")
-        # The host network cannot enforce an allowlist: refused, never run with an open network.
-        open_net = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", egress=["db.example.test:5432"])
-        runs = [schedule(too_weak), schedule(open_net)]
-        weak, unenforceable = (final_run(r.id, worker) for r in runs)
+def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path, worker):
+    # gVisor (at or above the default floor) without the egress proxy, or a floor no
+    # runtime here meets: either way the run never starts and says why.
+    too_weak = deploy(worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="process",
+                      min_isolation="user-kernel")
+    # The host network cannot enforce an allowlist: refused, never run with an open network.
+    open_net = deploy(worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit",
+                      egress=["db.example.test:5432"])
+    runs = [schedule(too_weak), schedule(open_net)]
+    weak, unenforceable = (final_run(r.id, worker) for r in runs)
     assert weak.state.is_crashed(), weak.state
     assert "isolation level 'none', below the required minimum 'user-kernel'" in (weak.state.message or "")
     assert unenforceable.state.is_crashed(), unenforceable.state
     assert "cannot enforce an egress allowlist" in (unenforceable.state.message or "")
     assert not any(m.startswith("FACTS ") for r in runs for m in run_logs(r.id))
-    assert sandbox_ids(tmp_path / "state") == []
+    assert not any(sandbox_ids(worker.state_dir, run_id=r.id) for r in runs)
 
 
 def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
         dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
@@ -551,7 +577,7 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
     completion hooks: a worker stopping then gives its sandbox a grace, not a kill."""
     from prefect.client.orchestration import get_client
 
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     release = tmp_path / "release"
     with running_worker(pool, tmp_path) as worker:
@@ -575,7 +601,7 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
 
 
 def test_sweep_reaps_a_sandbox_left_by_a_worker_killed_outright(tmp_path):
-    pool = create_pool()
+    pool = create_pool(cli=False)
     state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
         dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
@@ -637,49 +663,44 @@ def listener() -> Iterator[int]:
 
 
 @needs_egress
-def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor, tmp_path):
-    pool = create_pool()
+def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor, tmp_path, worker):
     conduit = tmp_path / "conduit"
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:where_am_i", conduit, runtime="gvisor", min_isolation="user-kernel",
-                     memory="1Gi")
-        run = schedule(dep, marker="in-gvisor")
-        fr = final_run(run.id, worker)
+    dep = deploy(worker.pool, "worker_flows.py:where_am_i", conduit, runtime="gvisor", min_isolation="user-kernel",
+                 memory="1Gi")
+    run = schedule(dep, marker="in-gvisor")
+    fr = final_run(run.id, worker)
     assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
     f = facts(run.id)
     host_ifaces = sorted(name for _, name in socket.if_nameindex())
     # gVisor's own network stack: loopback and at most the one link the egress proxy gives it.
     assert f["interfaces"] != host_ifaces and "lo" in f["interfaces"] and len(f["interfaces"]) <= 2, f
     assert f["api_url"].startswith("http://prefect-api.resoluto.internal:"), f
-    assert sandbox_ids(tmp_path / "state", "gvisor") == []
+    wait_for(lambda: sandbox_ids(worker.state_dir, "gvisor", run.id) == [], timeout=60,
+             what="the finished run's sandbox to go")
 
 
 @needs_egress
-def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor, tmp_path):
-    pool = create_pool()
-    with listener() as port, running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
+def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor, tmp_path, worker):
+    with listener() as port:
+        dep = deploy(worker.pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
                      min_isolation="user-kernel")
         runs = [schedule(dep, host=h, port=port) for h in ("127.0.0.1", "prefect-api.resoluto.internal")]
         done = [final_run(r.id, worker) for r in runs]
     for r, fr in zip(runs, done, strict=True):
         assert fr.state.is_failed(), fr.state
-        logs = run_logs(r.id)
-        assert any("DIAL REFUSED" in m for m in logs), logs
+        logs = logs_with(r.id, "DIAL REFUSED")
         assert not any("DIAL REACHED" in m for m in logs), logs
 
 
 @needs_egress
-def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor, tmp_path):
-    pool = create_pool()
-    with listener() as port, running_worker(pool, tmp_path) as worker:
-        allowed = deploy(pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
+def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor, tmp_path, worker):
+    with listener() as port:
+        allowed = deploy(worker.pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
                          min_isolation="user-kernel", egress=["allowed.resoluto.test:80"])
         run = schedule(allowed, host="127.0.0.1", port=port)
         fr = final_run(run.id, worker)
     assert fr.state.is_failed(), fr.state
-    logs = run_logs(run.id)
-    assert any("DIAL REFUSED" in m for m in logs), logs
+    logs_with(run.id, "DIAL REFUSED")
 
 
 # --------------------------------------------------------------------------- pieces
