@@ -49,9 +49,14 @@ def main() -> None:
 
     def resoluto(runtime: str, warm_pool: int | None = 0) -> ResolutoTaskRunner:
         """``warm_pool``: 0 (off, the cold path) or None (the runner's default pool)."""
-        return ResolutoTaskRunner(runtime=runtime, conduit=(work / "conduit").as_uri(), workspace=ws,
-                                  outputs_dir=work / "outputs", warm_pool=warm_pool,
-                                  min_isolation="none" if runtime == "process" else None)
+        return ResolutoTaskRunner(
+            runtime=runtime,
+            conduit=(work / "conduit").as_uri(),
+            workspace=ws,
+            outputs_dir=work / "outputs",
+            warm_pool=warm_pool,
+            min_isolation="none" if runtime == "process" else None,
+        )
 
     def mapped(runner: object, n: int) -> float:
         @flow(task_runner=runner, name="bench-mapped", persist_result=False)
@@ -91,8 +96,9 @@ def main() -> None:
     if args.latency_seconds > 0:
         out["api_latency"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds, every=0.01)
         # The same at 1 000 lines/s: what a heavy stream costs in API requests.
-        out["api_latency"]["at_1000"] = api_latency(resoluto("process"), bench_tasks, args.latency_seconds,
-                                                    every=0.001)
+        out["api_latency"]["at_1000"] = api_latency(
+            resoluto("process"), bench_tasks, args.latency_seconds, every=0.001
+        )
     Path(args.out).write_text(json.dumps(out))
     shutil.rmtree(work, ignore_errors=True)
 
@@ -138,8 +144,12 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
     with get_client(sync_client=True) as client:
         offset = 0
         while True:
-            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                                    limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC)
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                limit=200,
+                offset=offset,
+                sort=LogSort.TIMESTAMP_ASC,
+            )
             if not page:
                 break
             offset += len(page)
@@ -152,9 +162,17 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
                     if n in arrived:
                         to_host.append(arrived[n] - float(parts[2]))
                         to_row.append(row.created.timestamp() - arrived[n])
-    return {"printed": printed, "received": len(seen), "latencies_s": lat, "seconds": seconds,
-            "every_s": every, "log_posts": count.log_posts, "log_post_median_s": count.log_post_median_s(),
-            "to_host_s": to_host, "to_row_s": to_row}
+    return {
+        "printed": printed,
+        "received": len(seen),
+        "latencies_s": lat,
+        "seconds": seconds,
+        "every_s": every,
+        "log_posts": count.log_posts,
+        "log_post_median_s": count.log_post_median_s(),
+        "to_host_s": to_host,
+        "to_row_s": to_row,
+    }
 
 
 if __name__ == "__main__":

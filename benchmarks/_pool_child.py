@@ -53,8 +53,13 @@ def main() -> None:
     out: dict[str, object] = {}
 
     def runner(warm_pool: int) -> ResolutoTaskRunner:
-        return ResolutoTaskRunner(runtime="gvisor", conduit=(work / "conduit").as_uri(), workspace=ws,
-                                  outputs_dir=work / "outputs", warm_pool=warm_pool)
+        return ResolutoTaskRunner(
+            runtime="gvisor",
+            conduit=(work / "conduit").as_uri(),
+            workspace=ws,
+            outputs_dir=work / "outputs",
+            warm_pool=warm_pool,
+        )
 
     def wait_ready(timeout: float = 120.0) -> None:
         ctx = FlowRunContext.get()

@@ -78,29 +78,48 @@ def _job_variables(kind: str, runtime: str, work: Path) -> dict[str, Any]:
     if kind != "resoluto":
         return {}
     floor = "none" if runtime == "process" else "user-kernel"
-    return {"runtime": runtime, "min_isolation": floor, "conduit": {"path": str(work / "conduit")},
-            "stream_output": False}
+    return {
+        "runtime": runtime,
+        "min_isolation": floor,
+        "conduit": {"path": str(work / "conduit")},
+        "stream_output": False,
+    }
 
 
 def _env(api: str, work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    env.update(PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_WORKER_QUERY_SECONDS=QUERY_SECONDS,
-               PREFECT_WORKER_PREFETCH_SECONDS="5", PREFECT_HOME=str(work / "worker-home"),
-               RESOLUTO_STATE_DIR=os.environ.get("RESOLUTO_STATE_DIR", str(work / "state")))
+    env.update(
+        PREFECT_API_URL=api,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS=QUERY_SECONDS,
+        PREFECT_WORKER_PREFETCH_SECONDS="5",
+        PREFECT_HOME=str(work / "worker-home"),
+        RESOLUTO_STATE_DIR=os.environ.get("RESOLUTO_STATE_DIR", str(work / "state")),
+    )
     return env
 
 
 def _cli(api: str, *args: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "prefect", *args], env=_env(api, Path(tempfile.gettempdir())),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        env=_env(api, Path(tempfile.gettempdir())),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if res.returncode != 0:
         raise RuntimeError(f"prefect {' '.join(args)} failed: {res.stdout}{res.stderr}")
 
 
 def _start_worker(api: str, pool: str, work: Path) -> subprocess.Popen[bytes]:
     log = open(work / f"{pool}.log", "wb")  # noqa: SIM115 - lives as long as the worker
-    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-                            env=_env(api, work), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+        env=_env(api, work),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _deploy(pool: str, job_variables: dict[str, Any]) -> str:
@@ -108,8 +127,14 @@ def _deploy(pool: str, job_variables: dict[str, Any]) -> str:
 
     source = flow.from_source(source=str(HERE), entrypoint="_worker_flow.py:trivial")
     name = pool
-    source.deploy(name=name, work_pool_name=pool, job_variables=job_variables, build=False, push=False,
-                  print_next_steps=False)
+    source.deploy(
+        name=name,
+        work_pool_name=pool,
+        job_variables=job_variables,
+        build=False,
+        push=False,
+        print_next_steps=False,
+    )
     return f"{source.name}/{name}"
 
 
@@ -132,8 +157,11 @@ def _one(deployment: str) -> dict[str, float]:
         if not fr.state.is_completed():
             raise RuntimeError(f"flow run {run.id} of {deployment} ended {fr.state.type}: {fr.state.message}")
         states = {s.type.value: s.timestamp for s in c.read_flow_run_states(run.id)}
-    return {"startup_s": (states["RUNNING"] - states["PENDING"]).total_seconds(),
-            "body_s": (states["COMPLETED"] - states["RUNNING"]).total_seconds(), "e2e_s": e2e}
+    return {
+        "startup_s": (states["RUNNING"] - states["PENDING"]).total_seconds(),
+        "body_s": (states["COMPLETED"] - states["RUNNING"]).total_seconds(),
+        "e2e_s": e2e,
+    }
 
 
 if __name__ == "__main__":

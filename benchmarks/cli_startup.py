@@ -27,8 +27,11 @@ STUB = "import sys; from prefect_resoluto.cli import main; sys.exit(main())"  # 
 
 
 def export(ref: str, into: Path) -> None:
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "prefect_resoluto", "guest_runner", "schemas"],
-                         capture_output=True, check=True).stdout
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "prefect_resoluto", "guest_runner", "schemas"],
+        capture_output=True,
+        check=True,
+    ).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(into, filter="tar")
 
@@ -37,8 +40,13 @@ def once(tree: Path, args: list[str], cwd: Path) -> tuple[float, float]:
     """(wall, cpu) seconds of one CLI invocation from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", STUB, *args], env=env, cwd=cwd,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-c", STUB, *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -56,14 +64,18 @@ def main() -> int:
         ref_tree = Path(tmp, "ref")
         export(args.ref, ref_tree)
         trees = {"this tree": ROOT, args.ref: ref_tree}
-        times: dict[tuple[str, str], list[tuple[float, float]]] = {(t, c): [] for t in trees for c in COMMANDS}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {
+            (t, c): [] for t in trees for c in COMMANDS
+        }
         for i in range(args.runs):
             print(f"run {i + 1}/{args.runs}", file=sys.stderr, flush=True)
             for cmd, argv in COMMANDS.items():
                 for name, tree in trees.items():
                     times[(name, cmd)].append(once(tree, argv, Path(tmp)))
-    print(f"CLI start, median of {args.runs} interleaved runs (load average at the end: "
-          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
+    print(
+        f"CLI start, median of {args.runs} interleaved runs (load average at the end: "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})"
+    )
     print(f"{'command':<15}{'tree':<12}{'wall ms':>10}{'cpu ms':>10}")
     for cmd in COMMANDS:
         med = {}

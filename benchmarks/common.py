@@ -70,8 +70,13 @@ class Target:
     met: bool | None  # None: not measured here
 
     def to_json(self) -> dict[str, Any]:
-        return {"figure": self.figure, "what": self.what, "target": self.target,
-                "measured": self.measured, "met": self.met}
+        return {
+            "figure": self.figure,
+            "what": self.what,
+            "target": self.target,
+            "measured": self.measured,
+            "met": self.met,
+        }
 
 
 def log(msg: str) -> None:
@@ -113,10 +118,18 @@ def reference_python() -> Path | None:
 
 def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment minus anything that could send traffic off the machine."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.lower().endswith("_proxy") and not k.startswith(("AWS_", "PREFECT_API"))}
-    env.update({"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
-                "AWS_EC2_METADATA_DISABLED": "true"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.lower().endswith("_proxy") and not k.startswith(("AWS_", "PREFECT_API"))
+    }
+    env.update(
+        {
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+    )
     env.update(extra or {})
     return env
 

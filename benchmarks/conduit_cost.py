@@ -49,8 +49,9 @@ def s3_endpoint():  # type: ignore[no-untyped-def]
 
 
 def _conduit(bucket: str, endpoint: str, key_id: str) -> S3Conduit:
-    return S3Conduit(bucket, endpoint_url=endpoint, access_key_id=key_id, secret_access_key=SECRET,
-                     region="us-east-1")
+    return S3Conduit(
+        bucket, endpoint_url=endpoint, access_key_id=key_id, secret_access_key=SECRET, region="us-east-1"
+    )
 
 
 def quiet_node(proxy: Any, bucket: str, quiet_s: float) -> dict[str, Any]:
@@ -59,14 +60,22 @@ def quiet_node(proxy: Any, bucket: str, quiet_s: float) -> dict[str, Any]:
 
     def on_event(ev: dict[str, Any]) -> None:
         if ev.get("kind") == "workload" and ev.get("event") in ("open", "close"):
-            marks[ev["event"]] = (time.monotonic(), proxy.counter.snapshot(client=HOST),
-                                  proxy.counter.snapshot(client=GUEST))
+            marks[ev["event"]] = (
+                time.monotonic(),
+                proxy.counter.snapshot(client=HOST),
+                proxy.counter.snapshot(client=GUEST),
+            )
 
     spec = NodeSpec(
-        run_id="bench-cost", node_id=f"quiet-{uuid.uuid4().hex[:6]}",
+        run_id="bench-cost",
+        node_id=f"quiet-{uuid.uuid4().hex[:6]}",
         argv=[sys.executable, "-c", f"import time; time.sleep({quiet_s})"],
-        env={"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent",
-             "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "NO_PROXY": "127.0.0.1"},
+        env={
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": "/nonexistent",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "NO_PROXY": "127.0.0.1",
+        },
         secret_env={"AWS_ACCESS_KEY_ID": GUEST, "AWS_SECRET_ACCESS_KEY": SECRET},
     )
     samples: list[tuple[float, int]] = []  # (time, host requests so far), every 0.25 s
@@ -96,8 +105,11 @@ def quiet_node(proxy: Any, bucket: str, quiet_s: float) -> dict[str, Any]:
     # Steady state: once the tail has backed off to its slowest cadence (STEADY_AFTER s
     # after the last real event), until the workload's close arrives.
     steady = [(t, n) for t, n in samples if ta + STEADY_AFTER <= t <= tb]
-    steady_rate = round((steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0]) * 60, 1) \
-        if len(steady) > 1 else None
+    steady_rate = (
+        round((steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0]) * 60, 1)
+        if len(steady) > 1
+        else None
+    )
     return {
         "quiet_s": quiet_s,
         "host_per_idle_minute_steady": steady_rate,
@@ -138,8 +150,10 @@ def per_poll(proxy: Any, raw: Any, bucket: str, already: int, polls: int = 5) ->
     busy = proxy.counter.snapshot(client=HOST)
     conduit.close()
     assert tailer.delivered == already + polls
-    return {"idle_per_poll": {k: v / polls for k, v in idle.items()},
-            "one_new_chunk_per_poll": {k: v / polls for k, v in busy.items()}}
+    return {
+        "idle_per_poll": {k: v / polls for k, v in idle.items()},
+        "one_new_chunk_per_poll": {k: v / polls for k, v in busy.items()},
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -149,9 +163,9 @@ def run(quick: bool) -> dict[str, Any]:
 
     with s3_endpoint() as (proxy, moto_url):
         bucket = f"bench-{uuid.uuid4().hex[:10]}"
-        raw = boto3.session.Session(aws_access_key_id="bench-raw", aws_secret_access_key=SECRET,
-                                    region_name="us-east-1").client(
-            "s3", endpoint_url=moto_url, config=Config(s3={"addressing_style": "path"}))
+        raw = boto3.session.Session(
+            aws_access_key_id="bench-raw", aws_secret_access_key=SECRET, region_name="us-east-1"
+        ).client("s3", endpoint_url=moto_url, config=Config(s3={"addressing_style": "path"}))
         raw.create_bucket(Bucket=bucket)
         log(f"conduit cost: a node quiet for {quiet_s:g} s on S3 (moto on 127.0.0.1)")
         out: dict[str, Any] = {"quiet": quiet_node(proxy, bucket, quiet_s)}
@@ -176,21 +190,40 @@ def targets(res: dict[str, Any]) -> list[Target]:
     b1000 = sum(res["per_poll"]["1000"]["one_new_chunk_per_poll"].values())
     return [
         Target("conduit cost", "host requests per idle minute", "<= 60", f"{rate}{note}", rate <= 60),
-        Target("conduit cost", "requests per poll, 10 vs 1000 chunks read", "flat",
-               f"idle {p10:g} vs {p1000:g}; one new chunk {b10:g} vs {b1000:g}", p10 == p1000 and b10 == b1000),
+        Target(
+            "conduit cost",
+            "requests per poll, 10 vs 1000 chunks read",
+            "flat",
+            f"idle {p10:g} vs {p1000:g}; one new chunk {b10:g} vs {b1000:g}",
+            p10 == p1000 and b10 == b1000,
+        ),
     ]
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     q = res["quiet"]
-    note = f" (extrapolated from a {q['window_s']} s window)" if q["extrapolated"] else f" ({q['window_s']} s window)"
+    note = (
+        f" (extrapolated from a {q['window_s']} s window)"
+        if q["extrapolated"]
+        else f" ({q['window_s']} s window)"
+    )
     out = [
-        ("conduit cost: quiet node, host", f"{q['host_per_idle_minute']} req/idle min{note}, "
-                                           f"{q['host_per_idle_minute_steady']} once backed off; "
-                                           f"whole node {q['host_total']}"),
-        ("conduit cost: quiet node, guest", f"{q['guest_per_idle_minute']} req/idle min; whole node {q['guest_total']}"),
+        (
+            "conduit cost: quiet node, host",
+            f"{q['host_per_idle_minute']} req/idle min{note}, "
+            f"{q['host_per_idle_minute_steady']} once backed off; "
+            f"whole node {q['host_total']}",
+        ),
+        (
+            "conduit cost: quiet node, guest",
+            f"{q['guest_per_idle_minute']} req/idle min; whole node {q['guest_total']}",
+        ),
     ]
     for k, v in res["per_poll"].items():
-        out.append((f"conduit cost: per poll, {k} chunks read",
-                    f"idle {v['idle_per_poll']}, one new chunk {v['one_new_chunk_per_poll']}"))
+        out.append(
+            (
+                f"conduit cost: per poll, {k} chunks read",
+                f"idle {v['idle_per_poll']}, one new chunk {v['one_new_chunk_per_poll']}",
+            )
+        )
     return out

@@ -53,8 +53,13 @@ def bare_concurrency(n: int, width: int) -> dict[str, Any]:
             for _, cleanup in launchers:
                 cleanup()
     single = median(singles)
-    return {"available": True, "single_s": r3(single), "wall_s": r3(wall), "width": width,
-            "effective_concurrency": r3(n * single / wall)}
+    return {
+        "available": True,
+        "single_s": r3(single),
+        "wall_s": r3(wall),
+        "width": width,
+        "effective_concurrency": r3(n * single / wall),
+    }
 
 
 def run(quick: bool, latency_seconds: float) -> dict[str, Any]:
@@ -62,14 +67,30 @@ def run(quick: bool, latency_seconds: float) -> dict[str, Any]:
     runtimes = [r for r in ("process", "gvisor") if get_runtime(r).availability().ok]
     with scratch("flow") as work:
         out_path = work / "flow.json"
-        env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"),
-                            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                            "PREFECT_UI_ENABLED": "false",
-                            "PREFECT_LOGGING_LEVEL": "WARNING"})
-        log(f"flow: {n}-way map on threadpool, {', '.join(runtimes)}; API latency {latency_seconds:g} s "
-            "(ephemeral Prefect server, ~20 s to start)")
-        cmd = [sys.executable, str(BENCH / "_flow_child.py"), "--n", str(n), "--runtimes", ",".join(runtimes),
-               "--latency-seconds", str(latency_seconds), "--out", str(out_path)]
+        env = loopback_env(
+            {
+                "PREFECT_HOME": str(work / "prefect-home"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_ENABLED": "false",
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+            }
+        )
+        log(
+            f"flow: {n}-way map on threadpool, {', '.join(runtimes)}; API latency {latency_seconds:g} s "
+            "(ephemeral Prefect server, ~20 s to start)"
+        )
+        cmd = [
+            sys.executable,
+            str(BENCH / "_flow_child.py"),
+            "--n",
+            str(n),
+            "--runtimes",
+            ",".join(runtimes),
+            "--latency-seconds",
+            str(latency_seconds),
+            "--out",
+            str(out_path),
+        ]
         with open(work / "child.log", "wb") as child_log:
             res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=1800)
         if res.returncode != 0:
@@ -77,11 +98,16 @@ def run(quick: bool, latency_seconds: float) -> dict[str, Any]:
             raise RuntimeError(f"flow benchmark child failed (exit {res.returncode}):\n{tail}")
         child = json.loads(out_path.read_text())
     walls = child["wall_s"]
-    out: dict[str, Any] = {"n": n, "wall_s": walls, "threadpool_max_workers": child["threadpool_max_workers"],
-                           "resoluto_max_workers": child.get("resoluto_max_workers"),
-                           "server_warmup_s": child["server_warmup_s"]}
-    out["added_per_task_ms"] = {rt: round((walls[rt] - walls["threadpool"]) / n * 1000, 1)
-                                for rt in walls if rt != "threadpool"}
+    out: dict[str, Any] = {
+        "n": n,
+        "wall_s": walls,
+        "threadpool_max_workers": child["threadpool_max_workers"],
+        "resoluto_max_workers": child.get("resoluto_max_workers"),
+        "server_warmup_s": child["server_warmup_s"],
+    }
+    out["added_per_task_ms"] = {
+        rt: round((walls[rt] - walls["threadpool"]) / n * 1000, 1) for rt in walls if rt != "threadpool"
+    }
     if "gvisor" in runtimes:
         log(f"flow: {n} bare gVisor launches, {out['resoluto_max_workers']} at a time")
         bare = bare_concurrency(n, int(out["resoluto_max_workers"] or 4))
@@ -94,30 +120,55 @@ def run(quick: bool, latency_seconds: float) -> dict[str, Any]:
 
 def targets(res: dict[str, Any]) -> list[Target]:
     if "gvisor" not in res["wall_s"] or "gvisor_target_s" not in res:
-        return [Target("flow", "gVisor mapped flow wall time", "<= 1.3 x bare/concurrency", "unavailable", None)]
+        return [
+            Target("flow", "gVisor mapped flow wall time", "<= 1.3 x bare/concurrency", "unavailable", None)
+        ]
     tgt = res["gvisor_target_s"]
     out = []
     for key, label in (("gvisor", "pool off"), ("gvisor+pool", "pool on")):
         if key in res["wall_s"]:
             wall = res["wall_s"][key]
-            out.append(Target("flow", f"gVisor {res['n']}-way mapped flow wall time, {label}", f"<= {tgt} s",
-                              f"{wall} s", wall <= tgt))
+            out.append(
+                Target(
+                    "flow",
+                    f"gVisor {res['n']}-way mapped flow wall time, {label}",
+                    f"<= {tgt} s",
+                    f"{wall} s",
+                    wall <= tgt,
+                )
+            )
     for key, label in (("process", "pool off"), ("process+pool", "pool on")):
         if key in res["added_per_task_ms"]:
             added = res["added_per_task_ms"][key]
-            out.append(Target("flow", f"process: added per task over ThreadPool, {label}", "<= 50 ms",
-                              f"{added} ms", added <= 50))
+            out.append(
+                Target(
+                    "flow",
+                    f"process: added per task over ThreadPool, {label}",
+                    "<= 50 ms",
+                    f"{added} ms",
+                    added <= 50,
+                )
+            )
     return out
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     w = res["wall_s"]
     out = [(f"flow {res['n']}-way map", ", ".join(f"{k} {v} s" for k, v in w.items()))]
-    out.append(("flow added per task", ", ".join(f"{k} +{v} ms" for k, v in res["added_per_task_ms"].items())
-                + f" (resoluto max_workers {res['resoluto_max_workers']})"))
+    out.append(
+        (
+            "flow added per task",
+            ", ".join(f"{k} +{v} ms" for k, v in res["added_per_task_ms"].items())
+            + f" (resoluto max_workers {res['resoluto_max_workers']})",
+        )
+    )
     b = res.get("gvisor_bare")
     if b and b.get("available"):
-        out.append(("flow gVisor bare baseline",
-                    f"{res['n']} bare launches {b['wall_s']} s at width {b['width']} "
-                    f"(single {b['single_s']} s, effective concurrency {b['effective_concurrency']})"))
+        out.append(
+            (
+                "flow gVisor bare baseline",
+                f"{res['n']} bare launches {b['wall_s']} s at width {b['width']} "
+                f"(single {b['single_s']} s, effective concurrency {b['effective_concurrency']})",
+            )
+        )
     return out

@@ -55,8 +55,11 @@ def tail_latency(seconds: float, runtime: str = "process") -> dict[str, Any]:
             printed[0] = int(parts[1])
 
     with scratch("latency") as work:
-        spec = NodeSpec(run_id="bench-latency", node_id=f"tick-{runtime}",
-                        argv=[sys.executable, "-c", TICKER.format(seconds=seconds)])
+        spec = NodeSpec(
+            run_id="bench-latency",
+            node_id=f"tick-{runtime}",
+            argv=[sys.executable, "-c", TICKER.format(seconds=seconds)],
+        )
         out = drive_node(spec, LocalConduit(work / "conduit"), rt, on_event=on_event, min_isolation="none")
     if not out.ok:
         raise RuntimeError(out.describe())
@@ -64,9 +67,14 @@ def tail_latency(seconds: float, runtime: str = "process") -> dict[str, Any]:
 
 
 def summarise(lat: list[float], printed: int) -> dict[str, Any]:
-    return {"printed": printed, "received": len(lat), "p50_ms": ms(percentile(lat, 50)),
-            "p99_ms": ms(percentile(lat, 99)), "max_ms": ms(max(lat)) if lat else None,
-            "latencies_ms": [ms(x) for x in lat]}
+    return {
+        "printed": printed,
+        "received": len(lat),
+        "p50_ms": ms(percentile(lat, 50)),
+        "p99_ms": ms(percentile(lat, 99)),
+        "max_ms": ms(max(lat)) if lat else None,
+        "latencies_ms": [ms(x) for x in lat],
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -84,16 +92,32 @@ def api_child(seconds: float) -> dict[str, Any]:
     """The flow child for the latency runs alone (no mapped flows)."""
     with scratch("latency-api") as work:
         out_path = work / "latency.json"
-        env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"),
-                            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                            "PREFECT_UI_ENABLED": "false",
-                            "PREFECT_LOGGING_LEVEL": "WARNING",
-                            # its 20 s default is too short on this machine under load
-                            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"})
-        log(f"latency: ticker for {seconds:g} s at the Prefect log API, at 100 and 1 000 lines/s "
-            "(ephemeral Prefect server, ~20 s to start)")
-        cmd = [sys.executable, str(BENCH / "_flow_child.py"), "--n", "0", "--runtimes", "",
-               "--latency-seconds", str(seconds), "--out", str(out_path)]
+        env = loopback_env(
+            {
+                "PREFECT_HOME": str(work / "prefect-home"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_ENABLED": "false",
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+                # its 20 s default is too short on this machine under load
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+            }
+        )
+        log(
+            f"latency: ticker for {seconds:g} s at the Prefect log API, at 100 and 1 000 lines/s "
+            "(ephemeral Prefect server, ~20 s to start)"
+        )
+        cmd = [
+            sys.executable,
+            str(BENCH / "_flow_child.py"),
+            "--n",
+            "0",
+            "--runtimes",
+            "",
+            "--latency-seconds",
+            str(seconds),
+            "--out",
+            str(out_path),
+        ]
         with open(work / "child.log", "wb") as child_log:
             res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=900)
         if res.returncode != 0:
@@ -112,16 +136,25 @@ def attach_api(res: dict[str, Any], api: dict[str, Any] | None) -> None:
         if got:
             res[key] = summarise(got["latencies_s"], got["printed"])
             if got.get("to_row_s"):  # print -> host handlers, host handlers -> stored row
-                res[key]["split_p50_ms"] = {"guest_and_tail": ms(percentile(got["to_host_s"], 50)),
-                                            "forwarder_and_api": ms(percentile(got["to_row_s"], 50))}
-                res[key]["split_p99_ms"] = {"guest_and_tail": ms(percentile(got["to_host_s"], 99)),
-                                            "forwarder_and_api": ms(percentile(got["to_row_s"], 99))}
+                res[key]["split_p50_ms"] = {
+                    "guest_and_tail": ms(percentile(got["to_host_s"], 50)),
+                    "forwarder_and_api": ms(percentile(got["to_row_s"], 50)),
+                }
+                res[key]["split_p99_ms"] = {
+                    "guest_and_tail": ms(percentile(got["to_host_s"], 99)),
+                    "forwarder_and_api": ms(percentile(got["to_row_s"], 99)),
+                }
             posts = got.get("log_posts")
             if posts is not None:
-                res[key].update(log_posts=posts, posts_per_s=round(posts / got["seconds"], 2),
-                                posts_per_1000_lines=round(1000 * posts / max(got["printed"], 1), 2),
-                                lines_per_s=round(got["printed"] / got["seconds"]),
-                                post_round_trip_p50_ms=ms(got["log_post_median_s"]) if got.get("log_post_median_s") else None)
+                res[key].update(
+                    log_posts=posts,
+                    posts_per_s=round(posts / got["seconds"], 2),
+                    posts_per_1000_lines=round(1000 * posts / max(got["printed"], 1), 2),
+                    lines_per_s=round(got["printed"] / got["seconds"]),
+                    post_round_trip_p50_ms=ms(got["log_post_median_s"])
+                    if got.get("log_post_median_s")
+                    else None,
+                )
 
 
 def targets(res: dict[str, Any]) -> list[Target]:
@@ -132,30 +165,50 @@ def targets(res: dict[str, Any]) -> list[Target]:
     ]
     a = res.get("prefect_api")
     if a:
-        out.append(Target("latency", "Prefect log API p50", "<= 150 ms", f"{a['p50_ms']} ms", a["p50_ms"] <= 150))
-        out.append(Target("latency", "Prefect log API p99", "<= 400 ms", f"{a['p99_ms']} ms", a["p99_ms"] <= 400))
+        out.append(
+            Target("latency", "Prefect log API p50", "<= 150 ms", f"{a['p50_ms']} ms", a["p50_ms"] <= 150)
+        )
+        out.append(
+            Target("latency", "Prefect log API p99", "<= 400 ms", f"{a['p99_ms']} ms", a["p99_ms"] <= 400)
+        )
     h = res.get("prefect_api_1000")
     if h and "posts_per_s" in h:
-        out.append(Target("latency", "POST /logs/ per s at 1 000 lines/s", f"<= {POSTS_PER_S_AT_1000_BEFORE}",
-                          f"{h['posts_per_s']}", h["posts_per_s"] <= POSTS_PER_S_AT_1000_BEFORE))
+        out.append(
+            Target(
+                "latency",
+                "POST /logs/ per s at 1 000 lines/s",
+                f"<= {POSTS_PER_S_AT_1000_BEFORE}",
+                f"{h['posts_per_s']}",
+                h["posts_per_s"] <= POSTS_PER_S_AT_1000_BEFORE,
+            )
+        )
     return out
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
-    for key, label in (("tail", "latency at tail callback"), ("prefect_api", "latency at Prefect log API"),
-                       ("prefect_api_1000", "Prefect log API at 1 000 lines/s")):
+    for key, label in (
+        ("tail", "latency at tail callback"),
+        ("prefect_api", "latency at Prefect log API"),
+        ("prefect_api_1000", "Prefect log API at 1 000 lines/s"),
+    ):
         t = res.get(key)
         if t:
-            text = (f"p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms, max {t['max_ms']} ms "
-                    f"({t['received']}/{t['printed']} lines)")
+            text = (
+                f"p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms, max {t['max_ms']} ms "
+                f"({t['received']}/{t['printed']} lines)"
+            )
             if "posts_per_s" in t:
-                text += (f"; POST /logs/ {t['posts_per_s']}/s at {t['lines_per_s']} lines/s "
-                         f"({t['log_posts']} in all, {t['posts_per_1000_lines']} per 1 000 lines, "
-                         f"round trip p50 {t['post_round_trip_p50_ms']} ms)")
+                text += (
+                    f"; POST /logs/ {t['posts_per_s']}/s at {t['lines_per_s']} lines/s "
+                    f"({t['log_posts']} in all, {t['posts_per_1000_lines']} per 1 000 lines, "
+                    f"round trip p50 {t['post_round_trip_p50_ms']} ms)"
+                )
             if "split_p50_ms" in t:
                 a50, a99 = t["split_p50_ms"], t["split_p99_ms"]
-                text += (f"; print -> host p50 {a50['guest_and_tail']} / p99 {a99['guest_and_tail']} ms, "
-                         f"host -> row p50 {a50['forwarder_and_api']} / p99 {a99['forwarder_and_api']} ms")
+                text += (
+                    f"; print -> host p50 {a50['guest_and_tail']} / p99 {a99['guest_and_tail']} ms, "
+                    f"host -> row p50 {a50['forwarder_and_api']} / p99 {a99['forwarder_and_api']} ms"
+                )
             out.append((label, text))
     return out

@@ -62,9 +62,13 @@ def bare_launcher(name: str, rt: SandboxRuntime, work: Path) -> tuple[Callable[[
         def run_runsc() -> None:
             argv = list(prep.argv)
             argv[-1] = f"{spec.sandbox_id}-{next(counter)}"
-            res = subprocess.run(argv, env=prep.env, cwd=prep.cwd, stdin=subprocess.DEVNULL, capture_output=True)
+            res = subprocess.run(
+                argv, env=prep.env, cwd=prep.cwd, stdin=subprocess.DEVNULL, capture_output=True
+            )
             if res.returncode != 0:
-                raise RuntimeError(f"bare runsc run failed ({res.returncode}): {res.stderr.decode(errors='replace')[-800:]}")
+                raise RuntimeError(
+                    f"bare runsc run failed ({res.returncode}): {res.stderr.decode(errors='replace')[-800:]}"
+                )
 
         def cleanup_runsc() -> None:
             from prefect_resoluto.runtimes import _cgroup
@@ -150,13 +154,22 @@ def targets(res: dict[str, Any]) -> list[Target]:
     t: list[Target] = []
     g = res.get("gvisor", {})
     if g.get("available"):
-        t.append(Target("overhead", "gVisor driver/bare ratio", "<= 1.15", f"{g['ratio']}", g["ratio"] <= 1.15))
+        t.append(
+            Target("overhead", "gVisor driver/bare ratio", "<= 1.15", f"{g['ratio']}", g["ratio"] <= 1.15)
+        )
     else:
         t.append(Target("overhead", "gVisor driver/bare ratio", "<= 1.15", "unavailable", None))
     p = res.get("process", {})
     if p.get("available"):
-        t.append(Target("overhead", "process: ms added per node", "<= 50 ms", f"{p['added_ms']} ms",
-                        p["added_ms"] <= 50))
+        t.append(
+            Target(
+                "overhead",
+                "process: ms added per node",
+                "<= 50 ms",
+                f"{p['added_ms']} ms",
+                p["added_ms"] <= 50,
+            )
+        )
     return t
 
 
@@ -167,9 +180,13 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         if not r.get("available"):
             out.append((f"overhead {name}", f"unavailable: {r.get('why', '?')}"))
             continue
-        out.append((f"overhead {name}",
-                    f"driver {r['driver_median_ms']} ms vs bare {r['bare_median_ms']} ms: "
-                    f"x{r['ratio']}, +{r['added_ms']} ms (N={r['n']})"))
+        out.append(
+            (
+                f"overhead {name}",
+                f"driver {r['driver_median_ms']} ms vs bare {r['bare_median_ms']} ms: "
+                f"x{r['ratio']}, +{r['added_ms']} ms (N={r['n']})",
+            )
+        )
     return out
 
 

@@ -26,7 +26,10 @@ def plot(run: dict, out: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     lat = run["figures"].get("latency", {})
-    for key, label, color in (("tail", "tail callback", "tab:blue"), ("prefect_api", "Prefect log API", "tab:orange")):
+    for key, label, color in (
+        ("tail", "tail callback", "tab:blue"),
+        ("prefect_api", "Prefect log API", "tab:orange"),
+    ):
         xs = sorted((lat.get(key) or {}).get("latencies_ms") or [])
         if xs:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
@@ -50,14 +53,22 @@ def plot(run: dict, out: Path) -> None:
     ax2.bar([i - 0.2 for i in x], bare, width=0.4, label="bare runtime", color="tab:grey")
     ax2.bar([i + 0.2 for i in x], drv, width=0.4, label="through the node driver", color="tab:green")
     for i, n in enumerate(names):
-        ax2.text(i + 0.2, drv[i], f"x{ovh[n]['ratio']:g}\n+{ovh[n]['added_ms']:g} ms", ha="center",
-                 va="bottom", fontsize=8)
+        ax2.text(
+            i + 0.2,
+            drv[i],
+            f"x{ovh[n]['ratio']:g}\n+{ovh[n]['added_ms']:g} ms",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax2.set_xticks(list(x), names)
     ax2.set_ylabel("median wall time per trivial node (ms)")
     ax2.set_title("Per-node overhead (python -c pass)")
     ax2.legend(fontsize=8)
     ax2.set_ylim(0, max(drv + bare + [1]) * 1.25)
-    fig.suptitle(f"prefect-resoluto benchmarks, {run['mode']} run, {run['machine'].get('when', '')}", fontsize=10)
+    fig.suptitle(
+        f"prefect-resoluto benchmarks, {run['mode']} run, {run['machine'].get('when', '')}", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -65,6 +76,10 @@ def plot(run: dict, out: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parents[1] / "docs" / "performance.png"
+    target = (
+        Path(sys.argv[2])
+        if len(sys.argv) > 2
+        else Path(__file__).resolve().parents[1] / "docs" / "performance.png"
+    )
     plot(load(sys.argv[1]), target)
     print(target)

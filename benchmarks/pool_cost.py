@@ -36,7 +36,7 @@ def _children() -> dict[int, list[int]]:
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         kids.setdefault(ppid, []).append(int(d))
     return kids
 
@@ -83,10 +83,16 @@ def memory() -> dict[str, Any]:
             pool.close()
     rss = [r / 1024 for r, _ in per]
     pss = [p / 1024 for _, p in per]
-    return {"available": True, "size": size, "rss_mib": [round(x, 1) for x in rss],
-            "pss_mib": [round(x, 1) for x in pss], "rss_median_mib": round(median(rss), 1),
-            "pss_median_mib": round(median(pss), 1), "total_rss_mib": round(sum(rss), 1),
-            "total_pss_mib": round(sum(pss), 1)}
+    return {
+        "available": True,
+        "size": size,
+        "rss_mib": [round(x, 1) for x in rss],
+        "pss_mib": [round(x, 1) for x in pss],
+        "rss_median_mib": round(median(rss), 1),
+        "pss_median_mib": round(median(pss), 1),
+        "total_rss_mib": round(sum(rss), 1),
+        "total_pss_mib": round(sum(pss), 1),
+    }
 
 
 def _stats(xs: list[float]) -> dict[str, Any]:
@@ -101,11 +107,25 @@ def run(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"available": True, "memory": memory()}
     with scratch("pool") as work:
         out_path = work / "pool.json"
-        env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                            "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"})
+        env = loopback_env(
+            {
+                "PREFECT_HOME": str(work / "prefect-home"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_ENABLED": "false",
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+            }
+        )
         log(f"pool: latency, {n} trivial tasks cold / warm back to back / warm ready; {pn} real-prefect each")
-        cmd = [sys.executable, str(BENCH / "_pool_child.py"), "--n", str(n), "--prefect-n", str(pn),
-               "--out", str(out_path)]
+        cmd = [
+            sys.executable,
+            str(BENCH / "_pool_child.py"),
+            "--n",
+            str(n),
+            "--prefect-n",
+            str(pn),
+            "--out",
+            str(out_path),
+        ]
         with open(work / "child.log", "wb") as child_log:
             res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=3600)
         if res.returncode != 0:
@@ -126,16 +146,24 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     fmt = lambda s: f"p50 {s['p50_ms']} ms / p99 {s['p99_ms']} ms"  # noqa: E731
     t, p, m = res["trivial"], res["real_prefect"], res["memory"]
     out = [
-        ("pool latency (trivial, gVisor)",
-         f"cold {fmt(t['cold'])}; warm back to back {fmt(t['warm_back_to_back'])}; warm ready "
-         f"{fmt(t['warm_ready'])}; bare runsc run {fmt(b)} (N={t['cold']['n']})"),
-        ("pool real-prefect (gVisor)",
-         f"cold {fmt(p['cold'])}; warm ready {fmt(p['warm_ready'])} (N={p['cold']['n']})"),
+        (
+            "pool latency (trivial, gVisor)",
+            f"cold {fmt(t['cold'])}; warm back to back {fmt(t['warm_back_to_back'])}; warm ready "
+            f"{fmt(t['warm_ready'])}; bare runsc run {fmt(b)} (N={t['cold']['n']})",
+        ),
+        (
+            "pool real-prefect (gVisor)",
+            f"cold {fmt(p['cold'])}; warm ready {fmt(p['warm_ready'])} (N={p['cold']['n']})",
+        ),
     ]
     if m.get("available"):
-        out.append(("pool memory (idle gVisor sandbox)",
-                    f"RSS {m['rss_median_mib']} MiB, PSS {m['pss_median_mib']} MiB per sandbox; pool of "
-                    f"{m['size']}: RSS {m['total_rss_mib']} MiB, PSS {m['total_pss_mib']} MiB"))
+        out.append(
+            (
+                "pool memory (idle gVisor sandbox)",
+                f"RSS {m['rss_median_mib']} MiB, PSS {m['pss_median_mib']} MiB per sandbox; pool of "
+                f"{m['size']}: RSS {m['total_rss_mib']} MiB, PSS {m['total_pss_mib']} MiB",
+            )
+        )
     return out
 
 
@@ -146,7 +174,12 @@ def targets(res: dict[str, Any]) -> list[Target]:
     warm = res["trivial"]["warm_ready"]["p50_ms"]
     real = res["real_prefect"]["warm_ready"]["p50_ms"]
     return [
-        Target("pool", "latency: warm (ready) p50 vs bare runsc run", f"<= {round(0.5 * bare, 1)} ms",
-               f"{warm} ms (x{round(warm / bare, 3)} of bare {bare} ms)", warm <= 0.5 * bare),
+        Target(
+            "pool",
+            "latency: warm (ready) p50 vs bare runsc run",
+            f"<= {round(0.5 * bare, 1)} ms",
+            f"{warm} ms (x{round(warm / bare, 3)} of bare {bare} ms)",
+            warm <= 0.5 * bare,
+        ),
         Target("pool", "real-prefect: warm (ready) p50", "<= 500 ms", f"{real} ms", real <= 500),
     ]

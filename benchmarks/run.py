@@ -30,16 +30,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (sets sys.path for the project and tests/)
 from common import Target, dump_json, log  # noqa: E402
 
-FIGURES = ("overhead", "flow", "latency", "throughput", "conduit_cost", "staging", "reference", "egress",
-           "solari_relay", "worker", "pool")
+FIGURES = (
+    "overhead",
+    "flow",
+    "latency",
+    "throughput",
+    "conduit_cost",
+    "staging",
+    "reference",
+    "egress",
+    "solari_relay",
+    "worker",
+    "pool",
+)
 
 
 def machine() -> dict[str, Any]:
-    runsc = subprocess.run(["runsc", "--version"], capture_output=True, text=True).stdout.splitlines() \
-        if _which("runsc") else []
-    return {"python": platform.python_version(), "cores": os.cpu_count(), "kernel": platform.release(),
-            "runsc": runsc[0] if runsc else None, "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    runsc = (
+        subprocess.run(["runsc", "--version"], capture_output=True, text=True).stdout.splitlines()
+        if _which("runsc")
+        else []
+    )
+    return {
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "runsc": runsc[0] if runsc else None,
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _which(name: str) -> bool:
@@ -75,9 +94,19 @@ def main() -> int:
     import throughput
     import worker
 
-    modules = {"overhead": overhead, "flow": flow, "latency": latency, "throughput": throughput,
-               "conduit_cost": conduit_cost, "staging": staging, "reference": reference, "egress": egress_cost,
-               "solari_relay": solari_relay, "worker": worker, "pool": pool_cost}
+    modules = {
+        "overhead": overhead,
+        "flow": flow,
+        "latency": latency,
+        "throughput": throughput,
+        "conduit_cost": conduit_cost,
+        "staging": staging,
+        "reference": reference,
+        "egress": egress_cost,
+        "solari_relay": solari_relay,
+        "worker": worker,
+        "pool": pool_cost,
+    }
     started = time.monotonic()
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -122,8 +151,18 @@ def main() -> int:
             verdict = {True: "met", False: "MISSED", None: "n/a"}[t.met]
             print(f"  {f'{t.figure}: {t.what}':<{w1}}  {t.target:<{w2}}  {t.measured}  [{verdict}]")
     if args.json:
-        print(dump_json({"mode": mode, "elapsed_s": round(elapsed, 1), "machine": machine(),
-                         "figures": results, "errors": errors, "targets": [t.to_json() for t in targets]}))
+        print(
+            dump_json(
+                {
+                    "mode": mode,
+                    "elapsed_s": round(elapsed, 1),
+                    "machine": machine(),
+                    "figures": results,
+                    "errors": errors,
+                    "targets": [t.to_json() for t in targets],
+                }
+            )
+        )
     return 1 if errors else 0
 
 

@@ -31,8 +31,10 @@ from prefect_resoluto.runtimes import get_runtime
 
 
 def _runtimes(gw: Any) -> dict[str, Any]:
-    return {"process": get_runtime("process"),
-            "solari": get_runtime("solari", base_url=gw.base_url, api_key=gw.api_key, template="bench")}
+    return {
+        "process": get_runtime("process"),
+        "solari": get_runtime("solari", base_url=gw.base_url, api_key=gw.api_key, template="bench"),
+    }
 
 
 def _latency(rt: Any, seconds: float, tag: str) -> dict[str, Any]:
@@ -44,8 +46,11 @@ def _latency(rt: Any, seconds: float, tag: str) -> dict[str, Any]:
             lat.append(time.time() - float(parts[2]))
 
     with scratch("solari-latency") as work:
-        spec = NodeSpec(run_id="bench-solari", node_id=f"tick-{tag}",
-                        argv=["python3", "-c", TICKER.format(seconds=seconds)])
+        spec = NodeSpec(
+            run_id="bench-solari",
+            node_id=f"tick-{tag}",
+            argv=["python3", "-c", TICKER.format(seconds=seconds)],
+        )
         out = drive_node(spec, LocalConduit(work / "conduit"), rt, on_event=on_event, min_isolation="none")
     if not out.ok:
         raise RuntimeError(out.describe())
@@ -70,15 +75,21 @@ def _throughput(rt: Any, n: int, tag: str) -> dict[str, Any]:
             state["bad"] += 1
 
     with scratch("solari-throughput") as work:
-        spec = NodeSpec(run_id="bench-solari", node_id=f"lines-{tag}", argv=["python3", "-c", PRODUCER.format(n=n)])
+        spec = NodeSpec(
+            run_id="bench-solari", node_id=f"lines-{tag}", argv=["python3", "-c", PRODUCER.format(n=n)]
+        )
         t0 = time.perf_counter()
         out = drive_node(spec, LocalConduit(work / "conduit"), rt, on_event=on_event, min_isolation="none")
         total = time.perf_counter() - t0
     if not out.ok:
         raise RuntimeError(out.describe())
     window = (state["last"] or 0) - (state["first_ts"] or 0)
-    return {"lines": n, "complete": state["next"] == n and state["bad"] == 0,
-            "lines_per_s": round(n / window) if window > 0 else None, "node_s": r3(total)}
+    return {
+        "lines": n,
+        "complete": state["next"] == n and state["bad"] == 0,
+        "lines_per_s": round(n / window) if window > 0 else None,
+        "node_s": r3(total),
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -110,23 +121,39 @@ def run(quick: bool) -> dict[str, Any]:
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     lat, thr = res["latency"], res["throughput"]
     return [
-        ("solari relay: tail latency", f"p50 {lat['solari']['p50_ms']} ms, p99 {lat['solari']['p99_ms']} ms "
-                                       f"(process runtime: p50 {lat['process']['p50_ms']} ms, p99 "
-                                       f"{lat['process']['p99_ms']} ms)"),
+        (
+            "solari relay: tail latency",
+            f"p50 {lat['solari']['p50_ms']} ms, p99 {lat['solari']['p99_ms']} ms "
+            f"(process runtime: p50 {lat['process']['p50_ms']} ms, p99 "
+            f"{lat['process']['p99_ms']} ms)",
+        ),
         ("solari relay: added per event", f"p50 +{res['added_p50_ms']} ms, p99 +{res['added_p99_ms']} ms"),
-        ("solari relay: throughput", f"{thr['solari']['lines_per_s']} lines/s vs {thr['process']['lines_per_s']} "
-                                     f"lines/s on process (ratio {res.get('throughput_ratio')}), "
-                                     f"{res['lines']} lines, complete: {thr['solari']['complete']}"),
+        (
+            "solari relay: throughput",
+            f"{thr['solari']['lines_per_s']} lines/s vs {thr['process']['lines_per_s']} "
+            f"lines/s on process (ratio {res.get('throughput_ratio')}), "
+            f"{res['lines']} lines, complete: {thr['solari']['complete']}",
+        ),
     ]
 
 
 def targets(res: dict[str, Any]) -> list[Target]:
     thr = res["throughput"]["solari"]
     return [
-        Target("solari_relay", "every line relayed once, in order", "complete", str(thr["complete"]),
-               bool(thr["complete"])),
-        Target("solari_relay", "added tail p99 per event", "<= 250 ms", f"+{res['added_p99_ms']} ms",
-               res["added_p99_ms"] <= 250),
+        Target(
+            "solari_relay",
+            "every line relayed once, in order",
+            "complete",
+            str(thr["complete"]),
+            bool(thr["complete"]),
+        ),
+        Target(
+            "solari_relay",
+            "added tail p99 per event",
+            "<= 250 ms",
+            f"+{res['added_p99_ms']} ms",
+            res["added_p99_ms"] <= 250,
+        ),
     ]
 
 

@@ -24,9 +24,11 @@ from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node import NodeSpec, drive_node
 from prefect_resoluto.runtimes import get_runtime
 
-_WORDS = ("def class return import from self value result data node chunk event the a of to in "
-          "for if else while with as try except raise None True False print len range list dict "
-          "str int float async await lambda yield pass break continue").split()
+_WORDS = (
+    "def class return import from self value result data node chunk event the a of to in "
+    "for if else while with as try except raise None True False print len range list dict "
+    "str int float async await lambda yield pass break continue"
+).split()
 
 
 def make_tree(root: Path, total_mb: float, seed: int = 6) -> int:
@@ -43,7 +45,7 @@ def make_tree(root: Path, total_mb: float, seed: int = 6) -> int:
         d.mkdir(parents=True, exist_ok=True)
         n = rnd.randint(2_000, 40_000)
         words = rnd.choices(_WORDS, k=n // 5)
-        text = "\n".join(" ".join(words[j:j + 12]) for j in range(0, len(words), 12))[:n]
+        text = "\n".join(" ".join(words[j : j + 12]) for j in range(0, len(words), 12))[:n]
         (d / f"file{i}.py").write_text(text)
         size += len(text)
         i += 1
@@ -83,8 +85,11 @@ def run(quick: bool) -> dict[str, Any]:
         files = sum(1 for p in tree.rglob("*") if p.is_file())
         tar_t = []
         for _ in range(reps):
-            t, res = timed(lambda: subprocess.run(["tar", "czf", str(work / "tree.tgz"), "-C", str(tree), "."],
-                                                  capture_output=True))
+            t, res = timed(
+                lambda: subprocess.run(
+                    ["tar", "czf", str(work / "tree.tgz"), "-C", str(tree), "."], capture_output=True
+                )
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"tar czf failed: {res.stderr.decode(errors='replace')}")
             tar_t.append(t)
@@ -96,8 +101,11 @@ def run(quick: bool) -> dict[str, Any]:
             log(f"staging: pack + put + stage, run {rep + 1}/{reps}")
             t_pack, data = timed(lambda: archive.pack(tree))
             prefix = wire.node_prefix("bench-staging", f"stage-{rep}")
-            t_put, _ = timed(lambda data=data, prefix=prefix: conduit.put(
-                wire.inbox_key(prefix, wire.WORKSPACE_ARCHIVE_NAME), data))
+            t_put, _ = timed(
+                lambda data=data, prefix=prefix: conduit.put(
+                    wire.inbox_key(prefix, wire.WORKSPACE_ARCHIVE_NAME), data
+                )
+            )
             marks: dict[str, float] = {}
 
             def on_event(ev: dict[str, Any], marks: dict[str, float] = marks) -> None:
@@ -107,8 +115,13 @@ def run(quick: bool) -> dict[str, Any]:
                 if line.startswith("staged "):
                     marks["staged"] = ev["ts"]
 
-            out = drive_node(NodeSpec(run_id="bench-staging", node_id=f"stage-{rep}", argv=list(TRIVIAL)),
-                             conduit, rt, on_event=on_event, min_isolation="none")
+            out = drive_node(
+                NodeSpec(run_id="bench-staging", node_id=f"stage-{rep}", argv=list(TRIVIAL)),
+                conduit,
+                rt,
+                on_event=on_event,
+                min_isolation="none",
+            )
             if not out.ok or "staged" not in marks:
                 raise RuntimeError(f"staging node failed: {out.describe()}")
             pack_t.append(t_pack)
@@ -119,24 +132,45 @@ def run(quick: bool) -> dict[str, Any]:
     mbytes = size / 1e6
     ours = median(pack_t) + median(put_t) + median(stage_t)
     tar = median(tar_t)
-    return {"mb": round(mbytes, 1), "files": files, "reps": reps,
-            "pack_s": r3(median(pack_t)), "put_s": r3(median(put_t)), "stage_s": r3(median(stage_t)),
-            "ours_s": r3(ours), "ours_mb_s": round(mbytes / ours, 1), "archive_mb": round(archive_bytes / 1e6, 1),
-            "tar_s": r3(tar), "tar_mb_s": round(mbytes / tar, 1), "tar_archive_mb": round(tar_bytes / 1e6, 1),
-            "ratio_vs_tar": r3(tar / ours)}
+    return {
+        "mb": round(mbytes, 1),
+        "files": files,
+        "reps": reps,
+        "pack_s": r3(median(pack_t)),
+        "put_s": r3(median(put_t)),
+        "stage_s": r3(median(stage_t)),
+        "ours_s": r3(ours),
+        "ours_mb_s": round(mbytes / ours, 1),
+        "archive_mb": round(archive_bytes / 1e6, 1),
+        "tar_s": r3(tar),
+        "tar_mb_s": round(mbytes / tar, 1),
+        "tar_archive_mb": round(tar_bytes / 1e6, 1),
+        "ratio_vs_tar": r3(tar / ours),
+    }
 
 
 def targets(res: dict[str, Any]) -> list[Target]:
-    return [Target("staging", "pack+put+stage rate vs tar czf", ">= 0.8 x tar",
-                   f"{res['ratio_vs_tar']} x ({res['ours_mb_s']} vs {res['tar_mb_s']} MB/s)",
-                   res["ratio_vs_tar"] >= 0.8)]
+    return [
+        Target(
+            "staging",
+            "pack+put+stage rate vs tar czf",
+            ">= 0.8 x tar",
+            f"{res['ratio_vs_tar']} x ({res['ours_mb_s']} vs {res['tar_mb_s']} MB/s)",
+            res["ratio_vs_tar"] >= 0.8,
+        )
+    ]
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
-    return [("staging", f"{res['mb']} MB/{res['files']} files: pack {res['pack_s']} s + put {res['put_s']} s + "
-                        f"stage {res['stage_s']} s = {res['ours_mb_s']} MB/s (archive {res['archive_mb']} MB); "
-                        f"tar czf {res['tar_s']} s = {res['tar_mb_s']} MB/s ({res['tar_archive_mb']} MB); "
-                        f"x{res['ratio_vs_tar']}")]
+    return [
+        (
+            "staging",
+            f"{res['mb']} MB/{res['files']} files: pack {res['pack_s']} s + put {res['put_s']} s + "
+            f"stage {res['stage_s']} s = {res['ours_mb_s']} MB/s (archive {res['archive_mb']} MB); "
+            f"tar czf {res['tar_s']} s = {res['tar_mb_s']} MB/s ({res['tar_archive_mb']} MB); "
+            f"x{res['ratio_vs_tar']}",
+        )
+    ]
 
 
 if __name__ == "__main__":

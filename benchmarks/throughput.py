@@ -52,32 +52,62 @@ def one(n: int) -> dict[str, Any]:
             state["bad"] += 1
 
     with scratch("throughput") as work:
-        spec = NodeSpec(run_id="bench-throughput", node_id="lines", argv=[sys.executable, "-c", PRODUCER.format(n=n)])
+        spec = NodeSpec(
+            run_id="bench-throughput", node_id="lines", argv=[sys.executable, "-c", PRODUCER.format(n=n)]
+        )
         t0 = time.perf_counter()
-        out = drive_node(spec, LocalConduit(work / "conduit"), get_runtime("process"), on_event=on_event,
-                         min_isolation="none")
+        out = drive_node(
+            spec,
+            LocalConduit(work / "conduit"),
+            get_runtime("process"),
+            on_event=on_event,
+            min_isolation="none",
+        )
         total = time.perf_counter() - t0
         chunks = len(LocalConduit(work / "conduit").list_prefix("run/bench-throughput/nodes/lines/events-"))
     if not out.ok:
         raise RuntimeError(out.describe())
     complete = state["next"] == n and state["bad"] == 0
     window = (state["last_arrival"] - state["first_ts"]) if state["first_ts"] else float("nan")
-    return {"lines": n, "received_in_order": state["next"], "out_of_order_or_unexpected": state["bad"],
-            "complete": complete, "chunks": chunks, "stream_s": r3(window), "node_s": r3(total),
-            "lines_per_s": round(n / window), "lines_per_s_node": round(n / total)}
+    return {
+        "lines": n,
+        "received_in_order": state["next"],
+        "out_of_order_or_unexpected": state["bad"],
+        "complete": complete,
+        "chunks": chunks,
+        "stream_s": r3(window),
+        "node_s": r3(total),
+        "lines_per_s": round(n / window),
+        "lines_per_s_node": round(n / total),
+    }
 
 
 def targets(res: dict[str, Any]) -> list[Target]:
     return [
-        Target("throughput", "lines/s guest -> local conduit -> tail", ">= 50000",
-               f"{res['lines_per_s']}", res["lines_per_s"] >= 50_000),
-        Target("throughput", "completeness (every line, in order)", "complete",
-               "complete" if res["complete"] else f"{res['received_in_order']}/{res['lines']}", res["complete"]),
+        Target(
+            "throughput",
+            "lines/s guest -> local conduit -> tail",
+            ">= 50000",
+            f"{res['lines_per_s']}",
+            res["lines_per_s"] >= 50_000,
+        ),
+        Target(
+            "throughput",
+            "completeness (every line, in order)",
+            "complete",
+            "complete" if res["complete"] else f"{res['received_in_order']}/{res['lines']}",
+            res["complete"],
+        ),
     ]
 
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
-    return [("throughput", f"{res['lines_per_s']} lines/s streaming ({res['stream_s']} s; median of "
-                           f"{res['all_lines_per_s']}), "
-                           f"{res['lines_per_s_node']} lines/s whole node ({res['node_s']} s), {res['chunks']} chunks, "
-                           f"{'complete and in order' if res['complete'] else 'INCOMPLETE'}")]
+    return [
+        (
+            "throughput",
+            f"{res['lines_per_s']} lines/s streaming ({res['stream_s']} s; median of "
+            f"{res['all_lines_per_s']}), "
+            f"{res['lines_per_s_node']} lines/s whole node ({res['node_s']} s), {res['chunks']} chunks, "
+            f"{'complete and in order' if res['complete'] else 'INCOMPLETE'}",
+        )
+    ]

@@ -34,11 +34,25 @@ def run(quick: bool) -> dict[str, Any]:
         variants.append("resoluto-gvisor")
     with scratch("worker") as work:
         out_path = work / "worker.json"
-        env = loopback_env({"PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                            "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"})
+        env = loopback_env(
+            {
+                "PREFECT_HOME": str(work / "prefect-home"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_ENABLED": "false",
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+            }
+        )
         log(f"worker: {n} flow runs each on {', '.join(variants)} (real workers; ephemeral Prefect server)")
-        cmd = [sys.executable, str(BENCH / "_worker_child.py"), "--n", str(n), "--variants", ",".join(variants),
-               "--out", str(out_path)]
+        cmd = [
+            sys.executable,
+            str(BENCH / "_worker_child.py"),
+            "--n",
+            str(n),
+            "--variants",
+            ",".join(variants),
+            "--out",
+            str(out_path),
+        ]
         with open(work / "child.log", "wb") as child_log:
             res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=1800)
         if res.returncode != 0:
@@ -49,7 +63,9 @@ def run(quick: bool) -> dict[str, Any]:
     for v, runs in samples.items():
         out[v] = {k: r3(median(r[k] for r in runs)) for k in ("startup_s", "body_s", "e2e_s")}
     base = out["process"]["startup_s"]
-    out["added_startup_ms"] = {v: round((out[v]["startup_s"] - base) * 1000) for v in samples if v != "process"}
+    out["added_startup_ms"] = {
+        v: round((out[v]["startup_s"] - base) * 1000) for v in samples if v != "process"
+    }
     out["startup_ratio"] = {v: r3(out[v]["startup_s"] / base) for v in samples if v != "process" and base > 0}
     return out
 
@@ -65,9 +81,16 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     for v in ("process", "resoluto-process", "resoluto-gvisor"):
         if v in res:
             m = res[v]
-            out.append((f"worker {v}", f"startup {m['startup_s']} s, body {m['body_s']} s, "
-                                       f"submit->final {m['e2e_s']} s (median of {res['n']})"))
-    added = ", ".join(f"{v} {ms:+d} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items())
+            out.append(
+                (
+                    f"worker {v}",
+                    f"startup {m['startup_s']} s, body {m['body_s']} s, "
+                    f"submit->final {m['e2e_s']} s (median of {res['n']})",
+                )
+            )
+    added = ", ".join(
+        f"{v} {ms:+d} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items()
+    )
     out.append(("worker added startup vs process", added))
     if res["gvisor"] != "measured":
         out.append(("worker resoluto-gvisor", f"n/a: {res['gvisor']}"))

@@ -63,7 +63,8 @@ def demo() -> dict:
     with sandbox_options(output_paths=["reports/**"]):  # only this task's files come back
         report = write_report.submit(stats)
     kernel = run_command.submit(
-        ["sh", "-c", "uname -a; echo network interfaces: $(tail -n +3 /proc/net/dev | cut -d: -f1)"])
+        ["sh", "-c", "uname -a; echo network interfaces: $(tail -n +3 /proc/net/dev | cut -d: -f1)"]
+    )
     fetched = flaky_fetch.submit()
     return {
         "report": report.result(),
@@ -82,5 +83,7 @@ if __name__ == "__main__":
     print(f"report contents:\n{Path(result['report']).read_text()}")
     print(f"conduit (every node's inbox, events, result, outbox): {cache_dir() / 'conduit' / 'run'}")
     print(f"outputs per node: {cache_dir() / 'outputs'}")
-    print("replay a node's events: .venv/bin/prefect-resoluto events --conduit "
-          f"{(cache_dir() / 'conduit').as_uri()} <flow_run_id> <task_run_id>")
+    print(
+        "replay a node's events: .venv/bin/prefect-resoluto events --conduit "
+        f"{(cache_dir() / 'conduit').as_uri()} <flow_run_id> <task_run_id>"
+    )

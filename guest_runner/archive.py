@@ -18,11 +18,28 @@ import zlib
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-DEFAULT_EXCLUDES = frozenset({
-    ".venv", "venv", "__pycache__", ".git", ".hg", ".svn", "node_modules", ".mypy_cache",
-    ".pytest_cache", ".ruff_cache", ".tox", ".nox", ".hypothesis", ".cache", ".ipynb_checkpoints",
-    ".DS_Store", ".resoluto", "resoluto-outputs",
-})
+DEFAULT_EXCLUDES = frozenset(
+    {
+        ".venv",
+        "venv",
+        "__pycache__",
+        ".git",
+        ".hg",
+        ".svn",
+        "node_modules",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".tox",
+        ".nox",
+        ".hypothesis",
+        ".cache",
+        ".ipynb_checkpoints",
+        ".DS_Store",
+        ".resoluto",
+        "resoluto-outputs",
+    }
+)
 # gzip level 1: staging is on the critical path of every node, and level 1 is several
 # times faster than tar's default 6 for a modest size increase.
 _GZIP_LEVEL = 1
@@ -80,7 +97,7 @@ def _glob_regex(pattern: str) -> "re.Pattern[str]":
                 if k == -1:
                     body += re.escape(c)
                 else:
-                    cls = seg[j + 1:k]
+                    cls = seg[j + 1 : k]
                     if cls.startswith("!"):
                         cls = "^" + cls[1:]
                     body += "[" + cls.replace("\\", "\\\\") + "]"
@@ -128,7 +145,9 @@ def _link_stays_inside(root: Path, link_rel: str, target: str) -> bool:
     return resolved != ".." and not resolved.startswith("../") and not resolved.startswith("/")
 
 
-def _walk(root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = frozenset()) -> List[Tuple[str, Path]]:
+def _walk(
+    root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = frozenset()
+) -> List[Tuple[str, Path]]:
     """(relative path, absolute path) of every entry to pack, sorted, never following links.
 
     ``excludes`` are names skipped anywhere; ``skip`` are relative paths skipped exactly."""
@@ -136,8 +155,9 @@ def _walk(root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = froze
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/")
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in excludes and (f"{rel_dir}/{d}" if rel_dir else d) not in skip)
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in excludes and (f"{rel_dir}/{d}" if rel_dir else d) not in skip
+        )
         for d in dirnames:
             entries.append((f"{rel_dir}/{d}" if rel_dir else d, Path(dirpath, d)))
         for f in sorted(filenames):
@@ -148,8 +168,9 @@ def _walk(root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = froze
     return entries
 
 
-def stamp(root: "str | os.PathLike[str]", *, excludes: Iterable[str] = DEFAULT_EXCLUDES,
-          skip: Iterable[str] = ()) -> Tuple[str, int]:
+def stamp(
+    root: "str | os.PathLike[str]", *, excludes: Iterable[str] = DEFAULT_EXCLUDES, skip: Iterable[str] = ()
+) -> Tuple[str, int]:
     """A digest of what :func:`pack` would read from ``root`` (every entry's name, type, mode,
     size, inode, mtime and ctime, link targets), and the newest mtime/ctime in ns: equal
     digests mean an unchanged tree unless a file was rewritten within the clock's
@@ -165,8 +186,10 @@ def stamp(root: "str | os.PathLike[str]", *, excludes: Iterable[str] = DEFAULT_E
         except OSError:
             continue
         newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
-        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0"
-                 f"{link}\n".encode("utf-8", "surrogateescape"))
+        h.update(
+            f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0"
+            f"{link}\n".encode("utf-8", "surrogateescape")
+        )
     return h.hexdigest(), newest
 
 

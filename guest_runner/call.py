@@ -188,10 +188,17 @@ def imported_packages(workspace: str) -> "list[str]":
     names: "list[str]" = []
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
-        if (name.count(".") > 1 or top in stdlib or top in ("guest_runner", "__main__") or module is None
-                or name in _AT_START):
+        if (
+            name.count(".") > 1
+            or top in stdlib
+            or top in ("guest_runner", "__main__")
+            or module is None
+            or name in _AT_START
+        ):
             continue
-        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(module, "__file__", None)
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(
+            module, "__file__", None
+        )
         if not isinstance(origin, str) or not os.path.isabs(origin):  # built-in, namespace, stand-in
             continue
         if os.path.realpath(origin).startswith(root):
@@ -255,8 +262,16 @@ def main(argv: "list[str] | None" = None) -> int:
         try:
             _write(RETURN_FILE, {"value": result})
         except (TypeError, ValueError) as e:
-            _write(ERROR_FILE, {"type": "ResultNotSerializable", "module": None, "exception": True,
-                                "message": redact(str(e)), "traceback": ""})
+            _write(
+                ERROR_FILE,
+                {
+                    "type": "ResultNotSerializable",
+                    "module": None,
+                    "exception": True,
+                    "message": redact(str(e)),
+                    "traceback": "",
+                },
+            )
             return 1
         return 0
     except BaseException as e:  # report every failure, then fail
@@ -266,8 +281,14 @@ def main(argv: "list[str] | None" = None) -> int:
         try:
             record = _error_record(e, task_module, redact)
         except MemoryError:
-            record = {"type": type(e).__name__, "module": type(e).__module__, "qualname": type(e).__qualname__,
-                      "exception": isinstance(e, Exception), "message": "", "traceback": ""}
+            record = {
+                "type": type(e).__name__,
+                "module": type(e).__module__,
+                "qualname": type(e).__qualname__,
+                "exception": isinstance(e, Exception),
+                "message": "",
+                "traceback": "",
+            }
         # Let go of the task's frames, and the memory they hold, before writing: after a
         # MemoryError there is otherwise none left to write the report with.
         traceback.clear_frames(e.__traceback__)

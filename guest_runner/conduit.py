@@ -211,7 +211,9 @@ def _create_temp(directory: Path) -> "tuple[int, str]":
     for _ in range(100):
         tmp = os.path.join(directory, _TMP_MARK + os.urandom(6).hex())
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600), tmp
+            return os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600
+            ), tmp
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary file name in {directory}")

@@ -79,8 +79,10 @@ def canary(env: Mapping[str, str], name: str = "RESOLUTO_EGRESS_CANARY") -> Tupl
                 addrs = set()
             for addr in sorted(addrs):
                 if _connects(addr, port):
-                    return (f"{NOT_ENFORCED}: {host}:{port} resolves in the sandbox ({addr}) and is "
-                            "reachable", len(targets))
+                    return (
+                        f"{NOT_ENFORCED}: {host}:{port} resolves in the sandbox ({addr}) and is reachable",
+                        len(targets),
+                    )
         if proxy is not None and _proxy_admits(proxy, host, port):
             return f"{NOT_ENFORCED}: the proxy admits {host}:{port}, outside the allowlist", len(targets)
     return None, len(targets)
@@ -93,8 +95,10 @@ def switch_to_workload(env: Mapping[str, str]) -> Optional[str]:
         return f"{NOT_ENFORCED}: no egress proxy address to switch phases at"
     try:
         with socket.create_connection(proxy, timeout=10) as s:
-            s.sendall(b"POST /.resoluto/egress/phase/workload HTTP/1.1\r\nHost: proxy\r\n"
-                      b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            s.sendall(
+                b"POST /.resoluto/egress/phase/workload HTTP/1.1\r\nHost: proxy\r\n"
+                b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
             reply = b""
             while b"\r\n\r\n" not in reply:
                 chunk = s.recv(4096)

@@ -25,8 +25,9 @@ def name_looks_secret(name: str) -> bool:
 
 class Redactor:
     def __init__(self, secrets: Iterable[str] = ()) -> None:
-        values = sorted({s for s in secrets if isinstance(s, str) and len(s) >= _MIN_SECRET_LEN},
-                        key=len, reverse=True)
+        values = sorted(
+            {s for s in secrets if isinstance(s, str) and len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True
+        )
         self._pattern: Optional["re.Pattern[str]"] = (
             re.compile("|".join(re.escape(v) for v in values)) if values else None
         )
@@ -44,8 +45,11 @@ class Redactor:
             except ValueError:
                 pass
         # RESOLUTO_* are the runner's own settings (RESOLUTO_SECRET_ENV holds names, not secrets)
-        values = [v for k, v in env.items()
-                  if k in declared or (name_looks_secret(k) and not k.startswith("RESOLUTO_"))]
+        values = [
+            v
+            for k, v in env.items()
+            if k in declared or (name_looks_secret(k) and not k.startswith("RESOLUTO_"))
+        ]
         return cls(list(values) + list(extra))
 
     def text(self, s: str) -> str:
@@ -58,8 +62,11 @@ class Redactor:
             return self.text(obj)
         if isinstance(obj, Mapping):
             return {
-                k: (MASK if isinstance(k, str) and name_looks_secret(k) and v not in ("", None)
-                    else self.data(v))
+                k: (
+                    MASK
+                    if isinstance(k, str) and name_looks_secret(k) and v not in ("", None)
+                    else self.data(v)
+                )
                 for k, v in obj.items()
             }
         if isinstance(obj, (list, tuple)):

@@ -42,8 +42,12 @@ from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
 
 # Conduit credentials are for the runner, not for the workload it runs.
-_RUNNER_ONLY_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                    "RESOLUTO_STORE_WRITE_TOKEN")
+_RUNNER_ONLY_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "RESOLUTO_STORE_WRITE_TOKEN",
+)
 
 
 class ConfigError(ValueError):
@@ -87,7 +91,7 @@ def _str_list(env: Mapping[str, str], name: str) -> Optional[List[str]]:
 def _argv(env: Mapping[str, str], name: str, required: bool = False) -> Optional[List[str]]:
     value = _str_list(env, name)
     if value is None and required:
-        raise ConfigError(f"{name} is not set: it must be a JSON list such as [\"python3\", \"main.py\"]")
+        raise ConfigError(f'{name} is not set: it must be a JSON list such as ["python3", "main.py"]')
     if value is not None and not value:
         if required:
             raise ConfigError(f"{name} is an empty list: there is no command to run")
@@ -98,7 +102,7 @@ def _argv(env: Mapping[str, str], name: str, required: bool = False) -> Optional
 def _log_record(line: str) -> Optional[Dict[str, str]]:
     """A structured record from the guest's get_run_logger stand-in, or None if it isn't one."""
     try:
-        rec = json.loads(line[len(wire.LOG_MARKER):])
+        rec = json.loads(line[len(wire.LOG_MARKER) :])
     except ValueError:
         return None
     if not isinstance(rec, dict) or not isinstance(rec.get("msg"), str):
@@ -106,12 +110,20 @@ def _log_record(line: str) -> Optional[Dict[str, str]]:
     return {"msg": rec["msg"], "level": str(rec.get("level", "INFO")), "logger": str(rec.get("logger", ""))}
 
 
-def _popen(argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool) -> "subprocess.Popen[bytes]":
+def _popen(
+    argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool
+) -> "subprocess.Popen[bytes]":
     return subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=own_group,
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=own_group,
         # Buffered: readline() then takes whole lines out of each read(2) instead of one
         # byte per system call, and still returns as soon as a newline is available.
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        bufsize=-1,
     )
 
 
@@ -120,8 +132,15 @@ def _popen(argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: 
 Starter = Callable[[List[str], Optional[str], Dict[str, str], bool], "subprocess.Popen[bytes]"]
 
 
-def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[str],
-                   env: Dict[str, str], own_group: bool = False, start: Starter = _popen) -> int:
+def _exec_streamed(
+    shipper: Shipper,
+    span: Span,
+    argv: List[str],
+    cwd: Optional[str],
+    env: Dict[str, str],
+    own_group: bool = False,
+    start: Starter = _popen,
+) -> int:
     """Run ``argv`` with merged stdout/stderr shipped line by line; returns its exit code.
     ``own_group``: in its own process group, all of which is killed when it exits."""
     try:
@@ -163,7 +182,9 @@ def _exec_streamed(shipper: Shipper, span: Span, argv: List[str], cwd: Optional[
     return rc
 
 
-def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter = _popen) -> Dict[str, object]:
+def run_node(
+    cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter = _popen
+) -> Dict[str, object]:
     """Run one node and return its result (not yet written)."""
     result = wire.make_result(cfg.node_id)
     if cfg.workspace:
@@ -189,12 +210,16 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter
                 ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY")
             if ok and cfg.setup_argv:
                 with shipper.span(node.span_id, "setup", "setup", {"argv": cfg.setup_argv}) as sp:
-                    src = _exec_streamed(shipper, sp, cfg.setup_argv, workspace, cfg.child_env,
-                                         own_group=bool(phased))
+                    src = _exec_streamed(
+                        shipper, sp, cfg.setup_argv, workspace, cfg.child_env, own_group=bool(phased)
+                    )
                 if src != 0:
                     ok = False
-                    result.update(status="failure", exit_code=src,
-                                  reason=f"setup command exited {src}; workload skipped")
+                    result.update(
+                        status="failure",
+                        exit_code=src,
+                        reason=f"setup command exited {src}; workload skipped",
+                    )
                     node.log(f"setup failed (exit {src}); skipping workload")
             if ok and phased:
                 from guest_runner import egress
@@ -269,12 +294,21 @@ def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseExceptio
 
     tb = redactor.text(traceback.format_exc())
     try:
-        shipper.log("", f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
-                    kind="error", traceback=tb)
+        shipper.log(
+            "",
+            f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
+            kind="error",
+            traceback=tb,
+        )
     except Exception:
         pass
-    return wire.make_result(node_id, "failure", None, None,
-                            reason=f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}")
+    return wire.make_result(
+        node_id,
+        "failure",
+        None,
+        None,
+        reason=f"guest runner crashed: {type(e).__name__}: {redactor.text(str(e))}",
+    )
 
 
 def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, object]) -> None:
@@ -283,8 +317,9 @@ def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, o
     shipper.write_manifest()
 
 
-def main(env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = None,
-         start: Starter = _popen) -> int:
+def main(
+    env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = None, start: Starter = _popen
+) -> int:
     """``conduit`` and ``start``: a warm guest's (its node directory mounted elsewhere, its
     call interpreter already started); by default both come from the environment."""
     env = dict(os.environ if env is None else env)
@@ -307,8 +342,9 @@ def main(env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = N
         heartbeat = float(env.get("RESOLUTO_HEARTBEAT_INTERVAL") or DEFAULT_HEARTBEAT_INTERVAL)
     except ValueError:
         heartbeat = DEFAULT_HEARTBEAT_INTERVAL
-    shipper = Shipper(conduit, prefix, run_id, redactor=redactor,
-                      heartbeat_interval=max(heartbeat, 0.1)).start()
+    shipper = Shipper(
+        conduit, prefix, run_id, redactor=redactor, heartbeat_interval=max(heartbeat, 0.1)
+    ).start()
     try:
         cfg = NodeConfig(env)
         result = run_node(cfg, conduit, shipper, start)
@@ -325,8 +361,10 @@ def main(env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = N
     try:
         _finish(conduit, shipper, prefix, result)
     except ConduitError as e:
-        print(f"resoluto guest: could not write the result to the conduit: {redactor.text(str(e))}",
-              file=sys.stderr)
+        print(
+            f"resoluto guest: could not write the result to the conduit: {redactor.text(str(e))}",
+            file=sys.stderr,
+        )
         return 3
     finally:
         conduit.close()

@@ -93,24 +93,41 @@ class Shipper:
         payload: Dict[str, Any] = {"line": self.redactor.text(line)}
         if data:
             payload.update(self.redactor.data(data))
-        self.emit(wire.make_event(self.run_id, kind, "log", span_id=self.new_span_id(),
-                                  parent_span_id=parent_span_id, data=payload, ts=self.clock()))
+        self.emit(
+            wire.make_event(
+                self.run_id,
+                kind,
+                "log",
+                span_id=self.new_span_id(),
+                parent_span_id=parent_span_id,
+                data=payload,
+                ts=self.clock(),
+            )
+        )
 
     @contextlib.contextmanager
     def span(
         self, parent_span_id: str, kind: str, name: str, inputs: Optional[Dict[str, Any]] = None
     ) -> Iterator["Span"]:
         span = Span(self, self.new_span_id(), parent_span_id, kind, name)
-        self.event(kind, "open", span_id=span.span_id, parent_span_id=parent_span_id, name=name,
-                   data=inputs or {})
+        self.event(
+            kind, "open", span_id=span.span_id, parent_span_id=parent_span_id, name=name, data=inputs or {}
+        )
         try:
             yield span
         except BaseException:
             span.status = "failure"
             raise
         finally:
-            self.event(kind, "close", span_id=span.span_id, parent_span_id=parent_span_id, name=name,
-                       status=span.status, data=span.outputs)
+            self.event(
+                kind,
+                "close",
+                span_id=span.span_id,
+                parent_span_id=parent_span_id,
+                name=name,
+                status=span.status,
+                data=span.outputs,
+            )
 
     # -- flushing -------------------------------------------------------------
     def flush(self) -> None:

@@ -30,8 +30,13 @@ class _MarkerHandler(logging.Handler):
         try:
             msg = self.format(record)
             stream = sys.__stdout__ or sys.stdout
-            stream.write(LOG_MARKER + json.dumps(
-                {"level": record.levelname, "logger": record.name, "msg": msg}, ensure_ascii=False) + "\n")
+            stream.write(
+                LOG_MARKER
+                + json.dumps(
+                    {"level": record.levelname, "logger": record.name, "msg": msg}, ensure_ascii=False
+                )
+                + "\n"
+            )
             stream.flush()
         except Exception:
             self.handleError(record)
@@ -67,8 +72,11 @@ def set_run_context(context: Optional[Dict[str, Any]]) -> None:
 
 def _apply_run_context(prefect: types.ModuleType) -> None:
     """Make the real package answer from the host's context, not from an API it cannot reach."""
-    runtime_modules = {"task_run": "prefect.runtime.task_run", "flow_run": "prefect.runtime.flow_run",
-                       "deployment": "prefect.runtime.deployment"}
+    runtime_modules = {
+        "task_run": "prefect.runtime.task_run",
+        "flow_run": "prefect.runtime.flow_run",
+        "deployment": "prefect.runtime.deployment",
+    }
     for key, modname in runtime_modules.items():
         values = _CONTEXT.get(key)
         if not isinstance(values, dict):
@@ -77,7 +85,7 @@ def _apply_run_context(prefect: types.ModuleType) -> None:
         fields = getattr(module, "FIELDS", None)
         if isinstance(fields, dict):
             for name, value in values.items():
-                fields[name] = (lambda v=value: v)
+                fields[name] = lambda v=value: v
     tags = _CONTEXT.get("tags")
     if isinstance(tags, list) and tags:
         context = importlib.import_module("prefect.context")
@@ -94,7 +102,10 @@ def _announce(name: str, how: str) -> None:
         _ANNOUNCED.add(name)
         get_run_logger().info(
             "nested task %r (%s) runs inline in this sandbox as a plain call of its function: "
-            "no separate task run, state, retries or cache", name, how)
+            "no separate task run, state, retries or cache",
+            name,
+            how,
+        )
 
 
 class InlineFuture:
@@ -188,6 +199,7 @@ def inline_call(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> An
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # an async task called from sync code: Prefect runs it to the end
+
             async def _await(aw: Any) -> Any:
                 return await aw
 
@@ -264,7 +276,9 @@ class _Inert:
 class _LazyModule(types.ModuleType):
     """A stand-in package that becomes the real one on first unknown use."""
 
-    def __init__(self, name: str, provided: "dict[str, Any]", fallback: Optional[Callable[[str], Any]]) -> None:
+    def __init__(
+        self, name: str, provided: "dict[str, Any]", fallback: Optional[Callable[[str], Any]]
+    ) -> None:
         super().__init__(name)
         self.__dict__.update(provided)
         self.__dict__["_standin_fallback"] = fallback

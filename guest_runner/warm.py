@@ -50,7 +50,7 @@ class SlotConduit(LocalConduit):
     def _rel(self, key: str) -> str:
         if not key.startswith(self.prefix):
             raise InvalidKey(f"conduit key {key!r} is outside this node's prefix {self.prefix!r}")
-        return key[len(self.prefix):]
+        return key[len(self.prefix) :]
 
     def put(self, key: str, data: bytes, *, sync: bool = True) -> None:
         super().put(self._rel(key), data, sync=sync)
@@ -85,7 +85,7 @@ class _Prestarted:
     def __init__(self, mode: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
         if mode.startswith("import:"):
-            env["RESOLUTO_WARM_IMPORTS"] = mode[len("import:"):]
+            env["RESOLUTO_WARM_IMPORTS"] = mode[len("import:") :]
         self.proc: "Optional[_Call]" = None
         try:
             # A fork saves an interpreter start (~70 ms of CPU and ~45 ms to the result in
@@ -104,8 +104,9 @@ class _Prestarted:
             sys.stderr.write("resoluto warm call: " + line.decode("utf-8", "replace"))
         self.close()
 
-    def starter(self, argv: List[str], cwd: Optional[str], env: Dict[str, str],
-                own_group: bool) -> "subprocess.Popen[bytes]":
+    def starter(
+        self, argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool
+    ) -> "subprocess.Popen[bytes]":
         proc, self.proc = self.proc, None
         if proc is None or own_group or argv[1:3] != ["-m", CALL_MODULE] or proc.poll() is not None:
             self.close(proc)
@@ -128,8 +129,14 @@ class _Prestarted:
 
 def _exec_call(env: Dict[str, str]) -> "subprocess.Popen[bytes]":
     """The call as a second interpreter: ``python -m guest_runner.warmcall``."""
-    return subprocess.Popen([sys.executable, "-m", "guest_runner.warmcall"], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=-1)
+    return subprocess.Popen(
+        [sys.executable, "-m", "guest_runner.warmcall"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        bufsize=-1,
+    )
 
 
 class _Forked:
@@ -212,10 +219,16 @@ def _fork_call(env: Dict[str, str]) -> _Forked:
 
 def _unbuffered_stdio() -> None:
     enc, errors = sys.stdout.encoding, sys.stdout.errors
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=enc, errors=errors)
+    sys.stdin = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=enc, errors=errors
+    )
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=enc,
-                                  errors="backslashreplace" if fd == 2 else errors, write_through=True)
+        stream = io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False),
+            encoding=enc,
+            errors="backslashreplace" if fd == 2 else errors,
+            write_through=True,
+        )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
@@ -261,7 +274,8 @@ def main() -> int:
         if slot:
             try:
                 prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
-                    env.get("RESOLUTO_RUN_ID", ""), env.get("RESOLUTO_NODE_ID", ""))
+                    env.get("RESOLUTO_RUN_ID", ""), env.get("RESOLUTO_NODE_ID", "")
+                )
             except wire.WireError as e:
                 print(f"resoluto warm guest: {e}", file=sys.stderr)
                 return 3

@@ -30,7 +30,15 @@ WORKSPACE_ARCHIVE_NAME = "workspace"
 LOG_MARKER = "\x1eresoluto-log:"
 
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
-RESULT_FIELDS = ("node_id", "status", "exit_code", "output_archive", "observed_phase", "reason", "substrate_logs")
+RESULT_FIELDS = (
+    "node_id",
+    "status",
+    "exit_code",
+    "output_archive",
+    "observed_phase",
+    "reason",
+    "substrate_logs",
+)
 EVENT_KINDS = ("open", "close", "log")
 
 _CHUNK_RE = re.compile(r"(?:^|/)events-(\d{6,})\.jsonl$")
@@ -243,5 +251,5 @@ def decode_manifest(raw: bytes) -> int:
         raise WireError(f"_manifest.json is not valid JSON ({e})") from None
     total = obj.get("total_chunks") if isinstance(obj, dict) else None
     if not isinstance(total, int) or isinstance(total, bool) or total < 0:
-        raise WireError(f"_manifest.json must be {{\"total_chunks\": <int >= 0>}}, got {obj!r}")
+        raise WireError(f'_manifest.json must be {{"total_chunks": <int >= 0>}}, got {obj!r}')
     return total

@@ -78,7 +78,9 @@ class Background:
         thread.join(max(0.0, deadline - time.monotonic()))
         left = self.pending()
         if left:
-            log.warning("%s: %d item(s) unfinished after %.1f s at exit; left behind", self.name, left, timeout)
+            log.warning(
+                "%s: %d item(s) unfinished after %.1f s at exit; left behind", self.name, left, timeout
+            )
         return left
 
     def _loop(self) -> None:

@@ -48,7 +48,9 @@ class S3ConduitBlock(Block):
 
     _block_type_name = "Resoluto S3 Conduit"
     _block_type_slug = "resoluto-s3-conduit"
-    _description = "An S3-compatible bucket through which host and sandboxes exchange work (prefect-resoluto)."
+    _description = (
+        "An S3-compatible bucket through which host and sandboxes exchange work (prefect-resoluto)."
+    )
 
     bucket: str = Field(..., description="Bucket name.")
     base_prefix: str = Field("", description="Key prefix under which every run is stored.")
@@ -83,7 +85,9 @@ def _title_choices(schema: dict[str, Any], titles: dict[str, str]) -> None:
         # While the schema is built, refs carry pydantic's provisional names
         # (``prefect_resoluto__blocks__LocalConduitBlock-Input__1``).
         ref = str(choice.get("$ref", "")).rsplit("/", 1)[-1]
-        found = [t for name, t in titles.items() if ref == name or f"__{name}-" in ref or ref.endswith(f"__{name}")]
+        found = [
+            t for name, t in titles.items() if ref == name or f"__{name}-" in ref or ref.endswith(f"__{name}")
+        ]
         if found:
             choice["title"] = found[0]
         elif choice.get("type") == "null":
@@ -107,62 +111,97 @@ def my_flow(): ...
 """
 
     runtime: RuntimeName | None = Field(  # type: ignore[valid-type]
-        None, description="Where sandboxes run; empty: the strongest runtime available on the host "
-                          "that runs the flow.")
+        None,
+        description="Where sandboxes run; empty: the strongest runtime available on the host "
+        "that runs the flow.",
+    )
     image: str | None = Field(None, description="Image for container/kubernetes runtimes.")
-    memory: str | None = Field(None, description=f"Memory limit per sandbox, e.g. 512Mi or 8Gi; "
-                                                 f"empty: {DEFAULT_MEMORY}.")
-    cpus: str | None = Field(None, description=f"CPU limit per sandbox, e.g. 1, 0.5 or 500m; empty: {DEFAULT_CPUS:g}.")
-    disk: str | None = Field(None, description="Size of /tmp and /workspace per sandbox where the runtime "
-                                               "can size them (ephemeral storage on Kubernetes); empty: "
-                                               "the memory limit. In-memory scratch counts against memory.")
+    memory: str | None = Field(
+        None, description=f"Memory limit per sandbox, e.g. 512Mi or 8Gi; empty: {DEFAULT_MEMORY}."
+    )
+    cpus: str | None = Field(
+        None, description=f"CPU limit per sandbox, e.g. 1, 0.5 or 500m; empty: {DEFAULT_CPUS:g}."
+    )
+    disk: str | None = Field(
+        None,
+        description="Size of /tmp and /workspace per sandbox where the runtime "
+        "can size them (ephemeral storage on Kubernetes); empty: "
+        "the memory limit. In-memory scratch counts against memory.",
+    )
     pids: int = Field(DEFAULT_PIDS, gt=0, description="Most processes and threads per sandbox.")
     min_isolation: IsolationName = Field(  # type: ignore[valid-type]
-        IsolationLevel.USER_KERNEL.label,
-        description="Refuse runtimes weaker than this.")
-    silence_window: float = Field(600.0, description="Seconds without any event before a sandbox is presumed dead.")
+        IsolationLevel.USER_KERNEL.label, description="Refuse runtimes weaker than this."
+    )
+    silence_window: float = Field(
+        600.0, description="Seconds without any event before a sandbox is presumed dead."
+    )
     infrastructure_retries: int = Field(1, ge=0, description="Re-launches after an infrastructure failure.")
     warm_pool: int | None = Field(
-        None, ge=0, description="Warm sandboxes kept ready per kind of node (0 disables; empty: the task "
-        "runner's concurrency, at most 4, on local runtimes).")
+        None,
+        ge=0,
+        description="Warm sandboxes kept ready per kind of node (0 disables; empty: the task "
+        "runner's concurrency, at most 4, on local runtimes).",
+    )
     output_paths: list[str] = Field(default_factory=list, description="Paths/globs returned from every node.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment for every sandbox.")
     secret_env: SecretDict = Field(
         default_factory=lambda: SecretDict({}),
-        description="Secret environment: masked here, redacted from every log line.")
-    egress: list[str] = Field(default_factory=list, description=(
-        "Egress allowlist: names (api.example.com, *.example.com, host:8443) on local runtimes, CIDRs on "
-        "Kubernetes. Empty: no network at all."))
+        description="Secret environment: masked here, redacted from every log line.",
+    )
+    egress: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Egress allowlist: names (api.example.com, *.example.com, host:8443) on local runtimes, CIDRs on "
+            "Kubernetes. Empty: no network at all."
+        ),
+    )
     egress_resolve: dict[str, str] = Field(
-        default_factory=dict, description="Pin allowlisted names to addresses (HOST -> IP), like curl --resolve.")
+        default_factory=dict,
+        description="Pin allowlisted names to addresses (HOST -> IP), like curl --resolve.",
+    )
     setup_egress: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
-        None, description="The setup command's own allowlist (e.g. a package index); the workload's is egress.")
+        None,
+        description="The setup command's own allowlist (e.g. a package index); the workload's is egress.",
+    )
     setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
-        None, description="A command run in the sandbox before each task (e.g. pip install ...).")
+        None, description="A command run in the sandbox before each task (e.g. pip install ...)."
+    )
     conduit: Union[LocalConduitBlock, S3ConduitBlock, None] = Field(  # noqa: UP007 - pydantic union
-        None, description="Conduit; empty: a local directory under the user's cache.",
-        json_schema_extra=lambda schema: _title_choices(schema, CONDUIT_CHOICES))
+        None,
+        description="Conduit; empty: a local directory under the user's cache.",
+        json_schema_extra=lambda schema: _title_choices(schema, CONDUIT_CHOICES),
+    )
     # Kubernetes runtime settings
     kube_namespace: str | None = Field(None, description="Kubernetes namespace for sandbox pods.")
-    kube_context: str | None = Field(None, description="kubeconfig context to use (required unless in-cluster).")
+    kube_context: str | None = Field(
+        None, description="kubeconfig context to use (required unless in-cluster)."
+    )
     runtime_class: str | None = Field(None, description="RuntimeClass for pods (default kata).")
     service_account: str | None = Field(None, description="Service account for sandbox pods.")
     priority_class: str | None = Field(None, description="PriorityClass for sandbox pods.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector for sandbox pods.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations for sandbox pods.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations for sandbox pods."
+    )
     store_egress_cidr: str | None = Field(None, description="CIDR of the object store pods may reach.")
     store_egress_port: int | None = Field(None, description="Port of the object store pods may reach.")
     store_credentials_secret: str | None = Field(
-        None, description="Kubernetes Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for pods.")
+        None, description="Kubernetes Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for pods."
+    )
 
     # Solari runtime settings (runtime="solari")
-    solari_base_url: str | None = Field(None, description="Solari gateway base URL (default: SOLARI_BASE_URL).")
+    solari_base_url: str | None = Field(
+        None, description="Solari gateway base URL (default: SOLARI_BASE_URL)."
+    )
     solari_api_key: SecretStr | None = Field(None, description="Solari API key (default: SOLARI_API_KEY).")
     solari_template: str | None = Field(None, description="Solari template for the sandbox VMs.")
     solari_conduit_mode: Optional[Literal["relay", "direct"]] = Field(  # noqa: UP045 - pydantic field
-        None, description="relay (default: the VM needs no network) or direct (the VM reaches the S3 conduit).")
+        None,
+        description="relay (default: the VM needs no network) or direct (the VM reaches the S3 conduit).",
+    )
     solari_session_timeout_s: float | None = Field(
-        None, description="Gateway session timeout, extended while the node runs (default 300).")
+        None, description="Gateway session timeout, extended while the node runs (default 300)."
+    )
     solari_metadata: dict[str, str] = Field(default_factory=dict, description="Extra metadata on every VM.")
 
     @field_validator("min_isolation", mode="before")
@@ -172,17 +211,28 @@ def my_flow(): ...
 
     def to_config(self) -> SandboxConfig:
         kube = {
-            "namespace": self.kube_namespace, "context": self.kube_context, "runtime_class": self.runtime_class,
-            "service_account": self.service_account, "priority_class": self.priority_class,
-            "node_selector": self.node_selector or None, "tolerations": self.tolerations or None,
-            "store_egress_cidr": self.store_egress_cidr, "store_egress_port": self.store_egress_port,
-            "store_credentials_secret": self.store_credentials_secret, "image": self.image,
+            "namespace": self.kube_namespace,
+            "context": self.kube_context,
+            "runtime_class": self.runtime_class,
+            "service_account": self.service_account,
+            "priority_class": self.priority_class,
+            "node_selector": self.node_selector or None,
+            "tolerations": self.tolerations or None,
+            "store_egress_cidr": self.store_egress_cidr,
+            "store_egress_port": self.store_egress_port,
+            "store_credentials_secret": self.store_credentials_secret,
+            "image": self.image,
         }
-        runtime_options: dict[str, Any] = {k: v for k, v in kube.items() if v is not None} if self.runtime == "kubernetes" else {}
+        runtime_options: dict[str, Any] = (
+            {k: v for k, v in kube.items() if v is not None} if self.runtime == "kubernetes" else {}
+        )
         if self.runtime == "solari":
             solari = {
-                "base_url": self.solari_base_url, "api_key": self.solari_api_key, "template": self.solari_template,
-                "conduit_mode": self.solari_conduit_mode, "session_timeout_s": self.solari_session_timeout_s,
+                "base_url": self.solari_base_url,
+                "api_key": self.solari_api_key,
+                "template": self.solari_template,
+                "conduit_mode": self.solari_conduit_mode,
+                "session_timeout_s": self.solari_session_timeout_s,
                 "metadata": self.solari_metadata or None,
             }
             runtime_options = {k: v for k, v in solari.items() if v is not None}

@@ -55,8 +55,9 @@ def _run_command(
         )
     runner, overrides = active
     cfg = runner.config.replace(**overrides)
-    cfg = cfg.replace(output_paths=list(output_paths) if output_paths is not None else None,
-                      env=env, secret_env=secret_env)
+    cfg = cfg.replace(
+        output_paths=list(output_paths) if output_paths is not None else None, env=env, secret_env=secret_env
+    )
     lines: list[str] = []
     outcome = runner.run_node(task_name="run_command", argv=list(argv), cfg=cfg, line_sink=lines.append)
     if outcome.infrastructure_failure:

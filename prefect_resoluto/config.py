@@ -120,7 +120,8 @@ class SandboxConfig:
             if found is None:
                 raise NoRuntimeAvailable(
                     f"{runtimes.why_unavailable(self.min_isolation)}\nInstall gVisor (bash scripts/setup.sh), "
-                    "or lower the floor explicitly with min_isolation='namespace' or 'none'.")
+                    "or lower the floor explicitly with min_isolation='namespace' or 'none'."
+                )
             rt = found
         rt.require_available()
         check_isolation(rt, self.min_isolation)

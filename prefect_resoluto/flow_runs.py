@@ -88,7 +88,8 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
             raise SandboxNetworkUnavailable(
                 f"the worker's Prefect API {api_url} is on its loopback, which a {runtime.name} sandbox on "
                 "another machine cannot reach; start the worker with PREFECT_API_URL set to an address "
-                "the sandboxes can reach")
+                "the sandboxes can reach"
+            )
         dest = host if runtime.name != "kubernetes" else _kube_destination(host)
         return SandboxNetwork(egress=[*egress, f"{dest}:{port}"])
     if not egress_forwarding_supported():
@@ -96,13 +97,17 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
             f"runtime {runtime.name!r} gives a sandbox no network, and this installation of prefect-resoluto "
             "has no egress proxy to forward the Prefect API into it; a flow run cannot report to the API "
             "from there. Use runtime 'process' with min isolation 'none' (trusted flows only), or upgrade "
-            "prefect-resoluto to a version with egress forwarding.")
+            "prefect-resoluto to a version with egress forwarding."
+        )
     if loopback:
         netloc = f"{API_ALIAS}:{port}"
         url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-        target = f"[{host}]:{port}" if ":" in host else f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
-        return SandboxNetwork(env={"PREFECT_API_URL": url}, egress=list(egress),
-                              egress_forward={netloc: target})
+        target = (
+            f"[{host}]:{port}" if ":" in host else f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+        )
+        return SandboxNetwork(
+            env={"PREFECT_API_URL": url}, egress=list(egress), egress_forward={netloc: target}
+        )
     return SandboxNetwork(egress=[*egress, f"{host}:{port}"])
 
 
@@ -129,7 +134,9 @@ def _kube_destination(host: str) -> str:
     return str(addr)
 
 
-def split_env(env: dict[str, str | None], secret_env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+def split_env(
+    env: dict[str, str | None], secret_env: dict[str, str]
+) -> tuple[dict[str, str], dict[str, str]]:
     """(plain env, secret env) for the sandbox from the worker's prepared job env.
 
     Credentials among Prefect's settings move to the secret side; the worker's own Prefect

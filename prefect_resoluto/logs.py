@@ -23,8 +23,14 @@ from guest_runner.redact import Redactor
 
 SANDBOX_LOGGER = "resoluto.sandbox"
 RUNNER_SPANS = frozenset({"node", "setup", "workload", "cleanup"})
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
-           "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
+_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 
 
 def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
@@ -33,7 +39,9 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
     if kind == "heartbeat":
         return None
     if event == "log":
-        level = _LEVELS.get(str(data.get("level", "")).upper(), logging.ERROR if kind == "error" else logging.INFO)
+        level = _LEVELS.get(
+            str(data.get("level", "")).upper(), logging.ERROR if kind == "error" else logging.INFO
+        )
         line = str(data.get("line", ""))
         logger = data.get("logger")
         if logger and logger not in ("prefect.task_runs", "prefect.flow_runs"):
@@ -128,8 +136,9 @@ class ApiLogBatcher:
         if self._thread is None:
             # The caller's context carries Prefect's settings (the API URL, its key).
             ctx = contextvars.copy_context()
-            self._thread = threading.Thread(target=ctx.run, args=(self._run,), name="resoluto-api-logs",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=ctx.run, args=(self._run,), name="resoluto-api-logs", daemon=True
+            )
             self._thread.start()
 
     def add(self, log: dict[str, Any], stream: StreamRate | None = None, ts: float | None = None) -> None:
@@ -182,8 +191,12 @@ class ApiLogBatcher:
                 if self._done != done:
                     done, since = self._done, time.monotonic()
                 elif time.monotonic() - since > STALL:
-                    _report(RuntimeError(f"{self._added - self._done} sandbox log lines not sent: "
-                                         f"the API answered nothing for {STALL:g} s"))
+                    _report(
+                        RuntimeError(
+                            f"{self._added - self._done} sandbox log lines not sent: "
+                            f"the API answered nothing for {STALL:g} s"
+                        )
+                    )
                     break
         self._thread = None
 
@@ -302,8 +315,15 @@ def _to_api_enabled() -> bool:
 class EventLogForwarder:
     """Callable handed to the node driver: one Prefect log record per guest event."""
 
-    def __init__(self, *, task_run_id: Any, flow_run_id: Any, node_id: str, redactor: Redactor | None = None,
-                 batcher: ApiLogBatcher | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        task_run_id: Any,
+        flow_run_id: Any,
+        node_id: str,
+        redactor: Redactor | None = None,
+        batcher: ApiLogBatcher | None = None,
+    ) -> None:
         self.task_run_id = task_run_id
         self.flow_run_id = flow_run_id
         self.node_id = node_id
@@ -317,7 +337,9 @@ class EventLogForwarder:
         self.lines = 0
 
     def emit(self, level: int, message: str, ts: float | None = None) -> None:
-        record = logging.LogRecord(SANDBOX_LOGGER, level, __file__, 0, self.redactor.text(message), None, None)
+        record = logging.LogRecord(
+            SANDBOX_LOGGER, level, __file__, 0, self.redactor.text(message), None, None
+        )
         if ts is not None:
             record.created = float(ts)
             record.msecs = (record.created - int(record.created)) * 1000

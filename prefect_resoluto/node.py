@@ -150,7 +150,9 @@ class NodeSpec:
         except ValueError as e:
             raise NodeSpecError(str(e)) from None
         if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
-            raise NodeSpecError("argv must be a non-empty list of strings (the command to run in the sandbox)")
+            raise NodeSpecError(
+                "argv must be a non-empty list of strings (the command to run in the sandbox)"
+            )
         if self.workspace is not None and not Path(self.workspace).is_dir():
             raise NodeSpecError(f"workspace directory {str(self.workspace)!r} does not exist")
         for k in list(self.env) + list(self.secret_env):
@@ -163,9 +165,15 @@ class NodeSpec:
 
         try:
             return egress.network_request(
-                self.run_id, self.node_id, egress=self.egress, setup_egress=self.setup_egress,
-                resolve=self.egress_resolve, forward=self.egress_forward, has_setup=bool(self.setup_argv),
-                canary=self.egress_canary)
+                self.run_id,
+                self.node_id,
+                egress=self.egress,
+                setup_egress=self.setup_egress,
+                resolve=self.egress_resolve,
+                forward=self.egress_forward,
+                has_setup=bool(self.setup_argv),
+                canary=self.egress_canary,
+            )
         except egress.EgressPolicyError as e:
             raise NodeSpecError(str(e)) from None
 
@@ -235,14 +243,16 @@ class NodeOutcome:
 def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, str]:
     env: dict[str, str] = dict(spec.env)
     env.update(conduit.guest_env())
-    env.update({
-        "RESOLUTO_RUN_ID": spec.run_id,
-        "RESOLUTO_NODE_ID": spec.node_id,
-        "RESOLUTO_STORE_PREFIX": store_prefix,
-        "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
-        "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
-        "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
-    })
+    env.update(
+        {
+            "RESOLUTO_RUN_ID": spec.run_id,
+            "RESOLUTO_NODE_ID": spec.node_id,
+            "RESOLUTO_STORE_PREFIX": store_prefix,
+            "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
+            "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
+            "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
+        }
+    )
     if spec.setup_argv:
         env["RESOLUTO_SETUP_ARGV"] = _json(spec.setup_argv)
     if spec.cleanup_argv:
@@ -316,9 +326,19 @@ def drive_node(
     sandbox has been reaped.
     """
     try:
-        return _drive(spec, conduit, runtime, on_event=on_event, min_isolation=min_isolation,
-                      silence_window=silence_window, on_launch=on_launch, should_cancel=should_cancel, warm=warm,
-                      reap=reap, pack_workspace=pack_workspace)
+        return _drive(
+            spec,
+            conduit,
+            runtime,
+            on_event=on_event,
+            min_isolation=min_isolation,
+            silence_window=silence_window,
+            on_launch=on_launch,
+            should_cancel=should_cancel,
+            warm=warm,
+            reap=reap,
+            pack_workspace=pack_workspace,
+        )
     except BaseException:
         if warm is not None:
             warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
@@ -352,7 +372,8 @@ def _drive(
     elif spec.setup_egress or spec.egress_forward or spec.egress_resolve:
         raise NodeSpecError(
             f"runtime {runtime.name!r} enforces egress by address (CIDR), not by name: setup_egress, "
-            "egress_forward and egress_resolve need a local runtime (gvisor, bubblewrap, container)")
+            "egress_forward and egress_resolve need a local runtime (gvisor, bubblewrap, container)"
+        )
     if runtime.supports_local_conduit:
         # A sandbox on this host reaches the store with the host's own credentials; the
         # guest runner keeps them from the workload. Remote runtimes mint their own.
@@ -363,15 +384,22 @@ def _drive(
             warm.place(conduit, rel_prefix)  # the slot becomes the node's directory, before any put
             launch.sandbox_id = warm.handle.id
         except OSError as e:
-            log.warning("warm sandbox %s cannot take node %s (%s); launching a cold one", warm.handle.id,
-                        spec.node_id, e)
+            log.warning(
+                "warm sandbox %s cannot take node %s (%s); launching a cold one",
+                warm.handle.id,
+                spec.node_id,
+                e,
+            )
             warm.discard()
             warm = None
 
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
-        _put_inbox(conduit, wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-                   _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace))
+        _put_inbox(
+            conduit,
+            wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
+            _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace),
+        )
     for name, data in spec.extra_inbox.items():
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
@@ -470,8 +498,10 @@ def _drive(
                     break
             if tailer.silent:
                 failure = "lost"
-                reason = (f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
-                          "the sandbox is presumed dead")
+                reason = (
+                    f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
+                    "the sandbox is presumed dead"
+                )
                 break
             deliver_egress()
             if tailer.wait(min(next_poll, next_status) - time.monotonic()):
@@ -523,12 +553,16 @@ def _drive(
         except wire.WireError as e:
             failure, reason = "protocol", str(e)
     if failure in (None, "workload") and spec.output_paths:
-        output_dir = Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
+        output_dir = (
+            Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
+        )
         try:
             for key in conduit.list_prefix(wire.outbox_prefix(rel_prefix)):
                 if not wire.is_archive_key(key):
                     continue
-                for rel in archive.unpack(conduit.get(key), output_dir, patterns=spec.output_paths, label=key):
+                for rel in archive.unpack(
+                    conduit.get(key), output_dir, patterns=spec.output_paths, label=key
+                ):
                     output_files[rel] = output_dir / rel
                 archives.append(key)
         except archive.ArchiveError as e:
@@ -537,7 +571,10 @@ def _drive(
         status = "failure"
     if failure == "workload" and st.memory_exhausted:
         # The workload died at the memory limit; the guest runner only saw an exit code.
-        failure, reason = "killed", f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})"
+        failure, reason = (
+            "killed",
+            f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})",
+        )
     if failure == "killed" and "memory" in reason.lower() and spec.resources.memory_bytes:
         reason += f"; {memory_hint(spec.resources)}"
     return NodeOutcome(
@@ -587,8 +624,10 @@ def egress_events_key(run_id: str, node_id: str) -> str:
 
 def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, Any]]) -> None:
     try:
-        conduit.put(egress_events_key(spec.run_id, spec.node_id),
-                    "".join(wire.encode_event(ev) + "\n" for ev in evs).encode())
+        conduit.put(
+            egress_events_key(spec.run_id, spec.node_id),
+            "".join(wire.encode_event(ev) + "\n" for ev in evs).encode(),
+        )
     except (ConduitError, wire.WireError, TypeError, ValueError) as e:
         log.warning("could not store the egress decisions of node %s: %s", spec.node_id, e)
 
@@ -623,8 +662,11 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     assert spec.workspace is not None
     ws = Path(spec.workspace).resolve()
     nested = []
-    candidates = [conduit.root if isinstance(conduit, LocalConduit) else None, spec.outputs_dir,
-                  *spec.workspace_skip]
+    candidates = [
+        conduit.root if isinstance(conduit, LocalConduit) else None,
+        spec.outputs_dir,
+        *spec.workspace_skip,
+    ]
     for d in candidates:
         if d is None:
             continue
@@ -637,8 +679,9 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     return nested
 
 
-def _settle(runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus,
-            patience: float = 0.5) -> SandboxStatus:
+def _settle(
+    runtime: SandboxRuntime, handle: SandboxHandle, st: SandboxStatus, patience: float = 0.5
+) -> SandboxStatus:
     """The guest wrote its manifest and is exiting: observe the exit (briefly) so the
     outcome records the phase the substrate reported, not "running"."""
     deadline = time.monotonic() + patience

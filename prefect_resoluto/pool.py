@@ -72,8 +72,9 @@ def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
     return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), imports=imports)
 
 
-_PREFECT_IMPORT = re.compile(r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)",
-                             re.MULTILINE)
+_PREFECT_IMPORT = re.compile(
+    r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)", re.MULTILINE
+)
 _FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
 #: What guest_runner.standin answers for ``from prefect import ...``.
 _STAND_INS = {"task", "flow", "get_run_logger"}
@@ -138,12 +139,16 @@ class Learned:
         names = [m for m in reported if isinstance(m, str) and _MODULE_NAME.match(m)]
         with self._lock:
             have = self._by_file.get(str(source_file), ())
-            new = tuple(dict.fromkeys(m for m in names if m not in have))[:max(0, MAX_IMPORTS - len(have))]
+            new = tuple(dict.fromkeys(m for m in names if m not in have))[: max(0, MAX_IMPORTS - len(have))]
             if new:
                 self._by_file[str(source_file)] = have + new
         if new:
-            log.debug("warm sandboxes for %s will pre-import %d more module(s): %s", source_file, len(new),
-                      ", ".join(new[:10]))
+            log.debug(
+                "warm sandboxes for %s will pre-import %d more module(s): %s",
+                source_file,
+                len(new),
+                ", ".join(new[:10]),
+            )
         return new
 
 
@@ -184,7 +189,9 @@ class WarmSandbox:
     def assign(self, launch: LaunchSpec) -> SandboxHandle:
         """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only."""
         payload = json.dumps({"env": launch.env, "secret_env": launch.secret_env}, separators=(",", ":"))
-        self.runtime.assign(self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"})
+        self.runtime.assign(
+            self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"}
+        )
         return self.handle
 
     def discard(self) -> None:
@@ -200,8 +207,9 @@ class WarmSandbox:
 class WarmPool:
     """Idle warm sandboxes of one runtime and conduit, per key, refilled in the background."""
 
-    def __init__(self, runtime: SandboxRuntime, conduit: Conduit, *, size: int,
-                 labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, runtime: SandboxRuntime, conduit: Conduit, *, size: int, labels: dict[str, str] | None = None
+    ) -> None:
         self.runtime, self.conduit, self.size = runtime, conduit, max(0, size)
         self.id = uuid.uuid4().hex[:12]
         self.labels = {**(labels or {}), LABEL_POOL: self.id, LABEL_WARM: "idle"}
@@ -310,8 +318,11 @@ class WarmPool:
             try:
                 w = self._launch(todo)
             except Exception as e:
-                log.warning("could not start a warm sandbox on %s: %s; nodes of this kind run cold",
-                            self.runtime.name, e)
+                log.warning(
+                    "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
+                    self.runtime.name,
+                    e,
+                )
                 with self._lock:
                     self._broken.add(todo)
                     self._wanted.remove(todo)
@@ -364,8 +375,12 @@ class WarmPool:
         logs = self.runtime.logs(w.handle, tail=5).strip()
         w.discard()
         if not w._ready:
-            log.warning("a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
-                        self.runtime.name, why, logs[-400:])
+            log.warning(
+                "a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
+                self.runtime.name,
+                why,
+                logs[-400:],
+            )
             with self._lock:
                 self._broken.add(w.key)
                 if w.key in self._wanted:
@@ -379,9 +394,15 @@ class WarmPool:
         env.update(self.conduit.guest_env())
         state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
         spec = LaunchSpec(
-            sandbox_id=sid, env=env, resources=key.resources, labels=dict(self.labels), image=key.image,
-            command=[python, "-m", GUEST_MODULE], hold_stdin=True,
-            conduit_root=(state / sid) if slotted else None, conduit_subdir=SLOT if slotted else "",
+            sandbox_id=sid,
+            env=env,
+            resources=key.resources,
+            labels=dict(self.labels),
+            image=key.image,
+            command=[python, "-m", GUEST_MODULE],
+            hold_stdin=True,
+            conduit_root=(state / sid) if slotted else None,
+            conduit_subdir=SLOT if slotted else "",
         )
         if slotted:
             from prefect_resoluto.runtimes._host import guest_conduit_dir
@@ -392,7 +413,7 @@ class WarmPool:
 
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
-    """"" when ``runtime`` can keep sandboxes warm for ``conduit``, else why not."""
+    """ "" when ``runtime`` can keep sandboxes warm for ``conduit``, else why not."""
     if not runtime.supports_warm:
         return f"runtime {runtime.name!r} does not keep sandboxes warm"
     state = getattr(runtime, "state", None)
@@ -401,8 +422,10 @@ def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
     if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
         try:
             if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
-                return (f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
-                        "different filesystems, so a warm sandbox's directory cannot be moved into place")
+                return (
+                    f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
+                    "different filesystems, so a warm sandbox's directory cannot be moved into place"
+                )
         except OSError as e:
             return f"cannot check the conduit's filesystem: {e}"
     return ""
@@ -441,7 +464,9 @@ def learn(pool: WarmPool | None, source_file: str | os.PathLike[str] | None, out
         pool.learned.learn(source_file, output_dir)
 
 
-def take_for(pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ()) -> tuple[WarmSandbox | None, str]:
+def take_for(
+    pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ()
+) -> tuple[WarmSandbox | None, str]:
     """A warm sandbox for ``spec`` if one is ready, and the words for the task's log. One
     that pre-imported nothing serves when none with ``imports`` is ready: the call then
     imports them itself, still without a sandbox boot."""
@@ -459,5 +484,6 @@ def take_for(pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ())
     if w is None:
         return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
     age = time.monotonic() - w.started
-    return w, (f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s "
-               f"ahead{plain})")
+    return w, (
+        f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s ahead{plain})"
+    )

@@ -75,8 +75,9 @@ class RemoteTaskError(RemoteError, RuntimeError):
 _REMOTE_CLASSES: dict[type, type[BaseException]] = {}
 
 
-def remote_exception(cls: type[BaseException] | None, type_name: str, message: str,
-                     traceback: str) -> BaseException:
+def remote_exception(
+    cls: type[BaseException] | None, type_name: str, message: str, traceback: str
+) -> BaseException:
     """An exception to raise on the host for one the sandbox reported.
 
     With the original class ``cls``: an instance of ``cls`` that is also a
@@ -97,26 +98,37 @@ def _remote_class(cls: type[BaseException]) -> type[BaseException]:
     if made is None:
         bases: tuple[type, ...] = (RemoteTaskError, cls) if issubclass(cls, Exception) else (RemoteError, cls)
         try:
-            made = type(cls.__name__, bases, {
-                "__init__": lambda self, t, m, tb: self._remote_init(t, m, tb, typed=True),
-                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                "__str__": RemoteError.__str__, "__repr__": RemoteError.__repr__,
-                "__reduce__": RemoteError.__reduce__, "_remote_base": cls,
-            })
+            made = type(
+                cls.__name__,
+                bases,
+                {
+                    "__init__": lambda self, t, m, tb: self._remote_init(t, m, tb, typed=True),
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    "__str__": RemoteError.__str__,
+                    "__repr__": RemoteError.__repr__,
+                    "__reduce__": RemoteError.__reduce__,
+                    "_remote_base": cls,
+                },
+            )
         except TypeError:  # a class that cannot be mixed (layout conflict, final)
             made = RemoteTaskError if issubclass(cls, Exception) else _remote_class(BaseException)
         _REMOTE_CLASSES[cls] = made
     return made
 
 
-def _rebuild_remote(ref: tuple[str, str] | None, type_name: str, message: str, traceback: str) -> BaseException:
+def _rebuild_remote(
+    ref: tuple[str, str] | None, type_name: str, message: str, traceback: str
+) -> BaseException:
     cls = None
     if ref is not None:
         cls = _find_class(ref[0], ref[1], allow_import=False)
     return remote_exception(cls, type_name, message, traceback)
 
 
-def _find_class(module: str | None, qualname: str | None, *, allow_import: bool = True) -> type[BaseException] | None:
+def _find_class(
+    module: str | None, qualname: str | None, *, allow_import: bool = True
+) -> type[BaseException] | None:
     """The exception class ``module.qualname`` on the host: builtins, modules already
     imported (the task's own), or installed packages (stdlib, site-packages); never code
     from the current directory or the workspace, which the sandbox's word does not make
@@ -162,7 +174,9 @@ def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, st
     qualname = getattr(fn, "__qualname__", "")
     name = getattr(fn, "__name__", repr(fn))
     if name == "<lambda>" or "<lambda>" in qualname:
-        raise NotSandboxable(f"task function {qualname or name!r} is a lambda; define it with def at module level")
+        raise NotSandboxable(
+            f"task function {qualname or name!r} is a lambda; define it with def at module level"
+        )
     if "<locals>" in qualname:
         raise NotSandboxable(
             f"task function {qualname!r} is defined inside another function; the sandbox imports task "
@@ -226,10 +240,16 @@ def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, A
     return out
 
 
-def call_archive(ref: dict[str, str], parameters: dict[str, Any], *, real_prefect: bool = False,
-                 context: dict[str, Any] | None = None) -> bytes:
-    body = json.dumps({**ref, "parameters": parameters, "real_prefect": real_prefect,
-                       "context": context or {}}).encode()
+def call_archive(
+    ref: dict[str, str],
+    parameters: dict[str, Any],
+    *,
+    real_prefect: bool = False,
+    context: dict[str, Any] | None = None,
+) -> bytes:
+    body = json.dumps(
+        {**ref, "parameters": parameters, "real_prefect": real_prefect, "context": context or {}}
+    ).encode()
     return archive.pack(_empty_dir(), patterns=[], extra=[(call.CALL_FILE, body)])
 
 
@@ -245,8 +265,13 @@ def guest_argv(python: str = "python3") -> list[str]:
     return [python, "-m", "guest_runner.call", call.CALL_FILE]
 
 
-def read_outcome(output_dir: Path | None, *, redactor: Redactor | None = None,
-                 task_module: str | None = None, memory_hint: str = "") -> tuple[bool, Any]:
+def read_outcome(
+    output_dir: Path | None,
+    *,
+    redactor: Redactor | None = None,
+    task_module: str | None = None,
+    memory_hint: str = "",
+) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
     error.json is redacted again here (the guest already did; this host does not take
@@ -272,8 +297,11 @@ def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
     try:
         e: object = json.loads(raw)
     except ValueError:
-        e = {"type": "Exception", "message": f"{call.ERROR_FILE} from the sandbox is malformed",
-             "traceback": raw[:4000]}
+        e = {
+            "type": "Exception",
+            "message": f"{call.ERROR_FILE} from the sandbox is malformed",
+            "traceback": raw[:4000],
+        }
     if not isinstance(e, dict):
         e = {"type": "Exception", "message": str(e)}
     if redactor is not None and redactor.count:
@@ -284,7 +312,9 @@ def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
     return e
 
 
-def error_from_record(e: dict[str, Any], task_module: str | None = None, memory_hint: str = "") -> BaseException:
+def error_from_record(
+    e: dict[str, Any], task_module: str | None = None, memory_hint: str = ""
+) -> BaseException:
     type_name = str(e.get("type") or "Exception")
     message, traceback = str(e.get("message") or ""), str(e.get("traceback") or "")
     if type_name == "MemoryError" and memory_hint:

@@ -239,7 +239,7 @@ class ChunkTailer:
         self.polls += 1
         keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after)
         for key in keys:
-            rel = key[len(self.prefix) + 1:]
+            rel = key[len(self.prefix) + 1 :]
             idx = wire.chunk_index(rel) if "/" not in rel else None
             if idx is not None:
                 self._present.add(idx)

@@ -46,7 +46,9 @@ ARTIFACT_DRAIN = 30.0
 ARTIFACT_DRAIN_INTERRUPTED = 5.0
 REAP_DRAIN = 60.0
 
-_overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("resoluto_overrides", default=None)
+_overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "resoluto_overrides", default=None
+)
 
 
 @contextlib.contextmanager
@@ -108,14 +110,31 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     ) -> None:
         # Runs at import time (@flow(task_runner=...)): record, validate cheaply, load nothing.
         self._options: dict[str, Any] = {
-            k: v for k, v in dict(
-                runtime=runtime, conduit=conduit, workspace=workspace, output_paths=output_paths, env=env,
-                secret_env=secret_env, memory=memory, cpus=cpus, disk=disk, pids=pids, image=image, egress=egress,
-                egress_resolve=egress_resolve, setup_egress=setup_egress, setup_argv=setup_argv,
-                min_isolation=min_isolation, silence_window=silence_window,
-                infrastructure_retries=infrastructure_retries, outputs_dir=outputs_dir,
-                runtime_options=runtime_options, warm_pool=warm_pool,
-            ).items() if v is not None
+            k: v
+            for k, v in dict(
+                runtime=runtime,
+                conduit=conduit,
+                workspace=workspace,
+                output_paths=output_paths,
+                env=env,
+                secret_env=secret_env,
+                memory=memory,
+                cpus=cpus,
+                disk=disk,
+                pids=pids,
+                image=image,
+                egress=egress,
+                egress_resolve=egress_resolve,
+                setup_egress=setup_egress,
+                setup_argv=setup_argv,
+                min_isolation=min_isolation,
+                silence_window=silence_window,
+                infrastructure_retries=infrastructure_retries,
+                outputs_dir=outputs_dir,
+                runtime_options=runtime_options,
+                warm_pool=warm_pool,
+            ).items()
+            if v is not None
         }
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
         self._sandbox = sandbox
@@ -149,9 +168,25 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         # API call never competes with the task's own Completed-state call.
         self._held: dict[str, list[Callable[[], None]]] = {}
 
-    _TRANSIENT = ("_config", "_runtime", "_conduit", "_live", "_live_lock", "_attempts", "_flow_runs",
-                  "_flow_run_objs", "_cancelled", "_pacer", "_announced", "_deployment_names", "_pool",
-                  "_artifacts", "_reaper", "_packer", "_held")
+    _TRANSIENT = (
+        "_config",
+        "_runtime",
+        "_conduit",
+        "_live",
+        "_live_lock",
+        "_attempts",
+        "_flow_runs",
+        "_flow_run_objs",
+        "_cancelled",
+        "_pacer",
+        "_announced",
+        "_deployment_names",
+        "_pool",
+        "_artifacts",
+        "_reaper",
+        "_packer",
+        "_held",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         # Prefect's runner cloudpickles the flow (and so this runner) into the flow-run
@@ -172,8 +207,12 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         return type(self)(sandbox=self._sandbox, max_workers=self._max_workers, **self._options)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, ResolutoTaskRunner) and self._options == other._options
-                and self._sandbox == other._sandbox and self._max_workers == other._max_workers)
+        return (
+            isinstance(other, ResolutoTaskRunner)
+            and self._options == other._options
+            and self._sandbox == other._sandbox
+            and self._max_workers == other._max_workers
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -305,7 +344,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 log.warning("sweeping sandboxes of flow run %s failed: %s", fr, e)
 
     # -- submission -----------------------------------------------------------------
-    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
+    def submit(
+        self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None
+    ) -> Any:
         if self._config is None:
             raise RuntimeError("Task runner is not started")
         from prefect.context import FlowRunContext
@@ -343,8 +384,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         r = self.config.resources
         flow_run_logger(fr_ctx.flow_run, fr_ctx.flow).info(
             "ResolutoTaskRunner: each task runs in its own sandbox; runtime %s, isolation %s, conduit %s, "
-            "max_workers %d, per sandbox %s", rt.name, rt.isolation.label, conduit.url, self._max_workers,
-            r.describe())
+            "max_workers %d, per sandbox %s",
+            rt.name,
+            rt.isolation.label,
+            conduit.url,
+            self._max_workers,
+            r.describe(),
+        )
 
     def _wrap(self, task: Any, overrides: dict[str, Any]) -> Any:
         fn = task.fn
@@ -363,6 +409,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             return run_command_here
 
         if task.isasync:
+
             @functools.wraps(fn)
             async def sandboxed_async(*args: Any, **kwargs: Any) -> Any:
                 cancel = threading.Event()
@@ -382,7 +429,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         return sandboxed_sync
 
     # -- one Python task ------------------------------------------------------------
-    def _run_python(self, task: Any, fn: Any, overrides: dict[str, Any], cancel: threading.Event | None) -> Any:
+    def _run_python(
+        self, task: Any, fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
+    ) -> Any:
         from prefect.context import TaskRunContext
 
         ctx = TaskRunContext.get()
@@ -407,7 +456,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             task_name=task.name,
             argv=pycall.guest_argv(),
             cfg=cfg,
-            extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, params, context=self._run_context(ctx, params))},
+            extra_inbox={
+                pycall.CALL_ARCHIVE: pycall.call_archive(ref, params, context=self._run_context(ctx, params))
+            },
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
             failure_detail=raised,
@@ -416,13 +467,19 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         warm_pool_mod.learn(self._pool, _workspace_file(ref, cfg), outcome.output_dir)
         if outcome.failure == "workload":
             # raises the task's own exception type (or RemoteTaskError), remote traceback kept
-            pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module,
-                                memory_hint=memory_hint(cfg.resources))
+            pycall.read_outcome(
+                outcome.output_dir,
+                redactor=redactor,
+                task_module=task_module,
+                memory_hint=memory_hint(cfg.resources),
+            )
             raise WorkloadFailed(outcome.describe(), outcome)
         outcome.raise_for_failure()
         found, value = pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module)
         if not found:
-            raise WorkloadFailed(f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome)
+            raise WorkloadFailed(
+                f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
+            )
         value = _paths_to_host(value, outcome)
         return pycall.rebuild(value, pycall.return_annotation(fn))
 
@@ -435,15 +492,25 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         tags_ctx = TagsContext.get()
         out: dict[str, Any] = {
             "tags": sorted(tags_ctx.current_tags) if tags_ctx is not None else [],
-            "task_run": {"id": str(tr.id), "name": tr.name, "task_name": ctx.task.name,
-                         "run_count": tr.run_count, "parameters": params, "tags": list(tr.tags or [])},
+            "task_run": {
+                "id": str(tr.id),
+                "name": tr.name,
+                "task_name": ctx.task.name,
+                "run_count": tr.run_count,
+                "parameters": params,
+                "tags": list(tr.tags or []),
+            },
         }
         fr_ctx = FlowRunContext.get()
         fr = fr_ctx.flow_run if fr_ctx is not None else None
         if fr_ctx is not None and fr is not None:
-            out["flow_run"] = {"id": str(fr.id), "name": fr.name,
-                               "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
-                               "tags": list(fr.tags or []), "parameters": _json_only(fr_ctx.parameters or {})}
+            out["flow_run"] = {
+                "id": str(fr.id),
+                "name": fr.name,
+                "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
+                "tags": list(fr.tags or []),
+                "parameters": _json_only(fr_ctx.parameters or {}),
+            }
             dep = str(fr.deployment_id) if fr.deployment_id else None
             out["deployment"] = {"id": dep, "name": self._deployment_name(dep) if dep else None}
         return out
@@ -522,11 +589,19 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 workspace_skip=[cfg.outputs_dir or default_outputs_root()],
             )
             redactor = Redactor(cfg.secret_env.values())
-            forward = EventLogForwarder(task_run_id=tr.id, flow_run_id=tr.flow_run_id, node_id=node_id,
-                                        redactor=redactor, batcher=self._pacer)
+            forward = EventLogForwarder(
+                task_run_id=tr.id,
+                flow_run_id=tr.flow_run_id,
+                node_id=node_id,
+                redactor=redactor,
+                batcher=self._pacer,
+            )
             warm, how = warm_pool_mod.take_for(self._pool, spec, imports=warm_prefect)
-            forward.emit(logging.INFO, f"sandbox node {node_id} on {runtime.name} "
-                                       f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}")
+            forward.emit(
+                logging.INFO,
+                f"sandbox node {node_id} on {runtime.name} "
+                f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}",
+            )
             launched: list[SandboxHandle] = []
             reaping: set[str] = set()
 
@@ -543,8 +618,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
             workload_spans: set[str] = set()
 
-            def on_event(ev: dict[str, Any], _forward: EventLogForwarder = forward,
-                         _spans: set[str] = workload_spans) -> None:
+            def on_event(
+                ev: dict[str, Any], _forward: EventLogForwarder = forward, _spans: set[str] = workload_spans
+            ) -> None:
                 _forward(ev)
                 if line_sink is not None:
                     if ev.get("kind") == "workload" and ev.get("event") == "open":
@@ -554,12 +630,16 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
             try:
                 outcome = drive_node(
-                    spec, conduit, runtime,
+                    spec,
+                    conduit,
+                    runtime,
                     on_event=on_event,
                     min_isolation=cfg.min_isolation,
                     silence_window=cfg.silence_window,
                     on_launch=on_launch,
-                    should_cancel=lambda: self._cancelled.is_set() or (cancel is not None and cancel.is_set()),
+                    should_cancel=lambda: (
+                        self._cancelled.is_set() or (cancel is not None and cancel.is_set())
+                    ),
                     warm=warm,
                     reap=reap if self._reaper is not None else None,
                     pack_workspace=self._packer,
@@ -570,22 +650,36 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                         if h.id not in reaping:
                             self._live.pop(h.id, None)
             level = logging.INFO if outcome.ok else logging.ERROR
-            detail = failure_detail(outcome) if failure_detail is not None and outcome.failure == "workload" else None
+            detail = (
+                failure_detail(outcome)
+                if failure_detail is not None and outcome.failure == "workload"
+                else None
+            )
             forward.emit(level, _summary(outcome, detail))
             self._publish(outcome, task_name, attempt)
-            if outcome.infrastructure_failure and infra_try < cfg.infrastructure_retries \
-                    and not self._cancelled.is_set() and not (cancel is not None and cancel.is_set()):
+            if (
+                outcome.infrastructure_failure
+                and infra_try < cfg.infrastructure_retries
+                and not self._cancelled.is_set()
+                and not (cancel is not None and cancel.is_set())
+            ):
                 logger.warning(
                     "infrastructure failure (%s): %s; re-launching (%d of %d), the task's own retries are "
-                    "not spent", outcome.failure, outcome.reason, infra_try + 1, cfg.infrastructure_retries)
+                    "not spent",
+                    outcome.failure,
+                    outcome.reason,
+                    infra_try + 1,
+                    cfg.infrastructure_retries,
+                )
                 continue
             break
         assert outcome is not None
         return outcome
 
 
-_active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = contextvars.ContextVar(
-    "resoluto_active_runner", default=None)
+_active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = (
+    contextvars.ContextVar("resoluto_active_runner", default=None)
+)
 
 
 def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
@@ -636,8 +730,13 @@ def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
 def _summary(o: NodeOutcome, detail: str | None = None) -> str:
     """The outcome line: one record, and on failure the whole story (a traceback too)."""
     took = o.timings.get("finish")
-    parts = [f"node {o.node_id}: {o.status}", f"exit code {o.exit_code}", f"runtime {o.runtime}",
-             f"isolation {o.isolation}", f"conduit {o.conduit_url} prefix {o.conduit_prefix}"]
+    parts = [
+        f"node {o.node_id}: {o.status}",
+        f"exit code {o.exit_code}",
+        f"runtime {o.runtime}",
+        f"isolation {o.isolation}",
+        f"conduit {o.conduit_url} prefix {o.conduit_prefix}",
+    ]
     if took is not None:
         parts.append(f"{took:.2f}s")
     declared = [k for k in o.output_files if not k.startswith(".resoluto/")]
@@ -704,7 +803,8 @@ def _publish_artifact(o: NodeOutcome, task_name: str, attempt: int = 1) -> None:
             rows.append({"field": f"output {rel}", "value": f"{path} (from {', '.join(o.output_archives)})"})
         # The Artifacts page cuts descriptions after ~30 characters: what tells nodes apart first.
         description = f"{task_name} attempt {attempt}: {status} — sandbox node {o.node_id} on {o.runtime}"
-        create_table_artifact(table=rows, key=artifact_key(task_name, o.node_id), description=description,
-                              _sync=True)  # type: ignore[call-arg]
+        create_table_artifact(
+            table=rows, key=artifact_key(task_name, o.node_id), description=description, _sync=True
+        )  # type: ignore[call-arg]
     except Exception as e:  # an artifact is a convenience; never fail the task over it
         log.debug("could not publish the node artifact: %s", e)

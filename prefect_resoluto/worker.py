@@ -75,26 +75,42 @@ EVIDENCE_LINES = 40
 
 # --------------------------------------------------------------------------- the pool's form
 
-_RUNTIME = ("Sandbox runtime for each flow run: gvisor (user-space kernel), container (podman + runsc or "
-            "kata), kubernetes (a pod, RuntimeClass kata), bubblewrap (namespaces) or process (no isolation; "
-            "needs min isolation 'none'). Empty: the sandbox block's, else the strongest one available on the "
-            "worker's host.")
-_MIN_ISOLATION = ("Refuse a runtime weaker than this. Empty: the sandbox block's, else user-kernel. 'none' is for "
-                  "trusted flows only.")
+_RUNTIME = (
+    "Sandbox runtime for each flow run: gvisor (user-space kernel), container (podman + runsc or "
+    "kata), kubernetes (a pod, RuntimeClass kata), bubblewrap (namespaces) or process (no isolation; "
+    "needs min isolation 'none'). Empty: the sandbox block's, else the strongest one available on the "
+    "worker's host."
+)
+_MIN_ISOLATION = (
+    "Refuse a runtime weaker than this. Empty: the sandbox block's, else user-kernel. 'none' is for "
+    "trusted flows only."
+)
 _IMAGE = "Image for container/kubernetes runtimes; it must bring Python and Prefect. Empty: the host's interpreter."
-_MEMORY = "Memory limit of the sandbox, e.g. 2Gi or 512Mi. Empty: the sandbox block's, else the runtime's default."
+_MEMORY = (
+    "Memory limit of the sandbox, e.g. 2Gi or 512Mi. Empty: the sandbox block's, else the runtime's default."
+)
 _CPUS = "CPU limit of the sandbox, e.g. 2, 0.5 or 500m. Empty: the sandbox block's, else unlimited."
-_SILENCE = ("Seconds without any event from the sandbox before it is presumed dead and the run marked Crashed. "
-            "Empty: the sandbox block's, else 600.")
-_EGRESS = ("Hosts the flow run may reach besides the Prefect API ('host' or 'host:port'; CIDRs on kubernetes). "
-           "Added to the sandbox block's. Everything else is refused.")
+_SILENCE = (
+    "Seconds without any event from the sandbox before it is presumed dead and the run marked Crashed. "
+    "Empty: the sandbox block's, else 600."
+)
+_EGRESS = (
+    "Hosts the flow run may reach besides the Prefect API ('host' or 'host:port'; CIDRs on kubernetes). "
+    "Added to the sandbox block's. Everything else is refused."
+)
 _SECRET_ENV = "Secret environment variables: masked in the UI, redacted from every log line and event."
-_SECRET_BLOCK = ("A Secret block holding a JSON object of secret environment variables {NAME: value}, merged "
-                 "with Secret Environment Variables.")
-_CONDUIT = "Where the worker and the sandbox exchange events. Empty: the sandbox block's, else a local directory."
+_SECRET_BLOCK = (
+    "A Secret block holding a JSON object of secret environment variables {NAME: value}, merged "
+    "with Secret Environment Variables."
+)
+_CONDUIT = (
+    "Where the worker and the sandbox exchange events. Empty: the sandbox block's, else a local directory."
+)
 _SANDBOX = "A saved Resoluto Sandbox block used as the base; the fields above override it where set."
-_WORKING_DIR = ("A host directory shipped into the sandbox as the flow run's working directory (a copy). "
-                "Empty: an empty directory; the deployment's pull steps fetch its code.")
+_WORKING_DIR = (
+    "A host directory shipped into the sandbox as the flow run's working directory (a copy). "
+    "Empty: an empty directory; the deployment's pull steps fetch its code."
+)
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
 
 
@@ -114,18 +130,22 @@ class ResolutoWorkerVariables(BaseVariables):
     """The variables of a ``resoluto`` pool's base job template (the UI's form)."""
 
     runtime: Optional[RuntimeName] = Field(default=None, title="Runtime", description=_RUNTIME)
-    min_isolation: Optional[IsolationName] = Field(default=None, title="Minimum Isolation",
-                                                   description=_MIN_ISOLATION)
+    min_isolation: Optional[IsolationName] = Field(
+        default=None, title="Minimum Isolation", description=_MIN_ISOLATION
+    )
     image: Optional[str] = Field(default=None, title="Image", description=_IMAGE)
     memory: Optional[str] = Field(default=None, title="Memory", description=_MEMORY, examples=["2Gi"])
     cpus: Optional[str] = Field(default=None, title="CPUs", description=_CPUS, examples=["1"])
-    silence_window: Optional[float] = Field(default=None, gt=0, title="Silence Window (seconds)",
-                                            description=_SILENCE)
+    silence_window: Optional[float] = Field(
+        default=None, gt=0, title="Silence Window (seconds)", description=_SILENCE
+    )
     egress: list[str] = Field(default_factory=list, title="Egress Allowlist", description=_EGRESS)
-    secret_env: dict[str, SecretStr] = Field(default_factory=dict, title="Secret Environment Variables",
-                                             description=_SECRET_ENV)
-    secret_env_block: Optional[_SecretBlock] = Field(default=None, title="Secret Environment Block",
-                                               description=_SECRET_BLOCK)
+    secret_env: dict[str, SecretStr] = Field(
+        default_factory=dict, title="Secret Environment Variables", description=_SECRET_ENV
+    )
+    secret_env_block: Optional[_SecretBlock] = Field(
+        default=None, title="Secret Environment Block", description=_SECRET_BLOCK
+    )
     conduit: Optional[ConduitBlock] = Field(default=None, title="Conduit", description=_CONDUIT)
     sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox Block", description=_SANDBOX)
     working_dir: Optional[Path] = Field(default=None, title="Working Directory", description=_WORKING_DIR)
@@ -205,8 +225,10 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
 def _secret_block_env(block: Secret[Any]) -> dict[str, str]:
     value = block.get()
     if not isinstance(value, dict):
-        raise ValueError("the secret environment block must hold a JSON object {NAME: value}, "
-                         f"not a {type(value).__name__}")
+        raise ValueError(
+            "the secret environment block must hold a JSON object {NAME: value}, "
+            f"not a {type(value).__name__}"
+        )
     return {str(k): str(v) for k, v in value.items()}
 
 
@@ -237,8 +259,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
     job_configuration = ResolutoJobConfiguration
     job_configuration_variables = ResolutoWorkerVariables
 
-    _description = ("Run each flow run in its own fresh sandbox (gVisor, a Kata microVM, a Kubernetes pod) that "
-                    "reaches the Prefect API and nothing else (prefect-resoluto).")
+    _description = (
+        "Run each flow run in its own fresh sandbox (gVisor, a Kata microVM, a Kubernetes pod) that "
+        "reaches the Prefect API and nothing else (prefect-resoluto)."
+    )
     _display_name = "Resoluto Sandbox"
     _documentation_url = "https://github.com/prefect-resoluto/prefect-resoluto/blob/main/docs/worker.md"
     _logo_url = "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc18bcf188fdad43c1d22ea9/assets/block-logos/process.png"
@@ -272,9 +296,14 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         def on_launch(handle: Any) -> None:
             handle_ids.append(handle.id)
-            logger.info("sandbox %s on %s (%s isolation); its events: conduit %s %s", handle.id, runtime.name,
-                        runtime.isolation.label, conduit.url,
-                        wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix))
+            logger.info(
+                "sandbox %s on %s (%s isolation); its events: conduit %s %s",
+                handle.id,
+                runtime.name,
+                runtime.isolation.label,
+                conduit.url,
+                wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix),
+            )
             loop.call_soon_threadsafe(launched.set)
 
         def on_event(ev: dict[str, Any]) -> None:
@@ -292,17 +321,25 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         def drive() -> NodeOutcome:
             try:
-                return drive_node(spec, conduit, runtime, on_event=on_event, min_isolation=cfg.min_isolation,
-                                  silence_window=cfg.silence_window, on_launch=on_launch,
-                                  should_cancel=live.cancel.is_set)
+                return drive_node(
+                    spec,
+                    conduit,
+                    runtime,
+                    on_event=on_event,
+                    min_isolation=cfg.min_isolation,
+                    silence_window=cfg.silence_window,
+                    on_launch=on_launch,
+                    should_cancel=live.cancel.is_set,
+                )
             finally:
                 conduit.close()
 
         outcome_future = live.outcome = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
         try:
             try:
-                outcome = await self._until_done(outcome_future, launched, flow_run, live, task_status,
-                                                 f"{runtime.name}:{fr_id}")
+                outcome = await self._until_done(
+                    outcome_future, launched, flow_run, live, task_status, f"{runtime.name}:{fr_id}"
+                )
             except Exception:
                 raise  # refused before launch (spec, isolation, egress): the base worker reports it
             except BaseException:
@@ -324,9 +361,15 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             raise RuntimeError(f"the sandbox could not start: {outcome.reason}")
         return await self._report(flow_run, outcome, live, list(evidence), logger, cfg.memory)
 
-    async def _until_done(self, outcome_future: asyncio.Future[NodeOutcome], launched: asyncio.Event,
-                          flow_run: FlowRun, live: _Live, task_status: anyio.abc.TaskStatus[str],
-                          infrastructure_pid: str) -> NodeOutcome:
+    async def _until_done(
+        self,
+        outcome_future: asyncio.Future[NodeOutcome],
+        launched: asyncio.Event,
+        flow_run: FlowRun,
+        live: _Live,
+        task_status: anyio.abc.TaskStatus[str],
+        infrastructure_pid: str,
+    ) -> NodeOutcome:
         """Report the start, then watch the run's state until the sandbox is done."""
         started = False
         while not outcome_future.done():
@@ -335,8 +378,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 started = True
             waiter = asyncio.ensure_future(launched.wait()) if not started else None
             pending = {outcome_future} | ({waiter} if waiter else set())
-            await asyncio.wait(pending, timeout=CANCEL_POLL_SECONDS if started else None,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                pending, timeout=CANCEL_POLL_SECONDS if started else None, return_when=asyncio.FIRST_COMPLETED
+            )
             if waiter is not None and not waiter.done():
                 waiter.cancel()
             if started and not outcome_future.done():
@@ -367,11 +411,20 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         if state is not None and (state.is_cancelling() or state.is_cancelled()):
             live.stop(CANCELLED)
 
-    async def _report(self, flow_run: FlowRun, outcome: NodeOutcome, live: _Live, evidence: list[str],
-                      logger: Any, memory: str | None) -> ResolutoWorkerResult:
+    async def _report(
+        self,
+        flow_run: FlowRun,
+        outcome: NodeOutcome,
+        live: _Live,
+        evidence: list[str],
+        logger: Any,
+        memory: str | None,
+    ) -> ResolutoWorkerResult:
         ident = f"{outcome.runtime}:{outcome.sandbox_id}"
         if live.why == DELETED:
-            self._logger.info("flow run %s was deleted; its sandbox %s was destroyed", flow_run.id, outcome.sandbox_id)
+            self._logger.info(
+                "flow run %s was deleted; its sandbox %s was destroyed", flow_run.id, outcome.sandbox_id
+            )
             return ResolutoWorkerResult(status_code=0, identifier=ident)
         if live.why == WORKER_STOPPED and not outcome.ok:
             await self._propose_crashed_state(flow_run, _stopped_message(outcome))
@@ -385,8 +438,13 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             return ResolutoWorkerResult(status_code=0, identifier=ident)
         if outcome.ok or outcome.failure == "workload":
             if not outcome.ok and evidence:
-                logger.info("sandbox output (last %d lines, from the conduit %s %s):\n%s", len(evidence),
-                            outcome.conduit_url, outcome.conduit_prefix, "\n".join(evidence))
+                logger.info(
+                    "sandbox output (last %d lines, from the conduit %s %s):\n%s",
+                    len(evidence),
+                    outcome.conduit_url,
+                    outcome.conduit_prefix,
+                    "\n".join(evidence),
+                )
             if not outcome.ok and not await self._run_is_final(flow_run):
                 # The engine died before it could report (killed, out of memory, a crash at
                 # import): say what the sandbox saw, before the base worker's generic message.
@@ -394,12 +452,23 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             return ResolutoWorkerResult(status_code=outcome.exit_code or 0, identifier=ident)
         # The sandbox itself failed: killed, OOM, lost, unstartable. Say so with its reason
         # before the base worker's generic non-zero exit message can.
-        logger.error("sandbox %s on %s (%s): %s\nsandbox output (last %d lines, from the conduit %s %s):\n%s",
-                     outcome.sandbox_id, outcome.runtime, outcome.isolation, outcome.failure, len(evidence),
-                     outcome.conduit_url, outcome.conduit_prefix, "\n".join(evidence) or "(none)")
-        await self._propose_crashed_state(flow_run, f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
-                                                    f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
-                                                    f"{outcome.reason}")
+        logger.error(
+            "sandbox %s on %s (%s): %s\nsandbox output (last %d lines, from the conduit %s %s):\n%s",
+            outcome.sandbox_id,
+            outcome.runtime,
+            outcome.isolation,
+            outcome.failure,
+            len(evidence),
+            outcome.conduit_url,
+            outcome.conduit_prefix,
+            "\n".join(evidence) or "(none)",
+        )
+        await self._propose_crashed_state(
+            flow_run,
+            f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
+            f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
+            f"{outcome.reason}",
+        )
         code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
         return ResolutoWorkerResult(status_code=code, identifier=ident)
 
@@ -409,8 +478,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         cfg = configuration.sandbox_config()
         runtime = cfg.build_runtime()  # which runtime, and whether it can run here
-        mounted = with_code_mounts(cfg, runtime.name, code_directories(configuration._pull_steps,
-                                                                       configuration._deployment_path))
+        mounted = with_code_mounts(
+            cfg, runtime.name, code_directories(configuration._pull_steps, configuration._deployment_path)
+        )
         if mounted.runtime_options != cfg.runtime_options:
             cfg = mounted.replace(runtime=runtime.name)
             runtime = cfg.build_runtime()
@@ -418,7 +488,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         env = {**cfg.env, **env}
         api_url = env.get("PREFECT_API_URL") or str(PREFECT_API_URL.value() or "")
         if not api_url:
-            raise ValueError("PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report")
+            raise ValueError(
+                "PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report"
+            )
         net = sandbox_network(runtime, api_url, cfg.egress)
         env.update(net.env)
         labels = {
@@ -451,8 +523,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg
 
-    async def kill_infrastructure(self, infrastructure_pid: str, configuration: ResolutoJobConfiguration,
-                                  grace_seconds: int = 30) -> None:
+    async def kill_infrastructure(
+        self, infrastructure_pid: str, configuration: ResolutoJobConfiguration, grace_seconds: int = 30
+    ) -> None:
         """Destroy the flow run's sandbox (``<runtime>:<flow run id>``), in this worker or not."""
         from prefect.exceptions import InfrastructureNotFound
 
@@ -482,13 +555,19 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         """A run already final is only flushing: its engine sends its batched logs and runs
         its completion hooks after the final state. Destroying its sandbox now would lose
         them (a gVisor engine needs a second or two for that), so it gets a grace first."""
-        finishing = [lv.outcome for lv in list(self._live.values())
-                     if lv.outcome is not None and not lv.outcome.done() and await self._run_is_final(lv.flow_run)]
+        finishing = [
+            lv.outcome
+            for lv in list(self._live.values())
+            if lv.outcome is not None and not lv.outcome.done() and await self._run_is_final(lv.flow_run)
+        ]
         if not finishing:
             return
-        self._logger.info("waiting up to %.0f s for %d finished flow run(s) to exit by themselves "
-                          "(their last logs and hooks) before destroying their sandboxes",
-                          FINISHING_GRACE_SECONDS, len(finishing))
+        self._logger.info(
+            "waiting up to %.0f s for %d finished flow run(s) to exit by themselves "
+            "(their last logs and hooks) before destroying their sandboxes",
+            FINISHING_GRACE_SECONDS,
+            len(finishing),
+        )
         await asyncio.wait(set(finishing), timeout=FINISHING_GRACE_SECONDS)
 
     def _sweep_own(self) -> None:
@@ -508,8 +587,10 @@ def _stream(line: str) -> None:
 
 def _died_message(outcome: NodeOutcome, memory: str | None) -> str:
     code = outcome.exit_code
-    msg = (f"Sandbox {outcome.sandbox_id} on {outcome.runtime}: the flow run's process exited with code {code} "
-           "before it reported a final state")
+    msg = (
+        f"Sandbox {outcome.sandbox_id} on {outcome.runtime}: the flow run's process exited with code {code} "
+        "before it reported a final state"
+    )
     if code in (137, -9):
         limit = f" (memory limit {memory})" if memory else ""
         msg += f"; it was killed by SIGKILL: out of memory{limit}, or killed from outside"

@@ -61,8 +61,12 @@ def py(code: str) -> list[str]:
 
 def spec(code: str, conduit: Path | None = None, **kw: object) -> LaunchSpec:
     return LaunchSpec(
-        sandbox_id=str(kw.pop("sandbox_id", new_id())), env=dict(kw.pop("env", {})),  # type: ignore[arg-type]
-        conduit_root=conduit, conduit_subdir=SUBDIR if conduit else "", command=py(code), **kw,  # type: ignore[arg-type]
+        sandbox_id=str(kw.pop("sandbox_id", new_id())),
+        env=dict(kw.pop("env", {})),  # type: ignore[arg-type]
+        conduit_root=conduit,
+        conduit_subdir=SUBDIR if conduit else "",
+        command=py(code),
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -77,8 +81,15 @@ def check_success(rt: SandboxRuntime, tmp_path: Path) -> None:
         "(d / 'hello.txt').write_text('from the guest ' + os.environ['GREETING'])\n"
         "print('guest says hello', os.getcwd() == os.environ['RESOLUTO_WORKSPACE_DIR'], flush=True)\n"
     )
-    h = rt.launch(spec(code, conduit, env={"GREETING": "hi", "RESOLUTO_STORE_ROOT": str(conduit)},
-                       labels={"suite": "success"}, resources=Resources(memory_bytes=512 << 20, cpus=1)))
+    h = rt.launch(
+        spec(
+            code,
+            conduit,
+            env={"GREETING": "hi", "RESOLUTO_STORE_ROOT": str(conduit)},
+            labels={"suite": "success"},
+            resources=Resources(memory_bytes=512 << 20, cpus=1),
+        )
+    )
     try:
         st = wait_terminal(rt, h)
         assert st.phase == "succeeded", (st, rt.logs(h))
@@ -192,7 +203,7 @@ def check_confinement(rt: SandboxRuntime) -> None:
             out = rt.logs(h)
             assert st.phase == "succeeded", (st, out)
             line = next(ln for ln in out.splitlines() if ln.startswith("PROBE "))
-            probe = json.loads(line[len("PROBE "):])
+            probe = json.loads(line[len("PROBE ") :])
         finally:
             rt.destroy(h)
         with pytest.raises(BlockingIOError):

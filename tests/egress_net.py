@@ -31,8 +31,16 @@ HOST = "198.18.0.2"
 HOST2 = "198.18.0.3"
 PRIVATE = "10.20.0.2"
 IMDS = "169.254.169.254"
-NAMES = ("api.example.test", "other.example.test", "files.example.test", "setup.example.test",
-         "private.example.test", "imds.example.test", "loop.example.test", "denied.example.test")
+NAMES = (
+    "api.example.test",
+    "other.example.test",
+    "files.example.test",
+    "setup.example.test",
+    "private.example.test",
+    "imds.example.test",
+    "loop.example.test",
+    "denied.example.test",
+)
 
 
 def _ip(*args: str) -> None:
@@ -58,9 +66,29 @@ class Hits:
 def make_cert(d: Path) -> tuple[Path, Path]:
     cert, key = d / "ca.pem", d / "key.pem"
     san = ",".join(f"DNS:{n}" for n in NAMES) + ",DNS:*.example.test"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=example.test",
-                    "-addext", f"subjectAltName={san}", "-days", "2", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=example.test",
+            "-addext",
+            f"subjectAltName={san}",
+            "-days",
+            "2",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -97,7 +125,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             chunk = b"x" * (1 << 20)
             try:
                 while n > 0:
-                    self.wfile.write(chunk[:min(n, len(chunk))])
+                    self.wfile.write(chunk[: min(n, len(chunk))])
                     n -= len(chunk)
             except OSError:
                 pass  # the client went away
@@ -190,9 +218,16 @@ class TestNet:
     @property
     def resolve(self) -> dict[str, str]:
         """egress_resolve for the test names."""
-        return {"api.example.test": HOST, "other.example.test": HOST2, "files.example.test": HOST,
-                "setup.example.test": HOST2, "private.example.test": PRIVATE, "imds.example.test": IMDS,
-                "loop.example.test": "127.0.0.1", "denied.example.test": HOST}
+        return {
+            "api.example.test": HOST,
+            "other.example.test": HOST2,
+            "files.example.test": HOST,
+            "setup.example.test": HOST2,
+            "private.example.test": PRIVATE,
+            "imds.example.test": IMDS,
+            "loop.example.test": "127.0.0.1",
+            "denied.example.test": HOST,
+        }
 
     def close(self) -> None:
         for c in self._closers:
@@ -232,10 +267,15 @@ def build(tmp: Path, tag: str) -> TestNet:
         tls.load_cert_chain(cert, key)
         hits, udp_hits, loop_hits = Hits(), Hits(), Hits()
         net = TestNet(up, inet, cert, hits, udp_hits, loop_hits)
-        net._closers += [_server_in(inet, 443, hits, tls), _server_in(inet, 80, hits),
-                         _server_in(inet, 8443, hits, tls), *_echo_in(inet, 7, hits, udp_hits),
-                         # Where a proxy that dialled "loopback" would land: the uplink's lo.
-                         _server_in(up, 443, loop_hits, tls), _server_in(up, 80, loop_hits)]
+        net._closers += [
+            _server_in(inet, 443, hits, tls),
+            _server_in(inet, 80, hits),
+            _server_in(inet, 8443, hits, tls),
+            *_echo_in(inet, 7, hits, udp_hits),
+            # Where a proxy that dialled "loopback" would land: the uplink's lo.
+            _server_in(up, 443, loop_hits, tls),
+            _server_in(up, 80, loop_hits),
+        ]
         return net
     except Exception:
         netns.delete(inet)

@@ -60,19 +60,29 @@ class Cluster:
 
         return ApiClient(self.configuration(token, server))
 
-    def write_kubeconfig(self, path: Path, contexts: dict[str, str], current: str | None = None,
-                         token: str | None = None, server: str | None = None) -> str:
+    def write_kubeconfig(
+        self,
+        path: Path,
+        contexts: dict[str, str],
+        current: str | None = None,
+        token: str | None = None,
+        server: str | None = None,
+    ) -> str:
         """A kubeconfig whose contexts (name -> namespace) all point at this cluster."""
         import yaml
 
         c = f"cluster-{path.name}"  # unique per file: merged kubeconfigs resolve names first-wins
         doc = {
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": c, "cluster": {"server": server or self.server,
-                                                        "certificate-authority": self.ca}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {"name": c, "cluster": {"server": server or self.server, "certificate-authority": self.ca}}
+            ],
             "users": [{"name": c, "user": {"token": token or self.token}}],
-            "contexts": [{"name": n, "context": {"cluster": c, "user": c, "namespace": ns}}
-                         for n, ns in contexts.items()],
+            "contexts": [
+                {"name": n, "context": {"cluster": c, "user": c, "namespace": ns}}
+                for n, ns in contexts.items()
+            ],
         }
         if current:
             doc["current-context"] = current
@@ -87,8 +97,10 @@ def _why_no_cluster() -> str:
         return "the node agent runs gVisor sandboxes, which needs root here"
     st = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
     if st.returncode != 0:
-        return (f"no Kubernetes build ({st.stdout.strip() or st.stderr.strip()}); scripts/setup.sh builds it "
-                "with 'scripts/k8s-local-cluster.sh build' (Debian bookworm's kubernetes source package)")
+        return (
+            f"no Kubernetes build ({st.stdout.strip() or st.stderr.strip()}); scripts/setup.sh builds it "
+            "with 'scripts/k8s-local-cluster.sh build' (Debian bookworm's kubernetes source package)"
+        )
     return ""
 
 
@@ -96,21 +108,34 @@ def _why_no_cluster() -> str:
 def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     why = _why_no_cluster()
     if why:
-        bookworm = "bookworm" in Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else False
+        bookworm = (
+            "bookworm" in Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else False
+        )
         if os.environ.get("CI") and bookworm:
             # CI ran scripts/setup.sh, which builds it on bookworm: a missing build is a failure there.
             pytest.fail(f"genuine kube-apiserver unavailable on a bookworm CI machine: {why}")
         pytest.skip(f"genuine kube-apiserver unavailable: {why}")
     d = tmp_path_factory.mktemp("k8s")
     t0 = time.monotonic()
-    up = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())})
+    up = subprocess.run(
+        ["bash", str(SCRIPT), "up", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())},
+    )
     if up.returncode != 0:
         subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
         pytest.fail(f"k8s-local-cluster.sh up failed:\n{up.stderr[-4000:]}")
     env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
-    cluster = Cluster(dir=d, kubeconfig=env["KUBECONFIG"], server=env["RESOLUTO_K8S_SERVER"],
-                      token=env["RESOLUTO_K8S_TOKEN"], ca=env["RESOLUTO_K8S_CA"], start_s=time.monotonic() - t0)
+    cluster = Cluster(
+        dir=d,
+        kubeconfig=env["KUBECONFIG"],
+        server=env["RESOLUTO_K8S_SERVER"],
+        token=env["RESOLUTO_K8S_TOKEN"],
+        ca=env["RESOLUTO_K8S_CA"],
+        start_s=time.monotonic() - t0,
+    )
     print(f"\nk8s: control plane up in {cluster.start_s:.1f}s at {cluster.server}")
     try:
         _bootstrap(cluster)
@@ -127,8 +152,14 @@ def _bootstrap(cluster: Cluster) -> None:
     node = client.NodeV1Api(api)
     for name, handler in (("gvisor", "runsc"), ("runsc", "runsc"), ("kata", "kata")):
         try:
-            node.create_runtime_class({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                                       "metadata": {"name": name}, "handler": handler})
+            node.create_runtime_class(
+                {
+                    "apiVersion": "node.k8s.io/v1",
+                    "kind": "RuntimeClass",
+                    "metadata": {"name": name},
+                    "handler": handler,
+                }
+            )
         except ApiException as e:
             if e.status != 409:
                 raise
@@ -160,8 +191,9 @@ def k8s_agent(k8s_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
 
     def ready() -> bool:
         n = core.read_node(agent.name)
-        return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) \
-            and not any(t.effect == "NoSchedule" for t in (n.spec.taints or []))
+        return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
+            t.effect == "NoSchedule" for t in (n.spec.taints or [])
+        )
 
     wait_for(ready, timeout=60, what=f"node {agent.name} Ready and untainted")
     try:
@@ -169,7 +201,10 @@ def k8s_agent(k8s_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         agent.stop()
         if agent.errors:
-            print(f"\nk8s node agent errors ({len(agent.errors)}):\n  " + "\n  ".join(e[:300] for e in agent.errors[-10:]))
+            print(
+                f"\nk8s node agent errors ({len(agent.errors)}):\n  "
+                + "\n  ".join(e[:300] for e in agent.errors[-10:])
+            )
         shutil.rmtree(agent.work, ignore_errors=True)
 
 

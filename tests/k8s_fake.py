@@ -55,8 +55,13 @@ RESOURCES = {
     # resource: (kind, apiVersion, model, list kind, path prefix)
     "pods": ("Pod", "v1", "V1Pod", "PodList", "/api/v1"),
     "secrets": ("Secret", "v1", "V1Secret", "SecretList", "/api/v1"),
-    "networkpolicies": ("NetworkPolicy", "networking.k8s.io/v1", "V1NetworkPolicy", "NetworkPolicyList",
-                        "/apis/networking.k8s.io/v1"),
+    "networkpolicies": (
+        "NetworkPolicy",
+        "networking.k8s.io/v1",
+        "V1NetworkPolicy",
+        "NetworkPolicyList",
+        "/apis/networking.k8s.io/v1",
+    ),
 }
 _PATH = re.compile(
     r"^(?P<prefix>/api/v1|/apis/networking\.k8s\.io/v1)/namespaces/(?P<ns>[^/]+)/(?P<res>[a-z]+)"
@@ -69,12 +74,35 @@ _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?\d+)?$")
 _KNOWN_QUERY = {
-    "labelSelector", "fieldSelector", "limit", "continue", "resourceVersion", "resourceVersionMatch",
-    "timeoutSeconds", "watch", "allowWatchBookmarks", "sendInitialEvents", "fieldValidation", "pretty",
-    "dryRun", "fieldManager", "force", "gracePeriodSeconds", "propagationPolicy", "orphanDependents",
+    "labelSelector",
+    "fieldSelector",
+    "limit",
+    "continue",
+    "resourceVersion",
+    "resourceVersionMatch",
+    "timeoutSeconds",
+    "watch",
+    "allowWatchBookmarks",
+    "sendInitialEvents",
+    "fieldValidation",
+    "pretty",
+    "dryRun",
+    "fieldManager",
+    "force",
+    "gracePeriodSeconds",
+    "propagationPolicy",
+    "orphanDependents",
     "ignoreStoreReadErrorWithClusterBreakingPotential",
-    "container", "tailLines", "follow", "previous", "timestamps", "limitBytes", "sinceSeconds", "sinceTime",
-    "insecureSkipTLSVerifyBackend", "stream",
+    "container",
+    "tailLines",
+    "follow",
+    "previous",
+    "timestamps",
+    "limitBytes",
+    "sinceSeconds",
+    "sinceTime",
+    "insecureSkipTLSVerifyBackend",
+    "stream",
 }
 
 
@@ -83,22 +111,36 @@ def _now() -> str:
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str, details: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        code: int,
+        reason: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code, self.reason, self.message = code, reason, message
         self.details = details or {}
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                               "message": self.message, "reason": self.reason, "code": self.code}
+        out: dict[str, Any] = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
         if self.details:
             out["details"] = self.details
         return out
 
 
 # -- schema checks against the official client's models ------------------------------------------
+
 
 def unknown_fields(data: Any, type_name: str, path: str = "") -> list[str]:
     """Paths of fields in ``data`` that the client model ``type_name`` does not declare."""
@@ -150,6 +192,7 @@ def decode_model(raw: str, type_name: str) -> Any:
 
 
 # -- label selectors -----------------------------------------------------------------------------
+
 
 @dataclass
 class Requirement:
@@ -233,17 +276,24 @@ def parse_selector(text: str) -> list[Requirement]:
             raise bad(f"invalid label key {req.key!r}")
         for v in req.values:
             if not _valid_label_value(v):
-                raise bad(f"invalid label value: {v!r}: a valid label must be an empty string or consist "
-                          "of alphanumeric characters, '-', '_' or '.'")
+                raise bad(
+                    f"invalid label value: {v!r}: a valid label must be an empty string or consist "
+                    "of alphanumeric characters, '-', '_' or '.'"
+                )
         reqs.append(req)
     return reqs
 
 
 # -- server-side validation ------------------------------------------------------------------------
 
+
 def _invalid(kind: str, name: str, causes: list[str]) -> ApiError:
-    return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(causes),
-                    {"name": name, "kind": kind.lower(), "causes": [{"message": c} for c in causes]})
+    return ApiError(
+        422,
+        "Invalid",
+        f'{kind} "{name}" is invalid: ' + "; ".join(causes),
+        {"name": name, "kind": kind.lower(), "causes": [{"message": c} for c in causes]},
+    )
 
 
 def _check_meta(meta: dict[str, Any], causes: list[str]) -> None:
@@ -251,16 +301,20 @@ def _check_meta(meta: dict[str, Any], causes: list[str]) -> None:
     if not name:
         causes.append("metadata.name: Required value: name or generateName is required")
     elif len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
-        causes.append(f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist "
-                      "of lower case alphanumeric characters, '-' or '.'")
+        causes.append(
+            f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist "
+            "of lower case alphanumeric characters, '-' or '.'"
+        )
     for k, v in (meta.get("labels") or {}).items():
         if not _valid_label_key(k):
             causes.append(f"metadata.labels: Invalid value: {k!r}: not a valid label key")
         if not isinstance(v, str) or not _valid_label_value(v):
-            causes.append(f"metadata.labels: Invalid value: {v!r}: a valid label must be an empty string or "
-                          "consist of alphanumeric characters, '-', '_' or '.', and must start and end with "
-                          "an alphanumeric character (max 63)")
-    for k in (meta.get("annotations") or {}):
+            causes.append(
+                f"metadata.labels: Invalid value: {v!r}: a valid label must be an empty string or "
+                "consist of alphanumeric characters, '-', '_' or '.', and must start and end with "
+                "an alphanumeric character (max 63)"
+            )
+    for k in meta.get("annotations") or {}:
         if not _valid_label_key(k):
             causes.append(f"metadata.annotations: Invalid value: {k!r}: not a valid annotation key")
     for i, ref in enumerate(meta.get("ownerReferences") or []):
@@ -275,8 +329,21 @@ def _quantity_ok(q: Any) -> bool:
 
 def _quantity_value(q: Any) -> float:
     s = str(q)
-    units = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    units = {
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "P": 1e15,
+        "E": 1e18,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "Pi": 2**50,
+        "Ei": 2**60,
+    }
     for u in sorted(units, key=len, reverse=True):
         if s.endswith(u):
             return float(s[: -len(u)]) * units[u]
@@ -312,9 +379,13 @@ def validate_pod(obj: dict[str, Any], causes: list[str]) -> None:
         for j, e in enumerate(c.get("env") or []):
             ew = f"{where}.env[{j}]"
             if not _ENV_NAME.match(e.get("name", "")):
-                causes.append(f"{ew}.name: Invalid value: {e.get('name')!r}: a valid environment variable name")
+                causes.append(
+                    f"{ew}.name: Invalid value: {e.get('name')!r}: a valid environment variable name"
+                )
             if "value" in e and e.get("valueFrom") is not None:
-                causes.append(f"{ew}.valueFrom: Invalid value: may not be specified when `value` is not empty")
+                causes.append(
+                    f"{ew}.valueFrom: Invalid value: may not be specified when `value` is not empty"
+                )
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")
             if ref is not None:
                 if not ref.get("name"):
@@ -325,27 +396,37 @@ def validate_pod(obj: dict[str, Any], causes: list[str]) -> None:
         for section in ("requests", "limits"):
             for rname, q in (res.get(section) or {}).items():
                 if not _quantity_ok(q):
-                    causes.append(f"{where}.resources.{section}[{rname}]: Invalid value: {q!r}: quantities "
-                                  "must match the regular expression")
+                    causes.append(
+                        f"{where}.resources.{section}[{rname}]: Invalid value: {q!r}: quantities "
+                        "must match the regular expression"
+                    )
         for rname, q in (res.get("requests") or {}).items():
             lim = (res.get("limits") or {}).get(rname)
-            if lim is not None and _quantity_ok(q) and _quantity_ok(lim) and \
-                    _quantity_value(q) > _quantity_value(lim):
-                causes.append(f"{where}.resources.requests: Invalid value: {q!r}: must be less than or equal "
-                              f"to {rname} limit of {lim}")
+            if (
+                lim is not None
+                and _quantity_ok(q)
+                and _quantity_ok(lim)
+                and _quantity_value(q) > _quantity_value(lim)
+            ):
+                causes.append(
+                    f"{where}.resources.requests: Invalid value: {q!r}: must be less than or equal "
+                    f"to {rname} limit of {lim}"
+                )
         for j, vm in enumerate(c.get("volumeMounts") or []):
             if vm.get("name") not in volumes:
                 causes.append(f"{where}.volumeMounts[{j}].name: Not found: {vm.get('name')!r}")
             if not str(vm.get("mountPath", "")).startswith("/"):
                 causes.append(f"{where}.volumeMounts[{j}].mountPath: Invalid value: must be absolute")
-        caps = ((c.get("securityContext") or {}).get("capabilities") or {})
+        caps = (c.get("securityContext") or {}).get("capabilities") or {}
         for cap in (caps.get("drop") or []) + (caps.get("add") or []):
             if not re.match(r"^[A-Z_]+$", cap):
                 causes.append(f"{where}.securityContext.capabilities: Invalid value: {cap!r}")
         sec = c.get("securityContext") or {}
         if sec.get("privileged") and sec.get("allowPrivilegeEscalation") is False:
-            causes.append(f"{where}.securityContext: Invalid value: cannot set `allowPrivilegeEscalation` "
-                          "to false and `privileged` to true")
+            causes.append(
+                f"{where}.securityContext: Invalid value: cannot set `allowPrivilegeEscalation` "
+                "to false and `privileged` to true"
+            )
     for t in spec.get("tolerations") or []:
         if t.get("operator") not in (None, "Equal", "Exists"):
             causes.append(f"spec.tolerations.operator: Unsupported value: {t.get('operator')!r}")
@@ -378,8 +459,9 @@ def validate_network_policy(obj: dict[str, Any], causes: list[str]) -> None:
             for j, peer in enumerate(rule.get(peers_key) or []):
                 pw = f"spec.{direction}[{i}].{peers_key}[{j}]"
                 block = peer.get("ipBlock")
-                if block is not None and (peer.get("podSelector") is not None
-                                          or peer.get("namespaceSelector") is not None):
+                if block is not None and (
+                    peer.get("podSelector") is not None or peer.get("namespaceSelector") is not None
+                ):
                     causes.append(f"{pw}: Forbidden: may not specify both ipBlock and another peer")
                 if block is None:
                     if peer.get("podSelector") is None and peer.get("namespaceSelector") is None:
@@ -388,10 +470,15 @@ def validate_network_policy(obj: dict[str, Any], causes: list[str]) -> None:
                 net = _cidr(block.get("cidr"), f"{pw}.ipBlock.cidr", causes)
                 for k, ex in enumerate(block.get("except") or []):
                     exn = _cidr(ex, f"{pw}.ipBlock.except[{k}]", causes)
-                    if net is not None and exn is not None and (
-                            exn.version != net.version or not exn.subnet_of(net) or exn == net):
-                        causes.append(f"{pw}.ipBlock.except[{k}]: Invalid value: {ex!r}: must be a strict "
-                                      "subset of `cidr`")
+                    if (
+                        net is not None
+                        and exn is not None
+                        and (exn.version != net.version or not exn.subnet_of(net) or exn == net)
+                    ):
+                        causes.append(
+                            f"{pw}.ipBlock.except[{k}]: Invalid value: {ex!r}: must be a strict "
+                            "subset of `cidr`"
+                        )
 
 
 def validate_secret(obj: dict[str, Any], causes: list[str]) -> None:
@@ -403,7 +490,7 @@ def validate_secret(obj: dict[str, Any], causes: list[str]) -> None:
             total += len(base64.b64decode(v, validate=True))
         except (binascii.Error, TypeError, ValueError):
             causes.append(f"data[{k}]: Invalid value: illegal base64 data")
-    for k in (obj.get("stringData") or {}):
+    for k in obj.get("stringData") or {}:
         if not _SECRET_KEY.match(k):
             causes.append(f"stringData[{k}]: Invalid value: {k!r}")
     if total > 1024 * 1024:
@@ -411,11 +498,14 @@ def validate_secret(obj: dict[str, Any], causes: list[str]) -> None:
 
 
 VALIDATORS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
-    "pods": validate_pod, "networkpolicies": validate_network_policy, "secrets": validate_secret,
+    "pods": validate_pod,
+    "networkpolicies": validate_network_policy,
+    "secrets": validate_secret,
 }
 
 
 # -- the fake itself -------------------------------------------------------------------------------
+
 
 @dataclass
 class Request:
@@ -444,9 +534,14 @@ class _Fault:
 class FakeKube:
     """The API server + kubelet stand-in. Use as a context manager or start()/stop()."""
 
-    def __init__(self, namespaces: tuple[str, ...] = ("resoluto-sandboxes",),
-                 runtime_classes: tuple[str, ...] = ("kata", "gvisor"), *,
-                 token: str | None = None, user: str = "system:serviceaccount:ci:resoluto") -> None:
+    def __init__(
+        self,
+        namespaces: tuple[str, ...] = ("resoluto-sandboxes",),
+        runtime_classes: tuple[str, ...] = ("kata", "gvisor"),
+        *,
+        token: str | None = None,
+        user: str = "system:serviceaccount:ci:resoluto",
+    ) -> None:
         self.namespaces = set(namespaces)
         self.runtime_classes = set(runtime_classes)
         self.token = token
@@ -470,8 +565,9 @@ class FakeKube:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
-                                        name="k8s-fake", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="k8s-fake", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -505,10 +601,13 @@ class FakeKube:
     def api_client(self) -> ApiClient:
         return ApiClient(configuration=self.configuration())
 
-    def write_kubeconfig(self, path: str, contexts: tuple[str, ...] = ("fake",), current: str | None = None) -> str:
+    def write_kubeconfig(
+        self, path: str, contexts: tuple[str, ...] = ("fake",), current: str | None = None
+    ) -> str:
         user: dict[str, Any] = {"token": self.token} if self.token else {}
         doc = {
-            "apiVersion": "v1", "kind": "Config",
+            "apiVersion": "v1",
+            "kind": "Config",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
             "users": [{"name": "fake", "user": user}],
             "contexts": [{"name": c, "context": {"cluster": "fake", "user": "fake"}} for c in contexts],
@@ -520,8 +619,16 @@ class FakeKube:
 
     # -- fault injection --------------------------------------------------------------------------
 
-    def fail(self, verb: str, resource: str, status: int, times: int = 1, message: str | None = None,
-             retry_after: int | None = None, after: bool = False) -> None:
+    def fail(
+        self,
+        verb: str,
+        resource: str,
+        status: int,
+        times: int = 1,
+        message: str | None = None,
+        retry_after: int | None = None,
+        after: bool = False,
+    ) -> None:
         """The next ``times`` ``verb`` requests on ``resource`` answer ``status``.
 
         ``after=True`` applies the request first and then answers the error (a response
@@ -557,8 +664,11 @@ class FakeKube:
 
     def calls(self, verb: str | None = None, resource: str | None = None) -> list[Request]:
         with self._lock:
-            return [r for r in self.requests
-                    if (verb is None or r.verb == verb) and (resource is None or r.resource == resource)]
+            return [
+                r
+                for r in self.requests
+                if (verb is None or r.verb == verb) and (resource is None or r.resource == resource)
+            ]
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
         """Poll ``predicate`` until truthy (returns it) or fail after ``timeout`` seconds."""
@@ -586,10 +696,21 @@ class FakeKube:
             mutate(pod)
             self._touch(pod)
 
-    def _cstatus(self, pod: dict[str, Any], state: dict[str, Any], ready: bool = False) -> list[dict[str, Any]]:
+    def _cstatus(
+        self, pod: dict[str, Any], state: dict[str, Any], ready: bool = False
+    ) -> list[dict[str, Any]]:
         c = pod["spec"]["containers"][0]
-        return [{"name": c["name"], "image": c["image"], "imageID": "", "ready": ready, "restartCount": 0,
-                 "started": "running" in state, "state": state}]
+        return [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": "",
+                "ready": ready,
+                "restartCount": 0,
+                "started": "running" in state,
+                "state": state,
+            }
+        ]
 
     def schedule(self, name: str, namespace: str = "resoluto-sandboxes", node: str = "fake-node-1") -> None:
         def m(pod: dict[str, Any]) -> None:
@@ -599,6 +720,7 @@ class FakeKube:
             st["hostIP"] = "10.0.0.10"
             st["startTime"] = _now()
             st["containerStatuses"] = self._cstatus(pod, {"waiting": {"reason": "ContainerCreating"}})
+
         self._set(name, namespace, m)
 
     def set_running(self, name: str, namespace: str = "resoluto-sandboxes") -> None:
@@ -606,81 +728,135 @@ class FakeKube:
             st = pod["status"]
             st["phase"] = "Running"
             st["podIP"] = "10.244.0.17"
-            st["conditions"] = [{"type": t, "status": "True", "lastTransitionTime": _now()}
-                                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+            st["conditions"] = [
+                {"type": t, "status": "True", "lastTransitionTime": _now()}
+                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            ]
             st["containerStatuses"] = self._cstatus(pod, {"running": {"startedAt": _now()}}, ready=True)
+
         if not self.get("pods", name, namespace)["spec"].get("nodeName"):
             self.schedule(name, namespace)
         self._set(name, namespace, m)
 
-    def terminate(self, name: str, exit_code: int, reason: str | None = None, message: str | None = None,
-                  namespace: str = "resoluto-sandboxes", pod_reason: str | None = None,
-                  pod_message: str | None = None, disruption: tuple[str, str] | None = None) -> None:
+    def terminate(
+        self,
+        name: str,
+        exit_code: int,
+        reason: str | None = None,
+        message: str | None = None,
+        namespace: str = "resoluto-sandboxes",
+        pod_reason: str | None = None,
+        pod_message: str | None = None,
+        disruption: tuple[str, str] | None = None,
+    ) -> None:
         def m(pod: dict[str, Any]) -> None:
             st = pod["status"]
-            term: dict[str, Any] = {"exitCode": exit_code,
-                                    "reason": reason or ("Completed" if exit_code == 0 else "Error"),
-                                    "startedAt": _now(), "finishedAt": _now()}
+            term: dict[str, Any] = {
+                "exitCode": exit_code,
+                "reason": reason or ("Completed" if exit_code == 0 else "Error"),
+                "startedAt": _now(),
+                "finishedAt": _now(),
+            }
             if message:
                 term["message"] = message
             st["phase"] = "Succeeded" if exit_code == 0 and not pod_reason and not disruption else "Failed"
             st["containerStatuses"] = self._cstatus(pod, {"terminated": term})
-            conds = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()},
-                     {"type": "Ready", "status": "False", "reason": "PodCompleted",
-                      "lastTransitionTime": _now()}]
+            conds = [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()},
+                {"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": _now()},
+            ]
             if disruption:
-                conds.append({"type": "DisruptionTarget", "status": "True", "reason": disruption[0],
-                              "message": disruption[1], "lastTransitionTime": _now()})
+                conds.append(
+                    {
+                        "type": "DisruptionTarget",
+                        "status": "True",
+                        "reason": disruption[0],
+                        "message": disruption[1],
+                        "lastTransitionTime": _now(),
+                    }
+                )
             st["conditions"] = conds
             if pod_reason:
                 st["reason"] = pod_reason
             if pod_message:
                 st["message"] = pod_message
+
         self._set(name, namespace, m)
 
-    def image_pull_backoff(self, name: str, namespace: str = "resoluto-sandboxes",
-                           reason: str = "ImagePullBackOff") -> None:
+    def image_pull_backoff(
+        self, name: str, namespace: str = "resoluto-sandboxes", reason: str = "ImagePullBackOff"
+    ) -> None:
         def m(pod: dict[str, Any]) -> None:
             image = pod["spec"]["containers"][0]["image"]
-            pod["status"]["containerStatuses"] = self._cstatus(pod, {"waiting": {
-                "reason": reason, "message": f'Back-off pulling image "{image}"'}})
+            pod["status"]["containerStatuses"] = self._cstatus(
+                pod, {"waiting": {"reason": reason, "message": f'Back-off pulling image "{image}"'}}
+            )
+
         self.schedule(name, namespace)
         self._set(name, namespace, m)
 
-    def container_waiting(self, name: str, reason: str, message: str,
-                          namespace: str = "resoluto-sandboxes") -> None:
+    def container_waiting(
+        self, name: str, reason: str, message: str, namespace: str = "resoluto-sandboxes"
+    ) -> None:
         def m(pod: dict[str, Any]) -> None:
-            pod["status"]["containerStatuses"] = self._cstatus(pod, {"waiting": {
-                "reason": reason, "message": message}})
+            pod["status"]["containerStatuses"] = self._cstatus(
+                pod, {"waiting": {"reason": reason, "message": message}}
+            )
+
         if not self.get("pods", name, namespace)["spec"].get("nodeName"):
             self.schedule(name, namespace)
         self._set(name, namespace, m)
 
     def unschedulable(self, name: str, message: str, namespace: str = "resoluto-sandboxes") -> None:
         def m(pod: dict[str, Any]) -> None:
-            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": message, "lastTransitionTime": _now()}]
+            pod["status"]["conditions"] = [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": message,
+                    "lastTransitionTime": _now(),
+                }
+            ]
+
         self._set(name, namespace, m)
 
     def oom_kill(self, name: str, namespace: str = "resoluto-sandboxes") -> None:
         self.terminate(name, 137, reason="OOMKilled", namespace=namespace)
 
-    def evict(self, name: str, message: str = "The node was low on resource: memory.",
-              namespace: str = "resoluto-sandboxes") -> None:
-        self.terminate(name, 137, namespace=namespace, pod_reason="Evicted", pod_message=message,
-                       disruption=("TerminationByKubelet", message))
+    def evict(
+        self,
+        name: str,
+        message: str = "The node was low on resource: memory.",
+        namespace: str = "resoluto-sandboxes",
+    ) -> None:
+        self.terminate(
+            name,
+            137,
+            namespace=namespace,
+            pod_reason="Evicted",
+            pod_message=message,
+            disruption=("TerminationByKubelet", message),
+        )
 
     def node_lost(self, name: str, namespace: str = "resoluto-sandboxes", legacy: bool = False) -> None:
         if legacy:  # older clusters: phase Unknown, reason NodeLost
+
             def m(pod: dict[str, Any]) -> None:
                 pod["status"]["phase"] = "Unknown"
                 pod["status"]["reason"] = "NodeLost"
                 pod["status"]["message"] = "Node fake-node-1 which was running pod is unresponsive"
+
             self._set(name, namespace, m)
             return
-        self.terminate(name, 137, reason="ContainerStatusUnknown",
-                       message="The container could not be located when the pod was terminated",
-                       namespace=namespace, disruption=("DeletionByPodGC", "PodGC: node no longer exists"))
+        self.terminate(
+            name,
+            137,
+            reason="ContainerStatusUnknown",
+            message="The container could not be located when the pod was terminated",
+            namespace=namespace,
+            disruption=("DeletionByPodGC", "PodGC: node no longer exists"),
+        )
 
     def delete_externally(self, name: str, namespace: str = "resoluto-sandboxes") -> None:
         """``kubectl delete pod --grace-period=0 --force``."""
@@ -708,8 +884,11 @@ class FakeKube:
         meta = body.setdefault("metadata", {})
         name = meta.get("name", "")
         if meta.get("namespace") not in (None, namespace):
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the "
-                                              "namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         causes: list[str] = []
         _check_meta(meta, causes)
         VALIDATORS[resource](body, causes)
@@ -717,18 +896,33 @@ class FakeKube:
             raise _invalid(kind, name, causes)
         with self._lock:
             if namespace not in self.namespaces:
-                raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found',
-                               {"name": namespace, "kind": "namespaces"})
+                raise ApiError(
+                    404,
+                    "NotFound",
+                    f'namespaces "{namespace}" not found',
+                    {"name": namespace, "kind": "namespaces"},
+                )
             if resource == "pods":
                 rc = body["spec"].get("runtimeClassName")
                 if rc is not None and rc not in self.runtime_classes:
-                    raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: pod rejected: '
-                                                     f'RuntimeClass "{rc}" not found')
+                    raise ApiError(
+                        403,
+                        "Forbidden",
+                        f'pods "{name}" is forbidden: pod rejected: RuntimeClass "{rc}" not found',
+                    )
             if (namespace, name) in self.objects[resource]:
-                raise ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists',
-                               {"name": name, "kind": resource})
-            meta.update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=_now(),
-                        resourceVersion=str(next(self._rv)))
+                raise ApiError(
+                    409,
+                    "AlreadyExists",
+                    f'{resource} "{name}" already exists',
+                    {"name": name, "kind": resource},
+                )
+            meta.update(
+                namespace=namespace,
+                uid=str(uuid.uuid4()),
+                creationTimestamp=_now(),
+                resourceVersion=str(next(self._rv)),
+            )
             if resource == "networkpolicies":
                 meta["generation"] = 1
             if resource == "secrets":
@@ -759,21 +953,34 @@ class FakeKube:
         if body.get("kind") != kind or body.get("apiVersion") != api_version:
             if not body.get("kind"):
                 raise ApiError(400, "BadRequest", f"Object 'Kind' is missing in '{raw[:200]}'")
-            raise ApiError(400, "BadRequest", f"the API version in the data ({body.get('apiVersion')}) "
-                                              f"does not match the expected API version ({api_version}) "
-                                              f"or kind {body.get('kind')!r} is not {kind!r}")
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"the API version in the data ({body.get('apiVersion')}) "
+                f"does not match the expected API version ({api_version}) "
+                f"or kind {body.get('kind')!r} is not {kind!r}",
+            )
         extra = unknown_fields(body, model)
         if extra:
-            raise ApiError(400, "BadRequest", f"{kind} in version \"{api_version.split('/')[-1]}\" cannot be "
-                                              "handled as a " + kind + ": strict decoding error: " +
-                           ", ".join(f'unknown field "{p}"' for p in extra))
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'{kind} in version "{api_version.split("/")[-1]}" cannot be '
+                "handled as a "
+                + kind
+                + ": strict decoding error: "
+                + ", ".join(f'unknown field "{p}"' for p in extra),
+            )
         decode_model(raw, model)
 
     def _patch(self, resource: str, namespace: str, name: str, content_type: str, raw: str) -> dict[str, Any]:
         kind, _, model, _, _ = RESOURCES[resource]
         if content_type != "application/merge-patch+json":
-            raise ApiError(415, "UnsupportedMediaType",
-                           f"the fake supports only application/merge-patch+json, got {content_type!r}")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the fake supports only application/merge-patch+json, got {content_type!r}",
+            )
         try:
             patch = json.loads(raw)
         except ValueError as e:
@@ -781,21 +988,35 @@ class FakeKube:
         with self._lock:
             current = self.objects[resource].get((namespace, name))
             if current is None:
-                raise ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+                raise ApiError(
+                    404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource}
+                )
             merged = _merge_patch(json.loads(json.dumps(current)), patch)
             for fixed in ("uid", "creationTimestamp", "namespace", "name"):
                 if merged["metadata"].get(fixed) != current["metadata"].get(fixed):
                     raise _invalid(kind, name, [f"metadata.{fixed}: Invalid value: field is immutable"])
-            if resource == "secrets" and current.get("immutable") and (
-                    merged.get("data") != current.get("data") or merged.get("immutable") is not True):
+            if (
+                resource == "secrets"
+                and current.get("immutable")
+                and (merged.get("data") != current.get("data") or merged.get("immutable") is not True)
+            ):
                 raise _invalid(kind, name, ["data: Forbidden: field is immutable when `immutable` is set"])
             if resource == "pods" and merged.get("spec") != current.get("spec"):
-                raise _invalid(kind, name, ["spec: Forbidden: pod updates may not change fields other "
-                                            "than image, activeDeadlineSeconds and tolerations"])
+                raise _invalid(
+                    kind,
+                    name,
+                    [
+                        "spec: Forbidden: pod updates may not change fields other "
+                        "than image, activeDeadlineSeconds and tolerations"
+                    ],
+                )
             extra = unknown_fields(merged, model)
             if extra:
-                raise ApiError(400, "BadRequest", "strict decoding error: " +
-                               ", ".join(f'unknown field "{p}"' for p in extra))
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    "strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in extra),
+                )
             causes: list[str] = []
             _check_meta(merged["metadata"], causes)
             VALIDATORS[resource](merged, causes)
@@ -818,7 +1039,9 @@ class FakeKube:
 
     # -- request handling -----------------------------------------------------------------------------
 
-    def handle(self, method: str, path: str, query: dict[str, str], headers: Any, raw: str) -> tuple[int, Any, str]:
+    def handle(
+        self, method: str, path: str, query: dict[str, str], headers: Any, raw: str
+    ) -> tuple[int, Any, str]:
         """Returns (status, body, content type)."""
         if self.token and headers.get("Authorization") != f"Bearer {self.token}":
             raise ApiError(401, "Unauthorized", "Unauthorized")
@@ -833,22 +1056,33 @@ class FakeKube:
             raise ApiError(400, "BadRequest", f"unknown query parameter(s): {sorted(unknown)}")
         if query.get("watch") in ("true", "1"):
             raise ApiError(400, "BadRequest", "the fake does not serve watches")
-        verb = {("POST", False): "create", ("GET", False): "list", ("GET", True): "get",
-                ("DELETE", True): "delete", ("PATCH", True): "patch"}.get((method, bool(name)))
+        verb = {
+            ("POST", False): "create",
+            ("GET", False): "list",
+            ("GET", True): "get",
+            ("DELETE", True): "delete",
+            ("PATCH", True): "patch",
+        }.get((method, bool(name)))
         if sub == "log":
             verb = "log"
         if verb is None:
-            raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on the requested "
-                                                    f"resource ({method} {path})")
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                f"the server does not allow this method on the requested resource ({method} {path})",
+            )
         body: Any = None
         if raw:
             try:
                 body = json.loads(raw)
             except ValueError as e:
-                raise ApiError(400, "BadRequest", f"the body of the request was in an unknown format: {e}") from None
+                raise ApiError(
+                    400, "BadRequest", f"the body of the request was in an unknown format: {e}"
+                ) from None
         with self._lock:
-            self.requests.append(Request(method, path, verb, resource, ns, name, query,
-                                         json.loads(raw) if raw else None))
+            self.requests.append(
+                Request(method, path, verb, resource, ns, name, query, json.loads(raw) if raw else None)
+            )
         fault = self._take_fault(verb, resource)
         if fault is not None:
             raise self._fault_error(fault, verb, resource, ns, name)
@@ -859,21 +1093,41 @@ class FakeKube:
         return out
 
     def _fault_error(self, fault: _Fault, verb: str, resource: str, ns: str, name: str) -> ApiError:
-        reasons = {403: "Forbidden", 404: "NotFound", 409: "AlreadyExists", 429: "TooManyRequests",
-                   500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
+        reasons = {
+            403: "Forbidden",
+            404: "NotFound",
+            409: "AlreadyExists",
+            429: "TooManyRequests",
+            500: "InternalError",
+            503: "ServiceUnavailable",
+            504: "Timeout",
+        }
         action = "get" if verb == "log" else verb
         msg = fault.message or (
             f'{resource}{"/log" if verb == "log" else ""} is forbidden: User "{self.user}" cannot {action} '
             f'resource "{resource}" in API group "{RESOURCES[resource][1].rpartition("/")[0]}" '
-            f'in the namespace "{ns}"' if fault.status == 403 else
-            f'{resource} "{name}" already exists' if fault.status == 409 else
-            f"injected failure {fault.status}")
+            f'in the namespace "{ns}"'
+            if fault.status == 403
+            else f'{resource} "{name}" already exists'
+            if fault.status == 409
+            else f"injected failure {fault.status}"
+        )
         hdrs = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else None
-        return ApiError(fault.status, reasons.get(fault.status, HTTPStatus(fault.status).phrase), msg,
-                        headers=hdrs)
+        return ApiError(
+            fault.status, reasons.get(fault.status, HTTPStatus(fault.status).phrase), msg, headers=hdrs
+        )
 
-    def _dispatch(self, verb: str, resource: str, ns: str, name: str, query: dict[str, str], headers: Any,
-                  raw: str, body: Any) -> tuple[int, Any, str]:
+    def _dispatch(
+        self,
+        verb: str,
+        resource: str,
+        ns: str,
+        name: str,
+        query: dict[str, str],
+        headers: Any,
+        raw: str,
+        body: Any,
+    ) -> tuple[int, Any, str]:
         kind, api_version, _, list_kind, _ = RESOURCES[resource]
         if verb == "create":
             # The API server reads a body without Content-Type as JSON (the client sends none).
@@ -885,26 +1139,36 @@ class FakeKube:
             ctype = (headers.get("Content-Type") or "").split(";")[0].strip()
             return 200, self._patch(resource, ns, name, ctype, raw), "application/json"
         if ns not in self.namespaces:
-            raise ApiError(404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"})
+            raise ApiError(
+                404, "NotFound", f'namespaces "{ns}" not found', {"name": ns, "kind": "namespaces"}
+            )
         if verb == "list":
             reqs = parse_selector(query.get("labelSelector", ""))
             if query.get("fieldSelector"):
                 raise ApiError(400, "BadRequest", "the fake does not implement fieldSelector")
             with self._lock:
-                items = [json.loads(json.dumps(o)) for (n_s, _), o in sorted(self.objects[resource].items())
-                         if n_s == ns and all(r.matches(o["metadata"].get("labels") or {}) for r in reqs)]
+                items = [
+                    json.loads(json.dumps(o))
+                    for (n_s, _), o in sorted(self.objects[resource].items())
+                    if n_s == ns and all(r.matches(o["metadata"].get("labels") or {}) for r in reqs)
+                ]
                 rv = str(next(self._rv))
             limit = int(query.get("limit") or 0)
             meta: dict[str, Any] = {"resourceVersion": rv}
             if limit and len(items) > limit:
                 items = items[:limit]
                 meta["continue"] = "fake-continue-token"
-            return 200, {"kind": list_kind, "apiVersion": api_version, "metadata": meta, "items": items}, \
-                "application/json"
+            return (
+                200,
+                {"kind": list_kind, "apiVersion": api_version, "metadata": meta, "items": items},
+                "application/json",
+            )
         if verb == "get":
             obj = self.get(resource, name, ns)
             if obj is None:
-                raise ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
+                raise ApiError(
+                    404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource}
+                )
             return 200, obj, "application/json"
         if verb == "delete":
             if body is not None:
@@ -921,10 +1185,20 @@ class FakeKube:
                 return 200, self._delete_pod(ns, name, grace), "application/json"
             obj = self._remove(resource, ns, name)
             if obj is None:
-                raise ApiError(404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource})
-            return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                         "details": {"name": name, "kind": resource, "uid": obj["metadata"]["uid"]}}, \
-                "application/json"
+                raise ApiError(
+                    404, "NotFound", f'{resource} "{name}" not found', {"name": name, "kind": resource}
+                )
+            return (
+                200,
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Success",
+                    "details": {"name": name, "kind": resource, "uid": obj["metadata"]["uid"]},
+                },
+                "application/json",
+            )
         # log
         with self._lock:
             pod = self.objects["pods"].get((ns, name))
@@ -936,9 +1210,14 @@ class FakeKube:
             states = [c.get("state", {}) for c in pod["status"].get("containerStatuses") or []]
             lines = list(self.logs.get((ns, name), []))
             if not lines and (not states or "waiting" in states[0]):
-                why = (states[0].get("waiting") or {}).get("reason", "ContainerCreating") if states \
+                why = (
+                    (states[0].get("waiting") or {}).get("reason", "ContainerCreating")
+                    if states
                     else "ContainerCreating"
-                raise ApiError(400, "BadRequest", f'container "{cname}" in pod "{name}" is waiting to start: {why}')
+                )
+                raise ApiError(
+                    400, "BadRequest", f'container "{cname}" in pod "{name}" is waiting to start: {why}'
+                )
         tail = query.get("tailLines")
         if tail is not None:
             n = int(tail)
@@ -955,7 +1234,10 @@ def _qos(spec: dict[str, Any]) -> str:
         lims.append(r.get("limits") or {})
     if not any(reqs) and not any(lims):
         return "BestEffort"
-    if all(lim.get("cpu") and lim.get("memory") and (req or lim) == lim for req, lim in zip(reqs, lims, strict=True)):
+    if all(
+        lim.get("cpu") and lim.get("memory") and (req or lim) == lim
+        for req, lim in zip(reqs, lims, strict=True)
+    ):
         return "Guaranteed"
     return "Burstable"
 
@@ -1023,4 +1305,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:  # noqa: N802
         self._serve("PUT")
-

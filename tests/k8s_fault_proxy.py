@@ -27,10 +27,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                  "upgrade", "content-length", "host"})
-_PATH = re.compile(r"^/(?:api/v1|apis/[^/]+/v1)(?:/namespaces/[^/]+)?/(?P<res>[a-z]+)(?:/(?P<name>[^/?]+))?"
-                   r"(?:/(?P<sub>[a-z]+))?")
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+    }
+)
+_PATH = re.compile(
+    r"^/(?:api/v1|apis/[^/]+/v1)(?:/namespaces/[^/]+)?/(?P<res>[a-z]+)(?:/(?P<name>[^/?]+))?"
+    r"(?:/(?P<sub>[a-z]+))?"
+)
 
 
 @dataclass
@@ -78,7 +91,9 @@ class FaultProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="k8s-fault-proxy")
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, daemon=True, name="k8s-fault-proxy"
+        )
 
     @property
     def url(self) -> str:
@@ -174,7 +189,9 @@ class FaultProxy:
         h.wfile.write(data)
 
     def _forward(self, h: BaseHTTPRequestHandler, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPSConnection(self.upstream_host, self.upstream_port, context=self._ctx, timeout=60)
+        conn = http.client.HTTPSConnection(
+            self.upstream_host, self.upstream_port, context=self._ctx, timeout=60
+        )
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
             conn.request(h.command, h.path, body=body or None, headers=headers)
@@ -183,13 +200,28 @@ class FaultProxy:
         finally:
             conn.close()
 
-    def _answer_error(self, h: BaseHTTPRequestHandler, f: Fault, verb: str, res: str, name: str | None) -> None:
+    def _answer_error(
+        self, h: BaseHTTPRequestHandler, f: Fault, verb: str, res: str, name: str | None
+    ) -> None:
         self._record(verb, res, f.status)
-        reason = {429: "TooManyRequests", 500: "InternalError", 502: "BadGateway", 503: "ServiceUnavailable",
-                  504: "Timeout"}.get(f.status, "InternalError")
-        data = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                           "message": f"injected by the test proxy: {f.status}", "reason": reason,
-                           "code": f.status}).encode()
+        reason = {
+            429: "TooManyRequests",
+            500: "InternalError",
+            502: "BadGateway",
+            503: "ServiceUnavailable",
+            504: "Timeout",
+        }.get(f.status, "InternalError")
+        data = json.dumps(
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": f"injected by the test proxy: {f.status}",
+                "reason": reason,
+                "code": f.status,
+            }
+        ).encode()
         h.send_response(f.status)
         h.send_header("Content-Type", "application/json")
         if f.retry_after is not None:

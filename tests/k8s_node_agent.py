@@ -74,8 +74,16 @@ def _iso(t: dt.datetime | None = None) -> str:
 def _quantity_bytes(q: str | None) -> int | None:
     if not q:
         return None
-    units = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "k": 1000, "M": 1000**2,
-             "G": 1000**3, "T": 1000**4}
+    units = {
+        "Ki": 1024,
+        "Mi": 1024**2,
+        "Gi": 1024**3,
+        "Ti": 1024**4,
+        "k": 1000,
+        "M": 1000**2,
+        "G": 1000**3,
+        "T": 1000**4,
+    }
     for suffix, mult in units.items():
         if q.endswith(suffix):
             return int(float(q[: -len(suffix)]) * mult)
@@ -106,8 +114,17 @@ class _PodRun:
 class NodeAgent:
     """One fake-but-honest node: a kubelet's API contract, gVisor sandboxes for containers."""
 
-    def __init__(self, api_client: client.ApiClient, *, name: str | None = None, work_dir: str | Path,
-                 runsc: str = "runsc", cpu: str = "2", memory: str = "8Gi", pods: str = "110") -> None:
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        *,
+        name: str | None = None,
+        work_dir: str | Path,
+        runsc: str = "runsc",
+        cpu: str = "2",
+        memory: str = "8Gi",
+        pods: str = "110",
+    ) -> None:
         self.api = api_client
         self.core = client.CoreV1Api(api_client)
         self.name = name or f"resoluto-node-{uuid.uuid4().hex[:6]}"
@@ -131,8 +148,9 @@ class NodeAgent:
         """Pulls of ``image`` fail from now on (ErrImagePull, then ImagePullBackOff)."""
         self._refused_images.add(image)
 
-    def evict(self, namespace: str, name: str,
-              message: str = "The node was low on resource: memory. ") -> None:
+    def evict(
+        self, namespace: str, name: str, message: str = "The node was low on resource: memory. "
+    ) -> None:
         """Node-pressure eviction of a running pod, as the kubelet's eviction manager does it."""
         run = self._run_of(namespace, name)
         if run is None:
@@ -151,10 +169,17 @@ class NodeAgent:
         self.work.mkdir(parents=True, exist_ok=True)
         port = self._serve_logs()
         node = {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": self.name, "labels": {
-                "kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64", "resoluto.io/node-agent": "true"}},
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "labels": {
+                    "kubernetes.io/hostname": self.name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "resoluto.io/node-agent": "true",
+                },
+            },
         }
         try:
             self.core.create_node(node)
@@ -162,9 +187,12 @@ class NodeAgent:
             if e.status != 409:
                 raise
         self._node_status(port)
-        self._threads = [threading.Thread(target=self._heartbeat, args=(port,), daemon=True,
-                                          name=f"{self.name}-heartbeat"),
-                         threading.Thread(target=self._watch, daemon=True, name=f"{self.name}-watch")]
+        self._threads = [
+            threading.Thread(
+                target=self._heartbeat, args=(port,), daemon=True, name=f"{self.name}-heartbeat"
+            ),
+            threading.Thread(target=self._watch, daemon=True, name=f"{self.name}-watch"),
+        ]
         for t in self._threads:
             t.start()
         return self
@@ -195,23 +223,49 @@ class NodeAgent:
 
     def _node_status(self, port: int) -> None:
         now = _iso()
-        ready = {"type": "Ready", "status": "True", "reason": "KubeletReady",
-                 "message": "resoluto node agent is posting ready status",
-                 "lastHeartbeatTime": now, "lastTransitionTime": now}
-        pressure = [{"type": t, "status": "False", "reason": f"KubeletHasNo{t}", "message": "",
-                     "lastHeartbeatTime": now, "lastTransitionTime": now}
-                    for t in ("MemoryPressure", "DiskPressure", "PIDPressure")]
-        body = {"status": {
-            "capacity": self.capacity, "allocatable": self.capacity,
-            "conditions": [*pressure, ready],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                          {"type": "Hostname", "address": self.name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": port}},
-            "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": os.uname().release,
-                         "osImage": "resoluto node agent", "containerRuntimeVersion": "runsc://gvisor",
-                         "kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2",
-                         "operatingSystem": "linux", "architecture": "amd64"},
-        }}
+        ready = {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "resoluto node agent is posting ready status",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        pressure = [
+            {
+                "type": t,
+                "status": "False",
+                "reason": f"KubeletHasNo{t}",
+                "message": "",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
+        ]
+        body = {
+            "status": {
+                "capacity": self.capacity,
+                "allocatable": self.capacity,
+                "conditions": [*pressure, ready],
+                "addresses": [
+                    {"type": "InternalIP", "address": "127.0.0.1"},
+                    {"type": "Hostname", "address": self.name},
+                ],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": port}},
+                "nodeInfo": {
+                    "machineID": "",
+                    "systemUUID": "",
+                    "bootID": "",
+                    "kernelVersion": os.uname().release,
+                    "osImage": "resoluto node agent",
+                    "containerRuntimeVersion": "runsc://gvisor",
+                    "kubeletVersion": "v1.20.2",
+                    "kubeProxyVersion": "v1.20.2",
+                    "operatingSystem": "linux",
+                    "architecture": "amd64",
+                },
+            }
+        }
         self.core.patch_node_status(self.name, body, _content_type=MERGE)
 
     def _heartbeat(self, port: int) -> None:
@@ -220,17 +274,28 @@ class NodeAgent:
         first = True
         while not self._stop.wait(0 if first else 10):
             first = False
-            renew = {"holderIdentity": self.name, "leaseDurationSeconds": 40,
-                     "renewTime": dt.datetime.now(dt.UTC)}
+            renew = {
+                "holderIdentity": self.name,
+                "leaseDurationSeconds": 40,
+                "renewTime": dt.datetime.now(dt.UTC),
+            }
             try:
                 # A merge patch needs no resourceVersion (an update would, or fail with a 422).
-                coord.patch_namespaced_lease(self.name, "kube-node-lease", {"spec": renew}, _content_type=MERGE)
+                coord.patch_namespaced_lease(
+                    self.name, "kube-node-lease", {"spec": renew}, _content_type=MERGE
+                )
             except ApiException as e:
                 if e.status == 404:
                     try:
-                        coord.create_namespaced_lease("kube-node-lease", {
-                            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                            "metadata": {"name": self.name, "namespace": "kube-node-lease"}, "spec": renew})
+                        coord.create_namespaced_lease(
+                            "kube-node-lease",
+                            {
+                                "apiVersion": "coordination.k8s.io/v1",
+                                "kind": "Lease",
+                                "metadata": {"name": self.name, "namespace": "kube-node-lease"},
+                                "spec": renew,
+                            },
+                        )
                     except ApiException as e2:
                         self.errors.append(f"lease: {e2.status} {e2.reason}")
                 else:
@@ -249,14 +314,20 @@ class NodeAgent:
         while not self._stop.is_set():
             try:
                 if not rv:
-                    listing = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}")
+                    listing = self.core.list_pod_for_all_namespaces(
+                        field_selector=f"spec.nodeName={self.name}"
+                    )
                     for pod in listing.items:
                         self._on_pod("ADDED", pod)
                     rv = listing.metadata.resource_version
                 w = watch.Watch()
-                for ev in w.stream(self.core.list_pod_for_all_namespaces, resource_version=rv,
-                                   field_selector=f"spec.nodeName={self.name}", timeout_seconds=5,
-                                   allow_watch_bookmarks=True):
+                for ev in w.stream(
+                    self.core.list_pod_for_all_namespaces,
+                    resource_version=rv,
+                    field_selector=f"spec.nodeName={self.name}",
+                    timeout_seconds=5,
+                    allow_watch_bookmarks=True,
+                ):
                     if self._stop.is_set():
                         w.stop()
                         break
@@ -303,8 +374,9 @@ class NodeAgent:
                 self._force_delete(pod)
             return
         if fresh and (pod.status.phase or "Pending") == "Pending":
-            threading.Thread(target=self._start_pod, args=(pod,), daemon=True,
-                             name=f"pod-{pod.metadata.name}").start()
+            threading.Thread(
+                target=self._start_pod, args=(pod,), daemon=True, name=f"pod-{pod.metadata.name}"
+            ).start()
 
     def _finish_delete(self, run: _PodRun, pod: Any, grace: int) -> None:
         self._kill(run, grace=grace)
@@ -312,8 +384,9 @@ class NodeAgent:
         self._force_delete(pod)
 
     def _force_delete(self, pod: Any) -> None:
-        body = client.V1DeleteOptions(grace_period_seconds=0,
-                                      preconditions=client.V1Preconditions(uid=pod.metadata.uid))
+        body = client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)
+        )
         try:
             self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=body)
         except ApiException as e:
@@ -338,40 +411,61 @@ class NodeAgent:
                 self.errors.append(f"status {name}: {e.status} {e.reason}: {e.body}")
             return False
 
-    def _conditions(self, pod: Any, ready: bool, extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    def _conditions(
+        self, pod: Any, ready: bool, extra: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         now = _iso()
         flag = "True" if ready else "False"
-        conds = [{"type": "Initialized", "status": "True", "lastTransitionTime": now},
-                 {"type": "Ready", "status": flag, "lastTransitionTime": now},
-                 {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
-                 {"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]
+        conds = [
+            {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+            {"type": "Ready", "status": flag, "lastTransitionTime": now},
+            {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+        ]
         if not ready:
             for c in conds[1:3]:
                 c["reason"] = "ContainersNotReady"
-                c["message"] = "containers with unready status: [" + ",".join(
-                    c.name for c in pod.spec.containers) + "]"
+                c["message"] = (
+                    "containers with unready status: [" + ",".join(c.name for c in pod.spec.containers) + "]"
+                )
         return conds + (extra or [])
 
-    def _container_status(self, pod: Any, state: dict[str, Any], *, ready: bool = False,
-                          cid: str = "") -> list[dict[str, Any]]:
+    def _container_status(
+        self, pod: Any, state: dict[str, Any], *, ready: bool = False, cid: str = ""
+    ) -> list[dict[str, Any]]:
         c = pod.spec.containers[0]
-        st: dict[str, Any] = {"name": c.name, "image": c.image, "imageID": "", "ready": ready,
-                              "restartCount": 0, "started": "running" in state, "state": state}
+        st: dict[str, Any] = {
+            "name": c.name,
+            "image": c.image,
+            "imageID": "",
+            "ready": ready,
+            "restartCount": 0,
+            "started": "running" in state,
+            "state": state,
+        }
         if cid:
             st["containerID"] = f"runsc://{cid}"
             st["imageID"] = f"resoluto-emulated://{c.image}"
         return [st]
 
-    def _waiting(self, pod: Any, reason: str, message: str = "", extra: list[dict[str, Any]] | None = None) -> bool:
+    def _waiting(
+        self, pod: Any, reason: str, message: str = "", extra: list[dict[str, Any]] | None = None
+    ) -> bool:
         waiting: dict[str, Any] = {"reason": reason}
         self._waiting_why[(pod.metadata.namespace, pod.metadata.name)] = reason
         if message:
             waiting["message"] = message
-        return self._status(pod.metadata.namespace, pod.metadata.name, {
-            "phase": "Pending", "hostIP": "127.0.0.1", "startTime": _iso(pod.metadata.creation_timestamp),
-            "conditions": self._conditions(pod, False, extra),
-            "containerStatuses": self._container_status(pod, {"waiting": waiting}),
-        })
+        return self._status(
+            pod.metadata.namespace,
+            pod.metadata.name,
+            {
+                "phase": "Pending",
+                "hostIP": "127.0.0.1",
+                "startTime": _iso(pod.metadata.creation_timestamp),
+                "conditions": self._conditions(pod, False, extra),
+                "containerStatuses": self._container_status(pod, {"waiting": waiting}),
+            },
+        )
 
     # -- running a pod ------------------------------------------------------------------------------
 
@@ -384,7 +478,9 @@ class NodeAgent:
 
     def _start_pod_inner(self, pod: Any) -> None:
         if len(pod.spec.containers) != 1 or pod.spec.init_containers:
-            self._waiting(pod, "CreateContainerError", "the resoluto node agent runs single-container pods only")
+            self._waiting(
+                pod, "CreateContainerError", "the resoluto node agent runs single-container pods only"
+            )
             return
         c = pod.spec.containers[0]
         if not self._waiting(pod, "ContainerCreating"):
@@ -397,15 +493,26 @@ class NodeAgent:
                 rc = client.NodeV1Api(self.api).read_runtime_class(pod.spec.runtime_class_name)
                 handler = rc.handler
             except ApiException as e:
-                self._waiting(pod, "CreateContainerError", f"RuntimeClass {pod.spec.runtime_class_name!r}: {e.reason}")
+                self._waiting(
+                    pod, "CreateContainerError", f"RuntimeClass {pod.spec.runtime_class_name!r}: {e.reason}"
+                )
                 return
         if handler.startswith(KATA_PREFIX):
-            extra.append({"type": EMULATED_CONDITION, "status": "True", "reason": "NoKVM",
-                          "message": f"runtime handler {handler!r} (Kata) emulated with gVisor: no KVM on this node",
-                          "lastTransitionTime": _iso()})
+            extra.append(
+                {
+                    "type": EMULATED_CONDITION,
+                    "status": "True",
+                    "reason": "NoKVM",
+                    "message": f"runtime handler {handler!r} (Kata) emulated with gVisor: no KVM on this node",
+                    "lastTransitionTime": _iso(),
+                }
+            )
         elif handler not in GVISOR_HANDLERS:
-            self._waiting(pod, "CreateContainerError",
-                          f"no runtime for handler {handler!r} on this node (it runs only gVisor and emulated Kata)")
+            self._waiting(
+                pod,
+                "CreateContainerError",
+                f"no runtime for handler {handler!r} on this node (it runs only gVisor and emulated Kata)",
+            )
             return
         if not self._pull(pod, c.image, extra):
             return
@@ -428,8 +535,13 @@ class NodeAgent:
         host = image.split("/")[0] if "/" in image else ""
         if image not in self._refused_images and not host.endswith(".invalid"):
             return True
-        self._waiting(pod, "ErrImagePull", f'rpc error: code = Unknown desc = failed to pull and unpack image '
-                      f'"{image}": failed to resolve reference "{image}": not found', extra)
+        self._waiting(
+            pod,
+            "ErrImagePull",
+            f"rpc error: code = Unknown desc = failed to pull and unpack image "
+            f'"{image}": failed to resolve reference "{image}": not found',
+            extra,
+        )
         self._waiting(pod, "ImagePullBackOff", f'Back-off pulling image "{image}"', extra)
         return False
 
@@ -447,7 +559,10 @@ class NodeAgent:
                 if fr is not None and fr.field_path in ("metadata.name", "metadata.namespace"):
                     env[e.name] = pod.metadata.name if fr.field_path == "metadata.name" else ns
                     continue
-                return None, f"the resoluto node agent resolves only secretKeyRef and metadata fieldRefs ({e.name})"
+                return (
+                    None,
+                    f"the resoluto node agent resolves only secretKeyRef and metadata fieldRefs ({e.name})",
+                )
             if ref.name not in secrets:
                 try:
                     secrets[ref.name] = self.core.read_namespaced_secret(ref.name, ns)
@@ -478,22 +593,35 @@ class NodeAgent:
         run.log.touch()
         psc = pod.spec.security_context
         csc = c.security_context
-        uid_ = (csc.run_as_user if csc and csc.run_as_user is not None else None) \
-            or (psc.run_as_user if psc and psc.run_as_user is not None else 0)
-        gid_ = (csc.run_as_group if csc and csc.run_as_group is not None else None) \
-            or (psc.run_as_group if psc and psc.run_as_group is not None else 0)
+        uid_ = (csc.run_as_user if csc and csc.run_as_user is not None else None) or (
+            psc.run_as_user if psc and psc.run_as_user is not None else 0
+        )
+        gid_ = (csc.run_as_group if csc and csc.run_as_group is not None else None) or (
+            psc.run_as_group if psc and psc.run_as_group is not None else 0
+        )
         ro_root = bool(csc and csc.read_only_root_filesystem)
         mounts: list[dict[str, Any]] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
         ]
         # The emulated image: the host's system, this interpreter (with boto3 and prefect), the runner.
         image_ro = ["/usr", "/etc", sys.prefix, sys.base_prefix, str(ROOT)]
         for src in dict.fromkeys(image_ro):
             mounts.append({"destination": src, "type": "bind", "source": src, "options": ["rbind", "ro"]})
-        mounts.append({"destination": "/opt/resoluto/guest_runner", "type": "bind",
-                       "source": str(ROOT / "guest_runner"), "options": ["rbind", "ro"]})
+        mounts.append(
+            {
+                "destination": "/opt/resoluto/guest_runner",
+                "type": "bind",
+                "source": str(ROOT / "guest_runner"),
+                "options": ["rbind", "ro"],
+            }
+        )
         volumes = {v.name: v for v in pod.spec.volumes or []}
         for vm in c.volume_mounts or []:
             v = volumes.get(vm.name)
@@ -503,8 +631,14 @@ class NodeAgent:
             host.mkdir(parents=True, exist_ok=True)
             os.chown(host, uid_, (psc.fs_group if psc and psc.fs_group is not None else gid_))
             os.chmod(host, 0o2775)
-            mounts.append({"destination": vm.mount_path, "type": "bind", "source": str(host),
-                           "options": ["rbind", "ro" if vm.read_only else "rw"]})
+            mounts.append(
+                {
+                    "destination": vm.mount_path,
+                    "type": "bind",
+                    "source": str(host),
+                    "options": ["rbind", "ro" if vm.read_only else "rw"],
+                }
+            )
         # Parents before children, as container runtimes order mounts: an emptyDir at /tmp must not
         # hide the emulated image's Python when that lives under /tmp (a checkout in /tmp).
         binds = sorted(mounts[3:], key=lambda m: len(Path(m["destination"]).parts))
@@ -522,8 +656,12 @@ class NodeAgent:
         for d in ("proc", "dev", "sys", "tmp"):
             (rootfs / d).mkdir(exist_ok=True)
         argv = list(c.command or IMAGE_ENTRYPOINT) + list(c.args or [])
-        image_env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-                     "PYTHONPATH": "/opt/resoluto", "HOME": "/tmp", "HOSTNAME": pod.metadata.name}
+        image_env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "PYTHONPATH": "/opt/resoluto",
+            "HOME": "/tmp",
+            "HOSTNAME": pod.metadata.name,
+        }
         full_env = {**image_env, **env}
         limits = (c.resources.limits if c.resources else None) or {}
         resources: dict[str, Any] = {}
@@ -546,8 +684,10 @@ class NodeAgent:
         cfg = {
             "ociVersion": "1.0.2",
             "process": {
-                "terminal": False, "user": {"uid": uid_, "gid": gid_},
-                "args": argv, "env": [f"{k}={v}" for k, v in full_env.items()],
+                "terminal": False,
+                "user": {"uid": uid_, "gid": gid_},
+                "args": argv,
+                "env": [f"{k}={v}" for k, v in full_env.items()],
                 "cwd": c.working_dir or "/",
                 "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": []},
                 "noNewPrivileges": True,
@@ -576,9 +716,13 @@ class NodeAgent:
         self._waiting_why.pop((ns, name), None)
         log = open(run.log, "ab")
         try:
-            run.proc = subprocess.Popen([*self._runsc(), "run", f"--bundle={run.dir / 'bundle'}", run.cid],
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+            run.proc = subprocess.Popen(
+                [*self._runsc(), "run", f"--bundle={run.dir / 'bundle'}", run.cid],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             log.close()
         with self._lock:
@@ -587,13 +731,20 @@ class NodeAgent:
             run.stop_reason = run.stop_reason or "deleted"
             self._kill(run, grace=0)
         run.started = _iso()
-        self._status(ns, name, {
-            "phase": "Running", "hostIP": "127.0.0.1", "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}],
-            "conditions": self._conditions(pod, True, extra),
-            "containerStatuses": self._container_status(pod, {"running": {"startedAt": run.started}},
-                                                        ready=True, cid=run.cid),
-        })
+        self._status(
+            ns,
+            name,
+            {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "podIP": "127.0.0.1",
+                "podIPs": [{"ip": "127.0.0.1"}],
+                "conditions": self._conditions(pod, True, extra),
+                "containerStatuses": self._container_status(
+                    pod, {"running": {"startedAt": run.started}}, ready=True, cid=run.cid
+                ),
+            },
+        )
         code = run.proc.wait()
         if code < 0:
             code = 128 - code
@@ -604,8 +755,13 @@ class NodeAgent:
             reason = "Completed"
         else:
             reason = "Error"
-        term: dict[str, Any] = {"exitCode": code, "reason": reason, "startedAt": run.started,
-                                "finishedAt": _iso(), "containerID": f"runsc://{run.cid}"}
+        term: dict[str, Any] = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": run.started,
+            "finishedAt": _iso(),
+            "containerID": f"runsc://{run.cid}",
+        }
         if code != 0 and c.termination_message_policy == "FallbackToLogsOnError":
             tail = run.log.read_bytes()[-2048:].decode("utf-8", "replace").splitlines()[-80:]
             if tail:
@@ -616,10 +772,12 @@ class NodeAgent:
             status: dict[str, Any] = {"phase": "Failed"}
         else:
             status = {"phase": "Succeeded" if code == 0 else "Failed"}
-        status.update({
-            "conditions": self._conditions(pod, False, extra),
-            "containerStatuses": self._container_status(pod, {"terminated": term}, cid=run.cid),
-        })
+        status.update(
+            {
+                "conditions": self._conditions(pod, False, extra),
+                "containerStatuses": self._container_status(pod, {"terminated": term}, cid=run.cid),
+            }
+        )
         if run.stop_reason != "deleted" or self._exists(pod):
             self._status(ns, name, status)
         run.done.set()
@@ -698,10 +856,28 @@ class NodeAgent:
 
         certs = self.work / "kubelet-tls"
         certs.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                        "-subj", f"/CN={self.name}", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(certs / "key.pem"), "-out", str(certs / "cert.pem")],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                f"/CN={self.name}",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+                "-keyout",
+                str(certs / "key.pem"),
+                "-out",
+                str(certs / "cert.pem"),
+            ],
+            check=True,
+            capture_output=True,
+        )
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(certs / "cert.pem", certs / "key.pem")
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

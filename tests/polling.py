@@ -7,8 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition", *,
-             first_delay: float = 0.01, max_delay: float = 0.2, growth: float = 1.5) -> Any:
+def wait_for(
+    cond: Callable[[], Any],
+    timeout: float = 60.0,
+    what: str = "condition",
+    *,
+    first_delay: float = 0.01,
+    max_delay: float = 0.2,
+    growth: float = 1.5,
+) -> Any:
     """Poll ``cond`` until truthy and return its value; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     delay = first_delay

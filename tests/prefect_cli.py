@@ -21,5 +21,6 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def prefect_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prefect", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args], env=cli_env(), capture_output=True, text=True, timeout=180
+    )

@@ -21,4 +21,6 @@ def artifacts_of(task_run_id) -> list:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
 
     with client() as c:
-        return c.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])))
+        return c.read_artifacts(
+            artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id]))
+        )

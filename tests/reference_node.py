@@ -62,20 +62,24 @@ def guest() -> int:
         print("reference_node guest: only RESOLUTO_STORE_KIND=localfs is supported here", file=sys.stderr)
         return 2
     outputs = env.get("RESOLUTO_OUTPUT_PATHS")
-    result = asyncio.run(run_node_in_sandbox(
-        store=LocalConduit(env["RESOLUTO_STORE_ROOT"]),
-        prefix=env["RESOLUTO_STORE_PREFIX"],
-        run_id=env["RESOLUTO_RUN_ID"],
-        node_id=env["RESOLUTO_NODE_ID"],
-        workload_argv=json.loads(env["RESOLUTO_WORKLOAD_ARGV"]),
-        workspace_dir=env.get("RESOLUTO_WORKSPACE_DIR"),
-        output_paths=json.loads(outputs) if outputs else None,
-        run_canary=store_only_canary,
-    ))
+    result = asyncio.run(
+        run_node_in_sandbox(
+            store=LocalConduit(env["RESOLUTO_STORE_ROOT"]),
+            prefix=env["RESOLUTO_STORE_PREFIX"],
+            run_id=env["RESOLUTO_RUN_ID"],
+            node_id=env["RESOLUTO_NODE_ID"],
+            workload_argv=json.loads(env["RESOLUTO_WORKLOAD_ARGV"]),
+            workspace_dir=env.get("RESOLUTO_WORKSPACE_DIR"),
+            output_paths=json.loads(outputs) if outputs else None,
+            run_canary=store_only_canary,
+        )
+    )
     return 0 if result.status == "success" else 1
 
 
-async def read(root: str, prefix: str, dest: str | None = None, globs: list[str] | None = None) -> dict[str, object]:
+async def read(
+    root: str, prefix: str, dest: str | None = None, globs: list[str] | None = None
+) -> dict[str, object]:
     store = LocalConduit(root)
     reader = ChunkReader(store, prefix)
     events = []
@@ -84,7 +88,11 @@ async def read(root: str, prefix: str, dest: str | None = None, globs: list[str]
         if reader.finished:
             break
     result = NodeResult.model_validate_json(await store.get(result_key(prefix)))
-    out: dict[str, object] = {"finished": reader.finished, "events": events, "result": result.model_dump(mode="json")}
+    out: dict[str, object] = {
+        "finished": reader.finished,
+        "events": events,
+        "result": result.model_dump(mode="json"),
+    }
     if dest is not None:
         out["fetched"] = await fetch_outputs(store, prefix, dest, globs)
     return out
@@ -103,8 +111,9 @@ class SubprocessRuntime(SandboxRuntime):
 
     async def launch(self, spec: SandboxLaunchSpec) -> SandboxHandle:
         sid = spec.labels["resoluto.node_id"]
-        self.procs[sid] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "guest"],
-                                           env=spec.env, stdin=subprocess.DEVNULL)
+        self.procs[sid] = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "guest"], env=spec.env, stdin=subprocess.DEVNULL
+        )
         return SandboxHandle(id=sid, labels=spec.labels)
 
     async def status(self, handle: SandboxHandle) -> SandboxStatus:
@@ -131,11 +140,19 @@ async def bench(root: str, n: int, workload: list[str]) -> dict[str, object]:
     for i in range(n + 1):  # the first node is a warm-up
         node_id = f"ref-{i}"
         prefix = f"run/bench-reference/nodes/{node_id}"
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-               "RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": root, "RESOLUTO_STORE_PREFIX": prefix,
-               "RESOLUTO_RUN_ID": "bench-reference", "RESOLUTO_NODE_ID": node_id,
-               "RESOLUTO_WORKLOAD_ARGV": json.dumps(workload)}
-        spec = SandboxLaunchSpec(image="local", env=env, store_prefix=prefix, labels={"resoluto.node_id": node_id})
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/tmp"),
+            "RESOLUTO_STORE_KIND": "localfs",
+            "RESOLUTO_STORE_ROOT": root,
+            "RESOLUTO_STORE_PREFIX": prefix,
+            "RESOLUTO_RUN_ID": "bench-reference",
+            "RESOLUTO_NODE_ID": node_id,
+            "RESOLUTO_WORKLOAD_ARGV": json.dumps(workload),
+        }
+        spec = SandboxLaunchSpec(
+            image="local", env=env, store_prefix=prefix, labels={"resoluto.node_id": node_id}
+        )
         t0 = time.perf_counter()
         result = await drive_node(runtime, store, spec)
         took = time.perf_counter() - t0

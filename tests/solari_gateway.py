@@ -45,8 +45,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CREATE_FIELDS = {"template", "kind", "cpu", "memMb", "diskGb", "envs", "metadata", "timeoutMs",
-                 "fromSnapshot", "lifecycle", "volumes", "resolution", "record"}
+CREATE_FIELDS = {
+    "template",
+    "kind",
+    "cpu",
+    "memMb",
+    "diskGb",
+    "envs",
+    "metadata",
+    "timeoutMs",
+    "fromSnapshot",
+    "lifecycle",
+    "volumes",
+    "resolution",
+    "record",
+}
 STATES_LIVE = ("starting", "running")
 
 
@@ -87,9 +100,17 @@ class Fault:
 
 
 class SolariGateway:
-    def __init__(self, root: Path, *, api_key: str = "sk-test-loopback", executor: str = "process",
-                 org: str = "org-loop", max_sessions: int | None = None, hazards: bool = True,
-                 seed: int = 11) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        api_key: str = "sk-test-loopback",
+        executor: str = "process",
+        org: str = "org-loop",
+        max_sessions: int | None = None,
+        hazards: bool = True,
+        seed: int = 11,
+    ) -> None:
         if executor not in ("process", "gvisor"):
             raise ValueError(executor)
         self.root = Path(root)
@@ -163,7 +184,9 @@ class SolariGateway:
     def bodies_seen(self) -> list[tuple[str, str]]:
         """Every request body and client RPC frame as (what, JSON text)."""
         with self.lock:
-            out = [(f"{r.method} {r.raw_path}", json.dumps(r.body)) for r in self.requests if r.body is not None]
+            out = [
+                (f"{r.method} {r.raw_path}", json.dumps(r.body)) for r in self.requests if r.body is not None
+            ]
             out += [(f"rpc {f.get('method')}", json.dumps(f)) for f in self.rpc_frames]
             return out
 
@@ -182,12 +205,14 @@ class SolariGateway:
         # ws="websockets": the implementation that offers the ASGI denial response (a 401 on the upgrade).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = uvicorn.Config(self._app(), log_level="warning", ws="websockets", lifespan="off",
-                                    ws_max_size=2**31)
+            config = uvicorn.Config(
+                self._app(), log_level="warning", ws="websockets", lifespan="off", ws_max_size=2**31
+            )
             config.load()
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="solari-standin", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="solari-standin", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 20
         while not self._server.started:
@@ -270,13 +295,21 @@ class SolariGateway:
             with gw.lock:
                 gw.requests.append(rec)
             if rec.headers.get("authorization") != f"Bearer {gw.api_key}":
-                return rec, answer(op, rec, 401, {"code": "Unauthorized", "message": "invalid or missing API key"})
+                return rec, answer(
+                    op, rec, 401, {"code": "Unauthorized", "message": "invalid or missing API key"}
+                )
             if rec.headers.get("accept") != "application/json":
-                return rec, answer(op, rec, 400, {"code": "BadRequest", "message": "Accept must be application/json"})
+                return rec, answer(
+                    op, rec, 400, {"code": "BadRequest", "message": "Accept must be application/json"}
+                )
             if raw and rec.headers.get("content-type") != "application/json":
-                return rec, answer(op, rec, 400, {"code": "BadRequest", "message": "a body needs Content-Type"})
+                return rec, answer(
+                    op, rec, 400, {"code": "BadRequest", "message": "a body needs Content-Type"}
+                )
             if not raw and "content-type" in rec.headers:
-                return rec, answer(op, rec, 400, {"code": "BadRequest", "message": "Content-Type without a body"})
+                return rec, answer(
+                    op, rec, 400, {"code": "BadRequest", "message": "Content-Type without a body"}
+                )
             with gw.lock:
                 faults = gw._faults.get(op) or []
                 if faults:
@@ -284,17 +317,31 @@ class SolariGateway:
                     f.times -= 1
                     if f.times <= 0:
                         faults.pop(0)
-                    return rec, answer(op, rec, f.status, f.body or {
-                        "code": {429: "ConcurrencyLimitExceeded", 503: "NoCapacity"}.get(f.status, "Internal"),
-                        "message": f"stand-in: injected {f.status}", "retryable": f.status in (429, 503)})
+                    return rec, answer(
+                        op,
+                        rec,
+                        f.status,
+                        f.body
+                        or {
+                            "code": {429: "ConcurrencyLimitExceeded", 503: "NoCapacity"}.get(
+                                f.status, "Internal"
+                            ),
+                            "message": f"stand-in: injected {f.status}",
+                            "retryable": f.status in (429, 503),
+                        },
+                    )
             return rec, None
 
         def session_of(request: HttpRequest, rec: Request, op: str) -> tuple[Sandbox | None, Response | None]:
             sid = request.path_params["sid"]
             seg = rec.raw_path.split("?")[0].split("/")[2]
             if ":" in seg or "%3A" not in seg:
-                return None, answer(op, rec, 400, {"code": "BadSessionId",
-                                                    "message": f"session id must be escaped (%3A), got {seg!r}"})
+                return None, answer(
+                    op,
+                    rec,
+                    400,
+                    {"code": "BadSessionId", "message": f"session id must be escaped (%3A), got {seg!r}"},
+                )
             if not gw._valid_id(sid):
                 return None, answer(op, rec, 404, {"code": "NotFound", "message": f"no session {sid}"})
             with gw.lock:
@@ -305,9 +352,16 @@ class SolariGateway:
 
         def view(s: Sandbox) -> dict[str, Any]:
             b = s.body
-            return {"sandboxId": s.id, "kind": "sandbox", "state": s.state, "metadata": dict(s.metadata),
-                    "expiresAt": _iso(s.expires_at), "cpu": b.get("cpu", 2), "memMb": b.get("memMb", 2048),
-                    "diskGb": b.get("diskGb", 10)}
+            return {
+                "sandboxId": s.id,
+                "kind": "sandbox",
+                "state": s.state,
+                "metadata": dict(s.metadata),
+                "expiresAt": _iso(s.expires_at),
+                "cpu": b.get("cpu", 2),
+                "memMb": b.get("memMb", 2048),
+                "diskGb": b.get("diskGb", 10),
+            }
 
         async def create(request: HttpRequest) -> Response:
             rec, refused = await record(request, "create")
@@ -317,8 +371,12 @@ class SolariGateway:
             if refused is not None:
                 return refused
             if not key:
-                return answer("create", rec, 400, {"code": "IdempotencyKeyRequired",
-                                                   "message": "POST /sandboxes needs an Idempotency-Key"})
+                return answer(
+                    "create",
+                    rec,
+                    400,
+                    {"code": "IdempotencyKeyRequired", "message": "POST /sandboxes needs an Idempotency-Key"},
+                )
             problem = _check_create(rec.body)
             if problem:
                 return answer("create", rec, 400, {"code": "ValidationError", "message": problem})
@@ -327,16 +385,28 @@ class SolariGateway:
                     if s.body.get("_idem") == key:
                         return answer("create", rec, 200, _created(gw, s))
                 if gw.max_sessions is not None and len(gw.live()) >= gw.max_sessions:
-                    return answer("create", rec, 429, {
-                        "code": "ConcurrencyLimitExceeded", "retryable": True,
-                        "message": f"organisation {gw.org} is at its cap of {gw.max_sessions} live sessions"})
+                    return answer(
+                        "create",
+                        rec,
+                        429,
+                        {
+                            "code": "ConcurrencyLimitExceeded",
+                            "retryable": True,
+                            "message": f"organisation {gw.org} is at its cap of {gw.max_sessions} live sessions",
+                        },
+                    )
                 sid = gw._new_id()
                 root = gw.root / sid.split(":")[1]
                 root.mkdir(parents=True)
                 timeout_ms = int(rec.body.get("timeoutMs") or 300_000)
-                s = Sandbox(id=sid, root=root, metadata=dict(rec.body.get("metadata") or {}),
-                            body={**rec.body, "_idem": key}, timeout_ms=timeout_ms,
-                            expires_at=time.time() + timeout_ms / 1000)
+                s = Sandbox(
+                    id=sid,
+                    root=root,
+                    metadata=dict(rec.body.get("metadata") or {}),
+                    body={**rec.body, "_idem": key},
+                    timeout_ms=timeout_ms,
+                    expires_at=time.time() + timeout_ms / 1000,
+                )
                 gw.sandboxes[sid] = s
             return answer("create", rec, 200, _created(gw, s))
 
@@ -366,7 +436,9 @@ class SolariGateway:
                 return refused
             ms = (rec.body or {}).get("timeoutMs")
             if not isinstance(ms, int) or isinstance(ms, bool) or ms <= 0:
-                return answer("timeout", rec, 400, {"code": "ValidationError", "message": "timeoutMs must be > 0"})
+                return answer(
+                    "timeout", rec, 400, {"code": "ValidationError", "message": "timeoutMs must be > 0"}
+                )
             s.timeout_ms, s.expires_at = ms, time.time() + ms / 1000  # type: ignore[union-attr]
             return answer("timeout", rec, 200, {"expiresAt": _iso(s.expires_at)})  # type: ignore[union-attr]
 
@@ -376,7 +448,9 @@ class SolariGateway:
                 return refused
             if not gw.list_route:
                 return answer("list", rec, 404, {"code": "NotFound", "message": "no such route"})
-            want = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+            want = {
+                k[len("metadata.") :]: v for k, v in request.query_params.items() if k.startswith("metadata.")
+            }
             out = [view(s) for s in gw.live() if all(s.metadata.get(k) == v for k, v in want.items())]
             limit = request.query_params.get("limit")
             if limit:
@@ -387,8 +461,11 @@ class SolariGateway:
             sid = ws.path_params["sid"]
             raw_path = ws.scope.get("raw_path", b"").decode()
             auth = ws.headers.get("authorization")
-            entry = {"raw_path": raw_path, "authorized": auth == f"Bearer {gw.api_key}" and not gw.refuse_upgrades,
-                     "sandbox": sid}
+            entry = {
+                "raw_path": raw_path,
+                "authorized": auth == f"Bearer {gw.api_key}" and not gw.refuse_upgrades,
+                "sandbox": sid,
+            }
             with gw.changed:
                 gw.ws_upgrades.append(entry)
                 gw.changed.notify_all()
@@ -420,14 +497,16 @@ class SolariGateway:
                 if conn in s.sockets:
                     s.sockets.remove(conn)
 
-        return Starlette(routes=[
-            Route("/sandboxes", create, methods=["POST"]),
-            Route("/sandboxes", list_all, methods=["GET"]),
-            Route("/sandboxes/{sid}", get_one, methods=["GET"]),
-            Route("/sandboxes/{sid}", delete_one, methods=["DELETE"]),
-            Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
-            WebSocketRoute("/control/{sid}", control),
-        ])
+        return Starlette(
+            routes=[
+                Route("/sandboxes", create, methods=["POST"]),
+                Route("/sandboxes", list_all, methods=["GET"]),
+                Route("/sandboxes/{sid}", get_one, methods=["GET"]),
+                Route("/sandboxes/{sid}", delete_one, methods=["DELETE"]),
+                Route("/sandboxes/{sid}/timeout", set_timeout, methods=["POST"]),
+                WebSocketRoute("/control/{sid}", control),
+            ]
+        )
 
     # -- teardown of one VM ---------------------------------------------------------------
 
@@ -538,14 +617,19 @@ class _Conn:
                     if rng.random() < 0.15:
                         noisy.append("stand-in: this line is not JSON\n")
                     if rng.random() < 0.1:
-                        noisy.append(json.dumps({"id": "v1-legacy", "stream": "stdout", "data": "legacy"}) + "\n")
+                        noisy.append(
+                            json.dumps({"id": "v1-legacy", "stream": "stdout", "data": "legacy"}) + "\n"
+                        )
                     noisy.append(line)
                 text = "".join(noisy)
                 counts = self.gw.hazard_counts
                 counts["non_json_lines"] += text.count("stand-in: this line is not JSON")
                 counts["v1_frames"] += text.count('"v1-legacy"')
-                cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 3)))) \
-                    if len(text) > 1 else []
+                cuts = (
+                    sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 3))))
+                    if len(text) > 1
+                    else []
+                )
                 pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             else:
                 pieces = ["".join(batch)]
@@ -623,8 +707,13 @@ class _Conn:
             if not path.exists():
                 raise _RpcError("ENOENT", f"no such file: {p.get('path')}")
             st = path.stat()
-            return {"name": path.name, "dir": path.is_dir(), "size": st.st_size, "mode": st.st_mode & 0o7777,
-                    "modTimeMs": int(st.st_mtime * 1000)}
+            return {
+                "name": path.name,
+                "dir": path.is_dir(),
+                "size": st.st_size,
+                "mode": st.st_mode & 0o7777,
+                "modTimeMs": int(st.st_mtime * 1000),
+            }
         if method == "fs.remove":
             path = gw.vm_path(s, p.get("path"))
             if path.is_dir():
@@ -658,12 +747,21 @@ class _Conn:
             inside = str(s.root)
             argv = [gw.translate(s, cmd, inside)] + [gw.translate(s, a, inside) for a in args]
             # The VM's image is assumed to carry the flow's interpreter (as a user's template would).
-            full_env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "HOME": inside}
+            full_env = {
+                "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+                "HOME": inside,
+            }
             full_env.update({k: gw.translate(s, v, inside) for k, v in env.items()})
             try:
-                c.proc = subprocess.Popen(argv, cwd=gw.translate(s, cwd, inside) if cwd else inside,
-                                          env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, start_new_session=True)
+                c.proc = subprocess.Popen(
+                    argv,
+                    cwd=gw.translate(s, cwd, inside) if cwd else inside,
+                    env=full_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
             except OSError as e:
                 raise _RpcError("ENOEXEC", f"cannot start {cmd!r}: {e}") from None
             for stream, pipe in (("stdout", c.proc.stdout), ("stderr", c.proc.stderr)):
@@ -674,8 +772,14 @@ class _Conn:
         else:
             await asyncio.get_running_loop().run_in_executor(None, self._start_gvisor, c, cmd, args, cwd, env)
         # The ordering hazard: output pumps start before the reply is sent.
-        self.send({"type": "cmd.data", "cmdId": cmd_id, "stream": "stderr",
-                   "base64": base64.b64encode(f"[stand-in] {cmd_id} started\n".encode()).decode()})
+        self.send(
+            {
+                "type": "cmd.data",
+                "cmdId": cmd_id,
+                "stream": "stderr",
+                "base64": base64.b64encode(f"[stand-in] {cmd_id} started\n".encode()).decode(),
+            }
+        )
         gw.hazard_counts["data_before_reply"] += 1
         await asyncio.get_running_loop().run_in_executor(None, c.done.wait, 0.05)
         if c.done.is_set():
@@ -684,8 +788,14 @@ class _Conn:
 
     def _pump_pipe(self, cmd_id: str, stream: str, pipe: Any) -> None:
         for chunk in iter(lambda: pipe.read1(4096), b""):
-            self.send({"type": "cmd.data", "cmdId": cmd_id, "stream": stream,
-                       "base64": base64.b64encode(chunk).decode()})
+            self.send(
+                {
+                    "type": "cmd.data",
+                    "cmdId": cmd_id,
+                    "stream": stream,
+                    "base64": base64.b64encode(chunk).decode(),
+                }
+            )
 
     def _wait_process(self, c: Command) -> None:
         code = c.proc.wait()
@@ -701,7 +811,9 @@ class _Conn:
         with self.gw.changed:
             self.gw.changed.notify_all()
 
-    def _start_gvisor(self, c: Command, cmd: str, args: list[str], cwd: str | None, env: dict[str, str]) -> None:
+    def _start_gvisor(
+        self, c: Command, cmd: str, args: list[str], cwd: str | None, env: dict[str, str]
+    ) -> None:
         from prefect_resoluto.runtimes.base import LaunchSpec
 
         s, gw = self.s, self.gw
@@ -712,8 +824,14 @@ class _Conn:
         wrapper = ["env", "-C", gw.translate(s, cwd or "/", inside)]
         wrapper += [f"{k}={v}" for k, v in sorted(plain.items())]
         wrapper += [cmd, *[gw.translate(s, a, inside) for a in args]]
-        spec = LaunchSpec(sandbox_id=f"sgw-{s.id.split(':')[1]}-{c.cmd_id}", env={}, secret_env=secret,
-                          conduit_root=s.root, conduit_subdir="", command=wrapper)
+        spec = LaunchSpec(
+            sandbox_id=f"sgw-{s.id.split(':')[1]}-{c.cmd_id}",
+            env={},
+            secret_env=secret,
+            conduit_root=s.root,
+            conduit_subdir="",
+            command=wrapper,
+        )
         rt = gw.gvisor()
         handle = rt.launch(spec)
         c.proc = (rt, handle)
@@ -730,8 +848,14 @@ class _Conn:
         except Exception:
             text = ""
         if text:
-            self.send({"type": "cmd.data", "cmdId": c.cmd_id, "stream": "stdout",
-                       "base64": base64.b64encode(text.encode()).decode()})
+            self.send(
+                {
+                    "type": "cmd.data",
+                    "cmdId": c.cmd_id,
+                    "stream": "stdout",
+                    "base64": base64.b64encode(text.encode()).decode(),
+                }
+            )
         try:
             rt.destroy(handle)
         except Exception:
@@ -740,8 +864,12 @@ class _Conn:
 
 
 def _created(gw: SolariGateway, s: Sandbox) -> dict[str, Any]:
-    return {"sandboxId": s.id, "kind": "sandbox",
-            "controlUrl": f"ws://127.0.0.1:{gw.port}/control/{_escape(s.id)}", "expiresAt": _iso(s.expires_at)}
+    return {
+        "sandboxId": s.id,
+        "kind": "sandbox",
+        "controlUrl": f"ws://127.0.0.1:{gw.port}/control/{_escape(s.id)}",
+        "expiresAt": _iso(s.expires_at),
+    }
 
 
 def _escape(sid: str) -> str:
@@ -768,8 +896,10 @@ def _check_create(body: Any) -> str:
         if k in body and (not isinstance(body[k], int) or isinstance(body[k], bool) or body[k] <= 0):
             return f"{k} must be a positive integer, got {body[k]!r}"
     for k in ("envs", "metadata"):
-        if k in body and (not isinstance(body[k], dict)
-                          or not all(isinstance(a, str) and isinstance(b, str) for a, b in body[k].items())):
+        if k in body and (
+            not isinstance(body[k], dict)
+            or not all(isinstance(a, str) and isinstance(b, str) for a, b in body[k].items())
+        ):
             return f"{k} must map strings to strings"
     if body.get("kind", "sandbox") not in ("sandbox", "desktop"):
         return "kind must be sandbox or desktop"

@@ -61,8 +61,17 @@ def test_pack_round_trip_skips_junk_and_outward_links(tree, tmp_path):
     assert (out / "src" / "pkg" / "mod.py").read_text() == "print('hi')\n"
     assert (out / "empty").is_dir()
     assert os.readlink(out / "inner") == "data.csv" and (out / "inner").read_text() == "a,b\n1,2\n"
-    for absent in (".venv", "__pycache__", ".git", "node_modules", ".pytest_cache", "leak", "leakdir", "fifo",
-                   "src/pkg/__pycache__"):
+    for absent in (
+        ".venv",
+        "__pycache__",
+        ".git",
+        "node_modules",
+        ".pytest_cache",
+        "leak",
+        "leakdir",
+        "fifo",
+        "src/pkg/__pycache__",
+    ):
         assert not os.path.lexists(out / absent), absent
     assert "leak" not in names
 
@@ -115,10 +124,13 @@ def test_symlink_then_file_through_it_cannot_escape(tmp_path):
     assert not (tmp_path / "evil.txt").exists()
 
 
-@pytest.mark.parametrize("data, what", [
-    (b"not a gzip at all", "not a valid gzip tar"),
-    (b"", "not a valid gzip tar"),
-])
+@pytest.mark.parametrize(
+    "data, what",
+    [
+        (b"not a gzip at all", "not a valid gzip tar"),
+        (b"", "not a valid gzip tar"),
+    ],
+)
 def test_garbage_archives_are_clear_errors(tmp_path, data, what):
     with pytest.raises(ArchiveError, match=what):
         archive.unpack(data, tmp_path / "d", label="inbox/workspace.tar.gz")
@@ -134,22 +146,32 @@ def test_truncated_archive_is_refused_before_writing(tmp_path, tree):
 
 
 def test_unpack_with_patterns_materialises_only_declared_outputs(tmp_path):
-    data = _tar([_file("out/a.txt"), _file("out/sub/b.txt"), _file("report.md"), _file("secret/keys"),
-                 _file("outx/c.txt")])
+    data = _tar(
+        [
+            _file("out/a.txt"),
+            _file("out/sub/b.txt"),
+            _file("report.md"),
+            _file("secret/keys"),
+            _file("outx/c.txt"),
+        ]
+    )
     dest = tmp_path / "d"
     got = archive.unpack(data, dest, patterns=["out", "*.md"])
     assert sorted(got) == ["out/a.txt", "out/sub/b.txt", "report.md"]
     assert not (dest / "secret").exists() and not (dest / "outx").exists()
 
 
-@pytest.mark.parametrize("patterns, expected", [
-    (["out/**"], ["out/a.txt", "out/deep/er/c.txt", "out/sub/b.log"]),
-    (["out/*.txt"], ["out/a.txt"]),
-    (["**/*.txt"], ["out/a.txt", "out/deep/er/c.txt", "top.txt"]),
-    (["top.txt"], ["top.txt"]),
-    (["out/deep"], ["out/deep/er/c.txt"]),
-    (["out/s?b/*"], ["out/sub/b.log"]),
-])
+@pytest.mark.parametrize(
+    "patterns, expected",
+    [
+        (["out/**"], ["out/a.txt", "out/deep/er/c.txt", "out/sub/b.log"]),
+        (["out/*.txt"], ["out/a.txt"]),
+        (["**/*.txt"], ["out/a.txt", "out/deep/er/c.txt", "top.txt"]),
+        (["top.txt"], ["top.txt"]),
+        (["out/deep"], ["out/deep/er/c.txt"]),
+        (["out/s?b/*"], ["out/sub/b.log"]),
+    ],
+)
 def test_select_globs(tmp_path, patterns, expected):
     for rel in ("out/a.txt", "out/sub/b.log", "out/deep/er/c.txt", "top.txt", "other/x.bin"):
         p = tmp_path / rel

@@ -75,10 +75,20 @@ def _interrupted_child(mode: str, tmp_path: Path) -> tuple[str, float]:
     """Run the child flow, Ctrl-C it once its artifact is queued: (task run id + output, seconds to exit)."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "RESOLUTO_STATE_DIR": str(tmp_path / "state"), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-           "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(), "PYTHONPATH": str(FLOWS)}
-    proc = subprocess.Popen([sys.executable, str(FLOWS / "artifact_interrupt_flow.py"), mode], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "RESOLUTO_STATE_DIR": str(tmp_path / "state"),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
+        "PYTHONPATH": str(FLOWS),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(FLOWS / "artifact_interrupt_flow.py"), mode],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     queued = threading.Event()
 

@@ -38,14 +38,28 @@ class Cli:
     def argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "prefect_resoluto.cli", *args]
 
-    def run(self, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(*args), cwd=self.work, env=env or self.env, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    def run(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(*args),
+            cwd=self.work,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def popen(self, *args: str, **kw: object) -> subprocess.Popen[str]:
-        return subprocess.Popen(self.argv(*args), cwd=self.work, env=self.env, text=True,  # type: ignore[call-overload]
-                                stdin=subprocess.DEVNULL, **kw)
+        return subprocess.Popen(
+            self.argv(*args),
+            cwd=self.work,
+            env=self.env,
+            text=True,  # type: ignore[call-overload]
+            stdin=subprocess.DEVNULL,
+            **kw,
+        )
 
     @property
     def conduit_url(self) -> str:
@@ -106,8 +120,9 @@ def test_cli_import_never_loads_prefect(cli: Cli) -> None:
         "after_doctor = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
         "print(at_import, after_doctor)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], env=cli.env, cwd=cli.work, capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=cli.env, cwd=cli.work, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[] []", res.stdout
 
@@ -140,9 +155,29 @@ def test_run_streams_copies_outputs_and_reports_json(
 ) -> None:
     available(name, **options)
     ws = workspace(tmp_path)
-    res = cli.run("run", "--runtime", name, *extra, "--workspace", str(ws), "--output", "out/**",
-                  "--env", "GREETING=hi", "--secret-env", f"API_TOKEN={SECRET}", "--memory", "512Mi",
-                  "--cpus", "1", "--json", "--", "python3", "-c", WORKLOAD)
+    res = cli.run(
+        "run",
+        "--runtime",
+        name,
+        *extra,
+        "--workspace",
+        str(ws),
+        "--output",
+        "out/**",
+        "--env",
+        "GREETING=hi",
+        "--secret-env",
+        f"API_TOKEN={SECRET}",
+        "--memory",
+        "512Mi",
+        "--cpus",
+        "1",
+        "--json",
+        "--",
+        "python3",
+        "-c",
+        WORKLOAD,
+    )
     assert res.returncode == 0, res.stderr
     *lines, _ = res.stdout.rstrip("\n").split("\n")
     assert lines == [f"line {i} hi" for i in range(1, 6)] + ["secret is ***"]
@@ -163,9 +198,25 @@ def test_run_streams_copies_outputs_and_reports_json(
 def test_exit_code_propagates_and_outputs_still_come_back(cli: Cli, tmp_path: Path) -> None:
     available("bubblewrap")
     ws = workspace(tmp_path)
-    code = "import pathlib, sys; pathlib.Path('report.txt').write_text('partial'); print('failing'); sys.exit(3)"
-    res = cli.run("run", "--runtime", "bubblewrap", "--min-isolation", "namespace", "--workspace", str(ws),
-                  "--output", "report.txt", "--json", "--", "python3", "-c", code)
+    code = (
+        "import pathlib, sys; pathlib.Path('report.txt').write_text('partial'); print('failing'); sys.exit(3)"
+    )
+    res = cli.run(
+        "run",
+        "--runtime",
+        "bubblewrap",
+        "--min-isolation",
+        "namespace",
+        "--workspace",
+        str(ws),
+        "--output",
+        "report.txt",
+        "--json",
+        "--",
+        "python3",
+        "-c",
+        code,
+    )
     assert res.returncode == 3, res.stderr
     out = last_json(res.stdout)
     assert res.stdout.split("\n")[0] == "failing"
@@ -183,10 +234,24 @@ def test_sandbox_killed_from_outside_is_an_infrastructure_failure(cli: Cli) -> N
 
     rt = available("process")
     run_id, node_id = f"r-{uuid.uuid4().hex[:8]}", "n-killed"
-    p = cli.popen("run", "--runtime", "process", "--min-isolation", "none", "--json", "--run-id", run_id,
-                  "--node-id", node_id, "--", "python3", "-c",
-                  "import time; print('ready', flush=True); time.sleep(300)",
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = cli.popen(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--json",
+        "--run-id",
+        run_id,
+        "--node-id",
+        node_id,
+        "--",
+        "python3",
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(300)",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline() == "ready\n"
         (rec,) = records(rt.state)  # type: ignore[attr-defined]
@@ -220,8 +285,21 @@ def test_lines_stream_while_the_workload_runs(cli: Cli, tmp_path: Path) -> None:
         "    time.sleep(0.01)\n"
         "print('second' if flag.exists() else 'gave up waiting')\n"
     )
-    p = cli.popen("run", "--runtime", "process", "--min-isolation", "none", "--env", f"FLAG={flag}",
-                  "--", "python3", "-c", code, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = cli.popen(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--env",
+        f"FLAG={flag}",
+        "--",
+        "python3",
+        "-c",
+        code,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert p.stdout is not None
         assert p.stdout.readline() == "first\n"
@@ -236,9 +314,19 @@ def test_lines_stream_while_the_workload_runs(cli: Cli, tmp_path: Path) -> None:
 
 def test_interrupt_reaps_the_sandbox_and_exits_130(cli: Cli) -> None:
     rt = available("process")
-    p = cli.popen("run", "--runtime", "process", "--min-isolation", "none", "--", "python3", "-c",
-                  "import time; print('ready', flush=True); time.sleep(300)",
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = cli.popen(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        "import time; print('ready', flush=True); time.sleep(300)",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline() == "ready\n"
         assert len(rt.list_ids()) == 1  # type: ignore[attr-defined]
@@ -263,8 +351,21 @@ def test_progress_indicator_only_on_a_terminal(cli: Cli, tmp_path: Path) -> None
         "print('done')\n"
     )
     master, slave = pty.openpty()
-    p = cli.popen("run", "--runtime", "process", "--min-isolation", "none", "--env", f"FLAG={flag}",
-                  "--", "python3", "-c", code, stdout=subprocess.PIPE, stderr=slave)
+    p = cli.popen(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--env",
+        f"FLAG={flag}",
+        "--",
+        "python3",
+        "-c",
+        code,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
     os.close(slave)
     seen = b""
     try:
@@ -324,8 +425,10 @@ def test_bad_input_is_one_line_and_exit_2(cli: Cli, tmp_path: Path) -> None:
             assert piece in err, (args, err)
         assert res.stdout == ""
     # Empty argv, with and without the separator.
-    for args in (["run", "--runtime", "process", "--min-isolation", "none"],
-                 ["run", "--runtime", "process", "--min-isolation", "none", "--"]):
+    for args in (
+        ["run", "--runtime", "process", "--min-isolation", "none"],
+        ["run", "--runtime", "process", "--min-isolation", "none", "--"],
+    ):
         res = cli.run(*args)
         assert res.returncode == 2 and "no command given" in one_line_error(res)
     assert not (cli.conduit / "run").exists()  # nothing was put, nothing launched
@@ -335,8 +438,10 @@ def test_missing_runtime_binary_is_reported_with_the_reason(cli: Cli, tmp_path: 
     empty = tmp_path / "empty-path"
     empty.mkdir()
     env = {**cli.env, "PATH": str(empty)}
-    for args, binary in ((["--runtime", "gvisor"], "runsc"),
-                         (["--runtime", "bubblewrap", "--min-isolation", "namespace"], "bwrap")):
+    for args, binary in (
+        (["--runtime", "gvisor"], "runsc"),
+        (["--runtime", "bubblewrap", "--min-isolation", "namespace"], "bwrap"),
+    ):
         res = cli.run("run", *args, "--", "true", env=env)
         assert res.returncode == 2, res.stderr
         err = one_line_error(res)
@@ -385,8 +490,21 @@ def test_doctor_agrees_with_the_runtimes(cli: Cli) -> None:
 def test_events_replays_a_finished_node_and_flags_a_malformed_chunk(cli: Cli) -> None:
     available("process")
     run_id, node_id = f"r-{uuid.uuid4().hex[:8]}", "n-events"
-    res = cli.run("run", "--runtime", "process", "--min-isolation", "none", "--run-id", run_id,
-                  "--node-id", node_id, "--", "python3", "-c", "print('alpha'); print('beta')")
+    res = cli.run(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--run-id",
+        run_id,
+        "--node-id",
+        node_id,
+        "--",
+        "python3",
+        "-c",
+        "print('alpha'); print('beta')",
+    )
     assert res.returncode == 0, res.stderr
     assert get_runtime("process").list_ids() == []  # type: ignore[attr-defined]  # the sandbox is gone
 
@@ -414,8 +532,19 @@ def test_events_replays_a_finished_node_and_flags_a_malformed_chunk(cli: Cli) ->
     assert logged.index("alpha") < logged.index("beta")
 
     # The same node id again is refused: conduit objects are immutable evidence.
-    again = cli.run("run", "--runtime", "process", "--min-isolation", "none", "--run-id", run_id,
-                    "--node-id", node_id, "--", "true")
+    again = cli.run(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--run-id",
+        run_id,
+        "--node-id",
+        node_id,
+        "--",
+        "true",
+    )
     assert again.returncode == 2 and "already has objects" in one_line_error(again)
 
     # A planted node: chunk 1 is good, chunk 2 breaks on its second line.
@@ -478,14 +607,29 @@ def test_sweep_reaps_matching_sandboxes_and_leaves_others(cli: Cli) -> None:
 
 
 def test_render_prints_kubernetes_yaml_without_secrets(cli: Cli) -> None:
-    pytest.importorskip("prefect_resoluto.runtimes.kubernetes.render", reason="the kubernetes renderer is not present")
-    res = cli.run("render", "--runtime", "kubernetes", "--image", "python:3.12-slim",
-                  "--conduit", "s3://bucket/base?endpoint_url=http://127.0.0.1:9000",
-                  "--secret-env", f"API_TOKEN={SECRET}", "--memory", "256Mi", "--", "python3", "-c", "print(1)")
+    pytest.importorskip(
+        "prefect_resoluto.runtimes.kubernetes.render", reason="the kubernetes renderer is not present"
+    )
+    res = cli.run(
+        "render",
+        "--runtime",
+        "kubernetes",
+        "--image",
+        "python:3.12-slim",
+        "--conduit",
+        "s3://bucket/base?endpoint_url=http://127.0.0.1:9000",
+        "--secret-env",
+        f"API_TOKEN={SECRET}",
+        "--memory",
+        "256Mi",
+        "--",
+        "python3",
+        "-c",
+        "print(1)",
+    )
     assert res.returncode == 0, res.stderr
     for kind in ("NetworkPolicy", "Secret", "Pod"):
         assert f"kind: {kind}" in res.stdout
     assert SECRET not in res.stdout
     local = cli.run("render", "--runtime", "kubernetes", "--", "true")
     assert local.returncode == 2 and "local conduit" in one_line_error(local)
-

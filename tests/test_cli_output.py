@@ -34,14 +34,25 @@ SGR = re.compile(rb"\x1b\[[0-9;]*m")  # a colour or text-style code
 LOUD = {"FORCE_COLOR": "1", "CLICOLOR_FORCE": "1", "TERM": "xterm-256color", "COLUMNS": "60"}
 
 
-def on_pty(cli: Cli, *args: str, env: dict[str, str] | None = None, cols: int = 100,
-           when: tuple[bytes, Callable[[], None]] | None = None) -> tuple[int, bytes]:
+def on_pty(
+    cli: Cli,
+    *args: str,
+    env: dict[str, str] | None = None,
+    cols: int = 100,
+    when: tuple[bytes, Callable[[], None]] | None = None,
+) -> tuple[int, bytes]:
     """Run the CLI with stdout and stderr on a pseudo-terminal of ``cols`` columns;
     ``when=(text, action)`` runs ``action`` once ``text`` has been printed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, cols, 0, 0))
-    p = subprocess.Popen(cli.argv(*args), cwd=cli.work, env=env or cli.env, stdin=subprocess.DEVNULL,
-                         stdout=slave, stderr=slave)
+    p = subprocess.Popen(
+        cli.argv(*args),
+        cwd=cli.work,
+        env=env or cli.env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+    )
     os.close(slave)
     seen = b""
     end = time.monotonic() + DEADLINE
@@ -73,8 +84,21 @@ def node(cli: Cli) -> tuple[str, str]:
     """A finished node in the CLI's default conduit: two lines, then exit 3."""
     available("process")
     run_id, node_id = f"r-{uuid.uuid4().hex[:8]}", "n-out"
-    res = cli.run("run", "--runtime", "process", "--min-isolation", "none", "--run-id", run_id,
-                  "--node-id", node_id, "--", "python3", "-c", "print('alpha'); print('beta'); raise SystemExit(3)")
+    res = cli.run(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--run-id",
+        run_id,
+        "--node-id",
+        node_id,
+        "--",
+        "python3",
+        "-c",
+        "print('alpha'); print('beta'); raise SystemExit(3)",
+    )
     assert res.returncode == 3, res.stderr
     return run_id, node_id
 
@@ -111,8 +135,18 @@ def test_pipes_get_plain_text_with_everything_on_it(cli: Cli) -> None:
     assert any("< workload n-out: failure, exit code 3" in ln for ln in tree), tree
     assert "result: failure, exit code 3" in rep.stdout
 
-    failed = cli.run("run", "--runtime", "process", "--min-isolation", "none", "--", "python3", "-c",
-                     "print('[bold]not markup[/bold]'); raise SystemExit(4)", env=env)
+    failed = cli.run(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--",
+        "python3",
+        "-c",
+        "print('[bold]not markup[/bold]'); raise SystemExit(4)",
+        env=env,
+    )
     assert failed.returncode == 4
     assert ESC not in failed.stdout + failed.stderr
     assert failed.stdout == "[bold]not markup[/bold]\n"  # the workload's bytes, as printed
@@ -144,7 +178,7 @@ def test_a_terminal_gets_colour_and_no_color_turns_it_off(cli: Cli) -> None:
     report = json.loads(cli.run("doctor", "--json").stdout)
     text = no_colour.decode()
     assert all(r["label"] in text for r in report["runtimes"]) and "(default floor)" in text
-    table = text[:text.index("egress allowlists")].splitlines()
+    table = text[: text.index("egress allowlists")].splitlines()
     assert max(len(ln) for ln in table) <= 100  # the table wraps to the terminal, nothing is cut
     assert all(r["why"].split()[-1] in text for r in report["runtimes"] if r["why"])
 
@@ -173,8 +207,22 @@ def test_progress_line_on_a_terminal_without_colour(cli: Cli, tmp_path: Path) ->
         "print('done')\n"
     )
     env = {**cli.env, "TERM": "xterm-256color", "NO_COLOR": "1"}
-    code, seen = on_pty(cli, "run", "--runtime", "process", "--min-isolation", "none", "--env", f"FLAG={flag}",
-                        "--", "python3", "-c", script, env=env, when=(b"event(s)", flag.touch))
+    code, seen = on_pty(
+        cli,
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--env",
+        f"FLAG={flag}",
+        "--",
+        "python3",
+        "-c",
+        script,
+        env=env,
+        when=(b"event(s)", flag.touch),
+    )
     assert code == 0, seen
     assert b"\r\x1b[K" in seen and b"on process: " in seen and b"event(s)" in seen, seen
     assert not SGR.search(seen), seen
@@ -196,7 +244,8 @@ def test_help_loads_no_command_and_no_rich_and_doctor_no_prefect(cli: Cli) -> No
         "    c.main(['doctor'])\n"
         "print('rich.table' in sys.modules, 'RUNTIME' in out.getvalue(), loaded('prefect'))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], env=cli.env, cwd=cli.work, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=cli.env, cwd=cli.work, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["[]", "True True []"], res.stdout

@@ -40,8 +40,13 @@ def test_blocks_register_from_the_cli_and_by_entry_point():
     # first test of the session to touch blocks; a save would register its own type).
     with get_client(sync_client=True) as c:
         assert c.read_block_type_by_slug("resoluto-sandbox").slug == "resoluto-sandbox"
-    proc = subprocess.run([sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_resoluto.blocks"],
-                          env=cli_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_resoluto.blocks"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with get_client(sync_client=True) as c:
         for slug in ("resoluto-sandbox", "resoluto-local-conduit", "resoluto-s3-conduit"):
@@ -79,16 +84,33 @@ def test_block_field_validation_and_s3_conduit_block(moto_server, s3_bucket):
         LocalConduitBlock(path="relative/dir")
     with pytest.raises(ValueError, match="unknown isolation level"):
         SandboxBlock(min_isolation="bulletproof")
-    block = S3ConduitBlock(bucket=s3_bucket, base_prefix="flows", endpoint_url=moto_server.endpoint_url,
-                           access_key_id="testing", secret_access_key=SecretStr("testing"))
+    block = S3ConduitBlock(
+        bucket=s3_bucket,
+        base_prefix="flows",
+        endpoint_url=moto_server.endpoint_url,
+        access_key_id="testing",
+        secret_access_key=SecretStr("testing"),
+    )
     c = block.to_conduit()
     c.put("run/x/nodes/y/result.json", b"{}")
     assert c.list_prefix("run/") == ["run/x/nodes/y/result.json"]
-    cfg = SandboxBlock(runtime="kubernetes", kube_namespace="ns", kube_context="ctx", runtime_class="kata",
-                       image="img:1", node_selector={"pool": "sandbox"}, conduit=block).to_config()
+    cfg = SandboxBlock(
+        runtime="kubernetes",
+        kube_namespace="ns",
+        kube_context="ctx",
+        runtime_class="kata",
+        image="img:1",
+        node_selector={"pool": "sandbox"},
+        conduit=block,
+    ).to_config()
     assert cfg.runtime == "kubernetes" and cfg.conduit is not None
-    assert cfg.runtime_options == {"namespace": "ns", "context": "ctx", "runtime_class": "kata",
-                                   "node_selector": {"pool": "sandbox"}, "image": "img:1"}
+    assert cfg.runtime_options == {
+        "namespace": "ns",
+        "context": "ctx",
+        "runtime_class": "kata",
+        "node_selector": {"pool": "sandbox"},
+        "image": "img:1",
+    }
 
 
 def serve(tmp_path: Path, conduit_dir: Path, **extra: str):
@@ -99,9 +121,15 @@ def serve(tmp_path: Path, conduit_dir: Path, **extra: str):
     with open(tmp_path / "served.log", "wb") as out:
         server = subprocess.Popen(
             [sys.executable, str(FLOWS / "served_flow.py")],
-            env=cli_env(RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(), RESOLUTO_TEST_INTERVAL="3600",
-                        PYTHONPATH=str(ROOT), **extra),
-            cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT,
+            env=cli_env(
+                RESOLUTO_TEST_CONDUIT=conduit_dir.as_uri(),
+                RESOLUTO_TEST_INTERVAL="3600",
+                PYTHONPATH=str(ROOT),
+                **extra,
+            ),
+            cwd=str(tmp_path),
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -162,7 +190,9 @@ def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, served):
 
     assert served.server.poll() is None, served.output()
     rt = get_runtime("gvisor", state_dir=served.state_dir)
-    run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0)
+    run = run_deployment(
+        "served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0
+    )
 
     def both_started() -> set[str] | None:
         ids = run_sandboxes(served.state_dir, run.id)

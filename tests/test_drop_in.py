@@ -45,19 +45,19 @@ def runner(conduit: LocalConduit, tmp_path: Path, **kw) -> ResolutoTaskRunner:
     return ResolutoTaskRunner(conduit=conduit, workspace=FLOWS, outputs_dir=tmp_path / "outputs", **kw)
 
 
-
-
 def logs(**filters) -> list:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTaskRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.logging.handlers import APILogHandler
 
     APILogHandler().flush()
-    f = LogFilter(task_run_id=LogFilterTaskRunId(any_=[filters["task_run_id"]])) if "task_run_id" in filters \
+    f = (
+        LogFilter(task_run_id=LogFilterTaskRunId(any_=[filters["task_run_id"]]))
+        if "task_run_id" in filters
         else LogFilter(flow_run_id=LogFilterFlowRunId(any_=[filters["flow_run_id"]]))
+    )
     with client() as c:
         return c.read_logs(log_filter=f, sort=LogSort.TIMESTAMP_ASC)
-
 
 
 def raised(future) -> BaseException:
@@ -70,7 +70,9 @@ def raised(future) -> BaseException:
 
 
 # -- 1: no secret leaks through an exception ---------------------------------------------------
-def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and_artifacts(gvisor, conduit, tmp_path):
+def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and_artifacts(
+    gvisor, conduit, tmp_path
+):
     secret = f"tok-{uuid.uuid4().hex}"
 
     @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}))
@@ -111,9 +113,18 @@ def test_the_host_redacts_again_what_a_guest_left_in_clear(tmp_path):
     secret = "s3cr3t-value-123"
     err = tmp_path / ".resoluto" / "error.json"
     err.parent.mkdir()
-    err.write_text(json.dumps({"type": "ValueError", "module": "builtins", "qualname": "ValueError",
-                               "exception": True, "message": f"bad {secret}",
-                               "traceback": f"Traceback ...\nValueError: bad {secret}\n"}))
+    err.write_text(
+        json.dumps(
+            {
+                "type": "ValueError",
+                "module": "builtins",
+                "qualname": "ValueError",
+                "exception": True,
+                "message": f"bad {secret}",
+                "traceback": f"Traceback ...\nValueError: bad {secret}\n",
+            }
+        )
+    )
     with pytest.raises(ValueError) as info:
         pycall.read_outcome(tmp_path, redactor=Redactor([secret]))
     assert secret not in str(info.value) and "bad ***" in str(info.value)
@@ -152,10 +163,16 @@ def _exception_flow(task_runner):
         out["quota"] = raised(df.raise_quota.submit(12))
         out["chained"] = raised(df.raise_chained.submit())
         out["group"] = raised(df.raise_group.submit())
-        raised(df.raise_value_error.with_options(retries=1, retry_delay_seconds=0,
-                                                 retry_condition_fn=retry_on_value_error).submit("retry me"))
-        raised(df.raise_value_error.with_options(retries=1, retry_delay_seconds=0,
-                                                 retry_condition_fn=retry_on_type_error).submit("do not retry"))
+        raised(
+            df.raise_value_error.with_options(
+                retries=1, retry_delay_seconds=0, retry_condition_fn=retry_on_value_error
+            ).submit("retry me")
+        )
+        raised(
+            df.raise_value_error.with_options(
+                retries=1, retry_delay_seconds=0, retry_condition_fn=retry_on_type_error
+            ).submit("do not retry")
+        )
         return out
 
     return exceptions
@@ -167,11 +184,19 @@ def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tm
     ve = out["value_error"]
     assert isinstance(ve, ValueError) and isinstance(ve, RemoteTaskError)
     assert ve.remote_type == "ValueError" and ve.remote_message == "bad input 42"
-    assert 'dropin_flows.py", line' in ve.remote_traceback and "raise ValueError(message)" in ve.remote_traceback
+    assert (
+        'dropin_flows.py", line' in ve.remote_traceback and "raise ValueError(message)" in ve.remote_traceback
+    )
     assert repr(ve) == "ValueError('bad input 42')"
-    shown = [r.state.message for r in task_runs(state.state_details.flow_run_id) if "bad input 42" in r.state.message]
-    assert shown == ["Task run encountered an exception ValueError: bad input 42\n--- traceback from the sandbox ---\n"
-                     + ve.remote_traceback.rstrip()]  # as the UI shows it: no doubled type name
+    shown = [
+        r.state.message
+        for r in task_runs(state.state_details.flow_run_id)
+        if "bad input 42" in r.state.message
+    ]
+    assert shown == [
+        "Task run encountered an exception ValueError: bad input 42\n--- traceback from the sandbox ---\n"
+        + ve.remote_traceback.rstrip()
+    ]  # as the UI shows it: no doubled type name
     quota = out["quota"]  # the task module's own class, with its own constructor
     assert isinstance(quota, df.QuotaExceeded) and isinstance(quota, RemoteTaskError)
     assert str(quota).startswith("used 12 of 10\n--- traceback from the sandbox ---")
@@ -184,11 +209,15 @@ def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tm
 
     runs = task_runs(state.state_details.flow_run_id)
     retried = [r for r in runs if r.run_count == 2]
-    assert len(retried) == 1, [(r.name, r.run_count) for r in runs]  # only the retry condition that matches the type retries
+    assert len(retried) == 1, [
+        (r.name, r.run_count) for r in runs
+    ]  # only the retry condition that matches the type retries
     # the same flow under Prefect's own thread pool gives the same states and run counts
     th = _exception_flow(ThreadPoolTaskRunner())(return_state=True)
     th_runs = task_runs(th.state_details.flow_run_id)
-    assert sorted((r.state.type, r.run_count) for r in th_runs) == sorted((r.state.type, r.run_count) for r in runs)
+    assert sorted((r.state.type, r.run_count) for r in th_runs) == sorted(
+        (r.state.type, r.run_count) for r in runs
+    )
     assert isinstance(th.result()["quota"], df.QuotaExceeded)
 
 
@@ -196,8 +225,10 @@ def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tm
 def _crash_flow(task_runner):
     @flow(task_runner=task_runner)
     def crashing():
-        return [type(raised(t)).__mro__[0].__name__ for t in
-                (df.interrupt.submit(), df.exit_with.submit(0), df.exit_with.submit(3))]
+        return [
+            type(raised(t)).__mro__[0].__name__
+            for t in (df.interrupt.submit(), df.exit_with.submit(0), df.exit_with.submit(3))
+        ]
 
     return crashing
 
@@ -207,7 +238,10 @@ def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(g
     threaded = _crash_flow(ThreadPoolTaskRunner())(return_state=True)
     assert sandboxed.is_completed() and threaded.is_completed()
     assert sandboxed.result() == threaded.result() == ["KeyboardInterrupt", "SystemExit", "SystemExit"]
-    s_runs, t_runs = task_runs(sandboxed.state_details.flow_run_id), task_runs(threaded.state_details.flow_run_id)
+    s_runs, t_runs = (
+        task_runs(sandboxed.state_details.flow_run_id),
+        task_runs(threaded.state_details.flow_run_id),
+    )
     assert [r.state.type.value for r in s_runs] == ["CRASHED"] * 3
     assert [(r.state.type, r.run_count) for r in s_runs] == [(r.state.type, r.run_count) for r in t_runs]
     assert all(r.run_count == 1 for r in s_runs)  # retries=2 on both tasks: a crash is not retried
@@ -216,8 +250,15 @@ def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(g
 
 
 # -- 4: the stand-in's import orders ---------------------------------------------------------------
-ORDER_MODULES = ["prefect", "prefect.logging", "prefect.client.schemas", "prefect.context", "prefect.runtime",
-                 "prefect.futures", "prefect.variables"]
+ORDER_MODULES = [
+    "prefect",
+    "prefect.logging",
+    "prefect.client.schemas",
+    "prefect.context",
+    "prefect.runtime",
+    "prefect.futures",
+    "prefect.variables",
+]
 
 _ORDER_PROBE = """
 import importlib, sys
@@ -251,9 +292,18 @@ print("ok", t(1))
 def test_every_import_order_works_in_the_stand_in_and_the_real_package(path, first):
     """Guest side only (no sandbox, no API): a fresh interpreter per order."""
     probe = _ORDER_PROBE.format(modules=ORDER_MODULES)
-    proc = subprocess.run([sys.executable, "-c", probe, path, first], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-                                            "PREFECT_HOME": "/nonexistent-prefect-home-for-probe"})
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, path, first],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "PREFECT_HOME": "/nonexistent-prefect-home-for-probe",
+        },
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok 2"), proc.stderr[-3000:]
 
 
@@ -279,8 +329,10 @@ def test_tags_and_prefect_runtime_reach_the_sandbox_and_nested_tasks_run_inline(
 
     fr = state.state_details.flow_run_id
     runs = {r.name.rsplit("-", 1)[0]: r for r in task_runs(fr)}
-    for ctx, threaded, task_name in ((standin_ctx, th_standin, "context_probe"),
-                                     (real_ctx, th_real, "context_probe_real")):
+    for ctx, threaded, task_name in (
+        (standin_ctx, th_standin, "context_probe"),
+        (real_ctx, th_real, "context_probe_real"),
+    ):
         tr = runs[task_name]
         assert ctx["tags"] == ["alpha", "beta"] == threaded["tags"]
         assert ctx["task_run"]["id"] == str(tr.id) and ctx["task_run"]["name"] == tr.name
@@ -314,7 +366,11 @@ def test_max_workers_follows_prefects_thread_pool_setting():
     with temporary_settings({PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS: 3}):
         r = ResolutoTaskRunner()
         assert r._max_workers == 3 == ThreadPoolTaskRunner()._max_workers
-        assert ResolutoTaskRunner(max_workers=7)._max_workers == 7 == ThreadPoolTaskRunner(max_workers=7)._max_workers
+        assert (
+            ResolutoTaskRunner(max_workers=7)._max_workers
+            == 7
+            == ThreadPoolTaskRunner(max_workers=7)._max_workers
+        )
     assert r.duplicate()._max_workers == 3  # duplicate() keeps what __init__ read
 
 
@@ -334,7 +390,11 @@ def test_a_failure_is_one_error_record_with_the_whole_traceback_and_a_short_repr
     assert "Traceback (most recent call last):" in err.message and "raise ValueError(message)" in err.message
     assert err.message.rstrip().endswith("ValueError: bad input 7")
     assert not any("Traceback" in r.message for r in ours if r.level < 40)
-    engine = [r.message for r in records if r.name == "prefect.task_runs" and r.message.startswith("Task run failed")]
+    engine = [
+        r.message
+        for r in records
+        if r.name == "prefect.task_runs" and r.message.startswith("Task run failed")
+    ]
     assert engine and engine[0].splitlines()[0] == "Task run failed with exception: ValueError('bad input 7')"
 
 
@@ -352,13 +412,21 @@ def test_a_task_shows_a_start_and_an_outcome_line_and_the_flow_one_runner_line(g
     fr = state.state_details.flow_run_id
     runs = {t.name.rsplit("-", 1)[0]: t for t in task_runs(fr)}
     for name, user_lines in (("square", ["squaring 3"]), ("write_report", [])):
-        info = [x.message for x in logs(task_run_id=runs[name].id) if x.name == "resoluto.sandbox" and x.level >= 20]
+        info = [
+            x.message
+            for x in logs(task_run_id=runs[name].id)
+            if x.name == "resoluto.sandbox" and x.level >= 20
+        ]
         assert len(info) == 2 + len(user_lines), "\n".join(info)
         assert info[0].startswith("sandbox node ") and info[1:-1] == user_lines
         assert info[-1].startswith(f"node {runs[name].id}: success")
-    report_line = [x.message for x in logs(task_run_id=runs["write_report"].id) if x.name == "resoluto.sandbox"][-1]
+    report_line = [
+        x.message for x in logs(task_run_id=runs["write_report"].id) if x.name == "resoluto.sandbox"
+    ][-1]
     assert "1 output file(s)" in report_line  # the declared output, not .resoluto/return.json
-    flow_lines = [x.message for x in logs(flow_run_id=fr) if x.task_run_id is None and "ResolutoTaskRunner" in x.message]
+    flow_lines = [
+        x.message for x in logs(flow_run_id=fr) if x.task_run_id is None and "ResolutoTaskRunner" in x.message
+    ]
     assert len(flow_lines) == 1, flow_lines
     assert "runtime gvisor" in flow_lines[0] and "isolation user-kernel" in flow_lines[0]
     assert f"conduit {conduit.url}" in flow_lines[0] and "max_workers 3" in flow_lines[0]
@@ -371,12 +439,21 @@ def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
     cmd = "mkdir -p out .resoluto && echo r > out/a.txt && echo '{}' > .resoluto/return.json"
-    env = guest_env(tmp_path / "conduit", "r1", "n1", ["sh", "-c", cmd], RESOLUTO_WORKSPACE_DIR=str(ws),
-                    RESOLUTO_OUTPUT_PATHS=json.dumps(["out/*.txt", ".resoluto/return.json"]))
+    env = guest_env(
+        tmp_path / "conduit",
+        "r1",
+        "n1",
+        ["sh", "-c", cmd],
+        RESOLUTO_WORKSPACE_DIR=str(ws),
+        RESOLUTO_OUTPUT_PATHS=json.dumps(["out/*.txt", ".resoluto/return.json"]),
+    )
     subprocess.run([PY, "-m", "guest_runner"], env=env, check=True, timeout=60)
     conduit = LocalConduit(tmp_path / "conduit")
-    lines = [json.loads(line)["data"].get("line", "") for k in conduit.list_prefix("run/r1/nodes/n1/events-")
-             for line in conduit.get(k).decode().splitlines()]
+    lines = [
+        json.loads(line)["data"].get("line", "")
+        for k in conduit.list_prefix("run/r1/nodes/n1/events-")
+        for line in conduit.get(k).decode().splitlines()
+    ]
     collected = [x for x in lines if x.startswith("collected")]
     assert len(collected) == 1 and collected[0].startswith("collected 1 output file(s)"), lines
 
@@ -392,7 +469,9 @@ def test_each_node_artifact_has_a_key_and_a_description_that_tells_attempts_apar
     arts = sorted(artifacts_of(tr.id), key=lambda a: a.created)
     assert len(arts) == 2
     keys = [a.key for a in arts]
-    assert all(k and re.fullmatch(r"[a-z0-9-]+", k) and k.startswith("resoluto-fail-on-first-attempt-") for k in keys)
+    assert all(
+        k and re.fullmatch(r"[a-z0-9-]+", k) and k.startswith("resoluto-fail-on-first-attempt-") for k in keys
+    )
     assert len(set(keys)) == 2 and keys[1].endswith("-2")
     assert arts[0].description.startswith("fail_on_first_attempt attempt 1: failure")
     assert arts[1].description.startswith("fail_on_first_attempt attempt 2: success")
@@ -456,7 +535,11 @@ def test_a_task_over_the_default_memory_limit_is_stopped_and_told_which_setting(
     state = hungry(return_state=True)
     e = state.result()
     assert isinstance(e, SandboxKilled)
-    assert "OOM-killed" in str(e) and "memory limit is 4Gi (the default)" in str(e) and "`memory` setting" in str(e)
+    assert (
+        "OOM-killed" in str(e)
+        and "memory limit is 4Gi (the default)" in str(e)
+        and "`memory` setting" in str(e)
+    )
     (tr,) = task_runs(state.state_details.flow_run_id)
     assert tr.state.is_failed() and "`memory` setting" in tr.state.message
 
@@ -474,8 +557,9 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     assert SandboxConfig().resources.memory_bytes == 4 * 1024**3 and SandboxConfig().resources.cpus == 2.0
     with pytest.raises(ValueError, match="pids"):
         ResolutoTaskRunner(pids=0)
-    spec = launch_spec(NodeSpec(run_id="r", node_id="n", argv=["true"], resources=res),
-                       LocalConduit(tmp_path / "c"))
+    spec = launch_spec(
+        NodeSpec(run_id="r", node_id="n", argv=["true"], resources=res), LocalConduit(tmp_path / "c")
+    )
     from prefect_resoluto.runtimes._host import guest_layout
 
     bundle = GVisorRuntime().bundle_config(spec, guest_layout(spec, python="python3"))
@@ -510,19 +594,40 @@ def test_an_image_without_prefect_still_gives_tasks_their_run_context_and_nested
     ws = tmp_path / "ws"
     (ws / ".resoluto").mkdir(parents=True)
     shutil.copy(FLOWS / "dropin_flows.py", ws)
-    context = {"tags": ["a", "b"],
-               "task_run": {"id": "t1", "name": "context_probe-1", "task_name": "context_probe", "run_count": 2,
-                            "parameters": {}, "tags": ["a", "b"]},
-               "flow_run": {"id": "f1", "name": "brave-fox", "flow_name": "f", "tags": ["nightly"],
-                            "parameters": {"n": 3}},
-               "deployment": {"id": "d1", "name": "prod"}}
+    context = {
+        "tags": ["a", "b"],
+        "task_run": {
+            "id": "t1",
+            "name": "context_probe-1",
+            "task_name": "context_probe",
+            "run_count": 2,
+            "parameters": {},
+            "tags": ["a", "b"],
+        },
+        "flow_run": {
+            "id": "f1",
+            "name": "brave-fox",
+            "flow_name": "f",
+            "tags": ["nightly"],
+            "parameters": {"n": 3},
+        },
+        "deployment": {"id": "d1", "name": "prod"},
+    }
     out = {}
     for qualname, params in (("context_probe", {}), ("nested_calls", {"x": 2})):
-        (ws / ".resoluto" / "call.json").write_text(json.dumps(
-            {"file": "dropin_flows.py", "qualname": qualname, "parameters": params, "context": context}))
-        proc = subprocess.run([sys.executable, "-S", "-m", "guest_runner.call", ".resoluto/call.json"], cwd=ws,
-                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
-                              text=True, timeout=60)
+        (ws / ".resoluto" / "call.json").write_text(
+            json.dumps(
+                {"file": "dropin_flows.py", "qualname": qualname, "parameters": params, "context": context}
+            )
+        )
+        proc = subprocess.run(
+            [sys.executable, "-S", "-m", "guest_runner.call", ".resoluto/call.json"],
+            cwd=ws,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out[qualname] = json.loads((ws / ".resoluto" / "return.json").read_text())["value"]
         if qualname == "nested_calls":

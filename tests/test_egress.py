@@ -40,7 +40,9 @@ from prefect_resoluto.runtimes.base import LaunchError, SandboxRuntime
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = f"{egress_net.HOST2}:7,denied.example.test:443"
 
-pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}")
+pytestmark = pytest.mark.skipif(
+    bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}"
+)
 
 
 # --------------------------------------------------------------------------- policy (pure)
@@ -49,20 +51,30 @@ pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"egress needs n
 def test_rules_names_wildcards_ports() -> None:
     policy = build_policy(["api.example.com", "*.githubusercontent.com", "git.example.org:8443"])
     assert policy is not None
-    assert policy.allows("workload", "api.example.com", 443) and policy.allows("workload", "api.example.com", 80)
+    assert policy.allows("workload", "api.example.com", 443) and policy.allows(
+        "workload", "api.example.com", 80
+    )
     assert not policy.allows("workload", "api.example.com", 8443)
     assert policy.allows("workload", "raw.githubusercontent.com", 443)
     assert policy.allows("workload", "a.b.githubusercontent.com", 443)
     assert not policy.allows("workload", "githubusercontent.com", 443)  # the suffix itself is not covered
     assert not policy.allows("workload", "evilgithubusercontent.com", 443)
-    assert policy.allows("workload", "git.example.org", 8443) and not policy.allows("workload", "git.example.org", 443)
+    assert policy.allows("workload", "git.example.org", 8443) and not policy.allows(
+        "workload", "git.example.org", 443
+    )
     assert not policy.allows("workload", "api.example.com.evil.test", 443)
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("198.18.0.2", "IP address"), ("api.example.com:99999", "port"), ("*.com", "two labels"),
-    ("bad host", "not a host name"), ("", "non-empty"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("198.18.0.2", "IP address"),
+        ("api.example.com:99999", "port"),
+        ("*.com", "two labels"),
+        ("bad host", "not a host name"),
+        ("", "non-empty"),
+    ],
+)
 def test_bad_entries_are_refused_clearly(entry: str, message: str) -> None:
     with pytest.raises(EgressPolicyError, match=message):
         parse_rules([entry])
@@ -75,11 +87,23 @@ def test_no_allowlist_means_no_network() -> None:
     assert build_policy([], ["pypi.org"], has_setup=False) is None
 
 
-@pytest.mark.parametrize("addr, why", [
-    ("127.0.0.1", "loopback"), ("10.1.2.3", "RFC 1918"), ("172.16.0.1", "RFC 1918"), ("192.168.1.1", "RFC 1918"),
-    ("169.254.169.254", "link-local"), ("100.64.0.1", "CGNAT"), ("224.0.0.1", "multicast"), ("0.0.0.0", "unspecified"),
-    ("::1", "IPv6 loopback"), ("fd00::1", "ULA"), ("fe80::1", "IPv6 link-local"), ("::ffff:127.0.0.1", "loopback"),
-])
+@pytest.mark.parametrize(
+    "addr, why",
+    [
+        ("127.0.0.1", "loopback"),
+        ("10.1.2.3", "RFC 1918"),
+        ("172.16.0.1", "RFC 1918"),
+        ("192.168.1.1", "RFC 1918"),
+        ("169.254.169.254", "link-local"),
+        ("100.64.0.1", "CGNAT"),
+        ("224.0.0.1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("::1", "IPv6 loopback"),
+        ("fd00::1", "ULA"),
+        ("fe80::1", "IPv6 link-local"),
+        ("::ffff:127.0.0.1", "loopback"),
+    ],
+)
 def test_always_refused_ranges(addr: str, why: str) -> None:
     assert why in (refusal(addr) or "")
 
@@ -91,8 +115,13 @@ def test_public_and_benchmark_addresses_pass_but_own_addresses_do_not() -> None:
 
 def test_forward_must_target_host_loopback() -> None:
     assert parse_forward({"prefect-api.resoluto.internal:4200": "127.0.0.1:4200"}) == {
-        ("prefect-api.resoluto.internal", 4200): ("127.0.0.1", 4200)}
-    for bad in ({"x.internal": "127.0.0.1:1"}, {"x.internal:1": "10.0.0.1:1"}, {"x.internal:1": "localhost:1"}):
+        ("prefect-api.resoluto.internal", 4200): ("127.0.0.1", 4200)
+    }
+    for bad in (
+        {"x.internal": "127.0.0.1:1"},
+        {"x.internal:1": "10.0.0.1:1"},
+        {"x.internal:1": "localhost:1"},
+    ):
         with pytest.raises(EgressPolicyError):
             parse_forward(bad)
 
@@ -149,16 +178,31 @@ def _workspace(tmp_path: Path, net: egress_net.TestNet, files: dict[str, str] | 
     return ws
 
 
-def run_node(rt: SandboxRuntime, tmp_path: Path, net: egress_net.TestNet, argv: list[str], *,
-             run_id: str = "run-a", node_id: str = "n1", files: dict[str, str] | None = None,
-             **kw: Any) -> tuple[NodeOutcome, list[dict[str, Any]]]:
+def run_node(
+    rt: SandboxRuntime,
+    tmp_path: Path,
+    net: egress_net.TestNet,
+    argv: list[str],
+    *,
+    run_id: str = "run-a",
+    node_id: str = "n1",
+    files: dict[str, str] | None = None,
+    **kw: Any,
+) -> tuple[NodeOutcome, list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
     kw.setdefault("egress_resolve", net.resolve)
     env = {"SSL_CERT_FILE": "/workspace/ca.pem", "CURL_CA_BUNDLE": "/workspace/ca.pem", **kw.pop("env", {})}
-    spec = NodeSpec(run_id=run_id, node_id=node_id, argv=argv, workspace=_workspace(tmp_path, net, files),
-                    env=env, **kw)
-    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt, on_event=events.append,
-                         min_isolation="namespace", silence_window=120)
+    spec = NodeSpec(
+        run_id=run_id, node_id=node_id, argv=argv, workspace=_workspace(tmp_path, net, files), env=env, **kw
+    )
+    outcome = drive_node(
+        spec,
+        LocalConduit(tmp_path / "conduit"),
+        rt,
+        on_event=events.append,
+        min_isolation="namespace",
+        silence_window=120,
+    )
     return outcome, events
 
 
@@ -203,15 +247,18 @@ def transparent(name, port=443, path="/t"):
 # --------------------------------------------------------------------------- end to end
 
 
-def test_allowlisted_name_from_python_proxy_and_transparent(rt: SandboxRuntime, tmp_path: Path,
-                                                            testnet: egress_net.TestNet) -> None:
+def test_allowlisted_name_from_python_proxy_and_transparent(
+    rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     code = FETCH + textwrap.dedent("""
         print("P", proxied("https://api.example.test/py-proxy"))
         print("H", proxied("http://api.example.test/py-http"))
         print("T", transparent("api.example.test"))
         print("IF", sorted(n for _, n in socket.if_nameindex()))
     """)
-    outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    outcome, events = run_node(
+        rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"]
+    )
     out = output(events)
     assert outcome.ok, outcome.describe() + out
     assert f"P hello from {egress_net.HOST} host=api.example.test path=/py-proxy" in out
@@ -225,9 +272,13 @@ def test_allowlisted_name_from_python_proxy_and_transparent(rt: SandboxRuntime, 
         assert d["bytes_up"] > 0 and d["bytes_down"] > 0 and d["duration"] >= 0
 
 
-def test_curl_proxy_aware_and_transparent(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
-    script = ("curl -sS https://api.example.test/c1 && curl -sS --noproxy '*' https://api.example.test/c2 && "
-              "curl -sS --noproxy '*' http://api.example.test/c3 && curl -sS http://api.example.test/c4")
+def test_curl_proxy_aware_and_transparent(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
+    script = (
+        "curl -sS https://api.example.test/c1 && curl -sS --noproxy '*' https://api.example.test/c2 && "
+        "curl -sS --noproxy '*' http://api.example.test/c3 && curl -sS http://api.example.test/c4"
+    )
     outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", script], egress=["api.example.test"])
     out = output(events)
     assert outcome.ok, outcome.describe() + out
@@ -237,31 +288,41 @@ def test_curl_proxy_aware_and_transparent(gv: SandboxRuntime, tmp_path: Path, te
     assert sorted(vias) == ["CONNECT", "HTTP proxy", "transparent HTTP", "transparent TLS"]
 
 
-def test_name_not_on_the_list_is_refused_in_the_logs(rt: SandboxRuntime, tmp_path: Path,
-                                                     testnet: egress_net.TestNet) -> None:
+def test_name_not_on_the_list_is_refused_in_the_logs(
+    rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     before = len(testnet.hits.to(egress_net.HOST2))
     code = FETCH + textwrap.dedent("""
         print("P", proxied("https://other.example.test/x"))
         print("T", transparent("other.example.test"))
     """)
-    outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    outcome, events = run_node(
+        rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"]
+    )
     out = output(events)
     assert outcome.ok, outcome.describe()
     assert "P ERROR" in out and "403" in out
     assert "T ERROR gaierror" in out  # the sandbox's DNS knows allowlisted names only
     refused = [d for d in decisions(events, "refused") if d.get("host") == "other.example.test"]
     assert refused and all(d["level"] == "WARNING" and d["reason"] == "not in the allowlist" for d in refused)
-    assert any("egress refused other.example.test:443 via CONNECT: not in the allowlist" in d["line"] for d in refused)
+    assert any(
+        "egress refused other.example.test:443 via CONNECT: not in the allowlist" in d["line"]
+        for d in refused
+    )
     assert len(testnet.hits.to(egress_net.HOST2)) == before
 
 
-@pytest.mark.parametrize("name, address, why", [
-    ("private.example.test", egress_net.PRIVATE, "RFC 1918"),
-    ("imds.example.test", egress_net.IMDS, "link-local"),
-    ("loop.example.test", "127.0.0.1", "loopback"),
-])
+@pytest.mark.parametrize(
+    "name, address, why",
+    [
+        ("private.example.test", egress_net.PRIVATE, "RFC 1918"),
+        ("imds.example.test", egress_net.IMDS, "link-local"),
+        ("loop.example.test", "127.0.0.1", "loopback"),
+    ],
+)
 def test_allowlisted_name_resolving_inward_is_refused_without_connecting(
-        gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, name: str, address: str, why: str) -> None:
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, name: str, address: str, why: str
+) -> None:
     code = FETCH + textwrap.dedent(f"""
         print("P", proxied("https://{name}/rebind"))
         print("H", proxied("http://{name}/rebind"))
@@ -279,8 +340,9 @@ def test_allowlisted_name_resolving_inward_is_refused_without_connecting(
     assert testnet.hits.to(address) == [] and testnet.loop_hits.seen == []
 
 
-def test_direct_ip_raw_udp_and_host_listeners_unreachable(rt: SandboxRuntime, tmp_path: Path,
-                                                          testnet: egress_net.TestNet) -> None:
+def test_direct_ip_raw_udp_and_host_listeners_unreachable(
+    rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     # A listener on every address of the host itself: the sandbox must reach none of them.
     host_listener = socket.socket()
     host_listener.bind(("0.0.0.0", 0))
@@ -311,7 +373,9 @@ def test_direct_ip_raw_udp_and_host_listeners_unreachable(rt: SandboxRuntime, tm
         print("RES", json.dumps(res))
     """)
     try:
-        outcome, events = run_node(rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+        outcome, events = run_node(
+            rt, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"]
+        )
         out = output(events)
         assert outcome.ok, outcome.describe() + out
         res = json.loads(out.split("RES ", 1)[1].splitlines()[0])
@@ -332,9 +396,15 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     hits_before = list(testnet.hits.seen)
     net = egress.attach(req, "rsl-rootwiden0")
     try:
+
         def sh(cmd: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", "sh", "-c", cmd],
-                                  capture_output=True, text=True, timeout=30)
+            return subprocess.run(
+                ["nsenter", f"--net=/run/netns/{net.netns}", "sh", "-c", cmd],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+
         assert sh(f"ip route add default via {net.gateway}").returncode == 0
         assert sh("ip addr add 198.18.0.77/24 dev eth0").returncode == 0
         for target in (f"http://{egress_net.HOST}/direct", f"http://{egress_net.HOST2}:7/"):
@@ -348,8 +418,9 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     assert testnet.hits.seen == hits_before  # no connection reached any test host
 
 
-def test_guest_root_cannot_rewrite_its_dns_or_routes(gv: SandboxRuntime, tmp_path: Path,
-                                                     testnet: egress_net.TestNet) -> None:
+def test_guest_root_cannot_rewrite_its_dns_or_routes(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     code = textwrap.dedent("""
         import os, socket
         print("UID", os.getuid())
@@ -365,7 +436,9 @@ def test_guest_root_cannot_rewrite_its_dns_or_routes(gv: SandboxRuntime, tmp_pat
         except OSError as e:
             print("RAW", type(e).__name__)
     """)
-    outcome, events = run_node(gv, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"])
+    outcome, events = run_node(
+        gv, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test"]
+    )
     out = output(events)
     assert outcome.ok, outcome.describe()
     assert "UID 0" in out and "WROTE" not in out and "RAW opened" not in out
@@ -374,13 +447,16 @@ def test_guest_root_cannot_rewrite_its_dns_or_routes(gv: SandboxRuntime, tmp_pat
 # --------------------------------------------------------------------------- canary, phases, forwards
 
 
-def test_canary_fails_closed_before_the_workload(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_canary_fails_closed_before_the_workload(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A canary target the sandbox can reach (the proxy's own port) stands for a broken
     # enforcement: the node must stop before the workload, as an infrastructure failure.
     gateway = netns.slot_addresses(0)[0]
     monkeypatch.setenv(egress.CANARY_ENV, f"{gateway}:{proxy.PROXY_PORT}")
-    outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", "echo WORKLOAD-RAN"], egress=["api.example.test"])
+    outcome, events = run_node(
+        gv, tmp_path, testnet, ["sh", "-c", "echo WORKLOAD-RAN"], egress=["api.example.test"]
+    )
     assert not outcome.ok and outcome.failure == "egress" and outcome.infrastructure_failure
     assert outcome.reason.startswith("egress is not enforced")
     assert "WORKLOAD-RAN" not in output(events)
@@ -395,23 +471,43 @@ def test_canary_passes_and_says_so(gv: SandboxRuntime, tmp_path: Path, testnet: 
     echo_before = [h for h in testnet.hits.to(egress_net.HOST2) if h[1] == 7]
     outcome, events = run_node(gv, tmp_path, testnet, ["true"], egress=["api.example.test"])
     assert outcome.ok
-    assert any("egress canary: 2 destination(s) outside the allowlist unreachable" in line for line in lines(events))
+    assert any(
+        "egress canary: 2 destination(s) outside the allowlist unreachable" in line for line in lines(events)
+    )
     # It probed the test hosts it was pointed at (direct, by DNS, through the proxy) and reached none.
-    probes = [d for d in decisions(events, "refused") if d.get("host") in (egress_net.HOST2, "denied.example.test")]
+    probes = [
+        d for d in decisions(events, "refused") if d.get("host") in (egress_net.HOST2, "denied.example.test")
+    ]
     assert {d["via"] for d in probes} == {"CONNECT", "DNS"}
     # Expected refusals are not warnings: the task's logs keep WARNING for real attempts.
-    assert all(d["canary"] and d["level"] == "INFO" and "(canary probe, as required)" in d["line"] for d in probes)
+    assert all(
+        d["canary"] and d["level"] == "INFO" and "(canary probe, as required)" in d["line"] for d in probes
+    )
     assert [h for h in testnet.hits.to(egress_net.HOST2) if h[1] == 7] == echo_before
 
 
-def test_setup_phase_has_its_own_allowlist_switched_without_restart(gv: SandboxRuntime, tmp_path: Path,
-                                                                    testnet: egress_net.TestNet) -> None:
-    setup = ["sh", "-c", "curl -sS https://setup.example.test/in-setup > /workspace/setup.txt; "
-                         "curl -sS https://api.example.test/api-in-setup || echo API-REFUSED-IN-SETUP"]
-    work = ("cat /workspace/setup.txt; curl -sS https://setup.example.test/in-workload || echo SETUP-REFUSED; "
-            "curl -sS https://api.example.test/in-workload")
-    outcome, events = run_node(gv, tmp_path, testnet, ["sh", "-c", work], setup_argv=setup,
-                               setup_egress=["setup.example.test"], egress=["api.example.test"])
+def test_setup_phase_has_its_own_allowlist_switched_without_restart(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
+    setup = [
+        "sh",
+        "-c",
+        "curl -sS https://setup.example.test/in-setup > /workspace/setup.txt; "
+        "curl -sS https://api.example.test/api-in-setup || echo API-REFUSED-IN-SETUP",
+    ]
+    work = (
+        "cat /workspace/setup.txt; curl -sS https://setup.example.test/in-workload || echo SETUP-REFUSED; "
+        "curl -sS https://api.example.test/in-workload"
+    )
+    outcome, events = run_node(
+        gv,
+        tmp_path,
+        testnet,
+        ["sh", "-c", work],
+        setup_argv=setup,
+        setup_egress=["setup.example.test"],
+        egress=["api.example.test"],
+    )
     out = output(events)
     assert outcome.ok, outcome.describe() + out
     assert f"hello from {egress_net.HOST2} host=setup.example.test path=/in-setup" in out
@@ -426,21 +522,52 @@ def test_setup_phase_has_its_own_allowlist_switched_without_restart(gv: SandboxR
 
 
 def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
-    req = egress.network_request("run-phase", "n1", egress=[], setup_egress=["setup.example.test"],
-                                 resolve=testnet.resolve, has_setup=True)
+    req = egress.network_request(
+        "run-phase",
+        "n1",
+        egress=[],
+        setup_egress=["setup.example.test"],
+        resolve=testnet.resolve,
+        has_setup=True,
+    )
     assert req is not None
     net = egress.attach(req, "rsl-phase00000")
     try:
+
         def post(phase: str) -> str:
             return subprocess.run(
-                ["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS", "-X", "POST",
-                 f"http://{net.gateway}:3128/.resoluto/egress/phase/{phase}"],
-                capture_output=True, text=True, timeout=30).stdout
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{net.netns}",
+                    "curl",
+                    "-sS",
+                    "-X",
+                    "POST",
+                    f"http://{net.gateway}:3128/.resoluto/egress/phase/{phase}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+
         assert json.loads(post("workload")) == {"phase": "workload"}
         assert json.loads(post("setup")) == {"phase": "workload"}  # never back
-        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS", "--cacert",
-                              str(testnet.cert), "-x", f"http://{net.gateway}:3128", "https://setup.example.test/"],
-                             capture_output=True, text=True, timeout=30)
+        res = subprocess.run(
+            [
+                "nsenter",
+                f"--net=/run/netns/{net.netns}",
+                "curl",
+                "-sS",
+                "--cacert",
+                str(testnet.cert),
+                "-x",
+                f"http://{net.gateway}:3128",
+                "https://setup.example.test/",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert "hello" not in res.stdout
     finally:
         egress.detach("run-phase", "rsl-phase00000")
@@ -475,18 +602,26 @@ class _LoopbackAPI:
         self.server.server_close()
 
 
-def test_forward_reaches_one_loopback_destination_only(rt: SandboxRuntime, tmp_path: Path,
-                                                       testnet: egress_net.TestNet) -> None:
+def test_forward_reaches_one_loopback_destination_only(
+    rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     api = _LoopbackAPI()
     try:
-        script = ("curl -sS http://prefect-api.resoluto.internal:4200/proxied; echo; "
-                  "curl -sS -p http://prefect-api.resoluto.internal:4200/tunnel; echo; "
-                  "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
-                  "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
-                  "|| echo OTHER-PORT-REFUSED; "
-                  "curl -sS http://loop.example.test/ || echo LOOPBACK-REFUSED")
-        outcome, events = run_node(rt, tmp_path, testnet, ["sh", "-c", script],
-                                   egress_forward={"prefect-api.resoluto.internal:4200": f"127.0.0.1:{api.port}"})
+        script = (
+            "curl -sS http://prefect-api.resoluto.internal:4200/proxied; echo; "
+            "curl -sS -p http://prefect-api.resoluto.internal:4200/tunnel; echo; "
+            "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
+            "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
+            "|| echo OTHER-PORT-REFUSED; "
+            "curl -sS http://loop.example.test/ || echo LOOPBACK-REFUSED"
+        )
+        outcome, events = run_node(
+            rt,
+            tmp_path,
+            testnet,
+            ["sh", "-c", script],
+            egress_forward={"prefect-api.resoluto.internal:4200": f"127.0.0.1:{api.port}"},
+        )
         out = output(events)
         assert outcome.ok, outcome.describe() + out
         assert "api says /proxied host=prefect-api.resoluto.internal:4200" in out
@@ -510,10 +645,15 @@ def _snapshot() -> dict[str, Any]:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
         except FileNotFoundError:
             return ""
+
     ours = [n for n in netns.list_namespaces() if n.startswith((netns.PROXY_PREFIX, netns.SANDBOX_PREFIX))]
-    return {"netns": ours, "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
-            "nft": run("nft", "list", "ruleset"), "iptables": _strip_counters(run("iptables-save")),
-            "routes": run("ip", "route", "show", "table", "all")}
+    return {
+        "netns": ours,
+        "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
+        "nft": run("nft", "list", "ruleset"),
+        "iptables": _strip_counters(run("iptables-save")),
+        "routes": run("ip", "route", "show", "table", "all"),
+    }
 
 
 def _strip_counters(text: str) -> str:
@@ -528,8 +668,14 @@ def _mine(snapshot: dict[str, Any], state: Path) -> list[str]:
 
 def test_teardown_leaves_nothing(rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
     before = _snapshot()
-    outcome, events = run_node(rt, tmp_path, testnet, ["sh", "-c", "curl -sS https://api.example.test/td"],
-                               run_id="run-td", egress=["api.example.test"])
+    outcome, events = run_node(
+        rt,
+        tmp_path,
+        testnet,
+        ["sh", "-c", "curl -sS https://api.example.test/td"],
+        run_id="run-td",
+        egress=["api.example.test"],
+    )
     assert outcome.ok and "path=/td" in output(events)
     assert proxy.proxy_for("run-td") is None
     after = _snapshot()
@@ -552,16 +698,28 @@ drive_node(spec, LocalConduit({conduit!r}), get_runtime({runtime!r}), min_isolat
 """
 
 
-def test_sigkill_of_the_host_then_sweep_leaves_nothing(rt: SandboxRuntime, tmp_path: Path,
-                                                        testnet: egress_net.TestNet) -> None:
+def test_sigkill_of_the_host_then_sweep_leaves_nothing(
+    rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     state = Path(os.environ["RESOLUTO_STATE_DIR"])
     before = _snapshot()
     key = f"kill-{rt.name}-{os.urandom(3).hex()}"
-    code = HOLDER.format(tests=str(ROOT / "tests"), key=key, resolve=testnet.resolve,
-                         conduit=str(tmp_path / "conduit"), runtime=rt.name)
+    code = HOLDER.format(
+        tests=str(ROOT / "tests"),
+        key=key,
+        resolve=testnet.resolve,
+        conduit=str(tmp_path / "conduit"),
+        runtime=rt.name,
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    host = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    host = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: key in egress_net.ARRIVED, 90, "the sandboxed task to reach the test host")
         made = _mine(_snapshot(), state)
@@ -581,28 +739,37 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(rt: SandboxRuntime, tmp_p
     assert after["nft"] == before["nft"] and after["iptables"] == before["iptables"]
 
 
-def test_concurrent_nodes_share_one_proxy_and_runs_are_apart(gv: SandboxRuntime, tmp_path: Path,
-                                                             testnet: egress_net.TestNet) -> None:
+def test_concurrent_nodes_share_one_proxy_and_runs_are_apart(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     tag = os.urandom(3).hex()
-    plans = [("run-x", "a1", ["api.example.test"], "api.example.test", "other.example.test"),
-             ("run-x", "a2", ["api.example.test"], "api.example.test", "other.example.test"),
-             ("run-y", "b1", ["other.example.test"], "other.example.test", "api.example.test")]
+    plans = [
+        ("run-x", "a1", ["api.example.test"], "api.example.test", "other.example.test"),
+        ("run-x", "a2", ["api.example.test"], "api.example.test", "other.example.test"),
+        ("run-y", "b1", ["other.example.test"], "other.example.test", "api.example.test"),
+    ]
     results: dict[str, tuple[NodeOutcome, list[dict[str, Any]]]] = {}
 
     def one(run_id: str, node_id: str, allow: list[str], mine: str, theirs: str) -> None:
-        script = (f"curl -sS https://{mine}/wait/{tag}-{node_id} && "
-                  f"(curl -sS https://{theirs}/leak || echo THEIRS-REFUSED)")
+        script = (
+            f"curl -sS https://{mine}/wait/{tag}-{node_id} && "
+            f"(curl -sS https://{theirs}/leak || echo THEIRS-REFUSED)"
+        )
         d = tmp_path / node_id
         d.mkdir()
-        results[node_id] = run_node(gv, d, testnet, ["sh", "-c", script], run_id=run_id, node_id=node_id,
-                                    egress=allow)
+        results[node_id] = run_node(
+            gv, d, testnet, ["sh", "-c", script], run_id=run_id, node_id=node_id, egress=allow
+        )
 
     threads = [threading.Thread(target=one, args=p) for p in plans]
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: all(f"{tag}-{n}" in egress_net.ARRIVED for n in ("a1", "a2", "b1")), 120,
-                 "all three nodes to be running at once")
+        wait_for(
+            lambda: all(f"{tag}-{n}" in egress_net.ARRIVED for n in ("a1", "a2", "b1")),
+            120,
+            "all three nodes to be running at once",
+        )
         px, py_ = proxy.proxy_for("run-x"), proxy.proxy_for("run-y")
         assert px is not None and py_ is not None and px is not py_ and px.netns != py_.netns
         assert sorted(a.node_id for a in px.attached()) == ["a1", "a2"]
@@ -634,14 +801,22 @@ def test_kubernetes_refuses_per_name_features(local_conduit: LocalConduit) -> No
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 
     with FakeKube() as fake:
-        rt = KubernetesRuntime(image="python:3.12-slim", store_egress_cidr="10.0.0.5/32", store_egress_port=9000,
-                               guest_source="image", api_client=fake.api_client())
+        rt = KubernetesRuntime(
+            image="python:3.12-slim",
+            store_egress_cidr="10.0.0.5/32",
+            store_egress_port=9000,
+            guest_source="image",
+            api_client=fake.api_client(),
+        )
         _refuses_per_name_features(rt, local_conduit)
 
 
 def _refuses_per_name_features(rt: SandboxRuntime, local_conduit: LocalConduit) -> None:
-    for extra in ({"egress_forward": {"api.internal:1": "127.0.0.1:1"}}, {"setup_egress": ["pypi.org"]},
-                  {"egress_resolve": {"a.example.com": "198.18.0.2"}}):
+    for extra in (
+        {"egress_forward": {"api.internal:1": "127.0.0.1:1"}},
+        {"setup_egress": ["pypi.org"]},
+        {"egress_resolve": {"a.example.com": "198.18.0.2"}},
+    ):
         spec = NodeSpec(run_id="r", node_id="n", argv=["true"], egress=["10.9.0.0/16:5432"], **extra)
         with pytest.raises(NodeSpecError, match="by address \\(CIDR\\), not by name"):
             drive_node(spec, local_conduit, rt, min_isolation="none")
@@ -651,52 +826,112 @@ def _refuses_per_name_features(rt: SandboxRuntime, local_conduit: LocalConduit) 
 
 
 def _cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prefect_resoluto.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_resoluto.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
-def test_cli_run_with_egress_then_events_shows_the_decisions(gv: SandboxRuntime, tmp_path: Path,
-                                                             testnet: egress_net.TestNet) -> None:
+def test_cli_run_with_egress_then_events_shows_the_decisions(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ws = _workspace(tmp_path, testnet)
     conduit = (tmp_path / "conduit").as_uri()
-    res = _cli("run", "--runtime", "gvisor", "--conduit", conduit, "--workspace", str(ws),
-               "--run-id", "cli-run", "--node-id", "cli-node",
-               "--egress", "api.example.test", "--egress-resolve", f"api.example.test={egress_net.HOST}",
-               "--env", "CURL_CA_BUNDLE=/workspace/ca.pem", "--",
-               "sh", "-c", "curl -sS https://api.example.test/cli && (curl -sS https://other.example.test/ || true)",
-               cwd=tmp_path, env=env)
+    res = _cli(
+        "run",
+        "--runtime",
+        "gvisor",
+        "--conduit",
+        conduit,
+        "--workspace",
+        str(ws),
+        "--run-id",
+        "cli-run",
+        "--node-id",
+        "cli-node",
+        "--egress",
+        "api.example.test",
+        "--egress-resolve",
+        f"api.example.test={egress_net.HOST}",
+        "--env",
+        "CURL_CA_BUNDLE=/workspace/ca.pem",
+        "--",
+        "sh",
+        "-c",
+        "curl -sS https://api.example.test/cli && (curl -sS https://other.example.test/ || true)",
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     assert f"hello from {egress_net.HOST} host=api.example.test path=/cli" in res.stdout
-    assert "egress refused other.example.test:443 via CONNECT: not in the allowlist" in res.stdout + res.stderr
+    assert (
+        "egress refused other.example.test:443 via CONNECT: not in the allowlist" in res.stdout + res.stderr
+    )
     ev = _cli("events", "--conduit", conduit, "cli-run", "cli-node", cwd=tmp_path, env=env)
     assert ev.returncode == 0, ev.stderr
     assert "egress decisions by the run's proxy" in ev.stdout
     assert "[WARNING resoluto.egress] egress refused other.example.test:443" in ev.stdout
     assert "egress allowed api.example.test:443 -> 198.18.0.2:443 via CONNECT" in ev.stdout
-    js = json.loads(_cli("events", "--json", "--conduit", conduit, "cli-run", "cli-node", cwd=tmp_path,
-                         env=env).stdout)
+    js = json.loads(
+        _cli("events", "--json", "--conduit", conduit, "cli-run", "cli-node", cwd=tmp_path, env=env).stdout
+    )
     assert {e["data"]["decision"] for e in js["egress"] if "decision" in e["data"]} == {"allowed", "refused"}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--egress", "198.18.0.2"], "IP address"),
-    (["--egress", "api.example.test", "--egress-resolve", "api.example.test"], "KEY=VALUE"),
-    (["--egress", "api.example.test", "--egress-resolve", "api.example.test=not-an-ip"], "not an IP address"),
-])
-def test_cli_refuses_bad_egress_before_launching(gv: SandboxRuntime, tmp_path: Path, args: list[str],
-                                                 message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--egress", "198.18.0.2"], "IP address"),
+        (["--egress", "api.example.test", "--egress-resolve", "api.example.test"], "KEY=VALUE"),
+        (
+            ["--egress", "api.example.test", "--egress-resolve", "api.example.test=not-an-ip"],
+            "not an IP address",
+        ),
+    ],
+)
+def test_cli_refuses_bad_egress_before_launching(
+    gv: SandboxRuntime, tmp_path: Path, args: list[str], message: str
+) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = _cli("run", "--runtime", "gvisor", "--conduit", (tmp_path / "c").as_uri(), *args, "--", "true",
-               cwd=tmp_path, env=env)
+    res = _cli(
+        "run",
+        "--runtime",
+        "gvisor",
+        "--conduit",
+        (tmp_path / "c").as_uri(),
+        *args,
+        "--",
+        "true",
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert gv.list_ids() == []
 
 
 def test_cli_process_runtime_refuses_egress(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = _cli("run", "--runtime", "process", "--min-isolation", "none", "--conduit", (tmp_path / "c").as_uri(),
-               "--egress", "api.example.test", "--", "true", cwd=tmp_path, env=env)
+    res = _cli(
+        "run",
+        "--runtime",
+        "process",
+        "--min-isolation",
+        "none",
+        "--conduit",
+        (tmp_path / "c").as_uri(),
+        "--egress",
+        "api.example.test",
+        "--",
+        "true",
+        cwd=tmp_path,
+        env=env,
+    )
     assert res.returncode != 0 and "cannot enforce an egress allowlist" in res.stderr, res.stderr
 
 
@@ -704,8 +939,10 @@ def test_doctor_says_per_runtime_whether_allowlists_are_enforced(tmp_path: Path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = _cli("doctor", "--json", cwd=tmp_path, env=env)
     rows = {r["label"]: r for r in json.loads(res.stdout)["runtimes"]}
-    assert rows["process"]["egress"] == {"enforced": False, "why": "runtime 'process' cannot enforce an egress "
-                                         "allowlist (its sandboxes get no network)"}
+    assert rows["process"]["egress"] == {
+        "enforced": False,
+        "why": "runtime 'process' cannot enforce an egress allowlist (its sandboxes get no network)",
+    }
     if rows["gvisor"]["available"]:
         assert rows["gvisor"]["egress"]["enforced"], rows["gvisor"]["egress"]
         assert "runsc netstack" in rows["gvisor"]["egress"]["detail"]
@@ -719,11 +956,20 @@ def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
     from prefect_resoluto.runtimes.base import LaunchSpec
     from prefect_resoluto.runtimes.container import ContainerRuntime
 
-    net = egress.SandboxNetwork(netns="rsl-s-rsl-argv", gateway="172.30.0.1", address="172.30.0.2",
-                                env={"HTTPS_PROXY": "http://172.30.0.1:3128"}, resolv_conf="nameserver 172.30.0.1\n")
+    net = egress.SandboxNetwork(
+        netns="rsl-s-rsl-argv",
+        gateway="172.30.0.1",
+        address="172.30.0.2",
+        env={"HTTPS_PROXY": "http://172.30.0.1:3128"},
+        resolv_conf="nameserver 172.30.0.1\n",
+    )
     spec = LaunchSpec(sandbox_id="rsl-argv", env={}, egress=["api.example.test"])
-    kata = ContainerRuntime(engine="nerdctl", address=str(tmp_path / "containerd.sock"), oci_runtime="kata",
-                            state_dir=tmp_path / "state")
+    kata = ContainerRuntime(
+        engine="nerdctl",
+        address=str(tmp_path / "containerd.sock"),
+        oci_runtime="kata",
+        state_dir=tmp_path / "state",
+    )
     argv = kata.build_run_argv(spec, "python:3.12-slim", net=net)
     assert argv[argv.index("--network") + 1] == "ns:/run/netns/rsl-s-rsl-argv"
     assert argv[argv.index("--runtime") + 1] == "io.containerd.kata.v2"
@@ -740,8 +986,9 @@ def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
 
 def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egress_net.TestNet) -> None:
     """A kept-alive connection cannot name a second host after the first request."""
-    req = egress.network_request("run-ka", "n1", egress=["api.example.test", "other.example.test"],
-                                 resolve=testnet.resolve)
+    req = egress.network_request(
+        "run-ka", "n1", egress=["api.example.test", "other.example.test"], resolve=testnet.resolve
+    )
     assert req is not None
     other_before = testnet.hits.to(egress_net.HOST2)
     net = egress.attach(req, "rsl-keepalive0")
@@ -759,8 +1006,12 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
                 data += chunk
             print(data.decode())
         """)
-        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         egress.detach("run-ka", "rsl-keepalive0")
     assert "path=/one" in res.stdout and "path=/two" not in res.stdout, res.stdout + res.stderr
@@ -772,16 +1023,26 @@ def test_settings_carry_the_allowlist_everywhere() -> None:
     from prefect_resoluto.blocks import SandboxBlock
     from prefect_resoluto.config import SandboxConfig
 
-    block = SandboxBlock(runtime="gvisor", egress=["api.example.com"], egress_resolve={"api.example.com": "198.18.0.2"},
-                         setup_egress=["pypi.org"], setup_argv=["pip", "install", "x"])
+    block = SandboxBlock(
+        runtime="gvisor",
+        egress=["api.example.com"],
+        egress_resolve={"api.example.com": "198.18.0.2"},
+        setup_egress=["pypi.org"],
+        setup_argv=["pip", "install", "x"],
+    )
     cfg = block.to_config()
     assert cfg.egress == ["api.example.com"] and cfg.egress_resolve == {"api.example.com": "198.18.0.2"}
     assert cfg.setup_egress == ["pypi.org"] and cfg.setup_argv == ["pip", "install", "x"]
     merged = SandboxConfig(egress_resolve={"a.example.com": "198.18.0.2"}).replace(
-        egress_resolve={"b.example.com": "198.18.0.3"}, egress=["b.example.com"])
+        egress_resolve={"b.example.com": "198.18.0.3"}, egress=["b.example.com"]
+    )
     assert merged.egress_resolve == {"a.example.com": "198.18.0.2", "b.example.com": "198.18.0.3"}
-    runner = ResolutoTaskRunner(egress=["api.example.com"], egress_resolve={"api.example.com": "198.18.0.2"},
-                                setup_egress=["pypi.org"], setup_argv=["true"])
+    runner = ResolutoTaskRunner(
+        egress=["api.example.com"],
+        egress_resolve={"api.example.com": "198.18.0.2"},
+        setup_egress=["pypi.org"],
+        setup_argv=["true"],
+    )
     assert runner._options["egress_resolve"] == {"api.example.com": "198.18.0.2"}
     with sandbox_options(egress=["other.example.com"], egress_resolve={"other.example.com": "198.18.0.3"}):
         pass
@@ -798,7 +1059,9 @@ def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_
     assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
 
 
-def test_a_connection_or_dns_flood_is_bounded(testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_connection_or_dns_flood_is_bounded(
+    testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each open connection costs the host threads, each decision a log line: both capped."""
     monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 8)
     monkeypatch.setattr(proxy, "MAX_EVENTS", 20)
@@ -822,8 +1085,12 @@ def test_a_connection_or_dns_flood_is_bounded(testnet: egress_net.TestNet, monke
                 answered += u.recvfrom(512)[0][3] & 0x0F == 3   # NXDOMAIN
             print("NX", answered)
         """)
-        res = subprocess.run(["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         egress.detach("run-flood", "rsl-flood00000")
         egress.unlisten("run-flood", "n1")

@@ -14,8 +14,10 @@ from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.egress import CANARY_ENV, netns, proxy
 
-pytestmark = [pytest.mark.usefixtures("prefect"),
-              pytest.mark.skipif(bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}")]
+pytestmark = [
+    pytest.mark.usefixtures("prefect"),
+    pytest.mark.skipif(bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}"),
+]
 
 FLOWS = Path(__file__).parent / "flows"
 
@@ -38,9 +40,15 @@ def test_flow_task_fetches_an_allowlisted_page_and_nothing_else(gvisor, testnet,
     certs.mkdir()
     (certs / "ca.pem").write_bytes(testnet.cert.read_bytes())
     runner = ResolutoTaskRunner(
-        runtime="gvisor", conduit=LocalConduit(tmp_path / "conduit"), workspace=FLOWS,
-        outputs_dir=tmp_path / "outputs", egress=["api.example.test"], egress_resolve=testnet.resolve,
-        env={"SSL_CERT_FILE": str(certs / "ca.pem")}, runtime_options={"extra_ro_paths": [str(certs)]})
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        egress=["api.example.test"],
+        egress_resolve=testnet.resolve,
+        env={"SSL_CERT_FILE": str(certs / "ca.pem")},
+        runtime_options={"extra_ro_paths": [str(certs)]},
+    )
 
     @flow(task_runner=runner)
     def reach_out() -> tuple[str, str, str]:
@@ -60,8 +68,14 @@ def test_flow_task_fetches_an_allowlisted_page_and_nothing_else(gvisor, testnet,
         by_url[tr.name] = [(log.level, log.message) for log in logs_of(tr.id)]
     messages = [m for logs in by_url.values() for _, m in logs]
     assert any("egress allowed api.example.test:443 -> 198.18.0.2:443 via CONNECT" in m for m in messages)
-    refusals = [(lvl, m) for logs in by_url.values() for lvl, m in logs
-                if "egress refused other.example.test:443" in m]
+    refusals = [
+        (lvl, m)
+        for logs in by_url.values()
+        for lvl, m in logs
+        if "egress refused other.example.test:443" in m
+    ]
     assert refusals and all(lvl == 30 for lvl, _ in refusals) and "not in the allowlist" in refusals[0][1]
-    assert any("egress refused 169.254.169.254:80 via HTTP proxy: not in the allowlist" in m for m in messages)
+    assert any(
+        "egress refused 169.254.169.254:80 via HTTP proxy: not in the allowlist" in m for m in messages
+    )
     assert proxy.proxy_for(str(state.state_details.flow_run_id)) is None

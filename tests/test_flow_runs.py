@@ -31,8 +31,10 @@ def test_host_network_keeps_the_url_and_forwards_nothing():
 
 def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
     rt = get_runtime("gvisor")
-    for url, target in (("http://127.0.0.1:4200/api", "127.0.0.1:4200"),
-                        ("http://localhost:4201/api", "127.0.0.1:4201")):
+    for url, target in (
+        ("http://127.0.0.1:4200/api", "127.0.0.1:4200"),
+        ("http://localhost:4201/api", "127.0.0.1:4201"),
+    ):
         net = sandbox_network(rt, url, ["pypi.example.test:443"])
         port = target.rsplit(":", 1)[1]
         assert net.env == {"PREFECT_API_URL": f"http://{API_ALIAS}:{port}/api"}
@@ -64,20 +66,33 @@ def test_without_the_egress_proxy_a_local_sandbox_refuses_with_the_way_out(monke
 
 def test_prefect_credentials_cross_as_secrets_and_the_workers_home_stays_behind():
     plain, secret = split_env(
-        {"PREFECT_API_URL": "http://127.0.0.1:1/api", "PREFECT_API_KEY": "pnu_123", "PREFECT_HOME": "/root/.prefect",
-         "PREFECT_SERVER_API_AUTH_STRING": "admin:pass", "PREFECT__FLOW_RUN_ID": "abc", "EMPTY": None},
-        {"MY_TOKEN": "t"})
+        {
+            "PREFECT_API_URL": "http://127.0.0.1:1/api",
+            "PREFECT_API_KEY": "pnu_123",
+            "PREFECT_HOME": "/root/.prefect",
+            "PREFECT_SERVER_API_AUTH_STRING": "admin:pass",
+            "PREFECT__FLOW_RUN_ID": "abc",
+            "EMPTY": None,
+        },
+        {"MY_TOKEN": "t"},
+    )
     assert plain == {"PREFECT_API_URL": "http://127.0.0.1:1/api", "PREFECT__FLOW_RUN_ID": "abc"}
-    assert secret == {"MY_TOKEN": "t", "PREFECT_API_KEY": "pnu_123", "PREFECT_SERVER_API_AUTH_STRING": "admin:pass"}
+    assert secret == {
+        "MY_TOKEN": "t",
+        "PREFECT_API_KEY": "pnu_123",
+        "PREFECT_SERVER_API_AUTH_STRING": "admin:pass",
+    }
 
 
 def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
     code = tmp_path / "project"
     code.mkdir()
-    steps = [{"prefect.deployments.steps.git_clone": {"repository": "https://git.example.test/r.git"}},
-             {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}},
-             {"prefect.deployments.steps.set_working_directory": {"directory": "{{ clone.directory }}"}},
-             {"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path / "missing")}}]
+    steps = [
+        {"prefect.deployments.steps.git_clone": {"repository": "https://git.example.test/r.git"}},
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}},
+        {"prefect.deployments.steps.set_working_directory": {"directory": "{{ clone.directory }}"}},
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path / "missing")}},
+    ]
     assert code_directories(steps, None) == [str(code)]
     assert code_directories([], str(code)) == [str(code)]  # no pull steps: the deployment's path
     assert code_directories(steps[:1], str(code)) == []  # pull steps win over the path
@@ -86,8 +101,11 @@ def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
 def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
     assert engine_argv(None, get_runtime("gvisor"), None) == [sys.executable, "-m", "prefect.engine"]
     assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "prefect.engine"]
-    assert engine_argv("prefect flow-run execute", get_runtime("process"), None) == \
-        ["prefect", "flow-run", "execute"]
+    assert engine_argv("prefect flow-run execute", get_runtime("process"), None) == [
+        "prefect",
+        "flow-run",
+        "execute",
+    ]
 
 
 def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no_more():
@@ -98,14 +116,24 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
     from prefect_resoluto.runtimes.kubernetes.render import render_documents
 
-    rt = KubernetesRuntime(namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000,
-                           image="flows:1")
+    rt = KubernetesRuntime(
+        namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000, image="flows:1"
+    )
     api = "http://10.20.30.40:4200/api"
     net = sandbox_network(rt, api, ["10.1.0.0/16:5432"])
     env, secret = split_env({"PREFECT_API_URL": api, "PREFECT_API_KEY": "pnu_worker_key_123"}, {})
-    spec = NodeSpec(run_id="0b5d6c1e-flow-run", node_id="flow-run-abc", argv=engine_argv(None, rt, "flows:1"),
-                    env=env, secret_env=secret, egress=net.egress, image="flows:1")
-    conduit = S3Conduit("bucket", endpoint_url="http://10.9.9.9:9000", access_key_id="a", secret_access_key="b")
+    spec = NodeSpec(
+        run_id="0b5d6c1e-flow-run",
+        node_id="flow-run-abc",
+        argv=engine_argv(None, rt, "flows:1"),
+        env=env,
+        secret_env=secret,
+        egress=net.egress,
+        image="flows:1",
+    )
+    conduit = S3Conduit(
+        "bucket", endpoint_url="http://10.9.9.9:9000", access_key_id="a", secret_access_key="b"
+    )
     docs = {d["kind"]: d for d in render_documents(launch_spec(spec, conduit), rt)}
     allowed = set()
     for rule in docs["NetworkPolicy"]["spec"]["egress"]:

@@ -12,19 +12,29 @@ import pytest
 from conftest import ROOT
 
 
-def run_call(ws: Path, spec: dict, *, real_prefect: bool = False) -> tuple[subprocess.CompletedProcess, dict | None, dict | None]:
+def run_call(
+    ws: Path, spec: dict, *, real_prefect: bool = False
+) -> tuple[subprocess.CompletedProcess, dict | None, dict | None]:
     (ws / ".resoluto").mkdir(parents=True, exist_ok=True)
     (ws / ".resoluto" / "call.json").write_text(json.dumps({**spec, "real_prefect": real_prefect}))
-    proc = subprocess.run([sys.executable, "-m", "guest_runner.call", ".resoluto/call.json"], cwd=str(ws),
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "guest_runner.call", ".resoluto/call.json"],
+        cwd=str(ws),
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ret = ws / ".resoluto" / "return.json"
     err = ws / ".resoluto" / "error.json"
-    return (proc, json.loads(ret.read_text()) if ret.exists() else None,
-            json.loads(err.read_text()) if err.exists() else None)
+    return (
+        proc,
+        json.loads(ret.read_text()) if ret.exists() else None,
+        json.loads(err.read_text()) if err.exists() else None,
+    )
 
 
-TASKS = textwrap.dedent('''
+TASKS = textwrap.dedent("""
     import sys
     from prefect import task, flow, get_run_logger
     from prefect_resoluto import ResolutoTaskRunner
@@ -55,7 +65,7 @@ TASKS = textwrap.dedent('''
 
     if __name__ == "__main__":
         raise SystemExit("the main block must not run in the sandbox")
-''')
+""")
 
 
 @pytest.fixture
@@ -68,14 +78,20 @@ def test_a_task_module_runs_without_importing_prefect(ws):
     proc, ret, err = run_call(ws, {"file": "tasks.py", "qualname": "add", "parameters": {"a": 2}})
     assert err is None and ret == {"value": 3}, proc.stderr
     assert "prefect loaded: False" in proc.stdout
-    marker = [json.loads(line.split(":", 1)[1]) for line in proc.stdout.split("\n") if line.startswith("\x1eresoluto-log:")]
+    marker = [
+        json.loads(line.split(":", 1)[1])
+        for line in proc.stdout.split("\n")
+        if line.startswith("\x1eresoluto-log:")
+    ]
     assert marker == [{"level": "WARNING", "logger": "prefect.task_runs", "msg": "adding 2 and 1"}]
 
 
 def test_async_and_var_args_and_real_prefect_on_demand(ws):
     _, ret, _ = run_call(ws, {"file": "tasks.py", "qualname": "later", "parameters": {"x": 21}})
     assert ret == {"value": 42}
-    _, ret, _ = run_call(ws, {"file": "tasks.py", "qualname": "star", "parameters": {"args": [1, 2], "kwargs": {"k": 3}}})
+    _, ret, _ = run_call(
+        ws, {"file": "tasks.py", "qualname": "star", "parameters": {"args": [1, 2], "kwargs": {"k": 3}}}
+    )
     assert ret == {"value": [[1, 2], {"k": 3}]}
     proc, ret, err = run_call(ws, {"file": "tasks.py", "qualname": "needs_more", "parameters": {}})
     assert err is None, err
@@ -85,19 +101,48 @@ def test_async_and_var_args_and_real_prefect_on_demand(ws):
 
 
 def test_real_prefect_mode_still_has_a_working_run_logger(ws):
-    proc, ret, err = run_call(ws, {"file": "tasks.py", "qualname": "add", "parameters": {"a": 1, "b": 2}}, real_prefect=True)
+    proc, ret, err = run_call(
+        ws, {"file": "tasks.py", "qualname": "add", "parameters": {"a": 1, "b": 2}}, real_prefect=True
+    )
     assert err is None and ret == {"value": 3}, (err, proc.stderr)
     assert "prefect loaded: True" in proc.stdout
 
 
-@pytest.mark.parametrize("spec, kind, text", [
-    ({"file": "nope.py", "qualname": "f", "parameters": {}}, "CallError", "is not in the staged workspace"),
-    ({"file": "tasks.py", "qualname": "missing", "parameters": {}}, "CallError", "'missing' not found in module 'tasks'"),
-    ({"file": "../x.py", "qualname": "f", "parameters": {}}, "CallError", "must be relative to the workspace"),
-    ({"module": "no_such_module_xyz", "qualname": "f", "parameters": {}}, "CallError", "install the package in the guest image"),
-    ({"file": "tasks.py", "qualname": "add", "parameters": {"zzz": 1}}, "CallError", "not in the signature"),
-    ({"file": "tasks.py", "qualname": "add", "parameters": {"a": "x", "b": 1}}, "TypeError", "can only concatenate str"),
-])
+@pytest.mark.parametrize(
+    "spec, kind, text",
+    [
+        (
+            {"file": "nope.py", "qualname": "f", "parameters": {}},
+            "CallError",
+            "is not in the staged workspace",
+        ),
+        (
+            {"file": "tasks.py", "qualname": "missing", "parameters": {}},
+            "CallError",
+            "'missing' not found in module 'tasks'",
+        ),
+        (
+            {"file": "../x.py", "qualname": "f", "parameters": {}},
+            "CallError",
+            "must be relative to the workspace",
+        ),
+        (
+            {"module": "no_such_module_xyz", "qualname": "f", "parameters": {}},
+            "CallError",
+            "install the package in the guest image",
+        ),
+        (
+            {"file": "tasks.py", "qualname": "add", "parameters": {"zzz": 1}},
+            "CallError",
+            "not in the signature",
+        ),
+        (
+            {"file": "tasks.py", "qualname": "add", "parameters": {"a": "x", "b": 1}},
+            "TypeError",
+            "can only concatenate str",
+        ),
+    ],
+)
 def test_failures_are_reported_in_error_json(ws, spec, kind, text):
     proc, ret, err = run_call(ws, spec)
     assert proc.returncode == 1 and ret is None

@@ -16,12 +16,31 @@ from prefect_resoluto.tail import ChunkTailer
 PY = sys.executable
 
 
-def run_guest(conduit: LocalConduit, argv: list[str], *, python: str = PY, flags: tuple[str, ...] = (),
-              node: str = "n1", **extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = guest_env(conduit.root, "r1", node, argv, RESOLUTO_WORKSPACE_DIR=str(conduit.root.parent / f"ws-{node}"),
-                    **extra)
-    proc = subprocess.run([python, *flags, "-m", "guest_runner"], env=env, cwd=str(conduit.root.parent),
-                          capture_output=True, text=True, timeout=120)
+def run_guest(
+    conduit: LocalConduit,
+    argv: list[str],
+    *,
+    python: str = PY,
+    flags: tuple[str, ...] = (),
+    node: str = "n1",
+    **extra: str,
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    env = guest_env(
+        conduit.root,
+        "r1",
+        node,
+        argv,
+        RESOLUTO_WORKSPACE_DIR=str(conduit.root.parent / f"ws-{node}"),
+        **extra,
+    )
+    proc = subprocess.run(
+        [python, *flags, "-m", "guest_runner"],
+        env=env,
+        cwd=str(conduit.root.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     events: list[dict] = []
     tail = ChunkTailer(conduit, wire.node_prefix("r1", node))
     tail.poll(events.append)
@@ -57,11 +76,14 @@ def test_happy_path_stages_runs_collects_and_validates(local_conduit, tmp_path, 
     (ws / "data" / "in.txt").write_text("from the host\n")
     prefix = wire.node_prefix("r1", "n1")
     local_conduit.put(wire.inbox_key(prefix, "workspace"), archive.pack(ws))
-    script = ("import sys; print(open('data/in.txt').read().strip()); print('to stderr', file=sys.stderr);"
-              "import os; os.makedirs('out/sub', exist_ok=True); open('out/sub/r.txt','w').write('result');"
-              "open('scratch.tmp','w').write('not declared')")
-    proc, events = run_guest(local_conduit, [PY, "-c", script],
-                             RESOLUTO_OUTPUT_PATHS=json.dumps(["out/**", "missing.csv"]))
+    script = (
+        "import sys; print(open('data/in.txt').read().strip()); print('to stderr', file=sys.stderr);"
+        "import os; os.makedirs('out/sub', exist_ok=True); open('out/sub/r.txt','w').write('result');"
+        "open('scratch.tmp','w').write('not declared')"
+    )
+    proc, events = run_guest(
+        local_conduit, [PY, "-c", script], RESOLUTO_OUTPUT_PATHS=json.dumps(["out/**", "missing.csv"])
+    )
     assert proc.returncode == 0, proc.stderr
     got = lines(events)
     assert "from the host" in got and "to stderr" in got
@@ -83,7 +105,8 @@ def test_happy_path_stages_runs_collects_and_validates(local_conduit, tmp_path, 
 
 def test_failure_exit_code_setup_and_cleanup(local_conduit, validate):
     proc, events = run_guest(
-        local_conduit, ["sh", "-c", "echo working; exit 3"],
+        local_conduit,
+        ["sh", "-c", "echo working; exit 3"],
         RESOLUTO_SETUP_ARGV=json.dumps(["sh", "-c", "echo setting up"]),
         RESOLUTO_CLEANUP_ARGV=json.dumps(["sh", "-c", "echo cleaning"]),
         RESOLUTO_OUTPUT_PATHS=json.dumps(["nothing/**"]),
@@ -94,7 +117,7 @@ def test_failure_exit_code_setup_and_cleanup(local_conduit, validate):
     assert result["reason"] == "workload exited with code 3"
     assert result["output_archive"] is None  # a missing output never turns failure into success
     got = lines(events)
-    assert got[got.index("setting up"):got.index("working") + 1] == ["setting up", "working"]
+    assert got[got.index("setting up") : got.index("working") + 1] == ["setting up", "working"]
     assert got.index("setting up") > [i for i, x in enumerate(got) if x.startswith("staged ")][0]
     kinds = [(e["kind"], e["event"]) for e in events if e["event"] != "log"]
     assert ("setup", "open") in kinds and ("cleanup", "close") in kinds
@@ -103,8 +126,11 @@ def test_failure_exit_code_setup_and_cleanup(local_conduit, validate):
 
 
 def test_failed_setup_skips_the_workload(local_conduit, validate):
-    proc, events = run_guest(local_conduit, ["sh", "-c", "echo SHOULD-NOT-RUN"],
-                             RESOLUTO_SETUP_ARGV=json.dumps(["sh", "-c", "exit 5"]))
+    proc, events = run_guest(
+        local_conduit,
+        ["sh", "-c", "echo SHOULD-NOT-RUN"],
+        RESOLUTO_SETUP_ARGV=json.dumps(["sh", "-c", "exit 5"]),
+    )
     assert proc.returncode == 1
     result = all_objects_validate(local_conduit, validate)
     assert result["exit_code"] == 5 and "setup" in result["reason"]
@@ -120,17 +146,25 @@ def test_missing_binary_is_a_127_failure_with_manifest(local_conduit, validate):
     assert "command not found: /nonexistent/tool" in lines(events)
 
 
-@pytest.mark.parametrize("raw, msg", [
-    ('"echo hi"', "must be a JSON list of strings"),
-    ("[1, 2]", "must be a JSON list of strings"),
-    ("not json", "must be a JSON list of strings"),
-    ("[]", "empty list"),
-])
+@pytest.mark.parametrize(
+    "raw, msg",
+    [
+        ('"echo hi"', "must be a JSON list of strings"),
+        ("[1, 2]", "must be a JSON list of strings"),
+        ("not json", "must be a JSON list of strings"),
+        ("[]", "empty list"),
+    ],
+)
 def test_bad_workload_argv_is_a_failure_result_not_a_crash(local_conduit, validate, raw, msg):
     env = guest_env(local_conduit.root, "r1", "n1", [])
     env["RESOLUTO_WORKLOAD_ARGV"] = raw
-    proc = subprocess.run([PY, "-m", "guest_runner"], env=env, capture_output=True, text=True,
-                          cwd=str(local_conduit.root.parent))
+    proc = subprocess.run(
+        [PY, "-m", "guest_runner"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(local_conduit.root.parent),
+    )
     assert proc.returncode == 1
     result = all_objects_validate(local_conduit, validate)
     assert result["status"] == "failure" and msg in result["reason"]
@@ -157,8 +191,11 @@ def test_hostile_inbox_fails_the_node_with_the_member_named(local_conduit, valid
 def test_secrets_never_reach_the_conduit(local_conduit):
     secret = "s3cr3t-value-xyz"
     proc, events = run_guest(
-        local_conduit, ["sh", "-c", f"echo token is $MY_TOKEN; echo custom $CUSTOM; echo {secret}"],
-        MY_TOKEN=secret, CUSTOM="declared-9876", RESOLUTO_SECRET_ENV='["CUSTOM"]',
+        local_conduit,
+        ["sh", "-c", f"echo token is $MY_TOKEN; echo custom $CUSTOM; echo {secret}"],
+        MY_TOKEN=secret,
+        CUSTOM="declared-9876",
+        RESOLUTO_SECRET_ENV='["CUSTOM"]',
     )
     assert proc.returncode == 0
     everything = b"".join(local_conduit.get(k) for k in local_conduit.list_prefix("run/"))
@@ -167,8 +204,11 @@ def test_secrets_never_reach_the_conduit(local_conduit):
 
 
 def test_conduit_credentials_are_not_passed_to_the_workload(local_conduit):
-    proc, events = run_guest(local_conduit, ["sh", "-c", "echo key=${AWS_SECRET_ACCESS_KEY:-unset}"],
-                             AWS_SECRET_ACCESS_KEY="conduit-only-credential")
+    proc, events = run_guest(
+        local_conduit,
+        ["sh", "-c", "echo key=${AWS_SECRET_ACCESS_KEY:-unset}"],
+        AWS_SECRET_ACCESS_KEY="conduit-only-credential",
+    )
     assert "key=unset" in lines(events)
 
 
@@ -177,7 +217,9 @@ def test_runner_crash_still_writes_failure_and_manifest(local_conduit, validate,
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     env = guest_env(local_conduit.root, "r1", "n1", ["true"], RESOLUTO_WORKSPACE_DIR=str(blocker / "ws"))
-    proc = subprocess.run([PY, "-m", "guest_runner"], env=env, capture_output=True, text=True, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [PY, "-m", "guest_runner"], env=env, capture_output=True, text=True, cwd=str(tmp_path)
+    )
     assert proc.returncode == 1
     result = all_objects_validate(local_conduit, validate)
     assert result["status"] == "failure" and "guest runner crashed" in result["reason"]
@@ -185,7 +227,9 @@ def test_runner_crash_still_writes_failure_and_manifest(local_conduit, validate,
 
 def test_hundred_thousand_lines_arrive_complete_and_in_order(local_conduit):
     n = 100_000
-    proc, events = run_guest(local_conduit, [PY, "-c", f"import sys\nfor i in range({n}): sys.stdout.write(f'{{i}}\\n')"])
+    proc, events = run_guest(
+        local_conduit, [PY, "-c", f"import sys\nfor i in range({n}): sys.stdout.write(f'{{i}}\\n')"]
+    )
     assert proc.returncode == 0
     got = [x for x in lines(events) if x.isdigit()]
     assert got == [str(i) for i in range(n)]
@@ -200,17 +244,24 @@ def test_runs_on_other_pythons_without_site_packages(local_conduit, validate, tm
     ws.mkdir()
     (ws / "x.txt").write_text("staged")
     local_conduit.put(wire.inbox_key(wire.node_prefix("r1", "n1"), "workspace"), archive.pack(ws))
-    proc, events = run_guest(local_conduit, [py39, "-S", "-c", "import sys; print(sys.version_info[:2]); print(open('x.txt').read())"],
-                             python=py39, flags=("-S",), RESOLUTO_OUTPUT_PATHS='["x.txt"]')
+    proc, events = run_guest(
+        local_conduit,
+        [py39, "-S", "-c", "import sys; print(sys.version_info[:2]); print(open('x.txt').read())"],
+        python=py39,
+        flags=("-S",),
+        RESOLUTO_OUTPUT_PATHS='["x.txt"]',
+    )
     assert proc.returncode == 0, proc.stderr
     assert str(tuple(int(x) for x in version.split("."))) in lines(events) and "staged" in lines(events)
     assert all_objects_validate(local_conduit, validate)["status"] == "success"
 
 
 def test_guest_runner_imports_only_the_standard_library():
-    code = ("import sys, guest_runner.runner, guest_runner.call as _c\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('boto3','botocore','prefect','pydantic','prefect_resoluto')]\n"
-            "print(bad)")
+    code = (
+        "import sys, guest_runner.runner, guest_runner.call as _c\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('boto3','botocore','prefect','pydantic','prefect_resoluto')]\n"
+        "print(bad)"
+    )
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
     if "No module named 'guest_runner.call'" in out.stderr:
         code = code.replace(", guest_runner.call as _c", "")

@@ -46,9 +46,16 @@ IMAGE = "python:3.12-slim"  # the agent's emulated image: this machine's Python 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for var in ("RESOLUTO_SANDBOX_KUBECONTEXT", "RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT",
-                "RESOLUTO_STORE_EGRESS_CIDR", "RESOLUTO_STORE_EGRESS_PORT", "RESOLUTO_SANDBOX_NAMESPACE",
-                "RESOLUTO_SANDBOX_IMAGE", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+    for var in (
+        "RESOLUTO_SANDBOX_KUBECONTEXT",
+        "RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT",
+        "RESOLUTO_STORE_EGRESS_CIDR",
+        "RESOLUTO_STORE_EGRESS_PORT",
+        "RESOLUTO_SANDBOX_NAMESPACE",
+        "RESOLUTO_SANDBOX_IMAGE",
+        "KUBERNETES_SERVICE_HOST",
+        "KUBERNETES_SERVICE_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
 
@@ -75,18 +82,28 @@ def names(cluster: Cluster, ns: str, resource: str) -> list[str]:
     if resource == "networkpolicies":
         items = net(cluster).list_namespaced_network_policy(ns).items
     elif resource == "secrets":
-        items = [s for s in core(cluster).list_namespaced_secret(ns).items
-                 if s.type != "kubernetes.io/service-account-token"]
+        items = [
+            s
+            for s in core(cluster).list_namespaced_secret(ns).items
+            if s.type != "kubernetes.io/service-account-token"
+        ]
     else:
         items = core(cluster).list_namespaced_pod(ns).items
     return sorted(i.metadata.name for i in items)
 
 
-def make_runtime(cluster: Cluster, ns: str, *, via: FaultProxy | None = None, token: str | None = None,
-                 **options: Any) -> KubernetesRuntime:
+def make_runtime(
+    cluster: Cluster, ns: str, *, via: FaultProxy | None = None, token: str | None = None, **options: Any
+) -> KubernetesRuntime:
     defaults: dict[str, Any] = dict(
-        namespace=ns, image=IMAGE, runtime_class="gvisor", store_egress_cidr="127.0.0.1/32",
-        store_egress_port=9, api_retry_base_s=0.01, guest_source="image", delete_grace_s=2,
+        namespace=ns,
+        image=IMAGE,
+        runtime_class="gvisor",
+        store_egress_cidr="127.0.0.1/32",
+        store_egress_port=9,
+        api_retry_base_s=0.01,
+        guest_source="image",
+        delete_grace_s=2,
     )
     defaults.update(options)
     if "api_client" not in defaults:
@@ -96,15 +113,22 @@ def make_runtime(cluster: Cluster, ns: str, *, via: FaultProxy | None = None, to
 
 def make_spec(**overrides: Any) -> LaunchSpec:
     env = {
-        "RESOLUTO_STORE_KIND": "s3", "RESOLUTO_STORE_BUCKET": "bucket",
-        "RESOLUTO_STORE_ENDPOINT": "http://127.0.0.1:9", "RESOLUTO_STORE_REGION": "us-east-1",
-        "RESOLUTO_RUN_ID": "run-1", "RESOLUTO_NODE_ID": "node-1",
+        "RESOLUTO_STORE_KIND": "s3",
+        "RESOLUTO_STORE_BUCKET": "bucket",
+        "RESOLUTO_STORE_ENDPOINT": "http://127.0.0.1:9",
+        "RESOLUTO_STORE_REGION": "us-east-1",
+        "RESOLUTO_RUN_ID": "run-1",
+        "RESOLUTO_NODE_ID": "node-1",
         "RESOLUTO_STORE_PREFIX": "base/run/run-1/nodes/node-1",
-        "RESOLUTO_WORKLOAD_ARGV": json.dumps(["echo", "hi"]), "RESOLUTO_WORKSPACE_DIR": "/workspace",
+        "RESOLUTO_WORKLOAD_ARGV": json.dumps(["echo", "hi"]),
+        "RESOLUTO_WORKSPACE_DIR": "/workspace",
     }
     env.update(overrides.pop("env", {}))
-    fields: dict[str, Any] = dict(sandbox_id="rsl-abc123", env=env,
-                                  labels={"resoluto.flow-run-id": "flow-1", "resoluto.task-name": "my task"})
+    fields: dict[str, Any] = dict(
+        sandbox_id="rsl-abc123",
+        env=env,
+        labels={"resoluto.flow-run-id": "flow-1", "resoluto.task-name": "my task"},
+    )
     fields.update(overrides)
     return LaunchSpec(**fields)
 
@@ -118,27 +142,40 @@ def terminal(rt: KubernetesRuntime, h: Any, timeout: float = 120) -> Any:
 
 
 def gone(cluster: Cluster, ns: str, resource: str, name: str, timeout: float = 60) -> None:
-    wait_for(lambda: name not in names(cluster, ns, resource), timeout=timeout, what=f"{resource}/{name} gone")
+    wait_for(
+        lambda: name not in names(cluster, ns, resource), timeout=timeout, what=f"{resource}/{name} gone"
+    )
 
 
 # -- launch, ownership, the real garbage collector -------------------------------------------------
 
 
-def test_launch_creates_policy_secret_pod_in_order_owned_by_the_pod(k8s_cluster: Cluster, k8s_ns: str,
-                                                                     k8s_agent: NodeAgent, proxy: FaultProxy) -> None:
+def test_launch_creates_policy_secret_pod_in_order_owned_by_the_pod(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy
+) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns, via=proxy)
     h = rt.launch(make_spec(secret_env={"API_TOKEN": "v"}, command=py("print('hi')")))
     name = h.data["name"]
     assert [(v, r) for v, r, _ in proxy.requests if v == "create"] == [
-        ("create", "networkpolicies"), ("create", "secrets"), ("create", "pods")]
+        ("create", "networkpolicies"),
+        ("create", "secrets"),
+        ("create", "pods"),
+    ]
     pod = core(k8s_cluster).read_namespaced_pod(name, k8s_ns)
     assert pod.spec.runtime_class_name == "gvisor"
     # Defaulting by the real server: what the runtime left out, the apiserver filled in.
     assert pod.spec.dns_policy == "ClusterFirst" and pod.status.qos_class == "BestEffort"
-    for obj in (net(k8s_cluster).read_namespaced_network_policy(name, k8s_ns),
-                core(k8s_cluster).read_namespaced_secret(name, k8s_ns)):
+    for obj in (
+        net(k8s_cluster).read_namespaced_network_policy(name, k8s_ns),
+        core(k8s_cluster).read_namespaced_secret(name, k8s_ns),
+    ):
         (ref,) = obj.metadata.owner_references
-        assert (ref.kind, ref.name, ref.uid, ref.block_owner_deletion) == ("Pod", name, pod.metadata.uid, False)
+        assert (ref.kind, ref.name, ref.uid, ref.block_owner_deletion) == (
+            "Pod",
+            name,
+            pod.metadata.uid,
+            False,
+        )
     st = terminal(rt, h)
     assert (st.phase, st.exit_code) == ("succeeded", 0)
     rt.destroy(h)
@@ -160,8 +197,9 @@ def test_garbage_collector_removes_policy_and_secret_with_the_pod(k8s_cluster: C
     gone(k8s_cluster, k8s_ns, "secrets", name, timeout=90)
 
 
-def test_adoption_patch_survives_a_concurrent_writer(k8s_cluster: Cluster, k8s_ns: str,
-                                                     proxy: FaultProxy) -> None:
+def test_adoption_patch_survives_a_concurrent_writer(
+    k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
     """Someone else bumps the policy's resourceVersion between create and adoption; the merge
     patch carries no resourceVersion precondition, so it still lands (no 409 Conflict)."""
     rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, node_selector={"resoluto.io/none": "x"})
@@ -169,7 +207,8 @@ def test_adoption_patch_survives_a_concurrent_writer(k8s_cluster: Cluster, k8s_n
     def meddle(verb: str, resource: str, path: str) -> None:
         name = path.rstrip("/").rsplit("/", 1)[-1]
         net(k8s_cluster).patch_namespaced_network_policy(
-            name, k8s_ns, {"metadata": {"annotations": {"someone.else/touched": "yes"}}})
+            name, k8s_ns, {"metadata": {"annotations": {"someone.else/touched": "yes"}}}
+        )
 
     proxy.before("patch", "networkpolicies", meddle)
     h = rt.launch(make_spec())
@@ -201,29 +240,45 @@ def test_missing_namespace_says_how_to_create_it(k8s_cluster: Cluster) -> None:
 def test_rendered_objects_pass_the_real_servers_validation(k8s_cluster: Cluster, k8s_ns: str) -> None:
     from prefect_resoluto.runtimes.kubernetes.render import render_documents
 
-    rt = make_runtime(k8s_cluster, k8s_ns, guest_source="bundle", store_credentials_secret=STORE_SECRET,
-                      service_account="default", tolerations=[{"key": "sandbox", "operator": "Exists",
-                                                               "effect": "NoSchedule"}])
-    spec = make_spec(secret_env={"API_TOKEN": "x"}, egress=["public_https", "10.9.0.0/16:5432", "192.0.2.7"],
-                     resources=Resources.from_quantities(memory="1Gi", cpus="0.5", disk="2Gi"))
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        guest_source="bundle",
+        store_credentials_secret=STORE_SECRET,
+        service_account="default",
+        tolerations=[{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    spec = make_spec(
+        secret_env={"API_TOKEN": "x"},
+        egress=["public_https", "10.9.0.0/16:5432", "192.0.2.7"],
+        resources=Resources.from_quantities(memory="1Gi", cpus="0.5", disk="2Gi"),
+    )
     from kubernetes.client import ApiClient
 
     raw = ApiClient(k8s_cluster.configuration())
     for doc in render_documents(spec, rt, name="rsl-review-1"):
         kind = doc["kind"]
-        path = {"NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{k8s_ns}/networkpolicies",
-                "Secret": f"/api/v1/namespaces/{k8s_ns}/secrets", "Pod": f"/api/v1/namespaces/{k8s_ns}/pods"}[kind]
+        path = {
+            "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{k8s_ns}/networkpolicies",
+            "Secret": f"/api/v1/namespaces/{k8s_ns}/secrets",
+            "Pod": f"/api/v1/namespaces/{k8s_ns}/pods",
+        }[kind]
         r = raw.rest_client.pool_manager.request(
-            "POST", k8s_cluster.server + path + "?dryRun=All", body=json.dumps(doc),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {k8s_cluster.token}"})
+            "POST",
+            k8s_cluster.server + path + "?dryRun=All",
+            body=json.dumps(doc),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {k8s_cluster.token}"},
+        )
         assert r.status == 201, (kind, r.data[:500])
     # And the server's validation is real: an ipBlock except outside its CIDR is a 422.
     bad = render_documents(spec, rt, name="rsl-review-2")[0]
     bad["spec"]["egress"][3]["to"][0]["ipBlock"]["except"] = ["192.168.0.0/16"]
     r = raw.rest_client.pool_manager.request(
-        "POST", k8s_cluster.server + f"/apis/networking.k8s.io/v1/namespaces/{k8s_ns}/networkpolicies?dryRun=All",
-        body=json.dumps(bad), headers={"Content-Type": "application/json",
-                                       "Authorization": f"Bearer {k8s_cluster.token}"})
+        "POST",
+        k8s_cluster.server + f"/apis/networking.k8s.io/v1/namespaces/{k8s_ns}/networkpolicies?dryRun=All",
+        body=json.dumps(bad),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {k8s_cluster.token}"},
+    )
     assert r.status == 422 and b"must be a strict subset" in r.data
 
 
@@ -233,7 +288,7 @@ ROLE_DOC = ROOT / "docs" / "backends.md"
 def published_rbac(namespace: str, sa: str, sa_ns: str) -> list[dict[str, Any]]:
     """The Role and RoleBinding exactly as docs/backends.md publishes them, re-aimed."""
     text = ROLE_DOC.read_text()
-    section = text[text.index("## 7. RBAC"):]
+    section = text[text.index("## 7. RBAC") :]
     block = re.search(r"```yaml\n(.*?)```", section, re.S)
     assert block, "docs/backends.md section 7 has no yaml block"
     docs = [d for d in yaml.safe_load_all(block.group(1)) if d]
@@ -251,8 +306,12 @@ def service_account_token(cluster: Cluster, ns: str, name: str) -> str:
     def token() -> str | None:
         for s in c.list_namespaced_secret(ns).items:
             ann = s.metadata.annotations or {}
-            if s.type == "kubernetes.io/service-account-token" and ann.get("kubernetes.io/service-account.name") == name \
-                    and s.data and s.data.get("token"):
+            if (
+                s.type == "kubernetes.io/service-account-token"
+                and ann.get("kubernetes.io/service-account.name") == name
+                and s.data
+                and s.data.get("token")
+            ):
                 return base64.b64decode(s.data["token"]).decode()
         return None
 
@@ -275,11 +334,23 @@ def least_privilege(k8s_cluster: Cluster, k8s_ns: str) -> Any:
     def allowed(verb: str, resource: str) -> bool:
         res, _, sub = resource.partition("/")
         group = "networking.k8s.io" if res == "networkpolicies" else ""
-        review = authz.create_subject_access_review({
-            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-            "spec": {"user": user, "groups": ["system:serviceaccounts", f"system:serviceaccounts:{k8s_ns}"],
-                     "resourceAttributes": {"namespace": k8s_ns, "verb": verb, "group": group,
-                                            "resource": res, "subresource": sub}}})
+        review = authz.create_subject_access_review(
+            {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SubjectAccessReview",
+                "spec": {
+                    "user": user,
+                    "groups": ["system:serviceaccounts", f"system:serviceaccounts:{k8s_ns}"],
+                    "resourceAttributes": {
+                        "namespace": k8s_ns,
+                        "verb": verb,
+                        "group": group,
+                        "resource": res,
+                        "subresource": sub,
+                    },
+                },
+            }
+        )
         return bool(review.status.allowed)
 
     def without(verb: str, resource: str) -> None:
@@ -298,8 +369,13 @@ def least_privilege(k8s_cluster: Cluster, k8s_ns: str) -> Any:
     return tok, without
 
 
-def test_published_role_suffices_for_every_operation(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent,
-                                                     least_privilege: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_published_role_suffices_for_every_operation(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    k8s_agent: NodeAgent,
+    least_privilege: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     tok, _ = least_privilege
     rt = make_runtime(k8s_cluster, k8s_ns, token=tok)
     assert rt.availability().ok, rt.availability().why
@@ -318,17 +394,24 @@ def test_published_role_suffices_for_every_operation(k8s_cluster: Cluster, k8s_n
 
 # (verb, resource, the runtime operation that needs it)
 _VERB_USES = [
-    ("create", "pods", "launch"), ("get", "pods", "status"), ("list", "pods", "sweep"),
-    ("delete", "pods", "destroy"), ("get", "pods/log", "logs"),
-    ("create", "networkpolicies", "launch"), ("list", "networkpolicies", "sweep"),
+    ("create", "pods", "launch"),
+    ("get", "pods", "status"),
+    ("list", "pods", "sweep"),
+    ("delete", "pods", "destroy"),
+    ("get", "pods/log", "logs"),
+    ("create", "networkpolicies", "launch"),
+    ("list", "networkpolicies", "sweep"),
     ("delete", "networkpolicies", "destroy"),
-    ("create", "secrets", "launch"), ("list", "secrets", "sweep"), ("delete", "secrets", "destroy"),
+    ("create", "secrets", "launch"),
+    ("list", "secrets", "sweep"),
+    ("delete", "secrets", "destroy"),
 ]
 
 
 @pytest.mark.parametrize("verb,resource,op", _VERB_USES, ids=[f"{v}-{r}" for v, r, _ in _VERB_USES])
-def test_removing_one_verb_gives_a_403_naming_it(k8s_cluster: Cluster, k8s_ns: str, least_privilege: Any,
-                                                 verb: str, resource: str, op: str) -> None:
+def test_removing_one_verb_gives_a_403_naming_it(
+    k8s_cluster: Cluster, k8s_ns: str, least_privilege: Any, verb: str, resource: str, op: str
+) -> None:
     tok, without = least_privilege
     rt = make_runtime(k8s_cluster, k8s_ns, token=tok, node_selector={"resoluto.io/none": "x"})
     spec = make_spec(secret_env={"API_TOKEN": "v"}, labels={"resoluto.flow-run-id": "f-rbac"})
@@ -343,16 +426,19 @@ def test_removing_one_verb_gives_a_403_naming_it(k8s_cluster: Cluster, k8s_ns: s
         msg = rt.logs(h)
     else:
         with pytest.raises(KubernetesApiError) as ei:
-            {"status": lambda: rt.status(h), "sweep": lambda: rt.sweep({"resoluto.flow-run-id": "f-rbac"}),
-             "destroy": lambda: rt.destroy(h)}[op]()
+            {
+                "status": lambda: rt.status(h),
+                "sweep": lambda: rt.sweep({"resoluto.flow-run-id": "f-rbac"}),
+                "destroy": lambda: rt.destroy(h),
+            }[op]()
         msg = str(ei.value)
     assert expected in msg, msg
     assert f"system:serviceaccount:{k8s_ns}:flows" in msg and "docs/backends.md" in msg
 
 
-def test_without_patch_it_still_works_but_says_the_gc_cannot_help(k8s_cluster: Cluster, k8s_ns: str,
-                                                                  least_privilege: Any,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_without_patch_it_still_works_but_says_the_gc_cannot_help(
+    k8s_cluster: Cluster, k8s_ns: str, least_privilege: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     tok, without = least_privilege
     without("patch", "networkpolicies")
     rt = make_runtime(k8s_cluster, k8s_ns, token=tok, node_selector={"resoluto.io/none": "x"})
@@ -378,8 +464,9 @@ def test_wrong_token_is_401_with_advice(k8s_cluster: Cluster, k8s_ns: str) -> No
 # -- context pinning, with a real kubeconfig ------------------------------------------------------------
 
 
-def test_refuses_the_ambient_context_without_a_pin(k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refuses_the_ambient_context_without_a_pin(
+    k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = k8s_cluster.write_kubeconfig(tmp_path / "kc", {"prod": k8s_ns, "dev": k8s_ns}, current="prod")
     monkeypatch.setenv("KUBECONFIG", cfg)
     rt = make_runtime(k8s_cluster, k8s_ns, api_client=None)
@@ -391,11 +478,13 @@ def test_refuses_the_ambient_context_without_a_pin(k8s_cluster: Cluster, k8s_ns:
     assert names(k8s_cluster, k8s_ns, "networkpolicies") == []
 
 
-def test_pinned_context_reaches_the_cluster(k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinned_context_reaches_the_cluster(
+    k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The ambient context points at a dead port: only the pin can reach the cluster.
-    dead = k8s_cluster.write_kubeconfig(tmp_path / "kc", {"prod": k8s_ns}, current="prod",
-                                        server="https://127.0.0.1:9")
+    dead = k8s_cluster.write_kubeconfig(
+        tmp_path / "kc", {"prod": k8s_ns}, current="prod", server="https://127.0.0.1:9"
+    )
     good = k8s_cluster.write_kubeconfig(tmp_path / "kc2", {"dev": k8s_ns})
     monkeypatch.setenv("KUBECONFIG", os.pathsep.join([dead, good]))
     monkeypatch.setenv("RESOLUTO_SANDBOX_KUBECONTEXT", "dev")
@@ -409,9 +498,12 @@ def test_pinned_context_reaches_the_cluster(k8s_cluster: Cluster, k8s_ns: str, t
     rt.destroy(h)
 
 
-def test_ambient_context_only_when_explicitly_allowed(k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KUBECONFIG", k8s_cluster.write_kubeconfig(tmp_path / "kc", {"only": k8s_ns}, current="only"))
+def test_ambient_context_only_when_explicitly_allowed(
+    k8s_cluster: Cluster, k8s_ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "KUBECONFIG", k8s_cluster.write_kubeconfig(tmp_path / "kc", {"only": k8s_ns}, current="only")
+    )
     monkeypatch.setenv("RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT", "1")
     rt = make_runtime(k8s_cluster, k8s_ns, api_client=None, node_selector={"resoluto.io/none": "x"})
     assert rt.allow_ambient_context is True
@@ -421,11 +513,14 @@ def test_ambient_context_only_when_explicitly_allowed(k8s_cluster: Cluster, k8s_
 
 
 def test_the_scripts_kubeconfig_pins_its_context(k8s_cluster: Cluster, k8s_ns: str) -> None:
-    rt = make_runtime(k8s_cluster, k8s_ns, api_client=None, kubeconfig=k8s_cluster.kubeconfig, context=CONTEXT)
+    rt = make_runtime(
+        k8s_cluster, k8s_ns, api_client=None, kubeconfig=k8s_cluster.kubeconfig, context=CONTEXT
+    )
     assert rt.availability().ok
     with pytest.raises(LaunchError, match="'elsewhere' is not in .*available: resoluto-local"):
-        make_runtime(k8s_cluster, k8s_ns, api_client=None, kubeconfig=k8s_cluster.kubeconfig,
-                     context="elsewhere").launch(make_spec())
+        make_runtime(
+            k8s_cluster, k8s_ns, api_client=None, kubeconfig=k8s_cluster.kubeconfig, context="elsewhere"
+        ).launch(make_spec())
 
 
 # -- status mapping from what the node really reports ------------------------------------------------------
@@ -433,8 +528,9 @@ def test_the_scripts_kubeconfig_pins_its_context(k8s_cluster: Cluster, k8s_ns: s
 
 def test_exit_codes_and_logs(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
-    ok = rt.launch(make_spec(command=py("import os; [print('line', i) for i in range(5)]; "
-                                        "print('uid', os.getuid())")))
+    ok = rt.launch(
+        make_spec(command=py("import os; [print('line', i) for i in range(5)]; print('uid', os.getuid())"))
+    )
     bad = rt.launch(make_spec(command=py("import sys; print('about to fail'); sys.exit(3)")))
     st = terminal(rt, ok)
     assert (st.phase, st.exit_code, st.infrastructure) == ("succeeded", 0, False)
@@ -462,9 +558,16 @@ def test_kata_is_emulated_and_says_so(k8s_cluster: Cluster, k8s_ns: str, k8s_age
 def test_unpullable_image_is_unstartable(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(image="registry.invalid/nope:1"))
-    st = wait_for(lambda: (s := rt.status(h)).reason.startswith("ImagePullBackOff") and s, timeout=60,
-                  what="ImagePullBackOff")
-    assert st.unstartable and not st.terminal and st.reason.startswith('ImagePullBackOff: Back-off pulling image "registry.invalid/nope:1"')
+    st = wait_for(
+        lambda: (s := rt.status(h)).reason.startswith("ImagePullBackOff") and s,
+        timeout=60,
+        what="ImagePullBackOff",
+    )
+    assert (
+        st.unstartable
+        and not st.terminal
+        and st.reason.startswith('ImagePullBackOff: Back-off pulling image "registry.invalid/nope:1"')
+    )
     assert "cannot pull the image" in st.reason
     # The apiserver itself refuses logs of a container that never started.
     assert "is waiting to start: ImagePullBackOff" in rt.logs(h)
@@ -475,19 +578,23 @@ def test_unpullable_image_is_unstartable(k8s_cluster: Cluster, k8s_ns: str, k8s_
     rt.destroy(h2)
 
 
-def test_missing_store_secret_is_create_container_config_error(k8s_cluster: Cluster, k8s_ns: str,
-                                                               k8s_agent: NodeAgent) -> None:
+def test_missing_store_secret_is_create_container_config_error(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
+) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns, store_credentials_secret=STORE_SECRET)
     h = rt.launch(make_spec())
-    st = wait_for(lambda: (s := rt.status(h)).unstartable and s, timeout=60, what="CreateContainerConfigError")
+    st = wait_for(
+        lambda: (s := rt.status(h)).unstartable and s, timeout=60, what="CreateContainerConfigError"
+    )
     assert "CreateContainerConfigError" in st.reason and f'secret "{STORE_SECRET}" not found' in st.reason
     assert f"store credentials Secret {STORE_SECRET!r}" in st.reason
     rt.destroy(h)
 
 
 @pytest.mark.parametrize("how", ["selector", "capacity"])
-def test_unschedulable_then_unstartable_after_patience(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent,
-                                                       how: str) -> None:
+def test_unschedulable_then_unstartable_after_patience(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, how: str
+) -> None:
     opts: dict[str, Any] = {"unschedulable_patience_s": 60}
     res = Resources()
     if how == "selector":
@@ -498,21 +605,34 @@ def test_unschedulable_then_unstartable_after_patience(k8s_cluster: Cluster, k8s
     now = [1000.0]
     rt._clock = lambda: now[0]
     h = rt.launch(make_spec(resources=res))
-    st = wait_for(lambda: (s := rt.status(h)).reason.startswith("Unschedulable") and s, timeout=60,
-                  what="the scheduler's verdict")
+    st = wait_for(
+        lambda: (s := rt.status(h)).reason.startswith("Unschedulable") and s,
+        timeout=60,
+        what="the scheduler's verdict",
+    )
     assert (st.phase, st.unstartable) == ("pending", False)
     assert "0/1 nodes are available" in st.reason
-    assert (("didn't match Pod's node affinity" in st.reason) if how == "selector" else ("Insufficient memory" in st.reason)), st.reason
+    assert (
+        ("didn't match Pod's node affinity" in st.reason)
+        if how == "selector"
+        else ("Insufficient memory" in st.reason)
+    ), st.reason
     now[0] += 61
     st = rt.status(h)
     assert st.unstartable and "RuntimeClass 'gvisor'" in st.reason
     rt.destroy(h)
 
 
-def test_oom_killed_is_infrastructure_with_the_limit(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
+def test_oom_killed_is_infrastructure_with_the_limit(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
+) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
-    h = rt.launch(make_spec(resources=Resources.from_quantities(memory="192Mi"),
-                            command=py("b = []\nwhile True: b.append(bytearray(16 << 20))")))
+    h = rt.launch(
+        make_spec(
+            resources=Resources.from_quantities(memory="192Mi"),
+            command=py("b = []\nwhile True: b.append(bytearray(16 << 20))"),
+        )
+    )
     st = terminal(rt, h)
     assert (st.phase, st.exit_code, st.infrastructure) == ("failed", 137, True), st
     assert "OOMKilled" in st.reason and str(192 * 1024**2) in st.reason
@@ -544,7 +664,9 @@ def test_deleted_from_outside_while_running(k8s_cluster: Cluster, k8s_ns: str, k
     assert all(s.infrastructure or not s.terminal for s in seen)
 
 
-def test_verdict_kept_after_the_pod_is_deleted(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
+def test_verdict_kept_after_the_pod_is_deleted(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
+) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(command=py("pass")))
     assert terminal(rt, h).phase == "succeeded"
@@ -560,7 +682,9 @@ def test_destroy_stops_a_running_sandbox(k8s_cluster: Cluster, k8s_ns: str, k8s_
     wait_for(lambda: rt.status(h).phase == "running", timeout=60, what="running")
     rt.destroy(h)
     gone(k8s_cluster, k8s_ns, "pods", h.data["name"])
-    wait_for(lambda: f"{k8s_ns}/{h.data['name']}" not in k8s_agent.running(), timeout=30, what="sandbox stopped")
+    wait_for(
+        lambda: f"{k8s_ns}/{h.data['name']}" not in k8s_agent.running(), timeout=30, what="sandbox stopped"
+    )
 
 
 # -- sweep -------------------------------------------------------------------------------------------------
@@ -568,7 +692,10 @@ def test_destroy_stops_a_running_sandbox(k8s_cluster: Cluster, k8s_ns: str, k8s_
 
 def test_sweep_by_labels_leaves_others_alone(k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, node_selector={"resoluto.io/none": "x"})
-    a = [rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-a"}, secret_env={"T": "1"})) for _ in range(2)]
+    a = [
+        rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-a"}, secret_env={"T": "1"}))
+        for _ in range(2)
+    ]
     b = rt.launch(make_spec(labels={"resoluto.flow-run-id": "flow-b"}))
     foreign = rt.manifests(make_spec(labels={"resoluto.flow-run-id": "flow-a"})).pod
     foreign["metadata"]["labels"].pop(MANAGED_BY_LABEL)
@@ -595,7 +722,9 @@ def test_5xx_on_create_retried_then_succeeds(k8s_cluster: Cluster, k8s_ns: str, 
     assert names(k8s_cluster, k8s_ns, "pods") == [h.data["name"]]
 
 
-def test_create_is_idempotent_when_the_answer_was_lost(k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy) -> None:
+def test_create_is_idempotent_when_the_answer_was_lost(
+    k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
     """The real server creates the object, the client sees a 504; the retry meets the real
     409 AlreadyExists and recognises its own object by the launch token."""
     rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, node_selector={"resoluto.io/none": "x"})
@@ -609,8 +738,9 @@ def test_create_is_idempotent_when_the_answer_was_lost(k8s_cluster: Cluster, k8s
     assert names(k8s_cluster, k8s_ns, "pods") == [h.data["name"]]
 
 
-def test_a_409_from_another_writer_is_a_clear_error(k8s_cluster: Cluster, k8s_ns: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_409_from_another_writer_is_a_clear_error(
+    k8s_cluster: Cluster, k8s_ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from prefect_resoluto.runtimes import kubernetes as kmod
 
     rt = make_runtime(k8s_cluster, k8s_ns, node_selector={"resoluto.io/none": "x"})
@@ -625,7 +755,9 @@ def test_a_409_from_another_writer_is_a_clear_error(k8s_cluster: Cluster, k8s_ns
     assert names(k8s_cluster, k8s_ns, "networkpolicies") == []  # our half-launch was removed
 
 
-def test_persistent_5xx_is_a_clear_error_and_cleans_up(k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy) -> None:
+def test_persistent_5xx_is_a_clear_error_and_cleans_up(
+    k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, api_retries=4, node_selector={"resoluto.io/none": "x"})
     h = rt.launch(make_spec())
     proxy.fail("get", "pods", 503, times=10)
@@ -638,8 +770,11 @@ def test_persistent_5xx_is_a_clear_error_and_cleans_up(k8s_cluster: Cluster, k8s
     proxy.fail("create", "pods", 500, times=10)
     with pytest.raises(LaunchError, match="kept failing to create pods"):
         rt.launch(make_spec())
-    wait_for(lambda: names(k8s_cluster, k8s_ns, "pods") == [h.data["name"]], timeout=30,
-             what="the landed attempt cleaned up")
+    wait_for(
+        lambda: names(k8s_cluster, k8s_ns, "pods") == [h.data["name"]],
+        timeout=30,
+        what="the landed attempt cleaned up",
+    )
     assert names(k8s_cluster, k8s_ns, "networkpolicies") == [h.data["name"]]
 
 
@@ -666,9 +801,11 @@ def test_connection_reset_is_retried(k8s_cluster: Cluster, k8s_ns: str, proxy: F
 
 
 def test_slow_answer_times_out_and_the_retry_recognises_the_landed_create(
-        k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy) -> None:
-    rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, request_timeout_s=1.0,
-                      node_selector={"resoluto.io/none": "x"})
+    k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
+    rt = make_runtime(
+        k8s_cluster, k8s_ns, via=proxy, request_timeout_s=1.0, node_selector={"resoluto.io/none": "x"}
+    )
     proxy.fail("create", "pods", delay_s=3.0)
     h = rt.launch(make_spec())
     # The slow answer was a 201 the client gave up on; the retry met the real 409.
@@ -677,8 +814,13 @@ def test_slow_answer_times_out_and_the_retry_recognises_the_landed_create(
 
 
 def test_api_server_unreachable(k8s_cluster: Cluster, k8s_ns: str) -> None:
-    rt = make_runtime(k8s_cluster, k8s_ns, api_client=k8s_cluster.api_client(server="https://127.0.0.1:9"),
-                      api_retries=2, request_timeout_s=2)
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        api_client=k8s_cluster.api_client(server="https://127.0.0.1:9"),
+        api_retries=2,
+        request_timeout_s=2,
+    )
     with pytest.raises(LaunchError, match="cannot reach the Kubernetes API server"):
         rt.launch(make_spec())
 
@@ -687,44 +829,66 @@ def test_api_server_unreachable(k8s_cluster: Cluster, k8s_ns: str) -> None:
 
 
 def store_secret(cluster: Cluster, ns: str) -> None:
-    core(cluster).create_namespaced_secret(ns, {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": STORE_SECRET},
-        "stringData": {"AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
-                       "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]},
-    })
+    core(cluster).create_namespaced_secret(
+        ns,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": STORE_SECRET},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+                "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
+            },
+        },
+    )
 
 
 @pytest.fixture
-def k8s_node(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, s3_conduit: Any, proxy: FaultProxy) -> Any:
+def k8s_node(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, s3_conduit: Any, proxy: FaultProxy
+) -> Any:
     from prefect_resoluto.node import NodeSpec, drive_node
 
-    rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, guest_source="bundle",
-                      store_credentials_secret=STORE_SECRET, store_egress_cidr=None, store_egress_port=None)
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        via=proxy,
+        guest_source="bundle",
+        store_credentials_secret=STORE_SECRET,
+        store_egress_cidr=None,
+        store_egress_port=None,
+    )
 
     def run(argv: list[str], **fields: Any) -> Any:
-        spec = NodeSpec(run_id=fields.pop("run_id", "run-k8s"), node_id=fields.pop("node_id", "n1"), argv=argv,
-                        **fields)
+        spec = NodeSpec(
+            run_id=fields.pop("run_id", "run-k8s"), node_id=fields.pop("node_id", "n1"), argv=argv, **fields
+        )
         events: list[dict[str, Any]] = []
-        outcome = drive_node(spec, s3_conduit, rt, on_event=events.append, min_isolation="user-kernel",
-                             silence_window=120)
+        outcome = drive_node(
+            spec, s3_conduit, rt, on_event=events.append, min_isolation="user-kernel", silence_window=120
+        )
         return outcome, events
 
     return rt, run
 
 
-def test_node_end_to_end_through_a_real_pod(k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str, s3_conduit: Any,
-                                            proxy: FaultProxy, tmp_path: Path) -> None:
+def test_node_end_to_end_through_a_real_pod(
+    k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str, s3_conduit: Any, proxy: FaultProxy, tmp_path: Path
+) -> None:
     store_secret(k8s_cluster, k8s_ns)
     rt, run = k8s_node
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "input.txt").write_text("21\n")
-    code = ("import os, pathlib; n = int(pathlib.Path('input.txt').read_text()); print('doubling', n); "
-            "pathlib.Path('out').mkdir(); pathlib.Path('out/answer.txt').write_text(str(2 * n)); "
-            "print('token seen:', os.environ.get('API_TOKEN', '')[::-1] == '321-kot'); "
-            "print('aws key visible:', 'AWS_SECRET_ACCESS_KEY' in os.environ); print('uid', os.getuid())")
-    outcome, events = run(["python3", "-c", code], workspace=ws, output_paths=["out/*.txt"],
-                          secret_env={"API_TOKEN": "tok-123"})
+    code = (
+        "import os, pathlib; n = int(pathlib.Path('input.txt').read_text()); print('doubling', n); "
+        "pathlib.Path('out').mkdir(); pathlib.Path('out/answer.txt').write_text(str(2 * n)); "
+        "print('token seen:', os.environ.get('API_TOKEN', '')[::-1] == '321-kot'); "
+        "print('aws key visible:', 'AWS_SECRET_ACCESS_KEY' in os.environ); print('uid', os.getuid())"
+    )
+    outcome, events = run(
+        ["python3", "-c", code], workspace=ws, output_paths=["out/*.txt"], secret_env={"API_TOKEN": "tok-123"}
+    )
     assert outcome.ok, outcome.describe()
     assert outcome.exit_code == 0 and outcome.runtime == "kubernetes" and outcome.isolation == "user-kernel"
     text = "\n".join(str(e["data"].get("line", "")) for e in events if e.get("event") == "log")
@@ -732,8 +896,12 @@ def test_node_end_to_end_through_a_real_pod(k8s_node: Any, k8s_cluster: Cluster,
     assert "aws key visible: False" in text  # the store credentials are the runner's, not the workload's
     assert (outcome.output_dir / "out" / "answer.txt").read_text() == "42"
     for resource in ("pods", "networkpolicies"):
-        wait_for(lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} reaped")
-    wait_for(lambda: names(k8s_cluster, k8s_ns, "secrets") == [STORE_SECRET], timeout=60, what="node Secret reaped")
+        wait_for(
+            lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} reaped"
+        )
+    wait_for(
+        lambda: names(k8s_cluster, k8s_ns, "secrets") == [STORE_SECRET], timeout=60, what="node Secret reaped"
+    )
     sha, blob = guest_bundle.build_guest_bundle()
     assert s3_conduit.get(guest_bundle.guest_bundle_key("run-k8s", "", sha)) == blob
     assert proxy.calls("create", "pods") == [201]
@@ -746,18 +914,29 @@ def test_node_workload_failure_through_a_real_pod(k8s_node: Any, k8s_cluster: Cl
     assert not outcome.ok and outcome.failure == "workload" and outcome.exit_code == 3
 
 
-def test_node_without_store_credentials_is_unstartable(k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str) -> None:
+def test_node_without_store_credentials_is_unstartable(
+    k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str
+) -> None:
     rt, run = k8s_node  # no store Secret: the node cannot start the container
     outcome, _ = run(["true"], node_id="n3")
     assert outcome.failure == "unstartable"
-    assert f'secret "{STORE_SECRET}" not found' in outcome.reason and "CreateContainerConfigError" in outcome.reason
+    assert (
+        f'secret "{STORE_SECRET}" not found' in outcome.reason
+        and "CreateContainerConfigError" in outcome.reason
+    )
     wait_for(lambda: names(k8s_cluster, k8s_ns, "pods") == [], timeout=60, what="pod reaped")
 
 
 @pytest.mark.usefixtures("prefect")
-def test_flow_through_the_task_runner_on_a_real_cluster(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent,
-                                                        s3_conduit: Any, proxy: FaultProxy, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flow_through_the_task_runner_on_a_real_cluster(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    k8s_agent: NodeAgent,
+    s3_conduit: Any,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from prefect import flow
 
     from prefect_resoluto import ResolutoTaskRunner
@@ -766,15 +945,27 @@ def test_flow_through_the_task_runner_on_a_real_cluster(k8s_cluster: Cluster, k8
     ws.mkdir()
     (ws / "k8s_real_flow_tasks.py").write_text(
         "from prefect import task\n\n\n@task\ndef square(x: int) -> int:\n"
-        "    print(f'squaring {x} in a pod')\n    return x * x\n")
+        "    print(f'squaring {x} in a pod')\n    return x * x\n"
+    )
     monkeypatch.syspath_prepend(str(ws))
     tasks = importlib.import_module("k8s_real_flow_tasks")
     store_secret(k8s_cluster, k8s_ns)
-    rt = make_runtime(k8s_cluster, k8s_ns, via=proxy, guest_source="bundle", runtime_class="kata",
-                      store_credentials_secret=STORE_SECRET, store_egress_cidr=None, store_egress_port=None)
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        via=proxy,
+        guest_source="bundle",
+        runtime_class="kata",
+        store_credentials_secret=STORE_SECRET,
+        store_egress_cidr=None,
+        store_egress_port=None,
+    )
 
-    @flow(task_runner=ResolutoTaskRunner(runtime=rt, conduit=s3_conduit, min_isolation="vm",
-                                         workspace=ws, outputs_dir=tmp_path / "out"))
+    @flow(
+        task_runner=ResolutoTaskRunner(
+            runtime=rt, conduit=s3_conduit, min_isolation="vm", workspace=ws, outputs_dir=tmp_path / "out"
+        )
+    )
     def fan_out() -> list[int]:
         return [f.result() for f in tasks.square.map([1, 2, 3])]
 
@@ -783,13 +974,21 @@ def test_flow_through_the_task_runner_on_a_real_cluster(k8s_cluster: Cluster, k8
     assert state.result() == [1, 4, 9]
     assert proxy.calls("create", "pods") == [201] * 3
     for resource in ("pods", "networkpolicies"):
-        wait_for(lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} reaped")
+        wait_for(
+            lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} reaped"
+        )
 
 
-def test_flow_through_a_sandbox_block_with_the_pinned_context(k8s_cluster: Cluster, k8s_ns: str,
-                                                              k8s_agent: NodeAgent, moto_server: Any, s3_bucket: str,
-                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              prefect: Any) -> None:
+def test_flow_through_a_sandbox_block_with_the_pinned_context(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    k8s_agent: NodeAgent,
+    moto_server: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefect: Any,
+) -> None:
     """The block path: runtime by name, context pinned in the block, kubeconfig from KUBECONFIG."""
     from prefect import flow
 
@@ -799,14 +998,20 @@ def test_flow_through_a_sandbox_block_with_the_pinned_context(k8s_cluster: Clust
     ws = tmp_path / "block_ws"
     ws.mkdir()
     (ws / "k8s_real_block_tasks.py").write_text(
-        "from prefect import task\n\n\n@task\ndef inc(x: int) -> int:\n    return x + 1\n")
+        "from prefect import task\n\n\n@task\ndef inc(x: int) -> int:\n    return x + 1\n"
+    )
     monkeypatch.syspath_prepend(str(ws))
     tasks = importlib.import_module("k8s_real_block_tasks")
     monkeypatch.setenv("KUBECONFIG", k8s_cluster.kubeconfig)
     store_secret(k8s_cluster, k8s_ns)
     block = SandboxBlock(
-        runtime="kubernetes", kube_context=CONTEXT, kube_namespace=k8s_ns, runtime_class="gvisor",
-        min_isolation="user-kernel", image=IMAGE, store_credentials_secret=STORE_SECRET,
+        runtime="kubernetes",
+        kube_context=CONTEXT,
+        kube_namespace=k8s_ns,
+        runtime_class="gvisor",
+        min_isolation="user-kernel",
+        image=IMAGE,
+        store_credentials_secret=STORE_SECRET,
         conduit=S3ConduitBlock(bucket=s3_bucket, base_prefix="blk", endpoint_url=moto_server.endpoint_url),
     )
 
@@ -824,8 +1029,14 @@ def test_minted_short_lived_store_credentials(k8s_cluster: Cluster, k8s_ns: str,
     from moto.sts.models import sts_backends
 
     role = "arn:aws:iam::123456789012:role/resoluto-node"
-    rt = make_runtime(k8s_cluster, k8s_ns, store_role_arn=role, store_sts_endpoint=moto_server.endpoint_url,
-                      guest_source="bundle", node_selector={"resoluto.io/none": "x"})
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        store_role_arn=role,
+        store_sts_endpoint=moto_server.endpoint_url,
+        guest_source="bundle",
+        node_selector={"resoluto.io/none": "x"},
+    )
     rt._bundles["run-1"] = ("base/run/run-1/_guest/guest_runner-x.tar.gz", "0" * 64)  # as prepare() would
     h = rt.launch(make_spec(env={"AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]}))
     name = h.data["name"]
@@ -851,11 +1062,13 @@ def test_availability_against_the_real_server(k8s_cluster: Cluster, k8s_ns: str)
     assert not missing.ok and "kubectl create namespace rsl-absent-namespace" in missing.why
 
 
-def test_a_pod_stored_with_weaker_security_is_deleted_at_once(k8s_cluster: Cluster, k8s_ns: str,
-                                                           k8s_agent: NodeAgent, proxy: FaultProxy) -> None:
+def test_a_pod_stored_with_weaker_security_is_deleted_at_once(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy
+) -> None:
     """The proxy drops seccompProfile from the pod on its way in -- what a server that does not
     know the field (< 1.19, Strict validation ignored) or a mutating webhook does. The real
     server stores the weaker pod; the runtime must notice and delete it at once."""
+
     def strip(body: dict[str, Any]) -> dict[str, Any]:
         body["spec"]["securityContext"].pop("seccompProfile")
         body["spec"]["containers"][0]["securityContext"].pop("seccompProfile")
@@ -870,7 +1083,9 @@ def test_a_pod_stored_with_weaker_security_is_deleted_at_once(k8s_cluster: Clust
     assert "pod seccompProfile RuntimeDefault" in msg and "container seccompProfile RuntimeDefault" in msg
     assert proxy.calls("create", "pods") == [201] and proxy.calls("delete", "pods") == [200]
     for resource in ("pods", "networkpolicies"):
-        wait_for(lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} removed")
+        wait_for(
+            lambda r=resource: names(k8s_cluster, k8s_ns, r) == [], timeout=60, what=f"{resource} removed"
+        )
 
 
 def _paths(obj: Any, prefix: str = "") -> set[str]:
@@ -891,24 +1106,37 @@ def test_the_server_keeps_every_field_the_runtime_sends(k8s_cluster: Cluster, k8
     know -- a dropped securityContext field would be a silent weakening. Nothing may be dropped."""
     from kubernetes.client import ApiClient
 
-    rt = make_runtime(k8s_cluster, k8s_ns, guest_source="bundle", store_credentials_secret=STORE_SECRET,
-                      node_selector={"resoluto.io/none": "x"}, priority_class=None)
+    rt = make_runtime(
+        k8s_cluster,
+        k8s_ns,
+        guest_source="bundle",
+        store_credentials_secret=STORE_SECRET,
+        node_selector={"resoluto.io/none": "x"},
+        priority_class=None,
+    )
     rt._bundles["run-1"] = ("base/run/run-1/_guest/guest_runner-x.tar.gz", "0" * 64)  # as prepare() would
-    spec = make_spec(secret_env={"API_TOKEN": "x"}, egress=["public_https"],
-                     resources=Resources.from_quantities(memory="1Gi", cpus="0.5", disk="2Gi"))
+    spec = make_spec(
+        secret_env={"API_TOKEN": "x"},
+        egress=["public_https"],
+        resources=Resources.from_quantities(memory="1Gi", cpus="0.5", disk="2Gi"),
+    )
     h = rt.launch(spec)
     name, token = h.data["name"], h.data["token"]
     sent = rt.manifests(spec, name=name, token=token)
     raw = ApiClient(k8s_cluster.configuration())
     got = {
         "Pod": raw.sanitize_for_serialization(core(k8s_cluster).read_namespaced_pod(name, k8s_ns)),
-        "NetworkPolicy": raw.sanitize_for_serialization(net(k8s_cluster).read_namespaced_network_policy(name, k8s_ns)),
+        "NetworkPolicy": raw.sanitize_for_serialization(
+            net(k8s_cluster).read_namespaced_network_policy(name, k8s_ns)
+        ),
         "Secret": raw.sanitize_for_serialization(core(k8s_cluster).read_namespaced_secret(name, k8s_ns)),
     }
     for doc in sent.documents():
         # hostNetwork/hostPID/hostIPC are plain booleans with omitempty: false reads back as absent.
         # Pointer booleans (privileged, allowPrivilegeEscalation, runAsNonRoot ...) must come back.
         omitted = {".spec.hostNetwork", ".spec.hostPID", ".spec.hostIPC"}
-        dropped = sorted(p for p in _paths(doc) - _paths(got[doc["kind"]]) if ".status" not in p and p not in omitted)
+        dropped = sorted(
+            p for p in _paths(doc) - _paths(got[doc["kind"]]) if ".status" not in p and p not in omitted
+        )
         assert dropped == [], (doc["kind"], dropped)
     rt.destroy(h)

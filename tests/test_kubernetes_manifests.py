@@ -28,8 +28,13 @@ STORE = [ipaddress.ip_network("10.0.0.5/32")]
 
 
 def spec(**overrides: Any) -> LaunchSpec:
-    env = {"RESOLUTO_STORE_KIND": "s3", "RESOLUTO_STORE_BUCKET": "bucket", "RESOLUTO_RUN_ID": "run-1",
-           "RESOLUTO_NODE_ID": "node-1", "RESOLUTO_WORKSPACE_DIR": "/workspace"}
+    env = {
+        "RESOLUTO_STORE_KIND": "s3",
+        "RESOLUTO_STORE_BUCKET": "bucket",
+        "RESOLUTO_RUN_ID": "run-1",
+        "RESOLUTO_NODE_ID": "node-1",
+        "RESOLUTO_WORKSPACE_DIR": "/workspace",
+    }
     env.update(overrides.pop("env", {}))
     fields: dict[str, Any] = {"sandbox_id": "rsl-abc", "env": env, "labels": {"resoluto.flow-run-id": "f 1"}}
     fields.update(overrides)
@@ -38,9 +43,16 @@ def spec(**overrides: Any) -> LaunchSpec:
 
 def build(s: LaunchSpec | None = None, settings: PodSettings | None = None, **kw: Any) -> Any:
     kw.setdefault("bundle", None)
-    return build_manifests(s or spec(), settings or PodSettings(namespace="sandboxes", runtime_class="kata"),
-                           name="rsl-abc-0123abcd", token="t" * 32, image="guest:1", store_nets=STORE,
-                           store_port=9000, **kw)
+    return build_manifests(
+        s or spec(),
+        settings or PodSettings(namespace="sandboxes", runtime_class="kata"),
+        name="rsl-abc-0123abcd",
+        token="t" * 32,
+        image="guest:1",
+        store_nets=STORE,
+        store_port=9000,
+        **kw,
+    )
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -51,10 +63,15 @@ def test_secrets_live_in_the_nodes_secret_and_store_keys_in_the_operators() -> N
     settings = PodSettings(namespace="sandboxes", runtime_class="kata", store_credentials_secret="store-keys")
     m = build(spec(secret_env={"API_TOKEN": "s3cr3t", "AWS_SECRET_ACCESS_KEY": "host-key"}), settings)
     env = env_of(m.pod)
-    assert env["API_TOKEN"] == {"name": "API_TOKEN", "valueFrom": {"secretKeyRef": {"name": m.name, "key": "API_TOKEN"}}}
+    assert env["API_TOKEN"] == {
+        "name": "API_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": m.name, "key": "API_TOKEN"}},
+    }
     # The host's store key is never copied: the operator's Secret is referenced by name.
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "store-keys",
-                                                                           "key": "AWS_SECRET_ACCESS_KEY"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "store-keys",
+        "key": "AWS_SECRET_ACCESS_KEY",
+    }
     assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
     assert m.secret is not None and set(m.secret["data"]) == {"API_TOKEN"}
     assert base64.b64decode(m.secret["data"]["API_TOKEN"]) == b"s3cr3t"
@@ -77,7 +94,9 @@ def test_the_bundle_is_bootstrapped_only_without_a_command() -> None:
     env = {e["name"]: e.get("value") for e in boot["env"]}
     assert env[ENV_BUNDLE_KEY] == "base/run/run-1/_guest/g.tar.gz" and env[ENV_BUNDLE_SHA256] == "a" * 64
     assert boot["command"][0] == "python3"
-    own = build(spec(command=["python3", "-m", "guest_runner"]), bundle=("k", "s")).pod["spec"]["containers"][0]
+    own = build(spec(command=["python3", "-m", "guest_runner"]), bundle=("k", "s")).pod["spec"]["containers"][
+        0
+    ]
     assert own["command"] == ["python3", "-m", "guest_runner"]
     assert ENV_BUNDLE_KEY not in {e["name"] for e in own["env"]}
 
@@ -85,21 +104,34 @@ def test_the_bundle_is_bootstrapped_only_without_a_command() -> None:
 def test_requests_equal_limits_and_scratch_is_bounded() -> None:
     c = build(spec(resources=Resources(cpus=1.5, memory_bytes=256 * 2**20, disk_bytes=2**30))).pod
     res = c["spec"]["containers"][0]["resources"]
-    assert res["requests"] == res["limits"] == {"cpu": "1500m", "memory": str(256 * 2**20),
-                                                "ephemeral-storage": str(2**30)}
+    assert (
+        res["requests"]
+        == res["limits"]
+        == {"cpu": "1500m", "memory": str(256 * 2**20), "ephemeral-storage": str(2**30)}
+    )
     assert {v["name"]: v["emptyDir"] for v in c["spec"]["volumes"]} == {
-        "tmp": {"sizeLimit": str(2**30)}, "workspace": {"sizeLimit": str(2**30)}}
+        "tmp": {"sizeLimit": str(2**30)},
+        "workspace": {"sizeLimit": str(2**30)},
+    }
 
 
 def test_egress_never_reaches_the_metadata_address() -> None:
-    assert ip_block(ipaddress.ip_network("169.254.0.0/16")) == {"cidr": "169.254.0.0/16",
-                                                                "except": ["169.254.169.254/32"]}
+    assert ip_block(ipaddress.ip_network("169.254.0.0/16")) == {
+        "cidr": "169.254.0.0/16",
+        "except": ["169.254.169.254/32"],
+    }
     with pytest.raises(LaunchError, match="cloud metadata endpoint"):
         ip_block(ipaddress.ip_network("169.254.169.254/32"))
     rules = egress_rules(["10.1.0.0/16:5432"], STORE, 9000, "0.0.0.0/0")
     assert rules[0]["to"][1]["ipBlock"] == {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}
-    assert rules[1] == {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}
-    assert rules[2] == {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"protocol": "TCP", "port": 5432}]}
+    assert rules[1] == {
+        "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+        "ports": [{"protocol": "TCP", "port": 9000}],
+    }
+    assert rules[2] == {
+        "to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}],
+        "ports": [{"protocol": "TCP", "port": 5432}],
+    }
 
 
 def stored(pod: dict[str, Any]) -> Any:
@@ -118,11 +150,18 @@ def test_weakened_names_each_guarantee_the_stored_pod_lost() -> None:
     stripped["spec"]["containers"][0]["securityContext"]["capabilities"] = {"add": ["NET_ADMIN"]}
     stripped["spec"]["runtimeClassName"] = "runc"  # a mutating webhook
     assert weakened(stored(stripped), "kata", True) == [
-        "runtimeClassName 'kata'", "pod seccompProfile RuntimeDefault", "capabilities drop ALL"]
+        "runtimeClassName 'kata'",
+        "pod seccompProfile RuntimeDefault",
+        "capabilities drop ALL",
+    ]
     del stripped["spec"]["containers"][0]["securityContext"]
     lost = weakened(stored(stripped), "kata", True)
-    assert {"container securityContext", "allowPrivilegeEscalation false", "privileged false",
-            "readOnlyRootFilesystem"} <= set(lost)
+    assert {
+        "container securityContext",
+        "allowPrivilegeEscalation false",
+        "privileged false",
+        "readOnlyRootFilesystem",
+    } <= set(lost)
 
 
 def test_session_policy_reaches_only_the_nodes_prefix_and_the_read_only_keys() -> None:
@@ -130,6 +169,9 @@ def test_session_policy_reaches_only_the_nodes_prefix_and_the_read_only_keys() -
     rw, ls, ro = policy["Statement"]
     assert rw["Resource"] == ["arn:aws:s3:::bucket/base/run/r/nodes/n/*"]
     assert ls["Condition"] == {"StringLike": {"s3:prefix": ["base/run/r/nodes/n/*", "base/run/r/nodes/n"]}}
-    assert ro == {"Effect": "Allow", "Action": ["s3:GetObject"],
-                  "Resource": ["arn:aws:s3:::bucket/base/run/r/_guest/g.tar.gz"]}
+    assert ro == {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject"],
+        "Resource": ["arn:aws:s3:::bucket/base/run/r/_guest/g.tar.gz"],
+    }
     assert len(json.loads(session_policy("bucket", "p"))["Statement"]) == 2

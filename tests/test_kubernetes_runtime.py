@@ -54,9 +54,16 @@ METADATA = ipaddress.ip_address("169.254.169.254")
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for var in ("RESOLUTO_SANDBOX_KUBECONTEXT", "RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT",
-                "RESOLUTO_STORE_EGRESS_CIDR", "RESOLUTO_STORE_EGRESS_PORT", "RESOLUTO_SANDBOX_NAMESPACE",
-                "RESOLUTO_SANDBOX_IMAGE", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+    for var in (
+        "RESOLUTO_SANDBOX_KUBECONTEXT",
+        "RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT",
+        "RESOLUTO_STORE_EGRESS_CIDR",
+        "RESOLUTO_STORE_EGRESS_PORT",
+        "RESOLUTO_SANDBOX_NAMESPACE",
+        "RESOLUTO_SANDBOX_IMAGE",
+        "KUBERNETES_SERVICE_HOST",
+        "KUBERNETES_SERVICE_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
 
@@ -69,8 +76,11 @@ def kube() -> Any:
 
 def make_runtime(kube: FakeKube | None = None, **options: Any) -> KubernetesRuntime:
     defaults: dict[str, Any] = dict(
-        image="python:3.12-slim", store_egress_cidr="10.0.0.5/32", store_egress_port=9000,
-        api_retry_base_s=0.001, guest_source="image",
+        image="python:3.12-slim",
+        store_egress_cidr="10.0.0.5/32",
+        store_egress_port=9000,
+        api_retry_base_s=0.001,
+        guest_source="image",
     )
     if kube is not None:
         defaults["api_client"] = kube.api_client()
@@ -91,8 +101,11 @@ def make_spec(**overrides: Any) -> LaunchSpec:
         "RESOLUTO_WORKSPACE_DIR": "/workspace",
     }
     env.update(overrides.pop("env", {}))
-    fields: dict[str, Any] = dict(sandbox_id="rsl-abc123", env=env,
-                                  labels={"resoluto.flow-run-id": "flow-1", "resoluto.task-name": "my task"})
+    fields: dict[str, Any] = dict(
+        sandbox_id="rsl-abc123",
+        env=env,
+        labels={"resoluto.flow-run-id": "flow-1", "resoluto.task-name": "my task"},
+    )
     fields.update(overrides)
     return LaunchSpec(**fields)
 
@@ -112,9 +125,12 @@ def allows_metadata(block: dict[str, Any]) -> bool:
 
 
 def test_pod_security_posture_field_by_field() -> None:
-    rt = make_runtime(service_account="sandbox-sa", priority_class="batch-low",
-                      node_selector={"resoluto.io/kata": "true"},
-                      tolerations=[{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}])
+    rt = make_runtime(
+        service_account="sandbox-sa",
+        priority_class="batch-low",
+        node_selector={"resoluto.io/kata": "true"},
+        tolerations=[{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
+    )
     spec = make_spec(resources=Resources.from_quantities(memory="512Mi", cpus="0.5", disk="2Gi"))
     m = rt.manifests(spec)
     pod = m.pod
@@ -179,8 +195,10 @@ def test_secret_values_never_literal_in_the_pod() -> None:
         assert value not in pod_text
         assert value not in json.dumps(m.network_policy)
     env = pod_env(m.pod)
-    assert env["API_TOKEN"] == {"name": "API_TOKEN",
-                                "valueFrom": {"secretKeyRef": {"name": m.name, "key": "API_TOKEN"}}}
+    assert env["API_TOKEN"] == {
+        "name": "API_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": m.name, "key": "API_TOKEN"}},
+    }
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "resoluto-store", "key": var}
         assert "value" not in env[var]
@@ -214,7 +232,10 @@ def test_network_policy_is_default_deny_for_exactly_this_pod() -> None:
     assert spec["ingress"] == []
     dns, store = spec["egress"]
     assert dns["ports"] == [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
-    assert store == {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}
+    assert store == {
+        "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+        "ports": [{"protocol": "TCP", "port": 9000}],
+    }
     for rule in spec["egress"]:
         assert rule.get("ports"), "every egress rule is limited to ports"
         for peer in rule["to"]:
@@ -248,12 +269,18 @@ def test_store_egress_from_env_override_and_endpoint(monkeypatch: pytest.MonkeyP
     rt = make_runtime(store_egress_cidr=None, store_egress_port=None)
     # Derived from an IP endpoint.
     store = rt.manifests(make_spec()).network_policy["spec"]["egress"][1]
-    assert store == {"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"protocol": "TCP", "port": 9000}]}
+    assert store == {
+        "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
+        "ports": [{"protocol": "TCP", "port": 9000}],
+    }
     # DNAT'd store: the env override wins over the endpoint.
     monkeypatch.setenv("RESOLUTO_STORE_EGRESS_CIDR", "172.20.0.9/32")
     monkeypatch.setenv("RESOLUTO_STORE_EGRESS_PORT", "9443")
     store = rt.manifests(make_spec()).network_policy["spec"]["egress"][1]
-    assert store == {"to": [{"ipBlock": {"cidr": "172.20.0.9/32"}}], "ports": [{"protocol": "TCP", "port": 9443}]}
+    assert store == {
+        "to": [{"ipBlock": {"cidr": "172.20.0.9/32"}}],
+        "ports": [{"protocol": "TCP", "port": 9443}],
+    }
     # An explicit setting wins over the environment.
     rt2 = make_runtime(store_egress_cidr="10.7.0.0/24", store_egress_port=443)
     store = rt2.manifests(make_spec()).network_policy["spec"]["egress"][1]
@@ -278,7 +305,10 @@ def test_bootstrap_fetches_the_guest_bundle_from_outside_the_inbox() -> None:
     assert "/nodes/" not in key and "inbox" not in key
     assert env["RESOLUTO_GUEST_BUNDLE_SHA256"]["value"] == sha
     # The image-provided runner needs no command at all.
-    assert "command" not in make_runtime(guest_source="image").manifests(make_spec()).pod["spec"]["containers"][0]
+    assert (
+        "command"
+        not in make_runtime(guest_source="image").manifests(make_spec()).pod["spec"]["containers"][0]
+    )
 
 
 def test_guest_bundle_is_deterministic_and_complete() -> None:
@@ -299,8 +329,11 @@ def test_guest_bundle_is_deterministic_and_complete() -> None:
 
 def test_rendered_yaml_is_what_the_api_server_accepts() -> None:
     rt = make_runtime(guest_source="bundle", store_credentials_secret="resoluto-store")
-    spec = make_spec(secret_env={"API_TOKEN": "x"}, egress=["public_https"],
-                     resources=Resources.from_quantities(memory="1Gi", cpus=2))
+    spec = make_spec(
+        secret_env={"API_TOKEN": "x"},
+        egress=["public_https"],
+        resources=Resources.from_quantities(memory="1Gi", cpus=2),
+    )
     text = render_yaml(spec, rt, name="rsl-review-2")
     docs = list(yaml.safe_load_all(text))
     assert [d["kind"] for d in docs] == ["NetworkPolicy", "Secret", "Pod"]
@@ -331,9 +364,16 @@ def test_label_sanitising() -> None:
 # -- isolation and configuration refusals -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rc,level", [("kata", IsolationLevel.VM), ("kata-qemu", IsolationLevel.VM),
-                                      ("kata-clh", IsolationLevel.VM), ("gvisor", IsolationLevel.USER_KERNEL),
-                                      ("runsc", IsolationLevel.USER_KERNEL)])
+@pytest.mark.parametrize(
+    "rc,level",
+    [
+        ("kata", IsolationLevel.VM),
+        ("kata-qemu", IsolationLevel.VM),
+        ("kata-clh", IsolationLevel.VM),
+        ("gvisor", IsolationLevel.USER_KERNEL),
+        ("runsc", IsolationLevel.USER_KERNEL),
+    ],
+)
 def test_runtime_class_isolation(rc: str, level: IsolationLevel) -> None:
     rt = make_runtime(runtime_class=rc)
     assert rt.isolation == level
@@ -347,7 +387,9 @@ def test_runtime_class_below_the_floor_is_refused() -> None:
     with pytest.raises(IsolationTooWeak, match="node's kernel"):
         make_runtime(runtime_class="runc", runtime_class_isolation="namespace")
     # A differently named Kata class can say what it is.
-    assert make_runtime(runtime_class="sandboxed", runtime_class_isolation="vm").isolation == IsolationLevel.VM
+    assert (
+        make_runtime(runtime_class="sandboxed", runtime_class_isolation="vm").isolation == IsolationLevel.VM
+    )
     # And the task runner's floor applies as for any runtime.
     with pytest.raises(IsolationTooWeak, match="below the required minimum 'vm'"):
         check_isolation(make_runtime(runtime_class="gvisor"), "vm")
@@ -357,8 +399,11 @@ def test_runtime_class_below_the_floor_is_refused() -> None:
 def test_local_conduit_refused_before_any_api_call(kube: FakeKube, tmp_path: Path) -> None:
     rt = make_runtime(kube)
     assert rt.supports_local_conduit is False
-    local = make_spec(conduit_root=tmp_path, conduit_subdir="run/run-1/nodes/node-1",
-                      env={"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(tmp_path)})
+    local = make_spec(
+        conduit_root=tmp_path,
+        conduit_subdir="run/run-1/nodes/node-1",
+        env={"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(tmp_path)},
+    )
     with pytest.raises(LaunchError) as ei:
         rt.launch(local)
     msg = str(ei.value)
@@ -400,12 +445,13 @@ def test_status_image_pull_failures_are_unstartable(kube: FakeKube, reason: str)
     kube.image_pull_backoff(name, reason=reason)
     st = rt.status(h)
     assert st.unstartable and not st.terminal
-    assert st.reason.startswith(f"{reason}: Back-off pulling image \"python:3.12-slim\"")
+    assert st.reason.startswith(f'{reason}: Back-off pulling image "python:3.12-slim"')
     assert "cannot pull the image" in st.reason
 
 
-@pytest.mark.parametrize("reason", ["CreateContainerConfigError", "CreateContainerError", "RunContainerError",
-                                    "CrashLoopBackOff"])
+@pytest.mark.parametrize(
+    "reason", ["CreateContainerConfigError", "CreateContainerError", "RunContainerError", "CrashLoopBackOff"]
+)
 def test_status_fatal_waiting_reasons(kube: FakeKube, reason: str) -> None:
     rt, h, name = launched(kube, store_credentials_secret="resoluto-store")
     kube.container_waiting(name, reason, 'secret "resoluto-store" not found')
@@ -448,8 +494,9 @@ def test_fake_rejects_what_the_api_server_would(kube: FakeKube) -> None:
     raw = ApiClient(kube.configuration())
 
     def send(body: dict[str, Any], path: str = f"/api/v1/namespaces/{NS}/pods") -> tuple[int, dict[str, Any]]:
-        r = raw.rest_client.pool_manager.request("POST", kube.url + path, body=json.dumps(body),
-                                                 headers={"Content-Type": "application/json"})
+        r = raw.rest_client.pool_manager.request(
+            "POST", kube.url + path, body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         return r.status, json.loads(r.data.decode())
 
     good = make_runtime().manifests(make_spec()).pod
@@ -465,7 +512,8 @@ def test_fake_rejects_what_the_api_server_would(kube: FakeKube) -> None:
     assert send(bad_label)[0] == 422
     literal_and_ref = json.loads(json.dumps(good))
     literal_and_ref["spec"]["containers"][0]["env"].append(
-        {"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}})
+        {"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    )
     assert send(literal_and_ref)[0] == 422
     status, body = send(good)
     assert status == 201 and body["metadata"]["uid"] and body["metadata"]["resourceVersion"]

@@ -31,9 +31,13 @@ def test_put_get_list_delete(local_conduit):
     ]
     # a key prefix, not only a directory
     assert c.list_prefix("run/r/nodes/n/events-") == [
-        "run/r/nodes/n/events-000001.jsonl", "run/r/nodes/n/events-000002.jsonl"]
+        "run/r/nodes/n/events-000001.jsonl",
+        "run/r/nodes/n/events-000002.jsonl",
+    ]
     assert c.list_prefix("run/r/nodes/n/", start_after="run/r/nodes/n/events-000001.jsonl") == [
-        "run/r/nodes/n/events-000002.jsonl", "run/r/nodes/n/inbox/workspace.tar.gz"]
+        "run/r/nodes/n/events-000002.jsonl",
+        "run/r/nodes/n/inbox/workspace.tar.gz",
+    ]
     assert c.list_prefix("run/none/") == []
     assert c.delete_prefix("run/r/nodes/n/") == 3
     assert c.list_prefix("run/r/") == ["run/r/nodes/n2/result.json"]
@@ -51,6 +55,7 @@ def test_missing_key_is_not_an_outage(local_conduit, tmp_path):
     (tmp_path / "ro").chmod(0o500)
     try:
         import os
+
         if os.geteuid() != 0:  # root ignores directory permissions
             with pytest.raises(ConduitUnavailable):
                 ro.put("a/b", b"x")

@@ -42,9 +42,15 @@ def sandbox_logs(task_run_id) -> list:
     out: list = []
     with client() as c:
         while True:
-            page = c.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]),
-                                                    name=LogFilterName(any_=[SANDBOX_LOGGER])),
-                               sort=LogSort.TIMESTAMP_ASC, limit=200, offset=len(out))
+            page = c.read_logs(
+                log_filter=LogFilter(
+                    task_run_id=LogFilterTaskRunId(any_=[task_run_id]),
+                    name=LogFilterName(any_=[SANDBOX_LOGGER]),
+                ),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=200,
+                offset=len(out),
+            )
             if not page:
                 return out
             out += page
@@ -53,8 +59,14 @@ def sandbox_logs(task_run_id) -> list:
 def run_burst(tmp_path: Path, n: int, per_second: float) -> tuple[list, list[str], int]:
     """(the task run's sandbox rows in the API, the lines the console handlers saw, POST /logs/
     requests the flow run sent). Nothing is flushed by hand: the runner must deliver."""
-    runner = ResolutoTaskRunner(runtime="process", min_isolation="none", conduit=LocalConduit(tmp_path / "c"),
-                                workspace=FLOWS, outputs_dir=tmp_path / "outputs", warm_pool=0)
+    runner = ResolutoTaskRunner(
+        runtime="process",
+        min_isolation="none",
+        conduit=LocalConduit(tmp_path / "c"),
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        warm_pool=0,
+    )
 
     @flow(task_runner=runner, persist_result=False)
     def bursting() -> int:
@@ -93,10 +105,12 @@ def test_a_burst_arrives_whole_in_order_with_levels_and_on_the_console(tmp_path)
     stamps = [row.timestamp for row in rows]
     assert stamps == sorted(stamps)
     assert all(row.flow_run_id and row.task_run_id for row in rows)
-    assert [f"burst {i}" for i in range(n)] == [m for m in console if m.startswith("burst ")], \
+    assert [f"burst {i}" for i in range(n)] == [m for m in console if m.startswith("burst ")], (
         "the console sees every line too"
-    assert any(m.startswith("node ") and "success" in m for m in [row.message for row in rows]), \
+    )
+    assert any(m.startswith("node ") and "success" in m for m in [row.message for row in rows]), (
         "the node's outcome line, written after the last guest line, is there too"
+    )
 
 
 def test_requests_per_line_do_not_grow_with_the_stream(tmp_path):

@@ -24,8 +24,9 @@ def conduit(tmp_path: Path) -> LocalConduit:
 
 
 def spec(tmp_path: Path, argv: list[str], **kw) -> NodeSpec:
-    return NodeSpec(run_id="run1", node_id=kw.pop("node_id", "node1"), argv=argv,
-                    outputs_dir=tmp_path / "outputs", **kw)
+    return NodeSpec(
+        run_id="run1", node_id=kw.pop("node_id", "node1"), argv=argv, outputs_dir=tmp_path / "outputs", **kw
+    )
 
 
 def test_happy_path_on_gvisor(gvisor, conduit, tmp_path, validate):
@@ -33,11 +34,22 @@ def test_happy_path_on_gvisor(gvisor, conduit, tmp_path, validate):
     ws.mkdir()
     (ws / "input.txt").write_text("41")
     events: list[dict] = []
-    code = "n = int(open('input.txt').read()); import os; os.makedirs('out', exist_ok=True); " \
-           "open('out/answer.txt', 'w').write(str(n + 1)); print('answered')"
-    outcome = drive_node(spec(tmp_path, ["python3", "-c", code], workspace=ws, output_paths=["out/*.txt"],
-                              resources=Resources.from_quantities(memory="256Mi", cpus="1")),
-                         conduit, gvisor, on_event=events.append)
+    code = (
+        "n = int(open('input.txt').read()); import os; os.makedirs('out', exist_ok=True); "
+        "open('out/answer.txt', 'w').write(str(n + 1)); print('answered')"
+    )
+    outcome = drive_node(
+        spec(
+            tmp_path,
+            ["python3", "-c", code],
+            workspace=ws,
+            output_paths=["out/*.txt"],
+            resources=Resources.from_quantities(memory="256Mi", cpus="1"),
+        ),
+        conduit,
+        gvisor,
+        on_event=events.append,
+    )
     assert outcome.ok, outcome.describe()
     assert outcome.exit_code == 0 and outcome.failure is None
     assert outcome.runtime == "gvisor" and outcome.isolation == "user-kernel"
@@ -61,8 +73,13 @@ def test_sandbox_killed_from_outside_mid_run_is_detected_classified_and_reaped(g
             killer_started.append(True)
             os.kill(launched[0].data["pid"], signal.SIGKILL)
 
-    outcome = drive_node(spec(tmp_path, ["python3", "-c", "print('started', flush=True); import time; time.sleep(120)"]),
-                         conduit, gvisor, on_event=on_event, on_launch=launched.append)
+    outcome = drive_node(
+        spec(tmp_path, ["python3", "-c", "print('started', flush=True); import time; time.sleep(120)"]),
+        conduit,
+        gvisor,
+        on_event=on_event,
+        on_launch=launched.append,
+    )
     assert not outcome.ok and outcome.infrastructure_failure
     assert outcome.failure in ("killed", "no_result"), outcome.describe()
     assert "SIGKILL" in outcome.reason or "without writing _manifest.json" in outcome.reason
@@ -82,9 +99,15 @@ def test_a_frozen_sandbox_trips_the_silence_watchdog(conduit, tmp_path):
             os.killpg(launched[0].data["pid"], signal.SIGSTOP)
 
     started = time.monotonic()
-    outcome = drive_node(spec(tmp_path, [sys.executable, "-c", "print('working', flush=True); import time; time.sleep(300)"]),
-                         conduit, rt, on_event=on_event, on_launch=launched.append, min_isolation="none",
-                         silence_window=2.0)
+    outcome = drive_node(
+        spec(tmp_path, [sys.executable, "-c", "print('working', flush=True); import time; time.sleep(300)"]),
+        conduit,
+        rt,
+        on_event=on_event,
+        on_launch=launched.append,
+        min_isolation="none",
+        silence_window=2.0,
+    )
     assert outcome.failure == "lost", outcome.describe()
     assert "silence window 2s" in outcome.reason and "presumed dead" in outcome.reason
     assert time.monotonic() - started < 60
@@ -96,18 +119,30 @@ def test_a_frozen_sandbox_trips_the_silence_watchdog(conduit, tmp_path):
 def test_guest_heartbeat_keeps_a_quiet_node_alive(conduit, tmp_path):
     rt = get_runtime("process")
     outcome = drive_node(
-        spec(tmp_path, [sys.executable, "-c", "import time; time.sleep(4); print('done')"],
-             env={"RESOLUTO_HEARTBEAT_INTERVAL": "0.5"}),
-        conduit, rt, min_isolation="none", silence_window=2.0)
+        spec(
+            tmp_path,
+            [sys.executable, "-c", "import time; time.sleep(4); print('done')"],
+            env={"RESOLUTO_HEARTBEAT_INTERVAL": "0.5"},
+        ),
+        conduit,
+        rt,
+        min_isolation="none",
+        silence_window=2.0,
+    )
     assert outcome.ok, outcome.describe()
-    chunks = [json.loads(line) for k in conduit.list_prefix("run/run1/nodes/node1/events-")
-              for line in conduit.get(k).decode().splitlines()]
+    chunks = [
+        json.loads(line)
+        for k in conduit.list_prefix("run/run1/nodes/node1/events-")
+        for line in conduit.get(k).decode().splitlines()
+    ]
     assert sum(1 for e in chunks if e["kind"] == "heartbeat") >= 2
 
 
 def test_a_sandbox_that_exits_without_a_result_says_so_with_substrate_logs(gvisor, conduit, tmp_path):
     s = spec(tmp_path, ["true"])
-    outcome = _drive_with_command(s, conduit, gvisor, ["/bin/sh", "-c", "echo the guest never ran >&2; exit 3"])
+    outcome = _drive_with_command(
+        s, conduit, gvisor, ["/bin/sh", "-c", "echo the guest never ran >&2; exit 3"]
+    )
     assert outcome.failure == "no_result"
     assert "without writing _manifest.json" in outcome.reason and "exit code 3" in outcome.reason
     assert "the guest never ran" in outcome.substrate_logs
@@ -145,17 +180,24 @@ def test_an_unstartable_sandbox_fails_fast(conduit, tmp_path):
     assert rt.sweep({"resoluto.run-id": "run1"}) == 0
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"argv": []}, "argv must be a non-empty list"),
-    ({"argv": ["echo"], "workspace": Path("/nonexistent/ws")}, "does not exist"),
-    ({"argv": ["echo"], "output_paths": ["../escape"]}, "escapes the workspace"),
-    ({"argv": ["echo"], "node_id": "../x"}, "not a valid identifier"),
-    ({"argv": ["echo"], "env": {"A=B": "x"}}, "invalid environment variable name"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"argv": []}, "argv must be a non-empty list"),
+        ({"argv": ["echo"], "workspace": Path("/nonexistent/ws")}, "does not exist"),
+        ({"argv": ["echo"], "output_paths": ["../escape"]}, "escapes the workspace"),
+        ({"argv": ["echo"], "node_id": "../x"}, "not a valid identifier"),
+        ({"argv": ["echo"], "env": {"A=B": "x"}}, "invalid environment variable name"),
+    ],
+)
 def test_bad_node_specs_fail_before_anything_is_written(conduit, tmp_path, kw, message):
     with pytest.raises(NodeSpecError, match=message):
-        drive_node(NodeSpec(run_id="run1", node_id=kw.pop("node_id", "n"), **kw), conduit, get_runtime("process"),
-                   min_isolation="none")
+        drive_node(
+            NodeSpec(run_id="run1", node_id=kw.pop("node_id", "n"), **kw),
+            conduit,
+            get_runtime("process"),
+            min_isolation="none",
+        )
     assert conduit.list_prefix("") == []
 
 
@@ -163,8 +205,12 @@ def test_isolation_floor_and_egress_refusals_write_nothing(conduit, tmp_path):
     with pytest.raises(IsolationTooWeak, match="min_isolation='none'"):
         drive_node(spec(tmp_path, ["true"]), conduit, get_runtime("process"))
     with pytest.raises(LaunchError, match="cannot enforce an egress allowlist"):
-        drive_node(spec(tmp_path, ["true"], egress=["10.0.0.0/8"]), conduit, get_runtime("process"),
-                   min_isolation="none")
+        drive_node(
+            spec(tmp_path, ["true"], egress=["10.0.0.0/8"]),
+            conduit,
+            get_runtime("process"),
+            min_isolation="none",
+        )
     assert conduit.list_prefix("") == []
 
 
@@ -187,11 +233,17 @@ def test_hostile_outbox_is_refused_and_earlier_data_kept(conduit, tmp_path):
         t.addfile(ti, io.BytesIO(b"x"))
     planted = tmp_path / "planted.tar.gz"
     planted.write_bytes(buf.getvalue())
-    code = ("import shutil, os; d = os.environ['RESOLUTO_STORE_ROOT'] + '/' + os.environ['RESOLUTO_STORE_PREFIX']"
-            " + '/outbox'; os.makedirs(d, exist_ok=True); "
-            f"shutil.copy({str(planted)!r}, d + '/evil.tar.gz'); print('planted')")
-    outcome = drive_node(spec(tmp_path, [sys.executable, "-c", code], output_paths=["**"]),
-                         conduit, get_runtime("process"), min_isolation="none")
+    code = (
+        "import shutil, os; d = os.environ['RESOLUTO_STORE_ROOT'] + '/' + os.environ['RESOLUTO_STORE_PREFIX']"
+        " + '/outbox'; os.makedirs(d, exist_ok=True); "
+        f"shutil.copy({str(planted)!r}, d + '/evil.tar.gz'); print('planted')"
+    )
+    outcome = drive_node(
+        spec(tmp_path, [sys.executable, "-c", code], output_paths=["**"]),
+        conduit,
+        get_runtime("process"),
+        min_isolation="none",
+    )
     assert outcome.failure == "protocol"
     assert "outbox rejected" in outcome.reason and "'../../../evil.txt'" in outcome.reason
     assert not (tmp_path / "evil.txt").exists()
@@ -207,9 +259,15 @@ def test_a_conduit_and_outputs_inside_the_workspace_are_not_shipped(tmp_path):
     rt = get_runtime("process")
     sizes = []
     for i in range(3):
-        s = NodeSpec(run_id="run1", node_id=f"n{i}", argv=[sys.executable, "-c", "import os; print(sorted(os.listdir('.')))"],
-                     workspace=ws, outputs_dir=ws / "outputs" / f"n{i}", output_paths=["*.py"],
-                     workspace_skip=[ws / "outputs"])
+        s = NodeSpec(
+            run_id="run1",
+            node_id=f"n{i}",
+            argv=[sys.executable, "-c", "import os; print(sorted(os.listdir('.')))"],
+            workspace=ws,
+            outputs_dir=ws / "outputs" / f"n{i}",
+            output_paths=["*.py"],
+            workspace_skip=[ws / "outputs"],
+        )
         events: list[dict] = []
         outcome = drive_node(s, conduit, rt, min_isolation="none", on_event=events.append)
         assert outcome.ok, outcome.describe()

@@ -56,8 +56,12 @@ def local_runtime(request):
 def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path):
     rt = local_runtime
     # HOME is /tmp in gVisor and bubblewrap (the issue's marker), the sandbox's own home on process.
-    marker = ["python3", "-c", "import os,sys; m=os.path.expanduser('~/marker'); seen=os.path.exists(m); "
-              "open(m,'w'); print('seen' if seen else 'fresh'); sys.exit(3 if seen else 0)"]
+    marker = [
+        "python3",
+        "-c",
+        "import os,sys; m=os.path.expanduser('~/marker'); seen=os.path.exists(m); "
+        "open(m,'w'); print('seen' if seen else 'fresh'); sys.exit(3 if seen else 0)",
+    ]
     spec1 = NodeSpec(run_id="run-w", node_id="n1", argv=marker)
     key = key_for(spec1)
     pool = _ready_pool(rt, local_conduit, key, n=2)
@@ -67,8 +71,14 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_
             w = _take(pool, key)
             lines: list[str] = []
             spec = NodeSpec(run_id="run-w", node_id=node, argv=marker)
-            o = drive_node(spec, local_conduit, rt, warm=w, min_isolation="none",
-                           on_event=lambda ev, _l=lines: _l.append((ev.get("data") or {}).get("line", "")))
+            o = drive_node(
+                spec,
+                local_conduit,
+                rt,
+                warm=w,
+                min_isolation="none",
+                on_event=lambda ev, _l=lines: _l.append((ev.get("data") or {}).get("line", "")),
+            )
             assert o.ok and o.warm, o.describe()
             assert "fresh" in lines  # /tmp of the first node's sandbox is not this one's
             assert w.handle.id not in rt.list_ids()  # served its node and is gone
@@ -78,7 +88,9 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_
         pool.close()
     _no_sandboxes(rt)
     # Everything in the conduit is under the two nodes' canonical prefixes.
-    files = sorted(p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file())
+    files = sorted(
+        p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file()
+    )
     assert files and all(f.startswith(("run/run-w/nodes/n1/", "run/run-w/nodes/n2/")) for f in files), files
 
 
@@ -87,8 +99,13 @@ def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path
     src = tmp_path / "src"
     (src / "data").mkdir(parents=True)
     (src / "data" / "in.txt").write_text("staged by the host\n")
-    spec = NodeSpec(run_id="run-compat", node_id="warm", argv=["python3", "-c", WORKLOAD, "0"], workspace=src,
-                    output_paths=["out/*.txt"])
+    spec = NodeSpec(
+        run_id="run-compat",
+        node_id="warm",
+        argv=["python3", "-c", WORKLOAD, "0"],
+        workspace=src,
+        output_paths=["out/*.txt"],
+    )
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key)
     try:
@@ -100,7 +117,11 @@ def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path
     keys, lines = _raw(local_conduit, prefix)
     _validate_node(local_conduit, prefix, lines, validate)
     assert set(keys) - {k for k in keys if wire.chunk_index(k)} == {
-        wire.RESULT, wire.MANIFEST, "inbox/workspace.tar.gz", "outbox/output.tar.gz"}
+        wire.RESULT,
+        wire.MANIFEST,
+        "inbox/workspace.tar.gz",
+        "outbox/output.tar.gz",
+    }
     got = _ref("read", str(local_conduit.root), prefix, str(tmp_path / "fetched"), json.dumps(OUTPUTS))
     assert got["finished"] is True
     assert got["events"] == [json.loads(line) for line in lines]
@@ -123,8 +144,12 @@ def _files_containing(roots: list[Path], needle: bytes) -> list[str]:
 
 def test_assignment_secrets_never_reach_the_conduit_or_a_spec_file(gvisor, local_conduit, tmp_path):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
-    spec = NodeSpec(run_id="run-s", node_id="n1", secret_env={"API_TOKEN": secret},
-                    argv=["python3", "-c", "import os; print('len', len(os.environ['API_TOKEN']))"])
+    spec = NodeSpec(
+        run_id="run-s",
+        node_id="n1",
+        secret_env={"API_TOKEN": secret},
+        argv=["python3", "-c", "import os; print('len', len(os.environ['API_TOKEN']))"],
+    )
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key)
     state = Path(gvisor.state)
@@ -171,7 +196,9 @@ def test_a_key_mismatch_gets_its_own_limits(gvisor, local_conduit):
     from prefect_resoluto.runtimes.base import Resources
 
     hog = ["python3", "-c", "b = bytearray(400 * 1024 * 1024); print('allocated')"]
-    spec = NodeSpec(run_id="run-m", node_id="small", argv=hog, resources=Resources.from_quantities(memory="256Mi"))
+    spec = NodeSpec(
+        run_id="run-m", node_id="small", argv=hog, resources=Resources.from_quantities(memory="256Mi")
+    )
     default_key = key_for(NodeSpec(run_id="run-m", node_id="x", argv=hog))
     key = key_for(spec)
     assert key != default_key
@@ -190,8 +217,13 @@ def test_a_key_mismatch_gets_its_own_limits(gvisor, local_conduit):
 
 
 def test_archive_of_a_warm_node_is_unpacked_by_the_host(gvisor, local_conduit, tmp_path):
-    spec = NodeSpec(run_id="run-o", node_id="n1", argv=["sh", "-c", "mkdir -p out && echo hi > out/a.txt"],
-                    output_paths=["out/*.txt"], outputs_dir=tmp_path / "o")
+    spec = NodeSpec(
+        run_id="run-o",
+        node_id="n1",
+        argv=["sh", "-c", "mkdir -p out && echo hi > out/a.txt"],
+        output_paths=["out/*.txt"],
+        outputs_dir=tmp_path / "o",
+    )
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key)
     try:
@@ -276,14 +308,24 @@ def test_a_call_reports_installed_packages_only(tmp_path):
     (ws / "pkg").mkdir(parents=True)
     (ws / "pkg" / "__init__.py").write_text("")
     (ws / "helper.py").write_text("X = 1\n")
-    (ws / "tasks.py").write_text("import json, helper, pkg\nfrom prefect import task\n\n"
-                                 "@task\ndef f():\n    import jsonschema\n    return helper.X\n")
+    (ws / "tasks.py").write_text(
+        "import json, helper, pkg\nfrom prefect import task\n\n"
+        "@task\ndef f():\n    import jsonschema\n    return helper.X\n"
+    )
     proc, ret, err = run_call(ws, {"file": "tasks.py", "qualname": "f", "parameters": {}})
     assert ret == {"value": 1}, (proc.stderr, err)
     names = json.loads((ws / ".resoluto" / "imports.json").read_text())["modules"]
     assert "jsonschema" in names
-    assert not {n.partition(".")[0] for n in names} & {"json", "os", "helper", "pkg", "tasks", "guest_runner",
-                                                       "prefect", "prefect_resoluto"}, names
+    assert not {n.partition(".")[0] for n in names} & {
+        "json",
+        "os",
+        "helper",
+        "pkg",
+        "tasks",
+        "guest_runner",
+        "prefect",
+        "prefect_resoluto",
+    }, names
     assert all(n.count(".") <= 1 for n in names) and len(names) <= 200
 
 

@@ -47,8 +47,11 @@ def wait_ready() -> None:
     from prefect.context import FlowRunContext
 
     pool = FlowRunContext.get().task_runner._pool
-    wait_for(lambda: pool._wanted and all(pool.ready_count(k) for k in pool._wanted), timeout=120,
-             what="a ready warm sandbox")
+    wait_for(
+        lambda: pool._wanted and all(pool.ready_count(k) for k in pool._wanted),
+        timeout=120,
+        what="a ready warm sandbox",
+    )
 
 
 def idle_warm(rt) -> list[str]:
@@ -151,11 +154,21 @@ def test_ctrl_c_destroys_idle_warm_sandboxes_too(gvisor, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     state = tmp_path / "state"
-    env = {**os.environ, "RESOLUTO_STATE_DIR": str(state), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-           "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(), "PYTHONPATH": str(FLOWS),
-           "RESOLUTO_TEST_WARM_POOL": "2"}
-    proc = subprocess.Popen([sys.executable, str(FLOWS / "interruptible_flow.py")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "RESOLUTO_STATE_DIR": str(state),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
+        "PYTHONPATH": str(FLOWS),
+        "RESOLUTO_TEST_WARM_POOL": "2",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(FLOWS / "interruptible_flow.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     rt = get_runtime("gvisor", state_dir=state)
     try:
         deadline = time.monotonic() + 120
@@ -179,11 +192,14 @@ def test_cancelling_a_deployment_run_destroys_idle_warm_sandboxes(gvisor, tmp_pa
     from test_deployments import serve, stop
 
     state_dir = tmp_path / "state"
-    server, _ = serve(tmp_path, tmp_path / "conduit", RESOLUTO_STATE_DIR=str(state_dir), RESOLUTO_TEST_WARM_POOL="2")
+    server, _ = serve(
+        tmp_path, tmp_path / "conduit", RESOLUTO_STATE_DIR=str(state_dir), RESOLUTO_TEST_WARM_POOL="2"
+    )
     rt = get_runtime("gvisor", state_dir=state_dir)
     try:
-        run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300},
-                             timeout=0)
+        run = run_deployment(
+            "served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0
+        )
         deadline = time.monotonic() + 180
         while not (len(rt.list_ids()) >= 3 and idle_warm(rt)):
             assert time.monotonic() < deadline, "the run's sandboxes never started"
@@ -217,7 +233,9 @@ def test_a_module_s_imports_are_learned_from_its_first_node(gvisor, conduit, tmp
 
         pool = FlowRunContext.get().task_runner._pool
         wanted = pool.learned.imports_for(lt.__file__)
-        assert "jsonschema" in wanted and not any(m.startswith(("pool_tasks", "learned_tasks")) for m in wanted)
+        assert "jsonschema" in wanted and not any(
+            m.startswith(("pool_tasks", "learned_tasks")) for m in wanted
+        )
         wait_ready()
         # The pool warms the learned kind when a node first asks for it; until one is
         # ready, a warm sandbox without the imports serves (not a cold one).
@@ -252,7 +270,9 @@ def test_a_zygote_call_holds_nothing_of_the_node_from_before_its_assignment(gvis
     got = state.result()
     runs = task_runs(state.state_details.flow_run_id)
     assert "warm sandbox rsl-" in sandbox_line(runs[-1].id)
-    assert "guest_runner.warm" in got["cmdline"], got["cmdline"]  # forked from the guest, not a new interpreter
+    assert "guest_runner.warm" in got["cmdline"], got[
+        "cmdline"
+    ]  # forked from the guest, not a new interpreter
     assert got["secret_now"] and not got["secret_in_first_env"] and not got["node_in_first_env"], got
     assert not [n for n in got["first_env_names"] if n.startswith("AWS_") or n == "POOL_SECRET"], got
     assert set(got["fds"]) <= {0, 1, 2, 3}, got["fds"]  # 3: the listing's own directory

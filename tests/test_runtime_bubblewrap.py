@@ -74,8 +74,9 @@ def test_guest_view(rt: BubblewrapRuntime, tmp_path: Path) -> None:
         "print('VIEW ' + json.dumps({'env': dict(os.environ), 'cwd': os.getcwd(), 'caps': caps, 'ro': ro}))\n"
     )
     conduit = tmp_path / "conduit"
-    h = rt.launch(spec(code, conduit, env={"RESOLUTO_STORE_ROOT": str(conduit)},
-                       secret_env={"RSL_SECRET": "s3 cr'et"}))
+    h = rt.launch(
+        spec(code, conduit, env={"RESOLUTO_STORE_ROOT": str(conduit)}, secret_env={"RSL_SECRET": "s3 cr'et"})
+    )
     try:
         assert wait_terminal(rt, h).phase == "succeeded", rt.logs(h)
         view = json.loads(next(ln for ln in rt.logs(h).splitlines() if ln.startswith("VIEW "))[5:])
@@ -85,18 +86,33 @@ def test_guest_view(rt: BubblewrapRuntime, tmp_path: Path) -> None:
     env = view["env"]
     assert env["RSL_SECRET"] == "s3 cr'et"
     assert env["RESOLUTO_STORE_ROOT"] == "/conduit" and env["PYTHONPATH"] == "/opt/resoluto"
-    assert set(env) == {"PATH", "HOME", "LANG", "PWD", "PYTHONPATH", "RESOLUTO_WORKSPACE_DIR",
-                        "RESOLUTO_STORE_ROOT", "RSL_SECRET"}
+    assert set(env) == {
+        "PATH",
+        "HOME",
+        "LANG",
+        "PWD",
+        "PYTHONPATH",
+        "RESOLUTO_WORKSPACE_DIR",
+        "RESOLUTO_STORE_ROOT",
+        "RSL_SECRET",
+    }
 
 
 def test_argv_binds(rt: BubblewrapRuntime, tmp_path: Path) -> None:
-    s = spec("print(1)", tmp_path / "c", resources=Resources(disk_bytes=64 << 20),
-             secret_env={"RSL_SECRET": "hunter2"})
+    s = spec(
+        "print(1)",
+        tmp_path / "c",
+        resources=Resources(disk_bytes=64 << 20),
+        secret_env={"RSL_SECRET": "hunter2"},
+    )
     argv, env = rt.build_argv(s, tmp_path / "ws")
     joined = " ".join(argv)
     # Secrets travel in bwrap's own environment (readable by the same user only), never argv.
     assert "hunter2" not in joined and env["RSL_SECRET"] == "hunter2"
-    assert "--unshare-all --unshare-user --disable-userns --cap-drop ALL --die-with-parent --new-session" in joined
+    assert (
+        "--unshare-all --unshare-user --disable-userns --cap-drop ALL --die-with-parent --new-session"
+        in joined
+    )
     assert f"--bind {tmp_path / 'c' / 'run/r1/nodes/n1'} /conduit/run/r1/nodes/n1" in joined
     assert f"--bind {tmp_path / 'ws'} /workspace" in joined
     assert "--ro-bind /usr /usr" in joined and "--size 67108864 --tmpfs /tmp" in joined

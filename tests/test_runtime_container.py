@@ -85,10 +85,15 @@ def test_image_python3_and_secret_env_file(rt: ContainerRuntime, tmp_path: Path)
     """The image's own python3 runs guest_runner from /opt/resoluto; secrets via env-file."""
     rt.ensure_skeleton_image()
     # The skeleton + the host's /usr stands in for "an image with python3" offline.
-    img = ContainerRuntime(image=SKELETON_IMAGE, host_python=False,
-                           extra_run_args=["-v", "/usr:/usr:ro", "-v", "/etc/ld.so.cache:/etc/ld.so.cache:ro"])
-    code = ("import os, sys, guest_runner; print('IMG', sys.executable, guest_runner.__file__, "
-            "os.environ['RSL_SECRET'], flush=True)")
+    img = ContainerRuntime(
+        image=SKELETON_IMAGE,
+        host_python=False,
+        extra_run_args=["-v", "/usr:/usr:ro", "-v", "/etc/ld.so.cache:/etc/ld.so.cache:ro"],
+    )
+    code = (
+        "import os, sys, guest_runner; print('IMG', sys.executable, guest_runner.__file__, "
+        "os.environ['RSL_SECRET'], flush=True)"
+    )
     s = spec(code, secret_env={"RSL_SECRET": "s3cr3t"})
     s.command = ["python3", "-c", code]
     h = img.launch(s)
@@ -112,22 +117,32 @@ def test_default_command_is_guest_runner(rt: ContainerRuntime) -> None:
 
 
 def _kata() -> ContainerRuntime:
-    return ContainerRuntime(engine="nerdctl", engine_path="/opt/nerdctl/bin/nerdctl", address=SOCK,
-                            namespace="resoluto", oci_runtime="kata", image="localhost:5000/resoluto-base:0.1.0")
+    return ContainerRuntime(
+        engine="nerdctl",
+        engine_path="/opt/nerdctl/bin/nerdctl",
+        address=SOCK,
+        namespace="resoluto",
+        oci_runtime="kata",
+        image="localhost:5000/resoluto-base:0.1.0",
+    )
 
 
 def test_nerdctl_kata_argv(tmp_path: Path) -> None:
     rt = _kata()
     assert rt.isolation == IsolationLevel.VM
     s = LaunchSpec(
-        sandbox_id="rsl-abc", env={"RESOLUTO_RUN_ID": "r1", "RESOLUTO_STORE_ROOT": "/host/conduit"},
-        secret_env={"API_KEY": "k"}, conduit_root=tmp_path, conduit_subdir="run/r1/nodes/n1",
-        resources=Resources(memory_bytes=1 << 30, cpus=2, pids=512), labels={"flow": "f", "task": "t"},
+        sandbox_id="rsl-abc",
+        env={"RESOLUTO_RUN_ID": "r1", "RESOLUTO_STORE_ROOT": "/host/conduit"},
+        secret_env={"API_KEY": "k"},
+        conduit_root=tmp_path,
+        conduit_subdir="run/r1/nodes/n1",
+        resources=Resources(memory_bytes=1 << 30, cpus=2, pids=512),
+        labels={"flow": "f", "task": "t"},
     )
     argv = rt.build_run_argv(s, "localhost:5000/resoluto-base:0.1.0", "/state/rsl-abc.env")
     assert argv[:5] == ["/opt/nerdctl/bin/nerdctl", "--address", SOCK, "--namespace", "resoluto"]
     i = argv.index("run")
-    assert argv[i:i + 4] == ["run", "-d", "--name", "rsl-abc"]
+    assert argv[i : i + 4] == ["run", "-d", "--name", "rsl-abc"]
     pairs = list(zip(argv, argv[1:], strict=False))
     assert ("--runtime", "io.containerd.kata.v2") in pairs
     assert ("--network", "none") in pairs and ("--workdir", "/workspace") in pairs
@@ -141,7 +156,9 @@ def test_nerdctl_kata_argv(tmp_path: Path) -> None:
     assert not any("API_KEY" in a for a in argv)  # secrets never on argv
     assert ("-v", f"{tmp_path}/run/r1/nodes/n1:/conduit/run/r1/nodes/n1:rw") in pairs
     assert any(a.endswith(":/opt/resoluto/guest_runner:ro") for a in argv)
-    assert "--read-only" in argv and ("--tmpfs", f"/workspace:rw,mode=1777,size={1 << 30}") in pairs  # sized: counts against memory
+    assert (
+        "--read-only" in argv and ("--tmpfs", f"/workspace:rw,mode=1777,size={1 << 30}") in pairs
+    )  # sized: counts against memory
     assert not any(a.startswith("--runtime-flag") or a == "--ulimit" for a in argv)  # podman-only
     assert not any(a.startswith("/usr:") for a in argv)  # the image brings its own Python
     assert argv[-4:] == ["localhost:5000/resoluto-base:0.1.0", "python3", "-m", "guest_runner"]
@@ -160,8 +177,10 @@ def test_nerdctl_unavailable_without_socket(tmp_path: Path) -> None:
 
 def test_podman_runsc_and_runc_argv(tmp_path: Path) -> None:
     s = LaunchSpec(sandbox_id="p1", env={}, labels={"a": "b"})
-    runsc = ContainerRuntime(engine_path="/usr/bin/podman", oci_runtime="runsc").build_run_argv(s, "img", None)
-    assert "--runtime-flag=network=none" in runsc[:runsc.index("run")]
+    runsc = ContainerRuntime(engine_path="/usr/bin/podman", oci_runtime="runsc").build_run_argv(
+        s, "img", None
+    )
+    assert "--runtime-flag=network=none" in runsc[: runsc.index("run")]
     assert "nofile=1024:1024" in runsc and "nproc=4096:4096" in runsc
     runc_rt = ContainerRuntime(engine_path="/usr/bin/podman", oci_runtime="runc")
     assert runc_rt.isolation == IsolationLevel.NAMESPACE
@@ -170,25 +189,34 @@ def test_podman_runsc_and_runc_argv(tmp_path: Path) -> None:
     assert ("--network", "none") in list(zip(runc, runc[1:], strict=False))
 
 
-@pytest.mark.parametrize(("name", "level"), [
-    ("kata", IsolationLevel.VM), ("io.containerd.kata.v2", IsolationLevel.VM),
-    ("/usr/bin/kata-runtime", IsolationLevel.VM), ("runsc", IsolationLevel.USER_KERNEL),
-    ("io.containerd.runsc.v1", IsolationLevel.USER_KERNEL), ("runc", IsolationLevel.NAMESPACE),
-    ("crun", IsolationLevel.NAMESPACE),
-])
+@pytest.mark.parametrize(
+    ("name", "level"),
+    [
+        ("kata", IsolationLevel.VM),
+        ("io.containerd.kata.v2", IsolationLevel.VM),
+        ("/usr/bin/kata-runtime", IsolationLevel.VM),
+        ("runsc", IsolationLevel.USER_KERNEL),
+        ("io.containerd.runsc.v1", IsolationLevel.USER_KERNEL),
+        ("runc", IsolationLevel.NAMESPACE),
+        ("crun", IsolationLevel.NAMESPACE),
+    ],
+)
 def test_isolation_of(name: str, level: IsolationLevel) -> None:
     assert isolation_of(name) == level
 
 
-@pytest.mark.parametrize(("state", "phase", "infra"), [
-    ({"Status": "created"}, "pending", False),
-    ({"Status": "running"}, "running", False),
-    ({"Status": "exited", "ExitCode": 0}, "succeeded", False),
-    ({"Status": "exited", "ExitCode": 2}, "failed", False),
-    ({"Status": "exited", "ExitCode": 137, "OOMKilled": True}, "failed", True),
-    ({"Status": "stopped", "ExitCode": 137}, "failed", True),
-    ({"Status": "exited", "ExitCode": 127, "Error": "executable file not found"}, "failed", True),
-])
+@pytest.mark.parametrize(
+    ("state", "phase", "infra"),
+    [
+        ({"Status": "created"}, "pending", False),
+        ({"Status": "running"}, "running", False),
+        ({"Status": "exited", "ExitCode": 0}, "succeeded", False),
+        ({"Status": "exited", "ExitCode": 2}, "failed", False),
+        ({"Status": "exited", "ExitCode": 137, "OOMKilled": True}, "failed", True),
+        ({"Status": "stopped", "ExitCode": 137}, "failed", True),
+        ({"Status": "exited", "ExitCode": 127, "Error": "executable file not found"}, "failed", True),
+    ],
+)
 def test_status_from_state(state: dict, phase: str, infra: bool) -> None:
     st = status_from_state(state)
     assert st.phase == phase and st.infrastructure == infra

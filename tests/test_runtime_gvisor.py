@@ -73,8 +73,13 @@ def test_only_loopback_and_host_hidden(rt: GVisorRuntime) -> None:
 
 
 def test_bundle_config(rt: GVisorRuntime, tmp_path: Path) -> None:
-    s = spec("print(1)", tmp_path / "c", labels={"flow": "f1"}, secret_env={"RSL_SECRET": "x"},
-             resources=Resources(memory_bytes=256 << 20, cpus=0.5, pids=64))
+    s = spec(
+        "print(1)",
+        tmp_path / "c",
+        labels={"flow": "f1"},
+        secret_env={"RSL_SECRET": "x"},
+        resources=Resources(memory_bytes=256 << 20, cpus=0.5, pids=64),
+    )
     cfg = rt.bundle_config(s, guest_layout(s))
     assert cfg["root"] == {"path": "rootfs", "readonly": True}
     assert cfg["process"]["cwd"] == "/workspace"
@@ -87,24 +92,35 @@ def test_bundle_config(rt: GVisorRuntime, tmp_path: Path) -> None:
     assert mounts["/usr"]["options"] == ["rbind", "ro"]
     assert mounts["/tmp"]["type"] == mounts["/workspace"]["type"] == "tmpfs"
     # Bound from the host: system dirs, the interpreter's paths, guest_runner, the conduit: no more.
-    allowed = {src for src, _ in system_binds()[0]} | set(python_paths()) | {
-        str(guest_runner_dir()), str(tmp_path / "c" / "run/r1/nodes/n1")}
+    allowed = (
+        {src for src, _ in system_binds()[0]}
+        | set(python_paths())
+        | {str(guest_runner_dir()), str(tmp_path / "c" / "run/r1/nodes/n1")}
+    )
     assert {m["source"] for m in cfg["mounts"] if m["type"] == "bind"} <= allowed
     assert "RSL_SECRET" not in json.dumps(cfg)  # secrets travel through stdin, not the spec file
 
 
 def test_secret_env_reaches_guest_but_no_file(rt: GVisorRuntime) -> None:
     secret = "s3 cr'et $(touch /tmp/pwned)"
-    h = rt.launch(spec("import os; print('SECRET=' + os.environ['RSL_SECRET'], flush=True)",
-                       secret_env={"RSL_SECRET": secret}, env={"PLAIN": "1"}))
+    h = rt.launch(
+        spec(
+            "import os; print('SECRET=' + os.environ['RSL_SECRET'], flush=True)",
+            secret_env={"RSL_SECRET": secret},
+            env={"PLAIN": "1"},
+        )
+    )
     try:
         st = wait_terminal(rt, h)
         assert st.phase == "succeeded", (st, rt.logs(h))
         assert f"SECRET={secret}" in rt.logs(h)
         bundle = Path(h.data["bundle"])
         assert secret not in (bundle / "config.json").read_text()
-        assert all(secret not in p.read_text(errors="replace")
-                   for p in Path(rt.state, "runsc-root").rglob("*") if p.is_file())
+        assert all(
+            secret not in p.read_text(errors="replace")
+            for p in Path(rt.state, "runsc-root").rglob("*")
+            if p.is_file()
+        )
     finally:
         rt.destroy(h)
 

@@ -66,8 +66,9 @@ def test_egress_refused(rt: ProcessRuntime) -> None:
     check_egress_refused(rt)
 
 
-def test_clean_environment_and_scratch_cwd(rt: ProcessRuntime, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clean_environment_and_scratch_cwd(
+    rt: ProcessRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RSL_HOST_ONLY", "leak")
     code = "import os, json; print('ENV ' + json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))"
     s = spec(code, env={"RESOLUTO_WORKSPACE_DIR": "/workspace"}, secret_env={"RSL_SECRET": "s3cr3t"})
@@ -104,6 +105,7 @@ def test_status_from_another_process_uses_the_record(rt: ProcessRuntime) -> None
     try:
         fresh = ProcessRuntime()  # shares the state dir, not the Popen
         from prefect_resoluto.runtimes import _local
+
         proc = _local._CHILDREN.pop(("process", h.id))
         try:
             assert fresh.status(h).phase == "running"
@@ -115,7 +117,9 @@ def test_status_from_another_process_uses_the_record(rt: ProcessRuntime) -> None
 
 
 @pytest.mark.parametrize("limits", ["none", "cgroup"])
-def test_stragglers_die_with_the_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: str) -> None:
+def test_stragglers_die_with_the_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limits: str
+) -> None:
     """A workload that backgrounds a child must not leave it running after the sandbox ends."""
     if limits == "cgroup" and _cgroup.detect() is None:
         pytest.skip("no writable cgroup hierarchy here")

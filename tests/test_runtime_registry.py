@@ -47,6 +47,7 @@ def test_registry_is_lazy_and_one_line_extensible(monkeypatch: pytest.MonkeyPatc
 
         def availability(self):  # type: ignore[no-untyped-def]
             from prefect_resoluto.runtimes.base import Availability
+
             return Availability(True)
 
         launch = status = destroy = sweep = logs = lambda *a, **k: None  # type: ignore[assignment]
@@ -83,8 +84,9 @@ def test_best_available_prefers_gvisor_over_podman_runsc() -> None:
 
 
 def test_best_available_none_when_nothing_qualifies(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtimes, "_PREFERENCE", [("bubblewrap", {"bwrap": "/nonexistent/bwrap"}),
-                                                  ("process", {})])
+    monkeypatch.setattr(
+        runtimes, "_PREFERENCE", [("bubblewrap", {"bwrap": "/nonexistent/bwrap"}), ("process", {})]
+    )
     assert best_available("namespace") is None
     why = why_unavailable("namespace")
     assert "/nonexistent/bwrap" in why and "process: isolation none is below namespace" in why

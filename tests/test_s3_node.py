@@ -17,33 +17,54 @@ from prefect_resoluto.tail import ChunkTailer
 
 
 def guest_env_s3(endpoint: str, bucket: str, argv: list[str], **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("PATH", "NO_PROXY", "no_proxy")}
-    env.update({
-        "PYTHONPATH": str(ROOT),
-        "RESOLUTO_STORE_KIND": "s3",
-        "RESOLUTO_STORE_BUCKET": bucket,
-        "RESOLUTO_STORE_ENDPOINT": endpoint,
-        "RESOLUTO_STORE_REGION": "us-east-1",
-        "RESOLUTO_STORE_PREFIX": "base/run/r1/nodes/n1",
-        "RESOLUTO_RUN_ID": "r1",
-        "RESOLUTO_NODE_ID": "n1",
-        "RESOLUTO_WORKLOAD_ARGV": json.dumps(argv),
-        **extra,
-    })
+    env = {
+        k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("PATH", "NO_PROXY", "no_proxy")
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT),
+            "RESOLUTO_STORE_KIND": "s3",
+            "RESOLUTO_STORE_BUCKET": bucket,
+            "RESOLUTO_STORE_ENDPOINT": endpoint,
+            "RESOLUTO_STORE_REGION": "us-east-1",
+            "RESOLUTO_STORE_PREFIX": "base/run/r1/nodes/n1",
+            "RESOLUTO_RUN_ID": "r1",
+            "RESOLUTO_NODE_ID": "n1",
+            "RESOLUTO_WORKLOAD_ARGV": json.dumps(argv),
+            **extra,
+        }
+    )
     return env
 
 
-def test_guest_runner_on_s3_produces_a_valid_node(moto_server, s3_bucket, s3_conduit, tmp_path, validate, s3_counter):
+def test_guest_runner_on_s3_produces_a_valid_node(
+    moto_server, s3_bucket, s3_conduit, tmp_path, validate, s3_counter
+):
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "in.txt").write_text("payload")
     s3_conduit.put(wire.inbox_key("run/r1/nodes/n1", "workspace"), archive.pack(ws))
-    argv = [sys.executable, "-c", "import os; os.makedirs('out'); open('out/r.txt','w').write(open('in.txt').read());"
-                                  "[print(i) for i in range(2000)]"]
-    env = guest_env_s3(moto_server.endpoint_url, s3_bucket, argv,
-                       RESOLUTO_WORKSPACE_DIR=str(tmp_path / "guest-ws"), RESOLUTO_OUTPUT_PATHS='["out/**"]')
-    proc = subprocess.run([sys.executable, "-m", "guest_runner"], env=env, capture_output=True, text=True,
-                          cwd=str(tmp_path), timeout=120)
+    argv = [
+        sys.executable,
+        "-c",
+        "import os; os.makedirs('out'); open('out/r.txt','w').write(open('in.txt').read());"
+        "[print(i) for i in range(2000)]",
+    ]
+    env = guest_env_s3(
+        moto_server.endpoint_url,
+        s3_bucket,
+        argv,
+        RESOLUTO_WORKSPACE_DIR=str(tmp_path / "guest-ws"),
+        RESOLUTO_OUTPUT_PATHS='["out/**"]',
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "guest_runner"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     tail = ChunkTailer(s3_conduit, "run/r1/nodes/n1")
     events: list[dict] = []
@@ -61,35 +82,56 @@ def test_guest_runner_on_s3_produces_a_valid_node(moto_server, s3_bucket, s3_con
     assert got == ["out/r.txt"] and (tmp_path / "fetched/out/r.txt").read_text() == "payload"
 
 
-def test_transient_s3_errors_during_shipping_lose_nothing(moto_server, s3_bucket, s3_conduit, tmp_path, s3_faults):
+def test_transient_s3_errors_during_shipping_lose_nothing(
+    moto_server, s3_bucket, s3_conduit, tmp_path, s3_faults
+):
     s3_faults.fail_next(3, status=503, kinds="PUT")
-    env = guest_env_s3(moto_server.endpoint_url, s3_bucket, [sys.executable, "-c", "[print(i) for i in range(500)]"])
-    proc = subprocess.run([sys.executable, "-m", "guest_runner"], env=env, capture_output=True, text=True,
-                          cwd=str(tmp_path), timeout=120)
+    env = guest_env_s3(
+        moto_server.endpoint_url, s3_bucket, [sys.executable, "-c", "[print(i) for i in range(500)]"]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "guest_runner"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert s3_faults.injected >= 3
     tail = ChunkTailer(s3_conduit, "run/r1/nodes/n1")
     events: list[dict] = []
     while not tail.finished:
         tail.poll(events.append)
-    assert [e["data"]["line"] for e in events if e["kind"] == "log" and e["data"]["line"].isdigit()] == \
-        [str(i) for i in range(500)]
+    assert [e["data"]["line"] for e in events if e["kind"] == "log" and e["data"]["line"].isdigit()] == [
+        str(i) for i in range(500)
+    ]
 
 
 def test_s3_outage_on_the_host_is_an_infrastructure_failure_that_keeps_earlier_data(
-        moto_server, s3_bucket, tmp_path, s3_faults):
+    moto_server, s3_bucket, tmp_path, s3_faults
+):
     conduit = S3Conduit(s3_bucket, base_prefix="base", endpoint_url=moto_server.endpoint_url, max_attempts=2)
     conduit.put("run/earlier/nodes/x/result.json", b"{}")
-    node = NodeSpec(run_id="r2", node_id="n2",
-                    argv=[sys.executable, "-c", "print('hello', flush=True); import time; time.sleep(30)"])
+    node = NodeSpec(
+        run_id="r2",
+        node_id="n2",
+        argv=[sys.executable, "-c", "print('hello', flush=True); import time; time.sleep(30)"],
+    )
     launched = []
 
     def on_event(ev: dict) -> None:
         if ev.get("data", {}).get("line") == "hello":
             s3_faults.fail_next(10_000, status=500, kinds=("LIST", "GET"))
 
-    outcome = drive_node(node, conduit, get_runtime("process"), min_isolation="none", on_event=on_event,
-                         on_launch=launched.append)
+    outcome = drive_node(
+        node,
+        conduit,
+        get_runtime("process"),
+        min_isolation="none",
+        on_event=on_event,
+        on_launch=launched.append,
+    )
     s3_faults.clear()
     assert outcome.failure == "lost", outcome.describe()
     assert "conduit unavailable while tailing" in outcome.reason and "500" in outcome.reason
@@ -101,9 +143,14 @@ def test_driver_runs_a_whole_node_over_s3(moto_server, s3_bucket, s3_conduit, tm
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "n.txt").write_text("20")
-    node = NodeSpec(run_id="r3", node_id="n3", workspace=ws, output_paths=["*.out"],
-                    argv=[sys.executable, "-c", "open('x.out','w').write(str(int(open('n.txt').read())+1))"],
-                    outputs_dir=tmp_path / "outputs")
+    node = NodeSpec(
+        run_id="r3",
+        node_id="n3",
+        workspace=ws,
+        output_paths=["*.out"],
+        argv=[sys.executable, "-c", "open('x.out','w').write(str(int(open('n.txt').read())+1))"],
+        outputs_dir=tmp_path / "outputs",
+    )
     outcome = drive_node(node, s3_conduit, get_runtime("process"), min_isolation="none")
     assert outcome.ok, outcome.describe()
     assert outcome.output_files["x.out"].read_text() == "21"

@@ -54,10 +54,32 @@ def test_doctor_reports_sdk_configuration_and_a_read_only_gateway_probe(cli: Cli
 
 def test_render_prints_the_create_body_and_the_guest_command_with_secrets_redacted(cli: Cli) -> None:
     env = {**cli.env, "SOLARI_API_KEY": "sk-render-secret", "SOLARI_BASE_URL": "http://127.0.0.1:9"}
-    res = cli.run("render", "--runtime", "solari", "--runtime-option", "template=py311",
-                  "--runtime-option", 'lifecycle={"onTimeout": "kill"}', "--cpus", "1.5", "--memory", "1Gi",
-                  "--secret-env", "DB_PASSWORD=hunter2-xyz", "--env", "MODE=fast", "--label", "team=data",
-                  "--min-isolation", "vm", "--", "python3", "-c", "print(1)", env=env)
+    res = cli.run(
+        "render",
+        "--runtime",
+        "solari",
+        "--runtime-option",
+        "template=py311",
+        "--runtime-option",
+        'lifecycle={"onTimeout": "kill"}',
+        "--cpus",
+        "1.5",
+        "--memory",
+        "1Gi",
+        "--secret-env",
+        "DB_PASSWORD=hunter2-xyz",
+        "--env",
+        "MODE=fast",
+        "--label",
+        "team=data",
+        "--min-isolation",
+        "vm",
+        "--",
+        "python3",
+        "-c",
+        "print(1)",
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     assert "sk-render-secret" not in res.stdout and "hunter2-xyz" not in res.stdout
     doc = json.loads(res.stdout)
@@ -66,7 +88,9 @@ def test_render_prints_the_create_body_and_the_guest_command_with_secrets_redact
     assert body["template"] == "py311" and body["kind"] == "sandbox"
     assert body["cpu"] == 2 and body["memMb"] == 1024 and isinstance(body["timeoutMs"], int)
     assert body["lifecycle"] == {"onTimeout": "kill"}
-    assert body["metadata"]["team"] == "data" and body["metadata"]["resoluto.managed-by"] == "prefect-resoluto"
+    assert (
+        body["metadata"]["team"] == "data" and body["metadata"]["resoluto.managed-by"] == "prefect-resoluto"
+    )
     assert "diskGb" not in body and "envs" not in body
     cmd = doc["command"]
     assert cmd["cmd"] == "python3" and cmd["args"] == ["-m", "guest_runner"]
@@ -77,15 +101,29 @@ def test_render_prints_the_create_body_and_the_guest_command_with_secrets_redact
 
 
 def test_render_refuses_an_unknown_solari_option(cli: Cli) -> None:
-    res = cli.run("render", "--runtime", "solari", "--runtime-option", "conduit_mode=carrier-pigeon",
-                  "--", "true")
+    res = cli.run(
+        "render", "--runtime", "solari", "--runtime-option", "conduit_mode=carrier-pigeon", "--", "true"
+    )
     assert res.returncode != 0 and "conduit_mode" in res.stderr
 
 
 def test_run_on_solari_through_the_cli(cli: Cli, gw: SolariGateway, tmp_path: Path) -> None:
     env = {**cli.env, "SOLARI_API_KEY": gw.api_key, "SOLARI_BASE_URL": gw.base_url}
-    res = cli.run("run", "--runtime", "solari", "--min-isolation", "vm", "--json", "--secret-env", "T=tok-123",
-                  "--", "python3", "-c", "import os; print('hi from', os.environ['T'])", env=env)
+    res = cli.run(
+        "run",
+        "--runtime",
+        "solari",
+        "--min-isolation",
+        "vm",
+        "--json",
+        "--secret-env",
+        "T=tok-123",
+        "--",
+        "python3",
+        "-c",
+        "import os; print('hi from', os.environ['T'])",
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     assert "hi from ***" in res.stdout and "tok-123" not in res.stdout + res.stderr
     out = last_json(res.stdout)
@@ -102,8 +140,10 @@ def test_sweep_reaches_the_gateway_only_when_named(cli: Cli, gw: SolariGateway) 
 
     env = {**cli.env, "SOLARI_API_KEY": gw.api_key, "SOLARI_BASE_URL": gw.base_url}
     client = SyncSandboxClient(api_key=gw.api_key, base_url=gw.base_url)
-    handles = [client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-sweep"})
-               for _ in range(2)]
+    handles = [
+        client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-sweep"})
+        for _ in range(2)
+    ]
     before = len(gw.requests)
     res = cli.run("sweep", "--label", "resoluto.run-id=r-sweep", "--json", env=env)
     assert "solari" not in json.loads(res.stdout)["reaped"]
@@ -115,4 +155,3 @@ def test_sweep_reaches_the_gateway_only_when_named(cli: Cli, gw: SolariGateway) 
     for h in handles:
         h.close()
     client.close()
-

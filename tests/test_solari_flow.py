@@ -40,17 +40,29 @@ def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path
     gw = SolariGateway(tmp_path / "gateway", executor="gvisor").start()
     conduit = LocalConduit(tmp_path / "conduit")
     try:
-        @flow(task_runner=ResolutoTaskRunner(runtime="solari", runtime_options=options(gw), conduit=conduit,
-                                             workspace=EXAMPLES, outputs_dir=tmp_path / "outputs",
-                                             min_isolation="vm"))
+
+        @flow(
+            task_runner=ResolutoTaskRunner(
+                runtime="solari",
+                runtime_options=options(gw),
+                conduit=conduit,
+                workspace=EXAMPLES,
+                outputs_dir=tmp_path / "outputs",
+                min_isolation="vm",
+            )
+        )
         def demo_on_solari() -> dict:
             stats = demo.word_stats.map(list(demo.TEXTS), list(demo.TEXTS.values()))
             with sandbox_options(output_paths=["reports/**"]):
                 report = demo.write_report.submit(stats)
             kernel = run_command.submit(["sh", "-c", "echo hello from the VM"])
             fetched = demo.flaky_fetch.submit()
-            return {"stats": [s.result() for s in stats], "report": report.result(),
-                    "kernel": kernel.result().output, "flaky": fetched.result()}
+            return {
+                "stats": [s.result() for s in stats],
+                "report": report.result(),
+                "kernel": kernel.result().output,
+                "flaky": fetched.result(),
+            }
 
         state = demo_on_solari(return_state=True)
         assert state.is_completed(), state
@@ -77,9 +89,17 @@ def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path
 def test_direct_mode_flow_against_the_moto_s3_endpoint(tmp_path: Path, s3_conduit):
     gw = SolariGateway(tmp_path / "gateway", executor="process").start()
     try:
-        @flow(task_runner=ResolutoTaskRunner(runtime="solari", runtime_options=options(gw, conduit_mode="direct"),
-                                             conduit=s3_conduit, workspace=FLOWS, outputs_dir=tmp_path / "out",
-                                             min_isolation="vm"))
+
+        @flow(
+            task_runner=ResolutoTaskRunner(
+                runtime="solari",
+                runtime_options=options(gw, conduit_mode="direct"),
+                conduit=s3_conduit,
+                workspace=FLOWS,
+                outputs_dir=tmp_path / "out",
+                min_isolation="vm",
+            )
+        )
         def direct_flow():
             squares = sf.square.map([2, 3])
             total = sf.add_async.submit(1, wait_for=squares)
@@ -90,7 +110,9 @@ def test_direct_mode_flow_against_the_moto_s3_endpoint(tmp_path: Path, s3_condui
         assert state.result() == ([4, 9], 11)
         fr = state.state_details.flow_run_id
         for r in task_runs(fr):
-            assert any(k.endswith("/_manifest.json") for k in s3_conduit.list_prefix(f"run/{fr}/nodes/{r.id}"))
+            assert any(
+                k.endswith("/_manifest.json") for k in s3_conduit.list_prefix(f"run/{fr}/nodes/{r.id}")
+            )
         assert not [f for f in gw.rpc_frames if f.get("method") == "fs.read"]  # nothing was relayed
         assert gw.live() == []
     finally:
@@ -111,10 +133,18 @@ def test_a_task_waiting_for_a_slot_says_so_and_spends_no_infrastructure_retry(tm
     t = threading.Thread(target=free_a_slot, daemon=True)
     t.start()
     try:
-        @flow(task_runner=ResolutoTaskRunner(
-            runtime="solari", runtime_options=options(gw, admission_backoff_max_s=0.3),
-            conduit=LocalConduit(tmp_path / "conduit"), workspace=FLOWS, outputs_dir=tmp_path / "out",
-            min_isolation="vm", infrastructure_retries=1))
+
+        @flow(
+            task_runner=ResolutoTaskRunner(
+                runtime="solari",
+                runtime_options=options(gw, admission_backoff_max_s=0.3),
+                conduit=LocalConduit(tmp_path / "conduit"),
+                workspace=FLOWS,
+                outputs_dir=tmp_path / "out",
+                min_isolation="vm",
+                infrastructure_retries=1,
+            )
+        )
         def admitted():
             return sf.square.submit(7).result()
 
@@ -139,16 +169,27 @@ def test_a_vm_killed_mid_task_is_relaunched_by_the_runner(tmp_path: Path):
     def kill_the_first_vm() -> None:
         vms = gw.wait_for(lambda: [s for s in gw.live() if s.commands], timeout=120)
         # Once its guest has written an event chunk: the task is running, not starting.
-        gw.wait_for(lambda: any(p.name.startswith("events-") for p in vms[0].root.rglob("events-*")), timeout=60)
+        gw.wait_for(
+            lambda: any(p.name.startswith("events-") for p in vms[0].root.rglob("events-*")), timeout=60
+        )
         killed.append(vms[0].id)
         gw.kill_vm(vms[0].id)
 
     t = threading.Thread(target=kill_the_first_vm, daemon=True)
     t.start()
     try:
-        @flow(task_runner=ResolutoTaskRunner(
-            runtime="solari", runtime_options=options(gw), conduit=LocalConduit(tmp_path / "conduit"),
-            workspace=FLOWS, outputs_dir=tmp_path / "out", min_isolation="vm", infrastructure_retries=1))
+
+        @flow(
+            task_runner=ResolutoTaskRunner(
+                runtime="solari",
+                runtime_options=options(gw),
+                conduit=LocalConduit(tmp_path / "conduit"),
+                workspace=FLOWS,
+                outputs_dir=tmp_path / "out",
+                min_isolation="vm",
+                infrastructure_retries=1,
+            )
+        )
         def survives():
             return sf.sleeper.submit(2.0).result()
 
@@ -163,4 +204,3 @@ def test_a_vm_killed_mid_task_is_relaunched_by_the_runner(tmp_path: Path):
     finally:
         t.join(30)
         gw.stop()
-

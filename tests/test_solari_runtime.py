@@ -68,18 +68,23 @@ def run(spec: NodeSpec, conduit: Any, rt: SolariRuntime, **kw: Any) -> tuple[Nod
 
 
 def lines(events: list[dict]) -> list[str]:
-    return [str(e["data"]["line"]) for e in events
-            if e.get("event") == "log" and e.get("name") == "stdout" and "line" in (e.get("data") or {})]
+    return [
+        str(e["data"]["line"])
+        for e in events
+        if e.get("event") == "log" and e.get("name") == "stdout" and "line" in (e.get("data") or {})
+    ]
 
 
 def workload_lines(events: list[dict]) -> list[str]:
     spans = {e["span_id"] for e in events if e.get("kind") == "workload" and e.get("event") == "open"}
-    return [str(e["data"]["line"]) for e in events if e.get("event") == "log" and e.get("parent_span_id") in spans]
+    return [
+        str(e["data"]["line"]) for e in events if e.get("event") == "log" and e.get("parent_span_id") in spans
+    ]
 
 
 def node_keys(conduit: Any, run_id: str, node_id: str) -> list[str]:
     prefix = wire.node_prefix(run_id, node_id) + "/"
-    return [k[len(prefix):] for k in conduit.list_prefix(prefix)]
+    return [k[len(prefix) :] for k in conduit.list_prefix(prefix)]
 
 
 # -- the SDK and the stand-in ---------------------------------------------------------------------
@@ -105,8 +110,12 @@ def test_stand_in_refuses_requests_without_the_bearer_key_on_rest_and_on_the_upg
         assert r.status_code == 400 and "null" in r.json()["message"]
         r = http.post("/sandboxes", json={"cpu": "2"}, headers={**ok, "Idempotency-Key": "k2"})
         assert r.status_code == 400
-        created = http.post("/sandboxes", json={"template": "base"}, headers={**ok, "Idempotency-Key": "k3"}).json()
-        again = http.post("/sandboxes", json={"template": "base"}, headers={**ok, "Idempotency-Key": "k3"}).json()
+        created = http.post(
+            "/sandboxes", json={"template": "base"}, headers={**ok, "Idempotency-Key": "k3"}
+        ).json()
+        again = http.post(
+            "/sandboxes", json={"template": "base"}, headers={**ok, "Idempotency-Key": "k3"}
+        ).json()
         assert created["sandboxId"] == again["sandboxId"] and len(gw.live()) == 1
         sid = created["sandboxId"]
         pool, vm, rest = sid.split(":")
@@ -131,10 +140,13 @@ def test_stand_in_refuses_requests_without_the_bearer_key_on_rest_and_on_the_upg
 
 
 def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_runtime(
-        tmp_path: Path, gw_gvisor: SolariGateway, gvisor):
+    tmp_path: Path, gw_gvisor: SolariGateway, gvisor
+):
     conduit = LocalConduit(tmp_path / "conduit")
-    code = ("import os; print(open('input.txt').read().strip()); print('token', os.environ['TOKEN']); "
-            "os.makedirs('out', exist_ok=True); open('out/result.txt', 'w').write('made in the VM')")
+    code = (
+        "import os; print(open('input.txt').read().strip()); print('token', os.environ['TOKEN']); "
+        "os.makedirs('out', exist_ok=True); open('out/result.txt', 'w').write('made in the VM')"
+    )
     spec = node(tmp_path, code, output_paths=["out/*"], secret_env={"TOKEN": "tok-very-secret-1"})
     rt = solari(gw_gvisor)
     out, events = run(spec, conduit, rt)
@@ -144,9 +156,12 @@ def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_run
     assert (out.output_files["out/result.txt"]).read_text() == "made in the VM"
 
     # The same node on the gVisor runtime, into the same conduit: the same keys.
-    ref = node(tmp_path, code, node_id="n-ref", output_paths=["out/*"], secret_env={"TOKEN": "tok-very-secret-1"})
+    ref = node(
+        tmp_path, code, node_id="n-ref", output_paths=["out/*"], secret_env={"TOKEN": "tok-very-secret-1"}
+    )
     ref_out = drive_node(ref, conduit, gvisor)
     assert ref_out.ok, ref_out.describe()
+
     def shape(keys: list[str]) -> tuple[list[str], bool]:
         # How many chunks a guest writes depends on timing; the keys around them may not differ.
         chunks = [wire.chunk_index(k) for k in keys if wire.chunk_index(k) is not None]
@@ -154,7 +169,11 @@ def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_run
 
     assert shape(node_keys(conduit, "run-solari", "n1")) == shape(node_keys(conduit, "run-solari", "n-ref"))
     assert shape(node_keys(conduit, "run-solari", "n1"))[0] == [
-        "_manifest.json", "inbox/workspace.tar.gz", "outbox/output.tar.gz", "result.json"]
+        "_manifest.json",
+        "inbox/workspace.tar.gz",
+        "outbox/output.tar.gz",
+        "result.json",
+    ]
 
     # The gateway saw escaped session ids, the bearer key on every upgrade, and no VM is left.
     assert all("%3A" in r.raw_path for r in gw_gvisor.requests if r.raw_path.startswith("/sandboxes/"))
@@ -166,8 +185,10 @@ def test_relay_mirrors_each_object_once_chunks_in_order_manifest_last(tmp_path: 
     from prefect_resoluto.runtimes import solari as solari_mod
 
     conduit = LocalConduit(tmp_path / "conduit")
-    code = ("import time\nfor i in range(40):\n    print('line', i, flush=True)\n    time.sleep(0.01)\n"
-            "open('a.txt','w').write('a')")
+    code = (
+        "import time\nfor i in range(40):\n    print('line', i, flush=True)\n    time.sleep(0.01)\n"
+        "open('a.txt','w').write('a')"
+    )
     spec = node(tmp_path, code, output_paths=["a.txt"])
     rt = solari(gw)
     seen: list[Any] = []
@@ -211,7 +232,9 @@ def test_a_failing_task_is_a_workload_failure_with_its_exit_code(tmp_path: Path,
     assert gw.live() == []
 
 
-def test_a_quick_command_whose_exit_beats_the_start_reply_still_runs_to_its_result(tmp_path: Path, gw: SolariGateway):
+def test_a_quick_command_whose_exit_beats_the_start_reply_still_runs_to_its_result(
+    tmp_path: Path, gw: SolariGateway
+):
     conduit = LocalConduit(tmp_path / "conduit")
     out, _ = run(node(tmp_path, "pass"), conduit, solari(gw))
     assert out.ok, out.describe()
@@ -245,9 +268,13 @@ def test_429_holds_the_node_for_admission_until_a_slot_frees(tmp_path: Path, gw:
     assert workload_lines(result["events"]) == ["admitted"]
     # SDK divergence 1: the gateway's 429s say "retryable": true, yet no 429 was retried by the
     # SDK with the same Idempotency-Key -- every admission attempt is a fresh create of ours.
-    keys_429 = [r.headers.get("idempotency-key") for r in gw.requests if r.method == "POST" and r.status == 429]
+    keys_429 = [
+        r.headers.get("idempotency-key") for r in gw.requests if r.method == "POST" and r.status == 429
+    ]
     assert len(keys_429) == len(set(keys_429)) >= 3
-    created = [r for r in gw.requests if r.method == "POST" and r.raw_path == "/sandboxes" and r.status == 200]
+    created = [
+        r for r in gw.requests if r.method == "POST" and r.raw_path == "/sandboxes" and r.status == 200
+    ]
     assert len(created) == 2  # the blocker and the node: no second sandbox for the node
     blocker_client.close()
 
@@ -266,16 +293,20 @@ def test_503_and_500_are_retried_with_the_same_idempotency_key(tmp_path: Path, g
 
 def test_a_429_of_another_code_also_waits_for_admission(tmp_path: Path, gw: SolariGateway):
     gw.fail("create", 429, times=2, body={"code": "TooManyRequests", "message": "slow down"})
-    out, events = run(node(tmp_path, "print('in')"), LocalConduit(tmp_path / "c"),
-                      solari(gw, admission_backoff_max_s=0.2))
+    out, events = run(
+        node(tmp_path, "print('in')"), LocalConduit(tmp_path / "c"), solari(gw, admission_backoff_max_s=0.2)
+    )
     assert out.ok, out.describe()
     assert gw.answers[("create", 429)] == 2
 
 
 def test_no_capacity_that_outlasts_every_retry_is_unstartable_with_the_gateways_words(
-        tmp_path: Path, gw: SolariGateway):
+    tmp_path: Path, gw: SolariGateway
+):
     gw.fail("create", 503, times=1000, body={"code": "NoCapacity", "message": "no host in pool-lo1"})
-    out, _ = run(node(tmp_path, "print('never')"), LocalConduit(tmp_path / "c"), solari(gw, capacity_retries=0))
+    out, _ = run(
+        node(tmp_path, "print('never')"), LocalConduit(tmp_path / "c"), solari(gw, capacity_retries=0)
+    )
     assert out.failure == "unstartable", out.describe()
     assert "no host in pool-lo1" in out.reason and "no capacity" in out.reason
     assert gw.answers[("create", 503)] == 6  # the SDK's own attempt and its 5 retries, one key
@@ -327,8 +358,9 @@ def test_vm_killed_from_outside_mid_run_is_lost_with_the_gateways_words(tmp_path
             started.set()
 
     def drive() -> None:
-        result["out"] = drive_node(spec, conduit, solari(gw), on_event=on_event, min_isolation="vm",
-                                   silence_window=60)
+        result["out"] = drive_node(
+            spec, conduit, solari(gw), on_event=on_event, min_isolation="vm", silence_window=60
+        )
 
     t = threading.Thread(target=drive)
     t.start()
@@ -372,7 +404,9 @@ def test_a_20000_line_node_is_relayed_complete_and_in_order(tmp_path: Path, exec
     gw = SolariGateway(tmp_path / "gateway", executor=executor).start()
     request.addfinalizer(gw.stop)
     conduit = LocalConduit(tmp_path / "conduit")
-    out, events = run(node(tmp_path, "for i in range(20000):\n    print(f'line-{i:05d}')"), conduit, solari(gw))
+    out, events = run(
+        node(tmp_path, "for i in range(20000):\n    print(f'line-{i:05d}')"), conduit, solari(gw)
+    )
     assert out.ok, out.describe()
     got = workload_lines(events)
     assert len(got) == 20000 and got == [f"line-{i:05d}" for i in range(20000)]
@@ -422,10 +456,15 @@ def test_direct_mode_the_guest_writes_to_s3_itself(tmp_path: Path, gw: SolariGat
     assert start["params"]["env"]["RESOLUTO_STORE_KIND"] == "s3"
 
 
-def test_direct_mode_mints_scoped_store_credentials_per_node(tmp_path: Path, gw: SolariGateway, s3_conduit,
-                                                             moto_server):
-    rt = solari(gw, conduit_mode="direct", store_role_arn="arn:aws:iam::123456789012:role/resoluto-node",
-                store_sts_endpoint=moto_server.moto_endpoint_url)
+def test_direct_mode_mints_scoped_store_credentials_per_node(
+    tmp_path: Path, gw: SolariGateway, s3_conduit, moto_server
+):
+    rt = solari(
+        gw,
+        conduit_mode="direct",
+        store_role_arn="arn:aws:iam::123456789012:role/resoluto-node",
+        store_sts_endpoint=moto_server.moto_endpoint_url,
+    )
     out, events = run(node(tmp_path, "print('scoped')"), s3_conduit, rt)
     assert out.ok, out.describe()
     env = next(f for f in gw.rpc_frames if f.get("method") == "cmd.start")["params"]["env"]
@@ -433,7 +472,8 @@ def test_direct_mode_mints_scoped_store_credentials_per_node(tmp_path: Path, gw:
     assert env["AWS_SESSION_TOKEN"] and env["AWS_ACCESS_KEY_ID"] != host["AWS_ACCESS_KEY_ID"]
     assert host["AWS_SECRET_ACCESS_KEY"] not in json.dumps(gw.bodies_seen())
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(
-        json.loads(env["RESOLUTO_SECRET_ENV"]))
+        json.loads(env["RESOLUTO_SECRET_ENV"])
+    )
 
 
 def test_direct_mode_refuses_a_local_conduit(tmp_path: Path, gw: SolariGateway):
@@ -459,8 +499,10 @@ def test_sweep_kills_only_the_labelled_vms(tmp_path: Path, gw: SolariGateway):
 
     rt = solari(gw)
     client = SyncSandboxClient(api_key=gw.api_key, base_url=gw.base_url)
-    mine = [client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-a"})
-            for _ in range(2)]
+    mine = [
+        client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-a"})
+        for _ in range(2)
+    ]
     other_run = client.create(metadata={"resoluto.managed-by": "prefect-resoluto", "resoluto.run-id": "r-b"})
     foreign = client.create(metadata={"resoluto.run-id": "r-a"})  # not ours: no managed-by
     assert rt.sweep({"resoluto.run-id": "r-a"}) == 2
@@ -476,8 +518,12 @@ def test_create_request_is_the_seeds_shape_and_what_the_sdk_sends(tmp_path: Path
     from prefect_resoluto.runtimes.base import Resources
 
     conduit = LocalConduit(tmp_path / "conduit")
-    spec = node(tmp_path, "pass", resources=Resources.from_quantities(memory="1536Mi", cpus="1.5"),
-                labels={"team": "data"})
+    spec = node(
+        tmp_path,
+        "pass",
+        resources=Resources.from_quantities(memory="1536Mi", cpus="1.5"),
+        labels={"team": "data"},
+    )
     rt = solari(gw, lifecycle={"onTimeout": "kill"}, envs={"REGION": "lo"})
     rendered = rt.create_request(launch_spec(spec, conduit))
     assert rendered["cpu"] == 2 and rendered["memMb"] == 1536 and "diskGb" not in rendered
@@ -486,8 +532,10 @@ def test_create_request_is_the_seeds_shape_and_what_the_sdk_sends(tmp_path: Path
     out, _ = run(spec, conduit, rt)
     assert out.ok, out.describe()
     [sent] = [r.body for r in gw.requests if r.method == "POST" and r.raw_path == "/sandboxes"]
-    strip = lambda b: {**b, "metadata": {k: v for k, v in b["metadata"].items()  # noqa: E731
-                                         if k != "resoluto.sandbox-id"}}
+
+    def strip(b: dict) -> dict:
+        return {**b, "metadata": {k: v for k, v in b["metadata"].items() if k != "resoluto.sandbox-id"}}
+
     assert strip(sent) == strip(rendered)
     assert sent["metadata"]["team"] == "data" and sent["metadata"]["resoluto.node-id"] == "n1"
 
@@ -497,8 +545,14 @@ def test_sandbox_block_maps_solari_fields_and_keeps_the_key_secret():
 
     from prefect_resoluto.blocks import SandboxBlock
 
-    block = SandboxBlock(runtime="solari", solari_base_url="http://127.0.0.1:1", solari_api_key=SecretStr("sk-b"),
-                         solari_template="py311", solari_conduit_mode="direct", min_isolation="vm")
+    block = SandboxBlock(
+        runtime="solari",
+        solari_base_url="http://127.0.0.1:1",
+        solari_api_key=SecretStr("sk-b"),
+        solari_template="py311",
+        solari_conduit_mode="direct",
+        min_isolation="vm",
+    )
     cfg = block.to_config()
     assert cfg.runtime == "solari"
     assert cfg.runtime_options["template"] == "py311" and cfg.runtime_options["conduit_mode"] == "direct"

@@ -102,7 +102,10 @@ def test_gap_under_a_manifest_is_reported_after_grace(local_conduit):
     clock.t += 1
     assert drain(t) == []
     clock.t += 5
-    with pytest.raises(MissingChunk, match=r"events-000002\.jsonl is missing: the manifest declares 3 chunk\(s\) and 1 were read"):
+    with pytest.raises(
+        MissingChunk,
+        match=r"events-000002\.jsonl is missing: the manifest declares 3 chunk\(s\) and 1 were read",
+    ):
         drain(t)
 
 

@@ -49,9 +49,10 @@ def logs_of(task_run_id) -> list:
 
     APILogHandler().flush()
     with client() as c:
-        return c.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
-                           sort=LogSort.TIMESTAMP_ASC)
-
+        return c.read_logs(
+            log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+            sort=LogSort.TIMESTAMP_ASC,
+        )
 
 
 def no_orphans(runtime_name: str = "gvisor") -> None:
@@ -78,8 +79,15 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(gvisor, condu
         total = sf.add_async.submit(5, wait_for=squares)
         return [s.result() for s in squares], total.result()
 
-    @flow(task_runner=ResolutoTaskRunner(runtime="process", min_isolation="none", conduit=conduit,
-                                         workspace=FLOWS, outputs_dir=tmp_path / "o2"))
+    @flow(
+        task_runner=ResolutoTaskRunner(
+            runtime="process",
+            min_isolation="none",
+            conduit=conduit,
+            workspace=FLOWS,
+            outputs_dir=tmp_path / "o2",
+        )
+    )
     def same_on_threads():  # the same flow, for comparison of results only
         return [sf.square.fn(x) for x in (1, 2, 3)], 15
 
@@ -113,8 +121,10 @@ def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, con
     (tr,) = task_runs(state.state_details.flow_run_id)
     logs = [entry for entry in logs_of(tr.id) if entry.name == "resoluto.sandbox"]
     msgs = [entry.message for entry in logs]
-    order = [msgs.index(m) for m in ("info from the sandbox", "warning from the sandbox",
-                                      "printed line 1", "printed line 2")]
+    order = [
+        msgs.index(m)
+        for m in ("info from the sandbox", "warning from the sandbox", "printed line 1", "printed line 2")
+    ]
     assert order == sorted(order)
     level = {entry.message: entry.level for entry in logs}
     assert level["warning from the sandbox"] == 30 and level["info from the sandbox"] == 20
@@ -138,8 +148,9 @@ def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit,
 
         # Only this test's lines: earlier tests' logs (however many, whatever their stamps)
         # must not push ours out of the page.
-        only_ours = LogFilter(name=LogFilterName(any_=["resoluto.sandbox"]),
-                              timestamp=LogFilterTimestamp(after_=started))
+        only_ours = LogFilter(
+            name=LogFilterName(any_=["resoluto.sandbox"]), timestamp=LogFilterTimestamp(after_=started)
+        )
         deadline = time.time() + 120
         while time.time() < deadline and "state" not in seen:
             with client() as c:
@@ -207,8 +218,11 @@ def test_prefect_retries_get_their_own_node_ids(gvisor, conduit, tmp_path):
 def test_infrastructure_failure_is_relaunched_without_spending_user_retries(conduit, tmp_path):
     """process runtime: the task kills its own guest runner, which only works outside a sandbox."""
 
-    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none",
-                             infrastructure_retries=1))
+    @flow(
+        task_runner=runner(
+            conduit, tmp_path, runtime="process", min_isolation="none", infrastructure_retries=1
+        )
+    )
     def flaky_infra():
         return sf.kill_runner_on_first_attempt.submit().result()
 
@@ -225,8 +239,11 @@ def test_infrastructure_failures_exhausted_raise_a_distinct_error(conduit, tmp_p
     """process runtime, as above."""
     from prefect_resoluto.node import InfrastructureError
 
-    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none",
-                             infrastructure_retries=0))
+    @flow(
+        task_runner=runner(
+            conduit, tmp_path, runtime="process", min_isolation="none", infrastructure_retries=0
+        )
+    )
     def broken_infra():
         return caught(sf.kill_runner_on_first_attempt.submit())
 
@@ -246,7 +263,9 @@ def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
     state = timing_out(return_state=True)
     assert time.monotonic() - started < 90
     (tr,) = task_runs(state.state_details.flow_run_id)
-    assert tr.state.is_failed() and "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower()
+    assert (
+        tr.state.is_failed() and "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower()
+    )
     no_orphans()
 
 
@@ -322,8 +341,9 @@ def test_outputs_come_back_and_returned_paths_point_at_them(gvisor, conduit, tmp
 def test_run_command_returns_exit_code_output_and_files(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     def commands():
-        ok = run_command.submit(["sh", "-c", "echo one; echo two >&2; mkdir -p res; echo 7 > res/n.txt"],
-                                output_paths=["res/**"])
+        ok = run_command.submit(
+            ["sh", "-c", "echo one; echo two >&2; mkdir -p res; echo 7 > res/n.txt"], output_paths=["res/**"]
+        )
         soft = run_command.submit(["sh", "-c", "echo failing; exit 4"], check=False)
         return ok.result(), soft.result()
 
@@ -380,7 +400,9 @@ def test_isolation_floor_is_enforced_at_flow_start(conduit, tmp_path):
     def too_weak():
         return 1
 
-    with pytest.raises(IsolationTooWeak, match="runtime 'process' gives isolation level 'none'.*min_isolation='none'"):
+    with pytest.raises(
+        IsolationTooWeak, match="runtime 'process' gives isolation level 'none'.*min_isolation='none'"
+    ):
         too_weak()
 
 
@@ -417,10 +439,20 @@ def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     state = tmp_path / "state"
-    env = {**os.environ, "RESOLUTO_STATE_DIR": str(state), "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-           "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(), "PYTHONPATH": str(FLOWS)}
-    proc = subprocess.Popen([sys.executable, str(FLOWS / "interruptible_flow.py")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "RESOLUTO_STATE_DIR": str(state),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
+        "PYTHONPATH": str(FLOWS),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(FLOWS / "interruptible_flow.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     rt = get_runtime("gvisor", state_dir=state)
     try:
         deadline = time.monotonic() + 120

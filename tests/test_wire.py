@@ -44,8 +44,10 @@ def test_task_run_ids_with_attempt_suffix_are_valid():
 def test_event_encoding_is_compact_in_reference_field_order(validate):
     ev = wire.make_event("r", "log", "log", span_id="s1", parent_span_id="p", data={"line": "héllo"}, ts=1.5)
     line = wire.encode_event(ev)
-    assert line == ('{"run_id":"r","span_id":"s1","parent_span_id":"p","kind":"log","name":"",'
-                    '"event":"log","ts":1.5,"status":"","data":{"line":"héllo"}}')
+    assert line == (
+        '{"run_id":"r","span_id":"s1","parent_span_id":"p","kind":"log","name":"",'
+        '"event":"log","ts":1.5,"status":"","data":{"line":"héllo"}}'
+    )
     validate("event", json.loads(line))
     assert wire.decode_event(line) == ev
 

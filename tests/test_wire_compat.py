@@ -37,7 +37,9 @@ REF_TOOL = ROOT / "tests" / "reference_node.py"
 def _reference_usable() -> str:
     if not REF_PY.exists():
         return f"{REF_PY} is absent (needs a Python 3.12: bash scripts/setup.sh makes it)"
-    res = subprocess.run([str(REF_PY), "-c", "import resoluto.sandbox.runner"], capture_output=True, text=True)
+    res = subprocess.run(
+        [str(REF_PY), "-c", "import resoluto.sandbox.runner"], capture_output=True, text=True
+    )
     if res.returncode != 0:
         return f"resoluto-sandbox is not importable in {REF_PY}: {res.stderr.strip()[-300:]}"
     return ""
@@ -58,7 +60,7 @@ WORKLOAD = (
     "import sys\n"
     "print('héllo ✓ from the workload')\n"
     "print('')\n"
-    "print('{\"looks\": \"like json\"}')\n"
+    'print(\'{"looks": "like json"}\')\n'
     "print('to stderr', file=sys.stderr, flush=True)\n"
     "import os; os.makedirs('out', exist_ok=True)\n"
     "open('out/report.txt', 'w').write(open('data/in.txt').read().upper())\n"
@@ -75,15 +77,16 @@ def _stage_inbox(conduit: LocalConduit, prefix: str, tmp: Path) -> None:
 
 
 def _ref(*args: str, stdin: str | None = None) -> dict:
-    res = subprocess.run([str(REF_PY), str(REF_TOOL), *args], input=stdin, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [str(REF_PY), str(REF_TOOL), *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
 
 def _raw(conduit: LocalConduit, prefix: str) -> tuple[list[str], list[str]]:
     """(every relative key under the node, every event line in chunk order)."""
-    keys = [k[len(prefix) + 1:] for k in conduit.list_prefix(prefix + "/")]
+    keys = [k[len(prefix) + 1 :] for k in conduit.list_prefix(prefix + "/")]
     lines: list[str] = []
     for rel in sorted(k for k in keys if wire.chunk_index(k)):
         lines += conduit.get(f"{prefix}/{rel}").decode("utf-8").splitlines()
@@ -100,10 +103,22 @@ def _validate_node(conduit: LocalConduit, prefix: str, lines: list[str], validat
 def run_our_guest(conduit: LocalConduit, tmp: Path, node: str, code: int) -> str:
     prefix = wire.node_prefix(RUN, node)
     _stage_inbox(conduit, prefix, tmp)
-    env = guest_env(conduit.root, RUN, node, [sys.executable, "-c", WORKLOAD, str(code)],
-                    RESOLUTO_WORKSPACE_DIR=str(tmp / f"ws-{node}"), RESOLUTO_OUTPUT_PATHS=json.dumps(GUEST_OUTPUTS))
-    proc = subprocess.run([sys.executable, "-m", "guest_runner"], env=env, cwd=str(tmp), capture_output=True,
-                          text=True, timeout=120)
+    env = guest_env(
+        conduit.root,
+        RUN,
+        node,
+        [sys.executable, "-c", WORKLOAD, str(code)],
+        RESOLUTO_WORKSPACE_DIR=str(tmp / f"ws-{node}"),
+        RESOLUTO_OUTPUT_PATHS=json.dumps(GUEST_OUTPUTS),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "guest_runner"],
+        env=env,
+        cwd=str(tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == (0 if code == 0 else 1), proc.stderr
     return prefix
 
@@ -111,12 +126,24 @@ def run_our_guest(conduit: LocalConduit, tmp: Path, node: str, code: int) -> str
 def run_reference_guest(conduit: LocalConduit, tmp: Path, node: str, code: int) -> str:
     prefix = wire.node_prefix(RUN, node)
     _stage_inbox(conduit, prefix, tmp)
-    env = guest_env(conduit.root, RUN, node, [sys.executable, "-c", WORKLOAD, str(code)],
-                    RESOLUTO_STORE_PREFIX=prefix, RESOLUTO_WORKSPACE_DIR=str(tmp / f"ws-{node}"),
-                    RESOLUTO_OUTPUT_PATHS=json.dumps(GUEST_OUTPUTS))
+    env = guest_env(
+        conduit.root,
+        RUN,
+        node,
+        [sys.executable, "-c", WORKLOAD, str(code)],
+        RESOLUTO_STORE_PREFIX=prefix,
+        RESOLUTO_WORKSPACE_DIR=str(tmp / f"ws-{node}"),
+        RESOLUTO_OUTPUT_PATHS=json.dumps(GUEST_OUTPUTS),
+    )
     env.pop("PYTHONPATH")  # the reference guest imports only its own package
-    proc = subprocess.run([str(REF_PY), str(REF_TOOL), "guest"], env=env, cwd=str(tmp), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [str(REF_PY), str(REF_TOOL), "guest"],
+        env=env,
+        cwd=str(tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == (0 if code == 0 else 1), proc.stderr
     return prefix
 
@@ -159,7 +186,12 @@ def test_our_host_reads_the_reference_guest(local_conduit, tmp_path, validate, c
             break
     assert tail.finished
     assert events == [wire.decode_event(line) for line in lines]
-    assert [e["event"] for e in events if e["kind"] in ("node", "workload")] == ["open", "open", "close", "close"]
+    assert [e["event"] for e in events if e["kind"] in ("node", "workload")] == [
+        "open",
+        "open",
+        "close",
+        "close",
+    ]
     log_lines = [e["data"]["line"] for e in events if e["event"] == "log"]
     for expected in ("héllo ✓ from the workload", "", '{"looks": "like json"}', "to stderr"):
         assert expected in log_lines
@@ -195,7 +227,12 @@ def test_byte_level_layout_and_encoding(local_conduit, tmp_path, validate):
         assert {wire.RESULT, wire.MANIFEST, "inbox/workspace.tar.gz", "outbox/output.tar.gz"} <= names
         chunks = sorted(k for k in names if chunk.match(k))
         assert chunks == [f"events-{i:06d}.jsonl" for i in range(1, len(chunks) + 1)]
-        assert names - set(chunks) == {wire.RESULT, wire.MANIFEST, "inbox/workspace.tar.gz", "outbox/output.tar.gz"}
+        assert names - set(chunks) == {
+            wire.RESULT,
+            wire.MANIFEST,
+            "inbox/workspace.tar.gz",
+            "outbox/output.tar.gz",
+        }
     assert wire.chunk_key(ours, 7).endswith("/events-000007.jsonl")
 
     # Compact JSON, the reference's field order, for events and results alike.

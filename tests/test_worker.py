@@ -56,8 +56,11 @@ def create_pool(cli: bool = True) -> str:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return name
     with get_client(sync_client=True) as c:
-        c.create_work_pool(WorkPoolCreate(name=name, type="resoluto",
-                                          base_job_template=ResolutoWorker.get_default_base_job_template()))
+        c.create_work_pool(
+            WorkPoolCreate(
+                name=name, type="resoluto", base_job_template=ResolutoWorker.get_default_base_job_template()
+            )
+        )
     return name
 
 
@@ -69,13 +72,23 @@ class Worker:
         self.log_path = tmp / f"worker-{pool}.log"
         self.state_dir = state_dir
         self.conduit = conduit
-        env = cli_env(RESOLUTO_STATE_DIR=str(state_dir), PREFECT_WORKER_QUERY_SECONDS="1",
-                      PREFECT_WORKER_PREFETCH_SECONDS="5", PREFECT_HOME=str(tmp / "worker-home"),
-                      RESOLUTO_CACHE_DIR=str(tmp / "cache"), PYTHONPATH=str(ROOT))
+        env = cli_env(
+            RESOLUTO_STATE_DIR=str(state_dir),
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_WORKER_PREFETCH_SECONDS="5",
+            PREFECT_HOME=str(tmp / "worker-home"),
+            RESOLUTO_CACHE_DIR=str(tmp / "cache"),
+            PYTHONPATH=str(ROOT),
+        )
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", f"w-{pool}"],
-                env=env, cwd=str(tmp), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env,
+                cwd=str(tmp),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -125,8 +138,14 @@ def deploy(pool: str, entrypoint: str, conduit: Path, **job_variables: Any) -> s
     variables = {**PROCESS, "conduit": {"path": str(conduit)}, **job_variables}
     name = f"d-{uuid.uuid4().hex[:8]}"
     source = flow.from_source(source=str(FLOWS), entrypoint=entrypoint)
-    source.deploy(name=name, work_pool_name=pool, job_variables=variables, build=False, push=False,
-                  print_next_steps=False)
+    source.deploy(
+        name=name,
+        work_pool_name=pool,
+        job_variables=variables,
+        build=False,
+        push=False,
+        print_next_steps=False,
+    )
     return f"{source.name}/{name}"
 
 
@@ -150,8 +169,9 @@ def run_logs(run_id: Any) -> list[str]:
     from prefect.client.schemas.sorting import LogSort
 
     with get_client(sync_client=True) as c:
-        logs = c.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
-                           sort=LogSort.TIMESTAMP_ASC)
+        logs = c.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), sort=LogSort.TIMESTAMP_ASC
+        )
     return [log.message for log in logs]
 
 
@@ -182,8 +202,12 @@ def logs_with(run_id: Any, text: str) -> list[str]:
 
 
 def started(run_id: Any) -> None:
-    wait_for(lambda: any(m.startswith("FACTS ") for m in run_logs(run_id)), timeout=240,
-             what="the flow to start", max_delay=0.5)
+    wait_for(
+        lambda: any(m.startswith("FACTS ") for m in run_logs(run_id)),
+        timeout=240,
+        what="the flow to start",
+        max_delay=0.5,
+    )
 
 
 def node_events(conduit: Path, run_id: Any) -> list[dict[str, Any]]:
@@ -201,7 +225,9 @@ def sandbox_ids(state_dir: Path, runtime: str = "process", run_id: Any = None) -
     ids = get_runtime(runtime, state_dir=state_dir).list_ids()  # type: ignore[attr-defined]
     if run_id is None:
         return ids
-    return [r.id for r in records(state_dir / runtime) if r.id in ids and r.labels.get(LABEL_RUN) == str(run_id)]
+    return [
+        r.id for r in records(state_dir / runtime) if r.id in ids and r.labels.get(LABEL_RUN) == str(run_id)
+    ]
 
 
 def schedule(deployment: str, **parameters: Any) -> Any:
@@ -236,8 +262,21 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
     assert wp.type == "resoluto"
     template = wp.base_job_template
     props = template["variables"]["properties"]
-    for name in ("runtime", "image", "memory", "cpus", "min_isolation", "silence_window", "egress", "env",
-                 "secret_env", "secret_env_block", "conduit", "sandbox", "command"):
+    for name in (
+        "runtime",
+        "image",
+        "memory",
+        "cpus",
+        "min_isolation",
+        "silence_window",
+        "egress",
+        "env",
+        "secret_env",
+        "secret_env_block",
+        "conduit",
+        "sandbox",
+        "command",
+    ):
         assert name in props, name
         assert props[name].get("description"), f"{name} has no description for the form"
         assert template["job_configuration"][name] == "{{ " + name + " }}"
@@ -249,15 +288,21 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
     assert choices("min_isolation") == ["vm", "user-kernel", "namespace", "none"]
     assert props["egress"]["type"] == "array" and props["egress"]["items"] == {"type": "string"}
     assert props["egress"]["default"] == [] if "default" in props["egress"] else True
-    assert props["secret_env"]["additionalProperties"] == {"type": "string", "format": "password",
-                                                           "writeOnly": True}
+    assert props["secret_env"]["additionalProperties"] == {
+        "type": "string",
+        "format": "password",
+        "writeOnly": True,
+    }
     assert props["silence_window"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0}
     assert props["stream_output"]["default"] is True
     defs = template["variables"]["definitions"]
 
     def block(name: str) -> set[str]:
-        return {defs[alt["$ref"].rsplit("/", 1)[1]]["block_type_slug"]
-                for alt in props[name]["anyOf"] if "$ref" in alt}
+        return {
+            defs[alt["$ref"].rsplit("/", 1)[1]]["block_type_slug"]
+            for alt in props[name]["anyOf"]
+            if "$ref" in alt
+        }
 
     assert block("conduit") == {"resoluto-local-conduit", "resoluto-s3-conduit"}
     assert block("sandbox") == {"resoluto-sandbox"}
@@ -272,8 +317,13 @@ def test_job_variables_are_validated_with_the_reason(tmp_path):
         ResolutoJobConfiguration(memory="lots")
     with pytest.raises(ValueError, match="runtime"):
         ResolutoJobConfiguration(runtime="docker")
-    cfg = ResolutoJobConfiguration(runtime="process", min_isolation="none", memory="300Mi",
-                                   secret_env={"TOKEN": "s3cr3t-value"}, egress=["api.example.test:443"])
+    cfg = ResolutoJobConfiguration(
+        runtime="process",
+        min_isolation="none",
+        memory="300Mi",
+        secret_env={"TOKEN": "s3cr3t-value"},
+        egress=["api.example.test:443"],
+    )
     sc = cfg.sandbox_config()
     assert sc.memory == "300Mi" and sc.secret_env == {"TOKEN": "s3cr3t-value"}
     assert sc.egress == ["api.example.test:443"] and sc.infrastructure_retries == 0
@@ -286,11 +336,21 @@ def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
     from prefect_resoluto.blocks import SandboxBlock
     from prefect_resoluto.worker import ResolutoJobConfiguration
 
-    block = SandboxBlock(runtime="gvisor", memory="1Gi", egress=["pypi.example.test"], env={"A": "1"},
-                         secret_env={"FROM_BLOCK": "b"}, silence_window=120)
-    cfg = ResolutoJobConfiguration(sandbox=block, memory="3Gi", egress=["git.example.test:22"],
-                                   secret_env_block=Secret(value={"FROM_SECRET": "s"}),
-                                   secret_env={"FROM_JOB": "j"}).sandbox_config()
+    block = SandboxBlock(
+        runtime="gvisor",
+        memory="1Gi",
+        egress=["pypi.example.test"],
+        env={"A": "1"},
+        secret_env={"FROM_BLOCK": "b"},
+        silence_window=120,
+    )
+    cfg = ResolutoJobConfiguration(
+        sandbox=block,
+        memory="3Gi",
+        egress=["git.example.test:22"],
+        secret_env_block=Secret(value={"FROM_SECRET": "s"}),
+        secret_env={"FROM_JOB": "j"},
+    ).sandbox_config()
     assert (cfg.runtime, cfg.memory, cfg.silence_window) == ("gvisor", "3Gi", 120)
     assert cfg.egress == ["pypi.example.test", "git.example.test:22"]
     assert cfg.secret_env == {"FROM_BLOCK": "b", "FROM_SECRET": "s", "FROM_JOB": "j"}
@@ -307,11 +367,16 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
 
     conduit = tmp_path / "conduit"
     block_id = Secret(value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519"}).save(
-        f"worker-env-{uuid.uuid4().hex[:6]}")
+        f"worker-env-{uuid.uuid4().hex[:6]}"
+    )
     # As the UI stores a chosen block in job variables: a reference, resolved by the worker.
-    dep = deploy(worker.pool, "worker_flows.py:where_am_i", conduit,
-                 secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
-                 secret_env_block={"$ref": {"block_document_id": str(block_id)}})
+    dep = deploy(
+        worker.pool,
+        "worker_flows.py:where_am_i",
+        conduit,
+        secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
+        secret_env_block={"$ref": {"block_document_id": str(block_id)}},
+    )
     runs = [schedule(dep, marker=f"m{i}") for i in range(2)]
     done = [final_run(r.id, worker) for r in runs]
     assert all(fr.state.is_completed() for fr in done), ([fr.state for fr in done], worker.output()[-6000:])
@@ -323,12 +388,20 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
         events = node_events(conduit, r.id)
         lines = [str((e.get("data") or {}).get("line", "")) for e in events if e.get("event") == "log"]
         assert f"plain stdout from the flow: {f['marker']}" in lines, lines[-20:]
-        assert all("never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
-                   for e in events)
+        assert all(
+            "never-shown-7731" not in json.dumps(e) and "from-a-block-5519" not in json.dumps(e)
+            for e in events
+        )
     assert seen[0]["node_id"] != seen[1]["node_id"]
     for r, f in zip(runs, seen, strict=True):  # the worker names the sandbox in the run's logs
-        wait_for(lambda r=r, f=f: any(m.startswith("sandbox rsl-") and f"run/{r.id}/nodes/{f['node_id']}" in m
-                                      for m in run_logs(r.id)), timeout=30, what="the sandbox line")
+        wait_for(
+            lambda r=r, f=f: any(
+                m.startswith("sandbox rsl-") and f"run/{r.id}/nodes/{f['node_id']}" in m
+                for m in run_logs(r.id)
+            ),
+            timeout=30,
+            what="the sandbox line",
+        )
     with get_client(sync_client=True) as c:
         for r in runs:
             fr = c.read_flow_run(r.id)
@@ -340,8 +413,11 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     for r in runs:
         assert all("never-shown-7731" not in m for m in run_logs(r.id))
     for r in runs:  # a finished run leaves no sandbox behind, with the worker still running
-        wait_for(lambda r=r: sandbox_ids(worker.state_dir, run_id=r.id) == [], timeout=60,
-                 what="the finished run's sandbox to go")
+        wait_for(
+            lambda r=r: sandbox_ids(worker.state_dir, run_id=r.id) == [],
+            timeout=60,
+            what="the finished run's sandbox to go",
+        )
 
 
 @contextlib.contextmanager
@@ -357,12 +433,22 @@ def scheduling_server(tmp_path: Path) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/api"
-    env = {**cli_env(PREFECT_HOME=str(tmp_path / "server-home"), PREFECT_UI_ENABLED="false",
-                     PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1"), "PREFECT_API_URL": url}
+    env = {
+        **cli_env(
+            PREFECT_HOME=str(tmp_path / "server-home"),
+            PREFECT_UI_ENABLED="false",
+            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
+        ),
+        "PREFECT_API_URL": url,
+    }
     with open(tmp_path / "server.log", "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def healthy() -> bool:
         assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
@@ -401,14 +487,21 @@ def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
         with running_worker(pool, tmp_path) as worker:
             source = flow.from_source(source=str(FLOWS), entrypoint="worker_flows.py:where_am_i")
             anchor = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=5)
-            dep_id = source.deploy(name="every-hour", work_pool_name=pool,
-                                   job_variables={**PROCESS, "conduit": {"path": str(conduit)}},
-                                   schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=anchor),
-                                   build=False, push=False, print_next_steps=False)
+            dep_id = source.deploy(
+                name="every-hour",
+                work_pool_name=pool,
+                job_variables={**PROCESS, "conduit": {"path": str(conduit)}},
+                schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=anchor),
+                build=False,
+                push=False,
+                print_next_steps=False,
+            )
 
             def completed_run() -> Any:
                 with get_client(sync_client=True) as c:
-                    runs = c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+                    runs = c.read_flow_runs(
+                        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id]))
+                    )
                 return next((r for r in runs if r.state is not None and r.state.is_completed()), None)
 
             try:
@@ -485,12 +578,16 @@ def test_deleting_a_running_flow_run_destroys_its_sandbox(tmp_path, worker):
     assert len(sandbox_ids(state, run_id=run.id)) == 1
     with get_client(sync_client=True) as c:
         c.delete_flow_run(run.id)
-    wait_for(lambda: sandbox_ids(state, run_id=run.id) == [], timeout=60, what="the deleted run's sandbox to go")
+    wait_for(
+        lambda: sandbox_ids(state, run_id=run.id) == [], timeout=60, what="the deleted run's sandbox to go"
+    )
     assert not _alive(pid) and worker.proc.poll() is None
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(tmp_path, request, runtime, worker):
+def test_a_sandbox_killed_from_outside_marks_the_run_crashed_with_the_reason(
+    tmp_path, request, runtime, worker
+):
     state = worker.state_dir
     dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **on_runtime(request, runtime))
     run = schedule(dep, seconds=600)
@@ -514,8 +611,11 @@ def test_an_oom_killed_sandbox_marks_the_run_crashed_with_the_reason(tmp_path, w
     # The runtime saw the cgroup's OOM kill: the run says so, with the limit hit and the setting to raise.
     assert "on process was killed: OOM-killed" in msg and "memory limit is 400Mi" in msg, msg
     assert "`memory` job variable" in msg, msg
-    wait_for(lambda: sandbox_ids(worker.state_dir, run_id=run.id) == [], timeout=60,
-             what="the killed run's sandbox to go")
+    wait_for(
+        lambda: sandbox_ids(worker.state_dir, run_id=run.id) == [],
+        timeout=60,
+        what="the killed run's sandbox to go",
+    )
 
 
 def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(tmp_path, worker):
@@ -525,10 +625,14 @@ def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(t
     run = schedule(dep)
     fr = final_run(run.id, worker)
     assert fr.state.is_crashed(), fr.state
-    assert "the flow run's process exited with code 3 before it reported a final state" in (fr.state.message or ""), \
-        fr.state.message
-    lines = [str((e.get("data") or {}).get("line", "")) for e in node_events(conduit, run.id)
-             if e.get("event") == "log"]
+    assert "the flow run's process exited with code 3 before it reported a final state" in (
+        fr.state.message or ""
+    ), fr.state.message
+    lines = [
+        str((e.get("data") or {}).get("line", ""))
+        for e in node_events(conduit, run.id)
+        if e.get("event") == "log"
+    ]
     assert "evidence-before-the-api" in lines
     # ... and the worker put the tail into the run's logs, since the run itself never could
     # (the worker's logs reach the API in batches: a running worker sends them a moment later).
@@ -538,11 +642,17 @@ def test_a_run_that_dies_before_reaching_the_api_leaves_its_output_as_evidence(t
 def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path, worker):
     # gVisor (at or above the default floor) without the egress proxy, or a floor no
     # runtime here meets: either way the run never starts and says why.
-    too_weak = deploy(worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit", runtime="process",
-                      min_isolation="user-kernel")
+    too_weak = deploy(
+        worker.pool,
+        "worker_flows.py:where_am_i",
+        tmp_path / "conduit",
+        runtime="process",
+        min_isolation="user-kernel",
+    )
     # The host network cannot enforce an allowlist: refused, never run with an open network.
-    open_net = deploy(worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit",
-                      egress=["db.example.test:5432"])
+    open_net = deploy(
+        worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit", egress=["db.example.test:5432"]
+    )
     runs = [schedule(too_weak), schedule(open_net)]
     weak, unenforceable = (final_run(r.id, worker) for r in runs)
     assert weak.state.is_crashed(), weak.state
@@ -584,11 +694,17 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
         dep = deploy(pool, "worker_flows.py:finishes_slowly", tmp_path / "conduit")
         run = schedule(dep, release=str(release))
         assert final_run(run.id, worker).state.is_completed()
-        wait_for(lambda: any(m.startswith("HOOK after") for m in run_logs(run.id)),
-                 timeout=60, what="the completion hook to start")
+        wait_for(
+            lambda: any(m.startswith("HOOK after") for m in run_logs(run.id)),
+            timeout=60,
+            what="the completion hook to start",
+        )
         worker.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "finished flow run(s) to exit by themselves" in worker.output(), timeout=60,
-                 what="the stopping worker to give the finished run a grace")
+        wait_for(
+            lambda: "finished flow run(s) to exit by themselves" in worker.output(),
+            timeout=60,
+            what="the stopping worker to give the finished run a grace",
+        )
         assert sandbox_ids(state), "the finished run's sandbox was destroyed before its hook returned"
         release.touch()
         assert worker.proc.wait(timeout=60) is not None
@@ -613,8 +729,13 @@ def test_sweep_reaps_a_sandbox_left_by_a_worker_killed_outright(tmp_path):
         worker.proc.wait(timeout=30)
         assert sandbox_ids(state) == [sandbox] and _alive(pid)
     cli = str(Path(sys.executable).parent / "prefect-resoluto")
-    proc = subprocess.run([cli, "sweep", "--runtime", "process", "--label", f"resoluto.work-pool={pool}"],
-                          env=cli_env(RESOLUTO_STATE_DIR=str(state)), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [cli, "sweep", "--runtime", "process", "--label", f"resoluto.work-pool={pool}"],
+        env=cli_env(RESOLUTO_STATE_DIR=str(state)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sandbox_ids(state) == [] and not _alive(pid)
 
@@ -665,8 +786,14 @@ def listener() -> Iterator[int]:
 @needs_egress
 def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor, tmp_path, worker):
     conduit = tmp_path / "conduit"
-    dep = deploy(worker.pool, "worker_flows.py:where_am_i", conduit, runtime="gvisor", min_isolation="user-kernel",
-                 memory="1Gi")
+    dep = deploy(
+        worker.pool,
+        "worker_flows.py:where_am_i",
+        conduit,
+        runtime="gvisor",
+        min_isolation="user-kernel",
+        memory="1Gi",
+    )
     run = schedule(dep, marker="in-gvisor")
     fr = final_run(run.id, worker)
     assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
@@ -675,15 +802,23 @@ def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor
     # gVisor's own network stack: loopback and at most the one link the egress proxy gives it.
     assert f["interfaces"] != host_ifaces and "lo" in f["interfaces"] and len(f["interfaces"]) <= 2, f
     assert f["api_url"].startswith("http://prefect-api.resoluto.internal:"), f
-    wait_for(lambda: sandbox_ids(worker.state_dir, "gvisor", run.id) == [], timeout=60,
-             what="the finished run's sandbox to go")
+    wait_for(
+        lambda: sandbox_ids(worker.state_dir, "gvisor", run.id) == [],
+        timeout=60,
+        what="the finished run's sandbox to go",
+    )
 
 
 @needs_egress
 def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor, tmp_path, worker):
     with listener() as port:
-        dep = deploy(worker.pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
-                     min_isolation="user-kernel")
+        dep = deploy(
+            worker.pool,
+            "worker_flows.py:dial",
+            tmp_path / "conduit",
+            runtime="gvisor",
+            min_isolation="user-kernel",
+        )
         runs = [schedule(dep, host=h, port=port) for h in ("127.0.0.1", "prefect-api.resoluto.internal")]
         done = [final_run(r.id, worker) for r in runs]
     for r, fr in zip(runs, done, strict=True):
@@ -695,8 +830,14 @@ def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor,
 @needs_egress
 def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor, tmp_path, worker):
     with listener() as port:
-        allowed = deploy(worker.pool, "worker_flows.py:dial", tmp_path / "conduit", runtime="gvisor",
-                         min_isolation="user-kernel", egress=["allowed.resoluto.test:80"])
+        allowed = deploy(
+            worker.pool,
+            "worker_flows.py:dial",
+            tmp_path / "conduit",
+            runtime="gvisor",
+            min_isolation="user-kernel",
+            egress=["allowed.resoluto.test:80"],
+        )
         run = schedule(allowed, host="127.0.0.1", port=port)
         fr = final_run(run.id, worker)
     assert fr.state.is_failed(), fr.state
@@ -716,8 +857,9 @@ def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewher
     monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
     rt = get_runtime("process")
     run_id = str(uuid.uuid4())
-    spec = NodeSpec(run_id=run_id, node_id="flow-run-x",
-                    argv=[sys.executable, "-c", "import time; time.sleep(600)"])
+    spec = NodeSpec(
+        run_id=run_id, node_id="flow-run-x", argv=[sys.executable, "-c", "import time; time.sleep(600)"]
+    )
     handle = rt.launch(launch_spec(spec, LocalConduit(tmp_path / "conduit")))
     assert handle.labels[LABEL_RUN] == run_id and rt.list_ids() == [handle.id]
     cfg = ResolutoJobConfiguration(runtime="process", min_isolation="none")
@@ -737,10 +879,18 @@ def test_the_memory_job_variable_is_the_gvisor_sandboxs_memory(gvisor, tmp_path)
     cfg = ResolutoJobConfiguration(runtime="gvisor", memory="700Mi").sandbox_config()
     rt = cfg.build_runtime()
     lines: list[str] = []
-    spec = NodeSpec(run_id=f"r{uuid.uuid4().hex[:8]}", node_id="flow-run-mem", resources=cfg.resources,
-                    argv=[sys.executable, "-c", "print(open('/proc/meminfo').readline())"])
-    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt,
-                         on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))))
+    spec = NodeSpec(
+        run_id=f"r{uuid.uuid4().hex[:8]}",
+        node_id="flow-run-mem",
+        resources=cfg.resources,
+        argv=[sys.executable, "-c", "print(open('/proc/meminfo').readline())"],
+    )
+    outcome = drive_node(
+        spec,
+        LocalConduit(tmp_path / "conduit"),
+        rt,
+        on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))),
+    )
     assert outcome.ok, outcome.describe()
     totals = [int(line.split()[1]) for line in lines if line.startswith("MemTotal:")]
     assert totals == [700 * 1024], lines
@@ -770,10 +920,16 @@ def test_gvisor_sandbox_sees_the_deployment_code_read_only_and_imports_prefects_
         "except OSError as e:\n"
         "    print('read-only:', e.errno)\n"
     )
-    spec = NodeSpec(run_id=f"r{uuid.uuid4().hex[:8]}", node_id="flow-run-probe", argv=[sys.executable, "-c", probe])
+    spec = NodeSpec(
+        run_id=f"r{uuid.uuid4().hex[:8]}", node_id="flow-run-probe", argv=[sys.executable, "-c", probe]
+    )
     lines: list[str] = []
-    outcome = drive_node(spec, LocalConduit(tmp_path / "conduit"), rt,
-                         on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))))
+    outcome = drive_node(
+        spec,
+        LocalConduit(tmp_path / "conduit"),
+        rt,
+        on_event=lambda e: lines.append(str((e.get("data") or {}).get("line", ""))),
+    )
     assert outcome.ok, outcome.describe()
     assert f"code: {open(FLOWS / 'worker_flows.py').readline().strip()}" in lines, lines
     assert any(line.startswith("read-only:") for line in lines), lines

@@ -58,7 +58,9 @@ def test_an_unchanged_tree_is_packed_once_and_matches_a_fresh_pack(tree, monkeyp
     assert packer.packs == 2
 
 
-@pytest.mark.parametrize("change", ["content", "same-size-same-mtime", "new-file", "removed", "mode", "symlink"])
+@pytest.mark.parametrize(
+    "change", ["content", "same-size-same-mtime", "new-file", "removed", "mode", "symlink"]
+)
 def test_any_change_is_seen_by_the_next_node(tree, monkeypatch, change):
     packer = WorkspacePacker()
     settled(packer, tree, monkeypatch)
@@ -102,7 +104,8 @@ def test_a_mapped_flow_packs_once_and_a_later_node_sees_the_edited_workspace(tmp
     ws.mkdir()
     (ws / "ws_reader.py").write_text(
         "from prefect import task\n\n\n@task\ndef read(name: str, i: int = 0) -> str:\n"
-        "    with open(name) as f:\n        return f.read()\n")
+        "    with open(name) as f:\n        return f.read()\n"
+    )
     (ws / "data.txt").write_text("v1\n")
     aged(ws)
     monkeypatch.syspath_prepend(str(ws))
@@ -124,8 +127,14 @@ def test_a_mapped_flow_packs_once_and_a_later_node_sees_the_edited_workspace(tmp
     def edit() -> None:
         (ws / "data.txt").write_text("v2 edited\n")
 
-    runner = ResolutoTaskRunner(runtime="process", min_isolation="none", warm_pool=0, workspace=ws,
-                                conduit=(tmp_path / "conduit").as_uri(), outputs_dir=tmp_path / "out")
+    runner = ResolutoTaskRunner(
+        runtime="process",
+        min_isolation="none",
+        warm_pool=0,
+        workspace=ws,
+        conduit=(tmp_path / "conduit").as_uri(),
+        outputs_dir=tmp_path / "out",
+    )
 
     @flow(task_runner=runner)
     def read_edit_read() -> tuple[list[str], str]:

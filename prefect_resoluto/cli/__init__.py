@@ -59,36 +59,79 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runtime", metavar="NAME", help="sandbox runtime (default: the strongest available "
-                   "at or above --min-isolation; see `doctor`)")
-    p.add_argument("--runtime-option", action="append", metavar="K=V",
-                   help="runtime constructor option, e.g. oci_runtime=kata (V parsed as JSON if it can be)")
-    p.add_argument("--conduit", metavar="URL", help="file:///dir or s3://bucket/prefix?endpoint_url=... "
-                   "(default: a local directory under the user's cache directory)")
-    p.add_argument("--workspace", metavar="DIR", help="directory staged into the sandbox as its working directory")
-    p.add_argument("--output", action="append", metavar="GLOB",
-                   help="workspace-relative glob of files to bring back (repeatable; ** crosses directories)")
+    p.add_argument(
+        "--runtime",
+        metavar="NAME",
+        help="sandbox runtime (default: the strongest available at or above --min-isolation; see `doctor`)",
+    )
+    p.add_argument(
+        "--runtime-option",
+        action="append",
+        metavar="K=V",
+        help="runtime constructor option, e.g. oci_runtime=kata (V parsed as JSON if it can be)",
+    )
+    p.add_argument(
+        "--conduit",
+        metavar="URL",
+        help="file:///dir or s3://bucket/prefix?endpoint_url=... "
+        "(default: a local directory under the user's cache directory)",
+    )
+    p.add_argument(
+        "--workspace", metavar="DIR", help="directory staged into the sandbox as its working directory"
+    )
+    p.add_argument(
+        "--output",
+        action="append",
+        metavar="GLOB",
+        help="workspace-relative glob of files to bring back (repeatable; ** crosses directories)",
+    )
     p.add_argument("--env", action="append", metavar="K=V", help="environment variable for the command")
-    p.add_argument("--secret-env", action="append", metavar="K[=V]",
-                   help="secret variable: redacted from all output; bare K takes the value from this environment")
+    p.add_argument(
+        "--secret-env",
+        action="append",
+        metavar="K[=V]",
+        help="secret variable: redacted from all output; bare K takes the value from this environment",
+    )
     p.add_argument("--label", action="append", metavar="K=V", help="extra sandbox label (for sweep)")
     p.add_argument("--memory", metavar="QTY", help="memory limit, e.g. 512Mi or 2G")
     p.add_argument("--cpus", metavar="N", help="CPU limit, e.g. 1, 0.5 or 500m")
     p.add_argument("--image", metavar="IMG", help="container image (container and kubernetes runtimes)")
-    p.add_argument("--min-isolation", default="user-kernel", metavar="LEVEL",
-                   help="refuse runtimes weaker than this: vm, user-kernel (default), namespace, none")
-    p.add_argument("--silence-window", type=float, metavar="S",
-                   help="seconds without any event (not even a heartbeat) before the sandbox is presumed dead "
-                   "(default 600)")
-    p.add_argument("--egress", action="append", metavar="HOST",
-                   help="allowlist a name the sandbox may reach (repeatable): api.example.com, "
-                        "*.example.com, host:8443 (default ports 443 and 80); without it: no network")
-    p.add_argument("--egress-resolve", action="append", metavar="HOST=IP",
-                   help="pin an allowlisted name to an address (like curl --resolve; repeatable)")
+    p.add_argument(
+        "--min-isolation",
+        default="user-kernel",
+        metavar="LEVEL",
+        help="refuse runtimes weaker than this: vm, user-kernel (default), namespace, none",
+    )
+    p.add_argument(
+        "--silence-window",
+        type=float,
+        metavar="S",
+        help="seconds without any event (not even a heartbeat) before the sandbox is presumed dead "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--egress",
+        action="append",
+        metavar="HOST",
+        help="allowlist a name the sandbox may reach (repeatable): api.example.com, "
+        "*.example.com, host:8443 (default ports 443 and 80); without it: no network",
+    )
+    p.add_argument(
+        "--egress-resolve",
+        action="append",
+        metavar="HOST=IP",
+        help="pin an allowlisted name to an address (like curl --resolve; repeatable)",
+    )
     p.add_argument("--setup", metavar="SHELL", help="a shell command run in the sandbox before the command")
-    p.add_argument("--setup-egress", action="append", metavar="HOST",
-                   help="the --setup command's own allowlist (repeatable); the command gets --egress")
-    p.add_argument("--outputs-dir", metavar="DIR", help="where outputs land (default ./resoluto-outputs/<node-id>)")
+    p.add_argument(
+        "--setup-egress",
+        action="append",
+        metavar="HOST",
+        help="the --setup command's own allowlist (repeatable); the command gets --egress",
+    )
+    p.add_argument(
+        "--outputs-dir", metavar="DIR", help="where outputs land (default ./resoluto-outputs/<node-id>)"
+    )
     p.add_argument("--run-id", metavar="ID", help="run id (default: a fresh random id)")
     p.add_argument("--node-id", metavar="ID", help="node id (default: cli-<random>)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
@@ -96,23 +139,37 @@ def _node_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and flag. A command is dispatched to ``prefect_resoluto.cli.<command>.main``."""
-    parser = _Parser(prog=PROG, allow_abbrev=False,
-                     description="Run commands in isolated sandboxes (gVisor, bubblewrap, containers, Kubernetes) "
-                                 "through a durable conduit, without Prefect.")
+    parser = _Parser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="Run commands in isolated sandboxes (gVisor, bubblewrap, containers, Kubernetes) "
+        "through a durable conduit, without Prefect.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run one command in a sandbox and stream its output",
-                         allow_abbrev=False, epilog=RUN_EPILOG,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "run",
+        help="run one command in a sandbox and stream its output",
+        allow_abbrev=False,
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _node_options(run)
-    run.add_argument("--json", action="store_true", help="print the outcome as one JSON object on the last line")
-    run.add_argument("-q", "--quiet", action="store_true", help="stderr: failures only, no progress indicator")
+    run.add_argument(
+        "--json", action="store_true", help="print the outcome as one JSON object on the last line"
+    )
+    run.add_argument(
+        "-q", "--quiet", action="store_true", help="stderr: failures only, no progress indicator"
+    )
 
-    doc = sub.add_parser("doctor", help="which runtimes work here, and which one `run` picks", allow_abbrev=False)
+    doc = sub.add_parser(
+        "doctor", help="which runtimes work here, and which one `run` picks", allow_abbrev=False
+    )
     doc.add_argument("--json", action="store_true")
 
-    ev = sub.add_parser("events", help="replay a node's events from the conduit as a span tree",
-                        allow_abbrev=False)
+    ev = sub.add_parser(
+        "events", help="replay a node's events from the conduit as a span tree", allow_abbrev=False
+    )
     ev.add_argument("--conduit", required=True, metavar="URL")
     ev.add_argument("run_id", metavar="RUN_ID")
     ev.add_argument("node_id", metavar="NODE_ID")
@@ -120,15 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="one JSON object: events, result, error")
 
     sw = sub.add_parser("sweep", help="reap orphaned sandboxes", allow_abbrev=False)
-    sw.add_argument("--runtime", action="append", metavar="NAME",
-                    help="only this runtime (repeatable; default: every available local runtime)")
-    sw.add_argument("--label", action="append", metavar="K=V",
-                    help="only sandboxes carrying all these labels (default: every prefect-resoluto sandbox)")
+    sw.add_argument(
+        "--runtime",
+        action="append",
+        metavar="NAME",
+        help="only this runtime (repeatable; default: every available local runtime)",
+    )
+    sw.add_argument(
+        "--label",
+        action="append",
+        metavar="K=V",
+        help="only sandboxes carrying all these labels (default: every prefect-resoluto sandbox)",
+    )
     sw.add_argument("--json", action="store_true")
 
-    rd = sub.add_parser("render", help="print what one node would send: Kubernetes objects as YAML, or the "
-                        "Solari create request and guest command as JSON (no cluster or gateway needed)",
-                        allow_abbrev=False)
+    rd = sub.add_parser(
+        "render",
+        help="print what one node would send: Kubernetes objects as YAML, or the "
+        "Solari create request and guest command as JSON (no cluster or gateway needed)",
+        allow_abbrev=False,
+    )
     _node_options(rd)
     return parser
 

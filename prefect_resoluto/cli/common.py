@@ -66,7 +66,9 @@ def parse_secret_env(values: Sequence[str] | None) -> dict[str, str]:
             raise UsageError(f"--secret-env {item!r} is malformed: expected KEY=VALUE or KEY")
         if not sep:
             if key not in os.environ:
-                raise UsageError(f"--secret-env {key}: no '=' and no {key} in the environment to take it from")
+                raise UsageError(
+                    f"--secret-env {key}: no '=' and no {key} in the environment to take it from"
+                )
             value = os.environ[key]
         out[key] = value
     return out

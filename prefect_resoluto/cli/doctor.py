@@ -33,8 +33,16 @@ def doctor_report() -> dict[str, Any]:
 
     def row(name: str, options: dict[str, Any]) -> dict[str, Any]:
         label = f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})" if options else name
-        r: dict[str, Any] = {"name": name, "options": options, "label": label, "isolation": None,
-                             "available": False, "why": "", "detail": "", "local": None}
+        r: dict[str, Any] = {
+            "name": name,
+            "options": options,
+            "label": label,
+            "isolation": None,
+            "available": False,
+            "why": "",
+            "detail": "",
+            "local": None,
+        }
         try:
             cls = runtimes.RUNTIMES[name]
             r["local"] = bool(cls.supports_local_conduit)
@@ -62,21 +70,28 @@ def doctor_report() -> dict[str, Any]:
         rows = list(pool.map(lambda entry: row(*entry), entries))
         # The variants best_available() tries (e.g. the container runtime with Kata) when they
         # differ from a runtime's defaults -- so the "why not" of a stronger pick is visible.
-        variants = [(name, dict(options)) for name, options in runtimes.candidates()
-                    if options and (base := defaults.get(name)) is not None
-                    and not all(getattr(base, k, object()) == v for k, v in options.items())]
+        variants = [
+            (name, dict(options))
+            for name, options in runtimes.candidates()
+            if options
+            and (base := defaults.get(name)) is not None
+            and not all(getattr(base, k, object()) == v for k, v in options.items())
+        ]
         rows += pool.map(lambda entry: row(*entry), variants)
 
     picks: list[dict[str, Any]] = []
     for level in sorted(IsolationLevel, reverse=True):
         rt = runtimes.best_available(level)
-        picks.append({
-            "floor": level.label, "default": level == DEFAULT_MIN_ISOLATION,
-            "runtime": rt.name if rt is not None else None,
-            "label": runtime_label(rt) if rt is not None else None,
-            "isolation": rt.isolation.label if rt is not None else None,
-            "why_none": "" if rt is not None else runtimes.why_unavailable(level),
-        })
+        picks.append(
+            {
+                "floor": level.label,
+                "default": level == DEFAULT_MIN_ISOLATION,
+                "runtime": rt.name if rt is not None else None,
+                "label": runtime_label(rt) if rt is not None else None,
+                "isolation": rt.isolation.label if rt is not None else None,
+                "why_none": "" if rt is not None else runtimes.why_unavailable(level),
+            }
+        )
     default = next(p for p in picks if p["default"])
     return {
         "runtimes": rows,
@@ -85,7 +100,7 @@ def doctor_report() -> dict[str, Any]:
         "default_pick": default["runtime"],
         "default_conduit": default_conduit_url(),
         "note": "run picks among local runtimes only; kubernetes and solari (remote runtimes) "
-                "are used only when named with --runtime",
+        "are used only when named with --runtime",
     }
 
 
@@ -111,8 +126,9 @@ def _table(out: Out, *headers: str) -> Table:
     from rich.table import Table
 
     # The rule under the header only on a terminal: a pipe gets columns and nothing else.
-    table = Table(box=box.SIMPLE_HEAD if out.terminal else None, show_edge=False, pad_edge=False,
-                  header_style=STRONG)
+    table = Table(
+        box=box.SIMPLE_HEAD if out.terminal else None, show_edge=False, pad_edge=False, header_style=STRONG
+    )
     for i, h in enumerate(headers):
         table.add_column(h, no_wrap=i < len(headers) - 1)  # only the explanation wraps
     return table
@@ -132,17 +148,23 @@ def main(args: argparse.Namespace) -> int:
     runtimes = _table(out, "RUNTIME", "ISOLATION", "AVAILABLE", "DETAILS / WHY NOT")
     for r in rows:
         iso = r["isolation"] or "?"
-        runtimes.add_row(out.text([(r["label"], STRONG)]), out.text([(iso, ISOLATION_STYLE.get(iso, DIM))]),
-                         out.text([_yes_no(r["available"])]),
-                         out.text([(r["detail"], "") if r["available"] else (r["why"], DIM)]))
+        runtimes.add_row(
+            out.text([(r["label"], STRONG)]),
+            out.text([(iso, ISOLATION_STYLE.get(iso, DIM))]),
+            out.text([_yes_no(r["available"])]),
+            out.text([(r["detail"], "") if r["available"] else (r["why"], DIM)]),
+        )
     out.show(runtimes)
     out.line()
     out.line(("egress allowlists (--egress), per runtime:", STRONG))
     egress = _table(out, "RUNTIME", "ALLOWLIST", "HOW / WHY NOT")
     for r in rows:
         eg = r.get("egress") or {"enforced": False, "why": r["why"] or "not checked"}
-        egress.add_row(out.text([(r["label"], STRONG)]), out.text([_yes_no(eg["enforced"], "enforced")]),
-                       out.text([(eg.get("detail", ""), "") if eg["enforced"] else (eg["why"], DIM)]))
+        egress.add_row(
+            out.text([(r["label"], STRONG)]),
+            out.text([_yes_no(eg["enforced"], "enforced")]),
+            out.text([(eg.get("detail", ""), "") if eg["enforced"] else (eg["why"], DIM)]),
+        )
     out.show(egress)
     out.line()
     out.line(("`run` picks, by --min-isolation floor:", STRONG))
@@ -150,7 +172,14 @@ def main(args: argparse.Namespace) -> int:
         mark = (" (default floor)", STRONG) if p["default"] else ""
         if p["runtime"]:
             iso = p["isolation"]
-            out.line(f"  {p['floor']:<12} -> ", (p["label"], OK), " (", (iso, ISOLATION_STYLE.get(iso, "")), ")", mark)
+            out.line(
+                f"  {p['floor']:<12} -> ",
+                (p["label"], OK),
+                " (",
+                (iso, ISOLATION_STYLE.get(iso, "")),
+                ")",
+                mark,
+            )
         else:
             out.line(f"  {p['floor']:<12} -> ", ("nothing available", BAD), mark)
     out.line()
@@ -158,7 +187,12 @@ def main(args: argparse.Namespace) -> int:
     out.line(("note: ", STRONG), report["note"])
     if not report["default_pick"]:
         Out(sys.stderr).line()
-        Out(sys.stderr).line((f"no runtime qualifies at the default floor {report['default_floor']}; install "
-                              "gVisor (runsc) or pass --min-isolation namespace to run with bubblewrap", BAD))
+        Out(sys.stderr).line(
+            (
+                f"no runtime qualifies at the default floor {report['default_floor']}; install "
+                "gVisor (runsc) or pass --min-isolation namespace to run with bubblewrap",
+                BAD,
+            )
+        )
         return EXIT_FAILED
     return EXIT_OK

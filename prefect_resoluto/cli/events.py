@@ -42,11 +42,12 @@ def scan_node(conduit: Conduit, run_id: str, node_id: str) -> Replay:
     prefix = wire.node_prefix(run_id, node_id)
     keys = conduit.list_prefix(prefix + "/")
     if not keys:
-        raise ReplayError(f"no objects for node {node_id!r} of run {run_id!r} in {conduit.url} "
-                          f"(looked under {prefix}/)")
+        raise ReplayError(
+            f"no objects for node {node_id!r} of run {run_id!r} in {conduit.url} (looked under {prefix}/)"
+        )
     rep = Replay(prefix=prefix)
     for key in keys:
-        rel = key[len(prefix) + 1:]
+        rel = key[len(prefix) + 1 :]
         idx = wire.chunk_index(rel) if "/" not in rel else None
         if idx is not None:
             rep.chunks.append(idx)
@@ -72,8 +73,9 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
     for idx in rep.chunks:
         key = wire.chunk_key(rep.prefix, idx)
         if idx != expected:
-            raise ReplayError(f"{wire.chunk_key(rep.prefix, expected)} is missing (the next chunk present "
-                              f"is {key})")
+            raise ReplayError(
+                f"{wire.chunk_key(rep.prefix, expected)} is missing (the next chunk present is {key})"
+            )
         expected += 1
         raw = conduit.get(key)
         try:
@@ -90,8 +92,10 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
     if rep.manifest_error:
         raise ReplayError(rep.manifest_error)
     if rep.total_chunks is not None and rep.total_chunks != len(rep.chunks):
-        raise ReplayError(f"{wire.manifest_key(rep.prefix)} declares {rep.total_chunks} chunk(s) but "
-                          f"{len(rep.chunks)} exist")
+        raise ReplayError(
+            f"{wire.manifest_key(rep.prefix)} declares {rep.total_chunks} chunk(s) but "
+            f"{len(rep.chunks)} exist"
+        )
 
 
 def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict[str, Any]]:
@@ -134,7 +138,13 @@ def main(args: argparse.Namespace) -> int:
     from guest_runner.conduit import ConduitError, conduit_from_url
 
     parsed = urlparse(args.conduit)
-    local = unquote(parsed.path) if parsed.scheme == "file" else args.conduit if args.conduit.startswith("/") else ""
+    local = (
+        unquote(parsed.path)
+        if parsed.scheme == "file"
+        else args.conduit
+        if args.conduit.startswith("/")
+        else ""
+    )
     if local and not Path(local).is_dir():
         # A local conduit would create its root: a mistyped URL must not leave directories behind.
         err(f"conduit directory {local} does not exist")
@@ -159,8 +169,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         rep = scan_node(conduit, args.run_id, args.node_id)
         if not args.json:
-            out.line(("node ", STRONG), (args.node_id, STRONG), " of run ", args.run_id,
-                     (f" in {conduit.url} ({rep.prefix}/)", DIM))
+            out.line(
+                ("node ", STRONG),
+                (args.node_id, STRONG),
+                " of run ",
+                args.run_id,
+                (f" in {conduit.url} ({rep.prefix}/)", DIM),
+            )
         for ev in iter_events(conduit, rep):
             events.append(ev)
             if not args.json:
@@ -176,12 +191,23 @@ def main(args: argparse.Namespace) -> int:
         for ev in egress_events:
             printer(ev)
     if args.json:
-        print(json.dumps({
-            "run_id": args.run_id, "node_id": args.node_id, "conduit": conduit.url,
-            "prefix": rep.prefix if rep else None, "events": events, "egress": egress_events,
-            "chunks": len(rep.chunks) if rep else 0, "total_chunks": rep.total_chunks if rep else None,
-            "result": result, "outbox": rep.outbox if rep else [], "error": error or None,
-        }))
+        print(
+            json.dumps(
+                {
+                    "run_id": args.run_id,
+                    "node_id": args.node_id,
+                    "conduit": conduit.url,
+                    "prefix": rep.prefix if rep else None,
+                    "events": events,
+                    "egress": egress_events,
+                    "chunks": len(rep.chunks) if rep else 0,
+                    "total_chunks": rep.total_chunks if rep else None,
+                    "result": result,
+                    "outbox": rep.outbox if rep else [],
+                    "error": error or None,
+                }
+            )
+        )
     elif rep is not None and not error:
         _print_verdict(out, rep, result, printer)
     if error:
@@ -192,10 +218,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_verdict(out: Out, rep: Replay, result: dict[str, Any] | None, printer: TreePrinter) -> None:
     c = printer.counts
-    state = (f"manifest: {rep.total_chunks} chunk(s)" if rep.total_chunks is not None
-             else "no _manifest.json: the node is still running, or died before it finished")
-    out.line(f"-- {len(rep.chunks)} chunk(s), {c['events']} event(s) ({c['heartbeats']} heartbeat(s)); ",
-             (state, "" if rep.total_chunks is not None else WARN))
+    state = (
+        f"manifest: {rep.total_chunks} chunk(s)"
+        if rep.total_chunks is not None
+        else "no _manifest.json: the node is still running, or died before it finished"
+    )
+    out.line(
+        f"-- {len(rep.chunks)} chunk(s), {c['events']} event(s) ({c['heartbeats']} heartbeat(s)); ",
+        (state, "" if rep.total_chunks is not None else WARN),
+    )
     if result is None:
         out.line(("result: none (no result.json)", WARN))
         return

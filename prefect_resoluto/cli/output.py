@@ -59,8 +59,12 @@ class Out:
             from rich.console import Console
 
             self._console = Console(
-                file=self.stream, force_terminal=self.terminal, color_system="auto" if self.color else None,
-                highlight=False, markup=False, emoji=False,
+                file=self.stream,
+                force_terminal=self.terminal,
+                color_system="auto" if self.color else None,
+                highlight=False,
+                markup=False,
+                emoji=False,
                 # Off a terminal nothing wraps: one record, one line, for grep and cut.
                 width=None if self.terminal else 100_000,
             )
@@ -126,10 +130,14 @@ class Progress:
         while not self._stop.wait(0.1):  # animation pace, not synchronisation
             with self.lock:
                 elapsed = time.monotonic() - self.t0
-                line = out.text([
-                    (frames[frame % len(frames)] + " ", "cyan"), (f"{self.label}: ", STRONG), (self.phase, "cyan"),
-                    (f" {elapsed:.1f}s, {self.events} event(s)", DIM),
-                ])
+                line = out.text(
+                    [
+                        (frames[frame % len(frames)] + " ", "cyan"),
+                        (f"{self.label}: ", STRONG),
+                        (self.phase, "cyan"),
+                        (f" {elapsed:.1f}s, {self.events} event(s)", DIM),
+                    ]
+                )
                 frame += 1
                 line.truncate(max(out.console.width - 1, 10), overflow="ellipsis")
                 self.stream.write("\r\x1b[K")
@@ -198,8 +206,15 @@ class TreePrinter:
             code = data.get("exit_code")
             took = f" ({(ts - self.opened[span]) * 1000:.0f} ms)" if span in self.opened else ""
             self.opened.pop(span, None)
-            self._line(ts, depth, (f"< {kind} {name}", STRONG), ": ", (status, STATUS_STYLE.get(status, "")),
-                       f", exit code {code}" if code is not None else "", (took, DIM))
+            self._line(
+                ts,
+                depth,
+                (f"< {kind} {name}", STRONG),
+                ": ",
+                (status, STATUS_STYLE.get(status, "")),
+                f", exit code {code}" if code is not None else "",
+                (took, DIM),
+            )
         else:
             self.counts["logs"] += 1
             line = str(data.get("line", "")) if kind != "heartbeat" else "(heartbeat)"
@@ -207,7 +222,13 @@ class TreePrinter:
             logger = data.get("logger")
             shown = (level and level != "INFO") or logger
             extra = f"[{level or 'INFO'}{' ' + str(logger) if logger else ''}] " if shown else ""
-            style = BAD if kind == "error" or level in ("ERROR", "CRITICAL") else WARN if level == "WARNING" else ""
+            style = (
+                BAD
+                if kind == "error" or level in ("ERROR", "CRITICAL")
+                else WARN
+                if level == "WARNING"
+                else ""
+            )
             self._line(ts, base, ("! " if kind == "error" else "| ", style or DIM), (extra, style), line)
 
     def _line(self, ts: float, depth: int, *spans: Span) -> None:

@@ -90,8 +90,10 @@ def select_runtime(name: str | None, options: dict[str, Any], level: IsolationLe
         raise UsageError(f"--runtime-option: {e}") from None
     if found is None:
         lower = IsolationLevel(max(level - 1, IsolationLevel.NONE)).label
-        raise UsageError(f"{why_unavailable(level, **options)} -- install gVisor (runsc) or bubblewrap, "
-                         f"or lower the floor explicitly with --min-isolation {lower}")
+        raise UsageError(
+            f"{why_unavailable(level, **options)} -- install gVisor (runsc) or bubblewrap, "
+            f"or lower the floor explicitly with --min-isolation {lower}"
+        )
     return found
 
 
@@ -171,22 +173,41 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
 
     runtime = pick(args, options)
     if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
-        raise UsageError(f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the "
-                         f"local conduit {conduit.root}; pass --conduit s3://bucket/prefix?endpoint_url=...")
-    if (not isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and not runtime.remote
-            and runtime.isolation > IsolationLevel.NONE):
+        raise UsageError(
+            f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the "
+            f"local conduit {conduit.root}; pass --conduit s3://bucket/prefix?endpoint_url=..."
+        )
+    if (
+        not isinstance(conduit, LocalConduit)
+        and runtime.supports_local_conduit
+        and not runtime.remote
+        and runtime.isolation > IsolationLevel.NONE
+    ):
         # Local sandboxes get no network at all, so they could never reach an object store.
-        raise UsageError(f"runtime {runtime.name!r} gives its sandbox no network, so it cannot reach the "
-                         f"conduit {conduit.url}; use a local conduit (file:///dir) with it")
+        raise UsageError(
+            f"runtime {runtime.name!r} gives its sandbox no network, so it cannot reach the "
+            f"conduit {conduit.url}; use a local conduit (file:///dir) with it"
+        )
     if args.image and not takes_image(runtime):
-        raise UsageError(f"runtime {runtime.name!r} does not run images (it uses the host's /usr); "
-                         "--image applies to the container and kubernetes runtimes")
+        raise UsageError(
+            f"runtime {runtime.name!r} does not run images (it uses the host's /usr); "
+            "--image applies to the container and kubernetes runtimes"
+        )
 
     spec = NodeSpec(
-        run_id=run_id, node_id=node_id, argv=argv, workspace=workspace, output_paths=outputs,
-        env=env, secret_env=secret_env, resources=Resources.from_quantities(memory=memory, cpus=cpus),
-        labels={**labels, LABEL_SOURCE: "cli"}, image=args.image, outputs_dir=outputs_dir,
-        egress=list(args.egress or []), egress_resolve=parse_pairs(args.egress_resolve, "--egress-resolve"),
+        run_id=run_id,
+        node_id=node_id,
+        argv=argv,
+        workspace=workspace,
+        output_paths=outputs,
+        env=env,
+        secret_env=secret_env,
+        resources=Resources.from_quantities(memory=memory, cpus=cpus),
+        labels={**labels, LABEL_SOURCE: "cli"},
+        image=args.image,
+        outputs_dir=outputs_dir,
+        egress=list(args.egress or []),
+        egress_resolve=parse_pairs(args.egress_resolve, "--egress-resolve"),
         setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
         setup_argv=["sh", "-c", args.setup] if args.setup else None,
     )
@@ -203,12 +224,18 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         except ConduitError as e:
             raise UsageError(f"conduit {conduit.url} is not usable: {e}") from None
         if taken:
-            raise UsageError(f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
-                             "pick another --node-id (or --run-id)")
+            raise UsageError(
+                f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
+                "pick another --node-id (or --run-id)"
+            )
     from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
 
     return RunPlan(
-        spec=spec, conduit=conduit, runtime=runtime, floor=level,
+        spec=spec,
+        conduit=conduit,
+        runtime=runtime,
+        floor=level,
         silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
-        redactor=Redactor(secret_env.values()), labels=labels,
+        redactor=Redactor(secret_env.values()),
+        labels=labels,
     )

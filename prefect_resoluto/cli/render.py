@@ -30,8 +30,10 @@ def render_runtime(args: argparse.Namespace, options: dict[str, Any]) -> Sandbox
         except (TypeError, ValueError) as e:
             raise UsageError(f"solari runtime: {e}") from None
     if (args.runtime or "kubernetes") != "kubernetes":
-        raise UsageError(f"render only supports --runtime kubernetes or solari (got {args.runtime!r}); local "
-                         "runtimes have no objects to render")
+        raise UsageError(
+            f"render only supports --runtime kubernetes or solari (got {args.runtime!r}); local "
+            "runtimes have no objects to render"
+        )
     try:
         from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
     except ImportError as e:
@@ -55,8 +57,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         from prefect_resoluto.runtimes.kubernetes.render import render_yaml
     except ImportError as e:
-        raise UsageError(f"render needs the kubernetes runtime's renderer (prefect_resoluto.runtimes.kubernetes.render), "
-                         f"which is not available here: {e}") from None
+        raise UsageError(
+            f"render needs the kubernetes runtime's renderer (prefect_resoluto.runtimes.kubernetes.render), "
+            f"which is not available here: {e}"
+        ) from None
     from prefect_resoluto.node import launch_spec
 
     plan = plan_node(args, render_runtime, fresh=False)

@@ -50,8 +50,9 @@ class Interrupted(KeyboardInterrupt):
 class EventPrinter:
     """The driver's ``on_event``: workload lines to stdout, runner notes to stderr."""
 
-    def __init__(self, out: TextIO, err: TextIO, redactor: Redactor, *, quiet: bool,
-                 progress: Progress) -> None:
+    def __init__(
+        self, out: TextIO, err: TextIO, redactor: Redactor, *, quiet: bool, progress: Progress
+    ) -> None:
         self.out = out
         self.err = err
         self.notes = Out(err)
@@ -90,7 +91,11 @@ class EventPrinter:
         level, message = described
         if event == "open" and isinstance((ev.get("data") or {}).get("argv"), list):
             message = f"> {kind} {ev.get('name', '')}: {show_argv(ev['data']['argv'])}"
-        if event == "log" and kind == "log" and self.span_kinds.get(str(ev.get("parent_span_id"))) == "workload":
+        if (
+            event == "log"
+            and kind == "log"
+            and self.span_kinds.get(str(ev.get("parent_span_id"))) == "workload"
+        ):
             self.lines += 1
             self.write(self.out, message)
             return
@@ -118,8 +123,11 @@ def _interruptible() -> Iterator[None]:
 
     def handler(signum: int, frame: object) -> None:
         if fired:  # the user insists: leave now, even if reaping is not finished
-            os.write(2, f"\n{PROG}: interrupted again; a sandbox may be left behind -- "
-                        f"'{PROG} sweep' reaps it\n".encode())
+            os.write(
+                2,
+                f"\n{PROG}: interrupted again; a sandbox may be left behind -- "
+                f"'{PROG} sweep' reaps it\n".encode(),
+            )
             os._exit(128 + signum)
         fired.append(signum)
         raise Interrupted(signum)
@@ -141,12 +149,18 @@ def main(args: argparse.Namespace) -> int:
     plan = plan_node(args)
     spec, rt, red = plan.spec, plan.runtime, plan.redactor
     lock = threading.Lock()
-    progress = Progress(sys.stderr, enabled=sys.stderr.isatty() and not args.quiet,
-                        label=f"{spec.node_id} on {runtime_label(rt)}", lock=lock)
+    progress = Progress(
+        sys.stderr,
+        enabled=sys.stderr.isatty() and not args.quiet,
+        label=f"{spec.node_id} on {runtime_label(rt)}",
+        lock=lock,
+    )
     printer = EventPrinter(sys.stdout, sys.stderr, red, quiet=args.quiet, progress=progress)
     if not args.quiet:
-        printer.note(f"node {spec.node_id} of run {spec.run_id} on {runtime_label(rt)} "
-                     f"({rt.isolation.label}), conduit {plan.conduit.url}")
+        printer.note(
+            f"node {spec.node_id} of run {spec.run_id} on {runtime_label(rt)} "
+            f"({rt.isolation.label}), conduit {plan.conduit.url}"
+        )
     launched = False
 
     def on_launch(handle: SandboxHandle) -> None:
@@ -158,8 +172,13 @@ def main(args: argparse.Namespace) -> int:
         progress.start()
         try:
             outcome = drive_node(
-                spec, plan.conduit, rt, on_event=printer, min_isolation=plan.floor,
-                silence_window=plan.silence_window, on_launch=on_launch,
+                spec,
+                plan.conduit,
+                rt,
+                on_event=printer,
+                min_isolation=plan.floor,
+                silence_window=plan.silence_window,
+                on_launch=on_launch,
             )
         except Interrupted as e:
             progress.stop()
@@ -169,8 +188,11 @@ def main(args: argparse.Namespace) -> int:
                 rt.sweep({LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id})
             except Exception as sweep_error:  # best effort: say so, keep the exit code
                 err(f"could not sweep node {spec.node_id}: {sweep_error}")
-            print(f"{PROG}: interrupted ({e}); the sandbox of node {spec.node_id} was reaped",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{PROG}: interrupted ({e}); the sandbox of node {spec.node_id} was reaped",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + e.signum
         except BrokenPipeError:
             raise
@@ -182,8 +204,10 @@ def main(args: argparse.Namespace) -> int:
             # Anything else is the machinery's fault (conduit down while putting the inbox,
             # a runtime's prepare step, a status call that broke): infrastructure.
             progress.stop()
-            err(f"infrastructure error{' after launch' if launched else ' before launch'} of node "
-                f"{spec.node_id}: {type(e).__name__}: {red.text(str(e))}")
+            err(
+                f"infrastructure error{' after launch' if launched else ' before launch'} of node "
+                f"{spec.node_id}: {type(e).__name__}: {red.text(str(e))}"
+            )
             return EXIT_INFRA
         finally:
             progress.stop()
@@ -193,12 +217,18 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             n = len(outcome.output_files)
             where = f"; {n} output file(s) in {_rel(outcome.output_dir)}" if spec.output_paths else ""
-            printer.note(f"node {outcome.node_id} succeeded on {outcome.runtime} ({outcome.isolation}) in "
-                         f"{outcome.timings.get('finish', 0):.2f}s{where}", OK)
+            printer.note(
+                f"node {outcome.node_id} succeeded on {outcome.runtime} ({outcome.isolation}) in "
+                f"{outcome.timings.get('finish', 0):.2f}s{where}",
+                OK,
+            )
     else:
         kind = "infrastructure failure" if outcome.infrastructure_failure else "workload failure"
-        printer.note(f"{outcome.describe()}\n({kind}; exit {code}) replay: {PROG} events --conduit "
-                     f"{shlex.quote(outcome.conduit_url)} {outcome.run_id} {outcome.node_id}", BAD)
+        printer.note(
+            f"{outcome.describe()}\n({kind}; exit {code}) replay: {PROG} events --conduit "
+            f"{shlex.quote(outcome.conduit_url)} {outcome.run_id} {outcome.node_id}",
+            BAD,
+        )
     if args.json:
         printer.write(sys.stdout, json.dumps(redact_json(outcome.to_json(), red), sort_keys=False))
     return code

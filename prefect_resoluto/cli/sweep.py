@@ -24,8 +24,11 @@ def main(args: argparse.Namespace) -> int:
         if name not in runtimes.RUNTIMES:
             raise UsageError(f"unknown runtime {name!r}; known runtimes: {', '.join(known_runtimes())}")
     if not explicit:  # remote runtimes (kubernetes) only when named: their sweep is a cluster call
-        names = [n for n in runtimes.RUNTIMES
-                 if runtimes.RUNTIMES[n].supports_local_conduit and not runtimes.RUNTIMES[n].remote]
+        names = [
+            n
+            for n in runtimes.RUNTIMES
+            if runtimes.RUNTIMES[n].supports_local_conduit and not runtimes.RUNTIMES[n].remote
+        ]
     chosen: list[tuple[str, SandboxRuntime | None, str]] = []
     for name in names:
         try:

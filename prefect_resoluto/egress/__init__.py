@@ -24,8 +24,19 @@ from . import netns, proxy
 from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port
 
 __all__ = [
-    "EgressPolicyError", "NetworkRequest", "SandboxNetwork", "attach", "build_policy", "detach", "listen",
-    "unlisten", "network_request", "available", "proxy_for", "CANARY_ENV", "DEFAULT_CANARY",
+    "EgressPolicyError",
+    "NetworkRequest",
+    "SandboxNetwork",
+    "attach",
+    "build_policy",
+    "detach",
+    "listen",
+    "unlisten",
+    "network_request",
+    "available",
+    "proxy_for",
+    "CANARY_ENV",
+    "DEFAULT_CANARY",
 ]
 
 #: The live proxy of a run in this process (``None`` when none of its sandboxes is up).
@@ -59,13 +70,19 @@ class SandboxNetwork:
 
 
 def available() -> str:
-    """"" when allowlists can be enforced on this host (namespaces), else why not."""
+    """ "" when allowlists can be enforced on this host (namespaces), else why not."""
     return netns.available()
 
 
 def network_request(
-    run_id: str, node_id: str, *, egress: Iterable[str] = (), setup_egress: Iterable[str] | None = None,
-    resolve: dict[str, str] | None = None, forward: dict[str, str] | None = None, has_setup: bool = False,
+    run_id: str,
+    node_id: str,
+    *,
+    egress: Iterable[str] = (),
+    setup_egress: Iterable[str] | None = None,
+    resolve: dict[str, str] | None = None,
+    forward: dict[str, str] | None = None,
+    has_setup: bool = False,
     canary: Iterable[str] | None = None,
 ) -> NetworkRequest | None:
     """The node's request, or None when it needs no network (then: only ``lo``)."""
@@ -80,8 +97,9 @@ def network_request(
         host, port = split_host_port(t)
         if port is None:
             raise EgressPolicyError(f"egress canary target {t!r} must be HOST:PORT")
-        if not is_ip(host) and (policy.allows(policy.phases.first, host, port)
-                                or policy.allows("workload", host, port)):
+        if not is_ip(host) and (
+            policy.allows(policy.phases.first, host, port) or policy.allows("workload", host, port)
+        ):
             continue  # an allowlisted name is reachable by design
         targets.append(f"{host}:{port}")
     return NetworkRequest(run_id, node_id, policy, tuple(targets))
@@ -121,20 +139,31 @@ def attach(req: NetworkRequest, sandbox_id: str) -> SandboxNetwork:
         raise netns.NetnsError(f"egress allowlists cannot be enforced here: {why}")
     run_proxy = proxy.acquire(req.run_id)
     try:
-        att = run_proxy.attach(sandbox_id, req.node_id, req.policy,
-                               sink=lambda ev: _publish(req.run_id, req.node_id, ev),
-                               canary=frozenset(split_host_port(t)[0] for t in req.canary))
+        att = run_proxy.attach(
+            sandbox_id,
+            req.node_id,
+            req.policy,
+            sink=lambda ev: _publish(req.run_id, req.node_id, ev),
+            canary=frozenset(split_host_port(t)[0] for t in req.canary),
+        )
     except Exception:
         proxy.release(req.run_id)
         raise
     url = att.proxy_url
     no_proxy = "localhost,127.0.0.1,::1"
-    env = {"HTTPS_PROXY": url, "HTTP_PROXY": url, "https_proxy": url, "http_proxy": url,
-           "NO_PROXY": no_proxy, "no_proxy": no_proxy,
-           "RESOLUTO_EGRESS_PROXY": f"{att.gateway}:{proxy.PROXY_PORT}",
-           "RESOLUTO_EGRESS_CANARY": json.dumps(list(req.canary)),
-           "RESOLUTO_EGRESS_PHASES": json.dumps(["setup", "workload"] if req.policy.phases.has_setup
-                                                else ["workload"])}
+    env = {
+        "HTTPS_PROXY": url,
+        "HTTP_PROXY": url,
+        "https_proxy": url,
+        "http_proxy": url,
+        "NO_PROXY": no_proxy,
+        "no_proxy": no_proxy,
+        "RESOLUTO_EGRESS_PROXY": f"{att.gateway}:{proxy.PROXY_PORT}",
+        "RESOLUTO_EGRESS_CANARY": json.dumps(list(req.canary)),
+        "RESOLUTO_EGRESS_PHASES": json.dumps(
+            ["setup", "workload"] if req.policy.phases.has_setup else ["workload"]
+        ),
+    }
     setup_only = _setup_only(req.policy)
     if setup_only:
         env["RESOLUTO_EGRESS_CANARY_WORKLOAD"] = json.dumps(setup_only)
@@ -169,6 +198,3 @@ def detach(run_id: str, sandbox_id: str) -> None:
 def sweep() -> int:
     """Namespaces left by processes that died (SIGKILL, power loss)."""
     return netns.sweep()
-
-
-

@@ -37,8 +37,13 @@ CLONE_NEWNET = 0x40000000
 SUBNET = ipaddress.ip_network("172.30.0.0/16")
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_SYSCTLS = ("net.ipv4.ip_forward=0", "net.ipv4.conf.all.rp_filter=1", "net.ipv4.conf.default.rp_filter=1",
-            "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+_SYSCTLS = (
+    "net.ipv4.ip_forward=0",
+    "net.ipv4.conf.all.rp_filter=1",
+    "net.ipv4.conf.default.rp_filter=1",
+    "net.ipv6.conf.all.disable_ipv6=1",
+    "net.ipv6.conf.default.disable_ipv6=1",
+)
 
 
 class NetnsError(RuntimeError):
@@ -53,7 +58,7 @@ def _ip(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.
 
 
 def available() -> str:
-    """"" when namespaces can be made here, else why not."""
+    """ "" when namespaces can be made here, else why not."""
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     try:
@@ -100,7 +105,9 @@ def entered(name: str | None) -> Iterator[None]:
         os.close(own)
 
 
-def socket_in(name: str | None, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM) -> socket.socket:
+def socket_in(
+    name: str | None, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM
+) -> socket.socket:
     """A socket that lives in namespace ``name`` however it is used afterwards."""
     with entered(name):
         return socket.socket(family, kind)
@@ -125,8 +132,15 @@ def _records_dir() -> Path:
 
 def _record(name: str, kind: str, run_id: str, extra: dict[str, object] | None = None) -> None:
     pid = os.getpid()
-    data = {"name": name, "kind": kind, "run_id": run_id, "pid": pid, "start_time": process_start_time(pid),
-            "created": time.time(), **(extra or {})}
+    data = {
+        "name": name,
+        "kind": kind,
+        "run_id": run_id,
+        "pid": pid,
+        "start_time": process_start_time(pid),
+        "created": time.time(),
+        **(extra or {}),
+    }
     path = _records_dir() / f"{name}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -167,8 +181,12 @@ def create_proxy_namespace(run_id: str) -> str:
 
 
 def _sysctl(name: str) -> None:
-    res = subprocess.run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", *_SYSCTLS],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["ip", "netns", "exec", name, "sysctl", "-q", "-w", *_SYSCTLS],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if res.returncode != 0:
         raise NetnsError(f"sysctl in {name}: {res.stderr.strip()}")
 
@@ -190,12 +208,35 @@ def create_sandbox_namespace(run_id: str, sandbox_id: str, proxy_ns: str, slot: 
     _record(name, "sandbox", run_id, {"proxy": proxy_ns, "sandbox_id": sandbox_id})
     try:
         _ip("netns", "add", name)
-        _ip("link", "add", host_if, "netns", proxy_ns, "type", "veth", "peer", "name", SANDBOX_IFACE,
-            "netns", name)
+        _ip(
+            "link",
+            "add",
+            host_if,
+            "netns",
+            proxy_ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            SANDBOX_IFACE,
+            "netns",
+            name,
+        )
         _sysctl(name)
-        _ip("-n", proxy_ns, "-batch", "-", stdin=f"addr add {gateway}/30 dev {host_if}\nlink set {host_if} up\n")
-        _ip("-n", name, "-batch", "-",
-            stdin=f"addr add {addr}/30 dev {SANDBOX_IFACE}\nlink set {SANDBOX_IFACE} up\nlink set lo up\n")
+        _ip(
+            "-n",
+            proxy_ns,
+            "-batch",
+            "-",
+            stdin=f"addr add {gateway}/30 dev {host_if}\nlink set {host_if} up\n",
+        )
+        _ip(
+            "-n",
+            name,
+            "-batch",
+            "-",
+            stdin=f"addr add {addr}/30 dev {SANDBOX_IFACE}\nlink set {SANDBOX_IFACE} up\nlink set lo up\n",
+        )
     except Exception:
         delete(name)
         raise
@@ -238,6 +279,3 @@ def _short(run_id: str) -> str:
     import hashlib
 
     return hashlib.sha256(run_id.encode()).hexdigest()[:8]
-
-
-

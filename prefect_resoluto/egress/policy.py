@@ -20,7 +20,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # (network, why). Checked on the address a name resolved to, right before dialling it,
 # so a name on the allowlist that resolves (or re-resolves) inward is still refused.
 _REFUSED: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
-    (ipaddress.ip_network(net), why) for net, why in (
+    (ipaddress.ip_network(net), why)
+    for net, why in (
         ("0.0.0.0/8", "unspecified / 'this network'"),
         ("127.0.0.0/8", "loopback"),
         ("10.0.0.0/8", "RFC 1918 private"),
@@ -61,16 +62,20 @@ def _check_name(name: str, entry: str, wildcard_ok: bool) -> str:
     if is_ip(name):
         raise EgressPolicyError(
             f"egress entry {entry!r} is an IP address; local sandboxes are allowlisted by name only "
-            "(a connection to an address is refused; use egress_resolve to pin a name to an address)")
+            "(a connection to an address is refused; use egress_resolve to pin a name to an address)"
+        )
     labels = name.split(".")
     if wildcard_ok and labels[0] == "*":
         labels = labels[1:]
         if len(labels) < 2:
-            raise EgressPolicyError(f"egress entry {entry!r}: a wildcard needs at least two labels after '*.'")
+            raise EgressPolicyError(
+                f"egress entry {entry!r}: a wildcard needs at least two labels after '*.'"
+            )
     if not labels or not all(_LABEL.match(label) for label in labels) or len(name) > 253:
         raise EgressPolicyError(
             f"egress entry {entry!r} is not a host name (use e.g. 'api.example.com', "
-            "'*.githubusercontent.com' or 'host:8443')")
+            "'*.githubusercontent.com' or 'host:8443')"
+        )
     return name
 
 
@@ -159,7 +164,8 @@ def parse_forward(mapping: Mapping[str, str]) -> dict[tuple[str, int], tuple[str
         if addr is None or not addr.is_loopback or dport is None:
             raise EgressPolicyError(
                 f"egress_forward {src!r} -> {dst!r}: the destination must be a host loopback "
-                "address and port, e.g. 127.0.0.1:4200")
+                "address and port, e.g. 127.0.0.1:4200"
+            )
         out[(name, port)] = (str(addr), dport)
     return out
 

@@ -73,7 +73,9 @@ class Attachment:
     canary: frozenset[str] = frozenset()
     conns: set[socket.socket] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    slots: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS))
+    slots: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS)
+    )
     events: int = 0
     dropped: int = 0
 
@@ -143,7 +145,9 @@ class RunProxy:
             s.bind(("0.0.0.0", port))
             s.listen(512)
             self._listeners[port] = s
-        threading.Thread(target=self._accept, args=(s, port, serve), name=f"egress-{port}", daemon=True).start()
+        threading.Thread(
+            target=self._accept, args=(s, port, serve), name=f"egress-{port}", daemon=True
+        ).start()
 
     def _accept(self, s: socket.socket, port: int, serve: Callable[[socket.socket, int], None]) -> None:
         while not self._stopped.is_set():
@@ -151,8 +155,9 @@ class RunProxy:
                 client, _ = s.accept()
             except OSError:
                 return
-            threading.Thread(target=self._guarded, args=(serve, client, port), daemon=True,
-                             name="egress-conn").start()
+            threading.Thread(
+                target=self._guarded, args=(serve, client, port), daemon=True, name="egress-conn"
+            ).start()
 
     def _guarded(self, serve: Callable[[socket.socket, int], None], client: socket.socket, port: int) -> None:
         att = self._node(client)
@@ -171,8 +176,14 @@ class RunProxy:
 
     # ----------------------------------------------------------------- sandboxes
 
-    def attach(self, sandbox_id: str, node_id: str, policy: NodePolicy, sink: Sink | None = None,
-               canary: frozenset[str] = frozenset()) -> Attachment:
+    def attach(
+        self,
+        sandbox_id: str,
+        node_id: str,
+        policy: NodePolicy,
+        sink: Sink | None = None,
+        canary: frozenset[str] = frozenset(),
+    ) -> Attachment:
         with self._lock:  # the slot is taken at once: concurrent attaches get distinct ones
             used = {a.slot for a in self._by_sandbox.values()} | self._reserved
             slot = next(i for i in range(len(used) + 1) if i not in used)
@@ -183,8 +194,18 @@ class RunProxy:
             with self._lock:
                 self._reserved.discard(slot)
             raise
-        att = Attachment(sandbox_id, node_id, policy, sink, slot, name, gateway, address,
-                         phase=policy.phases.first, canary=canary)
+        att = Attachment(
+            sandbox_id,
+            node_id,
+            policy,
+            sink,
+            slot,
+            name,
+            gateway,
+            address,
+            phase=policy.phases.first,
+            canary=canary,
+        )
         with self._lock:
             self._reserved.discard(slot)
             self._by_sandbox[sandbox_id] = att
@@ -192,8 +213,12 @@ class RunProxy:
         for port in sorted(policy.ports()):
             if port != PROXY_PORT:
                 self._listen(port, self._serve_transparent)
-        self._event(att, "phase", f"egress phase {att.phase}: allowlist {policy.describe(att.phase)}"
-                    + _forwards(policy), phase=att.phase)
+        self._event(
+            att,
+            "phase",
+            f"egress phase {att.phase}: allowlist {policy.describe(att.phase)}" + _forwards(policy),
+            phase=att.phase,
+        )
         return att
 
     def detach(self, sandbox_id: str) -> None:
@@ -210,8 +235,14 @@ class RunProxy:
         netns.delete(att.netns)
         if att.dropped:
             att.events = 0  # the summary itself must get through
-            self._event(att, "summary", f"egress: {att.dropped} more decision(s) were not logged "
-                        f"(more than {MAX_EVENTS} for one sandbox)", level="WARNING", dropped=att.dropped)
+            self._event(
+                att,
+                "summary",
+                f"egress: {att.dropped} more decision(s) were not logged "
+                f"(more than {MAX_EVENTS} for one sandbox)",
+                level="WARNING",
+                dropped=att.dropped,
+            )
 
     def attached(self) -> list[Attachment]:
         with self._lock:
@@ -226,8 +257,14 @@ class RunProxy:
             conns = list(att.conns)
         for c in conns:  # what setup opened does not survive into the workload
             _shutdown(c)
-        self._event(att, "phase", f"egress phase workload: allowlist {att.policy.describe('workload')}"
-                    + _forwards(att.policy) + f" ({len(conns)} setup connection(s) closed)", phase="workload")
+        self._event(
+            att,
+            "phase",
+            f"egress phase workload: allowlist {att.policy.describe('workload')}"
+            + _forwards(att.policy)
+            + f" ({len(conns)} setup connection(s) closed)",
+            phase="workload",
+        )
         return True
 
     def _node(self, client: socket.socket) -> Attachment | None:
@@ -255,16 +292,23 @@ class RunProxy:
             return
         method, target, _ = parts
         if method == "POST" and target.startswith(PHASE_PATH):
-            ok = self.switch_phase(att, target[len(PHASE_PATH):])
+            ok = self.switch_phase(att, target[len(PHASE_PATH) :])
             _reply(client, 200 if ok else 409, json.dumps({"phase": att.phase}), "application/json")
             return
         if method == "CONNECT":
             host, port_s = _split(target, 443)
-            self._relay(att, client, host, port_s, b"", via="CONNECT",
-                        on_open=lambda: client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n"))
+            self._relay(
+                att,
+                client,
+                host,
+                port_s,
+                b"",
+                via="CONNECT",
+                on_open=lambda: client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n"),
+            )
             return
         if target.startswith("http://"):
-            authority, _, path = target[len("http://"):].partition("/")
+            authority, _, path = target[len("http://") :].partition("/")
             host, port_n = _split(authority, 80)
             first = _rewrite(f"{method} /{path} {parts[2]}", headers) + rest
             self._relay(att, client, host, port_n, first, via="HTTP proxy")
@@ -277,7 +321,9 @@ class RunProxy:
             return
         client.settimeout(_CLIENT_TIMEOUT)
         fwd = [k for k in att.policy.forward if k[1] == port]
-        if len(fwd) == 1 and not any(port in r.ports for r in att.policy.phases.setup + att.policy.phases.workload):
+        if len(fwd) == 1 and not any(
+            port in r.ports for r in att.policy.phases.setup + att.policy.phases.workload
+        ):
             self._relay(att, client, fwd[0][0], port, b"", via="transparent")
             return
         first = _recv_some(client, 5)
@@ -303,8 +349,17 @@ class RunProxy:
         name, _ = _split(host, port)
         self._relay(att, client, name, port, _rewrite(line, headers) + rest, via="transparent HTTP")
 
-    def _relay(self, att: Attachment, client: socket.socket, name: str, port: int, first: bytes, *,
-               via: str, on_open: Callable[[], None] | None = None) -> None:
+    def _relay(
+        self,
+        att: Attachment,
+        client: socket.socket,
+        name: str,
+        port: int,
+        first: bytes,
+        *,
+        via: str,
+        on_open: Callable[[], None] | None = None,
+    ) -> None:
         t0 = time.monotonic()
         name = normalize_name(name)
         phase = att.phase
@@ -316,8 +371,17 @@ class RunProxy:
                 _reply(client, 403, f"egress refused: {r.reason}")
             return
         except OSError as e:
-            self._event(att, "failed", f"egress {name}:{port} via {via}: cannot connect: {e}", level="WARNING",
-                        host=name, port=port, via=via, reason=str(e), decision="allowed")
+            self._event(
+                att,
+                "failed",
+                f"egress {name}:{port} via {via}: cannot connect: {e}",
+                level="WARNING",
+                host=name,
+                port=port,
+                via=via,
+                reason=str(e),
+                decision="allowed",
+            )
             if on_open is not None:
                 _reply(client, 502, f"cannot connect to {name}:{port}: {e}")
             return
@@ -348,12 +412,27 @@ class RunProxy:
             _close(upstream)
         took = time.monotonic() - t0
         target = f"{address[0]}:{address[1]}"
-        self._event(att, "allowed", f"egress allowed {name}:{port} -> {target} via {via}"
-                    + (" (forward)" if forwarded else "") + f": {up} B up, {down} B down, {took:.2f} s",
-                    host=name, port=port, address=target, via=via, bytes_up=up, bytes_down=down,
-                    duration=round(took, 4), decision="allowed", phase=phase, forward=forwarded)
+        self._event(
+            att,
+            "allowed",
+            f"egress allowed {name}:{port} -> {target} via {via}"
+            + (" (forward)" if forwarded else "")
+            + f": {up} B up, {down} B down, {took:.2f} s",
+            host=name,
+            port=port,
+            address=target,
+            via=via,
+            bytes_up=up,
+            bytes_down=down,
+            duration=round(took, 4),
+            decision="allowed",
+            phase=phase,
+            forward=forwarded,
+        )
 
-    def _open(self, att: Attachment, name: str, port: int, phase: str) -> tuple[socket.socket, tuple[str, int], bool]:
+    def _open(
+        self, att: Attachment, name: str, port: int, phase: str
+    ) -> tuple[socket.socket, tuple[str, int], bool]:
         fwd = att.policy.forward.get((name, port))
         if fwd is not None:
             # The one exemption from the loopback refusal: this name:port, to this address.
@@ -366,7 +445,9 @@ class RunProxy:
                 raise
             return s, fwd, True
         if is_ip(name) or not att.policy.allows(phase, name, port):
-            raise _Refused("not in the allowlist" + (f" of the {phase} phase" if att.policy.phases.has_setup else ""))
+            raise _Refused(
+                "not in the allowlist" + (f" of the {phase} phase" if att.policy.phases.has_setup else "")
+            )
         candidates = self._resolve(att, name, port)
         why = ""
         for family, addr in candidates:
@@ -398,13 +479,27 @@ class RunProxy:
                 seen.append((family, str(sa[0])))
         return seen
 
-    def _refuse(self, att: Attachment, name: str, port: int, via: str, reason: str, address: str = "") -> None:
+    def _refuse(
+        self, att: Attachment, name: str, port: int, via: str, reason: str, address: str = ""
+    ) -> None:
         what = f"{name}:{port}" if name else f"port {port}"
         probe = name in att.canary
-        self._event(att, "refused", f"egress refused {what} via {via}: {reason}"
-                    + (" (canary probe, as required)" if probe else ""), level="INFO" if probe else "WARNING",
-                    host=name, port=port, address=address, via=via, reason=reason, decision="refused",
-                    phase=att.phase, bytes_up=0, bytes_down=0, canary=probe)
+        self._event(
+            att,
+            "refused",
+            f"egress refused {what} via {via}: {reason}" + (" (canary probe, as required)" if probe else ""),
+            level="INFO" if probe else "WARNING",
+            host=name,
+            port=port,
+            address=address,
+            via=via,
+            reason=reason,
+            decision="refused",
+            phase=att.phase,
+            bytes_up=0,
+            bytes_down=0,
+            canary=probe,
+        )
 
     # ----------------------------------------------------------------- DNS
 
@@ -436,10 +531,10 @@ class RunProxy:
         i, labels = 12, []
         while query[i]:
             n = query[i]
-            labels.append(query[i + 1:i + 1 + n].decode("ascii", "replace"))
+            labels.append(query[i + 1 : i + 1 + n].decode("ascii", "replace"))
             i += 1 + n
-        qtype, _ = struct.unpack("!HH", query[i + 1:i + 5])
-        question = query[12:i + 5]
+        qtype, _ = struct.unpack("!HH", query[i + 1 : i + 5])
+        question = query[12 : i + 5]
         name = normalize_name(".".join(labels))
         known = att.policy.knows_name(att.phase, name)
         rd = flags & 0x0100
@@ -449,12 +544,22 @@ class RunProxy:
             answers = struct.pack("!HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(att.gateway)
         if not known:
             probe = name in att.canary
-            self._event(att, "dns", f"egress DNS refused {name}: not in the allowlist"
-                        + (" (canary probe, as required)" if probe else ""), level="INFO" if probe else "WARNING",
-                        host=name, decision="refused", reason="not in the allowlist", via="DNS", phase=att.phase,
-                        canary=probe)
-        header = struct.pack("!HHHHHH", qid, 0x8000 | 0x0400 * known | rd | 0x0080 | rcode, 1,
-                             1 if answers else 0, 0, 0)
+            self._event(
+                att,
+                "dns",
+                f"egress DNS refused {name}: not in the allowlist"
+                + (" (canary probe, as required)" if probe else ""),
+                level="INFO" if probe else "WARNING",
+                host=name,
+                decision="refused",
+                reason="not in the allowlist",
+                via="DNS",
+                phase=att.phase,
+                canary=probe,
+            )
+        header = struct.pack(
+            "!HHHHHH", qid, 0x8000 | 0x0400 * known | rd | 0x0080 | rcode, 1, 1 if answers else 0, 0, 0
+        )
         return header + question + answers
 
     # ----------------------------------------------------------------- events
@@ -465,9 +570,23 @@ class RunProxy:
             if att.events > MAX_EVENTS:
                 att.dropped += 1
                 return
-        ev = {"run_id": self.run_id, "span_id": uuid.uuid4().hex[:16], "parent_span_id": "", "kind": "egress",
-              "name": name, "event": "log", "ts": time.time(), "status": "",
-              "data": {"line": line, "level": level, "logger": "resoluto.egress", "node_id": att.node_id, **data}}
+        ev = {
+            "run_id": self.run_id,
+            "span_id": uuid.uuid4().hex[:16],
+            "parent_span_id": "",
+            "kind": "egress",
+            "name": name,
+            "event": "log",
+            "ts": time.time(),
+            "status": "",
+            "data": {
+                "line": line,
+                "level": level,
+                "logger": "resoluto.egress",
+                "node_id": att.node_id,
+                **data,
+            },
+        }
         if att.sink is not None:
             try:
                 att.sink(ev)
@@ -574,19 +693,19 @@ def _sni(record: bytes) -> str:
             return ""
         i = 4 + 2 + 32
         i += 1 + record[i]
-        i += 2 + struct.unpack("!H", record[i:i + 2])[0]
+        i += 2 + struct.unpack("!H", record[i : i + 2])[0]
         i += 1 + record[i]
-        end = i + 2 + struct.unpack("!H", record[i:i + 2])[0]
+        end = i + 2 + struct.unpack("!H", record[i : i + 2])[0]
         i += 2
         while i + 4 <= end:
-            etype, elen = struct.unpack("!HH", record[i:i + 4])
+            etype, elen = struct.unpack("!HH", record[i : i + 4])
             i += 4
             if etype == 0:
                 j = i + 2
                 while j + 3 <= i + elen:
-                    ntype, nlen = record[j], struct.unpack("!H", record[j + 1:j + 3])[0]
+                    ntype, nlen = record[j], struct.unpack("!H", record[j + 1 : j + 3])[0]
                     if ntype == 0:
-                        return record[j + 3:j + 3 + nlen].decode("ascii", "replace")
+                        return record[j + 3 : j + 3 + nlen].decode("ascii", "replace")
                     j += 3 + nlen
             i += elen
     except (IndexError, struct.error):
@@ -597,8 +716,10 @@ def _sni(record: bytes) -> str:
 def _reply(s: socket.socket, code: int, text: str, ctype: str = "text/plain") -> None:
     reasons = {200: "OK", 400: "Bad Request", 403: "Forbidden", 409: "Conflict", 502: "Bad Gateway"}
     body = (text + ("" if ctype != "text/plain" else "\n")).encode()
-    head = (f"HTTP/1.1 {code} {reasons.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"HTTP/1.1 {code} {reasons.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     try:
         s.sendall(head + body)
     except OSError:

@@ -120,7 +120,18 @@ def _accepted(cls: type[Any], options: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
-    "RUNTIMES", "Availability", "IsolationLevel", "LaunchError", "LaunchSpec", "Resources",
-    "RuntimeUnavailable", "SandboxHandle", "SandboxRuntime", "SandboxStatus", "best_available",
-    "candidates", "get_runtime", "why_unavailable",
+    "RUNTIMES",
+    "Availability",
+    "IsolationLevel",
+    "LaunchError",
+    "LaunchSpec",
+    "Resources",
+    "RuntimeUnavailable",
+    "SandboxHandle",
+    "SandboxRuntime",
+    "SandboxStatus",
+    "best_available",
+    "candidates",
+    "get_runtime",
+    "why_unavailable",
 ]

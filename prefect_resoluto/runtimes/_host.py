@@ -40,8 +40,14 @@ _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # The few /etc entries a Python program expects: the loader cache, user/group names,
 # the time zone, TLS roots. Nothing else of /etc (no resolv.conf: there is no network).
 _ETC_ENTRIES = (
-    "/etc/ld.so.cache", "/etc/passwd", "/etc/group", "/etc/localtime", "/etc/nsswitch.conf",
-    "/etc/ssl", "/etc/ca-certificates", "/etc/mime.types",
+    "/etc/ld.so.cache",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/mime.types",
 )
 _BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -118,8 +124,13 @@ def python_paths(executable: str | None = None) -> list[str]:
     directories are skipped: those are bound anyway.
     """
     exe = executable or sys.executable
-    candidates = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
-                  os.path.dirname(os.path.realpath(exe))]
+    candidates = [
+        sys.base_prefix,
+        sys.base_exec_prefix,
+        sys.prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(exe)),
+    ]
     candidates += [p for p in sys.path if p and os.path.isabs(p) and _holds_distributions(p)]
     roots: list[str] = []
     system = [d for d in _SYSTEM_DIRS if os.path.exists(d)]
@@ -255,7 +266,7 @@ def process_start_time(pid: int) -> int | None:
     except OSError:
         return None
     # The command name may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2:].split()
+    fields = stat[stat.rindex(b")") + 2 :].split()
     return int(fields[19])
 
 

@@ -177,8 +177,9 @@ class LocalChildRuntime(SandboxRuntime):
                 try:
                     net = egress.attach(request, spec.sandbox_id)
                 except (egress.netns.NetnsError, OSError) as e:
-                    raise LaunchError(f"{self.name}: cannot give sandbox {spec.sandbox_id!r} its egress "
-                                      f"network: {e}") from e
+                    raise LaunchError(
+                        f"{self.name}: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}"
+                    ) from e
                 with _LOCK:
                     _NETWORKS[key] = request.run_id
             prep = self._prepare(spec, d, net)
@@ -187,16 +188,27 @@ class LocalChildRuntime(SandboxRuntime):
             argv, cgrouped = prep.argv, False
             if prep.host_limits:
                 argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
-            rec = SandboxRecord(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels), dir=str(d),
-                                extra={**prep.extra, "cgroup": cgrouped})
+            rec = SandboxRecord(
+                id=spec.sandbox_id,
+                runtime=self.name,
+                labels=dict(spec.labels),
+                dir=str(d),
+                extra={**prep.extra, "cgroup": cgrouped},
+            )
             rec.save()  # before the child exists, so a crash right after launch is still sweepable
             self._before_start(spec)
             with open_log(d / LOG_NAME) as log:
                 proc = subprocess.Popen(
-                    argv, env=prep.env, cwd=prep.cwd, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.PIPE if spec.hold_stdin or prep.stdin_data is not None
+                    argv,
+                    env=prep.env,
+                    cwd=prep.cwd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.PIPE
+                    if spec.hold_stdin or prep.stdin_data is not None
                     else subprocess.DEVNULL,
-                    start_new_session=True, close_fds=True,
+                    start_new_session=True,
+                    close_fds=True,
                 )
             if proc.stdin is not None and spec.hold_stdin:
                 with _LOCK:
@@ -215,7 +227,9 @@ class LocalChildRuntime(SandboxRuntime):
         rec.pid, rec.start_time = proc.pid, process_start_time(proc.pid)
         rec.save()
         return SandboxHandle(
-            id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
+            id=spec.sandbox_id,
+            runtime=self.name,
+            labels=dict(spec.labels),
             data={"pid": proc.pid, "start_time": rec.start_time, "dir": str(d), **prep.extra},
         )
 
@@ -237,8 +251,10 @@ class LocalChildRuntime(SandboxRuntime):
             pipe.write(data)
             pipe.close()
         except OSError as e:
-            raise LaunchError(f"warm sandbox {handle.id!r} did not take its assignment (it has exited: "
-                              f"{self.status(handle).reason or e})") from e
+            raise LaunchError(
+                f"warm sandbox {handle.id!r} did not take its assignment (it has exited: "
+                f"{self.status(handle).reason or e})"
+            ) from e
 
     def _cleanup_failed_launch(self, sandbox_id: str, d: Path) -> None:
         self._detach_network(sandbox_id, None)
@@ -278,8 +294,11 @@ class LocalChildRuntime(SandboxRuntime):
         if same_process(rec.pid, rec.start_time):
             return SandboxStatus("running")
         # Launched by another process that is gone: the exit code went with it.
-        return SandboxStatus("failed", reason="the sandbox process ended and its launcher did not record "
-                             "an exit status", infrastructure=True)
+        return SandboxStatus(
+            "failed",
+            reason="the sandbox process ended and its launcher did not record an exit status",
+            infrastructure=True,
+        )
 
     def _remember_exit(self, d: Path, code: int) -> None:
         rec = SandboxRecord.load(d)
@@ -293,18 +312,33 @@ class LocalChildRuntime(SandboxRuntime):
             return special
         cg = _cgroup.existing(self._cgroup_name(handle.id))
         if code != 0 and cg is not None and cg.oom_killed():
-            return SandboxStatus("failed", reason="OOM-killed: the sandbox exceeded its memory limit",
-                                 exit_code=code, infrastructure=True, memory_exhausted=True)
+            return SandboxStatus(
+                "failed",
+                reason="OOM-killed: the sandbox exceeded its memory limit",
+                exit_code=code,
+                infrastructure=True,
+                memory_exhausted=True,
+            )
         if code == 0:
-            return SandboxStatus("succeeded", exit_code=0, memory_exhausted=cg is not None and cg.oom_killed())
+            return SandboxStatus(
+                "succeeded", exit_code=0, memory_exhausted=cg is not None and cg.oom_killed()
+            )
         if code < 0:
-            return SandboxStatus("failed", reason=f"sandbox process killed by {_signame(-code)}",
-                                 exit_code=code, infrastructure=True)
+            return SandboxStatus(
+                "failed",
+                reason=f"sandbox process killed by {_signame(-code)}",
+                exit_code=code,
+                infrastructure=True,
+            )
         if code == 128 + signal.SIGKILL:
             # The guest runner reports user failures itself; a SIGKILL means the memory
             # limit or someone outside.
-            return SandboxStatus("failed", reason="guest killed by SIGKILL (out of memory or killed from "
-                                 "outside)", exit_code=code, infrastructure=True)
+            return SandboxStatus(
+                "failed",
+                reason="guest killed by SIGKILL (out of memory or killed from outside)",
+                exit_code=code,
+                infrastructure=True,
+            )
         return SandboxStatus("failed", reason=f"exit code {code}", exit_code=code)
 
     def destroy(self, handle: SandboxHandle) -> None:

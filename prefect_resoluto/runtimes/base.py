@@ -44,8 +44,16 @@ DEFAULT_MIN_ISOLATION = IsolationLevel.USER_KERNEL
 
 _QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k)?\s*$")
 _FACTORS = {
-    None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4,
-    "K": 1000, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+    None: 1,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": 1024**3,
+    "Ti": 1024**4,
+    "K": 1000,
+    "k": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
 }
 
 
@@ -108,7 +116,10 @@ class Resources:
 
     @classmethod
     def from_quantities(
-        cls, memory: str | int | None = None, cpus: str | float | None = None, disk: str | int | None = None,
+        cls,
+        memory: str | int | None = None,
+        cpus: str | float | None = None,
+        disk: str | int | None = None,
         pids: int | None = DEFAULT_PIDS,
     ) -> Resources:
         if pids is not None and (isinstance(pids, bool) or int(pids) <= 0):
@@ -127,9 +138,11 @@ class Resources:
         return self.disk_bytes or self.memory_bytes
 
     def describe(self) -> str:
-        parts = [f"memory {format_bytes(self.memory_bytes)}" if self.memory_bytes else "memory unlimited",
-                 f"{self.cpus:g} CPU(s)" if self.cpus else "CPUs unlimited",
-                 f"pids {self.pids}" if self.pids else "pids unlimited"]
+        parts = [
+            f"memory {format_bytes(self.memory_bytes)}" if self.memory_bytes else "memory unlimited",
+            f"{self.cpus:g} CPU(s)" if self.cpus else "CPUs unlimited",
+            f"pids {self.pids}" if self.pids else "pids unlimited",
+        ]
         if self.tmpfs_bytes:
             parts.append(f"scratch (/tmp, /workspace) {format_bytes(self.tmpfs_bytes)} each")
         return ", ".join(parts)
@@ -140,10 +153,12 @@ def memory_hint(resources: Resources) -> str:
     if not resources.memory_bytes:
         return ""
     default = " (the default)" if resources.memory_bytes == parse_quantity(DEFAULT_MEMORY) else ""
-    return (f"the sandbox's memory limit is {format_bytes(resources.memory_bytes)}{default}, set by the "
-            "`memory` setting: raise it with ResolutoTaskRunner(memory=...), sandbox_options(memory=...) "
-            "around one submission, the sandbox block's memory, the work pool's `memory` job variable, "
-            "or --memory on the command line")
+    return (
+        f"the sandbox's memory limit is {format_bytes(resources.memory_bytes)}{default}, set by the "
+        "`memory` setting: raise it with ResolutoTaskRunner(memory=...), sandbox_options(memory=...) "
+        "around one submission, the sandbox block's memory, the work pool's `memory` job variable, "
+        "or --memory on the command line"
+    )
 
 
 @dataclass
@@ -302,7 +317,7 @@ class SandboxRuntime(ABC):
             raise RuntimeUnavailable(f"runtime {self.name!r} is not available here: {avail.why}")
 
     def egress_support(self) -> str:
-        """"" when this runtime can enforce an allowlist here, else why not (for ``doctor``)."""
+        """ "" when this runtime can enforce an allowlist here, else why not (for ``doctor``)."""
         if not self.supports_egress_allowlist:
             return f"runtime {self.name!r} cannot enforce an egress allowlist (its sandboxes get no network)"
         if self.egress_by_name:
@@ -320,4 +335,5 @@ class SandboxRuntime(ABC):
         if spec.network is not None and not self.egress_by_name:
             raise LaunchError(
                 f"runtime {self.name!r} enforces egress by address (CIDR), not by name: per-name "
-                "allowlists, setup_egress and egress_forward need a local runtime")
+                "allowlists, setup_egress and egress_forward need a local runtime"
+            )

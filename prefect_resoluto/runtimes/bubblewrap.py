@@ -30,7 +30,8 @@ _NAMESPACE_FLAGS = (
     "--unshare-all",  # ipc, pid, net (only lo), uts, cgroup; user only if possible ...
     "--unshare-user",  # ... so insist: --disable-userns below needs it
     "--disable-userns",  # no nested user namespaces from inside
-    "--cap-drop", "ALL",  # run as root, bwrap would otherwise keep capabilities inside
+    "--cap-drop",
+    "ALL",  # run as root, bwrap would otherwise keep capabilities inside
     "--die-with-parent",  # killing the bwrap process kills the sandbox
     "--new-session",  # no TIOCSTI into a controlling terminal
 )
@@ -69,38 +70,67 @@ class BubblewrapRuntime(LocalChildRuntime):
     def _check(self) -> Availability:
         exe = self._binary()
         if exe is None:
-            return Availability(False, why=f"bubblewrap binary {self.bwrap!r} not found (apt-get install bubblewrap)")
+            return Availability(
+                False, why=f"bubblewrap binary {self.bwrap!r} not found (apt-get install bubblewrap)"
+            )
         # A real start proves user namespaces are allowed here, not just that bwrap exists.
-        probe = [exe, *_NAMESPACE_FLAGS, "--ro-bind", "/usr", "/usr",
-                 "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-                 "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"]
+        probe = [
+            exe,
+            *_NAMESPACE_FLAGS,
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--",
+            "/usr/bin/true",
+        ]
         try:
             res = subprocess.run(probe, capture_output=True, text=True, timeout=30)
-            version = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                                     timeout=30).stdout.strip()
+            version = subprocess.run(
+                [exe, "--version"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             return Availability(False, why=f"cannot run {exe}: {e}")
         if res.returncode != 0:
             return Availability(False, why=f"bwrap cannot create namespaces here: {res.stderr.strip()}")
         return Availability(True, detail=f"{version or 'bwrap'} at {exe}; {self.limits_detail()}")
 
-    def build_argv(self, spec: LaunchSpec, workspace: Path,
-                   net: SandboxNetwork | None = None) -> tuple[list[str], dict[str, str]]:
+    def build_argv(
+        self, spec: LaunchSpec, workspace: Path, net: SandboxNetwork | None = None
+    ) -> tuple[list[str], dict[str, str]]:
         """The bwrap command line and the sandbox env (public for tests and benchmarks).
 
         With an egress network bwrap starts inside its namespace and keeps it
         (``--share-net``): the sandbox's root holds no capability over a namespace owned
         by the host's user namespace, so it cannot change its routes or addresses."""
-        lay = guest_layout(spec, python=self.python, workspace_host_dir=str(workspace),
-                           extra_ro=self.extra_ro_paths)
+        lay = guest_layout(
+            spec, python=self.python, workspace_host_dir=str(workspace), extra_ro=self.extra_ro_paths
+        )
         prefix: list[str] = []
         flags: tuple[str, ...] = _NAMESPACE_FLAGS
         if net is not None:
             add_network(lay, net, workspace.parent)
             prefix = ["nsenter", f"--net=/run/netns/{net.netns}"]
             flags = (*_NAMESPACE_FLAGS, "--share-net")
-        argv = [*prefix, self._binary() or self.bwrap, *flags, "--hostname", "sandbox",
-                "--proc", "/proc", "--dev", "/dev"]
+        argv = [
+            *prefix,
+            self._binary() or self.bwrap,
+            *flags,
+            "--hostname",
+            "sandbox",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+        ]
         # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
         # host tree that lives under /tmp (a checkout or virtualenv there).
         for dst in lay.tmpfs:

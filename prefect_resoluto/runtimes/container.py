@@ -157,8 +157,9 @@ class ContainerRuntime(SandboxRuntime):
         return base
 
     def _run_engine(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self._base(), *args], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [*self._base(), *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
 
     def _runtime_arg(self) -> str:
         if self.engine == "nerdctl":
@@ -177,10 +178,13 @@ class ContainerRuntime(SandboxRuntime):
     def _check(self) -> Availability:
         exe = self._exe()
         if exe is None:
-            return Availability(False, why=f"{self.engine} binary {self.engine_path or self.engine!r} not found")
+            return Availability(
+                False, why=f"{self.engine} binary {self.engine_path or self.engine!r} not found"
+            )
         if self.engine == "podman" and shutil.which(self._runtime_arg()) is None:
-            return Availability(False, why=f"OCI runtime {self.oci_runtime!r} not found "
-                                f"(looked for {self._runtime_arg()!r})")
+            return Availability(
+                False, why=f"OCI runtime {self.oci_runtime!r} not found (looked for {self._runtime_arg()!r})"
+            )
         if self.engine == "nerdctl" and not Path(str(self.address)).exists():
             return Availability(False, why=f"containerd socket {self.address} does not exist")
         try:
@@ -189,9 +193,12 @@ class ContainerRuntime(SandboxRuntime):
             return Availability(False, why=f"cannot run {exe}: {e}")
         if ver.returncode != 0:
             return Availability(False, why=f"{self.engine} version failed: {ver.stderr.strip()[:300]}")
-        return Availability(True, detail=f"{self.engine} {ver.stdout.strip()} at {exe}; OCI runtime "
-                            f"{self._runtime_arg()} → isolation {self.isolation.label}; "
-                            f"image {self.image or SKELETON_IMAGE}")
+        return Availability(
+            True,
+            detail=f"{self.engine} {ver.stdout.strip()} at {exe}; OCI runtime "
+            f"{self._runtime_arg()} → isolation {self.isolation.label}; "
+            f"image {self.image or SKELETON_IMAGE}",
+        )
 
     def ensure_skeleton_image(self) -> str:
         """Import the skeleton image unless the engine already has it (offline: no registry)."""
@@ -217,15 +224,22 @@ class ContainerRuntime(SandboxRuntime):
         host_python = self.host_python if self.host_python is not None else image is None
         return image, host_python
 
-    def build_run_argv(self, spec: LaunchSpec, image: str, env_file: str | None = None,
-                       host_python: bool = False, net: egress.SandboxNetwork | None = None) -> list[str]:
+    def build_run_argv(
+        self,
+        spec: LaunchSpec,
+        image: str,
+        env_file: str | None = None,
+        host_python: bool = False,
+        net: egress.SandboxNetwork | None = None,
+    ) -> list[str]:
         """The full ``<engine> run`` command for ``spec`` (public for unit tests).
 
         With ``net`` the container joins that prepared namespace (``--network ns:PATH``:
         podman's own option, and nerdctl's CNI-free one), so it reaches only the run's
         proxy, whatever the OCI runtime (runsc's netstack, a Kata VM's tap)."""
-        lay = guest_layout(spec, python=self.python if host_python else (self.python or "python3"),
-                           host_python=host_python)
+        lay = guest_layout(
+            spec, python=self.python if host_python else (self.python or "python3"), host_python=host_python
+        )
         runtime_arg = self._runtime_arg()
         network = "none"
         if net is not None:
@@ -239,8 +253,18 @@ class ContainerRuntime(SandboxRuntime):
             # Global flags handed to the OCI runtime: gVisor's own network stack off too.
             flags = (["network=none"] if runsc and net is None else []) + self.runtime_flags
             argv += [f"--runtime-flag={f}" for f in flags]
-        argv += ["run", "-d", "--name", spec.sandbox_id, "--runtime", runtime_arg,
-                 "--network", network, "--workdir", lay.cwd]
+        argv += [
+            "run",
+            "-d",
+            "--name",
+            spec.sandbox_id,
+            "--runtime",
+            runtime_arg,
+            "--network",
+            network,
+            "--workdir",
+            lay.cwd,
+        ]
         if self.engine == "podman":
             argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--pull", "never"]
         if self.read_only:
@@ -305,7 +329,9 @@ class ContainerRuntime(SandboxRuntime):
             try:
                 net = egress.attach(request, spec.sandbox_id)
             except (egress.netns.NetnsError, OSError) as e:
-                raise LaunchError(f"container: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}") from e
+                raise LaunchError(
+                    f"container: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}"
+                ) from e
             with _LOCK:
                 _NETWORKS[(self.engine, spec.sandbox_id)] = request.run_id
         try:
@@ -335,8 +361,12 @@ class ContainerRuntime(SandboxRuntime):
             i = argv.index("run") + 2  # after "run -d"
             argv[i:i] = ["--cidfile", str(cidfile)]
             try:
-                res = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-                error = "" if res.returncode == 0 else f"(exit {res.returncode}): {res.stderr.strip()[-1000:]}"
+                res = subprocess.run(
+                    argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+                )
+                error = (
+                    "" if res.returncode == 0 else f"(exit {res.returncode}): {res.stderr.strip()[-1000:]}"
+                )
             except (OSError, subprocess.TimeoutExpired) as e:
                 error = str(e)
             if error:
@@ -351,14 +381,21 @@ class ContainerRuntime(SandboxRuntime):
             cidfile.unlink(missing_ok=True)
         cid = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else spec.sandbox_id
         self._start_waiter(spec.sandbox_id)
-        return SandboxHandle(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
-                             data={"container_id": cid, "engine": self.engine, "image": image})
+        return SandboxHandle(
+            id=spec.sandbox_id,
+            runtime=self.name,
+            labels=dict(spec.labels),
+            data={"container_id": cid, "engine": self.engine, "image": image},
+        )
 
     # ----------------------------------------------------------------- observe & reap
 
     def inspect(self, sandbox_id: str) -> dict[str, Any] | None:
-        res = self._run_engine("inspect", "--type", "container", sandbox_id, timeout=60) \
-            if self.engine == "podman" else self._run_engine("inspect", sandbox_id, timeout=60)
+        res = (
+            self._run_engine("inspect", "--type", "container", sandbox_id, timeout=60)
+            if self.engine == "podman"
+            else self._run_engine("inspect", sandbox_id, timeout=60)
+        )
         if res.returncode != 0:
             return None
         try:
@@ -374,9 +411,13 @@ class ContainerRuntime(SandboxRuntime):
         # nerdctl's listens for containerd's exit event.
         interval = ["--interval", "50ms"] if self.engine == "podman" else []
         try:
-            waiter = subprocess.Popen([*self._base(), "wait", *interval, name], stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+            waiter = subprocess.Popen(
+                [*self._base(), "wait", *interval, name],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except OSError:
             return  # status() falls back to inspect
         with _LOCK:
@@ -429,9 +470,14 @@ class ContainerRuntime(SandboxRuntime):
 
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
         try:
-            res = subprocess.run([*self._base(), "logs", "--tail", str(tail), handle.id],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 timeout=60, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                [*self._base(), "logs", "--tail", str(tail), handle.id],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=60,
+                stdin=subprocess.DEVNULL,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return ""
         return res.stdout if res.returncode == 0 else ""
@@ -458,18 +504,30 @@ def status_from_state(state: dict[str, Any]) -> SandboxStatus:
     if phase in ("exited", "stopped", "dead"):
         code = int(code) if code is not None else None
         if state.get("OOMKilled"):
-            return SandboxStatus("failed", reason="OOM-killed: the container exceeded its memory limit",
-                                 exit_code=code, infrastructure=True)
+            return SandboxStatus(
+                "failed",
+                reason="OOM-killed: the container exceeded its memory limit",
+                exit_code=code,
+                infrastructure=True,
+            )
         if error:
-            return SandboxStatus("failed", reason=f"container error: {error}", exit_code=code,
-                                 infrastructure=True, unstartable=code in (None, 125, 126, 127))
+            return SandboxStatus(
+                "failed",
+                reason=f"container error: {error}",
+                exit_code=code,
+                infrastructure=True,
+                unstartable=code in (None, 125, 126, 127),
+            )
         if code == 0:
             return SandboxStatus("succeeded", exit_code=0)
         if code == 137:
-            return SandboxStatus("failed", reason="container killed by SIGKILL (out of memory or killed "
-                                 "from outside)", exit_code=code, infrastructure=True)
+            return SandboxStatus(
+                "failed",
+                reason="container killed by SIGKILL (out of memory or killed from outside)",
+                exit_code=code,
+                infrastructure=True,
+            )
         return SandboxStatus("failed", reason=f"exit code {code}", exit_code=code)
     if phase == "removing":
         return SandboxStatus("failed", reason="container is being removed", gone=True)
     return SandboxStatus("unknown", reason=f"container state {phase!r}")
-

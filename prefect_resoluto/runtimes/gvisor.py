@@ -57,7 +57,9 @@ def _probe(exe: str) -> tuple[str, tuple[str, ...]]:
     text = flags.stdout + flags.stderr
     # "-platform string\n\tspecifies which platform to use: systrap (default), ptrace, kvm."
     m = re.search(r"-platform string\s+specifies which platform to use: ([^\n]*)", text)
-    platforms = tuple(dict.fromkeys(re.findall(r"\b(systrap|ptrace|kvm)\b", m.group(1)))) if m else ("ptrace",)
+    platforms = (
+        tuple(dict.fromkeys(re.findall(r"\b(systrap|ptrace|kvm)\b", m.group(1)))) if m else ("ptrace",)
+    )
     return (version.stdout.splitlines() or ["runsc"])[0].strip(), platforms
 
 
@@ -70,15 +72,23 @@ def _probe_network(exe: str, flags: tuple[str, ...]) -> str:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     try:
-        needed = subprocess.run(["nsenter", f"--net=/run/netns/{name}", "test", "-e",
-                                 "/proc/sys/net/core/rmem_default"], timeout=30).returncode == 0
+        needed = (
+            subprocess.run(
+                ["nsenter", f"--net=/run/netns/{name}", "test", "-e", "/proc/sys/net/core/rmem_default"],
+                timeout=30,
+            ).returncode
+            == 0
+        )
         failure = _probe_run(exe, (*flags, "--network=sandbox"), name)
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
     if failure:
         return f"runsc cannot start its network stack in a prepared namespace: {failure}"
-    return "ok: " + ("needs the rmem_default workaround (google/gvisor#10704) and it works" if needed
-                     else "no workaround needed")
+    return "ok: " + (
+        "needs the rmem_default workaround (google/gvisor#10704) and it works"
+        if needed
+        else "no workaround needed"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,14 +106,23 @@ def _probe_run(exe: str, flags: tuple[str, ...], netns: str | None = None) -> st
             (rootfs / link).symlink_to(f"usr/{link}")
         cfg = {
             "ociVersion": "1.0.2",
-            "process": {"args": ["/usr/bin/true"], "cwd": "/", "user": {"uid": 0, "gid": 0},
-                        "env": ["PATH=/usr/bin"]},
+            "process": {
+                "args": ["/usr/bin/true"],
+                "cwd": "/",
+                "user": {"uid": 0, "gid": 0},
+                "env": ["PATH=/usr/bin"],
+            },
             "root": {"path": "rootfs", "readonly": True},
-            "mounts": [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
-                       {"destination": "/proc", "type": "proc", "source": "proc"}],
-            "linux": {"namespaces": [{"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network"
-                                                     else {})}
-                                     for t in ("pid", "network", "ipc", "uts", "mount")]},
+            "mounts": [
+                {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+            ],
+            "linux": {
+                "namespaces": [
+                    {"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network" else {})}
+                    for t in ("pid", "network", "ipc", "uts", "mount")
+                ]
+            },
         }
         Path(tmp, "config.json").write_text(json.dumps(cfg))
         cid = f"probe-{os.getpid()}-{os.urandom(4).hex()}"
@@ -112,8 +131,13 @@ def _probe_run(exe: str, flags: tuple[str, ...], netns: str | None = None) -> st
             base.insert(2, "--network=none")
         cmd = [*base, "run", f"--bundle={tmp}", cid]
         try:
-            res = subprocess.run(netns_argv(netns, cmd) if netns else cmd, capture_output=True, text=True,
-                                 timeout=20, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                netns_argv(netns, cmd) if netns else cmd,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             res = None
         subprocess.run([*base, "delete", "--force", cid], capture_output=True, timeout=30)
@@ -189,18 +213,25 @@ class GVisorRuntime(LocalChildRuntime):
             return Availability(False, why=f"cannot run {exe}: {e}")
         platform = self._platform()
         if platform not in platforms:
-            return Availability(False, why=f"{version} does not support platform {platform!r} "
-                                f"(supports: {', '.join(platforms)})")
+            return Availability(
+                False,
+                why=f"{version} does not support platform {platform!r} (supports: {', '.join(platforms)})",
+            )
         failure = _probe_run(exe, (f"--platform={platform}", *self.runsc_flags))
         if failure:
             return Availability(False, why=f"runsc ({platform}) cannot start a sandbox here: {failure}")
         limits = "no limits (--ignore-cgroups)" if self._ignore_cgroups() else "limits: runsc cgroup"
-        return Availability(True, detail=f"{version} at {exe}; platform {platform} "
-                            f"(available: {', '.join(platforms)}); {limits}")
+        return Availability(
+            True,
+            detail=f"{version} at {exe}; platform {platform} (available: {', '.join(platforms)}); {limits}",
+        )
 
     def _global_flags(self, sandbox: Path | None = None, network: bool = False) -> list[str]:
-        flags = [f"--root={self.state / 'runsc-root'}", f"--platform={self._platform()}",
-                 "--network=sandbox" if network else "--network=none"]
+        flags = [
+            f"--root={self.state / 'runsc-root'}",
+            f"--platform={self._platform()}",
+            "--network=sandbox" if network else "--network=none",
+        ]
         if self._ignore_cgroups():
             flags.append("--ignore-cgroups")
         if self.debug and sandbox is not None:
@@ -210,8 +241,13 @@ class GVisorRuntime(LocalChildRuntime):
 
     def _runsc(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
         exe = self._binary() or self.runsc
-        return subprocess.run([exe, *self._global_flags(), *args], capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [exe, *self._global_flags(), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def egress_support(self) -> str:
         why = super().egress_support() or self.availability().why
@@ -234,7 +270,12 @@ class GVisorRuntime(LocalChildRuntime):
         mounts: list[dict[str, Any]] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
         ]
         for dst in lay.tmpfs:
             opts = ["nosuid", "nodev", "mode=1777"]
@@ -274,8 +315,10 @@ class GVisorRuntime(LocalChildRuntime):
             "mounts": mounts,
             "annotations": {LABEL_PREFIX + k: v for k, v in spec.labels.items()},
             "linux": {
-                "namespaces": [{"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network" else {})}
-                               for t in ("pid", "network", "ipc", "uts", "mount")],
+                "namespaces": [
+                    {"type": t, **({"path": f"/run/netns/{netns}"} if netns and t == "network" else {})}
+                    for t in ("pid", "network", "ipc", "uts", "mount")
+                ],
                 "resources": resources,
                 "cgroupsPath": f"/{_cgroup.PARENT}/{self._cgroup_name(spec.sandbox_id)}",
             },
@@ -308,15 +351,25 @@ class GVisorRuntime(LocalChildRuntime):
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None), indent=1))
         exe = self._binary() or self.runsc
-        argv = [exe, *self._global_flags(sandbox, network=net is not None), "run", f"--bundle={bundle}",
-                spec.sandbox_id]
+        argv = [
+            exe,
+            *self._global_flags(sandbox, network=net is not None),
+            "run",
+            f"--bundle={bundle}",
+            spec.sandbox_id,
+        ]
         if net is not None:
             argv = netns_argv(net.netns, argv)
         # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
         secrets = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in spec.secret_env.items())
-        return Prepared(argv=argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd=str(sandbox),
-                        extra={"bundle": str(bundle)}, host_limits=False,
-                        stdin_data=secrets.encode() if secrets else None)
+        return Prepared(
+            argv=argv,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            cwd=str(sandbox),
+            extra={"bundle": str(bundle)},
+            host_limits=False,
+            stdin_data=secrets.encode() if secrets else None,
+        )
 
     def _before_start(self, spec: LaunchSpec) -> None:
         if self._ignore_cgroups():
@@ -334,9 +387,13 @@ class GVisorRuntime(LocalChildRuntime):
     def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
         if code == _RUNSC_FAILED and _runsc_failed(self.logs(handle, tail=20)):
             # runsc could not create the sandbox at all (bad mount, cgroup refused ...).
-            return SandboxStatus("failed", reason="runsc failed to start the sandbox: "
-                                 + self.logs(handle, tail=5).strip(), exit_code=code,
-                                 unstartable=True, infrastructure=True)
+            return SandboxStatus(
+                "failed",
+                reason="runsc failed to start the sandbox: " + self.logs(handle, tail=5).strip(),
+                exit_code=code,
+                unstartable=True,
+                infrastructure=True,
+            )
         return None
 
     def _teardown(self, sandbox_id: str, record: SandboxRecord | None, exit_code: int | None) -> None:
@@ -365,8 +422,11 @@ class GVisorRuntime(LocalChildRuntime):
         n = super().sweep(labels)
         # Containers with no record left (state dir cleaned by hand, crash mid-launch).
         for c in self.containers():
-            have = {k[len(LABEL_PREFIX):]: v for k, v in (c.get("annotations") or {}).items()
-                    if k.startswith(LABEL_PREFIX)}
+            have = {
+                k[len(LABEL_PREFIX) :]: v
+                for k, v in (c.get("annotations") or {}).items()
+                if k.startswith(LABEL_PREFIX)
+            }
             if labels_match(have, labels):
                 self._destroy(c["id"])
                 n += 1
@@ -382,11 +442,21 @@ def netns_argv(netns: str, argv: list[str]) -> list[str]:
     (google/gvisor#10704). So: a private mount namespace where that directory is an
     empty tmpfs (see docs/security.md)."""
     # nsenter, not `ip netns exec`: that one remounts /sys, hiding the cgroup tree runsc needs.
-    return ["nsenter", f"--net=/run/netns/{netns}", "unshare", "--mount", "sh", "-c",
-            'mount -t tmpfs none /proc/sys/net/core && exec "$@"', "sh", *argv]
+    return [
+        "nsenter",
+        f"--net=/run/netns/{netns}",
+        "unshare",
+        "--mount",
+        "sh",
+        "-c",
+        'mount -t tmpfs none /proc/sys/net/core && exec "$@"',
+        "sh",
+        *argv,
+    ]
 
 
 def _runsc_failed(log: str) -> bool:
-    return any(line.startswith(("running container:", "creating container:")) or "runsc" in line
-               for line in log.splitlines()[-5:])
-
+    return any(
+        line.startswith(("running container:", "creating container:")) or "runsc" in line
+        for line in log.splitlines()[-5:]
+    )

@@ -50,7 +50,9 @@ class ProcessRuntime(LocalChildRuntime):
         home.mkdir()
         conduit_host_dir(spec)  # create the node directory; the guest sees host paths as they are
         env = sandbox_env(
-            spec, home=str(home), path=f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin",
+            spec,
+            home=str(home),
+            path=f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin",
             pythonpath=str(guest_runner_dir().parent),
             overrides={"RESOLUTO_WORKSPACE_DIR": str(workspace)},
         )

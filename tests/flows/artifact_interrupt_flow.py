@@ -43,8 +43,15 @@ def on_sigint(signum: int, frame: Any) -> None:
 trm._publish_artifact = held_publish
 
 
-@flow(task_runner=ResolutoTaskRunner(runtime="process", min_isolation="none", warm_pool=0,
-                                     conduit=os.environ["RESOLUTO_TEST_CONDUIT"], workspace=Path(__file__).parent))
+@flow(
+    task_runner=ResolutoTaskRunner(
+        runtime="process",
+        min_isolation="none",
+        warm_pool=0,
+        conduit=os.environ["RESOLUTO_TEST_CONDUIT"],
+        workspace=Path(__file__).parent,
+    )
+)
 def interrupted_with_a_pending_artifact() -> None:
     fut = sf.square.submit(3)
     assert fut.result() == 9

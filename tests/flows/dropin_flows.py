@@ -68,7 +68,9 @@ def context_probe() -> dict:
 
     return {
         "tags": sorted(TagsContext.get().current_tags),
-        "task_run": {k: getattr(task_run, k) for k in ("id", "name", "task_name", "run_count", "parameters", "tags")},
+        "task_run": {
+            k: getattr(task_run, k) for k in ("id", "name", "task_name", "run_count", "parameters", "tags")
+        },
         "flow_run": {k: getattr(flow_run, k) for k in ("id", "name", "flow_name", "tags", "parameters")},
         "deployment": {k: getattr(deployment, k) for k in ("id", "name")},
         "real_prefect_loaded": type(sys.modules["prefect"]).__name__ == "module",

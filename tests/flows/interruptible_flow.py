@@ -16,9 +16,14 @@ def _warm_pool() -> int | None:
     return int(value) if value else None
 
 
-@flow(task_runner=ResolutoTaskRunner(runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
-                                     conduit=os.environ["RESOLUTO_TEST_CONDUIT"], workspace=Path(__file__).parent,
-                                     warm_pool=_warm_pool()))
+@flow(
+    task_runner=ResolutoTaskRunner(
+        runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
+        conduit=os.environ["RESOLUTO_TEST_CONDUIT"],
+        workspace=Path(__file__).parent,
+        warm_pool=_warm_pool(),
+    )
+)
 def long_running() -> list[str]:
     return [f.result() for f in sf.sleeper.map([300, 300])]
 

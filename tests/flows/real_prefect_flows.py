@@ -18,8 +18,13 @@ from prefect import runtime, task
 def context_probe_real() -> dict:
     return {
         "tags": sorted(TagsContext.get().current_tags),
-        "task_run": {k: getattr(runtime.task_run, k) for k in ("id", "name", "task_name", "run_count", "parameters", "tags")},
-        "flow_run": {k: getattr(runtime.flow_run, k) for k in ("id", "name", "flow_name", "tags", "parameters")},
+        "task_run": {
+            k: getattr(runtime.task_run, k)
+            for k in ("id", "name", "task_name", "run_count", "parameters", "tags")
+        },
+        "flow_run": {
+            k: getattr(runtime.flow_run, k) for k in ("id", "name", "flow_name", "tags", "parameters")
+        },
         "deployment": {k: getattr(runtime.deployment, k) for k in ("id", "name")},
         "real_prefect_loaded": type(sys.modules["prefect"]).__name__ == "module",
     }

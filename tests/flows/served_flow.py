@@ -28,12 +28,15 @@ def _warm_pool() -> int | None:
     return int(value) if value else None
 
 
-@flow(name="served-sandboxed", task_runner=ResolutoTaskRunner(
-    runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
-    conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
-    workspace=Path(__file__).parent,
-    warm_pool=_warm_pool(),
-))
+@flow(
+    name="served-sandboxed",
+    task_runner=ResolutoTaskRunner(
+        runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
+        conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
+        workspace=Path(__file__).parent,
+        warm_pool=_warm_pool(),
+    ),
+)
 def served_sandboxed(count: int = 2, linger: float = 0.0) -> list[str]:
     return [f.result() for f in where_am_i.map(range(count), linger=linger)]
 

@@ -69,7 +69,10 @@ def where_am_i(marker: str = "hello") -> dict:
     facts = _facts(marker)
     print(f"plain stdout from the flow: {marker}", flush=True)
     # A flow printing its secrets: the sandbox's events carry them redacted.
-    print(f"secrets: {os.environ.get('WORKER_TEST_SECRET')} {os.environ.get('WORKER_TEST_BLOCK_SECRET')}", flush=True)
+    print(
+        f"secrets: {os.environ.get('WORKER_TEST_SECRET')} {os.environ.get('WORKER_TEST_BLOCK_SECRET')}",
+        flush=True,
+    )
     get_run_logger().info("FACTS %s", json.dumps(facts))
     return facts
 

@@ -40,8 +40,9 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 class KubernetesApiError(RuntimeError):
     """The API server refused or failed a request; the message says what to do."""
 
-    def __init__(self, message: str, *, status: int | None = None, verb: str = "",
-                 resource: str = "") -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, verb: str = "", resource: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.verb = verb
@@ -55,11 +56,21 @@ class KubernetesConfigError(RuntimeUnavailable):
 class KubernetesApi:
     """A lazily made, pinned connection to one cluster's API for one namespace."""
 
-    def __init__(self, *, namespace: str, context: str | None = None, kubeconfig: str | None = None,
-                 allow_ambient_context: bool = False, in_cluster: bool | None = None,
-                 runtime_class: str = "", retries: int = 5, retry_base_s: float = 0.25,
-                 request_timeout_s: float = 30.0, api_client: Any = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        context: str | None = None,
+        kubeconfig: str | None = None,
+        allow_ambient_context: bool = False,
+        in_cluster: bool | None = None,
+        runtime_class: str = "",
+        retries: int = 5,
+        retry_base_s: float = 0.25,
+        request_timeout_s: float = 30.0,
+        api_client: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.namespace = namespace
         self.context = context
         self.kubeconfig = kubeconfig
@@ -110,8 +121,9 @@ class KubernetesApi:
         have_kubeconfig = any(p.is_file() for p in paths)
         in_cluster = self.in_cluster
         if in_cluster is None:
-            in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not have_kubeconfig \
-                and not self.context
+            in_cluster = (
+                bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not have_kubeconfig and not self.context
+            )
         if in_cluster:
             cfg = self._configuration()
             try:
@@ -150,8 +162,9 @@ class KubernetesApi:
             )
         cfg = self._configuration()
         try:
-            config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg,
-                                    persist_config=False)  # type: ignore[no-untyped-call]
+            config.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False
+            )  # type: ignore[no-untyped-call]
         except (ConfigException, OSError, ValueError) as e:
             raise KubernetesConfigError(f"kube context {context!r} unusable: {e}") from e
         pinned = "pinned" if self.context else "AMBIENT (RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT=1)"
@@ -159,8 +172,10 @@ class KubernetesApi:
         if self.context:
             logger.info("kubernetes runtime: %s, namespace %s", self.target, self.namespace)
         else:
-            logger.warning("kubernetes runtime: %s -- an unpinned context can launch pods on the wrong "
-                           "cluster", self.target)
+            logger.warning(
+                "kubernetes runtime: %s -- an unpinned context can launch pods on the wrong cluster",
+                self.target,
+            )
         return client.ApiClient(configuration=cfg)
 
     @staticmethod
@@ -175,8 +190,16 @@ class KubernetesApi:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def call(self, verb: str, resource: str, name: str, fn: Callable[[], _T], *,
-             retry: bool = True, on_conflict: Callable[[], _T | None] | None = None) -> _T:
+    def call(
+        self,
+        verb: str,
+        resource: str,
+        name: str,
+        fn: Callable[[], _T],
+        *,
+        retry: bool = True,
+        on_conflict: Callable[[], _T | None] | None = None,
+    ) -> _T:
         """Run one API request; 5xx/429/connection errors are retried when ``retry``.
 
         ``on_conflict`` makes a create idempotent: after a retried create answers 409, it
@@ -210,7 +233,8 @@ class KubernetesApi:
                 raise KubernetesApiError(
                     f"cannot reach the Kubernetes API server ({self.target or 'not connected'}) to "
                     f"{verb} {where} in namespace {self.namespace!r} after {attempt} attempt(s): {e}",
-                    verb=verb, resource=resource,
+                    verb=verb,
+                    resource=resource,
                 ) from e
         raise KubernetesApiError(f"{verb} {where}: gave up: {last}", verb=verb, resource=resource)
 
@@ -222,8 +246,8 @@ class KubernetesApi:
         fn: Callable[[], Any]
         if resource == "pods":
             fn = lambda: core.delete_namespaced_pod(  # noqa: E731
-                name, ns, grace_period_seconds=grace_s, propagation_policy="Background",
-                _request_timeout=t)
+                name, ns, grace_period_seconds=grace_s, propagation_policy="Background", _request_timeout=t
+            )
         elif resource == "secrets":
             fn = lambda: core.delete_namespaced_secret(name, ns, _request_timeout=t)  # noqa: E731
         else:
@@ -255,31 +279,46 @@ class KubernetesApi:
         ns = self.namespace
         what = f"{resource}/{name}" if name else resource
         if status == 401:
-            msg = (f"the Kubernetes API server ({self.target}) rejected the credentials (401 Unauthorized): "
-                   f"{server}. Refresh the kubeconfig's credentials for this context.")
+            msg = (
+                f"the Kubernetes API server ({self.target}) rejected the credentials (401 Unauthorized): "
+                f"{server}. Refresh the kubeconfig's credentials for this context."
+            )
         elif status == 403 and re.search(r"cannot \S+ resource", server):
             rbac_verb = "get" if verb == "read logs of" else verb
             rbac_res = "pods/log" if verb == "read logs of" else resource
-            msg = (f"RBAC: cannot {rbac_verb} {rbac_res} in namespace {ns!r} (403 Forbidden): {server}. "
-                   f"Grant the identity of {self.target or 'this client'} the verb {rbac_verb!r} on "
-                   f"{rbac_res!r} in that namespace (see docs/backends.md, 'RBAC').")
+            msg = (
+                f"RBAC: cannot {rbac_verb} {rbac_res} in namespace {ns!r} (403 Forbidden): {server}. "
+                f"Grant the identity of {self.target or 'this client'} the verb {rbac_verb!r} on "
+                f"{rbac_res!r} in that namespace (see docs/backends.md, 'RBAC')."
+            )
         elif status == 403:
-            msg = (f"the cluster refused to {verb} {what} in namespace {ns!r} (403 Forbidden, an admission "
-                   f"policy rather than RBAC): {server}" + (
-                       f". Check that the RuntimeClass {self.runtime_class!r} exists "
-                       "(kubectl get runtimeclass)" if "RuntimeClass" in server else ""))
+            msg = (
+                f"the cluster refused to {verb} {what} in namespace {ns!r} (403 Forbidden, an admission "
+                f"policy rather than RBAC): {server}"
+                + (
+                    f". Check that the RuntimeClass {self.runtime_class!r} exists (kubectl get runtimeclass)"
+                    if "RuntimeClass" in server
+                    else ""
+                )
+            )
         elif status == 404 and verb in ("create", "list"):
-            msg = (f"cannot {verb} {resource} in namespace {ns!r}: {server}. Create the namespace first "
-                   f"(kubectl create namespace {ns}) or set namespace=/RESOLUTO_SANDBOX_NAMESPACE.")
+            msg = (
+                f"cannot {verb} {resource} in namespace {ns!r}: {server}. Create the namespace first "
+                f"(kubectl create namespace {ns}) or set namespace=/RESOLUTO_SANDBOX_NAMESPACE."
+            )
         elif status == 409:
-            msg = (f"cannot {verb} {what} in namespace {ns!r}: an object with that name already exists "
-                   f"(409 Conflict: {server}). Sandbox names carry a random suffix, so this is another "
-                   "writer using the same name; nothing of it was changed.")
+            msg = (
+                f"cannot {verb} {what} in namespace {ns!r}: an object with that name already exists "
+                f"(409 Conflict: {server}). Sandbox names carry a random suffix, so this is another "
+                "writer using the same name; nothing of it was changed."
+            )
         elif status == 422:
             msg = f"the API server rejected {what} as invalid (422): {server}"
         elif status in RETRYABLE_STATUS:
-            msg = (f"the Kubernetes API server kept failing to {verb} {what} in namespace {ns!r}: "
-                   f"{status} {server} (gave up after {attempts} attempt(s))")
+            msg = (
+                f"the Kubernetes API server kept failing to {verb} {what} in namespace {ns!r}: "
+                f"{status} {server} (gave up after {attempts} attempt(s))"
+            )
         else:
             msg = f"cannot {verb} {what} in namespace {ns!r}: {status} {server}"
         return KubernetesApiError(msg, status=status, verb=verb, resource=resource)

@@ -43,8 +43,14 @@ METADATA_V6 = ipaddress.ip_network("fd00:ec2::254/128")
 #: Never reachable through ``public_https``: private, shared, loopback, link-local.
 NON_PUBLIC_V4 = tuple(
     ipaddress.ip_network(c)
-    for c in ("10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-              "192.168.0.0/16")
+    for c in (
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+    )
 )
 # Credentials the pod must never receive as literals: the store's come from a Secret.
 STORE_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -172,15 +178,18 @@ def parse_egress_entry(entry: str) -> dict[str, Any]:
     return rule
 
 
-def egress_rules(allowlist: Sequence[str], store_nets: Sequence[IPNetwork], store_port: int,
-                 dns_cidr: str) -> list[dict[str, Any]]:
+def egress_rules(
+    allowlist: Sequence[str], store_nets: Sequence[IPNetwork], store_port: int, dns_cidr: str
+) -> list[dict[str, Any]]:
     """DNS, the object store, then the node's own allowlist -- nothing else leaves the pod."""
     dns_block = ip_block(parse_network(dns_cidr))
     rules: list[dict[str, Any]] = [
         {
             "to": [
-                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                 "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}},
+                {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                },
                 {"ipBlock": dns_block},
             ],
             "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
@@ -239,9 +248,18 @@ class PodSettings:
     minted_store_credentials: bool = False
 
 
-def build_manifests(spec: LaunchSpec, settings: PodSettings, *, name: str, token: str, image: str,
-                    bundle: tuple[str, str] | None, store_nets: Sequence[IPNetwork], store_port: int,
-                    secret_values: Mapping[str, str] | None = None) -> Manifests:
+def build_manifests(
+    spec: LaunchSpec,
+    settings: PodSettings,
+    *,
+    name: str,
+    token: str,
+    image: str,
+    bundle: tuple[str, str] | None,
+    store_nets: Sequence[IPNetwork],
+    store_port: int,
+    secret_values: Mapping[str, str] | None = None,
+) -> Manifests:
     """NetworkPolicy, Secret (only when there are secrets) and Pod for ``spec``.
 
     ``bundle`` is the guest bundle's (key, sha256) when the pod bootstraps the guest runner
@@ -267,8 +285,11 @@ def build_manifests(spec: LaunchSpec, settings: PodSettings, *, name: str, token
     secret_data = {k: v for k, v in spec.secret_env.items() if k not in STORE_CREDENTIAL_VARS}
     withheld = sorted(k for k in STORE_CREDENTIAL_VARS if k in spec.env or k in spec.secret_env)
     if withheld:
-        logger.debug("kubernetes runtime: %s withheld from the pod; store credentials come from "
-                     "store_credentials_secret / store_role_arn", ", ".join(withheld))
+        logger.debug(
+            "kubernetes runtime: %s withheld from the pod; store credentials come from "
+            "store_credentials_secret / store_role_arn",
+            ", ".join(withheld),
+        )
     if secret_values is not None:
         secret_data = {k: secret_values.get(k, "") for k in secret_data}
     store_refs: dict[str, tuple[str, str, bool]] = {}
@@ -377,8 +398,12 @@ def build_manifests(spec: LaunchSpec, settings: PodSettings, *, name: str, token
     policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {"name": name, "namespace": ns, "labels": dict(labels),
-                     "annotations": {TOKEN_ANNOTATION: token}},
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": dict(labels),
+            "annotations": {TOKEN_ANNOTATION: token},
+        },
         "spec": {
             "podSelector": {"matchLabels": {SANDBOX_LABEL: name}},
             "policyTypes": ["Ingress", "Egress"],
@@ -393,9 +418,15 @@ def build_manifests(spec: LaunchSpec, settings: PodSettings, *, name: str, token
             "kind": "Secret",
             "type": "Opaque",
             "immutable": True,
-            "metadata": {"name": name, "namespace": ns, "labels": dict(labels),
-                         "annotations": {TOKEN_ANNOTATION: token,
-                                         "resoluto.io/minted-store-credentials": str(minted).lower()}},
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "labels": dict(labels),
+                "annotations": {
+                    TOKEN_ANNOTATION: token,
+                    "resoluto.io/minted-store-credentials": str(minted).lower(),
+                },
+            },
             "data": {k: base64.b64encode(str(v).encode()).decode() for k, v in sorted(secret_data.items())},
         }
     return Manifests(name=name, namespace=ns, token=token, network_policy=policy, pod=pod, secret=secret)

@@ -33,8 +33,9 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def render_documents(spec: LaunchSpec, runtime: KubernetesRuntime | None = None, *,
-                     name: str | None = None, **options: Any) -> list[dict[str, Any]]:
+def render_documents(
+    spec: LaunchSpec, runtime: KubernetesRuntime | None = None, *, name: str | None = None, **options: Any
+) -> list[dict[str, Any]]:
     """NetworkPolicy, Secret (placeholders for values) and Pod for ``spec``, in creation order.
 
     ``options`` build a :class:`KubernetesRuntime` when ``runtime`` is not given. Nothing
@@ -57,23 +58,34 @@ def render_documents(spec: LaunchSpec, runtime: KubernetesRuntime | None = None,
 
 
 def to_yaml(documents: Sequence[Mapping[str, Any]], header: str = "") -> str:
-    body = yaml.dump_all([dict(d) for d in documents], Dumper=_Dumper, sort_keys=False,
-                         default_flow_style=False, width=110, explicit_start=True)
+    body = yaml.dump_all(
+        [dict(d) for d in documents],
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        width=110,
+        explicit_start=True,
+    )
     return header + body
 
 
-def render_yaml(spec: LaunchSpec, runtime: KubernetesRuntime | None = None, *, name: str | None = None,
-                **options: Any) -> str:
+def render_yaml(
+    spec: LaunchSpec, runtime: KubernetesRuntime | None = None, *, name: str | None = None, **options: Any
+) -> str:
     """:func:`render_documents` as a multi-document YAML string with an explanatory header."""
     docs = render_documents(spec, runtime, name=name, **options)
-    lines = ["# Rendered by prefect-resoluto: the objects the kubernetes runtime creates for one node,",
-             "# in creation order. Secret values are placeholders; fill them in before applying."]
+    lines = [
+        "# Rendered by prefect-resoluto: the objects the kubernetes runtime creates for one node,",
+        "# in creation order. Secret values are placeholders; fill them in before applying.",
+    ]
     pod_env = docs[-1]["spec"]["containers"][0].get("env") or []
     bundle = next((e.get("value") for e in pod_env if e.get("name") == ENV_BUNDLE_KEY), None)
     if bundle:
-        lines += ["# The pod starts the guest runner from the conduit object",
-                  f"#   {bundle}",
-                  "# which a real run uploads first (prefect_resoluto.guest_bundle.build_guest_bundle);",
-                  "# upload it yourself when applying by hand, or use an image with the runner",
-                  "# built in (images/Dockerfile) and guest_source='image'."]
+        lines += [
+            "# The pod starts the guest runner from the conduit object",
+            f"#   {bundle}",
+            "# which a real run uploads first (prefect_resoluto.guest_bundle.build_guest_bundle);",
+            "# upload it yourself when applying by hand, or use an image with the runner",
+            "# built in (images/Dockerfile) and guest_source='image'.",
+        ]
     return to_yaml(docs, "\n".join(lines) + "\n")

@@ -172,7 +172,8 @@ class KubernetesRuntime(SandboxRuntime):
         self.context = context if context is not None else (env.get("RESOLUTO_SANDBOX_KUBECONTEXT") or None)
         self.kubeconfig = kubeconfig
         self.allow_ambient_context = (
-            allow_ambient_context if allow_ambient_context is not None
+            allow_ambient_context
+            if allow_ambient_context is not None
             else env.get("RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT") == "1"
         )
         self.in_cluster = in_cluster
@@ -212,10 +213,16 @@ class KubernetesRuntime(SandboxRuntime):
         self._clock: Callable[[], float] = time.monotonic
         self._sleep: Callable[[float], None] = time.sleep
         self._api = KubernetesApi(
-            namespace=self.namespace, context=self.context, kubeconfig=kubeconfig,
-            allow_ambient_context=self.allow_ambient_context, in_cluster=in_cluster,
-            runtime_class=runtime_class, retries=self.api_retries, retry_base_s=self.api_retry_base_s,
-            request_timeout_s=self.request_timeout_s, api_client=api_client,
+            namespace=self.namespace,
+            context=self.context,
+            kubeconfig=kubeconfig,
+            allow_ambient_context=self.allow_ambient_context,
+            in_cluster=in_cluster,
+            runtime_class=runtime_class,
+            retries=self.api_retries,
+            retry_base_s=self.api_retry_base_s,
+            request_timeout_s=self.request_timeout_s,
+            api_client=api_client,
             sleep=lambda seconds: self._sleep(seconds),
         )
 
@@ -229,23 +236,39 @@ class KubernetesRuntime(SandboxRuntime):
         api = self._api
         try:
             core = api.core()
-            api.call("list", "pods", "", lambda: core.list_namespaced_pod(
-                self.namespace, limit=1, _request_timeout=api.timeout()))
+            api.call(
+                "list",
+                "pods",
+                "",
+                lambda: core.list_namespaced_pod(self.namespace, limit=1, _request_timeout=api.timeout()),
+            )
             # A real server lists an absent namespace as empty (200); a dry-run create says 404
             # (and that this identity may create what a launch creates first). Nothing is stored.
-            probe = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                     "metadata": {"generateName": "resoluto-availability-"},
-                     "spec": {"podSelector": {"matchLabels": {SANDBOX_LABEL: "availability-probe"}},
-                              "policyTypes": ["Ingress"]}}
+            probe = {
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "NetworkPolicy",
+                "metadata": {"generateName": "resoluto-availability-"},
+                "spec": {
+                    "podSelector": {"matchLabels": {SANDBOX_LABEL: "availability-probe"}},
+                    "policyTypes": ["Ingress"],
+                },
+            }
             net = api.net()
-            api.call("create", "networkpolicies", "", lambda: net.create_namespaced_network_policy(
-                self.namespace, probe, dry_run="All", _request_timeout=api.timeout()))
+            api.call(
+                "create",
+                "networkpolicies",
+                "",
+                lambda: net.create_namespaced_network_policy(
+                    self.namespace, probe, dry_run="All", _request_timeout=api.timeout()
+                ),
+            )
         except (KubernetesConfigError, KubernetesApiError) as e:
             return Availability(False, str(e))
         except Exception as e:  # anything else: report, never raise from a probe
             return Availability(False, f"{type(e).__name__}: {e}")
-        return Availability(True, detail=f"{api.target}, namespace {self.namespace!r}, "
-                                         f"RuntimeClass {self.runtime_class!r}")
+        return Availability(
+            True, detail=f"{api.target}, namespace {self.namespace!r}, RuntimeClass {self.runtime_class!r}"
+        )
 
     def _core(self) -> Any:
         """The cluster connection's ``CoreV1Api`` (connecting on first use)."""
@@ -281,15 +304,15 @@ class KubernetesRuntime(SandboxRuntime):
         if spec.conduit_root is not None or kind == "localfs":
             raise LaunchError(self._local_conduit_message("local (filesystem)"))
         if kind != "s3":
-            raise LaunchError(f"the kubernetes runtime needs RESOLUTO_STORE_KIND=s3 in the node's "
-                              f"environment, got {kind!r}")
+            raise LaunchError(
+                f"the kubernetes runtime needs RESOLUTO_STORE_KIND=s3 in the node's environment, got {kind!r}"
+            )
         for var in ("RESOLUTO_STORE_BUCKET", "RESOLUTO_RUN_ID", "RESOLUTO_NODE_ID"):
             if not spec.env.get(var):
                 raise LaunchError(f"the node's environment lacks {var}")
         for var in list(spec.env) + list(spec.secret_env):
             if not ENV_NAME.match(var):
                 raise LaunchError(f"{var!r} is not a valid environment variable name for a pod")
-
 
     # -- what the pod is made of --------------------------------------------------------------
 
@@ -303,18 +326,30 @@ class KubernetesRuntime(SandboxRuntime):
     def pod_settings(self) -> PodSettings:
         """This runtime's options as :func:`~.manifests.build_manifests` takes them."""
         return PodSettings(
-            namespace=self.namespace, runtime_class=self.runtime_class,
-            image_pull_policy=self.image_pull_policy, service_account=self.service_account,
-            priority_class=self.priority_class, node_selector=dict(self.node_selector),
-            tolerations=[dict(t) for t in self.tolerations], run_as_user=self.run_as_user,
+            namespace=self.namespace,
+            runtime_class=self.runtime_class,
+            image_pull_policy=self.image_pull_policy,
+            service_account=self.service_account,
+            priority_class=self.priority_class,
+            node_selector=dict(self.node_selector),
+            tolerations=[dict(t) for t in self.tolerations],
+            run_as_user=self.run_as_user,
             read_only_root_filesystem=self.read_only_root_filesystem,
-            termination_grace_s=self.delete_grace_s, dns_cidr=self.dns_cidr,
+            termination_grace_s=self.delete_grace_s,
+            dns_cidr=self.dns_cidr,
             store_credentials_secret=self.store_credentials_secret,
             minted_store_credentials=bool(self.store_role_arn),
         )
 
-    def manifests(self, spec: LaunchSpec, *, name: str | None = None, token: str | None = None,
-                  secret_values: Mapping[str, str] | None = None, upload_bundle: bool = False) -> Manifests:
+    def manifests(
+        self,
+        spec: LaunchSpec,
+        *,
+        name: str | None = None,
+        token: str | None = None,
+        secret_values: Mapping[str, str] | None = None,
+        upload_bundle: bool = False,
+    ) -> Manifests:
         """Render NetworkPolicy, Secret and Pod for ``spec`` without touching a cluster.
 
         ``secret_values`` replaces the node's secret values (rendering passes placeholders).
@@ -334,21 +369,36 @@ class KubernetesRuntime(SandboxRuntime):
         if not spec.command and self.guest_source == "bundle":
             bundle = self._bundle_cache.for_spec(spec, upload=upload_bundle)
         store_nets, store_port = self._store_egress(spec)
-        return build_manifests(spec, self.pod_settings(), name=name, token=token, image=image, bundle=bundle,
-                               store_nets=store_nets, store_port=store_port, secret_values=secret_values)
+        return build_manifests(
+            spec,
+            self.pod_settings(),
+            name=name,
+            token=token,
+            image=image,
+            bundle=bundle,
+            store_nets=store_nets,
+            store_port=store_port,
+            secret_values=secret_values,
+        )
 
     def _mint_store_credentials(self, spec: LaunchSpec, name: str) -> dict[str, str]:
         bucket = spec.env["RESOLUTO_STORE_BUCKET"]
         prefix = spec.env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
-            spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"])
+            spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"]
+        )
         read_only = []
         if self.guest_source == "bundle" and not spec.command:
             key, _ = self._bundle_cache.for_spec(spec, upload=False)
             read_only.append(key)
         return mint_node_credentials(
-            role_arn=self.store_role_arn, bucket=bucket, prefix=prefix.strip("/"), session_name=name,
-            ttl_s=self.store_credentials_ttl_s, sts_endpoint=self.store_sts_endpoint,
-            region=spec.env.get("RESOLUTO_STORE_REGION"), read_only_keys=read_only,
+            role_arn=self.store_role_arn,
+            bucket=bucket,
+            prefix=prefix.strip("/"),
+            session_name=name,
+            ttl_s=self.store_credentials_ttl_s,
+            sts_endpoint=self.store_sts_endpoint,
+            region=spec.env.get("RESOLUTO_STORE_REGION"),
+            read_only_keys=read_only,
         )
 
     # -- launch -----------------------------------------------------------------------------
@@ -368,25 +418,49 @@ class KubernetesRuntime(SandboxRuntime):
         m = self.manifests(spec, name=name, token=token, secret_values=secret_values, upload_bundle=True)
         ns, t = self.namespace, api.timeout()
         handle = SandboxHandle(
-            id=f"{ns}/{name}", runtime=self.name, labels=dict(spec.labels),
-            data={"namespace": ns, "name": name, "token": token, "secret": m.secret is not None,
-                  "memory_limit": (m.pod["spec"]["containers"][0].get("resources") or {})
-                  .get("limits", {}).get("memory")},
+            id=f"{ns}/{name}",
+            runtime=self.name,
+            labels=dict(spec.labels),
+            data={
+                "namespace": ns,
+                "name": name,
+                "token": token,
+                "secret": m.secret is not None,
+                "memory_limit": (m.pod["spec"]["containers"][0].get("resources") or {})
+                .get("limits", {})
+                .get("memory"),
+            },
         )
         created: list[str] = []
         try:
-            api.call("create", "networkpolicies", name, lambda: net.create_namespaced_network_policy(
-                ns, m.network_policy, field_validation="Strict", _request_timeout=t),
-                on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token))
+            api.call(
+                "create",
+                "networkpolicies",
+                name,
+                lambda: net.create_namespaced_network_policy(
+                    ns, m.network_policy, field_validation="Strict", _request_timeout=t
+                ),
+                on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token),
+            )
             created.append("networkpolicies")
             if m.secret is not None:
-                api.call("create", "secrets", name, lambda: core.create_namespaced_secret(
-                    ns, m.secret, field_validation="Strict", _request_timeout=t),
-                    on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token))
+                api.call(
+                    "create",
+                    "secrets",
+                    name,
+                    lambda: core.create_namespaced_secret(
+                        ns, m.secret, field_validation="Strict", _request_timeout=t
+                    ),
+                    on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token),
+                )
                 created.append("secrets")
-            pod = api.call("create", "pods", name, lambda: core.create_namespaced_pod(
-                ns, m.pod, field_validation="Strict", _request_timeout=t),
-                on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token))
+            pod = api.call(
+                "create",
+                "pods",
+                name,
+                lambda: core.create_namespaced_pod(ns, m.pod, field_validation="Strict", _request_timeout=t),
+                on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token),
+            )
             created.append("pods")
             lost = weakened(pod, self.runtime_class, self.read_only_root_filesystem)
             if lost:
@@ -423,32 +497,59 @@ class KubernetesRuntime(SandboxRuntime):
     def _adopt(self, name: str, uid: str, created: list[str]) -> None:
         """Make the policy and Secret owned by the pod, so they are collected with it."""
         api = self._api
-        patch = {"metadata": {"ownerReferences": [{
-            "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False,
-        }]}}
+        patch = {
+            "metadata": {
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": name,
+                        "uid": uid,
+                        "blockOwnerDeletion": False,
+                    }
+                ]
+            }
+        }
         ns, t = self.namespace, api.timeout()
         ct = "application/merge-patch+json"
         core, net = api.core(), api.net()
         targets: list[tuple[str, Callable[[], Any]]] = [
-            ("networkpolicies", lambda: net.patch_namespaced_network_policy(
-                name, ns, patch, _content_type=ct, _request_timeout=t))]
+            (
+                "networkpolicies",
+                lambda: net.patch_namespaced_network_policy(
+                    name, ns, patch, _content_type=ct, _request_timeout=t
+                ),
+            )
+        ]
         if "secrets" in created:
-            targets.append(("secrets", lambda: core.patch_namespaced_secret(
-                name, ns, patch, _content_type=ct, _request_timeout=t)))
+            targets.append(
+                (
+                    "secrets",
+                    lambda: core.patch_namespaced_secret(
+                        name, ns, patch, _content_type=ct, _request_timeout=t
+                    ),
+                )
+            )
         for resource, fn in targets:
             try:
                 api.call("patch", resource, name, fn)
             except KubernetesApiError as e:
-                logger.warning("kubernetes runtime: %s/%s will not be garbage-collected with its pod (%s); "
-                               "destroy/sweep still delete it", resource, name, e)
+                logger.warning(
+                    "kubernetes runtime: %s/%s will not be garbage-collected with its pod (%s); "
+                    "destroy/sweep still delete it",
+                    resource,
+                    name,
+                    e,
+                )
 
     def _cleanup(self, name: str, created: list[str]) -> None:
         for resource in reversed(created):
             try:
                 self._api.delete(resource, name, grace_s=self.delete_grace_s)
             except Exception as e:  # best effort: the original error matters more
-                logger.warning("kubernetes runtime: could not remove %s/%s after a failed launch: %s",
-                               resource, name, e)
+                logger.warning(
+                    "kubernetes runtime: could not remove %s/%s after a failed launch: %s", resource, name, e
+                )
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -459,15 +560,24 @@ class KubernetesRuntime(SandboxRuntime):
         api = self._api
         core = api.core()
         try:
-            pod = api.call("get", "pods", name, lambda: core.read_namespaced_pod(
-                name, ns, _request_timeout=api.timeout()))
+            pod = api.call(
+                "get",
+                "pods",
+                name,
+                lambda: core.read_namespaced_pod(name, ns, _request_timeout=api.timeout()),
+            )
         except KubernetesApiError as e:
             if e.status != 404 or not isinstance(e.__cause__, ApiException):
                 raise
             return gone_status(ns, name, handle.data)
-        st = pod_status(pod, handle.data, clock=self._clock,
-                        unschedulable_patience_s=self.unschedulable_patience_s,
-                        runtime_class=self.runtime_class, store_credentials_secret=self.store_credentials_secret)
+        st = pod_status(
+            pod,
+            handle.data,
+            clock=self._clock,
+            unschedulable_patience_s=self.unschedulable_patience_s,
+            runtime_class=self.runtime_class,
+            store_credentials_secret=self.store_credentials_secret,
+        )
         remember_terminal(handle.data, st)
         return st
 
@@ -502,8 +612,10 @@ class KubernetesRuntime(SandboxRuntime):
         ns, t = self.namespace, api.timeout()
         listers: list[tuple[str, Callable[[], Any]]] = [
             ("pods", lambda: core.list_namespaced_pod(ns, label_selector=selector, _request_timeout=t)),
-            ("networkpolicies", lambda: net.list_namespaced_network_policy(
-                ns, label_selector=selector, _request_timeout=t)),
+            (
+                "networkpolicies",
+                lambda: net.list_namespaced_network_policy(ns, label_selector=selector, _request_timeout=t),
+            ),
             ("secrets", lambda: core.list_namespaced_secret(ns, label_selector=selector, _request_timeout=t)),
         ]
         pods: set[str] = set()
@@ -521,10 +633,18 @@ class KubernetesRuntime(SandboxRuntime):
         api = self._api
         core = api.core()
         try:
-            out = api.call("read logs of", "pods", name, lambda: core.read_namespaced_pod_log(
-                name, ns, container=CONTAINER_NAME, tail_lines=max(1, int(tail)),
-                _request_timeout=api.timeout()))
+            out = api.call(
+                "read logs of",
+                "pods",
+                name,
+                lambda: core.read_namespaced_pod_log(
+                    name,
+                    ns,
+                    container=CONTAINER_NAME,
+                    tail_lines=max(1, int(tail)),
+                    _request_timeout=api.timeout(),
+                ),
+            )
         except KubernetesApiError as e:
             return f"(no logs from pod {ns}/{name}: {e})"
         return out if isinstance(out, str) else str(out)
-

@@ -14,23 +14,52 @@ from prefect_resoluto.runtimes.base import SandboxStatus
 from prefect_resoluto.runtimes.kubernetes.manifests import CONTAINER_NAME
 
 #: Waiting reasons after which a container will never start without outside help.
-FATAL_WAITING_REASONS = frozenset({
-    "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull",
-    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
-    "CrashLoopBackOff", "PreCreateHookError", "PreStartHookError", "PostStartHookError",
-})
+FATAL_WAITING_REASONS = frozenset(
+    {
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+        "PreCreateHookError",
+        "PreStartHookError",
+        "PostStartHookError",
+    }
+)
 #: Pod-level reasons of a Failed pod that come from the node, not from the workload.
-INFRA_POD_REASONS = frozenset({
-    "Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Terminated", "UnexpectedAdmissionError",
-    "OutOfcpu", "OutOfmemory", "OutOfpods", "OutOfephemeral-storage", "NodeAffinity",
-    "DeadlineExceeded", "Preempting", "NodeAffinityFailed",
-})
+INFRA_POD_REASONS = frozenset(
+    {
+        "Evicted",
+        "NodeLost",
+        "Shutdown",
+        "NodeShutdown",
+        "Terminated",
+        "UnexpectedAdmissionError",
+        "OutOfcpu",
+        "OutOfmemory",
+        "OutOfpods",
+        "OutOfephemeral-storage",
+        "NodeAffinity",
+        "DeadlineExceeded",
+        "Preempting",
+        "NodeAffinityFailed",
+    }
+)
 _IMAGE_PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull")
 
 
-def pod_status(pod: Any, notes: MutableMapping[str, Any], *, clock: Callable[[], float],
-               unschedulable_patience_s: float, runtime_class: str,
-               store_credentials_secret: str | None = None) -> SandboxStatus:
+def pod_status(
+    pod: Any,
+    notes: MutableMapping[str, Any],
+    *,
+    clock: Callable[[], float],
+    unschedulable_patience_s: float,
+    runtime_class: str,
+    store_credentials_secret: str | None = None,
+) -> SandboxStatus:
     """The node's view of ``pod``; ``notes`` is the handle's data (read, and the unschedulable clock)."""
     ps = pod.status
     phase = (ps.phase if ps else None) or "Pending"
@@ -55,9 +84,10 @@ def pod_status(pod: Any, notes: MutableMapping[str, Any], *, clock: Callable[[],
     if waiting is not None and (waiting.reason or "") in FATAL_WAITING_REASONS:
         msg = waiting.message or ""
         return SandboxStatus(
-            "running" if phase == "Running" else "pending", unstartable=True,
-            reason=f"{waiting.reason}: {msg}".rstrip(": ") + waiting_hint(waiting.reason or "",
-                                                                          store_credentials_secret),
+            "running" if phase == "Running" else "pending",
+            unstartable=True,
+            reason=f"{waiting.reason}: {msg}".rstrip(": ")
+            + waiting_hint(waiting.reason or "", store_credentials_secret),
         )
 
     if phase == "Pending":
@@ -70,11 +100,12 @@ def pod_status(pod: Any, notes: MutableMapping[str, Any], *, clock: Callable[[],
             reason = f"Unschedulable: {unsched}"
             if waited >= unschedulable_patience_s:
                 return SandboxStatus(
-                    "pending", unstartable=True,
+                    "pending",
+                    unstartable=True,
                     reason=f"{reason} (no node accepted the pod for {waited:.0f}s, patience "
-                           f"{unschedulable_patience_s:.0f}s: check the RuntimeClass "
-                           f"{runtime_class!r} exists on some node, node selectors/taints and "
-                           "free capacity)",
+                    f"{unschedulable_patience_s:.0f}s: check the RuntimeClass "
+                    f"{runtime_class!r} exists on some node, node selectors/taints and "
+                    "free capacity)",
                 )
             return SandboxStatus("pending", reason=reason)
         why = (waiting.reason if waiting is not None else "") or pod_reason or "Pending"
@@ -87,7 +118,9 @@ def pod_status(pod: Any, notes: MutableMapping[str, Any], *, clock: Callable[[],
         return SandboxStatus("running", reason=reason)
 
     if phase == "Succeeded":
-        return SandboxStatus("succeeded", reason="Completed", exit_code=exit_code if exit_code is not None else 0)
+        return SandboxStatus(
+            "succeeded", reason="Completed", exit_code=exit_code if exit_code is not None else 0
+        )
 
     if phase == "Failed":
         t_reason = (terminated.reason if terminated is not None else "") or ""
@@ -95,29 +128,46 @@ def pod_status(pod: Any, notes: MutableMapping[str, Any], *, clock: Callable[[],
         if pod_reason in INFRA_POD_REASONS or disruption is not None:
             why = pod_reason or (disruption.reason if disruption is not None else "")
             msg = pod_message or (disruption.message if disruption is not None else "") or ""
-            return SandboxStatus("failed", reason=f"{why}: {msg}".rstrip(": "), exit_code=exit_code,
-                                 infrastructure=True)
+            return SandboxStatus(
+                "failed", reason=f"{why}: {msg}".rstrip(": "), exit_code=exit_code, infrastructure=True
+            )
         if t_reason == "OOMKilled":
             limit = notes.get("memory_limit")
             lim = f" of {limit} bytes" if limit else ""
             return SandboxStatus(
-                "failed", exit_code=exit_code, infrastructure=True,
+                "failed",
+                exit_code=exit_code,
+                infrastructure=True,
                 reason=f"OOMKilled: the container exceeded its memory limit{lim} and was killed "
-                       f"(exit code {exit_code}); give the task more memory",
+                f"(exit code {exit_code}); give the task more memory",
             )
         if t_reason in ("ContainerStatusUnknown", "NodeLost"):
-            return SandboxStatus("failed", exit_code=exit_code, infrastructure=True,
-                                 reason=f"{t_reason}: {t_message or 'the node running the pod was lost'}")
+            return SandboxStatus(
+                "failed",
+                exit_code=exit_code,
+                infrastructure=True,
+                reason=f"{t_reason}: {t_message or 'the node running the pod was lost'}",
+            )
         if deleted_outside:
-            return SandboxStatus("failed", exit_code=exit_code, infrastructure=True,
-                                 reason="the pod was deleted from outside prefect-resoluto while running "
-                                        f"(exit code {exit_code})")
+            return SandboxStatus(
+                "failed",
+                exit_code=exit_code,
+                infrastructure=True,
+                reason="the pod was deleted from outside prefect-resoluto while running "
+                f"(exit code {exit_code})",
+            )
         if exit_code is None:
-            return SandboxStatus("failed", infrastructure=True,
-                                 reason=f"{pod_reason or 'Failed'}: {pod_message or 'the pod failed without a container exit code'}")
-        return SandboxStatus("failed", exit_code=exit_code,
-                             reason=f"the guest exited with code {exit_code}"
-                                    + (f" ({t_reason})" if t_reason and t_reason != "Error" else ""))
+            return SandboxStatus(
+                "failed",
+                infrastructure=True,
+                reason=f"{pod_reason or 'Failed'}: {pod_message or 'the pod failed without a container exit code'}",
+            )
+        return SandboxStatus(
+            "failed",
+            exit_code=exit_code,
+            reason=f"the guest exited with code {exit_code}"
+            + (f" ({t_reason})" if t_reason and t_reason != "Error" else ""),
+        )
 
     # Unknown: the node stopped reporting.
     if pod_reason == "NodeLost":
@@ -129,8 +179,11 @@ def remember_terminal(notes: MutableMapping[str, Any], st: SandboxStatus) -> Non
     """Keep a terminal verdict, so a pod collected afterwards still reports how it ended."""
     if st.terminal:
         notes["last_terminal"] = {
-            "phase": st.phase, "reason": st.reason, "exit_code": st.exit_code,
-            "infrastructure": st.infrastructure, "unstartable": st.unstartable,
+            "phase": st.phase,
+            "reason": st.reason,
+            "exit_code": st.exit_code,
+            "infrastructure": st.infrastructure,
+            "unstartable": st.unstartable,
         }
 
 
@@ -138,28 +191,37 @@ def gone_status(namespace: str, name: str, notes: MutableMapping[str, Any]) -> S
     """The status of a pod the API server no longer has (404)."""
     last = notes.get("last_terminal")
     if last:  # it had finished before it went: keep that verdict
-        return SandboxStatus(last["phase"], reason=last["reason"], exit_code=last["exit_code"],
-                             gone=True, infrastructure=last["infrastructure"],
-                             unstartable=last["unstartable"])
+        return SandboxStatus(
+            last["phase"],
+            reason=last["reason"],
+            exit_code=last["exit_code"],
+            gone=True,
+            infrastructure=last["infrastructure"],
+            unstartable=last["unstartable"],
+        )
     if notes.get("destroyed"):
         return SandboxStatus("unknown", reason=f"pod {namespace}/{name} was destroyed", gone=True)
     return SandboxStatus(
-        "unknown", gone=True, infrastructure=True,
+        "unknown",
+        gone=True,
+        infrastructure=True,
         reason=f"pod {namespace}/{name} no longer exists: it was deleted from outside prefect-resoluto "
-               "(kubectl delete, a namespace cleanup, or the node's garbage collection) before it "
-               "finished",
+        "(kubectl delete, a namespace cleanup, or the node's garbage collection) before it "
+        "finished",
     )
 
 
 def waiting_hint(reason: str, store_credentials_secret: str | None = None) -> str:
     """What to check for a container stuck waiting with ``reason`` ('' when nothing useful)."""
     if reason in _IMAGE_PULL_REASONS:
-        return " -- the node cannot pull the image; check the name, the registry's reachability " \
-               "from the nodes and imagePullSecrets"
+        return (
+            " -- the node cannot pull the image; check the name, the registry's reachability "
+            "from the nodes and imagePullSecrets"
+        )
     if reason == "CreateContainerConfigError":
         return " -- check that the referenced Secrets exist in the namespace" + (
-            f" (store credentials Secret {store_credentials_secret!r})"
-            if store_credentials_secret else "")
+            f" (store credentials Secret {store_credentials_secret!r})" if store_credentials_secret else ""
+        )
     return ""
 
 

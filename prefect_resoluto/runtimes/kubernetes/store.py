@@ -24,8 +24,9 @@ from prefect_resoluto.runtimes.kubernetes.manifests import IPNetwork, parse_netw
 logger = logging.getLogger(__name__)
 
 
-def store_egress(spec: LaunchSpec, *, cidr: str | None = None,
-                 port: int | None = None) -> tuple[list[IPNetwork], int]:
+def store_egress(
+    spec: LaunchSpec, *, cidr: str | None = None, port: int | None = None
+) -> tuple[list[IPNetwork], int]:
     """Where pods reach the object store: the configured CIDRs, else the endpoint resolved here."""
     endpoint = spec.env.get("RESOLUTO_STORE_ENDPOINT", "")
     parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}") if endpoint else None
@@ -58,8 +59,12 @@ def store_egress(spec: LaunchSpec, *, cidr: str | None = None,
             "store_egress_cidr / RESOLUTO_STORE_EGRESS_CIDR to the address pods reach the store at"
         ) from None
     nets = sorted({parse_network(str(i[4][0])) for i in infos}, key=str)
-    logger.info("kubernetes runtime: store %s resolved here to %s; set store_egress_cidr if pods "
-                "reach it at another address (DNAT, in-cluster service)", host, ", ".join(map(str, nets)))
+    logger.info(
+        "kubernetes runtime: store %s resolved here to %s; set store_egress_cidr if pods "
+        "reach it at another address (DNAT, in-cluster service)",
+        host,
+        ", ".join(map(str, nets)),
+    )
     return list(nets), port
 
 
@@ -74,9 +79,7 @@ def store_base(spec: LaunchSpec) -> str:
         return ""
     if prefix.endswith("/" + suffix):
         return prefix[: -len(suffix) - 1]
-    raise LaunchError(
-        f"RESOLUTO_STORE_PREFIX {prefix!r} does not end with the node's key prefix {suffix!r}"
-    )
+    raise LaunchError(f"RESOLUTO_STORE_PREFIX {prefix!r} does not end with the node's key prefix {suffix!r}")
 
 
 class GuestBundles:
@@ -117,15 +120,18 @@ class GuestBundles:
             if known is not None:
                 return known
             conduit = S3Conduit(
-                spec.env["RESOLUTO_STORE_BUCKET"], base_prefix=base,
+                spec.env["RESOLUTO_STORE_BUCKET"],
+                base_prefix=base,
                 endpoint_url=spec.env.get("RESOLUTO_STORE_ENDPOINT") or None,
                 region=spec.env.get("RESOLUTO_STORE_REGION") or None,
             )
             try:
                 key, sha = upload_guest_bundle(conduit, run_id)
             except Exception as e:
-                raise LaunchError(f"cannot upload the guest runner bundle to s3://"
-                                  f"{spec.env['RESOLUTO_STORE_BUCKET']}/{base}: {e}") from e
+                raise LaunchError(
+                    f"cannot upload the guest runner bundle to s3://"
+                    f"{spec.env['RESOLUTO_STORE_BUCKET']}/{base}: {e}"
+                ) from e
             finally:
                 conduit.close()
             with self._lock:

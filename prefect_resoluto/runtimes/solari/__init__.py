@@ -20,5 +20,12 @@ from prefect_resoluto.runtimes.solari.runtime import (
 )
 from prefect_resoluto.runtimes.solari.session import _SESSIONS as _SESSIONS  # live sessions (tests read them)
 
-__all__ = ["CONDUIT_MODES", "DEFAULT_GUEST_DIR", "MANAGED_BY", "MANAGED_BY_KEY", "SANDBOX_ID_KEY",
-           "SolariConfigError", "SolariRuntime"]
+__all__ = [
+    "CONDUIT_MODES",
+    "DEFAULT_GUEST_DIR",
+    "MANAGED_BY",
+    "MANAGED_BY_KEY",
+    "SANDBOX_ID_KEY",
+    "SolariConfigError",
+    "SolariRuntime",
+]

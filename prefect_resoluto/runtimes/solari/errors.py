@@ -35,7 +35,11 @@ def admission_kind(e: BaseException, slot: type, capacity: type, connection: typ
     code = str(getattr(e, "code", "") or "").lower()
     if isinstance(e, slot) or status == 429:
         return "slot"
-    if isinstance(e, (capacity, connection)) or status in (502, 503, 504) or code in ("no_capacity", "nocapacity"):
+    if (
+        isinstance(e, (capacity, connection))
+        or status in (502, 503, 504)
+        or code in ("no_capacity", "nocapacity")
+    ):
         return "capacity"
     return None
 
@@ -44,7 +48,8 @@ def transient_rpc_error(e: BaseException) -> bool:
     """A control-channel failure that a reconnect may cure (a drop, a timeout, a failed send)."""
     text = str(e)
     return type(e).__name__ in _TRANSIENT_RPC or any(
-        m in text for m in ("Control channel", "Not connected", "Failed to send"))
+        m in text for m in ("Control channel", "Not connected", "Failed to send")
+    )
 
 
 def refusal(e: BaseException, base_url: str | None) -> str:
@@ -54,14 +59,20 @@ def refusal(e: BaseException, base_url: str | None) -> str:
     status = gateway_status(e)
     words = gateway_words(e)
     if status == 402 or (getattr(e, "code", "") or "").startswith("plan_") or type(e).__name__ == "PlanError":
-        return (f"the Solari organisation's plan does not allow this sandbox ({status}): {words}. "
-                "Upgrade the plan, or lower cpu/mem_mb/disk_gb/template in the runtime options.")
+        return (
+            f"the Solari organisation's plan does not allow this sandbox ({status}): {words}. "
+            "Upgrade the plan, or lower cpu/mem_mb/disk_gb/template in the runtime options."
+        )
     if status in (401, 403):
-        return (f"the Solari gateway {base_url} refused the API key ({status}): {words}. "
-                "Fix api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY.")
+        return (
+            f"the Solari gateway {base_url} refused the API key ({status}): {words}. "
+            "Fix api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY."
+        )
     if status == 400:
         return f"the Solari gateway rejected the create request (400): {words}. Check the runtime options."
     if status == 404:
-        return (f"the Solari gateway {base_url} has no such route or template (404): {words}. "
-                "Check base_url and template.")
+        return (
+            f"the Solari gateway {base_url} has no such route or template (404): {words}. "
+            "Check base_url and template."
+        )
     return f"the Solari gateway {base_url} refused to create the sandbox: {type(e).__name__}: {words}"

@@ -43,23 +43,43 @@ class VmLayout:
         return f"{self.guest_dir}/lib"
 
 
-def create_request(spec: LaunchSpec, *, template: str | None, cpu: int | None, mem_mb: int | None,
-                   disk_gb: int | None, metadata: Mapping[str, str], envs: Mapping[str, str],
-                   session_timeout_s: float, lifecycle: Mapping[str, Any] | None) -> dict[str, Any]:
+def create_request(
+    spec: LaunchSpec,
+    *,
+    template: str | None,
+    cpu: int | None,
+    mem_mb: int | None,
+    disk_gb: int | None,
+    metadata: Mapping[str, str],
+    envs: Mapping[str, str],
+    session_timeout_s: float,
+    lifecycle: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     """The ``CreateSandboxRequest`` body for ``spec``, exactly as the SDK puts it on the wire.
 
     Explicit ``cpu``/``mem_mb``/``disk_gb`` win; otherwise the node's resources, rounded up.
     """
     res = spec.resources
     cpu = cpu if cpu is not None else (max(1, math.ceil(res.cpus)) if res.cpus else None)
-    mem = mem_mb if mem_mb is not None else (
-        max(1, math.ceil(res.memory_bytes / 2**20)) if res.memory_bytes else None)
-    disk = disk_gb if disk_gb is not None else (
-        max(1, math.ceil(res.disk_bytes / 2**30)) if res.disk_bytes else None)
-    labels = {**metadata, **{str(k): str(v) for k, v in spec.labels.items()},
-              MANAGED_BY_KEY: MANAGED_BY, SANDBOX_ID_KEY: spec.sandbox_id}
+    mem = (
+        mem_mb
+        if mem_mb is not None
+        else (max(1, math.ceil(res.memory_bytes / 2**20)) if res.memory_bytes else None)
+    )
+    disk = (
+        disk_gb
+        if disk_gb is not None
+        else (max(1, math.ceil(res.disk_bytes / 2**30)) if res.disk_bytes else None)
+    )
+    labels = {
+        **metadata,
+        **{str(k): str(v) for k, v in spec.labels.items()},
+        MANAGED_BY_KEY: MANAGED_BY,
+        SANDBOX_ID_KEY: spec.sandbox_id,
+    }
     body: dict[str, Any] = {
-        "template": template, "kind": "sandbox",
+        "template": template,
+        "kind": "sandbox",
         "cpu": int(cpu) if cpu is not None else None,
         "memMb": int(mem) if mem is not None else None,
         "diskGb": int(disk) if disk is not None else None,
@@ -77,8 +97,14 @@ def create_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return {names.get(k, k): v for k, v in body.items() if k != "kind"}
 
 
-def guest_command(spec: LaunchSpec, layout: VmLayout, *, relay: bool, python: str,
-                  secret_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def guest_command(
+    spec: LaunchSpec,
+    layout: VmLayout,
+    *,
+    relay: bool,
+    python: str,
+    secret_env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """``cmd.start`` params for ``spec``: ``python3 -m guest_runner`` with the node's env.
 
     Relaying, the guest writes a local store inside the VM (the host mirrors it out), so the
@@ -89,8 +115,13 @@ def guest_command(spec: LaunchSpec, layout: VmLayout, *, relay: bool, python: st
     if relay:
         for k in [k for k in env if k.startswith("RESOLUTO_STORE_")]:
             del env[k]
-        env.update({"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": layout.store_root,
-                    "RESOLUTO_STORE_PREFIX": rel})
+        env.update(
+            {
+                "RESOLUTO_STORE_KIND": "localfs",
+                "RESOLUTO_STORE_ROOT": layout.store_root,
+                "RESOLUTO_STORE_PREFIX": rel,
+            }
+        )
     env["RESOLUTO_WORKSPACE_DIR"] = layout.workspace
     env["PYTHONPATH"] = layout.lib_dir + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
@@ -104,8 +135,9 @@ def guest_command(spec: LaunchSpec, layout: VmLayout, *, relay: bool, python: st
     return {"cmd": python, "args": ["-m", "guest_runner"], "cwd": layout.guest_dir, "env": env}
 
 
-def guest_secrets(spec: LaunchSpec, *, relay: bool, store_role_arn: str | None,
-                  mint: Callable[[], Mapping[str, str]] | None) -> dict[str, str]:
+def guest_secrets(
+    spec: LaunchSpec, *, relay: bool, store_role_arn: str | None, mint: Callable[[], Mapping[str, str]] | None
+) -> dict[str, str]:
     """The secret env the VM gets: the node's own; store credentials only when the guest needs them.
 
     Relaying, the host keeps the store's credentials (the VM holds none). Direct with a role,

@@ -186,13 +186,17 @@ class SolariRuntime(SandboxRuntime):
         try:
             import solari_sandbox  # noqa: F401
         except ImportError as e:
-            return (f"the Solari SDK is not installed ({e}); pip install 'prefect-resoluto[solari]' "
-                    "(solari-sandbox)")
+            return (
+                f"the Solari SDK is not installed ({e}); pip install 'prefect-resoluto[solari]' "
+                "(solari-sandbox)"
+            )
         if not self.base_url:
-            return ("no gateway base URL: set base_url (runtime option, SandboxBlock solari_base_url) or "
-                    "SOLARI_BASE_URL, e.g. https://api.getsolari.com")
+            return (
+                "no gateway base URL: set base_url (runtime option, SandboxBlock solari_base_url) or "
+                "SOLARI_BASE_URL, e.g. https://api.getsolari.com"
+            )
         if not self._api_key:
-            return ("no API key: set api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY")
+            return "no API key: set api_key (runtime option, SandboxBlock solari_api_key) or SOLARI_API_KEY"
         return ""
 
     def _sdk(self) -> Any:
@@ -207,8 +211,12 @@ class SolariRuntime(SandboxRuntime):
                 async def make() -> Any:
                     from solari_sandbox.sandbox_client import SandboxClient
 
-                    return SandboxClient(api_key=key, base_url=base_url, http=make_http_client(base_url),
-                                         call_timeout_ms=rpc_ms)
+                    return SandboxClient(
+                        api_key=key,
+                        base_url=base_url,
+                        http=make_http_client(base_url),
+                        call_timeout_ms=rpc_ms,
+                    )
 
                 self._client = loop().run(make())
             return self._client
@@ -231,11 +239,17 @@ class SolariRuntime(SandboxRuntime):
             elif status == 402:
                 hint = " -- the organisation's plan does not allow sandboxes"
             http = f"HTTP {status} " if status else ""
-            return Availability(False, f"gateway {self.base_url} did not answer a read-only request: "
-                                       f"{http}{type(e).__name__}: {gateway_words(e)}{hint}")
-        return Availability(True, detail=f"gateway {self.base_url} answered (GET /sandboxes, "
-                                         f"{len(page.get('sandboxes', []))} listed); conduit mode "
-                                         f"{self.conduit_mode}, template {self.template or '(default)'}")
+            return Availability(
+                False,
+                f"gateway {self.base_url} did not answer a read-only request: "
+                f"{http}{type(e).__name__}: {gateway_words(e)}{hint}",
+            )
+        return Availability(
+            True,
+            detail=f"gateway {self.base_url} answered (GET /sandboxes, "
+            f"{len(page.get('sandboxes', []))} listed); conduit mode "
+            f"{self.conduit_mode}, template {self.template or '(default)'}",
+        )
 
     @staticmethod
     async def _probe(client: Any) -> dict[str, Any]:
@@ -267,9 +281,11 @@ class SolariRuntime(SandboxRuntime):
 
     @staticmethod
     def _direct_needs_s3(kind: str) -> str:
-        return (f"conduit_mode='direct' needs an S3 conduit the VM can reach (got a {kind or 'local'} conduit); "
-                "use conduit_mode='relay' (the default) to keep a local conduit: the host then relays every "
-                "object out of the VM")
+        return (
+            f"conduit_mode='direct' needs an S3 conduit the VM can reach (got a {kind or 'local'} conduit); "
+            "use conduit_mode='relay' (the default) to keep a local conduit: the host then relays every "
+            "object out of the VM"
+        )
 
     def _run_conduit(self, spec: LaunchSpec) -> Any:
         run_id = spec.env.get("RESOLUTO_RUN_ID", "")
@@ -291,14 +307,23 @@ class SolariRuntime(SandboxRuntime):
 
     def create_request(self, spec: LaunchSpec) -> dict[str, Any]:
         """The ``CreateSandboxRequest`` body for ``spec``, exactly as the SDK puts it on the wire."""
-        return create_request(spec, template=self.template, cpu=self.cpu, mem_mb=self.mem_mb,
-                              disk_gb=self.disk_gb, metadata=self.metadata, envs=self.envs,
-                              session_timeout_s=self.session_timeout_s, lifecycle=self.lifecycle)
+        return create_request(
+            spec,
+            template=self.template,
+            cpu=self.cpu,
+            mem_mb=self.mem_mb,
+            disk_gb=self.disk_gb,
+            metadata=self.metadata,
+            envs=self.envs,
+            session_timeout_s=self.session_timeout_s,
+            lifecycle=self.lifecycle,
+        )
 
     def guest_command(self, spec: LaunchSpec, secret_env: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``cmd.start`` params for ``spec``: ``python3 -m guest_runner`` with the node's env."""
-        return guest_command(spec, self._layout, relay=self.conduit_mode == "relay", python=self.python,
-                             secret_env=secret_env)
+        return guest_command(
+            spec, self._layout, relay=self.conduit_mode == "relay", python=self.python, secret_env=secret_env
+        )
 
     def render(self, spec: LaunchSpec) -> dict[str, Any]:
         """What launch would send, as JSON-able data, the key and every secret value redacted."""
@@ -321,28 +346,42 @@ class SolariRuntime(SandboxRuntime):
                 raise LaunchError(f"the node's environment lacks {var}")
 
     def _secret_env(self, spec: LaunchSpec, *, mint: bool) -> dict[str, str]:
-        return guest_secrets(spec, relay=self.conduit_mode == "relay", store_role_arn=self.store_role_arn,
-                             mint=(lambda: self._mint_store_credentials(spec)) if mint else None)
+        return guest_secrets(
+            spec,
+            relay=self.conduit_mode == "relay",
+            store_role_arn=self.store_role_arn,
+            mint=(lambda: self._mint_store_credentials(spec)) if mint else None,
+        )
 
     def _mint_store_credentials(self, spec: LaunchSpec) -> dict[str, str]:
         """Short-lived credentials that reach only this node's prefix (STS AssumeRole + session policy)."""
         return mint_node_credentials(
-            role_arn=self.store_role_arn, bucket=spec.env["RESOLUTO_STORE_BUCKET"],
-            prefix=(spec.env.get("RESOLUTO_STORE_PREFIX") or "").strip("/"), session_name=spec.sandbox_id,
-            ttl_s=self.store_credentials_ttl_s, sts_endpoint=self.store_sts_endpoint,
+            role_arn=self.store_role_arn,
+            bucket=spec.env["RESOLUTO_STORE_BUCKET"],
+            prefix=(spec.env.get("RESOLUTO_STORE_PREFIX") or "").strip("/"),
+            session_name=spec.sandbox_id,
+            ttl_s=self.store_credentials_ttl_s,
+            sts_endpoint=self.store_sts_endpoint,
             region=spec.env.get("RESOLUTO_STORE_REGION"),
         )
 
     # -- launch ---------------------------------------------------------------------------
 
     def _driver(self) -> SessionDriver:
-        return SessionDriver(DriveSettings(
-            base_url=self.base_url, session_timeout_s=self.session_timeout_s,
-            admission_backoff_max_s=self.admission_backoff_max_s, admission_patience_s=self.admission_patience_s,
-            capacity_retries=self.capacity_retries, reconnect_patience_s=self.reconnect_patience_s,
-            relay_poll_min_s=self.relay_poll_min_s, relay_poll_max_s=self.relay_poll_max_s,
-            view_interval_s=self.view_interval_s,
-        ), self._layout)
+        return SessionDriver(
+            DriveSettings(
+                base_url=self.base_url,
+                session_timeout_s=self.session_timeout_s,
+                admission_backoff_max_s=self.admission_backoff_max_s,
+                admission_patience_s=self.admission_patience_s,
+                capacity_retries=self.capacity_retries,
+                reconnect_patience_s=self.reconnect_patience_s,
+                relay_poll_min_s=self.relay_poll_min_s,
+                relay_poll_max_s=self.relay_poll_max_s,
+                view_interval_s=self.view_interval_s,
+            ),
+            self._layout,
+        )
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         self._check(spec)
@@ -355,9 +394,14 @@ class SolariRuntime(SandboxRuntime):
             for key in conduit.list_prefix(rel + "/"):
                 inbox[key] = conduit.get(key)
         s = Session(
-            spec_id=spec.sandbox_id, mode=self.conduit_mode, run_id=spec.env["RESOLUTO_RUN_ID"],
-            rel_prefix=rel, create=self.create_request(spec), command=self.guest_command(spec, secrets),
-            conduit=conduit, inbox=inbox,
+            spec_id=spec.sandbox_id,
+            mode=self.conduit_mode,
+            run_id=spec.env["RESOLUTO_RUN_ID"],
+            rel_prefix=rel,
+            create=self.create_request(spec),
+            command=self.guest_command(spec, secrets),
+            conduit=conduit,
+            inbox=inbox,
         )
         register(s)
         # The first create answers here, so a refused key or plan fails the launch at once; a
@@ -371,15 +415,21 @@ class SolariRuntime(SandboxRuntime):
         if s.unstartable and verdict == "refused":
             forget(s)
             raise LaunchError(s.unstartable)
-        return SandboxHandle(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels),
-                             data={"base_url": self.base_url, "mode": self.conduit_mode})
+        return SandboxHandle(
+            id=spec.sandbox_id,
+            runtime=self.name,
+            labels=dict(spec.labels),
+            data={"base_url": self.base_url, "mode": self.conduit_mode},
+        )
 
     # -- status -----------------------------------------------------------------------------
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         s = lookup(handle.id)
         if s is None:
-            return SandboxStatus("unknown", gone=True, reason=f"sandbox {handle.id} is not known to this process")
+            return SandboxStatus(
+                "unknown", gone=True, reason=f"sandbox {handle.id} is not known to this process"
+            )
         return session_status(s, self.base_url)
 
     # -- destroy / sweep / logs ---------------------------------------------------------------
@@ -430,4 +480,4 @@ class SolariRuntime(SandboxRuntime):
             return f"(no output recorded for {handle.id} in this process)"
         lines = list(s.output) + [v for v in s.partial.values() if v]
         head = f"[solari sandbox {s.gw_id or '(not created)'}, {s.reconnects} reconnect(s)]"
-        return "\n".join([head, *lines[-max(1, int(tail)):]])
+        return "\n".join([head, *lines[-max(1, int(tail)) :]])

@@ -66,7 +66,7 @@ def loop() -> LoopThread:
 
 def backoff_s(attempt: int) -> float:
     """The seed's ``min(150 * 2^attempt, 8000) + rand(0..250)`` ms."""
-    return min(0.15 * 2.0 ** attempt, 8.0) + random.random() * 0.25
+    return min(0.15 * 2.0**attempt, 8.0) + random.random() * 0.25
 
 
 def make_http_client(base_url: str, max_retries: int = 5) -> Any:
@@ -80,8 +80,9 @@ def make_http_client(base_url: str, max_retries: int = 5) -> Any:
             # never for a loopback gateway, and keep this retry policy in front of it either way.
             url = urlparse(base_url)
             proxy = None
-            if url.hostname not in ("127.0.0.1", "localhost", "::1") and \
-                    not urllib.request.proxy_bypass(url.netloc):
+            if url.hostname not in ("127.0.0.1", "localhost", "::1") and not urllib.request.proxy_bypass(
+                url.netloc
+            ):
                 proxy = urllib.request.getproxies().get(url.scheme)
             self._inner = httpx.AsyncHTTPTransport(proxy=proxy)
             self.retried = 0
@@ -116,8 +117,11 @@ def make_http_client(base_url: str, max_retries: int = 5) -> Any:
                     if isinstance(parsed, dict) and parsed.get("retryable") is True:
                         parsed["retryable"] = False
                         body = json.dumps(parsed).encode()
-                    headers = [(k, v) for k, v in resp.headers.items()
-                               if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
+                    headers = [
+                        (k, v)
+                        for k, v in resp.headers.items()
+                        if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")
+                    ]
                     return httpx.Response(status, headers=headers, content=body, request=request)
                 return resp
 

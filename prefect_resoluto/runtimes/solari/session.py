@@ -146,8 +146,11 @@ class SessionDriver:
             if not (s.lost or s.unstartable):
                 if s.state in ("admission", "staging"):
                     words = gateway_words(e)
-                    hint = " (the control channel refused the API key: fix api_key or SOLARI_API_KEY)" \
-                        if ("401" in words or "403" in words) else ""
+                    hint = (
+                        " (the control channel refused the API key: fix api_key or SOLARI_API_KEY)"
+                        if ("401" in words or "403" in words)
+                        else ""
+                    )
                     s.unstartable = f"could not start the Solari sandbox: {type(e).__name__}: {words}{hint}"
                 else:
                     s.lost = f"lost contact with the Solari sandbox: {type(e).__name__}: {gateway_words(e)}"
@@ -177,8 +180,10 @@ class SessionDriver:
                     continue
                 capacity_tries += 1
                 if capacity_tries > self.settings.capacity_retries:
-                    s.unstartable = (f"the Solari gateway {self.settings.base_url} had no capacity / could not be reached "
-                                     f"after {capacity_tries} create attempts: {gateway_words(e)}")
+                    s.unstartable = (
+                        f"the Solari gateway {self.settings.base_url} had no capacity / could not be reached "
+                        f"after {capacity_tries} create attempts: {gateway_words(e)}"
+                    )
                     return False
                 await asyncio.sleep(backoff_s(capacity_tries))
                 continue
@@ -189,8 +194,9 @@ class SessionDriver:
             return True
         return False
 
-    async def _wait_for_slot(self, s: Session, e: BaseException, answer: Callable[[str], None],
-                             attempt: int) -> bool:
+    async def _wait_for_slot(
+        self, s: Session, e: BaseException, answer: Callable[[str], None], attempt: int
+    ) -> bool:
         """Held for admission (429): never unstartable, never an infrastructure retry."""
         if s.waiting_since is None:
             s.waiting_since = time.monotonic()
@@ -198,11 +204,15 @@ class SessionDriver:
         s.admission_waits += 1
         waited = time.monotonic() - s.waiting_since
         if self.settings.admission_patience_s is not None and waited >= self.settings.admission_patience_s:
-            s.unstartable = (f"no Solari slot for {waited:.0f}s (admission_patience_s "
-                             f"{self.settings.admission_patience_s:.0f}): {gateway_words(e)}")
+            s.unstartable = (
+                f"no Solari slot for {waited:.0f}s (admission_patience_s "
+                f"{self.settings.admission_patience_s:.0f}): {gateway_words(e)}"
+            )
             return False
-        await asyncio.sleep(min(self.settings.admission_backoff_max_s, 0.2 * 2 ** min(attempt, 6))
-                            * (0.5 + random.random() / 2))
+        await asyncio.sleep(
+            min(self.settings.admission_backoff_max_s, 0.2 * 2 ** min(attempt, 6))
+            * (0.5 + random.random() / 2)
+        )
         return True
 
     async def _stage(self, s: Session) -> None:
@@ -287,8 +297,10 @@ class SessionDriver:
                 if not await self._still_there(client, s):
                     return
                 if time.monotonic() - lost_channel_at > self.settings.reconnect_patience_s:
-                    s.lost = (f"the control channel to Solari sandbox {s.gw_id} dropped and could not be "
-                              f"re-established for {self.settings.reconnect_patience_s:.0f}s: {gateway_words(e)}")
+                    s.lost = (
+                        f"the control channel to Solari sandbox {s.gw_id} dropped and could not be "
+                        f"re-established for {self.settings.reconnect_patience_s:.0f}s: {gateway_words(e)}"
+                    )
                     return
                 await asyncio.sleep(backoff_s(min(s.reconnects, 4)))
                 try:
@@ -335,8 +347,10 @@ class SessionDriver:
             logger.debug("solari GET %s failed: %r", s.gw_id, e)
             return True
         if view.state not in ("running", "starting") and not s.destroyed:
-            s.lost = (f"the Solari sandbox {s.gw_id} is no longer running: the gateway reports state "
-                      f"{view.state!r} (expires at {view.expiresAt})")
+            s.lost = (
+                f"the Solari sandbox {s.gw_id} is no longer running: the gateway reports state "
+                f"{view.state!r} (expires at {view.expiresAt})"
+            )
             return False
         return True
 

@@ -25,11 +25,14 @@ def session_status(s: Session, base_url: str | None) -> SandboxStatus:
             waited = time.monotonic() - s.waiting_since
             if not s.waiting_logged:
                 s.waiting_logged = True
-                task_log(logging.WARNING,
-                         f"waiting for a Solari slot: the organisation is at its session cap (429 from "
-                         f"{base_url}); the node starts when a slot frees")
-            return SandboxStatus("pending", reason=f"waiting for a Solari slot ({waited:.0f}s, "
-                                                   f"{s.admission_waits} attempt(s))")
+                task_log(
+                    logging.WARNING,
+                    f"waiting for a Solari slot: the organisation is at its session cap (429 from "
+                    f"{base_url}); the node starts when a slot frees",
+                )
+            return SandboxStatus(
+                "pending", reason=f"waiting for a Solari slot ({waited:.0f}s, {s.admission_waits} attempt(s))"
+            )
         return SandboxStatus("pending", reason="creating the Solari sandbox")
     if s.waiting_logged:
         s.waiting_logged = False
@@ -38,14 +41,19 @@ def session_status(s: Session, base_url: str | None) -> SandboxStatus:
         return SandboxStatus("pending", reason=f"staging the guest runner into {s.gw_id}")
     if s.finished:
         if s.exited and s.exit_code not in (0, None):
-            return SandboxStatus("failed", exit_code=s.exit_code,
-                                 reason=f"the guest exited with code {s.exit_code}")
+            return SandboxStatus(
+                "failed", exit_code=s.exit_code, reason=f"the guest exited with code {s.exit_code}"
+            )
         if s.exited or (s.relay is not None and s.relay.done):
             return SandboxStatus("succeeded", exit_code=s.exit_code, reason="the guest command exited")
         if s.destroyed:
             return SandboxStatus("unknown", gone=True, reason=f"sandbox {s.gw_id} was destroyed")
-        return SandboxStatus("unknown", gone=True, infrastructure=True,
-                             reason=f"the Solari session {s.gw_id} ended without an exit")
+        return SandboxStatus(
+            "unknown",
+            gone=True,
+            infrastructure=True,
+            reason=f"the Solari session {s.gw_id} ended without an exit",
+        )
     return SandboxStatus("running", reason=f"Solari sandbox {s.gw_id}")
 
 
