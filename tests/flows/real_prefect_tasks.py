@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import prefect.variables
-from prefect import task
+import sys
+
+# Before this module's own imports: whether the warm call paid `prefect.main` ahead.
+MAIN_PRELOADED = "prefect.main" in sys.modules
+
+import prefect.variables  # noqa: E402
+from prefect import task  # noqa: E402
 
 
 @task
 def has_variables() -> str:
     return prefect.variables.Variable.__name__
+
+
+@task
+def main_was_preloaded() -> bool:
+    return MAIN_PRELOADED
