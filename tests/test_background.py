@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect_cli import flow_child_env
 
 from prefect_resoluto.background import Background
 from prefect_resoluto.runtimes import get_runtime
@@ -73,15 +73,7 @@ def test_work_submitted_after_close_or_beyond_the_bound_runs_on_the_caller():
 
 def _interrupted_child(mode: str, tmp_path: Path) -> tuple[str, float]:
     """Run the child flow, Ctrl-C it once its artifact is queued: (task run id + output, seconds to exit)."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = {
-        **os.environ,
-        "RESOLUTO_STATE_DIR": str(tmp_path / "state"),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
-        "PYTHONPATH": str(FLOWS),
-    }
+    env = flow_child_env(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, str(FLOWS / "artifact_interrupt_flow.py"), mode],
         env=env,

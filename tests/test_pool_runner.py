@@ -8,7 +8,6 @@ deployment run (each checked by the runtime's own listing).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from flows import pool_tasks as pt
 from flows import real_prefect_tasks as rp
 from polling import wait_for
 from prefect import flow, task
+from prefect_cli import flow_child_env
 from prefect_readback import task_runs
 from test_task_runner import FLOWS, logs_of, no_orphans, runner
 
@@ -154,17 +154,8 @@ def test_a_task_module_needing_real_prefect_gets_it_pre_imported(gvisor, conduit
 
 
 def test_ctrl_c_destroys_idle_warm_sandboxes_too(gvisor, tmp_path):
-    from prefect.settings import PREFECT_API_URL
-
     state = tmp_path / "state"
-    env = {
-        **os.environ,
-        "RESOLUTO_STATE_DIR": str(state),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
-        "PYTHONPATH": str(FLOWS),
-        "RESOLUTO_TEST_WARM_POOL": "2",
-    }
+    env = flow_child_env(tmp_path, RESOLUTO_TEST_WARM_POOL="2")
     proc = subprocess.Popen(
         [sys.executable, str(FLOWS / "interruptible_flow.py")],
         env=env,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from flows import sample_flows as sf
 from prefect import flow, task
+from prefect_cli import flow_child_env
 from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
@@ -431,21 +432,12 @@ def test_async_flow_with_async_tasks(gvisor, conduit, tmp_path):
 
 
 def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
-    import os
     import signal
     import subprocess
     import sys
 
-    from prefect.settings import PREFECT_API_URL
-
     state = tmp_path / "state"
-    env = {
-        **os.environ,
-        "RESOLUTO_STATE_DIR": str(state),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "RESOLUTO_TEST_CONDUIT": (tmp_path / "conduit").as_uri(),
-        "PYTHONPATH": str(FLOWS),
-    }
+    env = flow_child_env(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, str(FLOWS / "interruptible_flow.py")],
         env=env,
