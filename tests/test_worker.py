@@ -663,17 +663,23 @@ def test_an_unstartable_sandbox_crashes_the_run_with_the_reason(tmp_path, worker
     assert not any(sandbox_ids(worker.state_dir, run_id=r.id) for r in runs)
 
 
-def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
-    from prefect.client.orchestration import get_client
-
+@contextlib.contextmanager
+def lingering_run(tmp_path: Path) -> Iterator[tuple[str, Any, Any, str, int]]:
+    """A worker of its own running one 600 s flow run: (pool, worker, run, its sandbox, its pid)."""
     pool = create_pool(cli=False)
-    state = tmp_path / "state"
     with running_worker(pool, tmp_path) as worker:
         dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
         run = schedule(dep, seconds=600)
         started(run.id)
-        (sandbox,) = sandbox_ids(state)
-        pid = facts(run.id)["pid"]
+        (sandbox,) = sandbox_ids(tmp_path / "state")
+        yield pool, worker, run, sandbox, facts(run.id)["pid"]
+
+
+def test_stopping_the_worker_destroys_its_running_sandboxes(tmp_path):
+    from prefect.client.orchestration import get_client
+
+    state = tmp_path / "state"
+    with lingering_run(tmp_path) as (_pool, worker, run, _sandbox, pid):
         worker.stop()
         assert sandbox_ids(state) == [], worker.output()[-4000:]
         assert not _alive(pid)
@@ -717,14 +723,8 @@ def test_stopping_the_worker_lets_a_finished_run_send_its_last_logs(tmp_path):
 
 
 def test_sweep_reaps_a_sandbox_left_by_a_worker_killed_outright(tmp_path):
-    pool = create_pool(cli=False)
     state = tmp_path / "state"
-    with running_worker(pool, tmp_path) as worker:
-        dep = deploy(pool, "worker_flows.py:linger", tmp_path / "conduit")
-        run = schedule(dep, seconds=600)
-        started(run.id)
-        (sandbox,) = sandbox_ids(state)
-        pid = facts(run.id)["pid"]
+    with lingering_run(tmp_path) as (pool, worker, run, sandbox, pid):
         os.killpg(worker.proc.pid, signal.SIGKILL)  # no teardown: the sandbox is orphaned
         worker.proc.wait(timeout=30)
         assert sandbox_ids(state) == [sandbox] and _alive(pid)
