@@ -11,12 +11,12 @@ from __future__ import annotations
 import gzip
 import io
 import os
-import posixpath
 import re
+import stat
 import tarfile
 import zlib
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
 
 DEFAULT_EXCLUDES = frozenset(
     {
@@ -138,13 +138,6 @@ def _inside(root: str, target: str) -> bool:
     return target == root or target.startswith(root.rstrip("/") + "/")
 
 
-def _link_stays_inside(root: Path, link_rel: str, target: str) -> bool:
-    if target.startswith("/") or not target:
-        return False
-    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(link_rel), target))
-    return resolved != ".." and not resolved.startswith("../") and not resolved.startswith("/")
-
-
 def _walk(
     root: Path, excludes: "frozenset[str]", skip: "frozenset[str]" = frozenset()
 ) -> List[Tuple[str, Path]]:
@@ -219,19 +212,36 @@ def pack(
 ) -> bytes:
     """Tar + gzip a directory (or only what ``patterns`` select) into bytes.
 
-    Symlinks are stored as links only when they point inside the tree; others are
-    skipped, never followed. ``extra`` adds in-memory files (relative name, content);
-    ``skip`` names relative directories to leave out (a conduit or outputs directory
-    that lives inside the workspace).
+    Nothing is ever followed out of the tree. A symlink is stored as a link when its
+    target is a regular file stored earlier in the same archive (links come after the
+    files, so :func:`unpack`, which accepts only such links, takes them); a link to an
+    in-tree regular file that is not in the archive (not selected) is stored as a copy
+    of it; any other link (to a directory, outside, dangling) is skipped. ``extra`` adds
+    in-memory files (relative name, content); ``skip`` names relative directories to
+    leave out (a conduit or outputs directory that lives inside the workspace).
     """
     root_path = Path(root)
     if not root_path.is_dir():
         raise FileNotFoundError(f"workspace directory {str(root_path)!r} does not exist")
     excl = frozenset(excludes) if patterns is None else frozenset()
     matcher = PathMatcher(patterns) if patterns is not None else None
+    real_root = os.path.realpath(root_path)
+    links: List[Tuple[str, str, "os.stat_result"]] = []
+    kinds: Dict[str, object] = {}  # what unpack will have made of each stored name
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=_GZIP_LEVEL, mtime=0) as gz:
         with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
+            def add_file(rel: str, path: str, st: "os.stat_result") -> None:
+                ti = tarfile.TarInfo(rel)
+                ti.size = st.st_size
+                ti.mode = st.st_mode & 0o777
+                ti.mtime = int(st.st_mtime)
+                with open(path, "rb") as f:
+                    tar.addfile(ti, f)
+                _record_parents(kinds, rel)
+                kinds[rel] = _FILE
+
             for rel, path in _walk(root_path, excl, frozenset(skip)):
                 if matcher is not None and matcher.match(rel) is None:
                     continue
@@ -240,15 +250,10 @@ def pack(
                 except OSError:
                     continue  # vanished while walking
                 if os.path.islink(path):
-                    target = os.readlink(path)
-                    if not _link_stays_inside(root_path, rel, target):
-                        continue
-                    ti = tarfile.TarInfo(rel)
-                    ti.type = tarfile.SYMTYPE
-                    ti.linkname = target
-                    ti.mtime = int(st.st_mtime)
-                    ti.mode = 0o777
-                    tar.addfile(ti)
+                    try:
+                        links.append((rel, os.readlink(path), st))
+                    except OSError:
+                        pass
                 elif path.is_dir():
                     if matcher is not None:
                         continue  # directories come implicitly with their matched files
@@ -257,14 +262,46 @@ def pack(
                     ti.mode = st.st_mode & 0o7777
                     ti.mtime = int(st.st_mtime)
                     tar.addfile(ti)
+                    _record_parents(kinds, rel)
+                    kinds[rel] = _DIR
                 elif path.is_file():
-                    ti = tarfile.TarInfo(rel)
-                    ti.size = st.st_size
-                    ti.mode = st.st_mode & 0o777
-                    ti.mtime = int(st.st_mtime)
-                    with open(path, "rb") as f:
-                        tar.addfile(ti, f)
+                    add_file(rel, str(path), st)
                 # sockets, FIFOs and devices are never packed
+            # Links last, each once what it names is stored (a chain resolves link by link).
+            pending = links
+            while pending:
+                later = []
+                for rel, target, st in pending:
+                    parent = rel.split("/")[:-1]
+                    if all(kinds.get("/".join(parent[: i + 1])) is _DIR for i in range(len(parent))):
+                        resolved = _resolve(kinds, parent, target)
+                    else:
+                        resolved = None
+                    if resolved is not None:
+                        ti = tarfile.TarInfo(rel)
+                        ti.type = tarfile.SYMTYPE
+                        ti.linkname = target
+                        ti.mtime = int(st.st_mtime)
+                        ti.mode = 0o777
+                        tar.addfile(ti)
+                        _record_parents(kinds, rel)
+                        kinds[rel] = ("link", resolved)
+                    else:
+                        later.append((rel, target, st))
+                if len(later) == len(pending):
+                    break
+                pending = later
+            for rel, _target, _st in pending:
+                # Not resolvable inside the archive: a copy of an in-tree regular file, or nothing.
+                real = os.path.realpath(os.path.join(root_path, rel))
+                if not _inside(real_root, real) or rel in kinds:
+                    continue
+                try:
+                    st = os.stat(real)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    add_file(rel, real, st)
             for name, data in extra or ():
                 ti = tarfile.TarInfo(check_pattern(name))
                 ti.size = len(data)
@@ -273,46 +310,418 @@ def pack(
     return buf.getvalue()
 
 
-def _open(data: bytes, label: str) -> tarfile.TarFile:
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
-        tar.getmembers()  # force a full read: a truncated archive fails here, not half-way
-        return tar
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
-        raise ArchiveError(f"{label} is not a valid gzip tar archive ({type(e).__name__}: {e})") from None
+# -- unpacking ------------------------------------------------------------------------------
+#
+# Every path is created relative to a directory file descriptor, one component at a time,
+# and no link is ever followed: a parent is entered with O_DIRECTORY|O_NOFOLLOW (a link or
+# a file where a directory should be is refused), a file is created with
+# O_CREAT|O_EXCL|O_NOFOLLOW, links are made with symlinkat/linkat, which do not follow
+# either. What a link may name is decided from this extraction's own record, never from
+# the disk: only a regular file extracted earlier from the same archive. So an archive can
+# neither write nor read outside the destination, whatever its names and links say.
+
+_FILE = "file"
+_DIR = "dir"
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+#: A file system block: every file the sandbox held took at least one page of its scratch.
+PAGE = 4096
+#: The largest pax or GNU long-name header read (names are at most PATH_MAX anyway).
+MAX_HEADER_BYTES = 1 << 20
+_OLD_MARK = ".resoluto-old-"
 
 
-def inspect(data: bytes, label: str = "archive") -> List[tarfile.TarInfo]:
-    """Every member, after checking each is safe to extract anywhere."""
-    tar = _open(data, label)
-    members = tar.getmembers()
-    names = set()
-    for m in members:
+class LimitExceeded(ArchiveError):
+    """The archive holds more than its :class:`Limits` allow."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what  # "bytes" | "file" | "members" | "stream"
+
+
+class Limits:
+    """What the archives of one extraction (one node's outbox) may add up to.
+
+    ``max_bytes``: the regular-file bytes written, all archives together; also the
+    largest single file. ``max_members``: members of all archives (default one per
+    :data:`PAGE` of ``max_bytes``: each file the sandbox held took a page). The
+    decompressed stream may not exceed twice ``max_bytes`` plus 1 MiB (headers and
+    padding), nor the compressed one ``max_bytes`` plus 1/256 and 1 MiB, so a gzip bomb
+    or a header bomb is stopped while it is read. None: unlimited.
+    """
+
+    def __init__(self, max_bytes: Optional[int] = None, max_members: Optional[int] = None) -> None:
+        self.max_bytes = max_bytes
+        if max_members is None and max_bytes is not None:
+            max_members = max(1, max_bytes // PAGE)
+        self.max_members = max_members
+        self.written = 0
+        self.members = 0
+        self.stream = 0
+        self.raw = 0
+
+    @property
+    def max_stream(self) -> Optional[int]:
+        return None if self.max_bytes is None else 2 * self.max_bytes + (1 << 20)
+
+    @property
+    def max_raw(self) -> Optional[int]:
+        return None if self.max_bytes is None else self.max_bytes + self.max_bytes // 256 + (1 << 20)
+
+
+def _record_parents(kinds: Dict[str, object], rel: str) -> None:
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        kinds.setdefault("/".join(parts[:i]), _DIR)
+
+
+def _resolve(kinds: Dict[str, object], base: List[str], text: str) -> Optional[str]:
+    """The regular file that link text ``text`` in directory ``base`` names, from what was
+    extracted (``kinds``), or None: every component before the last must be a directory
+    extracted or entered (``..`` never above the root), the last a regular file or a link
+    already resolved to one."""
+    if not text or text.startswith("/") or "\x00" in text:
+        return None
+    stack = list(base)
+    comps = [c for c in text.split("/") if c not in ("", ".")]
+    if not comps:
+        return None
+    for i, c in enumerate(comps):
+        last = i == len(comps) - 1
+        if c == "..":
+            if not stack or last:
+                return None
+            stack.pop()
+            continue
+        stack.append(c)
+        path = "/".join(stack)
+        kind = kinds.get(path)
+        if last:
+            if kind is _FILE:
+                return path
+            if isinstance(kind, tuple):
+                return str(kind[1])
+            return None
+        if kind is not _DIR:
+            return None
+    return None
+
+
+def _split(name: str) -> List[str]:
+    """A member name's components; refuses absolute names, ``..`` and NUL."""
+    if "\x00" in name:
+        raise UnsafeArchive(name, "NUL in the name")
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        raise UnsafeArchive(name, "absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeArchive(name, "path traversal ('..')")
+    for p in parts:
+        if len(p.encode("utf-8", "surrogateescape")) > 255:
+            raise UnsafeArchive(name, "a path component longer than 255 bytes")
+    return parts
+
+
+class _Counted:
+    """A reader that counts what passes through it and stops at ``cap``."""
+
+    def __init__(self, inner: Any, limits: Limits, which: str, label: str) -> None:
+        self.inner, self.limits, self.which, self.label = inner, limits, which, label
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self.inner.read(n if n is not None and n >= 0 else 1 << 20)
+        if self.which == "raw":
+            self.limits.raw += len(data)
+            cap, got = self.limits.max_raw, self.limits.raw
+        else:
+            self.limits.stream += len(data)
+            cap, got = self.limits.max_stream, self.limits.stream
+        if cap is not None and got > cap:
+            kind = "compressed" if self.which == "raw" else "uncompressed"
+            raise LimitExceeded(
+                "stream",
+                f"{self.label}: the {kind} archive data exceeds {cap} bytes, more than an output limit "
+                f"of {self.limits.max_bytes} bytes can hold (a compression bomb?); stopped while reading",
+            )
+        return data
+
+
+class _GuardedInfo(tarfile.TarInfo):
+    """Refuses an oversized pax / GNU long-name header before tarfile reads it into memory."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if (
+            self.type
+            in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
+            or self.type == tarfile.SOLARIS_XHDTYPE
+        ) and self.size > MAX_HEADER_BYTES:
+            raise UnsafeArchive(self.name, f"a {self.size}-byte extended header (at most {MAX_HEADER_BYTES})")
+        return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+
+
+class _Extraction:
+    """One extraction into the directory ``root_fd``: what it made, so that a refusal
+    undoes it, and what each name became, so that links are judged on its word only."""
+
+    def __init__(self, root_fd: int, limits: Limits) -> None:
+        self.root_fd = root_fd
+        self.limits = limits
+        self.kinds: Dict[str, object] = {}
+        self.seen: Set[str] = set()
+        self.created: List[Tuple[str, str, bool]] = []  # (parent rel, leaf, is_dir)
+        self.moved: List[Tuple[str, str, str]] = []  # (parent rel, leaf, aside): replaced entries
+        self.fds: Dict[str, int] = {}
+        self.extracted: List[str] = []
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def dir_fd(self, parts: List[str], member: str, create: bool) -> int:
+        """The directory ``parts`` (relative to the root), entered without following links."""
+        rel = "/".join(parts)
+        if not parts:
+            return self.root_fd
+        fd = self.fds.get(rel)
+        if fd is not None:
+            return fd
+        parent = self.dir_fd(parts[:-1], member, create)
+        leaf = parts[-1]
+        try:
+            fd = os.open(leaf, _O_DIR, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise UnsafeArchive(member, f"directory {rel!r} does not exist") from None
+            try:
+                os.mkdir(leaf, 0o755, dir_fd=parent)
+            except OSError as e:
+                raise UnsafeArchive(member, f"cannot create directory {rel!r}: {e.strerror}") from None
+            self.created.append(("/".join(parts[:-1]), leaf, True))
+            try:
+                fd = os.open(leaf, _O_DIR, dir_fd=parent)
+            except OSError as e:
+                raise UnsafeArchive(member, f"cannot enter directory {rel!r}: {e.strerror}") from None
+        except OSError:
+            raise UnsafeArchive(
+                member, f"its parent {rel!r} is not a directory (a link or a file is never entered)"
+            ) from None
+        self.kinds.setdefault(rel, _DIR)
+        self.fds[rel] = fd
+        return fd
+
+    def make_room(self, parts: List[str], member: str) -> int:
+        """The parent's fd, after moving aside what the destination already had at the
+        name (restored if the extraction is refused); our own names are never replaced."""
+        pfd = self.dir_fd(parts[:-1], member, True)
+        leaf, rel = parts[-1], "/".join(parts)
+        try:
+            st = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return pfd
+        if rel in self.kinds:
+            raise UnsafeArchive(member, f"{rel!r} was already extracted from this archive")
+        if stat.S_ISDIR(st.st_mode):
+            raise UnsafeArchive(member, f"the destination already has a directory {rel!r}")
+        aside = _OLD_MARK + os.urandom(8).hex()
+        os.rename(leaf, aside, src_dir_fd=pfd, dst_dir_fd=pfd)  # renameat follows no link
+        self.moved.append(("/".join(parts[:-1]), leaf, aside))
+        return pfd
+
+    def member(self, tar: tarfile.TarFile, m: tarfile.TarInfo, matcher: Optional[PathMatcher]) -> None:
         name = m.name
-        if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-            raise UnsafeArchive(name, "absolute path")
-        norm = posixpath.normpath(name)
-        if norm == ".." or norm.startswith("../") or "/../" in f"/{name}/":
-            raise UnsafeArchive(name, "path traversal ('..')")
+        lim = self.limits
+        if len(self.fds) > 256:
+            self.close()  # between members: no fd of the cache is in use
+        lim.members += 1
+        if lim.max_members is not None and lim.members > lim.max_members:
+            raise LimitExceeded(
+                "members", f"more than {lim.max_members} archive members (the output limit allows that many)"
+            )
+        parts = _split(name)
         if m.ischr() or m.isblk():
             raise UnsafeArchive(name, "device file")
         if m.isfifo():
             raise UnsafeArchive(name, "FIFO")
-        if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
+        if m.issparse() or not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
             raise UnsafeArchive(name, f"unsupported member type {m.type!r}")
+        if not parts:
+            if m.isdir():
+                return  # "./": the destination itself
+            raise UnsafeArchive(name, "an empty name")
+        rel = "/".join(parts)
+        if rel in self.seen:
+            raise UnsafeArchive(name, "duplicate member (a name may appear once)")
+        self.seen.add(rel)
+        if m.isreg() and lim.max_bytes is not None and m.size > lim.max_bytes:
+            raise LimitExceeded(
+                "file", f"member {name!r} is {m.size} bytes, more than the output limit of {lim.max_bytes}"
+            )
+        if matcher is not None and (m.isdir() or matcher.match(rel) is None):
+            return  # not selected: never extracted (and so never a link's target)
+        if m.isreg() and lim.max_bytes is not None:
+            if lim.written + m.size > lim.max_bytes:
+                raise LimitExceeded(
+                    "bytes",
+                    f"the files add up to more than the output limit of {lim.max_bytes} bytes "
+                    f"(at member {name!r})",
+                )
+        if m.isdir():
+            self.dir_fd(parts, name, True)
+            return
         if m.issym():
-            if m.linkname.startswith("/"):
-                raise UnsafeArchive(name, f"absolute symlink to {m.linkname!r}")
-            if not _link_stays_inside(Path("."), norm, m.linkname):
-                raise UnsafeArchive(name, f"symlink to {m.linkname!r} points outside the destination")
-        if m.islnk():
-            target = posixpath.normpath(m.linkname)
-            if m.linkname.startswith("/") or target.startswith("../") or target == "..":
-                raise UnsafeArchive(name, f"hard link to {m.linkname!r} points outside the destination")
-            if target not in names:
-                raise UnsafeArchive(name, f"hard link to {m.linkname!r}, which is not an earlier member")
-        names.add(norm)
-    return members
+            target = _resolve(self.kinds, parts[:-1], m.linkname)
+            if target is None:
+                raise UnsafeArchive(
+                    name,
+                    f"symlink to {m.linkname!r}, which is not a regular file extracted earlier from "
+                    "this archive",
+                )
+            pfd = self.make_room(parts, name)
+            os.symlink(m.linkname, parts[-1], dir_fd=pfd)
+            self.created.append(("/".join(parts[:-1]), parts[-1], False))
+            self.kinds[rel] = ("link", target)
+        elif m.islnk():
+            target = _resolve(self.kinds, [], m.linkname)
+            if (
+                target is None
+                or self.kinds.get(target) is not _FILE
+                or target != "/".join(_split(m.linkname))
+            ):
+                raise UnsafeArchive(
+                    name,
+                    f"hard link to {m.linkname!r}, which is not a regular file extracted earlier from "
+                    "this archive",
+                )
+            src = target.split("/")
+            sfd = self.dir_fd(src[:-1], name, False)
+            pfd = self.make_room(parts, name)
+            os.link(src[-1], parts[-1], src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
+            self.created.append(("/".join(parts[:-1]), parts[-1], False))
+            self.kinds[rel] = _FILE
+        else:
+            pfd = self.make_room(parts, name)
+            fd = os.open(parts[-1], _O_NEW, 0o600, dir_fd=pfd)
+            self.created.append(("/".join(parts[:-1]), parts[-1], False))
+            with os.fdopen(fd, "wb") as out:
+                src_f = tar.extractfile(m)
+                assert src_f is not None
+                while True:
+                    chunk = src_f.read(1 << 20)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                os.fchmod(out.fileno(), (m.mode & 0o755) | 0o600)
+            lim.written += m.size
+            self.kinds[rel] = _FILE
+        self.extracted.append(rel)
+
+    def _parent(self, rel: str) -> Optional[int]:
+        try:
+            return self.dir_fd(rel.split("/") if rel else [], rel, False)
+        except ArchiveError:
+            return None
+
+    def undo(self) -> None:
+        """Remove what this extraction made, newest first, and put back what it moved."""
+        for parent, leaf, is_dir in reversed(self.created):
+            pfd = self._parent(parent)
+            if pfd is None:
+                continue
+            try:
+                if is_dir:
+                    self.fds.pop(f"{parent}/{leaf}" if parent else leaf, None)
+                    os.rmdir(leaf, dir_fd=pfd)
+                else:
+                    os.unlink(leaf, dir_fd=pfd)
+            except OSError:
+                pass
+        for parent, leaf, aside in reversed(self.moved):
+            pfd = self._parent(parent)
+            if pfd is not None:
+                try:
+                    os.rename(aside, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
+                except OSError:
+                    pass
+        self.created.clear()
+        self.moved.clear()
+
+    def commit(self) -> None:
+        """Drop what was moved aside: the extraction stands."""
+        for parent, _leaf, aside in self.moved:
+            pfd = self._parent(parent)
+            if pfd is not None:
+                try:
+                    os.unlink(aside, dir_fd=pfd)
+                except OSError:
+                    pass
+        self.moved.clear()
+
+
+def _read_stream(ex: _Extraction, stream: BinaryIO, label: str, matcher: Optional[PathMatcher]) -> None:
+    raw = _Counted(stream, ex.limits, "raw", label)
+    gz = gzip.GzipFile(fileobj=cast(Any, raw), mode="rb")
+    try:
+        tar = tarfile.open(
+            fileobj=cast(Any, _Counted(gz, ex.limits, "stream", label)), mode="r|", tarinfo=_GuardedInfo
+        )
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise ArchiveError(f"{label} is not a valid gzip tar archive ({type(e).__name__}: {e})") from None
+    try:
+        for m in tar:
+            ex.member(tar, m, matcher)
+    except ArchiveError:
+        raise
+    except (tarfile.TarError, OSError, EOFError, zlib.error, RecursionError) as e:
+        raise ArchiveError(f"{label} is not a valid gzip tar archive ({type(e).__name__}: {e})") from None
+    finally:
+        tar.close()
+
+
+def unpack_stream(
+    sources: Iterable[Tuple[str, "BinaryIO | Callable[[], BinaryIO]"]],
+    dest: "str | os.PathLike[str]",
+    *,
+    patterns: Optional[Sequence[str]] = None,
+    limits: Optional[Limits] = None,
+) -> List[str]:
+    """Extract each ``(label, stream)`` in turn into ``dest`` (a stream may be given as a
+    function that opens it), read once, never held whole in memory; with ``patterns``,
+    only the members they select.
+
+    Returns the extracted regular-file and link names. All or nothing: on any refusal
+    (:class:`UnsafeArchive`, :class:`LimitExceeded`, a broken archive) everything the
+    extraction made is removed, what it replaced is put back, and the error names the
+    member.
+    """
+    matcher = PathMatcher(patterns) if patterns is not None else None
+    dest_path = Path(dest)
+    made_dest = not dest_path.exists()
+    dest_path.mkdir(parents=True, exist_ok=True)
+    root_fd = os.open(dest_path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    ex = _Extraction(root_fd, limits or Limits())
+    try:
+        for label, source in sources:
+            stream = source() if callable(source) else source
+            try:
+                _read_stream(ex, stream, label, matcher)
+            except UnsafeArchive as e:
+                raise type(e)(e.member, f"{e.why} (in {label})") from None
+            finally:
+                stream.close()
+        ex.commit()
+        return ex.extracted
+    except BaseException:
+        ex.undo()
+        if made_dest:
+            try:
+                os.rmdir(dest_path)
+            except OSError:
+                pass
+        raise
+    finally:
+        ex.close()
+        os.close(root_fd)
 
 
 def unpack(
@@ -321,59 +730,7 @@ def unpack(
     *,
     patterns: Optional[Sequence[str]] = None,
     label: str = "archive",
+    limits: Optional[Limits] = None,
 ) -> List[str]:
-    """Extract ``data`` into ``dest``; with ``patterns``, only members they select.
-
-    Returns the extracted regular-file and link names. Nothing is written unless every
-    member passes :func:`inspect`.
-    """
-    members = inspect(data, label)
-    matcher = PathMatcher(patterns) if patterns is not None else None
-    dest_path = Path(dest)
-    dest_path.mkdir(parents=True, exist_ok=True)
-    real_dest = os.path.realpath(dest_path)
-    chosen = []
-    for m in members:
-        if matcher is not None and not m.isdir() and matcher.match(m.name) is None:
-            continue
-        if matcher is not None and m.isdir():
-            continue
-        # A symlink extracted earlier (or already in dest) must not redirect a later member.
-        parent = os.path.realpath(os.path.join(real_dest, os.path.dirname(posixpath.normpath(m.name))))
-        if not _inside(real_dest, parent):
-            raise UnsafeArchive(m.name, "its parent directory resolves outside the destination")
-        chosen.append(m)
-    tar = _open(data, label)
-    extracted: List[str] = []
-    by_name = {m.name: m for m in tar.getmembers()}
-    for m in chosen:
-        member = by_name[m.name]
-        target = os.path.join(real_dest, posixpath.normpath(m.name))
-        parent = os.path.realpath(os.path.dirname(target))
-        if not _inside(real_dest, parent):
-            raise UnsafeArchive(m.name, "its parent directory resolves outside the destination")
-        if member.isdir():
-            os.makedirs(target, exist_ok=True)
-            continue
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.lexists(target) and not os.path.isdir(target):
-            os.unlink(target)
-        if member.issym():
-            os.symlink(member.linkname, target)
-        elif member.islnk():
-            src = os.path.join(real_dest, posixpath.normpath(member.linkname))
-            if not os.path.exists(src):
-                raise UnsafeArchive(m.name, f"hard link target {member.linkname!r} was not extracted")
-            os.link(src, target)
-        else:
-            f = tar.extractfile(member)
-            assert f is not None
-            with open(target, "wb") as out:
-                while True:
-                    chunk = f.read(1 << 20)
-                    if not chunk:
-                        break
-                    out.write(chunk)
-            os.chmod(target, (member.mode & 0o755) | 0o600)
-        extracted.append(posixpath.normpath(m.name))
-    return extracted
+    """:func:`unpack_stream` of one archive held in memory."""
+    return unpack_stream([(label, io.BytesIO(data))], dest, patterns=patterns, limits=limits)

@@ -1,7 +1,7 @@
 """The conduit: the only thing host and sandbox share. A durable key/value store.
 
-The interface is deliberately narrow (put / get / list_prefix / delete_prefix), so a
-backend is a page of code. Keys are ``/``-separated and relative to the conduit's
+The interface is deliberately narrow (put / get / get_stream / list_prefix /
+delete_prefix), so a backend is a page of code. Keys are ``/``-separated and relative to the conduit's
 base; objects are immutable once written. A missing key (:class:`ObjectNotFound`)
 is a different exception from a store that cannot be reached
 (:class:`ConduitUnavailable`); both derive from :class:`ConduitError`.
@@ -10,9 +10,10 @@ is a different exception from a store that cannot be reached
 from __future__ import annotations
 
 import os
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import BinaryIO, Dict, List, Mapping, Optional
 
 # tempfile and urllib.parse are not imported here: the guest runner imports this module
 # in every sandbox, where each import costs (see runner.py).
@@ -49,7 +50,7 @@ def check_key(key: str) -> str:
 
 
 class Conduit(ABC):
-    """put / get / list_prefix / delete_prefix over immutable objects."""
+    """put / get / get_stream / list_prefix / delete_prefix over immutable objects."""
 
     #: Value of RESOLUTO_STORE_KIND for a guest talking to this conduit.
     kind: str = ""
@@ -59,6 +60,12 @@ class Conduit(ABC):
 
     @abstractmethod
     def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def get_stream(self, key: str) -> BinaryIO:
+        """The object as a binary stream the caller reads once and closes, for objects that
+        must never be held whole in memory (a sandbox's output archives). Errors as
+        :meth:`get`: when opening, or while reading (:class:`ConduitUnavailable`)."""
 
     @abstractmethod
     def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
@@ -158,14 +165,45 @@ class LocalConduit(Conduit):
             raise ConduitUnavailable(f"local conduit write of {key!r} failed: {e}") from e
 
     def get(self, key: str) -> bytes:
-        path = self.path_for(key)
-        try:
-            with open(path, "rb") as f:
+        with LocalConduit.get_stream(self, key) as f:  # not an override's: key is already ours
+            try:
                 return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            except OSError as e:
+                raise ConduitUnavailable(f"local conduit read of {key!r} failed: {e}") from e
+
+    def get_stream(self, key: str) -> BinaryIO:
+        """The object's file, opened from the root one directory at a time without following
+        a link, and only if it is a regular file: a sandbox writes into its node's directory,
+        and a link or a FIFO planted there must not make the host read elsewhere, or hang."""
+        check_key(key)
+        parts = key.split("/")
+        flags = getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
+        fd = -1
+        try:
+            fd = os.open(self._real_root, os.O_RDONLY | os.O_DIRECTORY | flags)
+            for part in parts[:-1]:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | flags, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            leaf = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=fd)
+        except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
         except OSError as e:
-            raise ConduitUnavailable(f"local conduit read of {key!r} failed: {e}") from e
+            # ELOOP/ENOTDIR: a link or a file where a directory or the object should be.
+            raise ObjectNotFound(
+                f"no object {key!r} in {self.url} ({e.strerror}: not a plain file)"
+            ) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        try:
+            if not stat.S_ISREG(os.fstat(leaf).st_mode):
+                raise ObjectNotFound(f"no object {key!r} in {self.url} (not a regular file)")
+            os.set_blocking(leaf, True)
+            return os.fdopen(leaf, "rb")
+        except BaseException:
+            os.close(leaf)
+            raise
 
     def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
         # A prefix is a key prefix, not necessarily a directory: "run/a/nodes/n/events-"

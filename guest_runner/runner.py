@@ -196,13 +196,14 @@ def run_node(
     try:
         with shipper.span("", "node", cfg.node_id, {"argv": cfg.argv}) as node:
             os.makedirs(workspace, exist_ok=True)
-            staged = 0
-            for key in conduit.list_prefix(wire.inbox_prefix(cfg.prefix)):
-                if wire.is_archive_key(key):
-                    from guest_runner import archive
+            keys = [k for k in conduit.list_prefix(wire.inbox_prefix(cfg.prefix)) if wire.is_archive_key(k)]
+            staged = len(keys)
+            if keys:
+                from guest_runner import archive
 
-                    archive.unpack(conduit.get(key), workspace, label=key)
-                    staged += 1
+                # Streamed, by directory fds, all or nothing (guest_runner.archive).
+                opens = [(k, (lambda k=k: conduit.get_stream(k))) for k in keys]
+                archive.unpack_stream(opens, workspace)
             node.log(f"staged {staged} input archive(s) -> {workspace}", level="DEBUG")
             ok = True
             phased = cfg.egress and "setup" in cfg.egress_phases

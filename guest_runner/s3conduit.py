@@ -13,8 +13,9 @@ the endpoint and the error code, never the credentials.
 
 from __future__ import annotations
 
+import io
 import os
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, TypeVar
 from urllib.parse import quote, urlencode
 
 from guest_runner.conduit import (
@@ -212,6 +213,13 @@ class S3Conduit(Conduit):
 
         return self._call("read", full, fetch, missing_ok=True)
 
+    def get_stream(self, key: str) -> BinaryIO:
+        full = self._full(key)
+        resp = self._call(
+            "read", full, lambda: self._client.get_object(Bucket=self._bucket, Key=full), missing_ok=True
+        )
+        return io.BufferedReader(_Body(self, full, resp["Body"]), buffer_size=1 << 20)
+
     def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
         if prefix:
             check_key(prefix)
@@ -319,3 +327,29 @@ class S3Conduit(Conduit):
                 f"S3 conduit {what} of {location} at {self._where()} failed: {type(e).__name__}: "
                 f"{self._scrub(str(e))}"
             ) from e
+
+
+class _Body(io.RawIOBase):
+    """A GetObject body read in pieces; a failure part-way is :class:`ConduitUnavailable`."""
+
+    def __init__(self, conduit: S3Conduit, full_key: str, body: Any) -> None:
+        super().__init__()
+        self._conduit, self._key, self._body = conduit, full_key, body
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: Optional[int] = -1) -> bytes:
+        n = None if size is None or size < 0 else size
+        data: bytes = self._conduit._call("read", self._key, lambda: self._body.read(n))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()

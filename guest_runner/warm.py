@@ -24,7 +24,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import IO, Dict, List, Optional, Union
+from typing import IO, BinaryIO, Dict, List, Optional, Union
 
 from guest_runner import runner, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
@@ -57,6 +57,9 @@ class SlotConduit(LocalConduit):
 
     def get(self, key: str) -> bytes:
         return super().get(self._rel(key))
+
+    def get_stream(self, key: str) -> BinaryIO:
+        return super().get_stream(self._rel(key))
 
     def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
         rel = self._rel(prefix)

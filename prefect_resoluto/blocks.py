@@ -128,6 +128,11 @@ def my_flow(): ...
         "can size them (ephemeral storage on Kubernetes); empty: "
         "the memory limit. In-memory scratch counts against memory.",
     )
+    output_limit: str | None = Field(
+        None,
+        description="Most bytes of output files the host takes from one sandbox, e.g. 10Gi; "
+        "empty: what the sandbox could hold (disk, else the memory limit).",
+    )
     pids: int = Field(DEFAULT_PIDS, gt=0, description="Most processes and threads per sandbox.")
     min_isolation: IsolationName = Field(  # type: ignore[valid-type]
         IsolationLevel.USER_KERNEL.label, description="Refuse runtimes weaker than this."
@@ -248,6 +253,7 @@ def my_flow(): ...
             memory=self.memory,
             cpus=self.cpus,
             disk=self.disk,
+            output_limit=self.output_limit,
             pids=self.pids,
             image=self.image,
             egress=list(self.egress),

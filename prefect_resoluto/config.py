@@ -51,6 +51,9 @@ class SandboxConfig:
     cpus: str | float | None = None  # None: DEFAULT_CPUS (2)
     disk: str | None = None  # /tmp and /workspace size where the runtime can; None: the memory limit
     pids: int | None = DEFAULT_PIDS
+    #: Most bytes of outputs the host takes from one node (quantity); None: what the sandbox
+    #: could hold (``disk``, else ``memory``). See node.output_allowance.
+    output_limit: str | None = None
     image: str | None = None
     egress: list[str] = field(default_factory=list)
     #: The setup step (``setup_argv``) may reach these instead; see NodeSpec.setup_egress.
@@ -73,6 +76,8 @@ class SandboxConfig:
             parse_cpus(self.cpus)
         if self.disk is not None:
             parse_quantity(self.disk)
+        if self.output_limit is not None:
+            parse_quantity(self.output_limit)
         Resources.from_quantities(pids=self.pids)  # validates pids
         if self.infrastructure_retries < 0:
             raise ValueError("infrastructure_retries must be >= 0")
@@ -102,6 +107,10 @@ class SandboxConfig:
     @property
     def resources(self) -> Resources:
         return Resources.from_quantities(memory=self.memory, cpus=self.cpus, disk=self.disk, pids=self.pids)
+
+    @property
+    def output_limit_bytes(self) -> int | None:
+        return parse_quantity(self.output_limit) if self.output_limit is not None else None
 
     def build_conduit(self) -> Conduit:
         if isinstance(self.conduit, Conduit):

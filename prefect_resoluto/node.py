@@ -8,6 +8,7 @@ from the guest.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import tempfile
@@ -30,6 +31,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
     check_isolation,
+    format_bytes,
     memory_hint,
 )
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
@@ -139,6 +141,13 @@ class NodeSpec:
     #: Host directories never shipped with the workspace even when inside it (an outputs
     #: root; the local conduit and ``outputs_dir`` are always left out).
     workspace_skip: list[Path] = field(default_factory=list)
+    #: Most bytes the host extracts from the node's outbox (None: the node's own allowance,
+    #: what its sandbox could hold; see :meth:`output_allowance`).
+    output_limit: int | None = None
+
+    def output_allowance(self) -> tuple[int | None, str]:
+        """The outbox limit in bytes (None: unlimited) and where it comes from."""
+        return output_allowance(self.output_limit, self.resources)
 
     def validate(self) -> None:
         """Raises NodeSpecError for anything that would make the node unrunnable."""
@@ -153,6 +162,8 @@ class NodeSpec:
             raise NodeSpecError(
                 "argv must be a non-empty list of strings (the command to run in the sandbox)"
             )
+        if self.output_limit is not None and (isinstance(self.output_limit, bool) or self.output_limit <= 0):
+            raise NodeSpecError(f"output_limit must be a positive number of bytes, got {self.output_limit!r}")
         if self.workspace is not None and not Path(self.workspace).is_dir():
             raise NodeSpecError(f"workspace directory {str(self.workspace)!r} does not exist")
         for k in list(self.env) + list(self.secret_env):
@@ -176,6 +187,19 @@ class NodeSpec:
             )
         except egress.EgressPolicyError as e:
             raise NodeSpecError(str(e)) from None
+
+
+def output_allowance(output_limit: int | None, resources: Resources) -> tuple[int | None, str]:
+    """The most a node's outbox may put on the host (None: unlimited), and why: the
+    ``output_limit`` setting, else what the sandbox could have held (its ``disk``, else
+    its memory limit, which bounds its in-memory scratch)."""
+    if output_limit is not None:
+        return output_limit, "the output_limit setting"
+    if resources.disk_bytes:
+        return resources.disk_bytes, "the node's disk setting"
+    if resources.memory_bytes:
+        return resources.memory_bytes, "the node's memory limit"
+    return None, "unlimited"
 
 
 @dataclass
@@ -557,16 +581,23 @@ def _drive(
             Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
         )
         try:
-            for key in conduit.list_prefix(wire.outbox_prefix(rel_prefix)):
-                if not wire.is_archive_key(key):
-                    continue
-                for rel in archive.unpack(
-                    conduit.get(key), output_dir, patterns=spec.output_paths, label=key
-                ):
-                    output_files[rel] = output_dir / rel
-                archives.append(key)
-        except archive.ArchiveError as e:
-            failure, status, reason = "protocol", "failure", f"outbox rejected: {e}"
+            keys = [k for k in conduit.list_prefix(wire.outbox_prefix(rel_prefix)) if wire.is_archive_key(k)]
+            limit, source = spec.output_allowance()
+            # One budget and one all-or-nothing extraction for every archive of the node.
+            for rel in archive.unpack_stream(
+                [(k, functools.partial(conduit.get_stream, k)) for k in keys],
+                output_dir,
+                patterns=spec.output_paths,
+                limits=archive.Limits(limit),
+            ):
+                output_files[rel] = output_dir / rel
+            archives.extend(keys)
+        except archive.LimitExceeded as e:
+            failure, status = "protocol", "failure"
+            reason = f"outbox rejected: {e}; nothing of it was kept. {_limit_hint(limit, source)}"
+        except (archive.ArchiveError, ConduitError) as e:
+            failure, status = "protocol", "failure"
+            reason = f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)"
     if failure is not None:
         status = "failure"
     if failure == "workload" and st.memory_exhausted:
@@ -602,6 +633,15 @@ def _drive(
 
 class _Stop(Exception):
     pass
+
+
+def _limit_hint(limit: int | None, source: str) -> str:
+    size = format_bytes(limit) if limit else "unlimited"
+    return (
+        f"The node's output limit is {size} ({source}); raise it with the `output_limit` setting: "
+        "ResolutoTaskRunner(output_limit=...), sandbox_options(output_limit=...), the sandbox block's "
+        "output_limit, or --output-limit on the command line"
+    )
 
 
 def _pack(root: Path, skip: list[str], packer: Callable[[Path, list[str]], bytes] | None) -> bytes:

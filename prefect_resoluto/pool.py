@@ -130,9 +130,12 @@ class Learned:
         """Add what a finished call of ``source_file``'s module reported; the new names."""
         if not source_file or output_dir is None:
             return ()
+        from prefect_resoluto import result_files
+
         try:
-            reported = json.loads((output_dir / IMPORTS_FILE).read_text(encoding="utf-8")).get("modules")
-        except (OSError, ValueError, AttributeError):
+            raw = result_files.read(output_dir, IMPORTS_FILE, MAX_IMPORTS_BYTES)
+            reported = json.loads(raw).get("modules") if raw is not None else None
+        except (OSError, ValueError, AttributeError):  # ResultFileError is a ValueError
             return ()
         if not isinstance(reported, list):
             return ()
@@ -154,6 +157,8 @@ class Learned:
 
 #: Where guest_runner.call reports its imports, relative to the node's outputs.
 IMPORTS_FILE = ".resoluto/imports.json"
+#: The largest imports report read (names only, at most MAX_IMPORTS of them are kept).
+MAX_IMPORTS_BYTES = 1 << 20
 
 
 class WarmSandbox:

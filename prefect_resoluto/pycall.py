@@ -18,6 +18,7 @@ from guest_runner import archive
 from guest_runner import call as call  # re-exported: task_runner reads its file names
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
+from prefect_resoluto import result_files
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
@@ -122,51 +123,24 @@ def _rebuild_remote(
 ) -> BaseException:
     cls = None
     if ref is not None:
-        cls = _find_class(ref[0], ref[1], allow_import=False)
+        cls = _find_class(ref[0], ref[1])
     return remote_exception(cls, type_name, message, traceback)
 
 
-def _find_class(
-    module: str | None, qualname: str | None, *, allow_import: bool = True
-) -> type[BaseException] | None:
-    """The exception class ``module.qualname`` on the host: builtins, modules already
-    imported (the task's own), or installed packages (stdlib, site-packages); never code
-    from the current directory or the workspace, which the sandbox's word does not make
-    safe to run here."""
+def _find_class(module: str | None, qualname: str | None) -> type[BaseException] | None:
+    """The exception class ``module.qualname`` on the host, looked up only in modules the
+    host has already imported (``builtins``, the task's own module, what they imported):
+    a name from the sandbox never makes the host import anything (importing runs code)."""
     if not module or not qualname or "<locals>" in qualname:
         return None
-    mod = sys.modules.get(module)
-    if mod is None and allow_import:
-        mod = _import_installed(module)
-    obj: Any = mod
+    obj: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
+        if obj is None or not part.isidentifier():
             return None
+        obj = getattr(obj, part, None)
     if isinstance(obj, type) and issubclass(obj, BaseException):
         return obj
     return None
-
-
-def _import_installed(module: str) -> Any:
-    import importlib
-    import importlib.util
-    import sysconfig
-
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    origin = getattr(spec, "origin", None) if spec is not None else None
-    if not origin:
-        return None
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if not any(Path(origin).resolve().is_relative_to(Path(r).resolve()) for r in roots):
-        return None
-    try:
-        return importlib.import_module(module)
-    except Exception:
-        return None
 
 
 def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, str]:
@@ -271,29 +245,41 @@ def read_outcome(
     redactor: Redactor | None = None,
     task_module: str | None = None,
     memory_hint: str = "",
+    limit: int | None = None,
 ) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
-    error.json is redacted again here (the guest already did; this host does not take
-    its word for it), and the redacted text replaces the file in ``output_dir``. The
-    return value is the task's data and is not altered.
+    Both are read without following links and only as regular files of at most ``limit``
+    bytes (prefect_resoluto.result_files). error.json is redacted again here (the guest
+    already did; this host does not take its word for it), and the redacted text replaces
+    the file in ``output_dir``. The return value is the task's data and is not altered.
     """
     if output_dir is not None:
-        err = output_dir / call.ERROR_FILE
-        if err.is_file():
-            raise error_from_record(read_error(err, redactor), task_module, memory_hint)
-        ret = output_dir / call.RETURN_FILE
-        if ret.is_file():
+        e = read_error(output_dir, redactor, limit=limit)
+        if e is not None:
+            raise error_from_record(e, task_module, memory_hint)
+        raw = result_files.read(output_dir, call.RETURN_FILE, limit)
+        if raw is not None:
             try:
-                return True, json.loads(ret.read_text())["value"]
-            except (ValueError, KeyError) as e:
-                raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {e}") from None
+                return True, json.loads(raw)["value"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err}") from None
     return False, None
 
 
-def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
-    """error.json as a dict of strings, redacted, and rewritten redacted in place."""
-    raw = path.read_text(errors="replace")
+def read_error(
+    output_dir: Path, redactor: Redactor | None, *, limit: int | None = None
+) -> dict[str, Any] | None:
+    """error.json as a dict of strings, redacted, and rewritten redacted in place (a new
+    file renamed over it); None when there is none. One that cannot be read safely (a
+    link, not a regular file, over ``limit``) becomes a record that says so."""
+    try:
+        data = result_files.read(output_dir, call.ERROR_FILE, limit)
+    except result_files.ResultFileError as err:
+        return {"type": "Exception", "message": f"refused: {err}"}
+    if data is None:
+        return None
+    raw = data.decode("utf-8", errors="replace")
     try:
         e: object = json.loads(raw)
     except ValueError:
@@ -307,7 +293,7 @@ def read_error(path: Path, redactor: Redactor | None) -> dict[str, Any]:
     if redactor is not None and redactor.count:
         clean: dict[str, Any] = redactor.data(e)
         if clean != e:
-            path.write_text(json.dumps(clean, ensure_ascii=False))
+            result_files.replace(output_dir, call.ERROR_FILE, json.dumps(clean, ensure_ascii=False).encode())
         e = clean
     return e
 

@@ -31,7 +31,7 @@ from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifac
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
-from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node
+from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node, output_allowance
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
 from prefect_resoluto.workspace import WorkspacePacker
 
@@ -95,6 +95,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         memory: str | None = None,
         cpus: str | float | None = None,
         disk: str | None = None,
+        output_limit: str | None = None,
         pids: int | None = None,
         image: str | None = None,
         egress: list[str] | None = None,
@@ -122,6 +123,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 memory=memory,
                 cpus=cpus,
                 disk=disk,
+                output_limit=output_limit,
                 pids=pids,
                 image=image,
                 egress=egress,
@@ -443,13 +445,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
         redactor = Redactor(cfg.secret_env.values())
         task_module = getattr(fn, "__module__", None)
+        limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
 
         def raised(outcome: NodeOutcome) -> str | None:
             """The task's exception and traceback, for the outcome line."""
-            err = outcome.output_dir / pycall.call.ERROR_FILE if outcome.output_dir else None
-            if err is None or not err.is_file():
+            e = pycall.read_error(outcome.output_dir, redactor, limit=limit) if outcome.output_dir else None
+            if e is None:
                 return None
-            e = pycall.read_error(err, redactor)
             tb = str(e.get("traceback") or "").rstrip()
             return tb or f"{e.get('type', 'Exception')}: {e.get('message', '')}"
 
@@ -473,10 +475,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 redactor=redactor,
                 task_module=task_module,
                 memory_hint=memory_hint(cfg.resources),
+                limit=limit,
             )
             raise WorkloadFailed(outcome.describe(), outcome)
         outcome.raise_for_failure()
-        found, value = pycall.read_outcome(outcome.output_dir, redactor=redactor, task_module=task_module)
+        found, value = pycall.read_outcome(
+            outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
+        )
         if not found:
             raise WorkloadFailed(
                 f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
@@ -588,6 +593,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 extra_inbox=dict(extra_inbox or {}),
                 outputs_dir=(cfg.outputs_dir or default_outputs_root()) / run_id / node_id,
                 workspace_skip=[cfg.outputs_dir or default_outputs_root()],
+                output_limit=cfg.output_limit_bytes,
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(

@@ -95,6 +95,11 @@ def _node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", action="append", metavar="K=V", help="extra sandbox label (for sweep)")
     p.add_argument("--memory", metavar="QTY", help="memory limit, e.g. 512Mi or 2G")
     p.add_argument("--cpus", metavar="N", help="CPU limit, e.g. 1, 0.5 or 500m")
+    p.add_argument(
+        "--output-limit",
+        metavar="QTY",
+        help="most bytes of --output files taken back, e.g. 10Gi (default: the memory limit)",
+    )
     p.add_argument("--image", metavar="IMG", help="container image (container and kubernetes runtimes)")
     p.add_argument(
         "--min-isolation",

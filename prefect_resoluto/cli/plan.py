@@ -137,6 +137,10 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         cpus = parse_cpus(args.cpus) if args.cpus else None
     except ValueError as e:
         raise UsageError(f"--cpus: {e}") from None
+    try:
+        output_limit = parse_quantity(args.output_limit) if getattr(args, "output_limit", None) else None
+    except ValueError as e:
+        raise UsageError(f"--output-limit: {e}") from None
     if args.silence_window is not None and args.silence_window <= 0:
         raise UsageError("--silence-window must be a positive number of seconds")
 
@@ -210,6 +214,7 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         egress_resolve=parse_pairs(args.egress_resolve, "--egress-resolve"),
         setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
         setup_argv=["sh", "-c", args.setup] if args.setup else None,
+        output_limit=output_limit,
     )
     try:
         spec.validate()

@@ -1,0 +1,105 @@
+"""The Python-call protocol's files in a node's outputs directory, read and rewritten
+without following a link.
+
+The extractor only ever makes regular files, directories and in-tree links there; these
+readers do not rely on it: every component is opened relative to the outputs directory's
+file descriptor with O_NOFOLLOW, the file must be a regular file within a size limit, and
+a rewrite is a fresh file renamed over the old name, never a write through it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from guest_runner.wire import WireError
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_TMP_MARK = ".resoluto-tmp-"
+
+
+class ResultFileError(WireError):
+    """A result file that is not a plain regular file within its size limit."""
+
+
+def _parent_fd(output_dir: Path, rel: str) -> tuple[int, str]:
+    """(fd of the directory holding ``rel``, its last component); FileNotFoundError if absent."""
+    parts = [p for p in rel.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ValueError(f"not a relative file name: {rel!r}")
+    fd = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                raise
+            except OSError:  # ELOOP / ENOTDIR: a link or a file where a directory should be
+                raise ResultFileError(f"{rel} from the sandbox: {part!r} is not a directory") from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def read(output_dir: Path, rel: str, limit: int | None) -> bytes | None:
+    """The bytes of ``output_dir/rel``; None when there is no such file.
+
+    Raises :class:`ResultFileError` for a link, a FIFO, a directory or anything else that
+    is not a regular file, and for a file larger than ``limit`` bytes (None: no limit)."""
+    try:
+        dfd, leaf = _parent_fd(output_dir, rel)
+    except FileNotFoundError:
+        return None
+    try:
+        fd = os.open(leaf, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a link
+        raise ResultFileError(f"{rel} from the sandbox is not a regular file ({e.strerror})") from None
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ResultFileError(f"{rel} from the sandbox is not a regular file")
+        if limit is not None and st.st_size > limit:
+            raise ResultFileError(
+                f"{rel} from the sandbox is {st.st_size} bytes, more than the limit of {limit}"
+            )
+        data = f.read(limit + 1 if limit is not None else -1)
+        if limit is not None and len(data) > limit:
+            raise ResultFileError(f"{rel} from the sandbox grew past the limit of {limit} bytes")
+        return data
+
+
+def replace(output_dir: Path, rel: str, data: bytes) -> None:
+    """Put ``data`` at ``output_dir/rel`` as a new file (O_EXCL, then renamed over the old
+    name in the same directory): whatever was there, a link included, is replaced, never
+    written through."""
+    dfd, leaf = _parent_fd(output_dir, rel)
+    try:
+        for _ in range(100):
+            tmp = _TMP_MARK + os.urandom(6).hex()
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=dfd)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"no free temporary name next to {rel}")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dfd)
