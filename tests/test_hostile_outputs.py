@@ -1,0 +1,398 @@
+"""A compromised guest's outputs, through the real path (issue 19, findings 1, 2 and 8).
+
+The attacker is the guest runner itself (what a workload that took over its sandbox can
+be): the sandbox, a real gVisor one started by the host's node driver or task runner, runs
+a hostile script instead of the guest runner, which writes the node's conduit objects as
+a guest would (an event chunk, result.json, an outbox archive, _manifest.json) with what
+it likes in them. The host's real extraction and result reading then take them. Each
+test checks the user-facing error, that a sentinel tree outside the outputs directory is
+unchanged (nothing created, changed, linked or read there), and that the outputs
+directory keeps nothing from the refused archive, while the archive stays in the conduit.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import os
+import stat
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flows import dropin_flows as df
+from prefect import flow
+
+from guest_runner import wire
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner
+from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.runtimes.base import Resources
+
+FLOWS = Path(df.__file__).parent
+
+#: The compromised guest runner: writes the node's objects itself. argv: the outbox
+#: archive (base64, or ``inbox:NAME`` for one the host staged in the inbox) and the status.
+HOSTILE_GUEST = r"""
+import base64, os, sys
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+prefix = os.environ["RESOLUTO_STORE_PREFIX"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], prefix)
+arg, status = sys.argv[1], sys.argv[2]
+if arg.startswith("inbox:"):
+    with open(os.path.join(d, "inbox", arg[6:] + ".tar.gz"), "rb") as f:
+        data = f.read()
+else:
+    data = base64.b64decode(arg)
+def put(rel, b):
+    p = os.path.join(d, rel)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(p), ".resoluto-tmp-" + os.path.basename(p))
+    with open(tmp, "wb") as f:
+        f.write(b)
+    os.rename(tmp, p)
+put("outbox/output.tar.gz", data)
+ev = wire.make_event(run, "node", "open", name=node)
+close = dict(ev, event="close", status=status, ts=ev["ts"] + 0.001)
+put("events-000001.jsonl", wire.encode_chunk([wire.encode_event(ev), wire.encode_event(close)]))
+code = 0 if status == "success" else 1
+put("result.json", wire.encode_result(wire.make_result(node, status, code, wire.outbox_key(prefix))))
+put("_manifest.json", wire.encode_manifest(1))
+print("planted", flush=True)
+"""
+
+
+def hostile_command(outbox: bytes | str, status: str = "success") -> list[str]:
+    arg = outbox if isinstance(outbox, str) else base64.b64encode(outbox).decode()
+    return ["python3", "-c", HOSTILE_GUEST, arg, status]
+
+
+class _Patched:
+    """Every sandbox the node driver launches runs ``command`` instead of the guest runner
+    (LaunchSpec.command, as tests/test_node.py's _drive_with_command)."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+
+    def __enter__(self) -> None:
+        import prefect_resoluto.node as node
+
+        self.real = real = node.launch_spec
+        command = self.command
+
+        def patched(spec: Any, conduit: Any) -> Any:
+            ls = real(spec, conduit)
+            ls.command = command
+            return ls
+
+        node.launch_spec = patched
+
+    def __exit__(self, *exc: object) -> None:
+        import prefect_resoluto.node as node
+
+        node.launch_spec = self.real
+
+
+def tar_gz(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as t:
+        for ti, data in members:
+            t.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def reg(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    return ti, data
+
+
+def link(name: str, target: str, hard: bool = False) -> tuple[tarfile.TarInfo, None]:
+    ti = tarfile.TarInfo(name)
+    ti.type = tarfile.LNKTYPE if hard else tarfile.SYMTYPE
+    ti.linkname = target
+    return ti, None
+
+
+def directory(name: str) -> tuple[tarfile.TarInfo, None]:
+    ti = tarfile.TarInfo(name)
+    ti.type = tarfile.DIRTYPE
+    return ti, None
+
+
+def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
+    """Every entry under ``root``: type, inode, link count, size, mtime, content."""
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            s = os.lstat(p)
+            body = p.read_bytes() if stat.S_ISREG(s.st_mode) else None
+            out[str(p.relative_to(root))] = (
+                stat.S_IFMT(s.st_mode),
+                s.st_ino,
+                s.st_nlink,
+                s.st_size,
+                s.st_mtime_ns,
+                body,
+            )
+    return out
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """A sentinel tree next to the outputs directory, as any host file."""
+    d = tmp_path / "host"
+    (d / "sub").mkdir(parents=True)
+    (d / "secret.txt").write_text("host secret, never to be read")
+    (d / "sub" / "more.txt").write_text("more")
+    return d
+
+
+@pytest.fixture
+def conduit(tmp_path: Path) -> LocalConduit:
+    return LocalConduit(tmp_path / "conduit")
+
+
+class NoWholeGets(LocalConduit):
+    """A local conduit that records every object read whole with get()."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.whole: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.whole.append(key)
+        return super().get(key)
+
+
+def run_hostile(tmp_path: Path, conduit: LocalConduit, gvisor: Any, outbox: bytes | str, **kw: Any) -> Any:
+    spec = NodeSpec(
+        run_id="run1",
+        node_id=kw.pop("node_id", "node1"),
+        argv=["true"],
+        outputs_dir=tmp_path / "outputs",
+        resources=kw.pop("resources", Resources.from_quantities(memory="256Mi", cpus="1")),
+        **kw,
+    )
+    with _Patched(hostile_command(outbox)):
+        return drive_node(spec, conduit, gvisor)
+
+
+def assert_nothing_kept(tmp_path: Path, host: Path, before: dict[str, tuple[object, ...]]) -> None:
+    assert snapshot(host) == before, "the host tree outside the outputs directory changed"
+    outputs = tmp_path / "outputs"
+    left = [p for p in outputs.rglob("*")] if outputs.exists() else []
+    assert left == [], f"the refused archive left {left}"
+
+
+def test_a_symlink_through_an_earlier_symlink_is_refused(gvisor, conduit, tmp_path, host):
+    """``out/a -> ..`` then ``out/b -> a/../host/secret.txt``: each text stays inside, the
+    second goes through the first to a host file. Today's host makes both links."""
+    before = snapshot(host)
+    outbox = tar_gz([reg("out/ok.txt", b"fine"), link("out/a", ".."), link("out/b", "a/../host/secret.txt")])
+    outcome = run_hostile(tmp_path, conduit, gvisor, outbox, output_paths=["out/**"])
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "outbox rejected" in outcome.reason and "'out/a'" in outcome.reason
+    assert "not a regular file extracted earlier from this archive" in outcome.reason
+    assert_nothing_kept(tmp_path, host, before)
+    assert (
+        conduit.get_stream("run/run1/nodes/node1/outbox/output.tar.gz").read() == outbox
+    )  # the evidence stays
+    assert gvisor.list_ids() == []
+
+
+def test_a_hard_link_through_a_directory_symlink_to_a_never_extracted_member_is_refused(
+    gvisor, conduit, tmp_path, host
+):
+    """``out/up`` is a directory symlink that climbs out of the outputs; a hard link names
+    ``out/up/secret.txt``, a member that is in the archive but never extracted (a directory
+    entry, skipped with output_paths). Today's host hard-links the output to the host file."""
+    (tmp_path / "secret.txt").write_text("host secret next to the outputs")
+    before = snapshot(host)
+    outer = os.lstat(tmp_path / "secret.txt")
+    outbox = tar_gz(
+        [
+            directory("out/up/secret.txt"),
+            link("out/a", ".."),
+            link("out/up", "a/.."),
+            link("out/h", "out/up/secret.txt", hard=True),
+        ]
+    )
+    outcome = run_hostile(tmp_path, conduit, gvisor, outbox, output_paths=["out/a", "out/up", "out/h"])
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "outbox rejected" in outcome.reason and "not a regular file extracted earlier" in outcome.reason
+    assert os.lstat(tmp_path / "secret.txt").st_nlink == outer.st_nlink == 1
+    assert_nothing_kept(tmp_path, host, before)
+
+
+def test_a_gzip_bomb_stops_at_the_nodes_own_allowance(gvisor, tmp_path, host):
+    """512 MiB of zeros in a 0.5 MB archive, from a sandbox with 256 MiB of memory: refused
+    from the member's header at the node's allowance (its memory limit), streamed, never
+    fetched whole. Today's host reads the archive whole and writes all 512 MiB."""
+    conduit = NoWholeGets(tmp_path / "conduit")
+    before = snapshot(host)
+    size = 512 << 20
+    ti = tarfile.TarInfo("out/zeros.bin")
+    ti.size = size
+    header = ti.tobuf(tarfile.PAX_FORMAT)
+    mib = gzip.compress(b"\0" * (1 << 20), compresslevel=9)
+    # Concatenated gzip members are one gzip stream: 512 MiB for ~0.5 MB, built instantly.
+    bomb = gzip.compress(header) + mib * (size >> 20) + gzip.compress(b"\0" * 1024)
+    assert len(bomb) < 1 << 20
+    outcome = run_hostile(
+        tmp_path, conduit, gvisor, "inbox:plant", extra_inbox={"plant": bomb}, output_paths=["out/**"]
+    )
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "'out/zeros.bin' is 536870912 bytes, more than the output limit of 268435456" in outcome.reason
+    assert "256Mi (the node's memory limit)" in outcome.reason and "output_limit" in outcome.reason
+    assert not [k for k in conduit.whole if "/outbox/" in k], conduit.whole
+    assert_nothing_kept(tmp_path, host, before)
+
+
+def test_many_small_files_stop_at_the_output_limit_while_streaming(gvisor, conduit, tmp_path, host):
+    """64 files of 1 MiB against output_limit=4 MiB: the fifth is refused before it is
+    written, the four before it are removed, and the error names the setting."""
+    before = snapshot(host)
+    outbox = tar_gz([reg(f"out/f{i:02d}.bin", b"\0" * (1 << 20)) for i in range(64)])
+    outcome = run_hostile(
+        tmp_path,
+        conduit,
+        gvisor,
+        "inbox:plant",
+        extra_inbox={"plant": outbox},
+        output_paths=["out/**"],
+        output_limit=4 << 20,
+    )
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "more than the output limit of 4194304 bytes (at member 'out/f04.bin')" in outcome.reason
+    assert "4Mi (the output_limit setting)" in outcome.reason
+    assert_nothing_kept(tmp_path, host, before)
+
+
+def test_a_planted_outbox_link_or_fifo_is_not_followed(gvisor, conduit, tmp_path, host):
+    """The guest writes its conduit directory: an outbox "archive" that is a link to a host
+    file. The host does not read through it (today: an unhandled InvalidKey)."""
+    before = snapshot(host)
+    script = (
+        "import os; d = os.path.join(os.environ['RESOLUTO_STORE_ROOT'], os.environ['RESOLUTO_STORE_PREFIX']);"
+        "os.makedirs(d + '/outbox', exist_ok=True);"
+        f"os.symlink({str(host / 'secret.txt')!r}, d + '/outbox/evil.tar.gz')\n" + HOSTILE_GUEST
+    )
+    spec = NodeSpec(
+        run_id="run1",
+        node_id="node1",
+        argv=["true"],
+        outputs_dir=tmp_path / "outputs",
+        output_paths=["**"],
+        resources=Resources.from_quantities(memory="256Mi", cpus="1"),
+    )
+    with _Patched(["python3", "-c", script, base64.b64encode(tar_gz([reg("ok.txt")])).decode(), "success"]):
+        outcome = drive_node(spec, conduit, gvisor)
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "outbox rejected" in outcome.reason and "evil.tar.gz" in outcome.reason
+    assert_nothing_kept(tmp_path, host, before)
+
+
+# -- through the task runner: a Python task's result files --------------------------------------
+def _climb_to_root(at: str, depth: int = 30) -> list[tuple[tarfile.TarInfo, None]]:
+    """Links under ``at`` whose texts each stay inside, chained to reach "/": ``a`` climbs
+    back to the outputs directory, ``b`` goes through it and up to the root."""
+    deep = at + "/" + "/".join(f"d{i}" for i in range(depth))
+    return [
+        link(f"{deep}/a", "../" * (depth + at.count("/") + 1)),
+        link(f"{deep}/b", "a/" + "../" * (depth + at.count("/") + 2)),
+    ]
+
+
+@pytest.mark.usefixtures("prefect")
+def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor, conduit, tmp_path, host):
+    """``.resoluto/error.json`` -> (through the chain) ``/proc/self/environ``: today the
+    host reads its own environment into the task's exception, shown in the UI."""
+    chain = _climb_to_root(".resoluto/return.json")
+    deep_b = chain[1][0].name
+    outbox = tar_gz(
+        [*chain, link(".resoluto/error.json", deep_b[len(".resoluto/") :] + "/proc/self/environ")]
+    )
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=conduit,
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def victim() -> str:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    before = snapshot(host)
+    with _Patched(hostile_command(outbox, status="failure")):
+        state = victim(return_state=True)
+    shown = state.result()
+    assert "broke the wire protocol" in shown and "outbox rejected" in shown, shown
+    assert "not a regular file extracted earlier from this archive" in shown
+    environ = Path("/proc/self/environ").read_bytes().split(b"\0")
+    leaked = [v for v in environ if len(v) > 12 and v.decode(errors="replace") in shown]
+    assert not leaked, "the host's environment reached the task's exception"
+    from prefect_readback import task_runs
+
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert not [v for v in environ if len(v) > 12 and v.decode(errors="replace") in (tr.state.message or "")]
+    assert snapshot(host) == before
+    outputs = tmp_path / "outputs"
+    assert not [p for p in outputs.rglob("*") if p.is_symlink()]
+
+
+_UNIMPORTED = {"wave": "Error", "tabnanny": "NannyNag", "poplib": "error_proto", "ftplib": "Error"}
+
+
+@pytest.mark.usefixtures("prefect")
+def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvisor, conduit, tmp_path):
+    """Finding 8: the sandbox's word (error.json's ``module``) never makes the host import
+    a module; the exception is a RemoteTaskError naming the remote type."""
+    import importlib.util
+
+    module = next((m for m in _UNIMPORTED if m not in sys.modules and importlib.util.find_spec(m)), None)
+    if module is None:
+        pytest.skip(f"every candidate module is already imported here: {sorted(_UNIMPORTED)}")
+    record = (
+        '{"type": "%s", "module": "%s", "qualname": "%s", "exception": true, "message": "from the sandbox"}'
+        % (_UNIMPORTED[module], module, _UNIMPORTED[module])
+    ).encode()
+    outbox = tar_gz([reg(".resoluto/error.json", record)])
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=conduit,
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def victim() -> BaseException | None:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    with _Patched(hostile_command(outbox, status="failure")):
+        raised = victim()
+    from prefect_resoluto.pycall import RemoteTaskError
+
+    assert module not in sys.modules, f"the host imported {module!r} because the sandbox named it"
+    assert type(raised) is RemoteTaskError, type(raised)
+    assert raised.remote_type == _UNIMPORTED[module] and raised.remote_message == "from the sandbox"
