@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import gzip
 import io
+import json
 import os
 import stat
 import sys
@@ -26,7 +27,6 @@ import pytest
 from flows import dropin_flows as df
 from prefect import flow
 
-from guest_runner import wire
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.node import NodeSpec, drive_node
@@ -366,9 +366,9 @@ def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvis
     module = next((m for m in _UNIMPORTED if m not in sys.modules and importlib.util.find_spec(m)), None)
     if module is None:
         pytest.skip(f"every candidate module is already imported here: {sorted(_UNIMPORTED)}")
-    record = (
-        '{"type": "%s", "module": "%s", "qualname": "%s", "exception": true, "message": "from the sandbox"}'
-        % (_UNIMPORTED[module], module, _UNIMPORTED[module])
+    name = _UNIMPORTED[module]
+    record = json.dumps(
+        {"type": name, "module": module, "qualname": name, "exception": True, "message": "from the sandbox"}
     ).encode()
     outbox = tar_gz([reg(".resoluto/error.json", record)])
     runner = ResolutoTaskRunner(
@@ -396,3 +396,31 @@ def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvis
     assert module not in sys.modules, f"the host imported {module!r} because the sandbox named it"
     assert type(raised) is RemoteTaskError, type(raised)
     assert raised.remote_type == _UNIMPORTED[module] and raised.remote_message == "from the sandbox"
+
+
+def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
+    """Prefect glue only: ``output_limit`` reaches the node from every place settings come
+    from, and without it the allowance is ``disk``, else the memory limit."""
+    from prefect_resoluto import sandbox_options
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.cli import build_parser
+    from prefect_resoluto.cli.plan import plan_node
+    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.node import NodeSpecError, output_allowance
+
+    cfg = SandboxConfig().replace(**ResolutoTaskRunner(output_limit="1Gi")._options)
+    assert cfg.output_limit_bytes == 1 << 30
+    assert output_allowance(cfg.output_limit_bytes, cfg.resources) == (1 << 30, "the output_limit setting")
+    assert output_allowance(None, SandboxConfig(disk="2Gi").resources) == (2 << 30, "the node's disk setting")
+    assert output_allowance(None, SandboxConfig().resources) == (4 << 30, "the node's memory limit")
+    with sandbox_options(output_limit="5Mi"):
+        pass
+    with pytest.raises(ValueError):
+        ResolutoTaskRunner(output_limit="lots")
+    assert SandboxBlock(output_limit="3Gi").to_config().output_limit == "3Gi"
+    args = build_parser().parse_args(
+        ["run", "--runtime", "process", "--min-isolation", "none", "--output-limit", "7Mi", "--", "true"]
+    )
+    assert plan_node(args).spec.output_limit == 7 << 20
+    with pytest.raises(NodeSpecError, match="output_limit"):
+        NodeSpec(run_id="r", node_id="n", argv=["true"], output_limit=0).validate()
