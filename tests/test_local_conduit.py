@@ -119,3 +119,30 @@ def test_urls_and_env_round_trip(tmp_path):
         conduit_from_env({"RESOLUTO_STORE_KIND": "gcs"})
     with pytest.raises(ValueError, match="RESOLUTO_STORE_ROOT"):
         conduit_from_env({"RESOLUTO_STORE_KIND": "localfs"})
+
+
+def test_get_stream_reads_in_pieces_and_never_follows_a_planted_link_or_fifo(local_conduit, tmp_path):
+    """The guest writes its node's directory: an object that is a link (to a host file, or
+    to another node's object inside the root), a FIFO (which would block an open), or
+    sits under a directory link, is "no object", never read through or waited on."""
+    import os
+
+    big = os.urandom(3 << 20)
+    local_conduit.put("run/r/nodes/n/outbox/output.tar.gz", big)
+    with local_conduit.get_stream("run/r/nodes/n/outbox/output.tar.gz") as f:
+        assert f.read(1 << 20) == big[: 1 << 20] and f.read() == big[1 << 20 :]
+    secret = tmp_path / "host-secret"
+    secret.write_text("host")
+    node = local_conduit.root / "run/r/nodes/n"
+    (node / "outbox" / "to-host.tar.gz").symlink_to(secret)
+    (node / "outbox" / "to-other.tar.gz").symlink_to(node / "outbox" / "output.tar.gz")
+    os.mkfifo(node / "outbox" / "fifo.tar.gz")
+    (node / "linked").symlink_to(node / "outbox")
+    for key in ("to-host.tar.gz", "to-other.tar.gz", "fifo.tar.gz"):
+        for read in (local_conduit.get_stream, local_conduit.get):
+            with pytest.raises(ObjectNotFound, match="no object"):
+                read(f"run/r/nodes/n/outbox/{key}")
+    with pytest.raises(ObjectNotFound):
+        local_conduit.get("run/r/nodes/n/linked/output.tar.gz")
+    with pytest.raises(ObjectNotFound):
+        local_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")

@@ -504,3 +504,21 @@ def test_error_messages_carry_no_credentials(make_conduit, s3_faults: Faults, s3
         text = "\n".join(chain)
         for secret in (SECRET_ID, SECRET_KEY, SECRET_TOKEN):
             assert secret not in text, text
+
+
+def test_get_stream_reads_an_object_in_pieces(
+    s3_conduit: S3Conduit, s3_counter: RequestCounter, s3_bucket: str
+) -> None:
+    """One GetObject, read as it arrives (the outbox archives are never held whole)."""
+    import os
+
+    data = os.urandom(3 << 20)
+    s3_conduit.put("run/r/nodes/n/outbox/output.tar.gz", data)
+    s3_counter.reset()
+    with s3_conduit.get_stream("run/r/nodes/n/outbox/output.tar.gz") as f:
+        first = f.read(1 << 16)
+        assert first == data[: 1 << 16]
+        assert f.read() == data[1 << 16 :]
+    assert s3_counter.snapshot(s3_bucket) == {"GET": 1}
+    with pytest.raises(ObjectNotFound):
+        s3_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")
