@@ -536,7 +536,9 @@ class _Extraction:
         lim.members += 1
         if lim.max_members is not None and lim.members > lim.max_members:
             raise LimitExceeded(
-                "members", f"more than {lim.max_members} archive members (the output limit allows that many)"
+                "members",
+                f"more than {lim.max_members} archive members (at most one per {PAGE} bytes of the output "
+                f"limit of {lim.max_bytes})",
             )
         parts = _split(name)
         if m.ischr() or m.isblk():

@@ -194,3 +194,89 @@ def test_select_reports_patterns_matching_nothing(tmp_path):
 def test_output_patterns_escaping_the_workspace_are_refused(bad):
     with pytest.raises(OutputPatternError):
         archive.check_pattern(bad)
+
+
+def test_a_refusal_puts_back_what_the_destination_had_and_a_success_replaces_it(tmp_path):
+    dest = tmp_path / "d"
+    dest.mkdir()
+    (dest / "a.txt").write_text("old")
+    with pytest.raises(UnsafeArchive, match="FIFO"):
+        archive.unpack(_tar([_file("a.txt", b"new"), _file("b.txt"), _special("p", tarfile.FIFOTYPE)]), dest)
+    assert sorted(os.listdir(dest)) == ["a.txt"] and (dest / "a.txt").read_text() == "old"
+    assert archive.unpack(_tar([_file("a.txt", b"new")]), dest) == ["a.txt"]
+    assert sorted(os.listdir(dest)) == ["a.txt"] and (dest / "a.txt").read_text() == "new"
+
+
+def test_links_to_files_extracted_earlier_are_made_and_chains_resolve(tmp_path):
+    data = _tar(
+        [
+            _file("d/f.txt", b"payload"),
+            _special("d/l1", tarfile.SYMTYPE, "f.txt"),
+            _special("l2", tarfile.SYMTYPE, "d/l1"),  # through an earlier link to the file
+            _special("h", tarfile.LNKTYPE, "d/f.txt"),
+        ]
+    )
+    dest = tmp_path / "d"
+    assert archive.unpack(data, dest) == ["d/f.txt", "d/l1", "l2", "h"]
+    assert (dest / "l2").read_bytes() == b"payload" and os.path.islink(dest / "l2")
+    assert os.stat(dest / "h").st_ino == os.stat(dest / "d" / "f.txt").st_ino
+
+
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ([_file("d/f"), _special("l", tarfile.SYMTYPE, "d")], "not a regular file extracted earlier"),
+        ([_special("l", tarfile.SYMTYPE, "later"), _file("later")], "not a regular file extracted earlier"),
+        ([_file("f"), _special("l", tarfile.SYMTYPE, "f"), _special("h", tarfile.LNKTYPE, "l")], "hard link"),
+        (
+            [_file("f"), _special("l", tarfile.SYMTYPE, "f"), _file("l/x")],
+            "its parent 'l' is not a directory",
+        ),
+    ],
+)
+def test_links_to_directories_later_members_or_through_links_are_refused(tmp_path, members, why):
+    with pytest.raises(UnsafeArchive, match=why):
+        archive.unpack(_tar(members), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_pack_orders_links_after_their_files_copies_unshipped_targets_and_skips_dir_links(tmp_path):
+    root = tmp_path / "ws"
+    (root / "sub").mkdir(parents=True)
+    (root / "z.txt").write_text("z")
+    (root / "a-link").symlink_to("z.txt")  # sorts before its target
+    (root / "b-chain").symlink_to("a-link")
+    (root / "dirlink").symlink_to("sub")
+    (root / "sub" / "s.txt").write_text("s")
+    out = tmp_path / "out"
+    archive.unpack(archive.pack(root), out)
+    assert os.readlink(out / "a-link") == "z.txt" and (out / "b-chain").read_text() == "z"
+    assert not os.path.lexists(out / "dirlink")
+    # Only the link is selected: its target is not shipped, so the link travels as a copy.
+    only = tmp_path / "only"
+    archive.unpack(archive.pack(root, patterns=["a-link"]), only)
+    assert os.listdir(only) == ["a-link"] and not os.path.islink(only / "a-link")
+    assert (only / "a-link").read_text() == "z"
+
+
+def test_member_count_and_header_limits(tmp_path):
+    limits = archive.Limits(8 * archive.PAGE)  # 8 members
+    with pytest.raises(archive.LimitExceeded, match="more than 8 archive members"):
+        archive.unpack(_tar([_file(f"f{i}") for i in range(9)]), tmp_path / "a", limits=limits)
+    assert not (tmp_path / "a").exists()
+    ti = tarfile.TarInfo("x" * 100)
+    ti.pax_headers = {"comment": "y" * (archive.MAX_HEADER_BYTES + 10)}
+    with pytest.raises(UnsafeArchive, match="extended header"):
+        archive.unpack(_tar([(ti, None)]), tmp_path / "b")
+
+
+def test_one_budget_spans_every_archive_of_a_node_and_a_refusal_removes_all(tmp_path):
+    first, second = _tar([_file("a", b"1" * 3000)]), _tar([_file("b", b"2" * 3000)])
+    dest = tmp_path / "d"
+    with pytest.raises(archive.LimitExceeded, match="add up to more than the output limit of 5000"):
+        archive.unpack_stream(
+            [("one", io.BytesIO(first)), ("two", io.BytesIO(second))],
+            dest,
+            limits=archive.Limits(5000, max_members=10),
+        )
+    assert not dest.exists()
