@@ -280,3 +280,21 @@ def test_one_budget_spans_every_archive_of_a_node_and_a_refusal_removes_all(tmp_
             limits=archive.Limits(5000, max_members=10),
         )
     assert not dest.exists()
+
+
+def test_unpack_stream_holds_a_piece_not_the_archive(tmp_path):
+    """A 24 MiB (incompressible) archive read from a file: the extractor's own allocations
+    stay a few MiB, whatever the archive's size."""
+    import tracemalloc
+
+    src = tmp_path / "big.tar.gz"
+    src.write_bytes(_tar([_file("big.bin", os.urandom(24 << 20))]))
+    tracemalloc.start()
+    try:
+        with open(src, "rb") as f:
+            archive.unpack_stream([("big", f)], tmp_path / "d", limits=archive.Limits(64 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (tmp_path / "d" / "big.bin").stat().st_size == 24 << 20
+    assert peak < 6 << 20, f"peak {peak} bytes"

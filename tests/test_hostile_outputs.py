@@ -274,14 +274,17 @@ def test_many_small_files_stop_at_the_output_limit_while_streaming(gvisor, condu
     assert_nothing_kept(tmp_path, host, before)
 
 
-def test_a_planted_outbox_link_or_fifo_is_not_followed(gvisor, conduit, tmp_path, host):
+def test_a_planted_outbox_link_is_not_followed(gvisor, conduit, tmp_path, host):
     """The guest writes its conduit directory: an outbox "archive" that is a link to a host
-    file. The host does not read through it (today: an unhandled InvalidKey)."""
+    file. The host does not read through it (today: an unhandled InvalidKey out of the node
+    driver). A FIFO planted there does not reach the host's side of a gVisor mount (the
+    gofer keeps it in the sandbox); the host's refusal of one is
+    tests/test_local_conduit.py::test_get_stream_reads_in_pieces_and_never_follows_a_planted_link_or_fifo."""
     before = snapshot(host)
+    plant = f"os.symlink({str(host / 'secret.txt')!r}, d + '/outbox/a-planted.tar.gz')"
     script = (
         "import os; d = os.path.join(os.environ['RESOLUTO_STORE_ROOT'], os.environ['RESOLUTO_STORE_PREFIX']);"
-        "os.makedirs(d + '/outbox', exist_ok=True);"
-        f"os.symlink({str(host / 'secret.txt')!r}, d + '/outbox/evil.tar.gz')\n" + HOSTILE_GUEST
+        f"os.makedirs(d + '/outbox', exist_ok=True); {plant}\n" + HOSTILE_GUEST
     )
     spec = NodeSpec(
         run_id="run1",
@@ -293,8 +296,11 @@ def test_a_planted_outbox_link_or_fifo_is_not_followed(gvisor, conduit, tmp_path
     )
     with _Patched(["python3", "-c", script, base64.b64encode(tar_gz([reg("ok.txt")])).decode(), "success"]):
         outcome = drive_node(spec, conduit, gvisor)
+    on_host = os.lstat(conduit.root / "run/run1/nodes/node1/outbox/a-planted.tar.gz")
+    assert stat.S_ISLNK(on_host.st_mode)  # the plant is real, on the host's side
     assert outcome.failure == "protocol", outcome.describe()
-    assert "outbox rejected" in outcome.reason and "evil.tar.gz" in outcome.reason
+    assert "outbox rejected" in outcome.reason and "a-planted.tar.gz" in outcome.reason
+    assert "not a plain file" in outcome.reason
     assert_nothing_kept(tmp_path, host, before)
 
 
