@@ -1,9 +1,11 @@
 """Safe gzip-tar packing and unpacking, both directions of the conduit.
 
 Packing never follows a link out of the tree and skips the usual junk. Unpacking
-treats every archive as hostile: the whole archive is checked before a single byte
-is written, and path traversal, absolute paths, links leaving the destination,
-devices and FIFOs are refused with an error naming the member.
+treats every archive as hostile: it is streamed (never held whole), every path is
+created relative to a directory fd with no link followed, a link is kept only when it
+names a regular file extracted earlier, limits stop bombs while they are read, and any
+refusal (traversal, absolute names, other links, devices, FIFOs, duplicates, a limit)
+names the member and undoes the whole extraction. See docs/security.md, "Outputs".
 """
 
 from __future__ import annotations
