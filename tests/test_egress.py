@@ -101,16 +101,44 @@ def test_no_allowlist_means_no_network() -> None:
         ("::1", "IPv6 loopback"),
         ("fd00::1", "ULA"),
         ("fe80::1", "IPv6 link-local"),
-        ("::ffff:127.0.0.1", "loopback"),
+        ("::ffff:127.0.0.1", "IPv4-mapped 127.0.0.1: loopback"),
+        # The IANA special-purpose registries, and the IPv6 forms that lead to IPv4.
+        ("192.0.0.9", "IETF protocol assignments"),
+        ("192.0.2.1", "TEST-NET-1"),
+        ("198.51.100.7", "TEST-NET-2"),
+        ("203.0.113.7", "TEST-NET-3"),
+        ("192.88.99.1", "6to4 relay anycast"),
+        ("240.0.0.1", "reserved"),
+        ("255.255.255.255", "broadcast"),
+        ("198.18.0.2", "benchmarking (RFC 2544), dialled only when egress_resolve pins"),
+        ("64:ff9b::a14:2", "NAT64 (64:ff9b::/96) of 10.20.0.2: RFC 1918"),
+        ("64:ff9b::a9fe:a9fe", "NAT64 (64:ff9b::/96) of 169.254.169.254: link-local"),
+        ("64:ff9b:1::808:808", "local-use NAT64"),
+        ("2002:a14:2::1", "6to4 (2002::/16, deprecated by RFC 7526): relayed by way of 10.20.0.2"),
+        ("2001:0:a14:2::1", "Teredo"),
+        ("::a14:2", "IPv4-compatible"),
+        ("fec0::1", "site-local"),
+        ("100::1", "discard-only"),
+        ("2001:db8::1", "IPv6 documentation"),
+        ("2001:2::1", "IPv6 benchmarking"),
+        ("3fff::1", "IPv6 documentation"),
+        ("5f00::1", "SRv6"),
+        ("4000::1", "not IPv6 global unicast"),
+        ("ff02::1", "IPv6 multicast"),
     ],
 )
 def test_always_refused_ranges(addr: str, why: str) -> None:
-    assert why in (refusal(addr) or "")
+    assert why in (refusal(addr) or ""), refusal(addr)
 
 
-def test_public_and_benchmark_addresses_pass_but_own_addresses_do_not() -> None:
-    assert refusal("198.18.0.2") is None and refusal("2001:db8::1") is None
-    assert refusal("198.18.0.2", own={"198.18.0.2"}) == "an address of this host"
+def test_public_addresses_pass_pinned_benchmark_addresses_pass_own_addresses_do_not() -> None:
+    for public in ("8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"):
+        assert refusal(public) is None, public
+    # The tests' hosts (198.18.0.0/15) only through the node's own egress_resolve pin.
+    assert refusal("198.18.0.2", pinned=True) is None and refusal("::ffff:198.18.0.2", pinned=True) is None
+    assert refusal("64:ff9b::c612:2", pinned=True) is not None  # a pin never exempts a translation
+    assert refusal("10.20.0.2", pinned=True) == "RFC 1918 private"  # nor any other range
+    assert refusal("198.18.0.2", own={"198.18.0.2"}, pinned=True) == "an address of this host"
 
 
 def test_forward_must_target_host_loopback() -> None:
@@ -613,7 +641,7 @@ def test_forward_reaches_one_loopback_destination_only(
             "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
             "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
             "|| echo OTHER-PORT-REFUSED; "
-            "curl -sS http://loop.example.test/ || echo LOOPBACK-REFUSED"
+            "curl -sSf http://loop.example.test/ || echo LOOPBACK-REFUSED"
         )
         outcome, events = run_node(
             rt,
@@ -1059,43 +1087,66 @@ def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_
     assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
 
 
-def test_a_connection_or_dns_flood_is_bounded(
+def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connection(
     testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each open connection costs the host threads, each decision a log line: both capped."""
+    """Each open connection costs the host threads, each refusal a log line: both capped.
+    Past the cap refusals are counted by reason; an admitted connection is always logged."""
     monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 8)
-    monkeypatch.setattr(proxy, "MAX_EVENTS", 20)
+    monkeypatch.setattr(proxy, "MAX_REFUSALS", 20)
     req = egress.network_request("run-flood", "n1", egress=["api.example.test"], resolve=testnet.resolve)
     assert req is not None
     events: list[dict[str, Any]] = []
     egress.listen("run-flood", "n1", events.append)
     net = egress.attach(req, "rsl-flood00000")
     try:
+        # No timeouts in the probe: every wait is for the proxy's answer (the subprocess's
+        # own timeout is the only bound).
         client = textwrap.dedent(f"""
-            import socket, struct
-            held = [socket.create_connection(("{net.gateway}", 3128), timeout=10) for _ in range(8)]
-            extra = socket.create_connection(("{net.gateway}", 3128), timeout=10)
-            print("EXTRA", extra.recv(10) == b"")       # closed at once: over the cap
+            import select, socket, struct
+            gw = "{net.gateway}"
+            held = [socket.create_connection((gw, 3128)) for _ in range(9)]
+            closed, _, _ = select.select(held, [], [])   # the proxy closes what is over the cap
+            print("EXTRA", bool(closed) and all(s.recv(10) == b"" for s in closed))
+            for s in held:
+                s.close()
             u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            u.settimeout(5)
             answered = 0
             for i in range(40):
                 q = struct.pack("!HHHHHH", i, 0x0100, 1, 0, 0, 0) + b"\\x05flood\\x07example\\x04test\\x00" + struct.pack("!HH", 1, 1)
-                u.sendto(q, ("{net.gateway}", 53))
+                u.sendto(q, (gw, 53))
                 answered += u.recvfrom(512)[0][3] & 0x0F == 3   # NXDOMAIN
             print("NX", answered)
+            while True:   # until the slots the held connections took are free again
+                s = socket.create_connection((gw, 3128))
+                s.sendall(b"GET http://api.example.test/after-flood HTTP/1.1\\r\\nHost: api.example.test\\r\\n\\r\\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                s.close()
+                if data:
+                    break
+            print("AFTER", data.decode().split("\\r\\n\\r\\n", 1)[-1])
         """)
         res = subprocess.run(
             ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=120,
         )
+        assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
+        assert f"AFTER hello from {egress_net.HOST} host=api.example.test path=/after-flood" in res.stdout
+        wait_for(lambda: decisions(events, "allowed"), 30, "the admitted connection's decision")
     finally:
         egress.detach("run-flood", "rsl-flood00000")
         egress.unlisten("run-flood", "n1")
-    assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
-    capped = [e for e in events if "connections open at once" in e["data"]["line"]]
-    assert capped and capped[0]["data"]["reason"] == "more than 8 connections open at once"
-    assert len(events) == 21  # 20 decisions, then one summary of what was dropped
-    assert "more decision(s) were not logged" in events[-1]["data"]["line"]
+    refused = decisions(events, "refused")
+    assert len(refused) == 20  # one by one up to the cap
+    assert refused[0]["reason"] == "more than 8 connections open at once"
+    allowed = decisions(events, "allowed")
+    assert [(d["host"], d["via"]) for d in allowed] == [("api.example.test", "HTTP proxy")]
+    summary = events[-1]["data"]
+    assert events[-1]["name"] == "summary" and "more refusal(s) were not logged one by one" in summary["line"]
+    logged_dns = len([d for d in refused if d["via"] == "DNS"])
+    assert summary["dropped_by_reason"]["not in the allowlist"] == 40 - logged_dns
+    assert summary["dropped"] == sum(summary["dropped_by_reason"].values())
