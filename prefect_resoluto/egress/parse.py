@@ -30,7 +30,11 @@ _VERSION = re.compile(r"HTTP/1\.[01]")
 _PORT = re.compile(r"[0-9]{1,5}")
 # A header value: visible ASCII, space, tab and obs-text; never a control character.
 _VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
-_TARGET = re.compile(r"[\x21-\x7e]+")
+# A request target as split from the request line; what is in it is judged by its form
+# (an authority's host by :func:`host_name`, a path by _PATH), so a bad byte in a name is
+# refused as a bad name.
+_TARGET = re.compile(r"[^ \r\n]+")
+_PATH = re.compile(r"[\x21-\x7e]*")
 _HOP_BY_HOP = frozenset(
     {"connection", "proxy-connection", "proxy-authorization", "keep-alive", "upgrade", "te", "trailer"}
 )
@@ -124,8 +128,9 @@ def parse_head(head: bytes) -> RequestHead:
         raise Refused(f"a request head longer than {HEAD_LIMIT} bytes")
     text = head.decode("latin-1")
     lines = text.split("\r\n")
-    if any("\r" in line or "\n" in line for line in lines):
-        raise Refused("a bare CR or LF in the request head")
+    bare = next((line for line in lines if "\r" in line or "\n" in line), None)
+    if bare is not None:
+        raise Refused(f"a bare CR or LF in the request head: {escape(bare)}")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
         raise Refused(f"not an HTTP request line: {escape(lines[0])}")
@@ -141,9 +146,11 @@ def parse_head(head: bytes) -> RequestHead:
         name, sep, value = line.partition(":")
         if not sep or not _TOKEN.fullmatch(name):
             raise Refused(f"not a header line: {escape(line)}")
-        if not _VALUE.fullmatch(value):
-            raise Refused(f"a control character in header {escape(name)}")
         key = name.lower()
+        if key == "host":
+            authority(value.strip(" \t"), 80)  # a bad byte in it is a bad name, and says so
+        elif not _VALUE.fullmatch(value):
+            raise Refused(f"a control character in header {escape(name)}")
         if key in ("host", "content-length", "transfer-encoding") and key in seen:
             raise Refused(f"more than one {name} header")
         seen.add(key)
@@ -158,10 +165,16 @@ def absolute_target(target: str) -> tuple[str, int, str]:
     rest = target[7:]
     cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
     host, port_n = authority(rest[:cut], 80)
-    path = rest[cut:].partition("#")[0]
+    path = _path(rest[cut:].partition("#")[0])
     if not path.startswith("/"):
         path = "/" + path
     return host, port_n, path
+
+
+def _path(path: str) -> str:
+    if not _PATH.fullmatch(path):
+        raise Refused(f"a control or non-ASCII character in the request target: {escape(path)}")
+    return path
 
 
 def host_header(head: RequestHead, default_port: int) -> tuple[str, int] | None:
@@ -192,6 +205,56 @@ def forwarded_head(head: RequestHead, target: str, host: str, port_n: int, defau
         kept.insert(0, f"Host: {host if port_n == default_port else _hp(host, port_n)}")
     lines = [f"{head.method} {target} {head.version}", *kept, "Connection: close"]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one request head asks the proxy for: ``kind`` is ``"phase"`` (the guest's
+    phase switch, ``host`` its target), ``"connect"`` (a tunnel to ``host:port``) or
+    ``"http"`` (one request to ``host:port``, relayed as ``forwarded``)."""
+
+    kind: str
+    host: str
+    port: int
+    head: RequestHead
+    forwarded: bytes = b""
+
+
+def proxy_request(raw: bytes, phase_path: str) -> Request:
+    """A head sent to the proxy's own port. The ``CONNECT`` authority is the admission
+    (that head goes nowhere); an absolute-form URI is, and its Host header must agree."""
+    head = parse_head(raw)
+    if head.method == "POST" and head.target.startswith(phase_path):
+        return Request("phase", head.target[len(phase_path) :], 0, head)
+    if head.method == "CONNECT":
+        host, port_n = authority(head.target, 443)
+        return Request("connect", host, port_n, head)
+    host, port_n, path = absolute_target(head.target)
+    admitted(head, host, port_n, 80)
+    Body(head)  # ambiguous framing is refused before anything is dialled
+    return Request("http", host, port_n, head, forwarded_head(head, path, host, port_n, 80))
+
+
+def transparent_request(raw: bytes, port_n: int) -> Request:
+    """A plain HTTP head that arrived on a transparent port: its Host header is the
+    admission, on the port it arrived on."""
+    head = parse_head(raw)
+    named = host_header(head, port_n)
+    if named is None:
+        raise Refused("neither TLS with SNI nor HTTP with a Host header")
+    host, host_port = named
+    if host_port != port_n:
+        raise Refused(
+            f"the Host header names port {host_port}, the connection is to port {port_n}", host=host
+        )
+    target = head.target
+    if target[:7].lower() == "http://":
+        a_host, a_port, target = absolute_target(target)
+        admitted(head, a_host, a_port, port_n)
+    elif not target.startswith("/") or not _PATH.fullmatch(target):
+        raise Refused(f"not an origin-form request target: {escape(target)}", host=host)
+    Body(head)
+    return Request("http", host, port_n, head, forwarded_head(head, target, host, port_n, port_n))
 
 
 class Body:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import netns, parse
-from .names import escape, printable
+from .names import printable
 from .policy import NodePolicy, is_ip, refusal
 
 log = logging.getLogger("prefect_resoluto.egress")
@@ -277,39 +277,32 @@ class RunProxy:
         if att is None:
             return
         client.settimeout(_CLIENT_TIMEOUT)
-        via = "HTTP proxy"
+        got: tuple[bytes, bytes] | None = None
         try:
             got = _read_head(client)
             if got is None:
                 return
-            head = parse.parse_head(got[0])
-            rest = got[1]
-            if head.method == "POST" and head.target.startswith(PHASE_PATH):
-                ok = self.switch_phase(att, head.target[len(PHASE_PATH) :])
-                _reply(client, 200 if ok else 409, json.dumps({"phase": att.phase}), "application/json")
-                return
-            if head.method == "CONNECT":
-                # The authority is the admission; this head (and its Host) goes nowhere.
-                via = "CONNECT"
-                host, port_n = parse.authority(head.target, 443)
-                self._relay(
-                    att,
-                    client,
-                    host,
-                    port_n,
-                    rest,
-                    via=via,
-                    on_open=lambda: client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n"),
-                )
-                return
-            host, port_n, path = parse.absolute_target(head.target)
-            parse.admitted(head, host, port_n, 80)
-            request = _Request(head, parse.forwarded_head(head, path, host, port_n, 80), rest)
+            req = parse.proxy_request(got[0], PHASE_PATH)
         except parse.Refused as r:
+            via = "CONNECT" if got is not None and got[0].startswith(b"CONNECT ") else "HTTP proxy"
             self._refuse(att, r.host, 0, via, r.reason)
             _reply(client, 403, f"egress refused: {r.reason}")
             return
-        self._relay(att, client, host, port_n, b"", via=via, request=request, replies=True)
+        if req.kind == "phase":
+            ok = self.switch_phase(att, req.host)
+            _reply(client, 200 if ok else 409, json.dumps({"phase": att.phase}), "application/json")
+        elif req.kind == "connect":
+            self._relay(
+                att,
+                client,
+                req.host,
+                req.port,
+                got[1],
+                via="CONNECT",
+                on_open=lambda: client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n"),
+            )
+        else:
+            self._relay(att, client, req.host, req.port, got[1], via="HTTP proxy", http=req, replies=True)
 
     def _serve_transparent(self, client: socket.socket, port: int) -> None:
         att = self._node(client)
@@ -334,31 +327,15 @@ class RunProxy:
                 return
             self._relay(att, client, name, port, record, via="transparent TLS")
             return
-        via = "transparent HTTP"
         try:
             got = _read_head(client, first)
             if got is None:
                 return
-            head = parse.parse_head(got[0])
-            named = parse.host_header(head, port)
-            if named is None:
-                raise parse.Refused("neither TLS with SNI nor HTTP with a Host header")
-            name, host_port = named
-            if host_port != port:
-                raise parse.Refused(
-                    f"the Host header names port {host_port}, the connection is to port {port}", host=name
-                )
-            target = head.target
-            if target[:7].lower() == "http://":
-                a_host, a_port, target = parse.absolute_target(target)
-                parse.admitted(head, a_host, a_port, port)
-            elif not target.startswith("/"):
-                raise parse.Refused(f"not an origin-form request target: {escape(target)}", host=name)
-            request = _Request(head, parse.forwarded_head(head, target, name, port, port), got[1])
+            req = parse.transparent_request(got[0], port)
         except parse.Refused as r:
-            self._refuse(att, r.host, port, via, r.reason)
+            self._refuse(att, r.host, port, "transparent HTTP", r.reason)
             return
-        self._relay(att, client, name, port, b"", via=via, request=request)
+        self._relay(att, client, req.host, port, got[1], via="transparent HTTP", http=req)
 
     def _relay(
         self,
@@ -370,11 +347,12 @@ class RunProxy:
         *,
         via: str,
         on_open: Callable[[], None] | None = None,
-        request: _Request | None = None,
+        http: parse.Request | None = None,
         replies: bool = False,
     ) -> None:
         """Dial ``name:port`` (validated) for the sandbox and relay both ways. With
-        ``request``, the client's side carries that one HTTP request and nothing else."""
+        ``http``, the client's side carries that one request (``first``: what followed its
+        head) and nothing else; without, ``first`` goes upstream before the rest."""
         t0 = time.monotonic()
         phase = att.phase
         replies = replies or on_open is not None
@@ -413,7 +391,7 @@ class RunProxy:
             client.settimeout(None)
             upstream.settimeout(None)
             t = threading.Thread(target=_pump, args=(upstream, client, counts, 1), daemon=True)
-            if request is None:
+            if http is None:
                 if first:
                     upstream.sendall(first)
                     counts[0] += len(first)
@@ -421,7 +399,7 @@ class RunProxy:
                 _pump(client, upstream, counts, 0)
             else:
                 t.start()
-                self._pump_request(att, client, upstream, request, counts, port, via)
+                self._pump_request(att, client, upstream, http, first, counts, port, via)
             t.join()
         finally:
             with att.lock:
@@ -454,7 +432,8 @@ class RunProxy:
         att: Attachment,
         client: socket.socket,
         upstream: socket.socket,
-        request: _Request,
+        http: parse.Request,
+        rest: bytes,
         counts: list[int],
         port: int,
         via: str,
@@ -462,9 +441,9 @@ class RunProxy:
         """Client -> upstream for one HTTP request: its head, then exactly its body. A
         byte after that is a second request, which this connection does not carry."""
         try:
-            body = parse.Body(request.head)
-            n = body.feed(request.rest)
-            data, extra = request.forwarded + request.rest[:n], request.rest[n:]
+            body = parse.Body(http.head)
+            n = body.feed(rest)
+            data, extra = http.forwarded + rest[:n], rest[n:]
             upstream.sendall(data)
             counts[0] += len(data)
             while not body.done and not extra:
@@ -684,16 +663,6 @@ class RunProxy:
             dropped=total,
             dropped_by_reason=dropped,
         )
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One HTTP request to relay: its parsed head, the head as forwarded, and the bytes
-    that arrived after the head (its body's start, perhaps more)."""
-
-    head: parse.RequestHead
-    forwarded: bytes
-    rest: bytes
 
 
 def _forwards(policy: NodePolicy) -> str:
