@@ -441,8 +441,8 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
             res = sh(f"curl -sS --noproxy '*' --connect-timeout 3 {target}")
             assert res.returncode != 0, res.stdout
         # The proxy still refuses what the allowlist does not hold.
-        res = sh(f"curl -sS -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
-        assert "403" in res.stdout + res.stderr or res.returncode != 0
+        res = sh(f"curl -sSf -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
+        assert res.returncode == 22 and "403" in res.stderr, res.stdout + res.stderr
     finally:
         egress.detach("run-root", "rsl-rootwiden0")
     assert testnet.hits.seen == hits_before  # no connection reached any test host

@@ -92,13 +92,10 @@ def host_name(raw: str | bytes, *, wildcard: bool = False) -> str:
     if not text:
         raise BadName("not a host name: empty")
     for ch in text:
+        if ord(ch) > 0x7F:
+            raise BadName(_bad("not ASCII (send an internationalised name as its xn-- A-label)"))
         if not ("!" <= ch <= "~"):
-            what = (
-                "not ASCII (send an internationalised name as its xn-- A-label)"
-                if ord(ch) > 0x7F
-                else (f"the character {escape(ch)!s} is not allowed in a host name")
-            )
-            raise BadName(_bad(what))
+            raise BadName(_bad(f"the character {escape(ch)} is not allowed in a host name"))
     name = text.lower()
     if len(name) > MAX_NAME:
         raise BadName(_bad(f"longer than {MAX_NAME} characters"))
@@ -115,7 +112,7 @@ def host_name(raw: str | bytes, *, wildcard: bool = False) -> str:
         if not _LDH.fullmatch(label):
             bad = next((c for c in label if not (c.isascii() and (c.isalnum() or c == "-"))), "")
             why = (
-                f"the character {escape(bad)!s} is not allowed in a host name"
+                f"the character {escape(bad)} is not allowed in a host name"
                 if bad
                 else "a label starts or ends with '-'"
             )

@@ -73,11 +73,8 @@ def authority(text: str, default_port: int) -> tuple[str, int]:
             raise Refused(f"not a host[:port]: {escape(text)}", host=escape(text))
         port_text = tail[1:] if tail else None
     else:
-        host, sep, port_text_ = text.rpartition(":")
-        if not sep:
-            host, port_text = text, None
-        else:
-            port_text = port_text_
+        host, sep, after = text.rpartition(":")
+        host, port_text = (host, after) if sep else (text, None)
     if "@" in host:
         raise Refused(f"user information in an authority is not relayed: {escape(text)}", host=escape(text))
     name = name_or_address(host)

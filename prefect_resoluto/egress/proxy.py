@@ -649,7 +649,7 @@ class RunProxy:
 
     def _summary(self, att: Attachment) -> None:
         with att.lock:
-            dropped = dict(att.dropped)
+            dropped = {printable(why): n for why, n in att.dropped.items()}
         if not dropped:
             return
         total = sum(dropped.values())
