@@ -96,6 +96,8 @@ def make_cert(d: Path) -> tuple[Path, Path]:
 #: at a known point (and the test knows it got there: ARRIVED) without any sleep.
 GATES: dict[str, threading.Event] = {}
 ARRIVED: list[str] = []
+#: (address reached, Host header, path) of every request a test host answered.
+REQUESTS: list[tuple[str, str, str]] = []
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -112,6 +114,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         local = self.connection.getsockname()[0]
+        REQUESTS.append((local, self.headers.get("Host", ""), self.path))
         if self.path.startswith("/wait/"):
             key = self.path.split("/")[2]
             ARRIVED.append(key)

@@ -7,6 +7,7 @@ here (tests/egress_net.py), the proxy dials from the test's uplink namespace
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +103,44 @@ def test_no_allowlist_means_no_network() -> None:
         ("::1", "IPv6 loopback"),
         ("fd00::1", "ULA"),
         ("fe80::1", "IPv6 link-local"),
-        ("::ffff:127.0.0.1", "loopback"),
+        ("::ffff:127.0.0.1", "IPv4-mapped 127.0.0.1: loopback"),
+        # The IANA special-purpose registries, and the IPv6 forms that lead to IPv4.
+        ("192.0.0.9", "IETF protocol assignments"),
+        ("192.0.2.1", "TEST-NET-1"),
+        ("198.51.100.7", "TEST-NET-2"),
+        ("203.0.113.7", "TEST-NET-3"),
+        ("192.88.99.1", "6to4 relay anycast"),
+        ("240.0.0.1", "reserved"),
+        ("255.255.255.255", "broadcast"),
+        ("198.18.0.2", "benchmarking (RFC 2544), dialled only when egress_resolve pins"),
+        ("64:ff9b::a14:2", "NAT64 (64:ff9b::/96) of 10.20.0.2: RFC 1918"),
+        ("64:ff9b::a9fe:a9fe", "NAT64 (64:ff9b::/96) of 169.254.169.254: link-local"),
+        ("64:ff9b:1::808:808", "local-use NAT64"),
+        ("2002:a14:2::1", "6to4 (2002::/16, deprecated by RFC 7526): relayed by way of 10.20.0.2"),
+        ("2001:0:a14:2::1", "Teredo"),
+        ("::a14:2", "IPv4-compatible"),
+        ("fec0::1", "site-local"),
+        ("100::1", "discard-only"),
+        ("2001:db8::1", "IPv6 documentation"),
+        ("2001:2::1", "IPv6 benchmarking"),
+        ("3fff::1", "IPv6 documentation"),
+        ("5f00::1", "SRv6"),
+        ("4000::1", "not IPv6 global unicast"),
+        ("ff02::1", "IPv6 multicast"),
     ],
 )
 def test_always_refused_ranges(addr: str, why: str) -> None:
-    assert why in (refusal(addr) or "")
+    assert why in (refusal(addr) or ""), refusal(addr)
 
 
-def test_public_and_benchmark_addresses_pass_but_own_addresses_do_not() -> None:
-    assert refusal("198.18.0.2") is None and refusal("2001:db8::1") is None
-    assert refusal("198.18.0.2", own={"198.18.0.2"}) == "an address of this host"
+def test_public_addresses_pass_pinned_benchmark_addresses_pass_own_addresses_do_not() -> None:
+    for public in ("8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"):
+        assert refusal(public) is None, public
+    # The tests' hosts (198.18.0.0/15) only through the node's own egress_resolve pin.
+    assert refusal("198.18.0.2", pinned=True) is None and refusal("::ffff:198.18.0.2", pinned=True) is None
+    assert refusal("64:ff9b::c612:2", pinned=True) is not None  # a pin never exempts a translation
+    assert refusal("10.20.0.2", pinned=True) == "RFC 1918 private"  # nor any other range
+    assert refusal("198.18.0.2", own={"198.18.0.2"}, pinned=True) == "an address of this host"
 
 
 def test_forward_must_target_host_loopback() -> None:
@@ -411,8 +441,8 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
             res = sh(f"curl -sS --noproxy '*' --connect-timeout 3 {target}")
             assert res.returncode != 0, res.stdout
         # The proxy still refuses what the allowlist does not hold.
-        res = sh(f"curl -sS -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
-        assert "403" in res.stdout + res.stderr or res.returncode != 0
+        res = sh(f"curl -sSf -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
+        assert res.returncode == 22 and "403" in res.stderr, res.stdout + res.stderr
     finally:
         egress.detach("run-root", "rsl-rootwiden0")
     assert testnet.hits.seen == hits_before  # no connection reached any test host
@@ -613,7 +643,7 @@ def test_forward_reaches_one_loopback_destination_only(
             "curl -sS --noproxy '*' http://prefect-api.resoluto.internal:4200/transparent; echo; "
             "curl -sS --noproxy '*' --connect-timeout 3 http://prefect-api.resoluto.internal:4201/ "
             "|| echo OTHER-PORT-REFUSED; "
-            "curl -sS http://loop.example.test/ || echo LOOPBACK-REFUSED"
+            "curl -sSf http://loop.example.test/ || echo LOOPBACK-REFUSED"
         )
         outcome, events = run_node(
             rt,
@@ -1059,43 +1089,273 @@ def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_
     assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
 
 
-def test_a_connection_or_dns_flood_is_bounded(
+def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connection(
     testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each open connection costs the host threads, each decision a log line: both capped."""
+    """Each open connection costs the host threads, each refusal a log line: both capped.
+    Past the cap refusals are counted by reason; an admitted connection is always logged."""
     monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 8)
-    monkeypatch.setattr(proxy, "MAX_EVENTS", 20)
+    monkeypatch.setattr(proxy, "MAX_REFUSALS", 20)
     req = egress.network_request("run-flood", "n1", egress=["api.example.test"], resolve=testnet.resolve)
     assert req is not None
     events: list[dict[str, Any]] = []
     egress.listen("run-flood", "n1", events.append)
     net = egress.attach(req, "rsl-flood00000")
     try:
+        # No timeouts in the probe: every wait is for the proxy's answer (the subprocess's
+        # own timeout is the only bound).
         client = textwrap.dedent(f"""
-            import socket, struct
-            held = [socket.create_connection(("{net.gateway}", 3128), timeout=10) for _ in range(8)]
-            extra = socket.create_connection(("{net.gateway}", 3128), timeout=10)
-            print("EXTRA", extra.recv(10) == b"")       # closed at once: over the cap
+            import select, socket, struct
+            gw = "{net.gateway}"
+            held = [socket.create_connection((gw, 3128)) for _ in range(9)]
+            closed, _, _ = select.select(held, [], [])   # the proxy closes what is over the cap
+            print("EXTRA", bool(closed) and all(s.recv(10) == b"" for s in closed))
+            for s in held:
+                s.close()
             u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            u.settimeout(5)
             answered = 0
             for i in range(40):
                 q = struct.pack("!HHHHHH", i, 0x0100, 1, 0, 0, 0) + b"\\x05flood\\x07example\\x04test\\x00" + struct.pack("!HH", 1, 1)
-                u.sendto(q, ("{net.gateway}", 53))
+                u.sendto(q, (gw, 53))
                 answered += u.recvfrom(512)[0][3] & 0x0F == 3   # NXDOMAIN
             print("NX", answered)
+            while True:   # until the slots the held connections took are free again
+                s = socket.create_connection((gw, 3128))
+                s.sendall(b"GET http://api.example.test/after-flood HTTP/1.1\\r\\nHost: api.example.test\\r\\n\\r\\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                s.close()
+                if data:
+                    break
+            print("AFTER", data.decode().split("\\r\\n\\r\\n", 1)[-1])
         """)
         res = subprocess.run(
             ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=120,
         )
+        assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
+        assert f"AFTER hello from {egress_net.HOST} host=api.example.test path=/after-flood" in res.stdout
+        wait_for(lambda: decisions(events, "allowed"), 30, "the admitted connection's decision")
     finally:
         egress.detach("run-flood", "rsl-flood00000")
         egress.unlisten("run-flood", "n1")
-    assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
-    capped = [e for e in events if "connections open at once" in e["data"]["line"]]
-    assert capped and capped[0]["data"]["reason"] == "more than 8 connections open at once"
-    assert len(events) == 21  # 20 decisions, then one summary of what was dropped
-    assert "more decision(s) were not logged" in events[-1]["data"]["line"]
+    refused = decisions(events, "refused")
+    assert len(refused) == 20  # one by one up to the cap
+    assert refused[0]["reason"] == "more than 8 connections open at once"
+    allowed = decisions(events, "allowed")
+    assert [(d["host"], d["via"]) for d in allowed] == [("api.example.test", "HTTP proxy")]
+    summary = events[-1]["data"]
+    assert events[-1]["name"] == "summary" and "more refusal(s) were not logged one by one" in summary["line"]
+    logged_dns = len([d for d in refused if d["via"] == "DNS"])
+    assert summary["dropped_by_reason"]["not in the allowlist"] == 40 - logged_dns
+    assert summary["dropped"] == sum(summary["dropped_by_reason"].values())
+
+
+# --------------------------------------------------------------------------- hostile requests (issue 19)
+
+HOSTILE = r'''
+import json, socket, ssl, struct, urllib.request
+gw = open("/etc/resolv.conf").read().split()[1]
+res = {}
+def raw(port, data):
+    """Send ``data`` to the proxy and read until it closes (it always does: refusing, or
+    after the one request it relays)."""
+    s = socket.create_connection((gw, port))
+    s.sendall(data)
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    except OSError as e:
+        out += f"<{type(e).__name__}>".encode()
+    s.close()
+    return out.decode("latin-1")
+def hello(name):
+    sni = b"\x00" + struct.pack("!H", len(name)) + name
+    sni = struct.pack("!H", len(sni)) + sni
+    exts = struct.pack("!HH", 0, len(sni)) + sni
+    body = b"\x03\x03" + b"\x11" * 32 + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00" + struct.pack("!H", len(exts)) + exts
+    hs = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack("!H", len(hs)) + hs
+def dns(labels, qid=7):
+    q = b"".join(bytes([len(x)]) + x for x in labels) + b"\x00"
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.sendto(struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + q + struct.pack("!HH", 1, 1), (gw, 53))
+    answer = u.recvfrom(512)[0]   # the proxy answers every query it can parse
+    u.close()
+    return {"rcode": answer[3] & 0x0F, "answers": struct.unpack("!H", answer[6:8])[0]}
+ctx = ssl.create_default_context()
+def proxied(url):
+    try:
+        return urllib.request.urlopen(url, context=ctx).read().decode()
+    except Exception as e:
+        return f"ERROR {type(e).__name__}: {e}"
+
+# 3: a NUL (or any other byte) in a name, from every source
+res["connect_nul"] = raw(3128, b"CONNECT localhost\x00.wild.example.test:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+res["absolute_nul"] = raw(3128, b"GET http://localhost\x00.wild.example.test/ HTTP/1.1\r\n\r\n")
+res["host_nul"] = raw(80, b"GET / HTTP/1.1\r\nHost: localhost\x00.wild.example.test\r\n\r\n")
+res["sni_nul"] = raw(443, hello(b"localhost\x00.wild.example.test"))
+res["dns_nul"] = dns([b"localhost\x00", b"wild", b"example", b"test"])
+res["dns_dot"] = dns([b"api.example", b"test"])   # one label holding a dot
+# 4: the Host header names another host than the one admitted; a pipelined second request
+res["fronted"] = raw(3128, b"GET http://api.example.test/front HTTP/1.1\r\nHost: other.example.test\r\n\r\n")
+res["pipelined"] = raw(3128, b"GET http://api.example.test/one HTTP/1.1\r\nHost: api.example.test\r\n\r\n"
+                             b"GET http://other.example.test/two HTTP/1.1\r\nHost: other.example.test\r\n\r\n")
+res["pipelined_transparent"] = raw(80, b"GET /one-t HTTP/1.1\r\nHost: api.example.test\r\n\r\n"
+                                       b"GET /two-t HTTP/1.1\r\nHost: other.example.test\r\n\r\n")
+# 5: names pinned to addresses that lead inward by way of IPv6 forms of IPv4
+for name in ("nat64", "sixtofour", "teredo", "mapped"):
+    res[name] = proxied(f"https://{name}.example.test/pinned")
+# 6: names that would forge log lines, then a flood of refusals, then one admitted connection
+res["connect_nl"] = raw(3128, b"CONNECT evil\n[WARNING]forged.example.test:443 HTTP/1.1\r\n\r\n")
+res["sni_nl"] = raw(443, hello(b"evil\n[WARNING]forged.example.test"))
+res["dns_nl"] = dns([b"evil\n[WARNING]forged", b"example", b"test"])
+res["flood"] = sum(dns([b"flood", b"example", b"test"], qid=i % 65536)["rcode"] == 3 for i in range(2100))
+res["after_flood"] = proxied("https://api.example.test/after-flood")
+print("RES", json.dumps(res))
+'''
+
+PINS = {
+    "nat64.example.test": "64:ff9b::a14:2",  # 10.20.0.2 through a NAT64 gateway
+    "sixtofour.example.test": "2002:a14:2::1",  # 6to4 by way of 10.20.0.2
+    "teredo.example.test": "2001:0:a14:2::1",
+    "mapped.example.test": "::ffff:10.20.0.2",
+}
+
+
+@dataclass
+class Hostile:
+    """One gVisor node that sent every hostile request of issue 19 (findings 3-6) through
+    the real proxy, and the proxy's decisions as the node's events carried them."""
+
+    res: dict[str, Any]
+    events: list[dict[str, Any]]
+    #: (address reached, Host, path) of every request the test hosts answered meanwhile.
+    answered: list[tuple[str, str, str]]
+
+    @property
+    def refused(self) -> list[dict[str, Any]]:
+        return decisions(self.events, "refused")
+
+    def refusal(self, via: str, reason: str) -> dict[str, Any]:
+        found = [d for d in self.refused if d["via"] == via and reason in d["reason"]]
+        assert found, (via, reason, [(d["via"], d["reason"]) for d in self.refused])
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def hostile(testnet: egress_net.TestNet, tmp_path_factory: pytest.TempPathFactory) -> Hostile:
+    """Run once for the four tests below: one sandbox, every hostile request."""
+    runtime = get_runtime("gvisor")
+    avail = runtime.availability()
+    if not avail.ok:
+        pytest.skip(f"gVisor is not available here: {avail.why}")
+    before = len(egress_net.REQUESTS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(proxy.UPLINK_ENV, testnet.uplink)
+        mp.setenv(egress.CANARY_ENV, CANARY)
+        outcome, events = run_node(
+            runtime,
+            tmp_path_factory.mktemp("hostile"),
+            testnet,
+            [sys.executable, "-c", HOSTILE],
+            egress=["api.example.test", "*.wild.example.test", *PINS],
+            egress_resolve={**testnet.resolve, **PINS},
+        )
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    res = json.loads(out.split("RES ", 1)[1].splitlines()[0])
+    return Hostile(res, events, egress_net.REQUESTS[before:])
+
+
+def test_a_name_is_validated_whole_from_every_source(hostile: Hostile) -> None:
+    """Finding 3: a NUL (or any byte outside LDH) in a name under an allowlisted wildcard
+    is refused as not a host name, from CONNECT, an absolute URI, Host, SNI and DNS; the
+    name never reaches a resolver (which would stop at the NUL and resolve 'localhost')."""
+    res = hostile.res
+    for key, via in (
+        ("connect_nul", "CONNECT"),
+        ("absolute_nul", "HTTP proxy"),
+        ("host_nul", "transparent HTTP"),
+        ("sni_nul", "transparent TLS"),
+    ):
+        d = hostile.refusal(via, "not a host name (the character \\x00 is not allowed")
+        assert d["host"] == "localhost\\x00.wild.example.test" and not d["address"], d
+        assert "hello" not in res[key]
+    assert not [d for d in hostile.refused if "loopback" in d["reason"]]
+    assert res["dns_nul"] == {"rcode": 3, "answers": 0} and res["dns_dot"] == {"rcode": 3, "answers": 0}
+    hostile.refusal("DNS", "not a host name (the character \\x00 is not allowed")
+    hostile.refusal("DNS", "a label holds a '.'")
+
+
+def test_the_request_is_for_the_admitted_host_and_one_per_connection(hostile: Hostile) -> None:
+    """Finding 4: a Host header naming another host than the absolute URI is refused; a
+    pipelined second request (through the proxy, and transparently) is refused, not relayed."""
+    res = hostile.res
+    assert "403" in res["fronted"] and "host=other.example.test" not in res["fronted"]
+    d = hostile.refusal("HTTP proxy", "the Host header names other.example.test:80")
+    assert d["host"] == "other.example.test"
+    assert "path=/one" in res["pipelined"] and "path=/two" not in res["pipelined"]
+    assert "path=/one-t" in res["pipelined_transparent"] and "path=/two-t" not in res["pipelined_transparent"]
+    seconds = [d for d in hostile.refused if "a second request on one connection" in d["reason"]]
+    assert {(d["via"], d["host"]) for d in seconds} == {
+        ("HTTP proxy", "other.example.test"),
+        ("transparent HTTP", "other.example.test"),
+    }
+    # The test hosts answered the admitted requests and nothing for 'other'.
+    paths = [r[2] for r in hostile.answered]
+    assert "/one" in paths and "/one-t" in paths
+    assert not [r for r in hostile.answered if "other" in r[1] or r[2] in ("/two", "/two-t", "/front")]
+
+
+def test_ipv6_forms_of_an_inward_ipv4_address_are_refused(
+    hostile: Hostile, testnet: egress_net.TestNet
+) -> None:
+    """Finding 5: names pinned (egress_resolve) to NAT64, 6to4, Teredo and IPv4-mapped
+    forms of 10.20.0.2 are refused, each with its reason, without dialling anything."""
+    for name, why in (
+        ("nat64", "NAT64 (64:ff9b::/96) of 10.20.0.2: RFC 1918 private"),
+        ("sixtofour", "6to4 (2002::/16, deprecated by RFC 7526): relayed by way of 10.20.0.2"),
+        ("teredo", "Teredo"),
+        ("mapped", "IPv4-mapped 10.20.0.2: RFC 1918 private"),
+    ):
+        assert hostile.res[name].startswith("ERROR"), hostile.res[name]
+        found = [d for d in hostile.refused if d["host"] == f"{name}.example.test"]
+        pinned = ipaddress.ip_address(PINS[f"{name}.example.test"])
+        assert found and found[0]["reason"].startswith(f"resolves to a private address ({pinned}: "), found
+        assert why in found[0]["reason"], found[0]
+    assert not [e for e in hostile.events if e["kind"] == "egress" and e["name"] == "failed"]
+    assert testnet.hits.to(egress_net.PRIVATE) == []
+
+
+def test_the_audit_trail_cannot_be_silenced_or_forged(hostile: Hostile) -> None:
+    """Finding 6: names with a newline are logged escaped (no forged line); 2 100 refused
+    DNS queries do not hide the admitted connection after them; what the cap did not log
+    one by one is counted by reason."""
+    for e in hostile.events:
+        if e["kind"] == "egress":
+            for value in e["data"].values():
+                assert not isinstance(value, str) or all(" " <= ch <= "~" for ch in value), e["data"]
+    lines = "\n".join(d["line"] for d in hostile.refused)
+    assert "egress refused evil\\n[WARNING]forged.example.test:443 via transparent TLS" in lines
+    assert "egress DNS refused evil\\n[WARNING]forged.example.test" in lines
+    assert "CONNECT evil\\n[WARNING]forged.example.test:443" in lines
+    assert hostile.res["flood"] == 2100
+    assert (
+        f"hello from {egress_net.HOST} host=api.example.test path=/after-flood" in hostile.res["after_flood"]
+    )
+    after = [d for d in decisions(hostile.events, "allowed") if d["via"] == "CONNECT"]
+    assert [d["host"] for d in after] == ["api.example.test"] and after[0]["bytes_down"] > 0
+    assert len(hostile.refused) == proxy.MAX_REFUSALS
+    summary = [e["data"] for e in hostile.events if e["kind"] == "egress" and e["name"] == "summary"]
+    assert len(summary) == 1, summary
+    logged = len([d for d in hostile.refused if d["via"] == "DNS" and d["host"] == "flood.example.test"])
+    assert summary[0]["dropped_by_reason"] == {"not in the allowlist": 2100 - logged}
+    assert f"{2100 - logged} x not in the allowlist" in summary[0]["line"]

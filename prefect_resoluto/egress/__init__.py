@@ -6,7 +6,9 @@ A runtime calls :func:`attach` with the node's :class:`NetworkRequest` and gets 
 :func:`detach` at destroy. Everything else — the run's proxy, the namespaces and veths,
 the policy and the decision events — lives in this package:
 
-* :mod:`.policy`: names, wildcards, ports, forwards, and the always-refused ranges;
+* :mod:`.policy`: allowlist entries, wildcards, ports, forwards, resolve pins;
+* :mod:`.ranges`: the always-refused addresses;
+* :mod:`.names` and :mod:`.parse`: what a sandbox sends, parsed as attacker input;
 * :mod:`.netns`: namespaces and veth pairs, their records and sweep;
 * :mod:`.proxy`: the per-run proxy (CONNECT, transparent SNI/Host, DNS).
 """

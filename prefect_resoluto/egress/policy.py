@@ -1,5 +1,5 @@
-"""What a sandbox may dial: allowlist entries, resolution overrides, forwards, and the
-address ranges that are refused whatever the allowlist says.
+"""What a sandbox may dial: allowlist entries, resolution overrides and forwards (the
+address ranges refused whatever the allowlist says are in :mod:`.ranges`).
 
 Pure functions and values; nothing here opens a socket.
 """
@@ -7,38 +7,13 @@ Pure functions and values; nothing here opens a socket.
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .names import BadName, host_name
+from .ranges import refusal as refusal  # the always-refused ranges; re-exported for callers
+
 DEFAULT_PORTS = (443, 80)
-
-_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-# (network, why). Checked on the address a name resolved to, right before dialling it,
-# so a name on the allowlist that resolves (or re-resolves) inward is still refused.
-_REFUSED: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
-    (ipaddress.ip_network(net), why)
-    for net, why in (
-        ("0.0.0.0/8", "unspecified / 'this network'"),
-        ("127.0.0.0/8", "loopback"),
-        ("10.0.0.0/8", "RFC 1918 private"),
-        ("172.16.0.0/12", "RFC 1918 private"),
-        ("192.168.0.0/16", "RFC 1918 private"),
-        ("169.254.0.0/16", "link-local (cloud metadata, IMDS)"),
-        ("100.64.0.0/10", "CGNAT shared address space"),
-        ("224.0.0.0/4", "multicast"),
-        ("240.0.0.0/4", "reserved"),
-        ("255.255.255.255/32", "broadcast"),
-        ("::/128", "unspecified"),
-        ("::1/128", "IPv6 loopback"),
-        ("fc00::/7", "IPv6 unique local (ULA)"),
-        ("fe80::/10", "IPv6 link-local"),
-        ("ff00::/8", "IPv6 multicast"),
-    )
-)
 
 
 class EgressPolicyError(ValueError):
@@ -58,24 +33,22 @@ def is_ip(text: str) -> bool:
 
 
 def _check_name(name: str, entry: str, wildcard_ok: bool) -> str:
-    name = normalize_name(name)
-    if is_ip(name):
+    if is_ip(normalize_name(name)):
         raise EgressPolicyError(
             f"egress entry {entry!r} is an IP address; local sandboxes are allowlisted by name only "
             "(a connection to an address is refused; use egress_resolve to pin a name to an address)"
         )
-    labels = name.split(".")
-    if wildcard_ok and labels[0] == "*":
-        labels = labels[1:]
-        if len(labels) < 2:
-            raise EgressPolicyError(
-                f"egress entry {entry!r}: a wildcard needs at least two labels after '*.'"
-            )
-    if not labels or not all(_LABEL.match(label) for label in labels) or len(name) > 253:
+    try:
+        # The same validation as every name a sandbox sends: an entry that could never
+        # match a valid name is an error now, not a silent no-op later.
+        name = host_name(name.strip(), wildcard=wildcard_ok)
+    except BadName as e:
         raise EgressPolicyError(
             f"egress entry {entry!r} is not a host name (use e.g. 'api.example.com', "
-            "'*.githubusercontent.com' or 'host:8443')"
-        )
+            f"'*.githubusercontent.com' or 'host:8443'): {e.reason}"
+        ) from None
+    if name.startswith("*.") and name.count(".") < 2:
+        raise EgressPolicyError(f"egress entry {entry!r}: a wildcard needs at least two labels after '*.'")
     return name
 
 
@@ -168,22 +141,6 @@ def parse_forward(mapping: Mapping[str, str]) -> dict[tuple[str, int], tuple[str
             )
         out[(name, port)] = (str(addr), dport)
     return out
-
-
-def refusal(address: str, own: Iterable[str] = ()) -> str | None:
-    """Why ``address`` may never be dialled for a sandbox, or None if it may."""
-    try:
-        ip: IPAddress = ipaddress.ip_address(address)
-    except ValueError:
-        return "not an IP address"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    for net, why in _REFUSED:
-        if ip.version == net.version and ip in net:
-            return why
-    if str(ip) in set(own):
-        return "an address of this host"
-    return None
 
 
 @dataclass(frozen=True)

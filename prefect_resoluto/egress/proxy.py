@@ -11,14 +11,22 @@ It listens only inside the run's proxy namespace (see :mod:`.netns`), on
 * UDP 53: DNS answers for allowlisted names only, pointing at the proxy itself.
 
 A connection is identified with its node by source address (one /30 per sandbox,
-reverse-path filtering on, so a sandbox cannot speak with another's address). Names are
-resolved here (``egress_resolve`` first), and the address about to be dialled is checked
-against :func:`.policy.refusal` — the name's allowlisting never exempts it. Only the
-node's forwards (``name:port`` -> one host loopback ``addr:port``) skip that check, for
-exactly that pair. Dialling happens from the host's namespace, or from
+reverse-path filtering on, so a sandbox cannot speak with another's address). What the
+sandbox sends is parsed by :mod:`.parse` (names validated by :mod:`.names`) before
+anything is matched: the admission is the ``CONNECT`` authority, the absolute-form URI
+(whose ``Host`` header must agree), the transparent connection's TLS server name or
+``Host`` header. A plain HTTP connection carries exactly one request: its head and its
+body (by ``Content-Length`` or chunked framing) are relayed, ``Connection: close`` is
+sent upstream, and anything the client sends after that is refused, not relayed. Names
+are resolved here (``egress_resolve`` first), and the address about to be dialled is
+checked against :func:`.ranges.refusal` — the name's allowlisting never exempts it. Only
+the node's forwards (``name:port`` -> one host loopback ``addr:port``) skip that check,
+for exactly that pair. Dialling happens from the host's namespace, or from
 ``RESOLUTO_EGRESS_UPLINK_NETNS`` when set (tests point it at a namespace of test hosts).
 
-Every decision becomes an event (kind ``egress``) handed to the node's sink.
+Every decision becomes an event (kind ``egress``) handed to the node's sink, with every
+string made printable (a name cannot start a line of its own): each admitted connection
+always, refusals up to :data:`MAX_REFUSALS` per sandbox, then counted by reason.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ import json
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -35,8 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import netns
-from .policy import NodePolicy, is_ip, normalize_name, refusal
+from . import netns, parse
+from .names import printable
+from .policy import NodePolicy, is_ip, refusal
 
 log = logging.getLogger("prefect_resoluto.egress")
 
@@ -44,14 +52,16 @@ PROXY_PORT = 3128
 DNS_PORT = 53
 UPLINK_ENV = "RESOLUTO_EGRESS_UPLINK_NETNS"
 PHASE_PATH = "/.resoluto/egress/phase/"
-_HEAD_LIMIT = 64 * 1024
 _BUF = 256 * 1024
 _CLIENT_TIMEOUT = 30.0
 _DIAL_TIMEOUT = 10.0
 #: Open connections per sandbox (each costs the host two threads): beyond, refused.
 MAX_CONNECTIONS = 256
-#: Decision events per sandbox; beyond, only counted (a flood must not flood the logs).
-MAX_EVENTS = 2000
+#: Refusals logged one by one per sandbox; beyond, counted by reason and summarised at
+#: detach (a flood must not flood the logs). Admitted connections are never capped.
+MAX_REFUSALS = 2000
+#: Distinct reasons counted past the cap; the rest are counted as "other reasons".
+_REASONS = 32
 
 Sink = Callable[[dict[str, Any]], None]
 
@@ -76,19 +86,13 @@ class Attachment:
     slots: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS)
     )
-    events: int = 0
-    dropped: int = 0
+    refusals: int = 0
+    #: Refusals past MAX_REFUSALS, by reason.
+    dropped: dict[str, int] = field(default_factory=dict)
 
     @property
     def proxy_url(self) -> str:
         return f"http://{self.gateway}:{PROXY_PORT}"
-
-
-class _Refused(Exception):
-    def __init__(self, reason: str, address: str = "") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.address = address
 
 
 class RunProxy:
@@ -169,7 +173,7 @@ class RunProxy:
         try:
             serve(client, port)
         except Exception as e:  # one broken connection never takes the proxy down
-            log.debug("egress connection failed: %s", e)
+            log.debug("egress connection failed: %s", printable(str(e)))
         finally:
             att.slots.release()
             _close(client)
@@ -233,16 +237,7 @@ class RunProxy:
         for c in conns:
             _shutdown(c)
         netns.delete(att.netns)
-        if att.dropped:
-            att.events = 0  # the summary itself must get through
-            self._event(
-                att,
-                "summary",
-                f"egress: {att.dropped} more decision(s) were not logged "
-                f"(more than {MAX_EVENTS} for one sandbox)",
-                level="WARNING",
-                dropped=att.dropped,
-            )
+        self._summary(att)
 
     def attached(self) -> list[Attachment]:
         with self._lock:
@@ -282,38 +277,32 @@ class RunProxy:
         if att is None:
             return
         client.settimeout(_CLIENT_TIMEOUT)
-        head, rest = _read_head(client)
-        if head is None:
+        got: tuple[bytes, bytes] | None = None
+        try:
+            got = _read_head(client)
+            if got is None:
+                return
+            req = parse.proxy_request(got[0], PHASE_PATH)
+        except parse.Refused as r:
+            via = "CONNECT" if got is not None and got[0].startswith(b"CONNECT ") else "HTTP proxy"
+            self._refuse(att, r.host, 0, via, r.reason)
+            _reply(client, 403, f"egress refused: {r.reason}")
             return
-        line, headers = _parse_head(head)
-        parts = line.split(" ")
-        if len(parts) != 3:
-            _reply(client, 400, "bad request line")
-            return
-        method, target, _ = parts
-        if method == "POST" and target.startswith(PHASE_PATH):
-            ok = self.switch_phase(att, target[len(PHASE_PATH) :])
+        if req.kind == "phase":
+            ok = self.switch_phase(att, req.host)
             _reply(client, 200 if ok else 409, json.dumps({"phase": att.phase}), "application/json")
-            return
-        if method == "CONNECT":
-            host, port_s = _split(target, 443)
+        elif req.kind == "connect":
             self._relay(
                 att,
                 client,
-                host,
-                port_s,
-                b"",
+                req.host,
+                req.port,
+                got[1],
                 via="CONNECT",
                 on_open=lambda: client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n"),
             )
-            return
-        if target.startswith("http://"):
-            authority, _, path = target[len("http://") :].partition("/")
-            host, port_n = _split(authority, 80)
-            first = _rewrite(f"{method} /{path} {parts[2]}", headers) + rest
-            self._relay(att, client, host, port_n, first, via="HTTP proxy")
-            return
-        _reply(client, 400, "only CONNECT and absolute-form http:// requests are proxied")
+        else:
+            self._relay(att, client, req.host, req.port, got[1], via="HTTP proxy", http=req, replies=True)
 
     def _serve_transparent(self, client: socket.socket, port: int) -> None:
         att = self._node(client)
@@ -329,25 +318,24 @@ class RunProxy:
         first = _recv_some(client, 5)
         if not first:
             return
-        if first[0] == 0x16:  # a TLS handshake record: route by SNI
-            length = struct.unpack("!H", first[3:5])[0]
-            first += _recv_exact(client, length)
-            name = _sni(first[5:])
-            if not name:
-                self._refuse(att, "", port, "transparent TLS", "no server name (SNI) in the TLS handshake")
+        if first[0] == 0x16:  # a TLS handshake record: its server name is the admission
+            try:
+                record = first + _recv_exact(client, parse.tls_record_length(first))
+                name = parse.client_hello_sni(record)
+            except parse.Refused as r:
+                self._refuse(att, r.host, port, "transparent TLS", r.reason)
                 return
-            self._relay(att, client, name, port, first, via="transparent TLS")
+            self._relay(att, client, name, port, record, via="transparent TLS")
             return
-        head, rest = _read_head(client, first)
-        if head is None:
+        try:
+            got = _read_head(client, first)
+            if got is None:
+                return
+            req = parse.transparent_request(got[0], port)
+        except parse.Refused as r:
+            self._refuse(att, r.host, port, "transparent HTTP", r.reason)
             return
-        line, headers = _parse_head(head)
-        host = headers.get("host", "")
-        if not host:
-            self._refuse(att, "", port, "transparent", "neither TLS with SNI nor HTTP with a Host header")
-            return
-        name, _ = _split(host, port)
-        self._relay(att, client, name, port, _rewrite(line, headers) + rest, via="transparent HTTP")
+        self._relay(att, client, req.host, port, got[1], via="transparent HTTP", http=req)
 
     def _relay(
         self,
@@ -359,15 +347,20 @@ class RunProxy:
         *,
         via: str,
         on_open: Callable[[], None] | None = None,
+        http: parse.Request | None = None,
+        replies: bool = False,
     ) -> None:
+        """Dial ``name:port`` (validated) for the sandbox and relay both ways. With
+        ``http``, the client's side carries that one request (``first``: what followed its
+        head) and nothing else; without, ``first`` goes upstream before the rest."""
         t0 = time.monotonic()
-        name = normalize_name(name)
         phase = att.phase
+        replies = replies or on_open is not None
         try:
             upstream, address, forwarded = self._open(att, name, port, phase)
-        except _Refused as r:
+        except parse.Refused as r:
             self._refuse(att, name, port, via, r.reason, r.address)
-            if on_open is not None:
+            if replies:
                 _reply(client, 403, f"egress refused: {r.reason}")
             return
         except OSError as e:
@@ -382,7 +375,7 @@ class RunProxy:
                 reason=str(e),
                 decision="allowed",
             )
-            if on_open is not None:
+            if replies:
                 _reply(client, 502, f"cannot connect to {name}:{port}: {e}")
             return
         with att.lock:
@@ -391,25 +384,29 @@ class RunProxy:
                 return
             att.conns.update((client, upstream))
         self.connections += 1
-        up = down = 0
+        counts = [0, 0]
         try:
             if on_open is not None:
                 on_open()
-            if first:
-                upstream.sendall(first)
             client.settimeout(None)
             upstream.settimeout(None)
-            counts = [len(first), 0]
             t = threading.Thread(target=_pump, args=(upstream, client, counts, 1), daemon=True)
-            t.start()
-            _pump(client, upstream, counts, 0, skip=len(first))
+            if http is None:
+                if first:
+                    upstream.sendall(first)
+                    counts[0] += len(first)
+                t.start()
+                _pump(client, upstream, counts, 0)
+            else:
+                t.start()
+                self._pump_request(att, client, upstream, http, first, counts, port, via)
             t.join()
-            up, down = counts
         finally:
             with att.lock:
                 att.conns.discard(client)
                 att.conns.discard(upstream)
             _close(upstream)
+        up, down = counts
         took = time.monotonic() - t0
         target = f"{address[0]}:{address[1]}"
         self._event(
@@ -430,6 +427,65 @@ class RunProxy:
             forward=forwarded,
         )
 
+    def _pump_request(
+        self,
+        att: Attachment,
+        client: socket.socket,
+        upstream: socket.socket,
+        http: parse.Request,
+        rest: bytes,
+        counts: list[int],
+        port: int,
+        via: str,
+    ) -> None:
+        """Client -> upstream for one HTTP request: its head, then exactly its body. A
+        byte after that is a second request, which this connection does not carry."""
+        try:
+            body = parse.Body(http.head)
+            n = body.feed(rest)
+            data, extra = http.forwarded + rest[:n], rest[n:]
+            upstream.sendall(data)
+            counts[0] += len(data)
+            while not body.done and not extra:
+                chunk = client.recv(_BUF)
+                if not chunk:
+                    break
+                n = body.feed(chunk)
+                upstream.sendall(chunk[:n])
+                counts[0] += n
+                extra = chunk[n:]
+            if body.done and not extra:
+                extra = client.recv(_BUF)  # more, or the client's end of the connection
+            if extra:
+                self._refuse_second(att, extra, port, via)
+        except parse.Refused as r:
+            self._refuse(att, r.host, port, via, r.reason)
+        except OSError:
+            pass
+        finally:
+            _shutdown_write(upstream)
+
+    def _refuse_second(self, att: Attachment, extra: bytes, port: int, via: str) -> None:
+        name = ""
+        try:  # name what the second request was for, when its head is already here
+            end = parse.head_end(extra)
+            if end > 0:
+                head = parse.parse_head(extra[: end - 4])
+                if head.target[:7].lower() == "http://":
+                    name = parse.absolute_target(head.target)[0]
+                else:
+                    named = parse.host_header(head, port)
+                    name = named[0] if named else ""
+        except parse.Refused as r:
+            name = r.host
+        self._refuse(
+            att,
+            name,
+            port,
+            via,
+            "a second request on one connection (the proxy relays one request per connection)",
+        )
+
     def _open(
         self, att: Attachment, name: str, port: int, phase: str
     ) -> tuple[socket.socket, tuple[str, int], bool]:
@@ -445,13 +501,13 @@ class RunProxy:
                 raise
             return s, fwd, True
         if is_ip(name) or not att.policy.allows(phase, name, port):
-            raise _Refused(
+            raise parse.Refused(
                 "not in the allowlist" + (f" of the {phase} phase" if att.policy.phases.has_setup else "")
             )
         candidates = self._resolve(att, name, port)
         why = ""
-        for family, addr in candidates:
-            bad = refusal(addr, self._own)
+        for family, addr, pinned in candidates:
+            bad = refusal(addr, self._own, pinned=pinned)
             if bad:
                 why = why or f"resolves to a private address ({addr}: {bad})"
                 continue
@@ -463,27 +519,29 @@ class RunProxy:
                 _close(s)
                 raise
             return s, (addr, port), False
-        raise _Refused(why or f"{name} does not resolve", candidates[0][1] if candidates else "")
+        raise parse.Refused(why or f"{name} does not resolve", candidates[0][1] if candidates else "")
 
-    def _resolve(self, att: Attachment, name: str, port: int) -> list[tuple[int, str]]:
+    def _resolve(self, att: Attachment, name: str, port: int) -> list[tuple[int, str, bool]]:
+        """(family, address, pinned by egress_resolve) for a validated name."""
         pinned = att.policy.resolve.get(name)
         if pinned:
-            return [(socket.AF_INET6 if ":" in pinned else socket.AF_INET, pinned)]
+            return [(socket.AF_INET6 if ":" in pinned else socket.AF_INET, pinned, True)]
         try:
             infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
         except OSError as e:
-            raise _Refused(f"{name} does not resolve: {e}") from None
-        seen: list[tuple[int, str]] = []
+            raise parse.Refused(f"{name} does not resolve: {e}") from None
+        seen: list[tuple[int, str, bool]] = []
         for family, _, _, _, sa in infos:
-            if (family, sa[0]) not in seen:
-                seen.append((family, str(sa[0])))
+            if (family, str(sa[0]), False) not in seen:
+                seen.append((family, str(sa[0]), False))
         return seen
 
     def _refuse(
         self, att: Attachment, name: str, port: int, via: str, reason: str, address: str = ""
     ) -> None:
-        what = f"{name}:{port}" if name else f"port {port}"
-        probe = name in att.canary
+        """``name``: validated, or already escaped by the parser that refused it."""
+        what = (f"{name}:{port}" if port else name) if name else f"port {port}" if port else "a request"
+        probe = bool(name) and name in att.canary
         self._event(
             att,
             "refused",
@@ -517,59 +575,55 @@ class RunProxy:
                 continue
             try:
                 reply = self._dns_answer(att, data)
-            except (ValueError, IndexError, struct.error):
+            except parse.Refused as r:  # not a query we can answer: refused, unanswered
+                self._dns_refused(att, "", r.reason)
                 continue
             try:
                 udp.sendto(reply, peer)
             except OSError:
                 pass
 
-    def _dns_answer(self, att: Attachment, query: bytes) -> bytes:
-        qid, flags, qd = struct.unpack("!HHH", query[:6])
-        if qd != 1 or flags & 0x8000:
-            raise ValueError("not a single-question query")
-        i, labels = 12, []
-        while query[i]:
-            n = query[i]
-            labels.append(query[i + 1 : i + 1 + n].decode("ascii", "replace"))
-            i += 1 + n
-        qtype, _ = struct.unpack("!HH", query[i + 1 : i + 5])
-        question = query[12 : i + 5]
-        name = normalize_name(".".join(labels))
+    def _dns_answer(self, att: Attachment, packet: bytes) -> bytes:
+        query = parse.dns_query(packet)
+        try:
+            name = query.name()
+        except parse.Refused as r:
+            self._dns_refused(att, r.host, r.reason)
+            return parse.dns_answer(query, None, known=False)
         known = att.policy.knows_name(att.phase, name)
-        rd = flags & 0x0100
-        rcode = 0 if known else 3  # NXDOMAIN for anything not allowlisted
-        answers = b""
-        if known and qtype == 1:
-            answers = struct.pack("!HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(att.gateway)
         if not known:
-            probe = name in att.canary
-            self._event(
-                att,
-                "dns",
-                f"egress DNS refused {name}: not in the allowlist"
-                + (" (canary probe, as required)" if probe else ""),
-                level="INFO" if probe else "WARNING",
-                host=name,
-                decision="refused",
-                reason="not in the allowlist",
-                via="DNS",
-                phase=att.phase,
-                canary=probe,
-            )
-        header = struct.pack(
-            "!HHHHHH", qid, 0x8000 | 0x0400 * known | rd | 0x0080 | rcode, 1, 1 if answers else 0, 0, 0
+            self._dns_refused(att, name, "not in the allowlist")
+        return parse.dns_answer(query, socket.inet_aton(att.gateway), known)
+
+    def _dns_refused(self, att: Attachment, name: str, reason: str) -> None:
+        probe = bool(name) and name in att.canary
+        self._event(
+            att,
+            "dns",
+            f"egress DNS refused {name or 'a query'}: {reason}"
+            + (" (canary probe, as required)" if probe else ""),
+            level="INFO" if probe else "WARNING",
+            host=name,
+            decision="refused",
+            reason=reason,
+            via="DNS",
+            phase=att.phase,
+            canary=probe,
         )
-        return header + question + answers
 
     # ----------------------------------------------------------------- events
 
     def _event(self, att: Attachment, name: str, line: str, level: str = "INFO", **data: Any) -> None:
-        with att.lock:
-            att.events += 1
-            if att.events > MAX_EVENTS:
-                att.dropped += 1
-                return
+        """Every admitted connection and phase switch is delivered; refusals up to
+        ``MAX_REFUSALS`` per sandbox, then counted by reason for the summary at detach."""
+        if data.get("decision") == "refused":
+            reason = str(data.get("reason", ""))
+            with att.lock:
+                att.refusals += 1
+                if att.refusals > MAX_REFUSALS:
+                    key = reason if reason in att.dropped or len(att.dropped) < _REASONS else "other reasons"
+                    att.dropped[key] = att.dropped.get(key, 0) + 1
+                    return
         ev = {
             "run_id": self.run_id,
             "span_id": uuid.uuid4().hex[:16],
@@ -580,18 +634,35 @@ class RunProxy:
             "ts": time.time(),
             "status": "",
             "data": {
-                "line": line,
+                "line": printable(line),
                 "level": level,
                 "logger": "resoluto.egress",
                 "node_id": att.node_id,
-                **data,
+                **{k: printable(v) if isinstance(v, str) else v for k, v in data.items()},
             },
         }
         if att.sink is not None:
             try:
                 att.sink(ev)
             except Exception as e:
-                log.debug("egress event sink failed: %s", e)
+                log.debug("egress event sink failed: %s", printable(str(e)))
+
+    def _summary(self, att: Attachment) -> None:
+        with att.lock:
+            dropped = {printable(why): n for why, n in att.dropped.items()}
+        if not dropped:
+            return
+        total = sum(dropped.values())
+        by_reason = "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda kv: -kv[1]))
+        self._event(
+            att,
+            "summary",
+            f"egress: {total} more refusal(s) were not logged one by one (more than {MAX_REFUSALS} "
+            f"for one sandbox; every admitted connection was): {by_reason}",
+            level="WARNING",
+            dropped=total,
+            dropped_by_reason=dropped,
+        )
 
 
 def _forwards(policy: NodePolicy) -> str:
@@ -603,7 +674,7 @@ def _forwards(policy: NodePolicy) -> str:
 # --------------------------------------------------------------------------- bytes
 
 
-def _pump(src: socket.socket, dst: socket.socket, counts: list[int], idx: int, skip: int = 0) -> None:
+def _pump(src: socket.socket, dst: socket.socket, counts: list[int], idx: int) -> None:
     buf = bytearray(_BUF)
     view = memoryview(buf)
     try:
@@ -616,10 +687,14 @@ def _pump(src: socket.socket, dst: socket.socket, counts: list[int], idx: int, s
     except OSError:
         pass
     finally:
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        _shutdown_write(dst)
+
+
+def _shutdown_write(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
 
 
 def _recv_some(s: socket.socket, n: int) -> bytes:
@@ -639,78 +714,19 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _read_head(s: socket.socket, first: bytes = b"") -> tuple[bytes | None, bytes]:
+def _read_head(s: socket.socket, first: bytes = b"") -> tuple[bytes, bytes] | None:
+    """(head without its blank line, what followed it), or None if the client went away
+    first; a head over the limit is :class:`parse.Refused`."""
     buf = bytearray(first)
-    while b"\r\n\r\n" not in buf:
-        if len(buf) > _HEAD_LIMIT:
-            return None, b""
+    while (end := parse.head_end(buf)) < 0:
         try:
             chunk = s.recv(65536)
         except OSError:
-            return None, b""
+            return None
         if not chunk:
-            return None, b""
+            return None
         buf += chunk
-    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-    return head, rest
-
-
-def _parse_head(head: bytes) -> tuple[str, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    headers: dict[str, str] = {}
-    order: list[tuple[str, str]] = []
-    for h in lines[1:]:
-        k, _, v = h.partition(":")
-        headers[k.strip().lower()] = v.strip()
-        order.append((k.strip(), v.strip()))
-    headers["\x00order"] = json.dumps(order)
-    return lines[0], headers
-
-
-def _rewrite(line: str, headers: dict[str, str]) -> bytes:
-    """One request per connection: a kept-alive connection could name another host next."""
-    order = json.loads(headers["\x00order"])
-    drop = {"connection", "proxy-connection", "proxy-authorization", "keep-alive"}
-    kept = [f"{k}: {v}" for k, v in order if k.lower() not in drop]
-    return ("\r\n".join([line, *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
-
-
-def _split(authority: str, default: int) -> tuple[str, int]:
-    authority = authority.strip()
-    if authority.startswith("["):
-        host, _, tail = authority[1:].partition("]")
-        return host, int(tail[1:]) if tail.startswith(":") and tail[1:].isdigit() else default
-    host, sep, port = authority.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
-        return host, int(port)
-    return authority, default
-
-
-def _sni(record: bytes) -> str:
-    """The server_name of a TLS ClientHello (the handshake message after the record header)."""
-    try:
-        if record[0] != 1:
-            return ""
-        i = 4 + 2 + 32
-        i += 1 + record[i]
-        i += 2 + struct.unpack("!H", record[i : i + 2])[0]
-        i += 1 + record[i]
-        end = i + 2 + struct.unpack("!H", record[i : i + 2])[0]
-        i += 2
-        while i + 4 <= end:
-            etype, elen = struct.unpack("!HH", record[i : i + 4])
-            i += 4
-            if etype == 0:
-                j = i + 2
-                while j + 3 <= i + elen:
-                    ntype, nlen = record[j], struct.unpack("!H", record[j + 1 : j + 3])[0]
-                    if ntype == 0:
-                        return record[j + 3 : j + 3 + nlen].decode("ascii", "replace")
-                    j += 3 + nlen
-            i += elen
-    except (IndexError, struct.error):
-        pass
-    return ""
+    return bytes(buf[: end - 4]), bytes(buf[end:])
 
 
 def _reply(s: socket.socket, code: int, text: str, ctype: str = "text/plain") -> None:
