@@ -83,11 +83,11 @@ class NodeTable:
                     "attempt": str(attempt),
                     "status": _status(o),
                     "error": error,
+                    # Short columns only, so the page shows the whole row; the node's id,
+                    # conduit and isolation are in its task run's own table.
                     "runtime": o.runtime,
-                    "isolation": o.isolation,
                     "warm": "yes" if o.warm else "no",
                     "seconds": _seconds(o),
-                    "sandbox node": o.node_id,
                 }
             )
             self._version += 1
@@ -96,7 +96,8 @@ class NodeTable:
         failed = [r for r in self.rows if r["status"] != "success"]
         kinds = sorted({r["error"].split(":", 1)[0] for r in failed if r["error"]})
         told = f", {len(failed)} failed" + (f" ({', '.join(kinds)})" if kinds else "") if failed else ""
-        return f"{self.flow_run_name}: {len(self.rows)} sandbox node(s), {len(self.rows) - len(failed)} succeeded{told}"
+        # The Artifacts page's card shows the first ~40 characters: the counts first.
+        return f"{len(self.rows)} sandbox node(s), {len(self.rows) - len(failed)} succeeded{told}"
 
     def publish(self) -> None:
         """Publish the table as it is now, unless this version is already in the API: nodes
@@ -131,6 +132,7 @@ def node_rows(o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> l
     if error:
         rows.append({"field": "error", "value": error})
     rows += [
+        {"field": "sandbox node", "value": o.node_id},
         {"field": "runtime", "value": o.runtime},
         {"field": "isolation", "value": o.isolation},
         {"field": "warm sandbox", "value": "yes" if o.warm else "no"},
