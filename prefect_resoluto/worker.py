@@ -142,6 +142,14 @@ def _conduit_choices(schema: dict[str, Any]) -> None:
     title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
 
 
+def _secret_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, {"Secret": "Secret block"}, "None")
+
+
+def _sandbox_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, {"SandboxBlock": "Resoluto Sandbox block"}, "None")
+
+
 class ResolutoWorkerVariables(BaseVariables):
     """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
@@ -170,7 +178,10 @@ class ResolutoWorkerVariables(BaseVariables):
     )
     egress: list[str] = Field(default_factory=list, title="Egress allowlist", description=_EGRESS)
     secret_env_block: Optional[_SecretBlock] = Field(
-        default=None, title="Secret environment variables (Secret block)", description=_SECRET_BLOCK
+        default=None,
+        title="Secret environment variables (Secret block)",
+        description=_SECRET_BLOCK,
+        json_schema_extra=_secret_choices,
     )
     conduit: Optional[ConduitBlock] = Field(
         default=None,
@@ -178,7 +189,9 @@ class ResolutoWorkerVariables(BaseVariables):
         description=DESCRIPTIONS["conduit"],
         json_schema_extra=_conduit_choices,
     )
-    sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox block", description=_SANDBOX)
+    sandbox: Optional[SandboxBlock] = Field(
+        default=None, title="Sandbox block", description=_SANDBOX, json_schema_extra=_sandbox_choices
+    )
     working_dir: Optional[Path] = Field(
         default=None, title="Working directory", description=_WORKING_DIR, json_schema_extra=plain_optional
     )
