@@ -169,7 +169,7 @@ runner = ResolutoTaskRunner(conduit=S3ConduitBlock.load("BLOCK_NAME"))
 
 
 class LocalDirectoryConduit(BaseModel):
-    """The sandbox block's conduit as a local directory (the fields of LocalConduitBlock)."""
+    """A directory both the host and its local sandboxes can see."""
 
     model_config = ConfigDict(title="Local directory")
 
@@ -182,7 +182,7 @@ class LocalDirectoryConduit(BaseModel):
 
 
 class S3BucketConduit(BaseModel):
-    """The sandbox block's conduit as an S3 bucket (the fields of S3ConduitBlock)."""
+    """An S3-compatible bucket (S3, MinIO, GCS interoperability)."""
 
     model_config = ConfigDict(title="S3 bucket")
 
