@@ -215,3 +215,32 @@ def test_a_secret_env_job_variable_is_refused_with_where_secrets_go():
     run = FlowRun(flow_id=uuid.uuid4(), job_variables={"secret_env": {"TOKEN": "x"}})
     with pytest.raises(ValueError, match="secret_env_block"):
         ResolutoJobConfiguration().prepare_for_flow_run(run)
+
+
+def test_a_sandbox_block_saved_with_a_referenced_conduit_block_still_loads():
+    """Documents from before the conduit became a nested model hold a reference to a saved
+    conduit block; they load as its settings."""
+    conduit_id = S3ConduitBlock(bucket="legacy", secret_access_key=SecretStr("legacy-key-3310")).save(
+        f"legacy-{uuid.uuid4().hex[:6]}"
+    )
+    SandboxBlock.register_type_and_schema()
+    block_type = _api("GET", "/block_types/slug/resoluto-sandbox")
+    (schema, *_) = _api(
+        "POST",
+        "/block_schemas/filter",
+        json={"block_schemas": {"block_type_id": {"any_": [block_type["id"]]}}},
+    )
+    name = f"legacy-ref-{uuid.uuid4().hex[:6]}"
+    _api(
+        "POST",
+        "/block_documents/",
+        json={
+            "name": name,
+            "block_type_id": block_type["id"],
+            "block_schema_id": schema["id"],
+            "data": {"runtime": "gvisor", "conduit": {"$ref": {"block_document_id": str(conduit_id)}}},
+        },
+    )
+    back = SandboxBlock.load(name)
+    assert back.conduit is not None and back.conduit.bucket == "legacy"  # type: ignore[union-attr]
+    assert back.conduit.secret_access_key.get_secret_value() == "legacy-key-3310"  # type: ignore[union-attr]
