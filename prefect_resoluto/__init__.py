@@ -40,3 +40,9 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    # Listing the lazy names lets `prefect block register -m prefect_resoluto` (which walks
+    # inspect.getmembers) find the block classes.
+    return sorted({*globals(), *_EXPORTS})

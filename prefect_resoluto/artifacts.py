@@ -1,56 +1,174 @@
-"""The table artifact each node leaves on its task run: what ran where, and how it ended.
+"""The artifacts a flow run's sandbox nodes leave: one keyed table per flow run, a row per
+node, a new version of the same key as nodes finish (what the Artifacts page lists, once
+per flow run), and an unkeyed table on each task run with the node's details (the task
+run's Artifacts tab).
 
 Published from the runner's background thread (``background.py``), off the task's
-critical path.
+critical path; everything here is best effort and never fails a task.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import threading
+from dataclasses import dataclass, field
 
+from guest_runner.redact import Redactor
 from prefect_resoluto.node import NodeOutcome
 
 log = logging.getLogger("prefect_resoluto")
 
-
-def artifact_key(task_name: str, node_id: str) -> str:
-    """A valid Prefect artifact key (lowercase letters, digits, dashes) naming the node:
-    ``resoluto-<task>-<last 8 of the task run id>[-<attempt>]``. The tail of the id, since
-    task run ids are UUIDv7, whose leading digits are a timestamp shared by neighbours."""
-    slug = re.sub(r"[^a-z0-9]+", "-", task_name.lower()).strip("-")[:40].strip("-") or "task"
-    run_id, _, attempt = node_id.partition(".")
-    short = re.sub(r"[^a-z0-9]", "", run_id.lower())[-8:] or "node"
-    return f"resoluto-{slug}-{short}" + (f"-{attempt}" if attempt else "")
+#: Longest exception text kept in a table cell (the sandbox wrote it: bounded, one line).
+ERROR_CELL = 300
 
 
-def publish_node_artifact(o: NodeOutcome, task_name: str, attempt: int = 1) -> None:
+def flow_run_key(flow_run_name: str, flow_run_id: str) -> str:
+    """The flow run's artifact key (lowercase letters, digits, dashes):
+    ``resoluto-<flow run name>-<last 8 of its id>``; the id's tail tells apart two runs
+    that drew the same name."""
+    slug = re.sub(r"[^a-z0-9]+", "-", flow_run_name.lower()).strip("-")[:40].strip("-") or "flow-run"
+    short = re.sub(r"[^a-z0-9]", "", flow_run_id.lower())[-8:] or "run"
+    return f"resoluto-{slug}-{short}"
+
+
+def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
+    """``ValueError: bad input`` for a failed workload (from the sandbox's error record),
+    else the node's reason. One line, bounded: the sandbox wrote it."""
+    if o.ok:
+        return ""
+    text = o.reason
+    if o.failure == "workload" and o.output_dir is not None:
+        from prefect_resoluto import pycall
+
+        path = o.output_dir / pycall.call.ERROR_FILE
+        if path.is_file():
+            e = pycall.read_error(path, redactor)
+            kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
+            text = f"{kind}: {message}" if message else kind
+    return _cell(text)
+
+
+def _cell(text: str) -> str:
+    line = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", text).split())
+    return line if len(line) <= ERROR_CELL else line[: ERROR_CELL - 1] + "…"
+
+
+def _status(o: NodeOutcome) -> str:
+    return "success" if o.ok else f"failure ({o.failure})" if o.failure else "failure"
+
+
+def _seconds(o: NodeOutcome) -> str:
+    return f"{o.timings.get('finish', 0.0):.2f}"
+
+
+@dataclass
+class NodeTable:
+    """The flow run's table: a row per node, published as a new version when it changed."""
+
+    flow_run_id: str
+    key: str
+    flow_run_name: str
+    rows: list[dict[str, str]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _version: int = 0
+    _published: int = 0
+
+    def add(self, o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> None:
+        with self._lock:
+            self.rows.append(
+                {
+                    "task run": task_run_name,
+                    "attempt": str(attempt),
+                    "status": _status(o),
+                    "error": error,
+                    # Short columns only, so the page shows the whole row; the node's id,
+                    # conduit and isolation are in its task run's own table.
+                    "runtime": o.runtime,
+                    "warm": "yes" if o.warm else "no",
+                    "seconds": _seconds(o),
+                }
+            )
+            self._version += 1
+
+    def description(self) -> str:
+        failed = [r for r in self.rows if r["status"] != "success"]
+        kinds = sorted({r["error"].split(":", 1)[0] for r in failed if r["error"]})
+        told = f", {len(failed)} failed" + (f" ({', '.join(kinds)})" if kinds else "") if failed else ""
+        # The Artifacts page's card shows the first ~40 characters: the counts first.
+        return f"{len(self.rows)} sandbox node(s), {len(self.rows) - len(failed)} succeeded{told}"
+
+    def publish(self) -> None:
+        """Publish the table as it is now, unless this version is already in the API: nodes
+        finishing together cost one request, not one each."""
+        with self._lock:
+            if self._published == self._version:
+                return
+            version, rows, description = self._version, [dict(r) for r in self.rows], self.description()
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        with get_client(sync_client=True) as client:
+            client.create_artifact(
+                ArtifactCreate(
+                    key=self.key,
+                    type="table",
+                    data=json.dumps(rows),
+                    description=description,
+                    flow_run_id=self.flow_run_id,  # type: ignore[arg-type]
+                )
+            )
+        with self._lock:
+            self._published = max(self._published, version)
+
+
+def node_rows(o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> list[dict[str, str]]:
+    rows = [
+        {"field": "task run", "value": task_run_name},
+        {"field": "attempt", "value": str(attempt)},
+        {"field": "status", "value": _status(o)},
+    ]
+    if error:
+        rows.append({"field": "error", "value": error})
+    rows += [
+        {"field": "sandbox node", "value": o.node_id},
+        {"field": "runtime", "value": o.runtime},
+        {"field": "isolation", "value": o.isolation},
+        {"field": "warm sandbox", "value": "yes" if o.warm else "no"},
+        {"field": "exit code", "value": str(o.exit_code)},
+        {"field": "seconds", "value": _seconds(o)},
+        {"field": "sandbox", "value": o.sandbox_id},
+        {"field": "conduit", "value": o.conduit_url},
+        {"field": "node prefix", "value": o.conduit_prefix},
+    ]
+    for rel, path in sorted(o.output_files.items()):
+        if rel.startswith(".resoluto/"):
+            continue
+        rows.append({"field": f"output {rel}", "value": str(path)})
+    return rows
+
+
+def publish_node_artifact(
+    o: NodeOutcome,
+    task_run_name: str,
+    attempt: int = 1,
+    redactor: Redactor | None = None,
+    table: NodeTable | None = None,
+) -> None:
+    """The node's own table on its task run (unkeyed), then the flow run's table."""
     try:
         from prefect.artifacts import create_table_artifact
 
-        status = o.status + (f" ({o.failure})" if o.failure else "")
-        rows = [
-            {"field": "task", "value": task_name},
-            {"field": "attempt", "value": str(attempt)},
-            {"field": "status", "value": status},
-            {"field": "node id", "value": o.node_id},
-            {"field": "runtime", "value": o.runtime},
-            {"field": "isolation", "value": o.isolation},
-            {"field": "exit code", "value": str(o.exit_code)},
-            {"field": "duration (s)", "value": f"{o.timings.get('finish', 0.0):.2f}"},
-            {"field": "conduit", "value": o.conduit_url},
-            {"field": "node prefix", "value": o.conduit_prefix},
-        ]
-        if not o.ok:
-            rows.append({"field": "reason", "value": o.reason})  # redacted by the node driver
-        for rel, path in sorted(o.output_files.items()):
-            if rel.startswith(".resoluto/"):
-                continue
-            rows.append({"field": f"output {rel}", "value": f"{path} (from {', '.join(o.output_archives)})"})
-        # The Artifacts page cuts descriptions after ~30 characters: what tells nodes apart first.
-        description = f"{task_name} attempt {attempt}: {status} — sandbox node {o.node_id} on {o.runtime}"
+        error = error_summary(o, redactor)
+        if table is not None:
+            table.add(o, task_run_name, attempt, error)
+        how = f"{_status(o)}" + (f": {error}" if error else "")
+        description = f"{task_run_name}, attempt {attempt}: {how}; {o.runtime}, {_seconds(o)} s"
         create_table_artifact(
-            table=rows, key=artifact_key(task_name, o.node_id), description=description, _sync=True
+            table=node_rows(o, task_run_name, attempt, error), description=description, _sync=True
         )  # type: ignore[call-arg]
+        if table is not None:
+            table.publish()
     except Exception as e:  # an artifact is a convenience; never fail the task over it
-        log.debug("could not publish the node artifact: %s", e)
+        log.debug("could not publish the node's artifacts: %s", e)

@@ -1,26 +1,111 @@
 """Prefect blocks: sandbox and conduit settings editable in the UI / Prefect Cloud.
 
-Register with ``prefect block register -m prefect_resoluto.blocks`` (a local server also
-picks them up through the ``prefect.collections`` entry point). A saved sandbox block
-is what a scheduled deployment uses: ``ResolutoTaskRunner(sandbox="my-sandbox")``.
+Register with ``prefect block register -m prefect_resoluto`` (a local server also picks
+them up through the ``prefect.collections`` entry point). A saved sandbox block is what a
+scheduled deployment uses: ``ResolutoTaskRunner(sandbox="my-sandbox")``.
+
+The sandbox block's ``conduit`` is a nested *model*, not a nested block: Prefect's UIs do
+not round-trip nested blocks (the V1 UI drops an inline one on Save, the V2 UI turns a
+referenced one inline and writes its masked secret back as the literal ``********``), and
+both round-trip a nested model, its masked secrets restored by the server. A conduit block
+passed to the sandbox block is taken in as such a model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from prefect.blocks.core import Block
 from prefect.types import SecretDict
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.config import SandboxConfig
+from prefect_resoluto.form_fields import (
+    DESCRIPTIONS,
+    MIN_ISOLATION_DEFAULT,
+    plain_optional,
+    shared_field,
+    title_choices,
+)
 from prefect_resoluto.runtimes import RUNTIMES
-from prefect_resoluto.runtimes.base import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_PIDS, IsolationLevel
+from prefect_resoluto.runtimes.base import DEFAULT_PIDS, IsolationLevel
+from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
 
 # Choices, so the block form shows dropdowns: every registered runtime, every level.
 RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]
 IsolationName = Literal[tuple(level.label for level in sorted(IsolationLevel, reverse=True))]  # type: ignore[valid-type]
+
+# The conduit settings, once for the blocks and the sandbox block's nested models.
+_Path = Annotated[str, Field(title="Path", description="Absolute path of the conduit directory on the host.")]
+_Bucket = Annotated[str, Field(title="Bucket", description="Bucket name.")]
+_BasePrefix = Annotated[
+    str, Field(title="Key prefix", description="Key prefix under which every run is stored.")
+]
+_Endpoint = Annotated[
+    Optional[str],  # noqa: UP045 - pydantic field
+    Field(
+        title="Endpoint URL",
+        description="For S3-compatible stores, e.g. http://minio:9000.",
+        json_schema_extra=plain_optional,
+    ),
+]
+_Region = Annotated[
+    Optional[str],  # noqa: UP045 - pydantic field
+    Field(
+        title="Region",
+        description="Region (default: the environment's, else us-east-1).",
+        json_schema_extra=plain_optional,
+    ),
+]
+_AccessKey = Annotated[
+    Optional[str],  # noqa: UP045 - pydantic field
+    Field(
+        title="Access key ID",
+        description="Leave empty to use ambient AWS credentials.",
+        json_schema_extra=plain_optional,
+    ),
+]
+_SecretKey = Annotated[
+    Optional[SecretStr],  # noqa: UP045 - pydantic field
+    Field(
+        title="Secret access key",
+        description="Secret key for the access key ID.",
+        json_schema_extra=plain_optional,
+    ),
+]
+_SessionToken = Annotated[
+    Optional[SecretStr],  # noqa: UP045 - pydantic field
+    Field(title="Session token", description="Optional session token.", json_schema_extra=plain_optional),
+]
+
+
+def _check_absolute(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError("the conduit path must be absolute")
+    return v
+
+
+def _s3(
+    bucket: str,
+    base_prefix: str,
+    endpoint_url: str | None,
+    region: str | None,
+    access_key_id: str | None,
+    secret_access_key: SecretStr | None,
+    session_token: SecretStr | None,
+) -> Conduit:
+    from guest_runner.s3conduit import S3Conduit
+
+    return S3Conduit(
+        bucket,
+        base_prefix=base_prefix,
+        endpoint_url=endpoint_url,
+        region=region,
+        access_key_id=access_key_id,
+        secret_access_key=secret_access_key.get_secret_value() if secret_access_key else None,
+        session_token=session_token.get_secret_value() if session_token else None,
+    )
 
 
 class LocalConduitBlock(Block):
@@ -29,15 +114,18 @@ class LocalConduitBlock(Block):
     _block_type_name = "Resoluto Local Conduit"
     _block_type_slug = "resoluto-local-conduit"
     _description = "A local directory through which host and sandboxes exchange work (prefect-resoluto)."
+    _code_example = """
+```python
+from prefect_resoluto import ResolutoTaskRunner
+from prefect_resoluto.blocks import LocalConduitBlock
 
-    path: str = Field(..., description="Absolute path of the conduit directory on the host.")
+runner = ResolutoTaskRunner(conduit=LocalConduitBlock.load("BLOCK_NAME"))
+```
+"""
 
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/"):
-            raise ValueError("the conduit path must be absolute")
-        return v
+    path: _Path
+
+    _absolute = field_validator("path")(_check_absolute)
 
     def to_conduit(self) -> Conduit:
         return LocalConduit(self.path)
@@ -51,47 +139,96 @@ class S3ConduitBlock(Block):
     _description = (
         "An S3-compatible bucket through which host and sandboxes exchange work (prefect-resoluto)."
     )
+    _code_example = """
+```python
+from prefect_resoluto import ResolutoTaskRunner
+from prefect_resoluto.blocks import S3ConduitBlock
 
-    bucket: str = Field(..., description="Bucket name.")
-    base_prefix: str = Field("", description="Key prefix under which every run is stored.")
-    endpoint_url: str | None = Field(None, description="For S3-compatible stores, e.g. http://minio:9000.")
-    region: str | None = Field(None, description="Region (default: the environment's, else us-east-1).")
-    access_key_id: str | None = Field(None, description="Leave empty to use ambient AWS credentials.")
-    secret_access_key: SecretStr | None = Field(None, description="Secret key for access_key_id.")
-    session_token: SecretStr | None = Field(None, description="Optional session token.")
+runner = ResolutoTaskRunner(conduit=S3ConduitBlock.load("BLOCK_NAME"))
+```
+"""
+
+    bucket: _Bucket
+    base_prefix: _BasePrefix = ""
+    endpoint_url: _Endpoint = None
+    region: _Region = None
+    access_key_id: _AccessKey = None
+    secret_access_key: _SecretKey = None
+    session_token: _SessionToken = None
 
     def to_conduit(self) -> Conduit:
-        from guest_runner.s3conduit import S3Conduit
-
-        return S3Conduit(
+        return _s3(
             self.bucket,
-            base_prefix=self.base_prefix,
-            endpoint_url=self.endpoint_url,
-            region=self.region,
-            access_key_id=self.access_key_id,
-            secret_access_key=self.secret_access_key.get_secret_value() if self.secret_access_key else None,
-            session_token=self.session_token.get_secret_value() if self.session_token else None,
+            self.base_prefix,
+            self.endpoint_url,
+            self.region,
+            self.access_key_id,
+            self.secret_access_key,
+            self.session_token,
         )
 
 
-#: What the conduit choice in the sandbox block's form shows, per block class. Put on each
-#: choice, not on the nested schemas: Prefect's server keys nested block definitions by
-#: their title, so renaming those would break the form's references.
-CONDUIT_CHOICES = {"LocalConduitBlock": "Local directory", "S3ConduitBlock": "S3 bucket"}
+class LocalDirectoryConduit(BaseModel):
+    """A directory both the host and its local sandboxes can see."""
+
+    model_config = ConfigDict(title="Local directory")
+
+    path: _Path
+
+    _absolute = field_validator("path")(_check_absolute)
+
+    def to_conduit(self) -> Conduit:
+        return LocalConduit(self.path)
 
 
-def _title_choices(schema: dict[str, Any], titles: dict[str, str]) -> None:
-    for choice in schema.get("anyOf", []):
-        # While the schema is built, refs carry pydantic's provisional names
-        # (``prefect_resoluto__blocks__LocalConduitBlock-Input__1``).
-        ref = str(choice.get("$ref", "")).rsplit("/", 1)[-1]
-        found = [
-            t for name, t in titles.items() if ref == name or f"__{name}-" in ref or ref.endswith(f"__{name}")
-        ]
-        if found:
-            choice["title"] = found[0]
-        elif choice.get("type") == "null":
-            choice["title"] = "Default (a local directory under the user's cache)"
+class S3BucketConduit(BaseModel):
+    """An S3-compatible bucket (S3, MinIO, GCS interoperability)."""
+
+    model_config = ConfigDict(title="S3 bucket")
+
+    bucket: _Bucket
+    base_prefix: _BasePrefix = ""
+    endpoint_url: _Endpoint = None
+    region: _Region = None
+    access_key_id: _AccessKey = None
+    secret_access_key: _SecretKey = None
+    session_token: _SessionToken = None
+
+    def to_conduit(self) -> Conduit:
+        return _s3(
+            self.bucket,
+            self.base_prefix,
+            self.endpoint_url,
+            self.region,
+            self.access_key_id,
+            self.secret_access_key,
+            self.session_token,
+        )
+
+
+#: What a conduit choice shows, per class: the block union of the pool's form and the model
+#: union of the sandbox block's form.
+CONDUIT_CHOICES = {
+    "LocalConduitBlock": "Local directory",
+    "S3ConduitBlock": "S3 bucket",
+    "LocalDirectoryConduit": "Local directory",
+    "S3BucketConduit": "S3 bucket",
+}
+CONDUIT_DEFAULT_TITLE = "Default (a local directory under the user's cache)"
+
+
+def _conduit_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
+
+
+def _k8s(title: str, description: str) -> Any:
+    return Field(
+        None, title=f"Kubernetes: {title}", description=description, json_schema_extra=plain_optional
+    )
+
+
+def _solari(title: str, description: str) -> Any:
+    return Field(None, title=f"Solari: {title}", description=description, json_schema_extra=plain_optional)
 
 
 class SandboxBlock(Block):
@@ -100,119 +237,153 @@ class SandboxBlock(Block):
     _block_type_name = "Resoluto Sandbox"
     _block_type_slug = "resoluto-sandbox"
     _description = "Where and how prefect-resoluto runs each task run in an isolated sandbox."
+    # The UI puts the document's name in place of BLOCK_NAME (its first occurrence).
     _code_example = """
 ```python
 from prefect import flow
 from prefect_resoluto import ResolutoTaskRunner
 
-@flow(task_runner=ResolutoTaskRunner(sandbox="my-sandbox"))
+@flow(task_runner=ResolutoTaskRunner(sandbox="BLOCK_NAME"))
 def my_flow(): ...
 ```
 """
 
+    # Fields in the order the form shows them: every runtime's settings first, then those
+    # of one runtime, each titled with its runtime ("Kubernetes: namespace").
     runtime: RuntimeName | None = Field(  # type: ignore[valid-type]
         None,
-        description="Where sandboxes run; empty: the strongest runtime available on the host "
-        "that runs the flow.",
-    )
-    image: str | None = Field(None, description="Image for container/kubernetes runtimes.")
-    memory: str | None = Field(
-        None, description=f"Memory limit per sandbox, e.g. 512Mi or 8Gi; empty: {DEFAULT_MEMORY}."
-    )
-    cpus: str | None = Field(
-        None, description=f"CPU limit per sandbox, e.g. 1, 0.5 or 500m; empty: {DEFAULT_CPUS:g}."
-    )
-    disk: str | None = Field(
-        None,
-        description="Size of /tmp and /workspace per sandbox where the runtime "
-        "can size them (ephemeral storage on Kubernetes); empty: "
-        "the memory limit. In-memory scratch counts against memory.",
-    )
-    output_limit: str | None = Field(
-        None,
-        description="Most bytes of output files the host takes from one sandbox, e.g. 10Gi; "
-        "empty: what the sandbox could hold (disk, else the memory limit).",
-    )
-    pids: int = Field(DEFAULT_PIDS, gt=0, description="Most processes and threads per sandbox.")
-    min_isolation: IsolationName = Field(  # type: ignore[valid-type]
-        IsolationLevel.USER_KERNEL.label, description="Refuse runtimes weaker than this."
-    )
-    silence_window: float = Field(
-        600.0, description="Seconds without any event before a sandbox is presumed dead."
-    )
-    infrastructure_retries: int = Field(1, ge=0, description="Re-launches after an infrastructure failure.")
-    warm_pool: int | None = Field(
-        None,
-        ge=0,
-        description="Warm sandboxes kept ready per kind of node (0 disables; empty: the task "
-        "runner's concurrency, at most 4, on local runtimes).",
-    )
-    output_paths: list[str] = Field(default_factory=list, description="Paths/globs returned from every node.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment for every sandbox.")
-    secret_env: SecretDict = Field(
-        default_factory=lambda: SecretDict({}),
-        description="Secret environment: masked here, redacted from every log line.",
-    )
-    egress: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Egress allowlist: names (api.example.com, *.example.com, host:8443) on local runtimes, CIDRs on "
-            "Kubernetes. Empty: no network at all."
+        title="Runtime",
+        description=DESCRIPTIONS["runtime"].replace(
+            "bubblewrap (namespaces),", "bubblewrap (namespaces), solari (a hosted micro-VM),"
         ),
+        json_schema_extra=plain_optional,
+    )
+    min_isolation: IsolationName = shared_field("min_isolation", MIN_ISOLATION_DEFAULT)  # type: ignore[valid-type]
+    memory: str | None = shared_field("memory", None, examples=["4Gi"], json_schema_extra=plain_optional)
+    cpus: str | None = shared_field("cpus", None, examples=["2"], json_schema_extra=plain_optional)
+    disk: str | None = shared_field("disk", None, examples=["1Gi"], json_schema_extra=plain_optional)
+    output_limit: str | None = shared_field(
+        "output_limit", None, examples=["10Gi"], json_schema_extra=plain_optional
+    )
+    pids: int = shared_field(
+        "pids",
+        DEFAULT_PIDS,
+        gt=0,
+    )
+    image: str | None = shared_field("image", None, json_schema_extra=plain_optional)
+    conduit: Union[LocalDirectoryConduit, S3BucketConduit, None] = Field(  # noqa: UP007 - pydantic union
+        None,
+        title="Conduit",
+        description=DESCRIPTIONS["conduit"],
+        json_schema_extra=_conduit_choices,
+    )
+    env: dict[str, str] = shared_field(
+        "env",
+        default_factory=dict,
+    )
+    secret_env: SecretDict = shared_field(
+        "secret_env",
+        default_factory=lambda: SecretDict({}),
+    )
+    egress: list[str] = shared_field(
+        "egress",
+        default_factory=list,
     )
     egress_resolve: dict[str, str] = Field(
         default_factory=dict,
-        description="Pin allowlisted names to addresses (HOST -> IP), like curl --resolve.",
+        title="Egress name pins",
+        description="Pin allowlisted names to addresses {HOST: IP}, like curl --resolve.",
+    )
+    setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
+        None,
+        title="Setup command",
+        description="A command run in the sandbox before each task (e.g. pip install ...), one argument per item.",
+        json_schema_extra=plain_optional,
     )
     setup_egress: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
         None,
-        description="The setup command's own allowlist (e.g. a package index); the workload's is egress.",
+        title="Setup egress allowlist",
+        description="The setup command's own allowlist (e.g. a package index); the task's is the egress allowlist.",
+        json_schema_extra=plain_optional,
     )
-    setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
-        None, description="A command run in the sandbox before each task (e.g. pip install ...)."
+    output_paths: list[str] = Field(
+        default_factory=list,
+        title="Output paths",
+        description="Paths or globs every node returns from its workspace.",
     )
-    conduit: Union[LocalConduitBlock, S3ConduitBlock, None] = Field(  # noqa: UP007 - pydantic union
+    silence_window: float = shared_field(
+        "silence_window",
+        DEFAULT_SILENCE_WINDOW,
+        gt=0,
+    )
+    infrastructure_retries: int = Field(
+        1,
+        ge=0,
+        title="Infrastructure retries",
+        description="Re-launches after an infrastructure failure (not the task's own retries). Default: 1.",
+    )
+    warm_pool: int | None = Field(
         None,
-        description="Conduit; empty: a local directory under the user's cache.",
-        json_schema_extra=lambda schema: _title_choices(schema, CONDUIT_CHOICES),
-    )
-    # Kubernetes runtime settings
-    kube_namespace: str | None = Field(None, description="Kubernetes namespace for sandbox pods.")
-    kube_context: str | None = Field(
-        None, description="kubeconfig context to use (required unless in-cluster)."
-    )
-    runtime_class: str | None = Field(None, description="RuntimeClass for pods (default kata).")
-    service_account: str | None = Field(None, description="Service account for sandbox pods.")
-    priority_class: str | None = Field(None, description="PriorityClass for sandbox pods.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector for sandbox pods.")
-    tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, description="Tolerations for sandbox pods."
-    )
-    store_egress_cidr: str | None = Field(None, description="CIDR of the object store pods may reach.")
-    store_egress_port: int | None = Field(None, description="Port of the object store pods may reach.")
-    store_credentials_secret: str | None = Field(
-        None, description="Kubernetes Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for pods."
+        ge=0,
+        title="Warm sandboxes",
+        description="Warm sandboxes kept ready per kind of node on local runtimes (0 disables). "
+        "Empty: the task runner's concurrency, at most 4.",
+        json_schema_extra=plain_optional,
     )
 
-    # Solari runtime settings (runtime="solari")
-    solari_base_url: str | None = Field(
-        None, description="Solari gateway base URL (default: SOLARI_BASE_URL)."
+    kube_namespace: str | None = _k8s("namespace", "Namespace of the sandbox pods. Empty: default.")
+    kube_context: str | None = _k8s("kubeconfig context", "Required unless the flow runs in the cluster.")
+    runtime_class: str | None = _k8s("RuntimeClass", "RuntimeClass of the pods. Empty: kata.")
+    service_account: str | None = _k8s("service account", "Service account of the sandbox pods.")
+    priority_class: str | None = _k8s("PriorityClass", "PriorityClass of the sandbox pods.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        title="Kubernetes: node selector",
+        description="Node labels the sandbox pods must match {LABEL: value}.",
     )
-    solari_api_key: SecretStr | None = Field(None, description="Solari API key (default: SOLARI_API_KEY).")
-    solari_template: str | None = Field(None, description="Solari template for the sandbox VMs.")
-    solari_conduit_mode: Optional[Literal["relay", "direct"]] = Field(  # noqa: UP045 - pydantic field
-        None,
-        description="relay (default: the VM needs no network) or direct (the VM reaches the S3 conduit).",
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        title="Kubernetes: tolerations",
+        description="Tolerations of the sandbox pods, as in a pod spec.",
+    )
+    store_egress_cidr: str | None = _k8s("store egress CIDR", "CIDR of the object store the pods may reach.")
+    store_egress_port: int | None = _k8s("store egress port", "Port of the object store the pods may reach.")
+    store_credentials_secret: str | None = _k8s(
+        "store credentials Secret",
+        "Kubernetes Secret holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for the pods.",
+    )
+
+    solari_base_url: str | None = _solari("gateway URL", "Solari gateway base URL. Empty: SOLARI_BASE_URL.")
+    solari_api_key: SecretStr | None = _solari("API key", "Solari API key. Empty: SOLARI_API_KEY.")
+    solari_template: str | None = _solari("template", "Solari template of the sandbox VMs.")
+    solari_conduit_mode: Optional[Literal["relay", "direct"]] = _solari(  # noqa: UP045 - pydantic field
+        "conduit mode",
+        "relay (the VM needs no network) or direct (the VM reaches the S3 conduit). Empty: relay.",
     )
     solari_session_timeout_s: float | None = Field(
-        None, description="Gateway session timeout, extended while the node runs (default 300)."
+        None,
+        title="Solari session timeout (s)",
+        description="Gateway session timeout, extended while the node runs. Empty: 300.",
+        json_schema_extra=plain_optional,
     )
-    solari_metadata: dict[str, str] = Field(default_factory=dict, description="Extra metadata on every VM.")
+    solari_metadata: dict[str, str] = Field(
+        default_factory=dict, title="Solari: VM metadata", description="Extra metadata on every VM."
+    )
 
     @field_validator("min_isolation", mode="before")
     @classmethod
     def _level(cls, v: str) -> str:
         return IsolationLevel.parse(v).label
+
+    @field_validator("conduit", mode="before")
+    @classmethod
+    def _conduit_model(cls, v: Any) -> Any:
+        # A conduit block (README: conduit=S3ConduitBlock(...)) is kept as its settings.
+        if isinstance(v, LocalConduitBlock):
+            return LocalDirectoryConduit(path=v.path)
+        if isinstance(v, S3ConduitBlock):
+            return S3BucketConduit(**{name: getattr(v, name) for name in S3BucketConduit.model_fields})
+        return v
 
     def to_config(self) -> SandboxConfig:
         kube = {
@@ -250,12 +421,12 @@ def my_flow(): ...
             output_paths=list(self.output_paths),
             env=dict(self.env),
             secret_env={str(k): str(v) for k, v in self.secret_env.get_secret_value().items()},
-            memory=self.memory,
-            cpus=self.cpus,
-            disk=self.disk,
-            output_limit=self.output_limit,
+            memory=self.memory or None,
+            cpus=self.cpus or None,
+            disk=self.disk or None,
+            output_limit=self.output_limit or None,
             pids=self.pids,
-            image=self.image,
+            image=self.image or None,
             egress=list(self.egress),
             egress_resolve=dict(self.egress_resolve),
             setup_egress=list(self.setup_egress) if self.setup_egress is not None else None,

@@ -27,6 +27,7 @@ from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall
+from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
@@ -170,6 +171,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         # Artifacts of task runs whose future is not done yet: published once it is, so the
         # API call never competes with the task's own Completed-state call.
         self._held: dict[str, list[Callable[[], None]]] = {}
+        self._node_tables: dict[str, NodeTable] = {}  # per flow run: its keyed artifact
 
     _TRANSIENT = (
         "_config",
@@ -189,6 +191,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_reaper",
         "_packer",
         "_held",
+        "_node_tables",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -307,15 +310,25 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         with self._live_lock:
             self._live.pop(handle.id, None)
 
-    def _publish(self, outcome: NodeOutcome, task_name: str, attempt: int) -> None:
-        """The node's artifact, off the task's critical path (an API round trip): queued when
-        the task run's future is done, in the API before the runner's exit returns, so before
-        the flow call does."""
-        from prefect.context import TaskRunContext
+    def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor) -> None:
+        """The node's artifacts (artifacts.py), off the task's critical path (API round trips):
+        queued when the task run's future is done, in the API before the runner's exit
+        returns, so before the flow call does."""
+        from prefect.context import FlowRunContext, TaskRunContext
 
-        publish = functools.partial(_publish_artifact, outcome, task_name, attempt)
-        job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
         ctx = TaskRunContext.get()
+        fr_ctx = FlowRunContext.get()
+        task_run_name = ctx.task_run.name if ctx is not None and ctx.task_run is not None else outcome.node_id
+        table = None
+        if fr_ctx is not None and fr_ctx.flow_run is not None:
+            fr_id = str(fr_ctx.flow_run.id)
+            with self._live_lock:
+                table = self._node_tables.get(fr_id)
+                if table is None:
+                    name = fr_ctx.flow_run.name or fr_id
+                    table = self._node_tables[fr_id] = NodeTable(fr_id, flow_run_key(name, fr_id), name)
+        publish = functools.partial(_publish_artifact, outcome, task_run_name, attempt, redactor, table)
+        job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
         if ctx is None or ctx.task_run is None or self._artifacts is None:
             job()
             return
@@ -663,7 +676,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 else None
             )
             forward.emit(level, _summary(outcome, detail))
-            self._publish(outcome, task_name, attempt)
+            self._publish(outcome, attempt, redactor)
             if (
                 outcome.infrastructure_failure
                 and infra_try < cfg.infrastructure_retries

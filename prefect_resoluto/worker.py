@@ -27,10 +27,16 @@ import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
-from pydantic import Field, PrivateAttr, SecretStr, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 from guest_runner import wire
-from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
+from prefect_resoluto.blocks import (
+    CONDUIT_CHOICES,
+    CONDUIT_DEFAULT_TITLE,
+    LocalConduitBlock,
+    S3ConduitBlock,
+    SandboxBlock,
+)
 from prefect_resoluto.config import SandboxConfig
 from prefect_resoluto.flow_runs import (
     LABEL_WORK_POOL,
@@ -42,6 +48,16 @@ from prefect_resoluto.flow_runs import (
     sandbox_network,
     split_env,
     with_code_mounts,
+)
+from prefect_resoluto.form_fields import (
+    CPUS_DEFAULT,
+    DESCRIPTIONS,
+    MEMORY_DEFAULT,
+    MIN_ISOLATION_DEFAULT,
+    SILENCE_DEFAULT,
+    plain_optional,
+    shared_field,
+    title_choices,
 )
 from prefect_resoluto.logs import describe_event
 from prefect_resoluto.node import LABEL_RUN, NodeOutcome, NodeSpec, drive_node
@@ -75,43 +91,39 @@ EVIDENCE_LINES = 40
 
 # --------------------------------------------------------------------------- the pool's form
 
+# One title and description per variable; settings the sandbox block shares read as there
+# (form_fields.py). A new variable is one more Field on ResolutoWorkerVariables and on
+# ResolutoJobConfiguration.
 _RUNTIME = (
-    "Sandbox runtime for each flow run: gvisor (user-space kernel), container (podman + runsc or "
-    "kata), kubernetes (a pod, RuntimeClass kata), bubblewrap (namespaces) or process (no isolation; "
-    "needs min isolation 'none'). Empty: the sandbox block's, else the strongest one available on the "
-    "worker's host."
-)
-_MIN_ISOLATION = (
-    "Refuse a runtime weaker than this. Empty: the sandbox block's, else user-kernel. 'none' is for "
-    "trusted flows only."
-)
-_IMAGE = "Image for container/kubernetes runtimes; it must bring Python and Prefect. Empty: the host's interpreter."
-_MEMORY = (
-    "Memory limit of the sandbox, e.g. 2Gi or 512Mi. Empty: the sandbox block's, else the runtime's default."
-)
-_CPUS = "CPU limit of the sandbox, e.g. 2, 0.5 or 500m. Empty: the sandbox block's, else unlimited."
-_SILENCE = (
-    "Seconds without any event from the sandbox before it is presumed dead and the run marked Crashed. "
-    "Empty: the sandbox block's, else 600."
+    DESCRIPTIONS["runtime"]
+    + " Solari is not offered here: a Solari VM has no egress setting through which a flow run could "
+    "reach the Prefect API (use it from ResolutoTaskRunner, whose host talks to the API)."
 )
 _EGRESS = (
-    "Hosts the flow run may reach besides the Prefect API ('host' or 'host:port'; CIDRs on kubernetes). "
-    "Added to the sandbox block's. Everything else is refused."
+    "Hosts the flow run may reach besides the Prefect API: names (host, host:port) on local "
+    "runtimes, CIDRs on Kubernetes. Added to the sandbox block's; everything else is refused."
 )
-_SECRET_ENV = "Secret environment variables: masked in the UI, redacted from every log line and event."
 _SECRET_BLOCK = (
-    "A Secret block holding a JSON object of secret environment variables {NAME: value}, merged "
-    "with Secret Environment Variables."
+    "A Secret block holding a JSON object {NAME: value}: the flow run's secret environment "
+    "variables, stored encrypted, shown masked, redacted from every log line and event."
 )
-_CONDUIT = (
-    "Where the worker and the sandbox exchange events. Empty: the sandbox block's, else a local directory."
+_SANDBOX = (
+    "A saved Resoluto Sandbox block as the base: its own values win over the fields here left at "
+    "their defaults; env, secret environment and egress are merged."
 )
-_SANDBOX = "A saved Resoluto Sandbox block used as the base; the fields above override it where set."
 _WORKING_DIR = (
     "A host directory shipped into the sandbox as the flow run's working directory (a copy). "
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
+
+#: The pool form's defaults: where a sandbox block is chosen, its own value wins over these.
+POOL_DEFAULTS: dict[str, Any] = {
+    "min_isolation": MIN_ISOLATION_DEFAULT,
+    "memory": MEMORY_DEFAULT,
+    "cpus": CPUS_DEFAULT,
+    "silence_window": SILENCE_DEFAULT,
+}
 
 
 def _check_memory(v: str | None) -> str | None:
@@ -126,30 +138,64 @@ def _check_cpus(v: str | None) -> str | None:
     return v or None
 
 
-class ResolutoWorkerVariables(BaseVariables):
-    """The variables of a ``resoluto`` pool's base job template (the UI's form)."""
+def _conduit_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
 
-    runtime: Optional[RuntimeName] = Field(default=None, title="Runtime", description=_RUNTIME)
-    min_isolation: Optional[IsolationName] = Field(
-        default=None, title="Minimum Isolation", description=_MIN_ISOLATION
+
+def _secret_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, {"Secret": "Secret block"}, "None")
+
+
+def _sandbox_choices(schema: dict[str, Any]) -> None:
+    title_choices(schema, {"SandboxBlock": "Resoluto Sandbox block"}, "None")
+
+
+class ResolutoWorkerVariables(BaseVariables):
+    """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
+    nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
+    stored and shown in clear."""
+
+    runtime: Optional[RuntimeName] = Field(
+        default=None, title="Runtime", description=_RUNTIME, json_schema_extra=plain_optional
     )
-    image: Optional[str] = Field(default=None, title="Image", description=_IMAGE)
-    memory: Optional[str] = Field(default=None, title="Memory", description=_MEMORY, examples=["2Gi"])
-    cpus: Optional[str] = Field(default=None, title="CPUs", description=_CPUS, examples=["1"])
-    silence_window: Optional[float] = Field(
-        default=None, gt=0, title="Silence Window (seconds)", description=_SILENCE
+    min_isolation: IsolationName = shared_field(
+        "min_isolation",
+        MIN_ISOLATION_DEFAULT,
     )
-    egress: list[str] = Field(default_factory=list, title="Egress Allowlist", description=_EGRESS)
-    secret_env: dict[str, SecretStr] = Field(
-        default_factory=dict, title="Secret Environment Variables", description=_SECRET_ENV
+    memory: str = shared_field(
+        "memory",
+        MEMORY_DEFAULT,
     )
+    cpus: str = shared_field(
+        "cpus",
+        CPUS_DEFAULT,
+    )
+    image: Optional[str] = shared_field("image", None, json_schema_extra=plain_optional)
+    silence_window: float = shared_field(
+        "silence_window",
+        SILENCE_DEFAULT,
+        gt=0,
+    )
+    egress: list[str] = Field(default_factory=list, title="Egress allowlist", description=_EGRESS)
     secret_env_block: Optional[_SecretBlock] = Field(
-        default=None, title="Secret Environment Block", description=_SECRET_BLOCK
+        default=None,
+        title="Secret environment variables (Secret block)",
+        description=_SECRET_BLOCK,
+        json_schema_extra=_secret_choices,
     )
-    conduit: Optional[ConduitBlock] = Field(default=None, title="Conduit", description=_CONDUIT)
-    sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox Block", description=_SANDBOX)
-    working_dir: Optional[Path] = Field(default=None, title="Working Directory", description=_WORKING_DIR)
-    stream_output: bool = Field(default=True, title="Stream Output", description=_STREAM)
+    conduit: Optional[ConduitBlock] = Field(
+        default=None,
+        title="Conduit",
+        description=DESCRIPTIONS["conduit"],
+        json_schema_extra=_conduit_choices,
+    )
+    sandbox: Optional[SandboxBlock] = Field(
+        default=None, title="Sandbox block", description=_SANDBOX, json_schema_extra=_sandbox_choices
+    )
+    working_dir: Optional[Path] = Field(
+        default=None, title="Working directory", description=_WORKING_DIR, json_schema_extra=plain_optional
+    )
+    stream_output: bool = Field(default=True, title="Stream output", description=_STREAM)
 
     _memory = field_validator("memory")(_check_memory)
     _cpus = field_validator("cpus")(_check_cpus)
@@ -165,7 +211,6 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
     cpus: Optional[str] = Field(default=None)
     silence_window: Optional[float] = Field(default=None, gt=0)
     egress: list[str] = Field(default_factory=list)
-    secret_env: dict[str, SecretStr] = Field(default_factory=dict)
     secret_env_block: Optional[_SecretBlock] = Field(default=None)
     conduit: Optional[ConduitBlock] = Field(default=None)
     sandbox: Optional[SandboxBlock] = Field(default=None)
@@ -189,6 +234,7 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
     ) -> None:
         # As the process worker: an explicit command is kept, else Prefect's engine entry point
         # (chosen at launch, when the runtime and so the interpreter are known).
+        _refuse_clear_secrets(flow_run, deployment)
         self._command_configured = self.command is not None
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         if not self._command_configured:
@@ -197,21 +243,30 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
             self._pull_steps = list(deployment.pull_steps or [])
             self._deployment_path = deployment.path
 
+    def _over_block(self, name: str) -> Any:
+        """A field's value, or None where a sandbox block is chosen and the field is at the
+        pool form's default: the block's own value wins over a default."""
+        value = getattr(self, name)
+        if self.sandbox is not None and name in POOL_DEFAULTS and value is not None:
+            default = POOL_DEFAULTS[name]
+            same = float(value) == float(default) if name == "silence_window" else str(value) == str(default)
+            if same:
+                return None
+        return value
+
     def sandbox_config(self) -> SandboxConfig:
         """The sandbox block (if any) as the base, the set fields of this job on top."""
         base = self.sandbox.to_config() if self.sandbox is not None else SandboxConfig()
         if self.runtime and base.runtime and self.runtime != base.runtime:
             base = dataclasses.replace(base, runtime_options={})  # options of another runtime do not apply
-        secrets = {k: v.get_secret_value() for k, v in self.secret_env.items()}
-        if self.secret_env_block is not None:
-            secrets = {**_secret_block_env(self.secret_env_block), **secrets}
+        secrets = _secret_block_env(self.secret_env_block) if self.secret_env_block is not None else {}
         cfg = base.replace(
             runtime=self.runtime,
-            min_isolation=self.min_isolation,
+            min_isolation=self._over_block("min_isolation"),
             image=self.image,
-            memory=self.memory,
-            cpus=self.cpus,
-            silence_window=self.silence_window,
+            memory=self._over_block("memory"),
+            cpus=self._over_block("cpus"),
+            silence_window=self._over_block("silence_window"),
             conduit=self.conduit.to_conduit() if self.conduit is not None else None,
             secret_env=secrets,
             egress=list(dict.fromkeys([*base.egress, *self.egress])),
@@ -220,6 +275,21 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
         if cfg.runtime == "container" and cfg.image:
             cfg = cfg.replace(runtime_options={"image": cfg.image})
         return cfg
+
+
+def _refuse_clear_secrets(flow_run: FlowRun, deployment: DeploymentResponse | None) -> None:
+    """``secret_env`` was a job variable once; its values sat in clear in the pool, the
+    deployment and the run. Say where secrets go now rather than run without them."""
+    for where, variables in (
+        ("flow run", flow_run.job_variables),
+        ("deployment", deployment.job_variables if deployment is not None else None),
+    ):
+        if variables and "secret_env" in variables:
+            raise ValueError(
+                f"the {where}'s job variables set secret_env, which a resoluto pool no longer takes "
+                "(job variables are stored and shown in clear): put the values in a Secret block "
+                "holding {NAME: value} and set secret_env_block to it"
+            )
 
 
 def _secret_block_env(block: Secret[Any]) -> dict[str, str]:

@@ -41,13 +41,15 @@ def test_blocks_register_from_the_cli_and_by_entry_point():
     with get_client(sync_client=True) as c:
         assert c.read_block_type_by_slug("resoluto-sandbox").slug == "resoluto-sandbox"
     proc = subprocess.run(
-        [sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_resoluto.blocks"],
+        [sys.executable, "-m", "prefect", "block", "register", "-m", "prefect_resoluto"],
         env=cli_env(),
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("Resoluto Sandbox", "Resoluto Local Conduit", "Resoluto S3 Conduit"):
+        assert name in proc.stdout, proc.stdout  # its table of registered blocks
     with get_client(sync_client=True) as c:
         for slug in ("resoluto-sandbox", "resoluto-local-conduit", "resoluto-s3-conduit"):
             assert c.read_block_type_by_slug(slug).slug == slug

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import subprocess
 import sys
 import tarfile
@@ -459,31 +458,33 @@ def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
 
 
 # -- 10: artifacts ---------------------------------------------------------------------------------
-def test_each_node_artifact_has_a_key_and_a_description_that_tells_attempts_apart(gvisor, conduit, tmp_path):
+def test_each_node_artifact_tells_attempts_apart_and_the_flow_run_has_one_keyed_table(
+    gvisor, conduit, tmp_path
+):
     @flow(task_runner=runner(conduit, tmp_path))
     def retrying():
         return sf.fail_on_first_attempt.submit().result()
 
     state = retrying(return_state=True)
-    (tr,) = task_runs(state.state_details.flow_run_id)
+    fr = state.state_details.flow_run_id
+    (tr,) = task_runs(fr)
     arts = sorted(artifacts_of(tr.id), key=lambda a: a.created)
-    assert len(arts) == 2
-    keys = [a.key for a in arts]
-    assert all(
-        k and re.fullmatch(r"[a-z0-9-]+", k) and k.startswith("resoluto-fail-on-first-attempt-") for k in keys
-    )
-    assert len(set(keys)) == 2 and keys[1].endswith("-2")
-    assert arts[0].description.startswith("fail_on_first_attempt attempt 1: failure")
-    assert arts[1].description.startswith("fail_on_first_attempt attempt 2: success")
+    assert len(arts) == 2 and all(a.key is None for a in arts)  # the task run's own tables
+    assert arts[0].description.startswith(f"{tr.name}, attempt 1: failure (workload): RuntimeError")
+    assert arts[1].description.startswith(f"{tr.name}, attempt 2: success")
     data = json.loads(arts[1].data) if isinstance(arts[1].data, str) else arts[1].data
     rows = {row["field"]: row["value"] for row in data}
     assert rows["conduit"] == conduit.url
-    assert rows["node prefix"] == f"run/{state.state_details.flow_run_id}/nodes/{tr.id}.2"
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    assert rows["node prefix"] == f"run/{fr}/nodes/{tr.id}.2"
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with client() as c:  # what the Artifacts page lists: the latest artifact of each key
-        latest = c.read_latest_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
-    assert sorted(a.key for a in latest) == sorted(keys)
+        latest = c.read_latest_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr]))
+        )
+    assert len(latest) == 1 and latest[0].key.startswith("resoluto-")
+    table = json.loads(latest[0].data) if isinstance(latest[0].data, str) else latest[0].data
+    assert [(r["attempt"], r["status"]) for r in table] == [("1", "failure (workload)"), ("2", "success")]
 
 
 # -- 12: block form ---------------------------------------------------------------------------------
@@ -497,7 +498,7 @@ def test_the_registered_block_schema_offers_choices_with_readable_names():
         block_type = c.read_block_type_by_slug("resoluto-sandbox")
         schema = c.get_most_recent_block_schema_for_block_type(block_type.id).fields
     props = schema["properties"]
-    runtime_enum = next(o["enum"] for o in props["runtime"]["anyOf"] if "enum" in o)
+    runtime_enum = props["runtime"]["enum"]  # a plain select, no "| null" toggle
     assert {"gvisor", "container", "kubernetes", "bubblewrap", "process"} <= set(runtime_enum)
     assert props["min_isolation"]["enum"] == ["vm", "user-kernel", "namespace", "none"]
     choices = {o["$ref"].rsplit("/", 1)[-1]: o.get("title") for o in props["conduit"]["anyOf"] if "$ref" in o}

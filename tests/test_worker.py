@@ -271,7 +271,6 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
         "silence_window",
         "egress",
         "env",
-        "secret_env",
         "secret_env_block",
         "conduit",
         "sandbox",
@@ -281,19 +280,12 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
         assert props[name].get("description"), f"{name} has no description for the form"
         assert template["job_configuration"][name] == "{{ " + name + " }}"
 
-    def choices(name: str) -> list[str]:
-        return next(alt["enum"] for alt in props[name]["anyOf"] if "enum" in alt)
-
-    assert choices("runtime") == ["gvisor", "container", "kubernetes", "bubblewrap", "process"]
-    assert choices("min_isolation") == ["vm", "user-kernel", "namespace", "none"]
+    assert props["runtime"]["enum"] == ["gvisor", "container", "kubernetes", "bubblewrap", "process"]
+    assert props["min_isolation"]["enum"] == ["vm", "user-kernel", "namespace", "none"]
     assert props["egress"]["type"] == "array" and props["egress"]["items"] == {"type": "string"}
     assert props["egress"]["default"] == [] if "default" in props["egress"] else True
-    assert props["secret_env"]["additionalProperties"] == {
-        "type": "string",
-        "format": "password",
-        "writeOnly": True,
-    }
-    assert props["silence_window"]["anyOf"][0] == {"type": "number", "exclusiveMinimum": 0}
+    assert "secret_env" not in props  # secrets only through the Secret block (tests/test_forms.py)
+    assert (props["silence_window"]["type"], props["silence_window"]["exclusiveMinimum"]) == ("number", 0)
     assert props["stream_output"]["default"] is True
     defs = template["variables"]["definitions"]
 
@@ -317,11 +309,13 @@ def test_job_variables_are_validated_with_the_reason(tmp_path):
         ResolutoJobConfiguration(memory="lots")
     with pytest.raises(ValueError, match="runtime"):
         ResolutoJobConfiguration(runtime="docker")
+    from prefect.blocks.system import Secret
+
     cfg = ResolutoJobConfiguration(
         runtime="process",
         min_isolation="none",
         memory="300Mi",
-        secret_env={"TOKEN": "s3cr3t-value"},
+        secret_env_block=Secret(value={"TOKEN": "s3cr3t-value"}),
         egress=["api.example.test:443"],
     )
     sc = cfg.sandbox_config()
@@ -348,12 +342,11 @@ def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
         sandbox=block,
         memory="3Gi",
         egress=["git.example.test:22"],
-        secret_env_block=Secret(value={"FROM_SECRET": "s"}),
-        secret_env={"FROM_JOB": "j"},
+        secret_env_block=Secret(value={"FROM_SECRET": "s", "FROM_BLOCK": "from-the-secret-block"}),
     ).sandbox_config()
     assert (cfg.runtime, cfg.memory, cfg.silence_window) == ("gvisor", "3Gi", 120)
     assert cfg.egress == ["pypi.example.test", "git.example.test:22"]
-    assert cfg.secret_env == {"FROM_BLOCK": "b", "FROM_SECRET": "s", "FROM_JOB": "j"}
+    assert cfg.secret_env == {"FROM_BLOCK": "from-the-secret-block", "FROM_SECRET": "s"}
     with pytest.raises(ValueError, match="JSON object"):
         ResolutoJobConfiguration(secret_env_block=Secret(value="just-a-string")).sandbox_config()
 
@@ -366,15 +359,14 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     from prefect.client.orchestration import get_client
 
     conduit = tmp_path / "conduit"
-    block_id = Secret(value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519"}).save(
-        f"worker-env-{uuid.uuid4().hex[:6]}"
-    )
+    block_id = Secret(
+        value={"WORKER_TEST_BLOCK_SECRET": "from-a-block-5519", "WORKER_TEST_SECRET": "never-shown-7731"}
+    ).save(f"worker-env-{uuid.uuid4().hex[:6]}")
     # As the UI stores a chosen block in job variables: a reference, resolved by the worker.
     dep = deploy(
         worker.pool,
         "worker_flows.py:where_am_i",
         conduit,
-        secret_env={"WORKER_TEST_SECRET": "never-shown-7731"},
         secret_env_block={"$ref": {"block_document_id": str(block_id)}},
     )
     runs = [schedule(dep, marker=f"m{i}") for i in range(2)]

@@ -1,0 +1,96 @@
+"""The artifacts a flow run's sandbox nodes leave, read back from the session's Prefect API
+as the Artifacts page and a task run's Artifacts tab read them. Prefect glue only: the
+process runtime (no isolation needed to show what is published)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from flows import sample_flows as sf
+from prefect import flow
+from prefect_readback import artifacts_of, client, task_runs
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner
+
+pytestmark = pytest.mark.usefixtures("prefect")
+FLOWS = Path(sf.__file__).parent
+SECRET = "art-secret-5521"
+
+
+def _rows(artifact) -> list[dict[str, str]]:
+    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+
+def test_a_mapped_flow_leaves_one_keyed_table_and_a_table_per_task_run(tmp_path):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    conduit = LocalConduit(tmp_path / "conduit")
+
+    @flow(
+        task_runner=ResolutoTaskRunner(
+            runtime="process",
+            min_isolation="none",
+            conduit=conduit,
+            workspace=FLOWS,
+            outputs_dir=tmp_path / "outputs",
+            secret_env={"ART_SECRET": SECRET},
+            warm_pool=0,
+        )
+    )
+    def mapped():
+        squares = sf.square.map([1, 2, 3])
+        retried = sf.fail_on_first_attempt.submit()
+        failed = sf.fail_with.submit(f"bad input {SECRET}")
+        failed.wait()
+        return [s.result() for s in squares], retried.result(), failed.state.is_failed()
+
+    state = mapped(return_state=True)
+    values, retried, failed = state.result()
+    assert values == [1, 4, 9] and failed and retried.endswith(".2")
+    fr = state.state_details.flow_run_id
+
+    with client() as c:
+        of_run = c.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr]))
+        )
+        flow_run = c.read_flow_run(fr)
+    keyed = sorted((a for a in of_run if a.key), key=lambda a: a.created)
+    assert {a.key for a in keyed} == {f"resoluto-{flow_run.name}-{str(fr).replace('-', '')[-8:]}"}
+    assert all(a.task_run_id is None for a in keyed), "the flow run's table belongs to the flow run"
+    final = _rows(keyed[-1])
+    assert len(final) == 6, final  # 3 squares, 2 attempts, 1 failure: a row per node
+    for earlier in keyed[:-1]:  # each version is the table so far, as nodes finished
+        assert _rows(earlier) == final[: len(_rows(earlier))]
+    assert len(keyed) <= 6
+    by_status = sorted((r["task run"], r["attempt"], r["status"], r["error"]) for r in final)
+    failures = [r for r in by_status if r[2] != "success"]
+    assert [f[3] for f in failures if f[3].startswith("ValueError")] == ["ValueError: bad input ***"]
+    assert any(f[3] == "RuntimeError: first attempt fails on purpose" and f[1] == "1" for f in failures)
+    assert keyed[-1].description == "6 sandbox node(s), 4 succeeded, 2 failed (RuntimeError, ValueError)"
+
+    # Each task run: its own unkeyed table(s), one per attempt, told apart by their descriptions.
+    runs = task_runs(fr)
+    assert len(runs) == 5
+    per_task = {tr.name: sorted(artifacts_of(tr.id), key=lambda a: a.created) for tr in runs}
+    descriptions = [a.description for arts in per_task.values() for a in arts]
+    assert len(descriptions) == 6 and len(set(descriptions)) == 6
+    assert all(a.key is None for arts in per_task.values() for a in arts)
+    (bad,) = [tr for tr in runs if tr.name.startswith("fail_with")]
+    (art,) = per_task[bad.name]
+    rows = {r["field"]: r["value"] for r in _rows(art)}
+    assert rows["error"] == "ValueError: bad input ***"
+    assert art.description.startswith(f"{bad.name}, attempt 1: failure (workload): ValueError: bad input ***")
+    assert rows["node prefix"] == f"run/{fr}/nodes/{bad.id}" and rows["conduit"] == conduit.url  # not clipped
+    everything = json.dumps([_rows(a) for a in of_run]) + " ".join(str(a.description) for a in of_run)
+    assert SECRET not in everything
+
+    with client() as c:  # the Artifacts page: the latest version of each key, one for this run
+        from prefect.client.schemas.filters import ArtifactFilterKey
+
+        latest = c.read_latest_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[keyed[-1].key]))
+        )
+    assert len(latest) == 1 and latest[0].data == keyed[-1].data
