@@ -24,7 +24,8 @@ def artifact_key(task_name: str, node_id: str) -> str:
     return f"resoluto-{slug}-{short}" + (f"-{attempt}" if attempt else "")
 
 
-def publish_node_artifact(o: NodeOutcome, task_name: str, attempt: int = 1) -> None:
+def publish_node_artifact(o: NodeOutcome, task_name: str, attempt: int = 1, sandbox: str = "") -> None:
+    """``sandbox``: how the node got its sandbox (warm or cold, and why), the runner's words."""
     try:
         from prefect.artifacts import create_table_artifact
 
@@ -36,6 +37,7 @@ def publish_node_artifact(o: NodeOutcome, task_name: str, attempt: int = 1) -> N
             {"field": "node id", "value": o.node_id},
             {"field": "runtime", "value": o.runtime},
             {"field": "isolation", "value": o.isolation},
+            *([{"field": "sandbox", "value": sandbox}] if sandbox else []),
             {"field": "exit code", "value": str(o.exit_code)},
             {"field": "duration (s)", "value": f"{o.timings.get('finish', 0.0):.2f}"},
             {"field": "conduit", "value": o.conduit_url},

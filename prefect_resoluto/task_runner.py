@@ -307,13 +307,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         with self._live_lock:
             self._live.pop(handle.id, None)
 
-    def _publish(self, outcome: NodeOutcome, task_name: str, attempt: int) -> None:
+    def _publish(self, outcome: NodeOutcome, task_name: str, attempt: int, sandbox: str = "") -> None:
         """The node's artifact, off the task's critical path (an API round trip): queued when
         the task run's future is done, in the API before the runner's exit returns, so before
         the flow call does."""
         from prefect.context import TaskRunContext
 
-        publish = functools.partial(_publish_artifact, outcome, task_name, attempt)
+        publish = functools.partial(_publish_artifact, outcome, task_name, attempt, sandbox)
         job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
         ctx = TaskRunContext.get()
         if ctx is None or ctx.task_run is None or self._artifacts is None:
@@ -661,7 +661,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                     self._output_files[key] = {
                         k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")
                     }
-            self._publish(outcome, task_name, attempt)
+            self._publish(outcome, task_name, attempt, how)
             if (
                 outcome.infrastructure_failure
                 and infra_try < cfg.infrastructure_retries
