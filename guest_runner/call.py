@@ -291,11 +291,23 @@ def _chained(
     return None
 
 
+def _from_the_task_frame(te: Any, task_code: Any) -> None:
+    """Frames before the task function's own go (asyncio.run's, for a coroutine task)."""
+    if task_code is None:
+        return
+    stack = list(te.stack)
+    for i, f in enumerate(stack):
+        if f.filename == task_code.co_filename and f.name == task_code.co_name:
+            te.stack = traceback.StackSummary.from_list(stack[i:])
+            return
+
+
 def _error_record(
-    e: BaseException, task_module: "str | None", redact: Any, workspace: str = "."
+    e: BaseException, task_module: "str | None", redact: Any, workspace: str = ".", task_code: Any = None
 ) -> Dict[str, Any]:
     te = traceback.TracebackException(type(e), e, e.__traceback__)
     _drop_guest_frames(te)
+    _from_the_task_frame(te, task_code)
     record = _exception_fields(e, task_module, redact)
     record["traceback"] = redact("".join(te.format()))
     record["frames"] = _frames(te, workspace, redact)
@@ -313,6 +325,7 @@ def main(argv: "list[str] | None" = None) -> int:
     # Read before the task runs: it may change its own environment.
     redact = Redactor.from_env(os.environ).text
     task_module: "str | None" = None
+    task_code: Any = None
     workspace = os.getcwd()
     try:
         with open(call_path, encoding="utf-8") as f:
@@ -330,6 +343,7 @@ def main(argv: "list[str] | None" = None) -> int:
             standin.install()
         fn = load_function(spec)
         task_module = getattr(fn, "__module__", None)
+        task_code = getattr(fn, "__code__", None)
         try:
             result = call(fn, spec.get("parameters", {}))
         finally:
@@ -354,7 +368,7 @@ def main(argv: "list[str] | None" = None) -> int:
         # any BaseException in a task a crash, and the host does the same with this record.
         # The host logs the traceback as one record; it is not printed here line by line.
         try:
-            record = _error_record(e, task_module, redact, workspace)
+            record = _error_record(e, task_module, redact, workspace, task_code)
         except MemoryError:
             record = {
                 "type": type(e).__name__,

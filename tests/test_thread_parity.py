@@ -88,10 +88,35 @@ def test_a_failing_task_with_retries_shows_a_threads_records_and_state(tmp_path)
     assert task_records == threads, "\n---\n".join(m for _, _, m in ours)
     assert len(threads) == 3 and [r[0] for r in threads] == [logging.INFO, logging.ERROR, logging.ERROR]
     (traceback_text,) = [m for level, _, m in ours if "Traceback" in m]
-    assert f'File "{FLOWS / "parity_flows.py"}", line 15, in fails_twice' in traceback_text
+    assert f'File "{FLOWS / "parity_flows.py"}", line 16, in fails_twice' in traceback_text
     assert "in check\n    raise ValueError" in traceback_text
     for plumbing in ("guest_runner", "task_runner.py", "pycall.py", "<sandbox"):
         assert plumbing not in traceback_text
+
+
+def test_an_async_tasks_failure_shows_a_threads_records(tmp_path):
+    def run(task_runner) -> list:
+        @flow(task_runner=task_runner)
+        def failing_async() -> str:
+            pf.fails_async.submit(3).wait()
+            return "done"
+
+        state = failing_async(return_state=True)
+        (tr,) = task_runs(state.state_details.flow_run_id)
+        assert (
+            tr.state.message
+            == "Task run encountered an exception ValueError: bad input 3\nsee the second line"
+        )
+        return records(tr.id)
+
+    threads = run(ThreadPoolTaskRunner())
+    task_records, runner_lines = split_runner_lines(run(sandboxed(tmp_path)))
+    assert task_records == threads and len(runner_lines) == 1
+    (traceback_text,) = [m for _, _, m in threads if "Traceback" in m]
+    assert (
+        "in fails_async\n    check(x)" in traceback_text
+        and "asyncio" not in traceback_text.split("in fails_async")[1]
+    )
 
 
 @pytest.mark.parametrize("log_prints", [False, True])

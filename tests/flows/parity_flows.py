@@ -5,6 +5,7 @@ reproduce."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -12,6 +13,13 @@ from prefect import get_run_logger, task
 
 @task(retries=1, retry_delay_seconds=0)
 def fails_twice(x: int) -> int:
+    check(x)
+    return x
+
+
+@task
+async def fails_async(x: int) -> int:
+    await asyncio.sleep(0)
     check(x)
     return x
 
