@@ -4,8 +4,8 @@
 qualname, or an importable ``module``) and its parameters as JSON. The function's
 module is imported under its own name, so its ``if __name__ == "__main__":`` block
 does not run. The return value goes to ``.resoluto/return.json``; an exception to
-``.resoluto/error.json`` (type, message, traceback), redacted of secrets before it is
-written: the traceback and message are the runner's words about the task, and may quote
+``.resoluto/error.json`` (type, message, traceback as text and as frames, from the task's
+own frame down, and what it was raised from), redacted of secrets before it is written: the traceback and message are the runner's words about the task, and may quote
 a secret. The return value is the task's data and is written as it is. Nothing is pickled.
 
 ``call.json`` may also carry the run's ``context`` (tags, task_run, flow_run,
