@@ -19,7 +19,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 from prefect import flow, get_run_logger, task  # noqa: E402
 
-from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options  # noqa: E402
+from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options  # noqa: E402
 
 TEXTS = {
     "hamlet": "To be, or not to be, that is the question",
@@ -66,8 +66,9 @@ def demo() -> dict:
         ["sh", "-c", "uname -a; echo network interfaces: $(tail -n +3 /proc/net/dev | cut -d: -f1)"]
     )
     fetched = flaky_fetch.submit()
+    written = report.result()  # "reports/summary.md": the task's own value
     return {
-        "report": report.result(),
+        "report": str(output_files(report)[written]),  # that declared file, on this host
         "sandbox kernel": kernel.result().output,
         "flaky": fetched.result(),
     }

@@ -4,8 +4,8 @@
 qualname, or an importable ``module``) and its parameters as JSON. The function's
 module is imported under its own name, so its ``if __name__ == "__main__":`` block
 does not run. The return value goes to ``.resoluto/return.json``; an exception to
-``.resoluto/error.json`` (type, message, traceback), redacted of secrets before it is
-written: the traceback and message are the runner's words about the task, and may quote
+``.resoluto/error.json`` (type, message, traceback as text and as frames, from the task's
+own frame down, and what it was raised from), redacted of secrets before it is written: the traceback and message are the runner's words about the task, and may quote
 a secret. The return value is the task's data and is written as it is. Nothing is pickled.
 
 ``call.json`` may also carry the run's ``context`` (tags, task_run, flow_run,
@@ -215,7 +215,48 @@ def _report_imports(workspace: str) -> None:
         pass
 
 
-def _error_record(e: BaseException, task_module: "str | None", redact: Any) -> Dict[str, Any]:
+#: This package's own directory: its frames (the call, the stand-ins' inline calls) are
+#: plumbing, not the task's traceback.
+_GUEST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: Bounds on the structured traceback: frames per exception, chained exceptions.
+MAX_FRAMES = 1000
+MAX_CHAIN = 8
+
+
+def _drop_guest_frames(te: Any, depth: int = 0) -> None:
+    """The task's traceback from its own frame down: the guest runner's frames go, in this
+    exception and every one chained to it."""
+    if te is None or depth > MAX_CHAIN:
+        return
+    kept = [f for f in te.stack if not os.path.abspath(f.filename).startswith(_GUEST_DIR)]
+    te.stack = traceback.StackSummary.from_list(kept)
+    _drop_guest_frames(te.__cause__, depth + 1)
+    _drop_guest_frames(te.__context__, depth + 1)
+    for sub in getattr(te, "exceptions", None) or ():
+        _drop_guest_frames(sub, depth + 1)
+
+
+def _frames(te: Any, workspace: str, redact: Any) -> "list[Dict[str, Any]]":
+    """Where each frame is (a workspace file by its relative path), for the host to show
+    them as a thread's traceback would. No source text: the host reads its own copy of
+    the workspace."""
+    root = os.path.realpath(workspace) + os.sep
+    out: "list[Dict[str, Any]]" = []
+    for f in list(te.stack)[-MAX_FRAMES:]:
+        path = os.path.realpath(f.filename) if os.path.isabs(f.filename) else f.filename
+        inside = path.startswith(root)
+        out.append(
+            {
+                "file": redact(path[len(root) :].replace(os.sep, "/") if inside else f.filename),
+                "workspace": inside,
+                "line": f.lineno or 0,
+                "name": redact(f.name),
+            }
+        )
+    return out
+
+
+def _exception_fields(e: BaseException, task_module: "str | None", redact: Any) -> Dict[str, Any]:
     cls = type(e)
     return {
         "type": cls.__name__,
@@ -226,8 +267,54 @@ def _error_record(e: BaseException, task_module: "str | None", redact: Any) -> D
         "task_module": task_module is not None and cls.__module__ == task_module,
         "exception": isinstance(e, Exception),
         "message": redact(str(e)),
-        "traceback": redact(traceback.format_exc()),
     }
+
+
+def _chained(
+    e: BaseException, te: Any, task_module: "str | None", redact: Any, workspace: str, depth: int
+) -> "Dict[str, Any] | None":
+    """The exception ``e`` was raised from (``cause``) or during (``context``), as a record."""
+    if depth >= MAX_CHAIN:
+        return None
+    for key in ("cause", "context"):
+        inner = getattr(e, f"__{key}__")
+        inner_te = getattr(te, f"__{key}__")
+        if inner is None or inner_te is None or (key == "context" and e.__suppress_context__):
+            continue
+        rec = _exception_fields(inner, task_module, redact)
+        rec["frames"] = _frames(inner_te, workspace, redact)
+        rec["how"] = key
+        nested = _chained(inner, inner_te, task_module, redact, workspace, depth + 1)
+        if nested is not None:
+            rec["chained"] = nested
+        return rec
+    return None
+
+
+def _from_the_task_frame(te: Any, task_code: Any) -> None:
+    """Frames before the task function's own go (asyncio.run's, for a coroutine task)."""
+    if task_code is None:
+        return
+    stack = list(te.stack)
+    for i, f in enumerate(stack):
+        if f.filename == task_code.co_filename and f.name == task_code.co_name:
+            te.stack = traceback.StackSummary.from_list(stack[i:])
+            return
+
+
+def _error_record(
+    e: BaseException, task_module: "str | None", redact: Any, workspace: str = ".", task_code: Any = None
+) -> Dict[str, Any]:
+    te = traceback.TracebackException(type(e), e, e.__traceback__)
+    _drop_guest_frames(te)
+    _from_the_task_frame(te, task_code)
+    record = _exception_fields(e, task_module, redact)
+    record["traceback"] = redact("".join(te.format()))
+    record["frames"] = _frames(te, workspace, redact)
+    chained = _chained(e, te, task_module, redact, workspace, 0)
+    if chained is not None:
+        record["chained"] = chained
+    return record
 
 
 def main(argv: "list[str] | None" = None) -> int:
@@ -238,6 +325,7 @@ def main(argv: "list[str] | None" = None) -> int:
     # Read before the task runs: it may change its own environment.
     redact = Redactor.from_env(os.environ).text
     task_module: "str | None" = None
+    task_code: Any = None
     workspace = os.getcwd()
     try:
         with open(call_path, encoding="utf-8") as f:
@@ -255,6 +343,7 @@ def main(argv: "list[str] | None" = None) -> int:
             standin.install()
         fn = load_function(spec)
         task_module = getattr(fn, "__module__", None)
+        task_code = getattr(fn, "__code__", None)
         try:
             result = call(fn, spec.get("parameters", {}))
         finally:
@@ -279,7 +368,7 @@ def main(argv: "list[str] | None" = None) -> int:
         # any BaseException in a task a crash, and the host does the same with this record.
         # The host logs the traceback as one record; it is not printed here line by line.
         try:
-            record = _error_record(e, task_module, redact)
+            record = _error_record(e, task_module, redact, workspace, task_code)
         except MemoryError:
             record = {
                 "type": type(e).__name__,

@@ -250,7 +250,7 @@ def run_node(
                     files, missing = archive.select(workspace, cfg.output_paths)
                     for pattern in missing:
                         if not pattern.startswith(".resoluto/"):  # the Python-call protocol's own files
-                            node.log(f"declared output {pattern!r} matched nothing")
+                            node.log(f"declared output {pattern!r} matched nothing", level="WARNING")
                     if files:
                         key = wire.outbox_key(cfg.prefix)
                         conduit.put(key, archive.pack(workspace, patterns=files))

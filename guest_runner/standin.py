@@ -156,6 +156,9 @@ def _plain(value: Any) -> Any:
     """Unwrap ``unmapped(x)`` / ``quote(x)`` / a future (Prefect's annotations) to the value."""
     if isinstance(value, InlineFuture):
         return value.result()
+    inline = getattr(value, "_resoluto_inline", None)
+    if isinstance(inline, InlineFuture):
+        return inline.result()
     if type(value).__name__ in ("unmapped", "quote", "allow_failure") and hasattr(value, "value"):
         inner = value.value
         return inner() if callable(inner) and type(value).__name__ != "unmapped" else inner
@@ -220,11 +223,16 @@ class StandInTask:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return inline_call(self.name, self.fn, args, kwargs)
 
-    def submit(self, *args: Any, **kwargs: Any) -> InlineFuture:
-        return inline_submit(self.name, self.fn, args, kwargs)
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        done = inline_submit(self.name, self.fn, args, kwargs)
+        return _real_future(done) if _PATCHED else done  # a PrefectFuture once Prefect is loaded
 
-    def map(self, *args: Any, **kwargs: Any) -> List[InlineFuture]:
-        return inline_map(self.name, self.fn, args, kwargs)
+    def map(self, *args: Any, **kwargs: Any) -> Any:
+        done = inline_map(self.name, self.fn, args, kwargs)
+        if not _PATCHED:
+            return done
+        futures = importlib.import_module("prefect.futures")
+        return futures.PrefectFutureList([_real_future(f) for f in done])
 
     def with_options(self, **options: Any) -> "StandInTask":
         return self
@@ -316,13 +324,56 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     loggers.get_run_logger = get_run_logger  # type: ignore[attr-defined]
     logging_pkg = importlib.import_module("prefect.logging")
     logging_pkg.get_run_logger = get_run_logger  # type: ignore[attr-defined]
-    # Calling a real Task from a task would look for a task runner and an API: run inline.
+    # Calling a real Task from a task would look for a task runner and an API: run inline,
+    # and hand back real Prefect futures (code may check isinstance(f, PrefectFuture)).
     tasks = importlib.import_module("prefect.tasks")
+    futures = importlib.import_module("prefect.futures")
     cls = tasks.Task
     cls.__call__ = lambda self, *a, **k: inline_call(self.name, self.fn, a, k)
-    cls.submit = lambda self, *a, **k: inline_submit(self.name, self.fn, a, k)
-    cls.map = lambda self, *a, **k: inline_map(self.name, self.fn, a, k)
+    cls.submit = lambda self, *a, **k: _real_future(inline_submit(self.name, self.fn, a, k))
+    cls.map = lambda self, *a, **k: futures.PrefectFutureList(
+        [_real_future(f) for f in inline_map(self.name, self.fn, a, k)]
+    )
     _apply_run_context(prefect)
+
+
+_REAL_FUTURE: Optional[type] = None
+
+
+def _real_future(inline: InlineFuture) -> Any:
+    """A ``prefect.futures.PrefectTaskRunFuture`` for a nested call that already ran inline:
+    its state is final (Completed, or Failed with the exception) and no API is asked. Its
+    ``task_run_id`` is a fresh id naming no task run: a nested call has none."""
+    global _REAL_FUTURE
+    if _REAL_FUTURE is None:
+        import uuid
+
+        futures = importlib.import_module("prefect.futures")
+        states = importlib.import_module("prefect.states")
+
+        class InlinePrefectFuture(futures.PrefectTaskRunFuture):  # type: ignore[misc,name-defined]
+            def __init__(self, done: InlineFuture) -> None:
+                super().__init__(uuid.uuid4())
+                self._resoluto_inline = done
+                if done._error is not None:
+                    e = done._error
+                    self._final_state = states.Failed(
+                        data=e, message=f"Task run encountered an exception {type(e).__name__}: {e}"
+                    )
+                else:
+                    self._final_state = states.Completed(data=done._value)
+
+            def wait(self, timeout: Optional[float] = None) -> None:
+                return None
+
+            def result(self, timeout: Optional[float] = None, raise_on_failure: bool = True) -> Any:
+                return self._resoluto_inline.result(timeout, raise_on_failure)
+
+            def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+                fn(self)
+
+        _REAL_FUTURE = InlinePrefectFuture
+    return _REAL_FUTURE(inline)
 
 
 class _Loaded(Loader):

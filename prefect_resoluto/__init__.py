@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ResolutoTaskRunner": "prefect_resoluto.task_runner",
     "sandbox_options": "prefect_resoluto.task_runner",
+    "output_files": "prefect_resoluto.task_runner",
     "run_command": "prefect_resoluto.commands",
     "CommandResult": "prefect_resoluto.commands",
     "CommandFailed": "prefect_resoluto.commands",

@@ -42,9 +42,8 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
     if o.failure == "workload" and o.output_dir is not None:
         from prefect_resoluto import pycall
 
-        path = o.output_dir / pycall.call.ERROR_FILE
-        if path.is_file():
-            e = pycall.read_error(path, redactor)
+        e = pycall.read_error(o.output_dir, redactor)  # no link followed, bounded
+        if e is not None:
             kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
             text = f"{kind}: {message}" if message else kind
     return _cell(text)
@@ -123,7 +122,9 @@ class NodeTable:
             self._published = max(self._published, version)
 
 
-def node_rows(o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> list[dict[str, str]]:
+def node_rows(
+    o: NodeOutcome, task_run_name: str, attempt: int, error: str, sandbox: str = ""
+) -> list[dict[str, str]]:
     rows = [
         {"field": "task run", "value": task_run_name},
         {"field": "attempt", "value": str(attempt)},
@@ -136,9 +137,11 @@ def node_rows(o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> l
         {"field": "runtime", "value": o.runtime},
         {"field": "isolation", "value": o.isolation},
         {"field": "warm sandbox", "value": "yes" if o.warm else "no"},
+        # How the node got its sandbox (warm or cold, and why), in the runner's words.
+        *([{"field": "sandbox", "value": sandbox}] if sandbox else []),
         {"field": "exit code", "value": str(o.exit_code)},
         {"field": "seconds", "value": _seconds(o)},
-        {"field": "sandbox", "value": o.sandbox_id},
+        {"field": "sandbox id", "value": o.sandbox_id},
         {"field": "conduit", "value": o.conduit_url},
         {"field": "node prefix", "value": o.conduit_prefix},
     ]
@@ -155,8 +158,10 @@ def publish_node_artifact(
     attempt: int = 1,
     redactor: Redactor | None = None,
     table: NodeTable | None = None,
+    sandbox: str = "",
 ) -> None:
-    """The node's own table on its task run (unkeyed), then the flow run's table."""
+    """The node's own table on its task run (unkeyed), then the flow run's table.
+    ``sandbox``: how the node got its sandbox (warm or cold, and why), the runner's words."""
     try:
         from prefect.artifacts import create_table_artifact
 
@@ -166,7 +171,7 @@ def publish_node_artifact(
         how = f"{_status(o)}" + (f": {error}" if error else "")
         description = f"{task_run_name}, attempt {attempt}: {how}; {o.runtime}, {_seconds(o)} s"
         create_table_artifact(
-            table=node_rows(o, task_run_name, attempt, error), description=description, _sync=True
+            table=node_rows(o, task_run_name, attempt, error, sandbox), description=description, _sync=True
         )  # type: ignore[call-arg]
         if table is not None:
             table.publish()

@@ -1,8 +1,13 @@
 """Guest span events -> lines in the task run's Prefect logs.
 
-Records carry the guest's own timestamp and the logger name ``resoluto.sandbox`` and
-go through the handlers of ``prefect.task_runs`` (the console and the API log handler),
-so they appear exactly where the task's own log lines do. Prefect's log worker sends
+A task's ``get_run_logger()`` records become records of Prefect's own task-run logger
+(``prefect.task_runs``, the run's names attached, so the console reads "Task run
+'square-ad1' - ..." as on threads), with the guest's own timestamp and level, through
+that logger's handlers (the console and the API log handler). The task's prints (its
+other output) are treated as Prefect treats a thread's: logged at INFO when the task run
+logs prints (``log_prints``), else written to this process's stdout only. The guest
+runner's own events are DEBUG. Every event stays in the node's event chunks
+(``prefect-resoluto events``). Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
 instead, which sends a line within ~10–100 ms and coalesces a heavy stream into one
 request every 2 s or so. Prefect's API handler still prepares every row.
@@ -21,7 +26,10 @@ from typing import Any
 
 from guest_runner.redact import Redactor
 
-SANDBOX_LOGGER = "resoluto.sandbox"
+#: The logger a sandbox's records go out under: Prefect's own for task runs.
+SANDBOX_LOGGER = "prefect.task_runs"
+#: Spans whose output lines are the task's own (its prints, its setup command's output).
+OUTPUT_SPANS = frozenset({"workload", "setup"})
 RUNNER_SPANS = frozenset({"node", "setup", "workload", "cleanup"})
 _LEVELS = {
     "DEBUG": logging.DEBUG,
@@ -323,7 +331,12 @@ class EventLogForwarder:
         node_id: str,
         redactor: Redactor | None = None,
         batcher: ApiLogBatcher | None = None,
+        run_fields: dict[str, Any] | None = None,
+        log_prints: bool = True,
     ) -> None:
+        """``run_fields``: what Prefect's run logger attaches to a record (task_run_name,
+        flow_run_name ...: the console's format names the run with them); ``log_prints``:
+        whether the task's plain output lines are logged (else printed to stdout)."""
         self.task_run_id = task_run_id
         self.flow_run_id = flow_run_id
         self.node_id = node_id
@@ -334,6 +347,11 @@ class EventLogForwarder:
         # Prefect's own path unchanged.
         self._api = api_handler_of(self.target) if batcher is not None else None
         self._rate = StreamRate()
+        self.run_fields = {
+            k: v for k, v in (run_fields or {}).items() if k not in ("task_run_id", "flow_run_id")
+        }
+        self.log_prints = log_prints
+        self._output_spans: set[str] = set()
         self.lines = 0
 
     def emit(self, level: int, message: str, ts: float | None = None) -> None:
@@ -343,6 +361,8 @@ class EventLogForwarder:
         if ts is not None:
             record.created = float(ts)
             record.msecs = (record.created - int(record.created)) * 1000
+        for k, v in self.run_fields.items():
+            setattr(record, k, v)
         record.task_run_id = self.task_run_id
         record.flow_run_id = self.flow_run_id
         record.resoluto_node_id = self.node_id
@@ -371,7 +391,28 @@ class EventLogForwarder:
         if self.batcher is not None and self._api is not None:
             self.batcher.flush()
 
+    def print_line(self, line: str) -> None:
+        """A print of the task's that is not logged: on this process's stdout, as a thread's."""
+        self.lines += 1
+        out = sys.stdout
+        if out is not None:
+            out.write(self.redactor.text(line) + "\n")
+            out.flush()
+
     def __call__(self, ev: dict[str, Any]) -> None:
+        kind, event, data = ev.get("kind", ""), ev.get("event", ""), ev.get("data") or {}
+        if event == "open" and kind in OUTPUT_SPANS:
+            self._output_spans.add(str(ev.get("span_id", "")))
+        if event == "log" and kind == "log":
+            if str(ev.get("parent_span_id", "")) in self._output_spans:
+                if not data.get("level"):  # a plain line: a print, or a command's output
+                    if not self.log_prints:
+                        self.print_line(str(data.get("line", "")))
+                        return
+            elif not data.get("level"):
+                # the guest runner's own words (staged, collected ...): details
+                self.emit(logging.DEBUG, str(data.get("line", "")), ev.get("ts"))
+                return
         described = describe_event(ev)
         if described is not None:
             self.emit(described[0], described[1], ev.get("ts"))

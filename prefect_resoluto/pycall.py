@@ -18,7 +18,7 @@ from guest_runner import archive
 from guest_runner import call as call  # re-exported: task_runner reads its file names
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
-from prefect_resoluto import result_files
+from prefect_resoluto import remote_traceback, result_files
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
@@ -32,8 +32,10 @@ class RemoteError:
     """Mixed into every exception re-raised on the host for one raised in the sandbox.
 
     ``remote_type``, ``remote_message`` and ``remote_traceback`` are what the sandbox
-    reported (secrets redacted). ``str()`` gives the type, message and the sandbox's
-    traceback; ``repr()`` stays short, as Prefect prints it in its failure line.
+    reported (secrets redacted). ``str()`` and ``repr()`` read as the original
+    exception's (a state message says what a thread's says); the sandbox's frames are the
+    exception's ``__traceback__`` (prefect_resoluto.remote_traceback), so a logged
+    traceback shows the task's own frames, as on threads.
     """
 
     remote_type: str
@@ -47,8 +49,6 @@ class RemoteError:
         # An instance of the original class reads like one (Prefect prefixes the type
         # name itself); a RemoteTaskError names the remote type.
         text = message if typed else (f"{type_name}: {message}" if message else type_name)
-        if traceback:
-            text += ("\n" if text else "") + "--- traceback from the sandbox ---\n" + traceback.rstrip()
         self._remote_text = text
         BaseException.__init__(self, text)  # type: ignore[arg-type]
 
@@ -246,6 +246,7 @@ def read_outcome(
     task_module: str | None = None,
     memory_hint: str = "",
     limit: int | None = None,
+    workspace: Path | None = None,
 ) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
@@ -257,7 +258,7 @@ def read_outcome(
     if output_dir is not None:
         e = read_error(output_dir, redactor, limit=limit)
         if e is not None:
-            raise error_from_record(e, task_module, memory_hint)
+            raise error_from_record(e, task_module, memory_hint, workspace=workspace, redactor=redactor)
         raw = result_files.read(output_dir, call.RETURN_FILE, limit)
         if raw is not None:
             try:
@@ -299,8 +300,35 @@ def read_error(
 
 
 def error_from_record(
-    e: dict[str, Any], task_module: str | None = None, memory_hint: str = ""
+    e: dict[str, Any],
+    task_module: str | None = None,
+    memory_hint: str = "",
+    *,
+    workspace: Path | None = None,
+    redactor: Redactor | None = None,
+    _depth: int = 0,
 ) -> BaseException:
+    """The exception to raise on the host for error.json's record ``e``: its class where
+    the host has it, the sandbox's frames as its traceback, and what it was raised from
+    or during (``chained``) as its ``__cause__`` / ``__context__``."""
+    exc = _exception_from_record(e, task_module, memory_hint)
+    exc.__traceback__ = remote_traceback.build(exc, e.get("frames"), workspace=workspace, redactor=redactor)
+    chained = e.get("chained")
+    if isinstance(chained, dict) and _depth < remote_traceback.MAX_CHAIN:
+        inner = error_from_record(
+            chained, task_module, workspace=workspace, redactor=redactor, _depth=_depth + 1
+        )
+        if chained.get("how") == "cause":
+            exc.__cause__ = inner
+        else:
+            exc.__context__ = inner
+    if isinstance(exc, RemoteError) and exc.remote_type.endswith("ExceptionGroup"):
+        # Not rebuilt as a group: its sub-exceptions are told by the sandbox's text.
+        exc.add_note(exc.remote_traceback.rstrip())
+    return exc
+
+
+def _exception_from_record(e: dict[str, Any], task_module: str | None, memory_hint: str) -> BaseException:
     type_name = str(e.get("type") or "Exception")
     message, traceback = str(e.get("message") or ""), str(e.get("traceback") or "")
     if type_name == "MemoryError" and memory_hint:

@@ -26,7 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
-from prefect_resoluto import pycall
+from prefect_resoluto import pycall, remote_traceback
 from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
@@ -158,6 +158,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._live: dict[str, SandboxHandle] = {}
         self._live_lock = threading.Lock()
         self._attempts: dict[str, int] = {}
+        self._output_files: dict[str, dict[str, Path]] = {}  # task run id -> its last node's outputs
         self._flow_runs: set[str] = set()
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
@@ -180,6 +181,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_live",
         "_live_lock",
         "_attempts",
+        "_output_files",
         "_flow_runs",
         "_flow_run_objs",
         "_cancelled",
@@ -310,7 +312,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         with self._live_lock:
             self._live.pop(handle.id, None)
 
-    def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor) -> None:
+    def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor, sandbox: str = "") -> None:
         """The node's artifacts (artifacts.py), off the task's critical path (API round trips):
         queued when the task run's future is done, in the API before the runner's exit
         returns, so before the flow call does."""
@@ -327,7 +329,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 if table is None:
                     name = fr_ctx.flow_run.name or fr_id
                     table = self._node_tables[fr_id] = NodeTable(fr_id, flow_run_key(name, fr_id), name)
-        publish = functools.partial(_publish_artifact, outcome, task_run_name, attempt, redactor, table)
+        publish = functools.partial(
+            _publish_artifact, outcome, task_run_name, attempt, redactor, table, sandbox
+        )
         job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
         if ctx is None or ctx.task_run is None or self._artifacts is None:
             job()
@@ -435,12 +439,19 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 except asyncio.CancelledError:
                     cancel.set()  # the timeout or cancellation reaches the node driver's loop
                     raise
+                except BaseException as e:
+                    _drop_plumbing(e)
+                    raise  # a bare raise adds no frame of this function
 
             return sandboxed_async
 
         @functools.wraps(fn)
         def sandboxed_sync(*args: Any, **kwargs: Any) -> Any:
-            return self._run_python(task, fn, overrides, None)
+            try:
+                return self._run_python(task, fn, overrides, None)
+            except BaseException as e:
+                _drop_plumbing(e)
+                raise  # a bare raise adds no frame of this function
 
         return sandboxed_sync
 
@@ -459,15 +470,6 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         redactor = Redactor(cfg.secret_env.values())
         task_module = getattr(fn, "__module__", None)
         limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
-
-        def raised(outcome: NodeOutcome) -> str | None:
-            """The task's exception and traceback, for the outcome line."""
-            e = pycall.read_error(outcome.output_dir, redactor, limit=limit) if outcome.output_dir else None
-            if e is None:
-                return None
-            tb = str(e.get("traceback") or "").rstrip()
-            return tb or f"{e.get('type', 'Exception')}: {e.get('message', '')}"
-
         outcome = self.run_node(
             task_name=task.name,
             argv=pycall.guest_argv(),
@@ -477,7 +479,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             },
             extra_outputs=pycall.RESULT_PATHS,
             cancel=cancel,
-            failure_detail=raised,
+            log_prints=bool(getattr(ctx, "log_prints", False)),
             warm_prefect=warm_pool_mod.imports_for(self._pool, _workspace_file(ref, cfg)),
         )
         warm_pool_mod.learn(self._pool, _workspace_file(ref, cfg), outcome.output_dir)
@@ -489,6 +491,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 task_module=task_module,
                 memory_hint=memory_hint(cfg.resources),
                 limit=limit,
+                workspace=cfg.workspace or _default_workspace(),
             )
             raise WorkloadFailed(outcome.describe(), outcome)
         outcome.raise_for_failure()
@@ -499,7 +502,6 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             raise WorkloadFailed(
                 f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
             )
-        value = _paths_to_host(value, outcome)
         return pycall.rebuild(value, pycall.return_annotation(fn))
 
     def _run_context(self, ctx: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -556,15 +558,16 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         extra_outputs: list[str] | None = None,
         cancel: threading.Event | None = None,
         line_sink: Callable[[str], None] | None = None,
-        failure_detail: Callable[[NodeOutcome], str | None] | None = None,
+        log_prints: bool = True,
         warm_prefect: tuple[str, ...] = (),
     ) -> NodeOutcome:
         """Drive one node for the current task run, re-launching on infrastructure failure.
 
-        ``line_sink`` receives the workload's merged output lines, in order;
-        ``failure_detail`` what the outcome line of a failed workload says instead of
-        the generic description (a Python task's traceback); ``warm_prefect`` the installed
-        modules a warm sandbox pre-imports for it (prefect_resoluto.pool.imports_for)."""
+        ``line_sink`` receives the workload's merged output lines, in order; ``log_prints``
+        whether those lines become log records (Prefect's own decision for the task run:
+        else they go to this process's stdout only, as a thread's prints do);
+        ``warm_prefect`` the installed modules a warm sandbox pre-imports for it
+        (prefect_resoluto.pool.imports_for)."""
         from prefect.context import TaskRunContext
         from prefect.logging import get_run_logger
 
@@ -615,10 +618,12 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 node_id=node_id,
                 redactor=redactor,
                 batcher=self._pacer,
+                run_fields=dict(getattr(logger, "extra", None) or {}),
+                log_prints=log_prints,
             )
             warm, how = warm_pool_mod.take_for(self._pool, spec, imports=warm_prefect)
             forward.emit(
-                logging.INFO,
+                logging.DEBUG,
                 f"sandbox node {node_id} on {runtime.name} "
                 f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}",
             )
@@ -669,14 +674,16 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                     for h in launched:
                         if h.id not in reaping:
                             self._live.pop(h.id, None)
-            level = logging.INFO if outcome.ok else logging.ERROR
-            detail = (
-                failure_detail(outcome)
-                if failure_detail is not None and outcome.failure == "workload"
-                else None
-            )
-            forward.emit(level, _summary(outcome, detail))
-            self._publish(outcome, attempt, redactor)
+            # One short line per node at INFO (a failure is told by the task's exception, as
+            # on threads); the details at DEBUG, in the artifact and in the node's events.
+            forward.emit(logging.DEBUG, _summary(outcome))
+            forward.emit(logging.INFO, runner_line(outcome))
+            if outcome.ok:
+                with self._live_lock:
+                    self._output_files[key] = {
+                        k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")
+                    }
+            self._publish(outcome, attempt, redactor, how)
             if (
                 outcome.infrastructure_failure
                 and infra_try < cfg.infrastructure_retries
@@ -747,8 +754,23 @@ def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
     return (cfg.workspace or _default_workspace()) / ref["file"] if ref.get("file") else None
 
 
-def _summary(o: NodeOutcome, detail: str | None = None) -> str:
-    """The outcome line: one record, and on failure the whole story (a traceback too)."""
+_RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}
+
+
+def runner_line(o: NodeOutcome) -> str:
+    """The one line a node adds to its task run's logs at INFO."""
+    took = o.timings.get("finish")
+    kind = "warm" if o.warm else "cold"
+    line = f"ran in a {kind} {_RUNTIME_NAMES.get(o.runtime, o.runtime)} sandbox"
+    if took is not None:
+        line += f" in {took:.1f} s"
+    if o.infrastructure_failure:
+        line += f" (infrastructure failure: {o.failure})"
+    return line
+
+
+def _summary(o: NodeOutcome) -> str:
+    """The node's details, at DEBUG: where it ran, the conduit, its exit."""
     took = o.timings.get("finish")
     parts = [
         f"node {o.node_id}: {o.status}",
@@ -764,25 +786,30 @@ def _summary(o: NodeOutcome, detail: str | None = None) -> str:
         parts.append(f"{len(declared)} output file(s) in {o.output_dir}")
     msg = "; ".join(parts)
     if not o.ok:
-        msg += f"\n{detail}" if detail else f"\n{o.describe()}"
+        msg += f"\n{o.describe()}"
     return msg
 
 
-def _paths_to_host(value: Any, outcome: NodeOutcome) -> Any:
-    """A returned workspace-relative path of a materialised output becomes its host path."""
-    if not outcome.output_files or outcome.output_dir is None:
-        return value
-    user_files = {k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")}
+def _drop_plumbing(e: BaseException) -> None:
+    """What a sandboxed task raised, as the engine logs it: the sandbox's frames, not the
+    host's between the engine's call and the re-raise (a runner-made error keeps none: its
+    message tells). Anything else (a bug here) keeps its whole traceback."""
+    from prefect_resoluto.node import NodeFailure
 
-    def conv(v: Any) -> Any:
-        if isinstance(v, str):
-            rel = v[2:] if v.startswith("./") else v
-            if rel in user_files:
-                return str(user_files[rel])
-        return v
+    if isinstance(e, (pycall.RemoteError, NodeFailure, pycall.NotSandboxable)):
+        e.__traceback__ = remote_traceback.from_the_task(e.__traceback__)
 
-    if isinstance(value, list):
-        return [conv(v) for v in value]
-    if isinstance(value, dict):
-        return {k: conv(v) for k, v in value.items()}
-    return conv(value)
+
+def output_files(future_or_id: Any) -> dict[str, Path]:
+    """The declared output files (``output_paths``) a task run's node left, by workspace-
+    relative path -> host path. Call it in the flow with the task's future (or task run
+    id); the task's return value is never rewritten to point at them."""
+    from prefect.context import FlowRunContext
+
+    key = str(getattr(future_or_id, "task_run_id", future_or_id))
+    ctx = FlowRunContext.get()
+    runner = getattr(ctx, "task_runner", None) if ctx is not None else None
+    if not isinstance(runner, ResolutoTaskRunner):
+        raise RuntimeError("output_files() works inside a flow whose task runner is ResolutoTaskRunner")
+    with runner._live_lock:
+        return dict(runner._output_files.get(key, {}))

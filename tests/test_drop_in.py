@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -186,22 +187,22 @@ def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tm
     assert (
         'dropin_flows.py", line' in ve.remote_traceback and "raise ValueError(message)" in ve.remote_traceback
     )
-    assert repr(ve) == "ValueError('bad input 42')"
+    assert "guest_runner" not in ve.remote_traceback  # from the task's own frame down
+    assert repr(ve) == "ValueError('bad input 42')" and str(ve) == "bad input 42"
     shown = [
         r.state.message
         for r in task_runs(state.state_details.flow_run_id)
         if "bad input 42" in r.state.message
     ]
-    assert shown == [
-        "Task run encountered an exception ValueError: bad input 42\n--- traceback from the sandbox ---\n"
-        + ve.remote_traceback.rstrip()
-    ]  # as the UI shows it: no doubled type name
+    assert shown == ["Task run encountered an exception ValueError: bad input 42"]  # a thread's words
     quota = out["quota"]  # the task module's own class, with its own constructor
     assert isinstance(quota, df.QuotaExceeded) and isinstance(quota, RemoteTaskError)
-    assert str(quota).startswith("used 12 of 10\n--- traceback from the sandbox ---")
+    assert str(quota) == "used 12 of 10"
     chained = out["chained"]
     assert isinstance(chained, LookupError) and "KeyError: 'missing'" in chained.remote_traceback
     assert "direct cause" in chained.remote_traceback
+    # the cause is rebuilt too, so a logged traceback tells "raise ... from ..." as a thread's
+    assert isinstance(chained.__cause__, KeyError) and chained.__cause__.__traceback__ is not None
     group = out["group"]  # not rebuilt: the remote text is kept
     assert type(group) is RemoteTaskError and group.remote_type == "ExceptionGroup"
     assert "ValueError: one" in group.remote_traceback and "TypeError: two" in group.remote_traceback
@@ -374,33 +375,38 @@ def test_max_workers_follows_prefects_thread_pool_setting():
 
 
 # -- 8, 9, 11: what the logs show ------------------------------------------------------------------
-def test_a_failure_is_one_error_record_with_the_whole_traceback_and_a_short_repr(gvisor, conduit, tmp_path):
-    @flow(task_runner=runner(conduit, tmp_path))
-    def failing():
-        return raised(df.raise_value_error.submit("bad input 7"))
-
-    state = failing(return_state=True)
-    (tr,) = task_runs(state.state_details.flow_run_id)
-    records = logs(task_run_id=tr.id)
-    ours = [r for r in records if r.name == "resoluto.sandbox"]
-    errors = [r for r in ours if r.level >= 40]
-    assert len(errors) == 1, [r.message for r in errors]
-    (err,) = errors
-    assert "Traceback (most recent call last):" in err.message and "raise ValueError(message)" in err.message
-    assert err.message.rstrip().endswith("ValueError: bad input 7")
-    assert not any("Traceback" in r.message for r in ours if r.level < 40)
-    engine = [
-        r.message
-        for r in records
-        if r.name == "prefect.task_runs" and r.message.startswith("Task run failed")
-    ]
-    assert engine and engine[0].splitlines()[0] == "Task run failed with exception: ValueError('bad input 7')"
+RUNNER_LINE = re.compile(r"ran in a (warm|cold) gVisor sandbox in \d+\.\d s")
 
 
-def test_a_task_shows_a_start_and_an_outcome_line_and_the_flow_one_runner_line(gvisor, conduit, tmp_path):
+def test_a_failure_shows_a_threads_records_with_the_sandboxs_frames(gvisor, conduit, tmp_path):
+    """On gVisor, where the task's file is /workspace/... in the sandbox: the records are a
+    thread's, record for record, the traceback naming the host's copy of the file."""
+
+    def records_of(task_runner) -> list[tuple[int, str, str]]:
+        @flow(task_runner=task_runner)
+        def failing():
+            return raised(df.raise_value_error.submit("bad input 7"))
+
+        state = failing(return_state=True)
+        (tr,) = task_runs(state.state_details.flow_run_id)
+        assert tr.state.message == "Task run encountered an exception ValueError: bad input 7"
+        return [(r.level, r.name, r.message) for r in logs(task_run_id=tr.id)]
+
+    ours = records_of(runner(conduit, tmp_path))
+    threads = records_of(ThreadPoolTaskRunner())
+    runner_lines = [r for r in ours if RUNNER_LINE.fullmatch(r[2])]
+    assert len(runner_lines) == 1 and runner_lines[0][:2] == (20, "prefect.task_runs")
+    assert [r for r in ours if r not in runner_lines] == threads
+    (err,) = [m for level, _, m in ours if level >= 40 and "Traceback" in m]
+    assert err.splitlines()[0] == "Task run failed with exception: ValueError('bad input 7')"
+    assert f'File "{FLOWS / "dropin_flows.py"}", line 32, in raise_value_error' in err
+    assert "/workspace" not in err and "guest_runner" not in err and "task_runner.py" not in err
+
+
+def test_a_task_shows_one_short_runner_line_and_the_flow_one_runner_line(gvisor, conduit, tmp_path):
     r = runner(conduit, tmp_path, max_workers=3)
 
-    @flow(task_runner=r)
+    @flow(task_runner=r, log_prints=True)
     def quiet():
         square = sf.square.submit(3)
         with sandbox_options(output_paths=["out/*.txt"]):
@@ -411,18 +417,10 @@ def test_a_task_shows_a_start_and_an_outcome_line_and_the_flow_one_runner_line(g
     fr = state.state_details.flow_run_id
     runs = {t.name.rsplit("-", 1)[0]: t for t in task_runs(fr)}
     for name, user_lines in (("square", ["squaring 3"]), ("write_report", [])):
-        info = [
-            x.message
-            for x in logs(task_run_id=runs[name].id)
-            if x.name == "resoluto.sandbox" and x.level >= 20
-        ]
-        assert len(info) == 2 + len(user_lines), "\n".join(info)
-        assert info[0].startswith("sandbox node ") and info[1:-1] == user_lines
-        assert info[-1].startswith(f"node {runs[name].id}: success")
-    report_line = [
-        x.message for x in logs(task_run_id=runs["write_report"].id) if x.name == "resoluto.sandbox"
-    ][-1]
-    assert "1 output file(s)" in report_line  # the declared output, not .resoluto/return.json
+        info = [x.message for x in logs(task_run_id=runs[name].id) if x.level >= 20]
+        # the task's own lines (its prints: the flow logs prints), one runner line, the state
+        assert info[:-2] == user_lines and info[-1] == "Finished in state Completed()", info
+        assert RUNNER_LINE.fullmatch(info[-2]), info
     flow_lines = [
         x.message for x in logs(flow_run_id=fr) if x.task_run_id is None and "ResolutoTaskRunner" in x.message
     ]

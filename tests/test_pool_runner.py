@@ -20,8 +20,8 @@ from flows import real_prefect_tasks as rp
 from polling import wait_for
 from prefect import flow, task
 from prefect_cli import flow_child_env
-from prefect_readback import task_runs
-from test_task_runner import FLOWS, logs_of, no_orphans, runner
+from prefect_readback import artifacts_of, task_runs
+from test_task_runner import FLOWS, no_orphans, runner
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import sandbox_options
@@ -38,8 +38,16 @@ def conduit(tmp_path: Path) -> LocalConduit:
 
 
 def sandbox_line(task_run_id) -> str:
-    msgs = [log.message for log in logs_of(task_run_id)]
-    return next(m for m in msgs if m.startswith("sandbox node "))
+    """How the task run's node got its sandbox: its artifact's "sandbox" row (the task's
+    logs carry only "ran in a warm/cold ... sandbox"; the waits are details)."""
+    import json
+
+    for art in artifacts_of(task_run_id):
+        data = json.loads(art.data) if isinstance(art.data, str) else art.data
+        rows = {row["field"]: row["value"] for row in data}
+        if "sandbox" in rows:
+            return str(rows["sandbox"])
+    raise AssertionError(f"no node artifact with a sandbox row on task run {task_run_id}")
 
 
 def wait_ready() -> None:

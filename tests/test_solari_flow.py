@@ -19,7 +19,7 @@ from solari_gateway import SolariGateway
 from test_task_runner import logs_of
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options
+from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
 
 pytestmark = [pytest.mark.usefixtures("prefect"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -57,9 +57,10 @@ def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path
                 report = demo.write_report.submit(stats)
             kernel = run_command.submit(["sh", "-c", "echo hello from the VM"])
             fetched = demo.flaky_fetch.submit()
+            written = report.result()  # the task's own value: the file's workspace path
             return {
                 "stats": [s.result() for s in stats],
-                "report": report.result(),
+                "report": str(output_files(report)[written]),
                 "kernel": kernel.result().output,
                 "flaky": fetched.result(),
             }
@@ -76,7 +77,7 @@ def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path
         assert all(r.state.is_completed() for r in runs)
         word = next(r for r in runs if r.name.startswith("word_stats"))
         msgs = [log.message for log in logs_of(word.id)]
-        assert any("on solari (vm isolation)" in m for m in msgs), msgs
+        assert any(m.startswith("ran in a ") and "Solari sandbox" in m for m in msgs), msgs
         assert any(": 10 words, running on" in m or "words, running on" in m for m in msgs), msgs
         for r in runs:  # every node left the same objects any runtime leaves
             keys = conduit.list_prefix(f"run/{fr}/nodes/{r.id}")

@@ -20,7 +20,7 @@ from prefect_cli import flow_child_env
 from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import ResolutoTaskRunner, run_command, sandbox_options
+from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
 from prefect_resoluto.commands import CommandFailed, CommandResult
 from prefect_resoluto.pycall import NotSandboxable, RemoteTaskError
 from prefect_resoluto.runtimes import get_runtime
@@ -74,7 +74,7 @@ def caught(future) -> tuple[type, str]:
 
 # -- the tests ---------------------------------------------------------------------------
 def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(gvisor, conduit, tmp_path):
-    @flow(task_runner=runner(conduit, tmp_path))
+    @flow(task_runner=runner(conduit, tmp_path), log_prints=True)
     def fan_out():
         squares = sf.square.map([1, 2, 3])
         total = sf.add_async.submit(5, wait_for=squares)
@@ -105,14 +105,14 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(gvisor, condu
         assert prefix + "inbox/call.tar.gz" in keys and prefix + "inbox/workspace.tar.gz" in keys
     for r in runs:
         if r.name.startswith("square"):
-            msgs = [log.message for log in logs_of(r.id) if log.name == "resoluto.sandbox"]
-            assert any(m.startswith("squaring ") for m in msgs), msgs
-            assert any("isolation user-kernel" in m and "runtime gvisor" in m for m in msgs), msgs
+            msgs = [log.message for log in logs_of(r.id) if log.name == "prefect.task_runs"]
+            assert any(m.startswith("squaring ") for m in msgs), msgs  # a print: the flow logs prints
+            assert any(m.startswith("ran in a cold gVisor sandbox in ") for m in msgs), msgs
     no_orphans()
 
 
 def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, conduit, tmp_path):
-    @flow(task_runner=runner(conduit, tmp_path))
+    @flow(task_runner=runner(conduit, tmp_path), log_prints=True)
     def logging_flow():
         return sf.logs_with_levels.submit().result()
 
@@ -120,7 +120,7 @@ def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, con
     state = logging_flow(return_state=True)
     assert state.result() == "ok"
     (tr,) = task_runs(state.state_details.flow_run_id)
-    logs = [entry for entry in logs_of(tr.id) if entry.name == "resoluto.sandbox"]
+    logs = [entry for entry in logs_of(tr.id) if entry.name == "prefect.task_runs"]
     msgs = [entry.message for entry in logs]
     order = [
         msgs.index(m)
@@ -132,14 +132,14 @@ def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, con
     assert level["printed line 1"] == 20
     stamps = [entry.timestamp.timestamp() for entry in logs]
     assert stamps == sorted(stamps) and stamps[0] >= t0 - 1
-    assert any(m.startswith("node ") and "success" in m and "exit code 0" in m for m in msgs)
+    assert any(m.startswith("ran in a ") and m.endswith(" s") for m in msgs)  # the runner's one line
     assert artifacts_of(tr.id), "each node publishes an artifact"
 
 
 def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit, tmp_path):
     seen: dict[str, object] = {}
 
-    @flow(task_runner=runner(conduit, tmp_path))
+    @flow(task_runner=runner(conduit, tmp_path), log_prints=True)
     def slow_flow():
         return sf.sleeper.submit(10).result()  # room for a loaded machine's log batching
 
@@ -150,7 +150,7 @@ def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit,
         # Only this test's lines: earlier tests' logs (however many, whatever their stamps)
         # must not push ours out of the page.
         only_ours = LogFilter(
-            name=LogFilterName(any_=["resoluto.sandbox"]), timestamp=LogFilterTimestamp(after_=started)
+            name=LogFilterName(any_=["prefect.task_runs"]), timestamp=LogFilterTimestamp(after_=started)
         )
         deadline = time.time() + 120
         while time.time() < deadline and "state" not in seen:
@@ -328,12 +328,16 @@ def test_unserialisable_return_is_a_clear_failure(gvisor, conduit, tmp_path):
     assert "ResultNotSerializable: the task returned a builtins.object" in text and "return its path" in text
 
 
-def test_outputs_come_back_and_returned_paths_point_at_them(gvisor, conduit, tmp_path):
+def test_outputs_come_back_and_output_files_points_at_them(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path, output_paths=["out/*.txt"]))
     def reports():
-        return sf.write_report.submit("alpha").result()
+        report = sf.write_report.submit("alpha")
+        returned = report.result()
+        return returned, output_files(report)
 
-    path = Path(reports())
+    returned, files = reports()
+    assert returned == "out/alpha.txt"  # the task's own value, not altered
+    path = files[returned]
     assert path.is_absolute() and path.read_text() == "report for alpha\n"
     assert path.is_relative_to(tmp_path / "outputs")
     assert not (path.parent / "ignored.tmp").exists()
