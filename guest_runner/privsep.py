@@ -123,9 +123,36 @@ def configure(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
     except (OSError, AttributeError, ImportError) as e:
         raise PrivsepError(f"cannot harden the runner before starting the workload: {e}") from None
     _drop_bounding_set()
+    _clear_inheritable()
     _scrub_initial_environ()
     _user = user
     return user
+
+
+def _clear_inheritable() -> None:
+    """No inheritable (hence no ambient) capability: none can pass to what the runner starts."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    hdr = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    data = (Data * 2)()
+    if libc.capget(ctypes.byref(hdr), data) != 0:
+        raise PrivsepError(f"capget failed (errno {ctypes.get_errno()})")
+    if not (data[0].inheritable or data[1].inheritable):
+        return
+    data[0].inheritable = data[1].inheritable = 0
+    if libc.capset(ctypes.byref(hdr), data) != 0:
+        raise PrivsepError(f"cannot clear the runner's inheritable capabilities (errno {ctypes.get_errno()})")
 
 
 def _scrub_initial_environ() -> None:
