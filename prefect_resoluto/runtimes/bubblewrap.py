@@ -204,6 +204,7 @@ class BubblewrapRuntime(LocalChildRuntime):
         # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
         # host tree that lives under /tmp (a checkout or virtualenv there).
         for dst in lay.tmpfs:
+            argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
             if spec.resources.tmpfs_bytes:
                 argv += ["--size", str(spec.resources.tmpfs_bytes)]
             argv += ["--tmpfs", dst]
