@@ -175,7 +175,7 @@ def _scrub_initial_environ() -> None:
     entry = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
     i = 0
     while entry[i]:
-        pointers.append(int(entry[i]))  # type: ignore[call-overload]
+        pointers.append(int(entry[i]))
         i += 1
     start = min(pointers) if pointers else 0
     if not start or ctypes.string_at(start, len(block)) != block:
@@ -184,7 +184,7 @@ def _scrub_initial_environ() -> None:
         os.putenv(k, v)  # a heap copy: libc's environ no longer points into the block
     i = 0
     while entry[i]:
-        if start <= int(entry[i]) < start + len(block):  # type: ignore[call-overload]
+        if start <= int(entry[i]) < start + len(block):
             raise PrivsepError("an environment entry is still in the exec block: cannot scrub it")
         i += 1
     ctypes.memset(start, 0, len(block))

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from urllib.parse import quote, quote_plus
@@ -109,6 +112,16 @@ def test_a_declared_secret_too_short_to_redact_is_refused_before_anything_runs(t
 # -- finding 9: the workload cannot read the runner's credentials ---------------------------------
 
 
+_cleanups: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_state_dirs():
+    yield
+    while _cleanups:
+        shutil.rmtree(_cleanups.pop(), ignore_errors=True)
+
+
 class CredentialedConduit(LocalConduit):
     """A local conduit whose guest needs credentials (as an S3 one's does): the runner
     gets them, the workload must not."""
@@ -121,7 +134,16 @@ class CredentialedConduit(LocalConduit):
         return dict(self.creds)
 
 
-def _runtime(name: str):
+def _runtime(name: str, tmp_path: Path):
+    if name == "process-as-nobody":
+        if os.geteuid() != 0:
+            pytest.skip("the process runtime's workload_user needs this host to run as root")
+        # The workload's user must reach its workspace: a state directory it can traverse
+        # (pytest's own tmp_path is under a 0700 directory).
+        state = Path(tempfile.mkdtemp(prefix="rsl-privsep-", dir="/tmp"))
+        state.chmod(0o711)
+        _cleanups.append(state)
+        return get_runtime("process", workload_user="65534:65534", state_dir=state)
     rt = get_runtime(name)
     if not rt.availability().ok:
         pytest.skip(f"{name} is not available on this machine: {rt.availability().why}")
@@ -152,9 +174,9 @@ def _assert_confined(report: dict, secrets: list[str]) -> None:
     assert not any(s in flat for s in secrets)
 
 
-@pytest.mark.parametrize("runtime", ["gvisor", "bubblewrap", "container"])
+@pytest.mark.parametrize("runtime", ["gvisor", "bubblewrap", "container", "process-as-nobody"])
 def test_a_hostile_workload_cannot_read_the_runners_credentials_or_write_its_conduit(runtime, tmp_path):
-    rt = _runtime(runtime)
+    rt = _runtime(runtime, tmp_path)
     token, key = f"write-token-{uuid.uuid4().hex}", f"aws-{uuid.uuid4().hex}"
     conduit = CredentialedConduit(
         tmp_path / "conduit", {"RESOLUTO_STORE_WRITE_TOKEN": token, "AWS_SECRET_ACCESS_KEY": key}
@@ -171,7 +193,7 @@ def test_a_hostile_workload_cannot_read_the_runners_credentials_or_write_its_con
         spec,
         conduit,
         rt,
-        min_isolation="namespace",
+        min_isolation="none" if runtime.startswith("process") else "namespace",
         on_event=lambda ev: lines.append(str((ev.get("data") or {}).get("line", ""))),
     )
     assert outcome.ok, (outcome.describe(), lines)
