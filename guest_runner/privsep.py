@@ -251,6 +251,13 @@ def kill_leftovers() -> None:
     if _user is None or not _pidns:
         return
     # kill(-1) from a process of that user: every process it may signal but itself.
+    try:
+        _kill_all_as_user()
+    except OSError as e:  # the outputs are not read while something of the workload may run
+        raise PrivsepError(f"cannot stop what the workload left running: {e}") from None
+
+
+def _kill_all_as_user() -> None:
     subprocess.run(
         [
             sys.executable,

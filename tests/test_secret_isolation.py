@@ -23,6 +23,7 @@ from prefect_readback import task_runs
 from test_pool_runner import sandbox_line, wait_ready
 from test_task_runner import FLOWS, logs_of, runner
 
+from guest_runner import wire
 from guest_runner.conduit import LocalConduit
 from guest_runner.redact import MIN_SECRET_LEN
 from prefect_resoluto import ResolutoTaskRunner
@@ -225,3 +226,30 @@ def test_a_warm_call_process_is_the_unprivileged_user_from_before_its_assignment
     (tr,) = task_runs(state.state_details.flow_run_id)
     assert "warm sandbox rsl-" in sandbox_line(tr.id)  # the pre-started call ran it
     _assert_confined(report, [])
+
+
+def test_a_runner_that_cannot_switch_users_fails_the_node_before_the_workload_runs(tmp_path):
+    """Fail closed: asked for a workload user it cannot become (root without CAP_SETUID,
+    as in a sandbox that took every capability away), the runner runs nothing."""
+    from conftest import guest_env
+
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs setpriv and root to start a runner that is root without capabilities")
+    conduit = LocalConduit(tmp_path / "conduit")
+    env = guest_env(
+        conduit.root, "r1", "n1", ["sh", "-c", "echo THE-WORKLOAD-RAN"], RESOLUTO_WORKLOAD_USER="65534:65534"
+    )
+    proc = subprocess.run(
+        ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--", sys.executable, "-m", "guest_runner"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 1, proc
+    result = json.loads(conduit.get("run/r1/nodes/n1/result.json"))
+    assert result["status"] == "failure", result
+    assert "cannot isolate the workload" in result["reason"] and "CAP_SETUID" in result["reason"], result
+    events = b"".join(conduit.get(k) for k in conduit.list_prefix("run/r1/nodes/n1/") if wire.chunk_index(k))
+    assert b"THE-WORKLOAD-RAN" not in events and b"cannot isolate the workload" in events

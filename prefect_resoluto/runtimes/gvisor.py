@@ -359,6 +359,9 @@ class GVisorRuntime(LocalChildRuntime):
             target.symlink_to(link)
         for d in ("proc", "dev", "sys"):
             (rootfs / d).mkdir(exist_ok=True)
+        # Whatever the host's umask: the workload's user must traverse to what is bound below.
+        for dirpath, _dirs, _files in os.walk(rootfs):
+            os.chmod(dirpath, 0o755)
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None), indent=1))
         exe = self._binary() or self.runsc
