@@ -12,11 +12,12 @@ A value is matched in the shapes a program commonly prints it in, not only as is
   matched, so the whole value never appears in one line;
 * JSON-escaped (``json.dumps(v)[1:-1]``, ASCII-escaped or not) and ``repr``-escaped;
 * URL-encoded (``quote`` with and without ``/`` safe, ``quote_plus``);
-* base64, standard and URL-safe alphabets, padded or not, and inside a longer base64
-  stream: there the value's characters depend on its offset modulo 3, so the
-  characters determined by the value alone are matched for each of the three offsets.
+* base64 of the value, standard and URL-safe alphabets, padded or not; inside a longer
+  base64 stream, where the value's characters depend on its offset modulo 3, so the
+  characters determined by the value alone are matched for each of the three offsets;
+  and wrapped at 64 or 76 columns (PEM, MIME, the ``base64`` tool), line by line.
 
-The same shapes are applied to each line of a multi-line value. A shape (or a line)
+The escapes are also applied to each line of a multi-line value. A shape (or a line)
 shorter than :data:`MIN_SECRET_LEN` is not matched: it would mask ordinary text. A
 *declared* secret that short cannot be redacted safely and is refused before anything
 runs (:func:`too_short`); a value found only by its variable's name is not a declared
@@ -28,7 +29,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from typing import Any, Iterable, List, Mapping, Optional, Set
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
 from urllib.parse import quote, quote_plus
 
 MASK = "***"
@@ -78,26 +79,69 @@ def _b64_cores(raw: bytes) -> Set[str]:
 _URLSAFE = str.maketrans("+/", "-_")
 
 
+def _escapes(p: str) -> Set[str]:
+    return {
+        p,
+        json.dumps(p)[1:-1],
+        json.dumps(p, ensure_ascii=False)[1:-1],
+        repr(p)[1:-1],
+        quote(p, safe=""),
+        quote(p),
+        quote_plus(p),
+        quote_plus(p, safe="/"),
+    }
+
+
 def shapes(secret: str) -> Set[str]:
-    """Every string :class:`Redactor` masks for ``secret`` (each at least MIN_SECRET_LEN long)."""
-    parts = [secret]
+    """Every string :class:`Redactor` masks for ``secret`` (each at least MIN_SECRET_LEN long):
+    the value and each of its lines as is and escaped; the value's base64, alone, in a
+    stream, and wrapped at 64 or 76 columns (PEM, MIME, ``base64``) one line per line."""
+    if len(secret) < MIN_SECRET_LEN:
+        return set()
+    out = _escapes(secret)
     if "\n" in secret or "\r" in secret:
         for line in re.split(r"\r\n|\r|\n", secret):
-            parts += [line, line.strip()]
-    out: Set[str] = set()
-    for p in parts:
-        if len(p) < MIN_SECRET_LEN:
-            continue
-        out.add(p)
-        out.add(json.dumps(p)[1:-1])
-        out.add(json.dumps(p, ensure_ascii=False)[1:-1])
-        out.add(repr(p)[1:-1])
-        out.add(quote(p, safe=""))
-        out.add(quote(p))
-        out.add(quote_plus(p))
-        out.add(quote_plus(p, safe="/"))
-        out |= _b64_cores(p.encode("utf-8", "surrogatepass"))
+            for p in (line, line.strip()):
+                if len(p) >= MIN_SECRET_LEN:
+                    out |= _escapes(p)
+    raw = secret.encode("utf-8", "surrogatepass")
+    out |= _b64_cores(raw)
+    for enc in (base64.b64encode(raw).decode("ascii"), base64.urlsafe_b64encode(raw).decode("ascii")):
+        for width in (64, 76):
+            if len(enc) > width:
+                out |= {enc[i : i + width] for i in range(0, len(enc), width)}
     return {s for s in out if len(s) >= MIN_SECRET_LEN}
+
+
+def _trie(words: Iterable[str]) -> str:
+    """One regex matching any of ``words``, the longest where several start at one place.
+
+    As a trie (common prefixes shared) rather than an alternation of every word: ``re``
+    then tries one branch per character instead of every word at every position, which
+    makes hundreds of shapes (a PEM key's lines in every encoding) cheap per log line."""
+    root: Dict[str, Any] = {}
+    for w in words:
+        node = root
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = True  # a word ends here
+
+    def emit(node: Dict[str, Any]) -> str:
+        out = []
+        while True:  # a chain of single characters is one literal (no recursion per char)
+            kids = [k for k in node if k]
+            if len(kids) != 1 or "" in node:
+                break
+            out.append(re.escape(kids[0]))
+            node = node[kids[0]]
+        kids = sorted(k for k in node if k)
+        if not kids:
+            return "".join(out)
+        # Extending first: a longer word is preferred to one that ends here.
+        alt = "(?:" + "|".join(re.escape(k) + emit(node[k]) for k in kids) + ")"
+        return "".join(out) + (alt + "?" if "" in node else alt)
+
+    return emit(root)
 
 
 class Redactor:
@@ -106,11 +150,7 @@ class Redactor:
         patterns: Set[str] = set()
         for v in values:
             patterns |= shapes(v)
-        # Longest first: a shape that contains another is masked whole.
-        ordered = sorted(patterns, key=lambda s: (-len(s), s))
-        self._pattern: Optional["re.Pattern[str]"] = (
-            re.compile("|".join(re.escape(v) for v in ordered)) if ordered else None
-        )
+        self._pattern: Optional["re.Pattern[str]"] = re.compile(_trie(patterns)) if patterns else None
         self.count = len(values)
 
     @classmethod
@@ -135,8 +175,8 @@ class Redactor:
     def text(self, s: str) -> str:
         if self._pattern is None or not s:
             return s
-        # Alternatives are tried longest first at each position, so a shape found where it
-        # starts is masked whole even when another, shorter one also starts there.
+        # The longest shape starting at a place is masked whole, even when a shorter one
+        # also starts there.
         return self._pattern.sub(MASK, s)
 
     def data(self, obj: Any) -> Any:

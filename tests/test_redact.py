@@ -176,3 +176,13 @@ def test_property_any_line_of_a_multi_line_secret_is_masked(lines: list[str], pi
     secret = "\n".join(lines) + "\n"
     line = lines[pick % len(lines)]
     assert line not in Redactor([secret]).text(f"[task] {line} [end]")
+
+
+def test_base64_wrapped_as_pem_mime_and_the_base64_tool_print_it_is_masked_line_by_line() -> None:
+    r = Redactor([PEM])
+    raw = PEM.encode()
+    wrapped = base64.encodebytes(raw).decode().splitlines()  # 76 columns, as `base64` prints
+    pem_style = base64.b64encode(raw).decode()
+    pem_style_lines = [pem_style[i : i + 64] for i in range(0, len(pem_style), 64)]
+    for line in wrapped + pem_style_lines:
+        assert line not in r.text(f"> {line}"), line

@@ -49,6 +49,7 @@ def _shapes(key: str) -> list[str]:
     out = [line for line in key.splitlines() if len(line) >= MIN_SECRET_LEN]
     out += [json.dumps(key)[1:-1], repr(key)[1:-1], quote(key, safe=""), quote(key), quote_plus(key)]
     out += [base64.b64encode(raw).decode()[:-4], base64.urlsafe_b64encode(raw).decode()[:-4]]
+    out += [line for line in base64.encodebytes(raw).decode().splitlines() if len(line) >= MIN_SECRET_LEN]
     for k in range(3):
         stream = base64.b64encode(b"h" * k + raw + b"-trailer").decode()
         out.append(stream[-(-8 * k // 6) : (8 * (k + len(raw))) // 6])

@@ -21,6 +21,7 @@ def print_every_shape_of_the_key() -> str:
     print(quote(key, safe=""), quote(key), quote_plus(key))
     raw = key.encode()
     print(base64.b64encode(raw).decode(), base64.urlsafe_b64encode(raw).decode().rstrip("="))
+    print(base64.encodebytes(raw).decode())  # wrapped at 76 columns, as the `base64` tool prints
     for k in range(3):
         print(base64.b64encode(b"h" * k + raw + b"-trailer").decode())
     print("all shapes printed")
