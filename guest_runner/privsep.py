@@ -258,18 +258,18 @@ def kill_leftovers() -> None:
 
 
 def _kill_all_as_user() -> None:
+    # A shell's kill builtin: a few ms, where an interpreter start costs ~70 ms in gVisor.
+    argv = (
+        ["/bin/sh", "-c", "kill -9 -1 2>/dev/null; exit 0"]
+        if os.path.exists("/bin/sh")
+        else [sys.executable, "-S", "-I", "-c", "import os\ntry: os.kill(-1, 9)\nexcept OSError: pass"]
+    )
     subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-I",
-            "-c",
-            "import os, signal\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass",
-        ],
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={},
+        env={"PATH": "/usr/bin:/bin"},
         check=False,
         **popen_kwargs(),
     )
