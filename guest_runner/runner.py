@@ -20,6 +20,8 @@ RESOLUTO_EGRESS_PROXY      with an allowlist: the run's proxy (``addr:port``)
 RESOLUTO_EGRESS_CANARY     JSON list of ``host:port`` that must be unreachable
 RESOLUTO_EGRESS_PHASES     JSON list: ``["setup", "workload"]`` when setup has its own
 RESOLUTO_EGRESS_CANARY_WORKLOAD  JSON list: setup-only names, refused after the switch
+RESOLUTO_WORKLOAD_USER     ``uid:gid``: setup, workload and cleanup run as that user (privsep)
+RESOLUTO_WORKLOAD_PIDNS    ``1``: the sandbox is its own PID namespace (privsep)
 =========================  ==================================================
 
 Exit status is 0 exactly when the workload succeeded.
@@ -36,7 +38,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
 # import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
-from guest_runner import wire
+from guest_runner import privsep, wire
 from guest_runner.conduit import Conduit, ConduitError, conduit_from_env
 from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
@@ -124,6 +126,7 @@ def _popen(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         bufsize=-1,
+        **privsep.popen_kwargs(),  # as the workload's user when the runtime names one
     )
 
 
@@ -205,6 +208,7 @@ def run_node(
                 opens = [(k, (lambda k=k: conduit.get_stream(k))) for k in keys]
                 archive.unpack_stream(opens, workspace)
             node.log(f"staged {staged} input archive(s) -> {workspace}", level="DEBUG")
+            privsep.give(workspace)
             ok = True
             phased = cfg.egress and "setup" in cfg.egress_phases
             if cfg.egress:
@@ -242,6 +246,8 @@ def run_node(
                     result["reason"] = f"command not found: {cfg.argv[0]}"
                 elif rc != 0:
                     result["reason"] = f"workload exited with code {rc}"
+                # Nothing the workload left running may change the tree while it is read.
+                privsep.kill_leftovers()
                 if cfg.output_paths:
                     from guest_runner import archive
 
@@ -324,6 +330,13 @@ def main(
     """``conduit`` and ``start``: a warm guest's (its node directory mounted elsewhere, its
     call interpreter already started); by default both come from the environment."""
     env = dict(os.environ if env is None else env)
+    # First, before any thread exists: the runner's own process hardened, its
+    # credentials out of what the workload's user could read (guest_runner/privsep.py).
+    try:
+        privsep.configure(env)
+        unisolated = ""
+    except privsep.PrivsepError as e:
+        unisolated = str(e)
     redactor = Redactor.from_env(env)
     try:
         if conduit is None:
@@ -348,7 +361,12 @@ def main(
     ).start()
     try:
         cfg = NodeConfig(env)
+        if unisolated:
+            raise privsep.PrivsepError(unisolated)
         result = run_node(cfg, conduit, shipper, start)
+    except privsep.PrivsepError as e:
+        shipper.log("", f"cannot isolate the workload from the runner: {e}", kind="error")
+        result = wire.make_result(node_id, "failure", None, None, reason=f"cannot isolate the workload: {e}")
     except ConfigError as e:
         shipper.log("", f"configuration error: {e}", kind="error")
         result = wire.make_result(node_id, "failure", None, None, reason=f"configuration error: {e}")

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import IO, BinaryIO, Dict, List, Optional, Union
 
-from guest_runner import runner, wire
+from guest_runner import privsep, runner, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
 
 SLOT_ENV = "RESOLUTO_WARM_SLOT"
@@ -139,6 +139,7 @@ def _exec_call(env: Dict[str, str]) -> "subprocess.Popen[bytes]":
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         bufsize=-1,
+        **privsep.popen_kwargs(),  # the workload's user from the start, like every workload process
     )
 
 
@@ -197,6 +198,7 @@ def _fork_call(env: Dict[str, str]) -> _Forked:
             os.dup2(out_w, 1)
             os.dup2(out_w, 2)
             os.closerange(3, _max_fd())
+            privsep.drop_now()  # the workload's user before any of the workload's code is imported
             os.environ.clear()
             os.environ.update(env)
             _unbuffered_stdio()  # what PYTHONUNBUFFERED gives an interpreter: lines reach the host at once
@@ -254,6 +256,10 @@ def _assignment(line: str) -> Dict[str, str]:
 
 def main() -> int:
     mode = os.environ.get(CALL_ENV, "")
+    try:
+        privsep.configure(os.environ)  # before the call process exists: it starts as the workload's user
+    except privsep.PrivsepError:
+        mode = ""  # no pre-started call; runner.main reports why the node cannot run
     call = _Prestarted(mode) if mode else None
     try:
         print(READY, flush=True)

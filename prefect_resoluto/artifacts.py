@@ -22,6 +22,9 @@ log = logging.getLogger("prefect_resoluto")
 
 #: Longest exception text kept in a table cell (the sandbox wrote it: bounded, one line).
 ERROR_CELL = 300
+#: Most bytes of error.json read for the cell (read_outcome has already read it within the
+#: node's allowance; this only needs its first fields).
+ERROR_FILE_LIMIT = 16 * 1024 * 1024
 
 
 def flow_run_key(flow_run_name: str, flow_run_id: str) -> str:
@@ -42,7 +45,7 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
     if o.failure == "workload" and o.output_dir is not None:
         from prefect_resoluto import pycall
 
-        e = pycall.read_error(o.output_dir, redactor)  # no link followed, bounded
+        e = pycall.read_error(o.output_dir, redactor, limit=ERROR_FILE_LIMIT)  # no link followed
         if e is not None:
             kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
             text = f"{kind}: {message}" if message else kind

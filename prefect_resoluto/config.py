@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from guest_runner import redact
 from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
 from prefect_resoluto.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
@@ -70,6 +71,9 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         self.min_isolation = IsolationLevel.parse(self.min_isolation)
+        short = redact.too_short(self.secret_env)
+        if short:  # refused here, at the flow's start, not when a task is already running
+            raise ValueError(redact.too_short_message(short))
         if self.memory is not None:
             parse_quantity(self.memory)
         if self.cpus is not None:

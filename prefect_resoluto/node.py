@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guest_runner import archive, wire
+from guest_runner import archive, redact, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
 from prefect_resoluto.runtimes.base import (
@@ -169,6 +169,9 @@ class NodeSpec:
         for k in list(self.env) + list(self.secret_env):
             if not k or "=" in k or "\x00" in k:
                 raise NodeSpecError(f"invalid environment variable name {k!r}")
+        short = redact.too_short(self.secret_env)
+        if short:
+            raise NodeSpecError(redact.too_short_message(short))
 
     def network_request(self) -> Any:
         """The node's per-name egress request (None: no network), for local runtimes."""

@@ -335,18 +335,18 @@ def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
         memory="1Gi",
         egress=["pypi.example.test"],
         env={"A": "1"},
-        secret_env={"FROM_BLOCK": "b"},
+        secret_env={"FROM_BLOCK": "b-1234"},
         silence_window=120,
     )
     cfg = ResolutoJobConfiguration(
         sandbox=block,
         memory="3Gi",
         egress=["git.example.test:22"],
-        secret_env_block=Secret(value={"FROM_SECRET": "s", "FROM_BLOCK": "from-the-secret-block"}),
+        secret_env_block=Secret(value={"FROM_SECRET": "s-1234", "FROM_BLOCK": "from-the-secret-block"}),
     ).sandbox_config()
     assert (cfg.runtime, cfg.memory, cfg.silence_window) == ("gvisor", "3Gi", 120)
     assert cfg.egress == ["pypi.example.test", "git.example.test:22"]
-    assert cfg.secret_env == {"FROM_BLOCK": "from-the-secret-block", "FROM_SECRET": "s"}
+    assert cfg.secret_env == {"FROM_BLOCK": "from-the-secret-block", "FROM_SECRET": "s-1234"}
     with pytest.raises(ValueError, match="JSON object"):
         ResolutoJobConfiguration(secret_env_block=Secret(value="just-a-string")).sandbox_config()
 

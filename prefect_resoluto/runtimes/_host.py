@@ -51,6 +51,20 @@ _ETC_ENTRIES = (
 )
 _BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
+# The workload as another user than the runner (guest_runner/privsep.py): the uid/gid it
+# runs as inside a sandbox, and the capabilities the runner keeps to get it there (in
+# the sandbox's own kernel or user namespace, never over the host's resources).
+WORKLOAD_USER = "65534:65534"
+WORKLOAD_USER_ENV = "RESOLUTO_WORKLOAD_USER"
+WORKLOAD_PIDNS_ENV = "RESOLUTO_WORKLOAD_PIDNS"
+RUNNER_CAPS = ("CAP_CHOWN", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID")
+_RUNNER_MODULES = ("guest_runner", "guest_runner.warm")
+
+
+def runs_guest_runner(argv: list[str]) -> bool:
+    """Whether ``argv`` starts the guest runner (cold or warm), not an arbitrary command."""
+    return len(argv) >= 3 and argv[1] == "-m" and argv[2] in _RUNNER_MODULES
+
 
 # --------------------------------------------------------------------------- layout
 
@@ -187,12 +201,15 @@ def guest_layout(
         tmpfs.append(GUEST_WORKSPACE)
 
     overrides = {"RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE}
+    argv = list(spec.command) if spec.command else [python, "-m", "guest_runner"]
+    if runs_guest_runner(argv):
+        # Every sandbox built from this layout is its own PID namespace.
+        overrides |= {WORKLOAD_USER_ENV: WORKLOAD_USER, WORKLOAD_PIDNS_ENV: "1"}
     conduit = conduit_host_dir(spec)
     if conduit is not None:
         rw.append((str(conduit), guest_conduit_dir(spec)))
         overrides["RESOLUTO_STORE_ROOT"] = GUEST_CONDUIT_ROOT
     env = sandbox_env(spec, home="/tmp", path=path, pythonpath=GUEST_RUNNER_ROOT, overrides=overrides)
-    argv = list(spec.command) if spec.command else [python, "-m", "guest_runner"]
     return GuestLayout(argv=argv, env=env, ro_binds=ro, rw_binds=rw, symlinks=links, tmpfs=tmpfs)
 
 
@@ -208,6 +225,10 @@ def conduit_host_dir(spec: LaunchSpec) -> Path | None:
         raise ValueError(f"conduit_subdir {spec.conduit_subdir!r} must be a plain relative path")
     host = Path(spec.conduit_root).resolve() / sub if sub else Path(spec.conduit_root).resolve()
     host.mkdir(parents=True, exist_ok=True)
+    if sub:
+        # The runner's alone: the workload (another user, guest_runner/privsep.py) can
+        # neither forge nor read the node's events, result and manifest.
+        host.chmod(0o700)
     return host
 
 

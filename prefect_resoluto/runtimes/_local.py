@@ -9,6 +9,7 @@ reap it without ever signalling a recycled pid.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar
 
@@ -80,6 +82,8 @@ class Prepared:
     host_limits: bool = True
     #: Written to the child's stdin, then closed (secrets for runtimes whose config is a file).
     stdin_data: bytes | None = None
+    #: Descriptors the child inherits (closed here once it has started).
+    pass_fds: tuple[int, ...] = ()
 
 
 class LocalChildRuntime(SandboxRuntime):
@@ -197,7 +201,7 @@ class LocalChildRuntime(SandboxRuntime):
             )
             rec.save()  # before the child exists, so a crash right after launch is still sweepable
             self._before_start(spec)
-            with open_log(d / LOG_NAME) as log:
+            with open_log(d / LOG_NAME) as log, _closing(prep.pass_fds):
                 proc = subprocess.Popen(
                     argv,
                     env=prep.env,
@@ -209,6 +213,7 @@ class LocalChildRuntime(SandboxRuntime):
                     else subprocess.DEVNULL,
                     start_new_session=True,
                     close_fds=True,
+                    pass_fds=prep.pass_fds,
                 )
             if proc.stdin is not None and spec.hold_stdin:
                 with _LOCK:
@@ -418,6 +423,15 @@ def network_request_of(spec: LaunchSpec) -> egress.NetworkRequest | None:
         return egress.network_request(run_id, node_id, egress=spec.egress)
     except egress.EgressPolicyError as e:
         raise LaunchError(str(e)) from None
+
+
+@contextlib.contextmanager
+def _closing(fds: tuple[int, ...]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _feed(pipe: IO[bytes], data: bytes) -> None:

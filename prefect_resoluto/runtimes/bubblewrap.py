@@ -19,9 +19,17 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ._host import add_network, guest_layout
+from ._host import (
+    RUNNER_CAPS,
+    WORKLOAD_PIDNS_ENV,
+    WORKLOAD_USER,
+    WORKLOAD_USER_ENV,
+    add_network,
+    guest_layout,
+    runs_guest_runner,
+)
 from ._local import LocalChildRuntime, Prepared
-from .base import Availability, IsolationLevel, LaunchSpec
+from .base import Availability, IsolationLevel, LaunchError, LaunchSpec
 
 if TYPE_CHECKING:
     from prefect_resoluto.egress import SandboxNetwork
@@ -35,6 +43,55 @@ _NAMESPACE_FLAGS = (
     "--die-with-parent",  # killing the bwrap process kills the sandbox
     "--new-session",  # no TIOCSTI into a controlling terminal
 )
+
+
+# With a user namespace of our own making (two uids: the runner's and the workload's):
+# bwrap joins it instead of creating one (which would map one uid only).
+_USERNS_FLAGS = (
+    "--unshare-ipc",
+    "--unshare-pid",
+    "--unshare-uts",
+    "--unshare-cgroup",
+    "--cap-drop",
+    "ALL",
+    *(a for cap in RUNNER_CAPS for a in ("--cap-add", cap)),  # the runner's few, in that namespace only
+    "--die-with-parent",
+    "--new-session",
+)
+
+
+def workload_userns() -> int:
+    """A user namespace mapping uid/gid 0 and the workload's to themselves, in which no
+    further user namespace can be created (what ``--disable-userns`` does for bwrap's own);
+    returns an fd that holds it. The host must be root (it writes the maps itself)."""
+    uid, _, gid = WORKLOAD_USER.partition(":")
+    holder = subprocess.Popen(
+        ["unshare", "--user", "--", "sh", "-c", "echo in; read _"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        if holder.stdout.readline() != b"in\n":  # it has unshared: its namespace exists
+            raise LaunchError("bubblewrap: cannot create a user namespace for the workload's user")
+        ns = f"/proc/{holder.pid}/ns/user"
+        Path(f"/proc/{holder.pid}/uid_map").write_text(f"0 0 1\n{uid} {uid} 1\n")
+        Path(f"/proc/{holder.pid}/gid_map").write_text(f"0 0 1\n{gid} {gid} 1\n")
+        capped = subprocess.run(
+            ["nsenter", f"--user={ns}", "sh", "-c", "echo 0 > /proc/sys/user/max_user_namespaces"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if capped.returncode != 0:
+            raise LaunchError(f"bubblewrap: cannot forbid nested user namespaces: {capped.stderr.strip()}")
+        return os.open(ns, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise LaunchError(f"bubblewrap: cannot create a user namespace for the workload's user: {e}") from e
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait()
 
 
 class BubblewrapRuntime(LocalChildRuntime):
@@ -104,9 +161,17 @@ class BubblewrapRuntime(LocalChildRuntime):
         return Availability(True, detail=f"{version or 'bwrap'} at {exe}; {self.limits_detail()}")
 
     def build_argv(
-        self, spec: LaunchSpec, workspace: Path, net: SandboxNetwork | None = None
+        self,
+        spec: LaunchSpec,
+        workspace: Path,
+        net: SandboxNetwork | None = None,
+        userns_fd: int | None = None,
     ) -> tuple[list[str], dict[str, str]]:
         """The bwrap command line and the sandbox env (public for tests and benchmarks).
+
+        ``userns_fd`` (:func:`workload_userns`): the sandbox joins that user namespace,
+        where the guest runner can start the workload as another user; without it the
+        guest runs as one user (bwrap's own namespace maps one uid).
 
         With an egress network bwrap starts inside its namespace and keeps it
         (``--share-net``): the sandbox's root holds no capability over a namespace owned
@@ -116,10 +181,15 @@ class BubblewrapRuntime(LocalChildRuntime):
         )
         prefix: list[str] = []
         flags: tuple[str, ...] = _NAMESPACE_FLAGS
+        if userns_fd is not None:
+            flags = ("--userns", str(userns_fd), *_USERNS_FLAGS, "--unshare-net")
+        else:
+            lay.env.pop(WORKLOAD_USER_ENV, None)
+            lay.env.pop(WORKLOAD_PIDNS_ENV, None)
         if net is not None:
             add_network(lay, net, workspace.parent)
             prefix = ["nsenter", f"--net=/run/netns/{net.netns}"]
-            flags = (*_NAMESPACE_FLAGS, "--share-net")
+            flags = (*(f for f in flags if f != "--unshare-net"), "--share-net")
         argv = [
             *prefix,
             self._binary() or self.bwrap,
@@ -134,9 +204,15 @@ class BubblewrapRuntime(LocalChildRuntime):
         # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
         # host tree that lives under /tmp (a checkout or virtualenv there).
         for dst in lay.tmpfs:
+            argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
             if spec.resources.tmpfs_bytes:
                 argv += ["--size", str(spec.resources.tmpfs_bytes)]
             argv += ["--tmpfs", dst]
+        # bwrap makes a bind's missing parents 0700: traversable by root only, and the
+        # workload's user must reach the interpreter bound below them.
+        parents = {str(p) for _, dst in lay.ro_binds + lay.rw_binds for p in Path(dst).parents}
+        for d in sorted(parents - {"/"}, key=lambda p: (p.count("/"), p)):
+            argv += ["--perms", "0755", "--dir", d]
         for src, dst in lay.ro_binds:
             argv += ["--ro-bind", src, dst]
         for target, dst in lay.symlinks:
@@ -152,5 +228,12 @@ class BubblewrapRuntime(LocalChildRuntime):
     def _prepare(self, spec: LaunchSpec, sandbox: Path, net: SandboxNetwork | None = None) -> Prepared:
         workspace = sandbox / "workspace"
         workspace.mkdir()
-        argv, env = self.build_argv(spec, workspace, net)
-        return Prepared(argv=argv, env=env, cwd=str(sandbox))
+        runner = runs_guest_runner(list(spec.command) if spec.command else ["python", "-m", "guest_runner"])
+        fd = workload_userns() if runner and os.geteuid() == 0 else None
+        try:
+            argv, env = self.build_argv(spec, workspace, net, userns_fd=fd)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return Prepared(argv=argv, env=env, cwd=str(sandbox), pass_fds=(fd,) if fd is not None else ())

@@ -35,7 +35,15 @@ from typing import Any, ClassVar
 
 from prefect_resoluto import egress
 
-from ._host import add_network, guest_layout, remove_tree, sandbox_dir, state_dir
+from ._host import (
+    RUNNER_CAPS,
+    WORKLOAD_USER_ENV,
+    add_network,
+    guest_layout,
+    remove_tree,
+    sandbox_dir,
+    state_dir,
+)
 from ._local import network_request_of
 from .base import (
     Availability,
@@ -267,6 +275,11 @@ class ContainerRuntime(SandboxRuntime):
         ]
         if self.engine == "podman":
             argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--pull", "never"]
+        if WORKLOAD_USER_ENV in lay.env:
+            # The guest runner keeps only what it needs to start the workload as another
+            # user (guest_runner/privsep.py); nothing started in here gains a privilege.
+            argv += ["--cap-drop", "all", "--cap-add", ",".join(RUNNER_CAPS)]
+            argv += ["--security-opt", "no-new-privileges"]
         if self.read_only:
             argv.append("--read-only")
         r = spec.resources

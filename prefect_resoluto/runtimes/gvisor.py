@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import _cgroup
-from ._host import GuestLayout, SandboxRecord, add_network, guest_layout, labels_match
+from ._host import (
+    RUNNER_CAPS,
+    WORKLOAD_USER_ENV,
+    GuestLayout,
+    SandboxRecord,
+    add_network,
+    guest_layout,
+    labels_match,
+)
 from ._local import LocalChildRuntime, Prepared
 from .base import (
     Availability,
@@ -295,6 +303,10 @@ class GVisorRuntime(LocalChildRuntime):
             resources["cpu"] = {"quota": int(r.cpus * 100_000), "period": 100_000}
         env = {k: v for k, v in lay.env.items() if k not in spec.secret_env}
         argv = lay.argv
+        # The guest runner keeps the few capabilities it needs to start the workload as
+        # another user (guest_runner/privsep.py), in gVisor's kernel only; any other
+        # command, and the workload itself, has none.
+        caps = list(RUNNER_CAPS) if WORKLOAD_USER_ENV in env else []
         if spec.secret_env:
             argv = ["/bin/sh", "-c", _SECRET_PRELUDE, "sh", *argv]
         return {
@@ -305,8 +317,7 @@ class GVisorRuntime(LocalChildRuntime):
                 "args": argv,
                 "env": [f"{k}={v}" for k, v in env.items()],
                 "cwd": lay.cwd,
-                # No capabilities: root inside gVisor's kernel, and not even that much.
-                "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": []},
+                "capabilities": {"bounding": caps, "effective": caps, "inheritable": [], "permitted": caps},
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
                 "noNewPrivileges": True,
             },
@@ -348,6 +359,9 @@ class GVisorRuntime(LocalChildRuntime):
             target.symlink_to(link)
         for d in ("proc", "dev", "sys"):
             (rootfs / d).mkdir(exist_ok=True)
+        # Whatever the host's umask: the workload's user must traverse to what is bound below.
+        for dirpath, _dirs, _files in os.walk(rootfs):
+            os.chmod(dirpath, 0o755)
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None), indent=1))
         exe = self._binary() or self.runsc
