@@ -30,6 +30,8 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker
 from pydantic import Field, PrivateAttr, SecretStr, field_validator
 
 from guest_runner import wire
+from prefect_resoluto.api_gateway import ApiGateway, Upstream, gateway_summary
+from prefect_resoluto.api_rules import RunRules
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
 from prefect_resoluto.config import SandboxConfig
 from prefect_resoluto.flow_runs import (
@@ -38,6 +40,7 @@ from prefect_resoluto.flow_runs import (
     LABEL_WORKER_INSTANCE,
     code_directories,
     engine_argv,
+    gateway_env,
     new_node_id,
     sandbox_network,
     split_env,
@@ -112,6 +115,15 @@ _WORKING_DIR = (
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
+_ALLOWED_BLOCKS = (
+    "Blocks the flow run may read, as 'block-type-slug/name' (e.g. 'secret/warehouse-password'); read-only. "
+    "Every other block is refused by the run's API gateway."
+)
+_ALLOWED_VARIABLES = "Variables the flow run may read, by name; read-only. Every other variable is refused."
+_GATEWAY_ADDRESS = (
+    "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
+    "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
+)
 
 
 def _check_memory(v: str | None) -> str | None:
@@ -124,6 +136,16 @@ def _check_cpus(v: str | None) -> str | None:
     if v is not None and v != "":
         parse_cpus(v)
     return v or None
+
+
+def _check_block_refs(v: list[str]) -> list[str]:
+    for ref in v:
+        slug, _, name = ref.partition("/")
+        if not slug or not name or "/" in name:
+            raise ValueError(
+                f"allowed block {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
+            )
+    return v
 
 
 class ResolutoWorkerVariables(BaseVariables):
@@ -150,9 +172,20 @@ class ResolutoWorkerVariables(BaseVariables):
     sandbox: Optional[SandboxBlock] = Field(default=None, title="Sandbox Block", description=_SANDBOX)
     working_dir: Optional[Path] = Field(default=None, title="Working Directory", description=_WORKING_DIR)
     stream_output: bool = Field(default=True, title="Stream Output", description=_STREAM)
+    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
+    allowed_blocks: list[str] = Field(
+        default_factory=list, title="Allowed Blocks", description=_ALLOWED_BLOCKS
+    )
+    allowed_variables: list[str] = Field(
+        default_factory=list, title="Allowed Variables", description=_ALLOWED_VARIABLES
+    )
+    api_gateway_address: Optional[str] = Field(
+        default=None, title="API Gateway Address", description=_GATEWAY_ADDRESS
+    )
 
     _memory = field_validator("memory")(_check_memory)
     _cpus = field_validator("cpus")(_check_cpus)
+    _blocks = field_validator("allowed_blocks")(_check_block_refs)
 
 
 class ResolutoJobConfiguration(BaseJobConfiguration):
@@ -171,9 +204,13 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
     sandbox: Optional[SandboxBlock] = Field(default=None)
     working_dir: Optional[Path] = Field(default=None)
     stream_output: bool = Field(default=True)
+    allowed_blocks: list[str] = Field(default_factory=list)
+    allowed_variables: list[str] = Field(default_factory=list)
+    api_gateway_address: Optional[str] = Field(default=None)
 
     _memory = field_validator("memory")(_check_memory)
     _cpus = field_validator("cpus")(_check_cpus)
+    _blocks = field_validator("allowed_blocks")(_check_block_refs)
     _command_configured: bool = PrivateAttr(default=False)
     _pull_steps: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _deployment_path: Optional[str] = PrivateAttr(default=None)
@@ -285,7 +322,23 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             task_status = anyio.TASK_STATUS_IGNORED
         logger = self.get_flow_run_logger(flow_run)
         plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
-        spec, runtime, conduit, cfg = plan
+        spec, runtime, conduit, cfg, gateway = plan
+        try:
+            logger.info(gateway_summary(gateway))
+            return await self._run_planned(flow_run, configuration, task_status, logger, plan)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(gateway.close)  # its listener and token die with the run
+
+    async def _run_planned(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        task_status: anyio.abc.TaskStatus[str],
+        logger: Any,
+        plan: tuple[Any, ...],
+    ) -> ResolutoWorkerResult:
+        spec, runtime, conduit, cfg, _gateway = plan
         fr_id = str(flow_run.id)
         live = self._live[fr_id] = _Live(flow_run)
         loop = asyncio.get_running_loop()
@@ -474,8 +527,6 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
     def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> tuple[Any, ...]:
         """Everything decided before launch (may raise: the base worker marks the run Crashed)."""
-        from prefect.settings import PREFECT_API_URL
-
         cfg = configuration.sandbox_config()
         runtime = cfg.build_runtime()  # which runtime, and whether it can run here
         mounted = with_code_mounts(
@@ -486,13 +537,45 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             runtime = cfg.build_runtime()
         env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
         env = {**cfg.env, **env}
-        api_url = env.get("PREFECT_API_URL") or str(PREFECT_API_URL.value() or "")
-        if not api_url:
-            raise ValueError(
-                "PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report"
-            )
-        net = sandbox_network(runtime, api_url, cfg.egress)
-        env.update(net.env)
+        gateway = self._gateway(flow_run, configuration)
+        try:
+            net = sandbox_network(runtime, gateway.sandbox_url(), cfg.egress)
+            env.update(net.env)
+            secret_env.update(gateway_env(gateway.token))
+            gateway.start()
+            spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
+        except BaseException:
+            gateway.close()
+            raise
+        self._runtimes[runtime.name] = runtime
+        return spec, runtime, conduit, cfg, gateway
+
+    def _gateway(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> ApiGateway:
+        """The run's API gateway, bound (not yet serving): the worker's credential stays in it."""
+        pool = self.work_pool
+        rules = RunRules(
+            flow_run_id=str(flow_run.id),
+            deployment_id=_str_or_none(flow_run.deployment_id),
+            flow_id=_str_or_none(flow_run.flow_id),
+            work_queue_id=_str_or_none(flow_run.work_queue_id),
+            work_pool_name=pool.name if pool is not None else None,
+            work_pool_id=_str_or_none(pool.id) if pool is not None else None,
+            allowed_blocks=frozenset(configuration.allowed_blocks),
+            allowed_variables=frozenset(configuration.allowed_variables),
+        )
+        host = configuration.api_gateway_address or "127.0.0.1"
+        return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
+
+    def _spec(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        cfg: SandboxConfig,
+        runtime: Any,
+        env: dict[str, str],
+        secret_env: dict[str, str],
+        net: Any,
+    ) -> tuple[NodeSpec, Any]:
         labels = {
             LABEL_FLOW_RUN: label_value(str(flow_run.id)),
             LABEL_WORKER: label_value(self.name),
@@ -520,8 +603,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         except Exception:
             conduit.close()
             raise
-        self._runtimes[runtime.name] = runtime
-        return spec, runtime, conduit, cfg
+        return spec, conduit
 
     async def kill_infrastructure(
         self, infrastructure_pid: str, configuration: ResolutoJobConfiguration, grace_seconds: int = 30
@@ -576,6 +658,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
                 if n:
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _str_or_none(v: Any) -> str | None:
+    return None if v is None else str(v)
 
 
 def _stream(line: str) -> None:
