@@ -29,6 +29,7 @@ import logging
 import secrets
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,7 @@ class ApiGateway:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        announce: bool = True,
     ) -> None:
         self.flow_run_id = flow_run_id
         self.upstream = upstream
@@ -143,6 +145,7 @@ class ApiGateway:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.refused = 0
+        self._announce = announce  # refusals on the worker's own log too (doctor's probe: not)
         self._logged = 0
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -431,7 +434,8 @@ class ApiGateway:
 
     async def _note_refusal(self, refusal: Refusal) -> None:
         self.refused += 1
-        logger.warning("flow run %s: refused (rule %s): %s", self.flow_run_id, refusal.rule, refusal.why)
+        if self._announce:
+            logger.warning("flow run %s: refused (rule %s): %s", self.flow_run_id, refusal.rule, refusal.why)
         if self._logged > MAX_LOGGED_REFUSALS:
             return
         self._logged += 1
@@ -467,6 +471,59 @@ class ApiGateway:
     def sandbox_url(self, host: str | None = None, port: int | None = None) -> str:
         """The API URL the sandbox dials (``host:port`` as the sandbox sees the gateway)."""
         return f"http://{host or self.host}:{port or self.port}/api"
+
+
+def probe() -> dict[str, Any]:
+    """``doctor``'s check of the gateway, without Prefect or an API: one gateway on loopback
+    must refuse a request without its token (401) and one off its rules (403 naming the
+    rule), forward one with it, and leave no listener once closed."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    def status(url: str, token: str | None) -> tuple[int, str]:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    env = os.environ
+    credential = (
+        "PREFECT_API_AUTH_STRING (basic auth)"
+        if env.get("PREFECT_API_AUTH_STRING")
+        else "PREFECT_API_KEY (bearer)"
+        if env.get("PREFECT_API_KEY")
+        else "none in this environment (a worker reads its profile too)"
+    )
+    out: dict[str, Any] = {"ok": False, "credential": credential, "why": ""}
+    try:
+        rules = RunRules(flow_run_id=str(uuid.uuid4()))
+        with ApiGateway(rules.flow_run_id, Upstream("http://127.0.0.1:9/api"), rules, announce=False) as gw:
+            base = f"http://{gw.address}/api"
+            no_token = status(f"{base}/flow_runs/{rules.flow_run_id}", None)[0]
+            refused, body = status(f"{base}/work_pools/", gw.token)
+            forwarded = status(f"{base}/flow_runs/{rules.flow_run_id}", gw.token)[0]
+            port = gw.port
+        left = loopback_listeners(port)
+    except Exception as e:  # a probe never takes doctor down
+        out["why"] = f"{type(e).__name__}: {e}"
+        return out
+    ok = no_token == 401 and refused == 403 and "rule not-this-run" in body and forwarded == 502 and not left
+    out.update(
+        ok=ok,
+        detail=(
+            "one per flow run on 127.0.0.1 (kubernetes: the `api_gateway_address` job variable): "
+            "refuses a request without the run's token (401) and one off the run's rules (403), "
+            "forwards the run's own with the worker's credential, closes with the run"
+        ),
+        why=""
+        if ok
+        else f"no token -> {no_token}, off the rules -> {refused}, own run -> {forwarded}, "
+        f"listener left after close: {left}",
+    )
+    return out
 
 
 def gateway_summary(gateway: ApiGateway) -> str:
