@@ -52,6 +52,7 @@ class RunRules:
     task_runs: set[str] = field(default_factory=set)
     artifacts: set[str] = field(default_factory=set)
     blocks: set[str] = field(default_factory=set)
+    leases: set[str] = field(default_factory=set)
     foreign: set[str] = field(default_factory=set)
     #: Every judged request and event (method, path, verdict) when set: the recording of docs/worker.md.
     record: list[tuple[str, str, str]] | None = None
@@ -69,6 +70,9 @@ class RunRules:
     async def _judge(self, method: str, path: str, body: Any, api: Upstream) -> Refusal | None:
         parts = path.strip("/").split("/")
         what = f"{method} /api{path}"
+        if any(p in ("", ".", "..") for p in parts) and path != "/":
+            # What is judged is what is forwarded: no segment a URL library would fold away.
+            return Refusal("path", f"{what}: empty, '.' and '..' path segments are refused")
         if method == "GET" and path in (
             "/admin/version",
             "/health",
@@ -95,6 +99,8 @@ class RunRules:
                     f"own-{parts[0]}",
                     f"{what}: this flow run may read only its own {parts[0][:-1].replace('_', ' ')}",
                 )
+        if parts[:2] == ["v2", "concurrency_limits"]:
+            return await self._task_concurrency(method, parts[2:], body, what, api)
         if parts[0] == "logs" and len(parts) == 1 and method == "POST":
             return await self._logs(body, what, api)
         if parts[0] == "artifacts":
@@ -168,6 +174,32 @@ class RunRules:
                 return None
         return Refusal("own-task-runs", f"{what}: only this flow run's own task runs")
 
+    async def _task_concurrency(
+        self, method: str, rest: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
+        """A tagged task takes a slot of each tag's limit around its run (Prefect's engine
+        asks even when no limit exists): its own task runs' slots of ``tag:`` limits only."""
+        refusal = Refusal(
+            "own-task-concurrency", f"{what}: only slots of tag limits, for this run's task runs"
+        )
+        if method != "POST" or not isinstance(body, dict):
+            return refusal
+        if rest == ["increment-with-lease"]:
+            names = body.get("names")
+            holder = body.get("holder")
+            if not isinstance(names, list) or not all(
+                isinstance(n, str) and n.startswith("tag:") for n in names
+            ):
+                return refusal
+            if not isinstance(holder, dict) or holder.get("type") != "task_run":
+                return refusal
+            return None if await self._owns_task_run(str(holder.get("id")), api) else refusal
+        if rest == ["decrement-with-lease"] and str(body.get("lease_id")) in self.leases:
+            return None
+        if len(rest) == 3 and rest[0] == "leases" and rest[2] == "renew" and rest[1] in self.leases:
+            return None
+        return refusal
+
     async def _logs(self, body: Any, what: str, api: Upstream) -> Refusal | None:
         if not isinstance(body, list):
             return Refusal("own-logs", f"{what}: logs are a list")
@@ -208,6 +240,8 @@ class RunRules:
             self.task_runs.add(str(reply["id"]))
         elif rel == "/artifacts" and reply.get("id"):
             self.artifacts.add(str(reply["id"]))
+        elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
+            self.leases.add(str(reply["lease_id"]))
 
     def strip_response(self, path: str, reply: Any) -> Any:
         """A work pool as the run reads it: without its base job template (the pool's

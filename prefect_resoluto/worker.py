@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import sys
 import threading
 import uuid
@@ -72,6 +73,10 @@ CANCEL_POLL_SECONDS = 2.0
 #: Seconds a stopping worker gives a sandbox whose run is already final to exit by itself
 #: (the engine flushes its last logs to the API on the way out).
 FINISHING_GRACE_SECONDS = 10.0
+#: Set to 1 in a worker's environment, its flow runs dial the API themselves with the
+#: worker's own credential, as before the gateway: the benchmarks' baseline, never for
+#: flows you do not trust (the run's logs say so at WARNING).
+DIRECT_API_ENV = "RESOLUTO_UNSAFE_DIRECT_API"
 #: Lines of the sandbox's own output kept for a crashed run's report.
 EVIDENCE_LINES = 40
 
@@ -324,11 +329,19 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
         spec, runtime, conduit, cfg, gateway = plan
         try:
-            logger.info(gateway_summary(gateway))
+            if gateway is not None:
+                logger.info(gateway_summary(gateway))
+            else:
+                logger.warning(
+                    "%s is set on this worker: this flow run holds the worker's own API credential "
+                    "(the forward of before the gateway, for benchmarks only)",
+                    DIRECT_API_ENV,
+                )
             return await self._run_planned(flow_run, configuration, task_status, logger, plan)
         finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(gateway.close)  # its listener and token die with the run
+            if gateway is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(gateway.close)  # its listener and token die with the run
 
     async def _run_planned(
         self,
@@ -537,6 +550,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             runtime = cfg.build_runtime()
         env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
         env = {**cfg.env, **env}
+        if os.environ.get(DIRECT_API_ENV) == "1":
+            return self._plan_direct(flow_run, configuration, cfg, runtime, env, secret_env)
         gateway = self._gateway(flow_run, configuration)
         try:
             net = sandbox_network(runtime, gateway.sandbox_url(), cfg.egress)
@@ -549,6 +564,28 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             raise
         self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg, gateway
+
+    def _plan_direct(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        cfg: SandboxConfig,
+        runtime: Any,
+        env: dict[str, str],
+        secret_env: dict[str, str],
+    ) -> tuple[Any, ...]:
+        """The benchmark's baseline: the sandbox dials the API itself with the worker's own
+        credential, as before the gateway. Never for flows you do not trust."""
+        upstream = Upstream.from_settings()
+        net = sandbox_network(runtime, upstream.api_url, cfg.egress)
+        env.update(net.env)
+        if upstream.auth_string:
+            secret_env["PREFECT_API_AUTH_STRING"] = upstream.auth_string
+        elif upstream.api_key:
+            secret_env["PREFECT_API_KEY"] = upstream.api_key
+        spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
+        self._runtimes[runtime.name] = runtime
+        return spec, runtime, conduit, cfg, None
 
     def _gateway(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> ApiGateway:
         """The run's API gateway, bound (not yet serving): the worker's credential stays in it."""

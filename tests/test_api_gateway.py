@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import http.client
 import json
 import re
 import secrets
@@ -123,6 +124,8 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     Secret(value="other-value-9917").save(other_block)
     Variable.set(f"allowed_{tag}", "v-allowed")
     Variable.set(f"other_{tag}", "v-other-4410")
+    with get_client(sync_client=True) as c:  # the ordinary flow's tagged task takes a slot of it
+        c.create_concurrency_limit(tag="gateway-test", concurrency_limit=5)
     conduit = tmp_path / "conduit"
     jobs = {**GVISOR, "allowed_blocks": [f"secret/{allowed_block}"], "allowed_variables": [f"allowed_{tag}"]}
     victim = parked_run()
@@ -149,7 +152,10 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     )
 
     # The ordinary run, as under any worker: its tasks (one retried), logs, artifact, block, variable.
-    facts = json.loads(next(m for m in logs_with(ordinary.id, "FACTS ") if m.startswith("FACTS "))[6:])
+    ordinary_logs = logs_with_all(
+        ordinary.id, "FACTS ", "flaky attempt 2", "resoluto gateway (", "sandbox rsl-"
+    )
+    facts = json.loads(next(m for m in ordinary_logs if m.startswith("FACTS "))[6:])
     assert facts["api_url"].startswith("http://prefect-api.resoluto.internal:"), facts
     assert facts["block_ok"] is True and facts["variable"] == "v-allowed" and facts["total"] == 13, facts
     with get_client(sync_client=True) as c:
@@ -172,8 +178,6 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
         assert [(a.key, a.data) for a in artifacts if a.key == "gateway-total"] == [
             ("gateway-total", "# total\n13")
         ], [(a.key, a.type, a.flow_run_id) for a in artifacts]
-    ordinary_logs = run_logs(ordinary.id)
-    assert "flaky attempt 2" in ordinary_logs, ordinary_logs
     # the run's first lines say it is behind the gateway, and what it may read
     first = next(m for m in ordinary_logs if "resoluto gateway (" in m)
     assert ordinary_logs.index(first) < min(
@@ -335,6 +339,13 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
             r = httpx.request(method, base + path, headers=h, json=body)
             assert r.status_code == 403, (method, path, r.status_code, r.text)
             assert f"(rule {rule})" in r.json()["detail"], (method, path, r.text)
+        # a path a URL library would fold (http.client sends it as written; httpx would not)
+        conn = http.client.HTTPConnection(gw.host, gw.port, timeout=30)
+        conn.request("GET", f"/api/flow_runs/{own.id}/../../work_pools/", headers=h)
+        folded = conn.getresponse()
+        assert folded.status == 403 and b"(rule path)" in folded.read()
+        conn.close()
+        cases.append(("GET", "folded", None, "path"))
         assert gw.refused == len(cases)
         # what the run does need passes: itself, its own logs
         assert httpx.get(f"{base}/flow_runs/{own.id}", headers=h).status_code == 200

@@ -62,7 +62,7 @@ def flaky(x: int) -> int:
     return x * 2
 
 
-@task
+@task(tags=["gateway-test"])  # a tagged task asks the API for its tag's concurrency slot
 def add(a: int, b: int) -> int:
     return a + b
 
