@@ -53,6 +53,7 @@ class RunRules:
     artifacts: set[str] = field(default_factory=set)
     blocks: set[str] = field(default_factory=set)
     leases: set[str] = field(default_factory=set)
+    concurrency_limits: set[str] = field(default_factory=set)
     foreign: set[str] = field(default_factory=set)
     #: Every judged request and event (method, path, verdict) when set: the recording of docs/worker.md.
     record: list[tuple[str, str, str]] | None = None
@@ -242,6 +243,10 @@ class RunRules:
             self.artifacts.add(str(reply["id"]))
         elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
             self.leases.add(str(reply["lease_id"]))
+            limits = reply.get("limits")  # their acquired/released events name them
+            for limit in limits if isinstance(limits, list) else []:
+                if isinstance(limit, dict) and limit.get("id"):
+                    self.concurrency_limits.add(str(limit["id"]))
 
     def strip_response(self, path: str, reply: Any) -> Any:
         """A work pool as the run reads it: without its base job template (the pool's
@@ -313,9 +318,8 @@ class RunRules:
             if await self._owns_task_run(tr, api):
                 return None
             return Refusal("own-events", f"{what}: task run {tr} belongs to another flow run")
-        if rid.startswith(("prefect.artifact.", "prefect.block-document.")) and await self._own_resource(
-            rid, api, related=False
-        ):
+        kinds = ("prefect.artifact.", "prefect.block-document.", "prefect.concurrency-limit.")
+        if rid.startswith(kinds) and await self._own_resource(rid, api, related=False):
             return None
         return Refusal(
             "own-events", f"{what}: events are admitted only about this flow run and its task runs"
@@ -333,6 +337,7 @@ class RunRules:
             "work-pool": [self.work_pool_id],
             "artifact": self.artifacts,
             "block-document": self.blocks,
+            "concurrency-limit": self.concurrency_limits,
             "block-type": {ref.split("/", 1)[0] for ref in self.allowed_blocks},
         }
         if kind in mine:

@@ -16,11 +16,12 @@ import http.client
 import json
 import re
 import secrets
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -28,8 +29,12 @@ from polling import wait_for
 from prefect_cli import prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
-from prefect_resoluto.api_gateway import LOGGER_NAME, ApiGateway, Upstream, loopback_listeners
 from prefect_resoluto.api_rules import RunRules
+
+if TYPE_CHECKING:
+    from prefect_resoluto.api_gateway import ApiGateway
+
+LOGGER_NAME = "prefect_resoluto.gateway"  # the gateway's lines in a run's logs
 
 AUTH_PREFIX = "resoluto-admin:"
 GVISOR = {"runtime": "gvisor", "min_isolation": "user-kernel"}
@@ -103,9 +108,10 @@ def gateway_port(run_id: Any) -> int:
 
 
 def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path: Path) -> None:
-    """An ordinary flow (tasks, a retry, logs, an artifact, a result, an allowed block and
-    variable) completes; a hostile one is refused every attempt, each logged, the objects it
-    aimed at unchanged; neither finds the worker's credential; each gateway dies with its run."""
+    """A hostile flow is refused every attempt, each logged, the objects it aimed at
+    unchanged; an ordinary one (tasks, a retry, a tagged task, logs, an artifact, a result,
+    an allowed block and variable) completes; neither finds the worker's credential, nor is
+    it in any file of theirs on the host; each gateway dies with its run."""
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
@@ -117,9 +123,10 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
         TaskRunFilterFlowRunId,
     )
     from prefect.variables import Variable
+    from test_worker import schedule
 
     tag = uuid.uuid4().hex[:6]
-    allowed_block, other_block = f"allowed-{tag}", f"other-{tag}"
+    allowed_block, other_block, release = f"allowed-{tag}", f"other-{tag}", f"release_{tag}"
     Secret(value="allowed-value").save(allowed_block)
     Secret(value="other-value-9917").save(other_block)
     Variable.set(f"allowed_{tag}", "v-allowed")
@@ -127,35 +134,77 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     with get_client(sync_client=True) as c:  # the ordinary flow's tagged task takes a slot of it
         c.create_concurrency_limit(tag="gateway-test", concurrency_limit=5)
     conduit = tmp_path / "conduit"
-    jobs = {**GVISOR, "allowed_blocks": [f"secret/{allowed_block}"], "allowed_variables": [f"allowed_{tag}"]}
+    jobs = {
+        **GVISOR,
+        "allowed_blocks": [f"secret/{allowed_block}"],
+        "allowed_variables": [f"allowed_{tag}", release],
+    }
     victim = parked_run()
     patterns = credential_patterns()
-    from test_worker import schedule
-
-    ordinary = schedule(
-        deploy(server.worker.pool, "gateway_flows.py:ordinary", conduit, **jobs),
-        patterns=patterns,
-        block=allowed_block,
-        variable=f"allowed_{tag}",
-    )
     hostile = schedule(
         deploy(server.worker.pool, "gateway_flows.py:hostile", conduit, **jobs),
         victim=str(victim.id),
         patterns=patterns,
         other_block=other_block,
         other_variable=f"other_{tag}",
+        release=release,
     )
+    ordinary = schedule(
+        deploy(server.worker.pool, "gateway_flows.py:ordinary", conduit, **jobs),
+        patterns=patterns,
+        block=allowed_block,
+        variable=f"allowed_{tag}",
+    )
+
+    # While the hostile run waits for its release: every file its sandbox has on the host.
+    logs_with_all(hostile.id, "FACTS ")
+    b64 = base64.b64encode(server.auth.encode()).decode().encode()
+    for root in (conduit, server.worker.state_dir):
+        for path in [p for p in root.rglob("*") if p.is_file()]:
+            data = path.read_bytes()
+            assert server.auth.encode() not in data and b64 not in data, path
+    Variable.set(release, "go")
+
+    # The hostile run: every attempt refused with the rule named, and the gateway says so in its logs.
+    hostile_logs = logs_with_all(hostile.id, "ATTEMPT emitted an event")
+    attempts = [m for m in hostile_logs if m.startswith("ATTEMPT ") and "emitted" not in m]
+    assert len(attempts) == 9, "\n".join(hostile_logs)
+    for m in attempts:
+        assert ": refused 403 refused by the resoluto gateway (rule " in m, m
+    hostile_facts = json.loads(next(m for m in hostile_logs if m.startswith("FACTS "))[6:])
+    assert hostile_facts["credential_found"] == [], hostile_facts
+    hostile_logs = logs_with_all(hostile.id, "(rule own-events)")
+    warnings = [m for m in hostile_logs if m.startswith("resoluto gateway refused (rule ")]
+    rules = {re.match(r"resoluto gateway refused \(rule ([\w-]+)\)", m).group(1) for m in warnings}  # type: ignore[union-attr]
+    assert rules >= {
+        "allowed-blocks",
+        "allowed-variables",
+        "own-flow-run",
+        "own-runs-only",
+        "not-this-run",
+        "own-logs",
+        "own-events",
+    }, warnings
+    assert not any("other-value-9917" in m or "v-other-4410" in m for m in hostile_logs)
+    with get_client(sync_client=True) as c:
+        assert c.read_flow_run(victim.id).state.type == victim.state.type  # unchanged
+        assert run_logs(victim.id) == []
+        assert "hostile-pool" not in {p.name for p in c.read_work_pools()}
+        assert not c.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["hostile-deployment"]))
+        )
+
     done = {r.id: final_run(r.id, server.worker) for r in (ordinary, hostile)}
     assert all(fr.state.is_completed() for fr in done.values()), (
         [fr.state for fr in done.values()],
         server.worker.output()[-6000:],
     )
-
     # The ordinary run, as under any worker: its tasks (one retried), logs, artifact, block, variable.
     ordinary_logs = logs_with_all(
         ordinary.id, "FACTS ", "flaky attempt 2", "resoluto gateway (", "sandbox rsl-"
     )
     facts = json.loads(next(m for m in ordinary_logs if m.startswith("FACTS "))[6:])
+    assert facts["credential_found"] == [], facts
     assert facts["api_url"].startswith("http://prefect-api.resoluto.internal:"), facts
     assert facts["block_ok"] is True and facts["variable"] == "v-allowed" and facts["total"] == 13, facts
     with get_client(sync_client=True) as c:
@@ -184,49 +233,18 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
         i for i, m in enumerate(ordinary_logs) if m.startswith("sandbox rsl-")
     )
     assert f"secret/{allowed_block}" in first and f"allowed_{tag}" in first and "basic auth" in first, first
-    assert not any(m.startswith("resoluto gateway refused") for m in ordinary_logs), ordinary_logs
-
-    # The hostile run: every attempt refused with the rule named, and the gateway says so in its logs.
-    hostile_logs = logs_with_all(hostile.id, "(rule own-events)", "ATTEMPT emitted an event")
-    attempts = [m for m in hostile_logs if m.startswith("ATTEMPT ") and ": " in m and "emitted" not in m]
-    assert len(attempts) == 9, "\n".join(hostile_logs)
-    for m in attempts:
-        assert ": refused 403 refused by the resoluto gateway (rule " in m, m
-    warnings = [m for m in hostile_logs if m.startswith("resoluto gateway refused (rule ")]
-    rules = {re.match(r"resoluto gateway refused \(rule ([\w-]+)\)", m).group(1) for m in warnings}  # type: ignore[union-attr]
-    assert rules >= {
-        "allowed-blocks",
-        "allowed-variables",
-        "own-flow-run",
-        "own-runs-only",
-        "not-this-run",
-    }, warnings
-    assert "own-logs" in rules and "own-events" in rules, warnings
-    assert not any("other-value-9917" in m or "v-other-4410" in m for m in hostile_logs)
-    with get_client(sync_client=True) as c:
-        assert c.read_flow_run(victim.id).state.type == victim.state.type  # unchanged
-        assert run_logs(victim.id) == []
-        assert "hostile-pool" not in {p.name for p in c.read_work_pools()}
-        assert not c.read_deployments(
-            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["hostile-deployment"]))
-        )
-
-    # No credential of the worker's anywhere the sandboxes could see, nor in what they wrote.
-    hostile_facts = json.loads(next(m for m in hostile_logs if m.startswith("FACTS "))[6:])
-    assert facts["credential_found"] == [] and hostile_facts["credential_found"] == []
-    b64 = base64.b64encode(server.auth.encode()).decode()
-    for path in [p for p in conduit.rglob("*") if p.is_file()] + [
-        p for p in (server.worker.state_dir).rglob("*") if p.is_file()
-    ]:
-        data = path.read_bytes()
-        assert server.auth.encode() not in data and b64.encode() not in data, path
+    assert not [m for m in ordinary_logs if m.startswith("resoluto gateway refused")], ordinary_logs
 
     # Each gateway died with its run: no listener left on its port.
     for r in (ordinary, hostile):
         port = gateway_port(r.id)
-        wait_for(
-            lambda port=port: not loopback_listeners(port), timeout=60, what=f"the gateway on {port} to close"
-        )
+        wait_for(lambda port=port: not _listening(port), timeout=60, what=f"the gateway on {port} to close")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 # --------------------------------------------------------------------------- the gateway's pieces
@@ -234,6 +252,8 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
 
 @contextlib.contextmanager
 def gateway_for(run: Any, **rules: Any) -> Iterator[ApiGateway]:
+    from prefect_resoluto.api_gateway import ApiGateway, Upstream
+
     with ApiGateway(str(run.id), Upstream.from_settings(), RunRules(flow_run_id=str(run.id), **rules)) as gw:
         yield gw
 
@@ -256,7 +276,7 @@ def test_a_token_is_for_its_own_run_and_dies_with_its_gateway(server: AuthServer
         worker_basic = {"Authorization": "Basic " + base64.b64encode(server.auth.encode()).decode()}
         assert httpx.get(url, headers=worker_basic).status_code == 401
         port = ga.port
-    assert not loopback_listeners(port)
+    assert not _listening(port)
     with pytest.raises(httpx.ConnectError):
         httpx.get(url, headers=basic)
 
@@ -505,6 +525,8 @@ def bearer_recorder(key: str) -> Iterator[tuple[str, list[tuple[str, str | None]
 def test_a_bearer_key_is_sent_as_exactly_the_header_cloud_validates() -> None:
     from websockets.asyncio.client import connect
     from websockets.typing import Subprotocol
+
+    from prefect_resoluto.api_gateway import ApiGateway, Upstream
 
     key = "pnu_" + secrets.token_hex(16)
     run_id = str(uuid.uuid4())

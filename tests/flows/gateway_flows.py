@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -87,6 +88,12 @@ def ordinary(patterns: list[str], block: str, variable: str) -> int:
     return total
 
 
+def _flush_logs() -> None:
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+
+
 def _attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
     log = get_run_logger()
     try:
@@ -104,7 +111,7 @@ def _attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
 
 
 @flow
-def hostile(victim: str, patterns: list[str], other_block: str, other_variable: str) -> None:
+def hostile(victim: str, patterns: list[str], other_block: str, other_variable: str, release: str) -> None:
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import LogCreate, WorkPoolCreate
@@ -119,6 +126,11 @@ def hostile(victim: str, patterns: list[str], other_block: str, other_variable: 
     assert ctx is not None and ctx.flow_run is not None
     own_flow = ctx.flow_run.flow_id
     log.info("FACTS %s", json.dumps({"credential_found": find_credential(patterns)}))
+    _flush_logs()
+    # The test looks at this sandbox's files on the host meanwhile, then sets the variable.
+    deadline = time.monotonic() + 180
+    while Variable.get(release) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
     with get_client(sync_client=True) as c:
         _attempt("read a Secret block it was not given", lambda: Secret.load(other_block).get())
         _attempt("read a variable it was not given", lambda: Variable.get(other_variable))
