@@ -272,11 +272,12 @@ class ApiGateway:
                 Refusal("api-only", f"{request.method} {path}: only the Prefect API under /api is forwarded")
             )
         rel = path[len("/api") :] or "/"
-        body = b""
+        buf = bytearray()
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY:
+            buf += chunk
+            if len(buf) > MAX_BODY:
                 return JSONResponse({"detail": f"resoluto gateway: request body over {MAX_BODY} bytes"}, 413)
+        body = bytes(buf)
         parsed = _json(body)
         refusal = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
         if refusal is not None:

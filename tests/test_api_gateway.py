@@ -29,8 +29,6 @@ from polling import wait_for
 from prefect_cli import prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
-from prefect_resoluto.api_rules import RunRules
-
 if TYPE_CHECKING:
     from prefect_resoluto.api_gateway import ApiGateway
 
@@ -253,6 +251,7 @@ def _listening(port: int) -> bool:
 @contextlib.contextmanager
 def gateway_for(run: Any, **rules: Any) -> Iterator[ApiGateway]:
     from prefect_resoluto.api_gateway import ApiGateway, Upstream
+    from prefect_resoluto.api_rules import RunRules
 
     with ApiGateway(str(run.id), Upstream.from_settings(), RunRules(flow_run_id=str(run.id), **rules)) as gw:
         yield gw
@@ -527,6 +526,7 @@ def test_a_bearer_key_is_sent_as_exactly_the_header_cloud_validates() -> None:
     from websockets.typing import Subprotocol
 
     from prefect_resoluto.api_gateway import ApiGateway, Upstream
+    from prefect_resoluto.api_rules import RunRules
 
     key = "pnu_" + secrets.token_hex(16)
     run_id = str(uuid.uuid4())
@@ -582,3 +582,19 @@ def test_the_pools_form_names_what_a_run_may_read() -> None:
     assert props["allowed_blocks"]["type"] == "array"
     with pytest.raises(ValueError, match="block-type-slug/name"):
         ResolutoJobConfiguration(allowed_blocks=["just-a-name"])
+
+
+def test_doctors_probe_sees_a_gateway_refuse_forward_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_resoluto import api_gateway
+
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "x:y")
+    report = api_gateway.probe()
+    assert report["ok"], report
+    assert report["credential"] == "PREFECT_API_AUTH_STRING (basic auth)"
+    assert "x:y" not in json.dumps(report)
+    # a probe that cannot bind says why instead of taking doctor down
+    monkeypatch.setattr(
+        api_gateway.ApiGateway, "start", lambda self: (_ for _ in ()).throw(OSError("no port"))
+    )
+    broken = api_gateway.probe()
+    assert not broken["ok"] and "no port" in broken["why"]
