@@ -552,7 +552,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         env = {**cfg.env, **env}
         if os.environ.get(DIRECT_API_ENV) == "1":
             return self._plan_direct(flow_run, configuration, cfg, runtime, env, secret_env)
-        gateway = self._gateway(flow_run, configuration)
+        gateway = self._gateway(flow_run, configuration, remote=not runtime.supports_local_conduit)
         try:
             net = sandbox_network(runtime, gateway.sandbox_url(), cfg.egress)
             env.update(net.env)
@@ -587,8 +587,12 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg, None
 
-    def _gateway(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> ApiGateway:
-        """The run's API gateway, bound (not yet serving): the worker's credential stays in it."""
+    def _gateway(
+        self, flow_run: FlowRun, configuration: ResolutoJobConfiguration, *, remote: bool
+    ) -> ApiGateway:
+        """The run's API gateway, bound (not yet serving): the worker's credential stays in it.
+        On loopback for local sandboxes (the egress proxy forwards to it); on
+        ``api_gateway_address`` for a sandbox on another machine."""
         pool = self.work_pool
         rules = RunRules(
             flow_run_id=str(flow_run.id),
@@ -600,7 +604,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             allowed_blocks=frozenset(configuration.allowed_blocks),
             allowed_variables=frozenset(configuration.allowed_variables),
         )
-        host = configuration.api_gateway_address or "127.0.0.1"
+        host = (configuration.api_gateway_address if remote else None) or "127.0.0.1"
         return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
 
     def _spec(
