@@ -145,6 +145,7 @@ class ApiGateway:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.refused = 0
+        self.subscriptions = 0  # event subscriptions relayed (narrowed to the run)
         self._announce = announce  # refusals on the worker's own log too (doctor's probe: not)
         self._logged = 0
         self._server: Any = None
@@ -311,7 +312,7 @@ class ApiGateway:
                 f"websocket {path}: only /api/events/in and /api/events/out (this run's events) are open",
             )
             await self._note_refusal(refusal)
-            await ws.close(code=1008, reason=refusal.rule)
+            await _close(ws, 1008, refusal.rule)
             return
         wanted = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
         if "prefect" in wanted:
@@ -319,17 +320,17 @@ class ApiGateway:
             try:
                 message = json.loads(await ws.receive_text())
             except Exception:
-                await ws.close(code=1008, reason="Expected 'auth' message")
+                await _close(ws, 1008, "Expected 'auth' message")
                 return
             token = message.get("token") if isinstance(message, dict) else None
             ok = isinstance(message, dict) and message.get("type") == "auth" and isinstance(token, str)
             ok = ok and hmac.compare_digest(str(token).encode(), self.token.encode())
             if not ok and not self._authorized(ws.headers.get("authorization")):
-                await ws.close(code=1008, reason="Invalid token")
+                await _close(ws, 1008, "Invalid token")
                 return
         else:  # a client without Prefect's subprotocol: the token must be in the upgrade
             if not self._authorized(ws.headers.get("authorization")):
-                await ws.close(code=1008, reason="'prefect' subprotocol required")
+                await _close(ws, 1008, "'prefect' subprotocol required")
                 return
             await ws.accept()
         stream = path.rsplit("/", 1)[1]
@@ -337,7 +338,7 @@ class ApiGateway:
             upstream = await self._open_events_upstream(stream)
         except Exception as e:
             logger.warning("flow run %s: the events websocket upstream failed: %s", self.flow_run_id, e)
-            await ws.close(code=1011, reason="the Prefect API's event stream is unreachable")
+            await _close(ws, 1011, "the Prefect API's event stream is unreachable")
             return
         try:
             if "prefect" in wanted:
@@ -397,9 +398,10 @@ class ApiGateway:
         narrowed, refusal = self.rules.events_out_filter(_json(first.encode()))
         if refusal is not None:
             await self._note_refusal(refusal)
-            await ws.close(code=1008, reason=refusal.rule)
+            await _close(ws, 1008, refusal.rule)
             return
         await upstream.send(json.dumps(narrowed))
+        self.subscriptions += 1
 
         async def from_sandbox() -> None:  # nothing is expected after the filter: wait for the close
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
@@ -539,6 +541,11 @@ def gateway_summary(gateway: ApiGateway) -> str:
         f"events) and read its deployment and flow; blocks it may read: {blocks}; variables: {variables}. "
         "Anything else is refused (HTTP 403) and logged here."
     )
+
+
+async def _close(ws: Any, code: int, reason: str) -> None:
+    with contextlib.suppress(Exception):  # the sandbox may be gone already
+        await ws.close(code=code, reason=reason)
 
 
 def _json(raw: bytes) -> Any:

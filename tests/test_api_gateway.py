@@ -289,7 +289,7 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
     with get_client(sync_client=True) as c:
         other_task = c.create_task_run(task=_a_task(), flow_run_id=other.id, dynamic_key="0")
     task_state = other_task.state.type if other_task.state else None
-    with gateway_for(own, deployment_id=None) as gw:
+    with gateway_for(own, deployment_id=None, work_pool_name=server.worker.pool) as gw:
         h = {"Authorization": f"Bearer {gw.token}"}
         base = f"http://{gw.address}/api"
         now = "2026-01-01T00:00:00Z"
@@ -353,6 +353,7 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
             ("GET", "/variables/name/anything", None, "allowed-variables"),
             ("POST", "/variables/filter", {}, "read-named-only"),
             ("POST", "/events/filter", {}, "not-this-run"),
+            ("GET", "/work_pools/some-other-pool", None, "own-work_pools"),
         ]
         for method, path, body, rule in cases:
             r = httpx.request(method, base + path, headers=h, json=body)
@@ -366,8 +367,10 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
         conn.close()
         cases.append(("GET", "folded", None, "path"))
         assert gw.refused == len(cases)
-        # what the run does need passes: itself, its own logs
+        # what the run does need passes: itself, its own logs, its pool without the pool's defaults
         assert httpx.get(f"{base}/flow_runs/{own.id}", headers=h).status_code == 200
+        pool = httpx.get(f"{base}/work_pools/{server.worker.pool}", headers=h).json()
+        assert pool["name"] == server.worker.pool and pool["base_job_template"] == {}, pool
         log = [
             {"name": "t", "level": 20, "message": "own line", "timestamp": now, "flow_run_id": str(own.id)}
         ]
@@ -444,6 +447,44 @@ def test_the_events_websocket_admits_the_runs_own_events_only(server: AuthServer
         what="the refusals in the run's logs",
     )
     assert all("(rule own-events)" in m for m in warnings), warnings
+
+
+def test_the_events_subscription_is_narrowed_to_the_run(server: AuthServer) -> None:
+    """The engine's suspension observer subscribes to every run's Suspended events: through
+    the gateway it follows its own run only; one naming another run is closed and logged."""
+    from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
+
+    own, other = parked_run(), parked_run()
+
+    async def subscribe(gw: ApiGateway, flt: dict[str, Any]) -> str:
+        async with connect(f"ws://{gw.address}/api/events/out", subprotocols=[Subprotocol("prefect")]) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            assert json.loads(await ws.recv()) == {"type": "auth_success"}
+            before = gw.subscriptions
+            await ws.send(json.dumps({"type": "filter", "filter": flt}))
+            recv = asyncio.ensure_future(ws.recv())
+            while not recv.done() and gw.subscriptions == before:  # relayed upstream, or closed
+                await asyncio.wait({recv}, timeout=0.05)
+            if recv.done():
+                return f"closed: {recv.exception()}"
+            recv.cancel()
+            return "relayed"
+
+    with gateway_for(own) as gw:
+        narrowed, refusal = gw.rules.events_out_filter(
+            {"type": "filter", "filter": {"event": {"name": ["prefect.flow-run.Suspended"]}}}
+        )
+        assert refusal is None and narrowed["filter"]["resource"]["id"] == [f"prefect.flow-run.{own.id}"]
+        assert asyncio.run(subscribe(gw, {"event": {"name": ["prefect.flow-run.Suspended"]}})) == "relayed"
+        closed = asyncio.run(subscribe(gw, {"resource": {"id": [f"prefect.flow-run.{other.id}"]}}))
+        assert closed.startswith("closed") and "own-events-out" in closed, closed
+        assert gw.refused == 1
+    assert wait_for(
+        lambda: _logs_named(own.id, LOGGER_NAME), timeout=60, what="the refusal in the run's logs"
+    ) == [
+        "resoluto gateway refused (rule own-events-out): a subscription may follow only this flow run's events"
+    ]
 
 
 def _a_task() -> Any:
