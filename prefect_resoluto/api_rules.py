@@ -54,6 +54,16 @@ class RunRules:
     blocks: set[str] = field(default_factory=set)
     leases: set[str] = field(default_factory=set)
     concurrency_limits: set[str] = field(default_factory=set)
+    #: This run and its sub-flow runs (a ``@flow`` called inside it: a flow run of its own,
+    #: created through the gateway under one of its task runs), and their flows.
+    flow_runs: set[str] = field(default_factory=set)
+    flows: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.flow_runs.add(self.flow_run_id)
+        if self.flow_id:
+            self.flows.add(self.flow_id)
+
     foreign: set[str] = field(default_factory=set)
     #: Every judged request and event (method, path, verdict) when set: the recording of docs/worker.md.
     record: list[tuple[str, str, str]] | None = None
@@ -83,13 +93,18 @@ class RunRules:
         ):
             return None
         if parts[0] == "flow_runs":
-            return self._flow_run(method, parts, body, what)
+            return await self._flow_run(method, parts, body, what, api)
         if parts[0] == "task_runs":
             return await self._task_run(method, parts, body, what, api)
+        if parts == ["flows"] and method == "POST":
+            return None  # a sub-flow's flow, by name (an upsert: what ``@flow`` registers)
+        if method == "GET" and len(parts) == 2 and parts[0] == "flows":
+            if parts[1] in self.flows:
+                return None
+            return Refusal("own-flows", f"{what}: this flow run may read only its own flows")
         if method == "GET" and len(parts) == 2:
             mine = {
                 "deployments": self.deployment_id,
-                "flows": self.flow_id,
                 "work_queues": self.work_queue_id,
                 "work_pools": self.work_pool_name,
             }
@@ -134,16 +149,35 @@ class RunRules:
             )
         return Refusal("not-this-run", f"{what}: not a request about this flow run")
 
-    def _flow_run(self, method: str, parts: list[str], body: Any, what: str) -> Refusal | None:
+    async def _flow_run(
+        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
         own = self.flow_run_id
         if parts[1:] == ["filter"] and method == "POST":
             ids = _dig(body, "flow_runs", "id", "any_")
-            if isinstance(ids, list) and ids and all(str(i) == own for i in ids):
+            if isinstance(ids, list) and ids and all(str(i) in self.flow_runs for i in ids):
+                return None
+            parents = _dig(body, "flow_runs", "parent_task_run_id", "any_")  # a sub-flow's earlier run
+            if isinstance(parents, list) and parents:
+                if all([await self._owns_task_run(str(p), api) for p in parents]):
+                    return None
+            return Refusal(
+                "own-runs-only",
+                f"{what}: a listing of flow runs must name only this flow run's id (or its own task runs as parents)",
+            )
+        if parts[1:] == [] and method == "POST":
+            parent = body.get("parent_task_run_id") if isinstance(body, dict) else None
+            if (
+                parent is not None
+                and body.get("deployment_id") is None
+                and await self._owns_task_run(str(parent), api)
+            ):
                 return None
             return Refusal(
-                "own-runs-only", f"{what}: a listing of flow runs must name only this flow run's id"
+                "own-sub-flows",
+                f"{what}: a flow run may be created only as a sub-flow under this run's task runs",
             )
-        if len(parts) < 2 or parts[1] != own:
+        if len(parts) < 2 or parts[1] not in self.flow_runs:
             return Refusal("own-flow-run", f"{what}: this flow run may act only on itself ({own})")
         rest = parts[2:]
         if method == "GET" and rest == []:
@@ -163,7 +197,7 @@ class RunRules:
         self, method: str, parts: list[str], body: Any, what: str, api: Upstream
     ) -> Refusal | None:
         if parts[1:] == [] and method == "POST":
-            if isinstance(body, dict) and str(body.get("flow_run_id")) == self.flow_run_id:
+            if isinstance(body, dict) and str(body.get("flow_run_id")) in self.flow_runs:
                 return None
             return Refusal("own-task-runs", f"{what}: a task run may be created only in this flow run")
         if (
@@ -205,7 +239,7 @@ class RunRules:
         if not isinstance(body, list):
             return Refusal("own-logs", f"{what}: logs are a list")
         for entry in body:
-            if not isinstance(entry, dict) or str(entry.get("flow_run_id")) != self.flow_run_id:
+            if not isinstance(entry, dict) or str(entry.get("flow_run_id")) not in self.flow_runs:
                 return Refusal("own-logs", f"{what}: every log line must belong to this flow run")
             tr = entry.get("task_run_id")
             if tr is not None and not await self._owns_task_run(str(tr), api):
@@ -216,7 +250,7 @@ class RunRules:
         self, method: str, parts: list[str], body: Any, what: str, api: Upstream
     ) -> Refusal | None:
         if parts[1:] == [] and method == "POST" and isinstance(body, dict):
-            if str(body.get("flow_run_id")) != self.flow_run_id:
+            if str(body.get("flow_run_id")) not in self.flow_runs:
                 return Refusal("own-artifacts", f"{what}: an artifact must belong to this flow run")
             tr = body.get("task_run_id")
             if tr is not None and not await self._owns_task_run(str(tr), api):
@@ -239,6 +273,12 @@ class RunRules:
             return
         if rel == "/task_runs" and reply.get("id"):
             self.task_runs.add(str(reply["id"]))
+        elif rel == "/flow_runs" and reply.get("id"):
+            self.flow_runs.add(str(reply["id"]))
+            if reply.get("flow_id"):
+                self.flows.add(str(reply["flow_id"]))
+        elif rel == "/flows" and reply.get("id"):
+            self.flows.add(str(reply["id"]))
         elif rel == "/artifacts" and reply.get("id"):
             self.artifacts.add(str(reply["id"]))
         elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
@@ -268,7 +308,7 @@ class RunRules:
             return False
         status, reply = await api.upstream_get(f"task_runs/{task_run_id}")
         if status == 404 or (
-            status == 200 and isinstance(reply, dict) and str(reply.get("flow_run_id")) == self.flow_run_id
+            status == 200 and isinstance(reply, dict) and str(reply.get("flow_run_id")) in self.flow_runs
         ):
             self.task_runs.add(task_run_id)
             return True
@@ -299,20 +339,20 @@ class RunRules:
             ref = str(r.get("prefect.resource.id", ""))
             if not await self._own_resource(ref, api, related=True):
                 return Refusal("own-events", f"{what}: related resource {ref!r} is not this run's")
-        if rid == f"prefect.flow-run.{self.flow_run_id}":
+        if rid.startswith("prefect.flow-run.") and rid.removeprefix("prefect.flow-run.") in self.flow_runs:
             return None
         if rid.startswith("prefect.task-run."):
             tr = rid.removeprefix("prefect.task-run.")
             payload = event.get("payload") or {}
             inner = payload.get("task_run") if isinstance(payload, dict) else None
             inner = inner if isinstance(inner, dict) else {}
-            if roles.get("flow-run") != f"prefect.flow-run.{self.flow_run_id}":
+            if roles.get("flow-run", "").removeprefix("prefect.flow-run.") not in self.flow_runs:
                 return Refusal(
                     "own-events", f"{what}: a task-run event must name this flow run as its flow-run"
                 )
             if (
                 str(inner.get("id", tr)) != tr
-                or str(inner.get("flow_run_id", self.flow_run_id)) != self.flow_run_id
+                or str(inner.get("flow_run_id", self.flow_run_id)) not in self.flow_runs
             ):
                 return Refusal("own-events", f"{what}: its task run payload names another run")
             if await self._owns_task_run(tr, api):
@@ -330,8 +370,8 @@ class RunRules:
         if kind == "tag":
             return related
         mine: dict[str, Iterable[str | None]] = {
-            "flow-run": [self.flow_run_id],
-            "flow": [self.flow_id],
+            "flow-run": self.flow_runs,
+            "flow": self.flows,
             "deployment": [self.deployment_id],
             "work-queue": [self.work_queue_id],
             "work-pool": [self.work_pool_id],
@@ -366,7 +406,7 @@ class RunRules:
 
     def admits_outgoing(self, event: Any) -> bool:
         rid = _dig(event, "event", "resource", "prefect.resource.id")
-        return bool(rid == f"prefect.flow-run.{self.flow_run_id}")
+        return isinstance(rid, str) and rid.removeprefix("prefect.flow-run.") in self.flow_runs
 
 
 def _dig(obj: Any, *keys: str) -> Any:

@@ -117,6 +117,8 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
         ArtifactFilterFlowRunId,
         DeploymentFilter,
         DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterParentTaskRunId,
         TaskRunFilter,
         TaskRunFilterFlowRunId,
     )
@@ -205,6 +207,7 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     assert facts["credential_found"] == [], facts
     assert facts["api_url"].startswith("http://prefect-api.resoluto.internal:"), facts
     assert facts["block_ok"] is True and facts["variable"] == "v-allowed" and facts["total"] == 13, facts
+    assert facts["child"] == 14, facts  # the sub-flow ran as a flow run of its own, behind the same gateway
     with get_client(sync_client=True) as c:
 
         def completed_task_runs() -> list[Any] | None:
@@ -212,12 +215,22 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
                 task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[ordinary.id]))
             )
             done = [tr for tr in found if tr.state is not None and tr.state.is_completed()]
-            return done if len(done) == 3 else None
+            return done if len(done) == 4 else None  # flaky, add x2, and the sub-flow's tracking task
 
         task_runs = wait_for(
             completed_task_runs, timeout=60, what="the task runs' states (sent as events through the gateway)"
         )
-        assert sorted(tr.task_key.split("-")[0] for tr in task_runs) == ["add", "add", "flaky"], task_runs
+        assert sorted(tr.name.split("-")[0] for tr in task_runs) == ["add", "add", "child", "flaky"], (
+            task_runs
+        )
+        (sub,) = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_task_run_id=FlowRunFilterParentTaskRunId(
+                    any_=[next(tr.id for tr in task_runs if tr.name.startswith("child"))]
+                )
+            )
+        )
+        assert sub.state.is_completed(), sub.state
         assert next(tr for tr in task_runs if tr.name.startswith("flaky")).run_count == 2
         artifacts = c.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[ordinary.id]))
@@ -354,6 +367,14 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
             ("POST", "/variables/filter", {}, "read-named-only"),
             ("POST", "/events/filter", {}, "not-this-run"),
             ("GET", "/work_pools/some-other-pool", None, "own-work_pools"),
+            ("POST", "/flow_runs/", {"flow_id": str(own.flow_id), "name": "x"}, "own-sub-flows"),
+            (
+                "POST",
+                "/flow_runs/",
+                {"flow_id": str(own.flow_id), "parent_task_run_id": str(other_task.id)},
+                "own-sub-flows",
+            ),
+            ("GET", f"/flows/{uuid.uuid4()}", None, "own-flows"),
         ]
         for method, path, body, rule in cases:
             r = httpx.request(method, base + path, headers=h, json=body)

@@ -68,6 +68,13 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+@flow
+def child(x: int) -> int:
+    """A sub-flow: a flow run of its own, created by this run's engine through the gateway."""
+    get_run_logger().info("child flow %d", x)
+    return add(x, 1)
+
+
 @flow(persist_result=True)
 def ordinary(patterns: list[str], block: str, variable: str) -> int:
     from prefect.blocks.system import Secret
@@ -83,6 +90,7 @@ def ordinary(patterns: list[str], block: str, variable: str) -> int:
         "variable": Variable.get(variable),
         "credential_found": find_credential(patterns),
         "total": total,
+        "child": child(total),
     }
     log.info("FACTS %s", json.dumps(facts))
     return total
