@@ -54,9 +54,10 @@ def main() -> None:
             for v in variants:
                 pool = f"bench-{v}"
                 kind, _, runtime = v.partition("-")
+                runtime, direct = runtime.removesuffix("-direct"), runtime.endswith("-direct")
                 _cli(api, "work-pool", "create", pool, "--type", kind)
                 deployments[v] = _deploy(pool, _job_variables(kind, runtime, work))
-                workers[v] = _start_worker(api, pool, work)
+                workers[v] = _start_worker(api, pool, work, direct=direct)
             for v in variants:  # warm-up: first imports, first sandbox state directories
                 _one(deployments[v])
             samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -111,11 +112,16 @@ def _cli(api: str, *args: str) -> None:
         raise RuntimeError(f"prefect {' '.join(args)} failed: {res.stdout}{res.stderr}")
 
 
-def _start_worker(api: str, pool: str, work: Path) -> subprocess.Popen[bytes]:
+def _start_worker(api: str, pool: str, work: Path, *, direct: bool = False) -> subprocess.Popen[bytes]:
+    """``direct``: the resoluto worker without its API gateway (the sandbox dials the API
+    through the egress forward with the worker's credential, as before issue 20)."""
     log = open(work / f"{pool}.log", "wb")  # noqa: SIM115 - lives as long as the worker
+    env = _env(api, work)
+    if direct:
+        env["RESOLUTO_UNSAFE_DIRECT_API"] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-        env=_env(api, work),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -7,11 +7,15 @@ it) to Running (the flow body starts), from the server's own state timestamps. I
 holds the infrastructure (a process, or a sandbox + conduit + guest runner) and
 Prefect's engine start-up, and leaves out the worker's poll delay, which both share.
 gVisor flow runs need the egress proxy to reach the API; without it the figure says so.
+``resoluto-gvisor`` runs behind the per-run API gateway (issue 20); ``resoluto-gvisor-direct``
+is the forward of before it (a worker with RESOLUTO_UNSAFE_DIRECT_API=1: the sandbox dials
+the API with the worker's credential), the gateway's cost side by side.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -31,7 +35,7 @@ def run(quick: bool) -> dict[str, Any]:
     elif not egress_forwarding_supported():
         gvisor_note = "egress forwarding (issue 10) not on this branch"
     else:
-        variants.append("resoluto-gvisor")
+        variants += ["resoluto-gvisor", "resoluto-gvisor-direct"]
     with scratch("worker") as work:
         out_path = work / "worker.json"
         env = loopback_env(
@@ -67,6 +71,12 @@ def run(quick: bool) -> dict[str, Any]:
         v: round((out[v]["startup_s"] - base) * 1000) for v in samples if v != "process"
     }
     out["startup_ratio"] = {v: r3(out[v]["startup_s"] / base) for v in samples if v != "process" and base > 0}
+    if "resoluto-gvisor-direct" in samples:  # the API gateway against the forward of before it
+        gw, direct = out["resoluto-gvisor"], out["resoluto-gvisor-direct"]
+        out["gateway_vs_direct"] = {
+            k: r3(gw[k] / direct[k]) if direct[k] else None for k in ("startup_s", "body_s", "e2e_s")
+        }
+    out["load"] = [round(x, 2) for x in os.getloadavg()]
     return out
 
 
@@ -78,7 +88,7 @@ def targets(res: dict[str, Any]) -> list[Target]:
 
 def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
-    for v in ("process", "resoluto-process", "resoluto-gvisor"):
+    for v in ("process", "resoluto-process", "resoluto-gvisor", "resoluto-gvisor-direct"):
         if v in res:
             m = res[v]
             out.append(
@@ -92,6 +102,15 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         f"{v} {ms:+d} ms ({res['startup_ratio'].get(v)} x)" for v, ms in res["added_startup_ms"].items()
     )
     out.append(("worker added startup vs process", added))
+    if "gateway_vs_direct" in res:
+        g = res["gateway_vs_direct"]
+        out.append(
+            (
+                "worker gvisor: API gateway / direct forward",
+                f"startup {g['startup_s']} x, body {g['body_s']} x, submit->final {g['e2e_s']} x "
+                f"(load {res.get('load')})",
+            )
+        )
     if res["gvisor"] != "measured":
         out.append(("worker resoluto-gvisor", f"n/a: {res['gvisor']}"))
     return out

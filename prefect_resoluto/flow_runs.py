@@ -33,8 +33,8 @@ LABEL_WORKER = "resoluto.worker"
 LABEL_WORKER_INSTANCE = "resoluto.worker-instance"
 LABEL_WORK_POOL = "resoluto.work-pool"
 
-# Prefect settings whose values are credentials: they cross as secret env (redacted from
-# every event the sandbox sends back), never as plain env.
+# Prefect settings whose values are credentials: the worker's own, never passed into a
+# sandbox (its credential is its gateway token).
 _SECRET_SETTING = re.compile(r"^PREFECT_\w*(API_KEY|AUTH_STRING|PASSWORD|SECRET|TOKEN)\w*$")
 # Settings naming host paths of the worker's own Prefect home: a sandbox has its own.
 _HOST_PATH_SETTINGS = ("PREFECT_HOME", "PREFECT_PROFILES_PATH", "PREFECT_LOCAL_STORAGE_PATH")
@@ -66,7 +66,8 @@ def host_network(runtime: SandboxRuntime) -> bool:
 
 
 def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) -> SandboxNetwork:
-    """The API the worker uses, reachable from the sandbox as the only extra destination.
+    """The API (the run's gateway, see api_gateway.py), reachable from the sandbox as the only
+    extra destination.
 
     * host network (``process``): the URL as it is; the job's allowlist cannot be enforced
       there, so the runtime refuses a non-empty one.
@@ -76,7 +77,7 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
       the worker's loopback is unreachable from a pod, which is said before launch.
     """
     if host_network(runtime):
-        return SandboxNetwork(egress=list(egress))
+        return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=list(egress))
     parts = urlsplit(api_url)
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host:
@@ -86,12 +87,13 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
     if not runtime.supports_local_conduit:
         if loopback:
             raise SandboxNetworkUnavailable(
-                f"the worker's Prefect API {api_url} is on its loopback, which a {runtime.name} sandbox on "
-                "another machine cannot reach; start the worker with PREFECT_API_URL set to an address "
-                "the sandboxes can reach"
+                f"the flow run's API gateway {api_url} is on the worker's loopback, which a {runtime.name} "
+                "sandbox on another machine cannot reach; set the `api_gateway_address` job variable to an "
+                "address of the worker's host that the sandboxes can reach (the worker never passes its "
+                "own API credential into a sandbox instead)"
             )
         dest = host if runtime.name != "kubernetes" else _kube_destination(host)
-        return SandboxNetwork(egress=[*egress, f"{dest}:{port}"])
+        return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{dest}:{port}"])
     if not egress_forwarding_supported():
         raise SandboxNetworkUnavailable(
             f"runtime {runtime.name!r} gives a sandbox no network, and this installation of prefect-resoluto "
@@ -108,7 +110,7 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
         return SandboxNetwork(
             env={"PREFECT_API_URL": url}, egress=list(egress), egress_forward={netloc: target}
         )
-    return SandboxNetwork(egress=[*egress, f"{host}:{port}"])
+    return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{host}:{port}"])
 
 
 def _is_loopback(host: str) -> bool:
@@ -139,20 +141,31 @@ def split_env(
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(plain env, secret env) for the sandbox from the worker's prepared job env.
 
-    Credentials among Prefect's settings move to the secret side; the worker's own Prefect
-    home paths are dropped (the sandbox gets a fresh one under its HOME)."""
+    Prefect's own credential settings in the prepared env are the worker's (Prefect copies
+    its settings into every job's env): they are dropped, never passed — the sandbox's
+    only credential is its gateway token (:func:`gateway_env`). The API URL is the
+    gateway's, set by :func:`sandbox_network`; the worker's own Prefect home paths are
+    dropped too (the sandbox gets a fresh one under its HOME)."""
     plain: dict[str, str] = {}
     secret = dict(secret_env)
     for k, v in env.items():
-        if v is None or k in _HOST_PATH_SETTINGS:
+        if v is None or k in _HOST_PATH_SETTINGS or k == "PREFECT_API_URL" or _SECRET_SETTING.match(k):
             continue
-        if _SECRET_SETTING.match(k) and v:
-            secret[k] = v
-        else:
-            plain[k] = v
+        plain[k] = v
     for k in secret:
         plain.pop(k, None)
     return plain, secret
+
+
+def gateway_env(token: str) -> dict[str, str]:
+    """The secret env that makes Prefect's client speak to the gateway with the run's token.
+
+    As ``PREFECT_API_AUTH_STRING`` (not ``PREFECT_API_KEY``): Prefect's client then sends it
+    on every HTTP request (``Authorization: Basic``) *and* on its events websocket (the
+    ``prefect`` subprotocol's auth message); an API key toward a URL that is not Prefect
+    Cloud's reaches the HTTP requests only, and the events (task-run states) would carry
+    no credential at all."""
+    return {"PREFECT_API_AUTH_STRING": token}
 
 
 def code_directories(pull_steps: list[dict[str, Any]] | None, deployment_path: str | None) -> list[str]:

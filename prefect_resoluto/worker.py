@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import sys
 import threading
 import uuid
@@ -30,6 +31,8 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker
 from pydantic import Field, PrivateAttr, field_validator
 
 from guest_runner import wire
+from prefect_resoluto.api_gateway import ApiGateway, Upstream, gateway_summary
+from prefect_resoluto.api_rules import RunRules
 from prefect_resoluto.blocks import (
     CONDUIT_CHOICES,
     CONDUIT_DEFAULT_TITLE,
@@ -44,6 +47,7 @@ from prefect_resoluto.flow_runs import (
     LABEL_WORKER_INSTANCE,
     code_directories,
     engine_argv,
+    gateway_env,
     new_node_id,
     sandbox_network,
     split_env,
@@ -85,6 +89,10 @@ CANCEL_POLL_SECONDS = 2.0
 #: Seconds a stopping worker gives a sandbox whose run is already final to exit by itself
 #: (the engine flushes its last logs to the API on the way out).
 FINISHING_GRACE_SECONDS = 10.0
+#: Set to 1 in a worker's environment, its flow runs dial the API themselves with the
+#: worker's own credential, as before the gateway: the benchmarks' baseline, never for
+#: flows you do not trust (the run's logs say so at WARNING).
+DIRECT_API_ENV = "RESOLUTO_UNSAFE_DIRECT_API"
 #: Lines of the sandbox's own output kept for a crashed run's report.
 EVIDENCE_LINES = 40
 
@@ -116,6 +124,15 @@ _WORKING_DIR = (
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
+_ALLOWED_BLOCKS = (
+    "Blocks the flow run may read, as 'block-type-slug/name' (e.g. 'secret/warehouse-password'); read-only. "
+    "Every other block is refused by the run's API gateway."
+)
+_ALLOWED_VARIABLES = "Variables the flow run may read, by name; read-only. Every other variable is refused."
+_GATEWAY_ADDRESS = (
+    "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
+    "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
+)
 
 #: The pool form's defaults: where a sandbox block is chosen, its own value wins over these.
 POOL_DEFAULTS: dict[str, Any] = {
@@ -140,6 +157,16 @@ def _check_cpus(v: str | None) -> str | None:
 
 def _conduit_choices(schema: dict[str, Any]) -> None:
     title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
+
+
+def _check_block_refs(v: list[str]) -> list[str]:
+    for ref in v:
+        slug, _, name = ref.partition("/")
+        if not slug or not name or "/" in name:
+            raise ValueError(
+                f"allowed block {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
+            )
+    return v
 
 
 def _secret_choices(schema: dict[str, Any]) -> None:
@@ -196,9 +223,23 @@ class ResolutoWorkerVariables(BaseVariables):
         default=None, title="Working directory", description=_WORKING_DIR, json_schema_extra=plain_optional
     )
     stream_output: bool = Field(default=True, title="Stream output", description=_STREAM)
+    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
+    allowed_blocks: list[str] = Field(
+        default_factory=list, title="Allowed blocks", description=_ALLOWED_BLOCKS
+    )
+    allowed_variables: list[str] = Field(
+        default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES
+    )
+    api_gateway_address: Optional[str] = Field(
+        default=None,
+        title="API gateway address",
+        description=_GATEWAY_ADDRESS,
+        json_schema_extra=plain_optional,
+    )
 
     _memory = field_validator("memory")(_check_memory)
     _cpus = field_validator("cpus")(_check_cpus)
+    _blocks = field_validator("allowed_blocks")(_check_block_refs)
 
 
 class ResolutoJobConfiguration(BaseJobConfiguration):
@@ -216,9 +257,13 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
     sandbox: Optional[SandboxBlock] = Field(default=None)
     working_dir: Optional[Path] = Field(default=None)
     stream_output: bool = Field(default=True)
+    allowed_blocks: list[str] = Field(default_factory=list)
+    allowed_variables: list[str] = Field(default_factory=list)
+    api_gateway_address: Optional[str] = Field(default=None)
 
     _memory = field_validator("memory")(_check_memory)
     _cpus = field_validator("cpus")(_check_cpus)
+    _blocks = field_validator("allowed_blocks")(_check_block_refs)
     _command_configured: bool = PrivateAttr(default=False)
     _pull_steps: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _deployment_path: Optional[str] = PrivateAttr(default=None)
@@ -355,7 +400,31 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             task_status = anyio.TASK_STATUS_IGNORED
         logger = self.get_flow_run_logger(flow_run)
         plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
-        spec, runtime, conduit, cfg = plan
+        spec, runtime, conduit, cfg, gateway = plan
+        try:
+            if gateway is not None:
+                logger.info(gateway_summary(gateway))
+            else:
+                logger.warning(
+                    "%s is set on this worker: this flow run holds the worker's own API credential "
+                    "(the forward of before the gateway, for benchmarks only)",
+                    DIRECT_API_ENV,
+                )
+            return await self._run_planned(flow_run, configuration, task_status, logger, plan)
+        finally:
+            if gateway is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(gateway.close)  # its listener and token die with the run
+
+    async def _run_planned(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        task_status: anyio.abc.TaskStatus[str],
+        logger: Any,
+        plan: tuple[Any, ...],
+    ) -> ResolutoWorkerResult:
+        spec, runtime, conduit, cfg, _gateway = plan
         fr_id = str(flow_run.id)
         live = self._live[fr_id] = _Live(flow_run)
         loop = asyncio.get_running_loop()
@@ -544,8 +613,6 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
     def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> tuple[Any, ...]:
         """Everything decided before launch (may raise: the base worker marks the run Crashed)."""
-        from prefect.settings import PREFECT_API_URL
-
         cfg = configuration.sandbox_config()
         runtime = cfg.build_runtime()  # which runtime, and whether it can run here
         mounted = with_code_mounts(
@@ -556,13 +623,73 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             runtime = cfg.build_runtime()
         env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
         env = {**cfg.env, **env}
-        api_url = env.get("PREFECT_API_URL") or str(PREFECT_API_URL.value() or "")
-        if not api_url:
-            raise ValueError(
-                "PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report"
-            )
-        net = sandbox_network(runtime, api_url, cfg.egress)
+        if os.environ.get(DIRECT_API_ENV) == "1":
+            return self._plan_direct(flow_run, configuration, cfg, runtime, env, secret_env)
+        gateway = self._gateway(flow_run, configuration, remote=not runtime.supports_local_conduit)
+        try:
+            net = sandbox_network(runtime, gateway.sandbox_url(), cfg.egress)
+            env.update(net.env)
+            secret_env.update(gateway_env(gateway.token))
+            gateway.start()
+            spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
+        except BaseException:
+            gateway.close()
+            raise
+        self._runtimes[runtime.name] = runtime
+        return spec, runtime, conduit, cfg, gateway
+
+    def _plan_direct(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        cfg: SandboxConfig,
+        runtime: Any,
+        env: dict[str, str],
+        secret_env: dict[str, str],
+    ) -> tuple[Any, ...]:
+        """The benchmark's baseline: the sandbox dials the API itself with the worker's own
+        credential, as before the gateway. Never for flows you do not trust."""
+        upstream = Upstream.from_settings()
+        net = sandbox_network(runtime, upstream.api_url, cfg.egress)
         env.update(net.env)
+        if upstream.auth_string:
+            secret_env["PREFECT_API_AUTH_STRING"] = upstream.auth_string
+        elif upstream.api_key:
+            secret_env["PREFECT_API_KEY"] = upstream.api_key
+        spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
+        self._runtimes[runtime.name] = runtime
+        return spec, runtime, conduit, cfg, None
+
+    def _gateway(
+        self, flow_run: FlowRun, configuration: ResolutoJobConfiguration, *, remote: bool
+    ) -> ApiGateway:
+        """The run's API gateway, bound (not yet serving): the worker's credential stays in it.
+        On loopback for local sandboxes (the egress proxy forwards to it); on
+        ``api_gateway_address`` for a sandbox on another machine."""
+        pool = self.work_pool
+        rules = RunRules(
+            flow_run_id=str(flow_run.id),
+            deployment_id=_str_or_none(flow_run.deployment_id),
+            flow_id=_str_or_none(flow_run.flow_id),
+            work_queue_id=_str_or_none(flow_run.work_queue_id),
+            work_pool_name=pool.name if pool is not None else None,
+            work_pool_id=_str_or_none(pool.id) if pool is not None else None,
+            allowed_blocks=frozenset(configuration.allowed_blocks),
+            allowed_variables=frozenset(configuration.allowed_variables),
+        )
+        host = (configuration.api_gateway_address if remote else None) or "127.0.0.1"
+        return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
+
+    def _spec(
+        self,
+        flow_run: FlowRun,
+        configuration: ResolutoJobConfiguration,
+        cfg: SandboxConfig,
+        runtime: Any,
+        env: dict[str, str],
+        secret_env: dict[str, str],
+        net: Any,
+    ) -> tuple[NodeSpec, Any]:
         labels = {
             LABEL_FLOW_RUN: label_value(str(flow_run.id)),
             LABEL_WORKER: label_value(self.name),
@@ -590,8 +717,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         except Exception:
             conduit.close()
             raise
-        self._runtimes[runtime.name] = runtime
-        return spec, runtime, conduit, cfg
+        return spec, conduit
 
     async def kill_infrastructure(
         self, infrastructure_pid: str, configuration: ResolutoJobConfiguration, grace_seconds: int = 30
@@ -646,6 +772,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 n = rt.sweep({LABEL_WORKER_INSTANCE: self._instance})
                 if n:
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
+
+
+def _str_or_none(v: Any) -> str | None:
+    return None if v is None else str(v)
 
 
 def _stream(line: str) -> None:

@@ -482,6 +482,9 @@ def test_doctor_agrees_with_the_runtimes(cli: Cli) -> None:
     for r in rows:
         assert r["label"] in text.stdout
     assert "(default floor)" in text.stdout
+    # the resoluto worker's API gateway: started, refusing without its token and off its rules, closed
+    assert report["api_gateway"]["ok"], report["api_gateway"]
+    assert "API gateway of the resoluto worker: works" in text.stdout, text.stdout
 
 
 # ----------------------------------------------------------------------------- events

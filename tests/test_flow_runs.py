@@ -26,7 +26,11 @@ def with_forwarding(monkeypatch):
 
 def test_host_network_keeps_the_url_and_forwards_nothing():
     net = sandbox_network(get_runtime("process"), "http://127.0.0.1:4200/api", [])
-    assert (net.env, net.egress, net.egress_forward) == ({}, [], {})
+    assert (net.env, net.egress, net.egress_forward) == (
+        {"PREFECT_API_URL": "http://127.0.0.1:4200/api"},
+        [],
+        {},
+    )
 
 
 def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
@@ -44,13 +48,13 @@ def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
 
 def test_a_remote_api_joins_the_allowlist(with_forwarding):
     net = sandbox_network(get_runtime("gvisor"), "https://prefect.example.test/api", ["a.example.test"])
-    assert net.env == {} and net.egress_forward == {}
+    assert net.env == {"PREFECT_API_URL": "https://prefect.example.test/api"} and net.egress_forward == {}
     assert net.egress == ["a.example.test", "prefect.example.test:443"]
 
 
 def test_a_pod_cannot_reach_the_workers_loopback():
     rt = get_runtime("kubernetes")
-    with pytest.raises(SandboxNetworkUnavailable, match="on its loopback"):
+    with pytest.raises(SandboxNetworkUnavailable, match="on the worker's loopback.*api_gateway_address"):
         sandbox_network(rt, "http://127.0.0.1:4200/api", [])
     net = sandbox_network(rt, "http://10.20.30.40:4200/api", ["10.0.0.0/8:5432"])
     assert net.egress == ["10.0.0.0/8:5432", "10.20.30.40:4200"] and net.egress_forward == {}
@@ -64,24 +68,26 @@ def test_without_the_egress_proxy_a_local_sandbox_refuses_with_the_way_out(monke
         sandbox_network(get_runtime("bubblewrap"), "ftp://x/api", [])
 
 
-def test_prefect_credentials_cross_as_secrets_and_the_workers_home_stays_behind():
+def test_the_workers_credentials_and_home_stay_behind():
+    """Prefect copies the worker's settings into every job's env: its credentials and its API
+    URL never reach the sandbox (the gateway's URL and token replace them)."""
     plain, secret = split_env(
         {
             "PREFECT_API_URL": "http://127.0.0.1:1/api",
             "PREFECT_API_KEY": "pnu_123",
+            "PREFECT_API_AUTH_STRING": "admin:pass",
             "PREFECT_HOME": "/root/.prefect",
             "PREFECT_SERVER_API_AUTH_STRING": "admin:pass",
+            "PREFECT_API_DATABASE_PASSWORD": "db",
             "PREFECT__FLOW_RUN_ID": "abc",
             "EMPTY": None,
         },
         {"MY_TOKEN": "t"},
     )
-    assert plain == {"PREFECT_API_URL": "http://127.0.0.1:1/api", "PREFECT__FLOW_RUN_ID": "abc"}
-    assert secret == {
-        "MY_TOKEN": "t",
-        "PREFECT_API_KEY": "pnu_123",
-        "PREFECT_SERVER_API_AUTH_STRING": "admin:pass",
-    }
+    assert plain == {"PREFECT__FLOW_RUN_ID": "abc"}
+    assert secret == {"MY_TOKEN": "t"}
+    # the run's token travels as Prefect's auth string: on every request and on the events websocket
+    assert flow_runs.gateway_env("tok") == {"PREFECT_API_AUTH_STRING": "tok"}
 
 
 def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
@@ -108,9 +114,10 @@ def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
     ]
 
 
-def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no_more():
-    """The Kubernetes path, rendered by the real runtime (no cluster needed): the flow run's
-    API joins the NetworkPolicy; its key travels in the pod's Secret, not its spec."""
+def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_gateway_and_no_more():
+    """The Kubernetes path, rendered by the real runtime (no cluster needed): the pod dials the
+    run's gateway (on the worker host's address), which joins the NetworkPolicy; the real API
+    does not, and no credential of the worker's is anywhere in the pod's documents."""
     from guest_runner.s3conduit import S3Conduit
     from prefect_resoluto.node import NodeSpec, launch_spec
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
@@ -119,9 +126,14 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no
     rt = KubernetesRuntime(
         namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000, image="flows:1"
     )
-    api = "http://10.20.30.40:4200/api"
-    net = sandbox_network(rt, api, ["10.1.0.0/16:5432"])
-    env, secret = split_env({"PREFECT_API_URL": api, "PREFECT_API_KEY": "pnu_worker_key_123"}, {})
+    api = "http://10.20.30.40:4200/api"  # the worker's real API
+    gateway = "http://10.20.30.50:41234/api"  # its gateway on `api_gateway_address`
+    net = sandbox_network(rt, gateway, ["10.1.0.0/16:5432"])
+    env, secret = split_env(
+        {"PREFECT_API_URL": api, "PREFECT_API_KEY": "pnu_worker_key_123", "PREFECT__FLOW_RUN_ID": "x"}, {}
+    )
+    env.update(net.env)
+    secret.update(flow_runs.gateway_env("run-token-456"))
     spec = NodeSpec(
         run_id="0b5d6c1e-flow-run",
         node_id="flow-run-abc",
@@ -142,7 +154,9 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_api_and_no
             continue  # DNS
         for peer in rule["to"]:
             allowed |= {(peer["ipBlock"]["cidr"], port) for port in ports}
-    assert allowed == {("10.9.9.9/32", 9000), ("10.1.0.0/16", 5432), ("10.20.30.40/32", 4200)}
+    assert allowed == {("10.9.9.9/32", 9000), ("10.1.0.0/16", 5432), ("10.20.30.50/32", 41234)}
+    everything = json.dumps(list(docs.values()))
+    assert "pnu_worker_key_123" not in everything and api not in everything
     pod = json.dumps(docs["Pod"])
-    assert "pnu_worker_key_123" not in pod and "PREFECT_API_KEY" in json.dumps(docs["Secret"])
-    assert "prefect.engine" in pod and api in pod
+    assert "run-token-456" not in pod and "PREFECT_API_AUTH_STRING" in json.dumps(docs["Secret"])
+    assert "prefect.engine" in pod and gateway in pod

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from flows import worker_flows
 from polling import wait_for
-from prefect_cli import cli_env, prefect_cli
+from prefect_cli import cli_env, prefect_cli, prefect_server
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.flow_runs import egress_forwarding_supported
@@ -417,50 +417,8 @@ def scheduling_server(tmp_path: Path) -> Iterator[str]:
     """A `prefect server start` of its own: the session's test harness runs no scheduler,
     and a scheduled deployment is what the worker must serve. Its scheduler loops every
     second; the API listens on 127.0.0.1 only."""
-    import urllib.request
-
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/api"
-    env = {
-        **cli_env(
-            PREFECT_HOME=str(tmp_path / "server-home"),
-            PREFECT_UI_ENABLED="false",
-            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
-        ),
-        "PREFECT_API_URL": url,
-    }
-    with open(tmp_path / "server.log", "wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def healthy() -> bool:
-        assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_for(healthy, timeout=180, what="the scheduling Prefect server", max_delay=0.5)
-        with temporary_settings({PREFECT_API_URL: url}):
-            yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+    with prefect_server(tmp_path, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1") as url:
+        yield url
 
 
 def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):

@@ -93,7 +93,10 @@ def doctor_report() -> dict[str, Any]:
             }
         )
     default = next(p for p in picks if p["default"])
+    from prefect_resoluto import api_gateway
+
     return {
+        "api_gateway": api_gateway.probe(),
         "runtimes": rows,
         "picks": picks,
         "default_floor": DEFAULT_MIN_ISOLATION.label,
@@ -183,6 +186,14 @@ def main(args: argparse.Namespace) -> int:
         else:
             out.line(f"  {p['floor']:<12} -> ", ("nothing available", BAD), mark)
     out.line()
+    gw = report["api_gateway"]
+    out.line(
+        ("API gateway of the resoluto worker: ", STRONG),
+        _yes_no(gw["ok"], "works"),
+        " ",
+        (gw.get("detail", ""), "") if gw["ok"] else (gw["why"], DIM),
+    )
+    out.line("  the worker's credential, held by the gateway only: ", gw["credential"])
     out.line(("default conduit: ", STRONG), report["default_conduit"])
     out.line(("note: ", STRONG), report["note"])
     if not report["default_pick"]:

@@ -1,0 +1,429 @@
+"""What one sandboxed flow run may ask of the Prefect API: its own run and nothing else.
+
+The table below is what Prefect 3.9's engine sends for a flow run with tasks, retries,
+logs, an artifact and a persisted result (recorded through the gateway, docs/worker.md
+"Behind the gateway"); every request and event is judged against it and anything else
+is refused with the name of the rule that refused it. Objects are the run's own when the
+API says so (read with the worker's credential), or when the run created them through
+this gateway; ids the run names that the API does not know yet (task runs, whose
+creation travels as events) are claimed for the run on first sight.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+_UUID = r"[0-9a-fA-F-]{36}"
+
+#: Fields of its own flow run the engine updates (``flow_version``, ``empirical_policy``
+#: when it starts; ``name`` for a templated run name); the rest (infrastructure pid, job
+#: variables, work queue) are the worker's and the server's.
+FLOW_RUN_FIELDS = frozenset({"flow_version", "empirical_policy", "name"})
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was refused: the rule's name and what it saw."""
+
+    rule: str
+    why: str
+
+
+class Upstream(Protocol):
+    async def upstream_get(self, rel: str) -> tuple[int, Any]: ...
+
+
+@dataclass
+class RunRules:
+    """One flow run's rules: its ids, the blocks and variables it may read, what it made."""
+
+    flow_run_id: str
+    deployment_id: str | None = None
+    flow_id: str | None = None
+    work_queue_id: str | None = None
+    work_pool_name: str | None = None
+    work_pool_id: str | None = None
+    allowed_blocks: frozenset[str] = frozenset()
+    allowed_variables: frozenset[str] = frozenset()
+    task_runs: set[str] = field(default_factory=set)
+    artifacts: set[str] = field(default_factory=set)
+    blocks: set[str] = field(default_factory=set)
+    leases: set[str] = field(default_factory=set)
+    concurrency_limits: set[str] = field(default_factory=set)
+    #: This run and its sub-flow runs (a ``@flow`` called inside it: a flow run of its own,
+    #: created through the gateway under one of its task runs), and their flows.
+    flow_runs: set[str] = field(default_factory=set)
+    flows: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.flow_runs.add(self.flow_run_id)
+        if self.flow_id:
+            self.flows.add(self.flow_id)
+
+    foreign: set[str] = field(default_factory=set)
+    #: Every judged request and event (method, path, verdict) when set: the recording of docs/worker.md.
+    record: list[tuple[str, str, str]] | None = None
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def check_http(
+        self, method: str, path: str, query: dict[str, str], body: Any, api: Upstream
+    ) -> Refusal | None:
+        verdict = await self._judge(method.upper(), path.rstrip("/") or "/", body, api)
+        if self.record is not None:
+            self.record.append((method, path, "admitted" if verdict is None else f"refused: {verdict.rule}"))
+        return verdict
+
+    async def _judge(self, method: str, path: str, body: Any, api: Upstream) -> Refusal | None:
+        parts = path.strip("/").split("/")
+        what = f"{method} /api{path}"
+        if any(p in ("", ".", "..") for p in parts) and path != "/":
+            # What is judged is what is forwarded: no segment a URL library would fold away.
+            return Refusal("path", f"{what}: empty, '.' and '..' path segments are refused")
+        if method == "GET" and path in (
+            "/admin/version",
+            "/health",
+            "/hello",
+            "/csrf-token",
+            "/admin/storage",
+        ):
+            return None
+        if parts[0] == "flow_runs":
+            return await self._flow_run(method, parts, body, what, api)
+        if parts[0] == "task_runs":
+            return await self._task_run(method, parts, body, what, api)
+        if parts == ["flows"] and method == "POST":
+            return None  # a sub-flow's flow, by name (an upsert: what ``@flow`` registers)
+        if method == "GET" and len(parts) == 2 and parts[0] == "flows":
+            if parts[1] in self.flows:
+                return None
+            return Refusal("own-flows", f"{what}: this flow run may read only its own flows")
+        if method == "GET" and len(parts) == 2:
+            mine = {
+                "deployments": self.deployment_id,
+                "work_queues": self.work_queue_id,
+                "work_pools": self.work_pool_name,
+            }
+            if parts[0] in mine:
+                if mine[parts[0]] is not None and parts[1] == mine[parts[0]]:
+                    return None
+                return Refusal(
+                    f"own-{parts[0]}",
+                    f"{what}: this flow run may read only its own {parts[0][:-1].replace('_', ' ')}",
+                )
+        if parts[:2] == ["v2", "concurrency_limits"]:
+            return await self._task_concurrency(method, parts[2:], body, what, api)
+        if parts[0] == "logs" and len(parts) == 1 and method == "POST":
+            return await self._logs(body, what, api)
+        if parts[0] == "artifacts":
+            return await self._artifact(method, parts, body, what, api)
+        if (
+            parts[:2] == ["block_types", "slug"]
+            and len(parts) == 6
+            and parts[3:5] == ["block_documents", "name"]
+        ):
+            ref = f"{parts[2]}/{parts[5]}"
+            if method == "GET" and ref in self.allowed_blocks:
+                return None
+            return Refusal(
+                "allowed-blocks",
+                f"{what}: block {ref!r} is not in this run's allowed_blocks ({_names(self.allowed_blocks)})",
+            )
+        if parts[:2] == ["variables", "name"] and len(parts) == 3:
+            if method == "GET" and parts[2] in self.allowed_variables:
+                return None
+            return Refusal(
+                "allowed-variables",
+                f"{what}: variable {parts[2]!r} is not in this run's allowed_variables "
+                f"({_names(self.allowed_variables)})",
+            )
+        if parts[0] in ("block_documents", "block_types", "block_schemas", "variables"):
+            return Refusal(
+                "read-named-only",
+                f"{what}: blocks and variables are read by name, and only those in allowed_blocks / "
+                "allowed_variables",
+            )
+        return Refusal("not-this-run", f"{what}: not a request about this flow run")
+
+    async def _flow_run(
+        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
+        own = self.flow_run_id
+        if parts[1:] == ["filter"] and method == "POST":
+            ids = _dig(body, "flow_runs", "id", "any_")
+            if isinstance(ids, list) and ids and all(str(i) in self.flow_runs for i in ids):
+                return None
+            parents = _dig(body, "flow_runs", "parent_task_run_id", "any_")  # a sub-flow's earlier run
+            if isinstance(parents, list) and parents:
+                if all([await self._owns_task_run(str(p), api) for p in parents]):
+                    return None
+            return Refusal(
+                "own-runs-only",
+                f"{what}: a listing of flow runs must name only this flow run's id (or its own task runs as parents)",
+            )
+        if parts[1:] == [] and method == "POST":
+            parent = body.get("parent_task_run_id") if isinstance(body, dict) else None
+            if (
+                parent is not None
+                and body.get("deployment_id") is None
+                and await self._owns_task_run(str(parent), api)
+            ):
+                return None
+            return Refusal(
+                "own-sub-flows",
+                f"{what}: a flow run may be created only as a sub-flow under this run's task runs",
+            )
+        if len(parts) < 2 or parts[1] not in self.flow_runs:
+            return Refusal("own-flow-run", f"{what}: this flow run may act only on itself ({own})")
+        rest = parts[2:]
+        if method == "GET" and rest == []:
+            return None
+        if method == "POST" and rest == ["set_state"]:
+            return None
+        if method == "PATCH" and rest == ["labels"]:
+            return None
+        if method == "PATCH" and rest == [] and isinstance(body, dict):
+            extra = sorted(set(body) - FLOW_RUN_FIELDS)
+            if not extra:
+                return None
+            return Refusal("own-flow-run-fields", f"{what}: fields {extra} of a flow run are the worker's")
+        return Refusal("own-flow-run", f"{what}: not one of the requests a flow run makes about itself")
+
+    async def _task_run(
+        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
+        if parts[1:] == [] and method == "POST":
+            if isinstance(body, dict) and str(body.get("flow_run_id")) in self.flow_runs:
+                return None
+            return Refusal("own-task-runs", f"{what}: a task run may be created only in this flow run")
+        if (
+            len(parts) >= 2
+            and _is_uuid(parts[1])
+            and (method, parts[2:]) in (("GET", []), ("POST", ["set_state"]))
+        ):
+            if await self._owns_task_run(parts[1], api):
+                return None
+        return Refusal("own-task-runs", f"{what}: only this flow run's own task runs")
+
+    async def _task_concurrency(
+        self, method: str, rest: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
+        """A tagged task takes a slot of each tag's limit around its run (Prefect's engine
+        asks even when no limit exists): its own task runs' slots of ``tag:`` limits only."""
+        refusal = Refusal(
+            "own-task-concurrency", f"{what}: only slots of tag limits, for this run's task runs"
+        )
+        if method != "POST" or not isinstance(body, dict):
+            return refusal
+        if rest == ["increment-with-lease"]:
+            names = body.get("names")
+            holder = body.get("holder")
+            if not isinstance(names, list) or not all(
+                isinstance(n, str) and n.startswith("tag:") for n in names
+            ):
+                return refusal
+            if not isinstance(holder, dict) or holder.get("type") != "task_run":
+                return refusal
+            return None if await self._owns_task_run(str(holder.get("id")), api) else refusal
+        if rest == ["decrement-with-lease"] and str(body.get("lease_id")) in self.leases:
+            return None
+        if len(rest) == 3 and rest[0] == "leases" and rest[2] == "renew" and rest[1] in self.leases:
+            return None
+        return refusal
+
+    async def _logs(self, body: Any, what: str, api: Upstream) -> Refusal | None:
+        if not isinstance(body, list):
+            return Refusal("own-logs", f"{what}: logs are a list")
+        for entry in body:
+            if not isinstance(entry, dict) or str(entry.get("flow_run_id")) not in self.flow_runs:
+                return Refusal("own-logs", f"{what}: every log line must belong to this flow run")
+            tr = entry.get("task_run_id")
+            if tr is not None and not await self._owns_task_run(str(tr), api):
+                return Refusal("own-logs", f"{what}: log line of task run {tr}, not one of this flow run's")
+        return None
+
+    async def _artifact(
+        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+    ) -> Refusal | None:
+        if parts[1:] == [] and method == "POST" and isinstance(body, dict):
+            if str(body.get("flow_run_id")) not in self.flow_runs:
+                return Refusal("own-artifacts", f"{what}: an artifact must belong to this flow run")
+            tr = body.get("task_run_id")
+            if tr is not None and not await self._owns_task_run(str(tr), api):
+                return Refusal("own-artifacts", f"{what}: task run {tr} is not one of this flow run's")
+            return None
+        if len(parts) == 2 and method == "PATCH" and parts[1] in self.artifacts:
+            return None  # a progress artifact the run created, updated
+        return Refusal("own-artifacts", f"{what}: only creating (and updating) this run's own artifacts")
+
+    def note_response(self, method: str, path: str, body: Any, status: int, reply: Any) -> None:
+        """What the run created through the gateway is the run's own (and the allowed
+        blocks it read: their ``loaded`` events name them by id)."""
+        if status >= 300 or not isinstance(reply, dict):
+            return
+        rel = path.rstrip("/")
+        if method.upper() == "GET" and rel.startswith("/block_types/slug/") and reply.get("id"):
+            self.blocks.add(str(reply["id"]))
+            return
+        if method.upper() != "POST":
+            return
+        if rel == "/task_runs" and reply.get("id"):
+            self.task_runs.add(str(reply["id"]))
+        elif rel == "/flow_runs" and reply.get("id"):
+            self.flow_runs.add(str(reply["id"]))
+            if reply.get("flow_id"):
+                self.flows.add(str(reply["flow_id"]))
+        elif rel == "/flows" and reply.get("id"):
+            self.flows.add(str(reply["id"]))
+        elif rel == "/artifacts" and reply.get("id"):
+            self.artifacts.add(str(reply["id"]))
+        elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
+            self.leases.add(str(reply["lease_id"]))
+            limits = reply.get("limits")  # their acquired/released events name them
+            for limit in limits if isinstance(limits, list) else []:
+                if isinstance(limit, dict) and limit.get("id"):
+                    self.concurrency_limits.add(str(limit["id"]))
+
+    def strip_response(self, path: str, reply: Any) -> Any:
+        """A work pool as the run reads it: without its base job template (the pool's
+        defaults for every run, secrets included), which the engine does not need."""
+        if (
+            path.strip("/").startswith("work_pools/")
+            and isinstance(reply, dict)
+            and "base_job_template" in reply
+        ):
+            return {**reply, "base_job_template": {}}
+        return reply
+
+    async def _owns_task_run(self, task_run_id: str, api: Upstream) -> bool:
+        """Ours if made through this gateway, or if the API says it is this run's; an id the
+        API does not know yet (its creation is on its way as an event) is claimed."""
+        if task_run_id in self.task_runs:
+            return True
+        if task_run_id in self.foreign or not _is_uuid(task_run_id):
+            return False
+        status, reply = await api.upstream_get(f"task_runs/{task_run_id}")
+        if status == 404 or (
+            status == 200 and isinstance(reply, dict) and str(reply.get("flow_run_id")) in self.flow_runs
+        ):
+            self.task_runs.add(task_run_id)
+            return True
+        if status == 200:
+            self.foreign.add(task_run_id)
+        return False
+
+    # ------------------------------------------------------------------ events
+
+    async def check_event(self, event: Any, api: Upstream) -> Refusal | None:
+        verdict = await self._judge_event(event, api)
+        if self.record is not None:
+            name = str(event.get("event")) if isinstance(event, dict) else "?"
+            self.record.append(("EVENT", name, "admitted" if verdict is None else f"refused: {verdict.rule}"))
+        return verdict
+
+    async def _judge_event(self, event: Any, api: Upstream) -> Refusal | None:
+        if not isinstance(event, dict) or not isinstance(event.get("resource"), dict):
+            return Refusal("own-events", "an event that is not a Prefect event")
+        name = str(event.get("event", ""))
+        rid = str(event["resource"].get("prefect.resource.id", ""))
+        what = f"event {name!r} about {rid!r}"
+        related = event.get("related") or []
+        if not isinstance(related, list) or not all(isinstance(r, dict) for r in related):
+            return Refusal("own-events", f"{what}: malformed related resources")
+        roles = {str(r.get("prefect.resource.role")): str(r.get("prefect.resource.id")) for r in related}
+        for r in related:
+            ref = str(r.get("prefect.resource.id", ""))
+            if not await self._own_resource(ref, api, related=True):
+                return Refusal("own-events", f"{what}: related resource {ref!r} is not this run's")
+        if rid.startswith("prefect.flow-run.") and rid.removeprefix("prefect.flow-run.") in self.flow_runs:
+            return None
+        if rid.startswith("prefect.task-run."):
+            tr = rid.removeprefix("prefect.task-run.")
+            payload = event.get("payload") or {}
+            inner = payload.get("task_run") if isinstance(payload, dict) else None
+            inner = inner if isinstance(inner, dict) else {}
+            if roles.get("flow-run", "").removeprefix("prefect.flow-run.") not in self.flow_runs:
+                return Refusal(
+                    "own-events", f"{what}: a task-run event must name this flow run as its flow-run"
+                )
+            if (
+                str(inner.get("id", tr)) != tr
+                or str(inner.get("flow_run_id", self.flow_run_id)) not in self.flow_runs
+            ):
+                return Refusal("own-events", f"{what}: its task run payload names another run")
+            if await self._owns_task_run(tr, api):
+                return None
+            return Refusal("own-events", f"{what}: task run {tr} belongs to another flow run")
+        kinds = ("prefect.artifact.", "prefect.block-document.", "prefect.concurrency-limit.")
+        if rid.startswith(kinds) and await self._own_resource(rid, api, related=False):
+            return None
+        return Refusal(
+            "own-events", f"{what}: events are admitted only about this flow run and its task runs"
+        )
+
+    async def _own_resource(self, ref: str, api: Upstream, *, related: bool) -> bool:
+        kind, _, ident = ref.removeprefix("prefect.").partition(".")
+        if kind == "tag":
+            return related
+        mine: dict[str, Iterable[str | None]] = {
+            "flow-run": self.flow_runs,
+            "flow": self.flows,
+            "deployment": [self.deployment_id],
+            "work-queue": [self.work_queue_id],
+            "work-pool": [self.work_pool_id],
+            "artifact": self.artifacts,
+            "block-document": self.blocks,
+            "concurrency-limit": self.concurrency_limits,
+            "block-type": {ref.split("/", 1)[0] for ref in self.allowed_blocks},
+        }
+        if kind in mine:
+            return ident in {str(x) for x in mine[kind] if x}
+        if kind == "task-run":
+            return await self._owns_task_run(ident, api)
+        return False
+
+    def events_out_filter(self, message: Any) -> tuple[Any, Refusal | None]:
+        """The engine's subscription (``/api/events/out``) narrowed to this flow run's own events."""
+        if (
+            not isinstance(message, dict)
+            or message.get("type") != "filter"
+            or not isinstance(message.get("filter"), dict)
+        ):
+            return None, Refusal("own-events-out", "a subscription must start with a filter message")
+        own = f"prefect.flow-run.{self.flow_run_id}"
+        flt = dict(message["filter"])
+        resource = dict(flt.get("resource") or {})
+        ids = resource.get("id")
+        if ids is not None and (not isinstance(ids, list) or own not in ids):
+            return None, Refusal("own-events-out", "a subscription may follow only this flow run's events")
+        resource["id"] = [own]
+        flt["resource"] = resource
+        return {**message, "filter": flt}, None
+
+    def admits_outgoing(self, event: Any) -> bool:
+        rid = _dig(event, "event", "resource", "prefect.resource.id")
+        return isinstance(rid, str) and rid.removeprefix("prefect.flow-run.") in self.flow_runs
+
+
+def _dig(obj: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(k)
+    return obj
+
+
+def _is_uuid(s: str) -> bool:
+    try:
+        uuid.UUID(s)
+    except ValueError:
+        return False
+    return bool(re.fullmatch(_UUID, s))
+
+
+def _names(names: frozenset[str]) -> str:
+    return ", ".join(sorted(names)) or "none"

@@ -1,0 +1,170 @@
+"""Flows that run behind the resoluto worker's API gateway (tests/test_api_gateway.py).
+
+``ordinary`` is what a normal flow does: tasks, a retry, logs, an artifact, a persisted
+result, an allowed Secret block and an allowed variable. ``hostile`` tries what a flow
+holding the worker's credential could do; each attempt is logged as ``ATTEMPT <name>:
+refused <status> <detail>`` or ``ATTEMPT <name>: ALLOWED``. Both look for the worker's
+credential everywhere the sandbox lets them look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+_ATTEMPTS = {"n": 0}
+
+
+def find_credential(patterns: list[str]) -> list[str]:
+    """Where any of ``patterns`` (regexes of the worker's credential) occurs: the environment,
+    every process's argv and environment, and the files of the workspace, HOME and /tmp."""
+    rx = [re.compile(p.encode()) for p in patterns]
+    found: list[str] = []
+
+    def look(where: str, data: bytes) -> None:
+        if any(r.search(data) for r in rx):
+            found.append(where)
+
+    look("env", "\0".join(f"{k}={v}" for k, v in os.environ.items()).encode())
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            for part in ("cmdline", "environ"):
+                try:
+                    look(f"/proc/{proc.name}/{part}", (proc / part).read_bytes())
+                except OSError:
+                    pass
+    roots = {Path.cwd(), Path.home(), Path("/tmp")}
+    if os.environ.get("RESOLUTO_STORE_ROOT"):
+        roots.add(Path(os.environ["RESOLUTO_STORE_ROOT"]))  # the conduit, as the sandbox sees it
+    for root in roots:
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                p = Path(dirpath) / name
+                try:
+                    if p.is_file() and p.stat().st_size < 4 << 20:
+                        look(str(p), p.read_bytes())
+                except OSError:
+                    pass
+    return found
+
+
+@task(retries=2, retry_delay_seconds=0)
+def flaky(x: int) -> int:
+    _ATTEMPTS["n"] += 1
+    get_run_logger().info("flaky attempt %d", _ATTEMPTS["n"])
+    if _ATTEMPTS["n"] < 2:
+        raise ValueError("the first attempt fails")
+    return x * 2
+
+
+@task(tags=["gateway-test"])  # a tagged task asks the API for its tag's concurrency slot
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@flow
+def child(x: int) -> int:
+    """A sub-flow: a flow run of its own, created by this run's engine through the gateway."""
+    get_run_logger().info("child flow %d", x)
+    return add(x, 1)
+
+
+@flow(persist_result=True)
+def ordinary(patterns: list[str], block: str, variable: str) -> int:
+    from prefect.blocks.system import Secret
+    from prefect.variables import Variable
+
+    log = get_run_logger()
+    doubled = flaky(3)
+    total = sum(f.result() for f in [add.submit(doubled, i) for i in range(2)])
+    create_markdown_artifact(f"# total\n{total}", key="gateway-total", description="the flow's total")
+    facts = {
+        "api_url": os.environ.get("PREFECT_API_URL"),
+        "block_ok": Secret.load(block).get() == "allowed-value",
+        "variable": Variable.get(variable),
+        "credential_found": find_credential(patterns),
+        "total": total,
+        "child": child(total),
+    }
+    log.info("FACTS %s", json.dumps(facts))
+    return total
+
+
+def _flush_logs() -> None:
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+
+
+def _attempt(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    log = get_run_logger()
+    try:
+        out = fn()
+    except Exception as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        detail = ""
+        try:
+            detail = e.response.json().get("detail", "")  # type: ignore[attr-defined]
+        except Exception:
+            detail = str(e)
+        log.info("ATTEMPT %s: refused %s %s", name, status, detail)
+        return
+    log.info("ATTEMPT %s: ALLOWED %r", name, out)
+
+
+@flow
+def hostile(victim: str, patterns: list[str], other_block: str, other_variable: str, release: str) -> None:
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate, WorkPoolCreate
+    from prefect.context import FlowRunContext
+    from prefect.events import emit_event
+    from prefect.states import Completed
+    from prefect.types._datetime import now
+    from prefect.variables import Variable
+
+    log = get_run_logger()
+    ctx = FlowRunContext.get()
+    assert ctx is not None and ctx.flow_run is not None
+    own_flow = ctx.flow_run.flow_id
+    log.info("FACTS %s", json.dumps({"credential_found": find_credential(patterns)}))
+    _flush_logs()
+    # The test looks at this sandbox's files on the host meanwhile, then sets the variable.
+    deadline = time.monotonic() + 180
+    while Variable.get(release) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with get_client(sync_client=True) as c:
+        _attempt("read a Secret block it was not given", lambda: Secret.load(other_block).get())
+        _attempt("read a variable it was not given", lambda: Variable.get(other_variable))
+        _attempt("read another run", lambda: c.read_flow_run(victim))
+        _attempt("set another run's state", lambda: c.set_flow_run_state(victim, Completed(), force=True))
+        _attempt("list other runs", lambda: c.read_flow_runs(limit=5))
+        _attempt(
+            "create a work pool",
+            lambda: c.create_work_pool(WorkPoolCreate(name="hostile-pool", type="process")),
+        )
+        _attempt(
+            "create a deployment",
+            lambda: c.create_deployment(
+                flow_id=own_flow, name="hostile-deployment", work_pool_name="hostile-pool"
+            ),
+        )
+        _attempt(
+            "write another run's logs",
+            lambda: c.create_logs(
+                [LogCreate(name="x", level=20, message="forged", timestamp=now("UTC"), flow_run_id=victim)]
+            ),
+        )
+        _attempt("read the work pools", lambda: c.read_work_pools())
+    # An event about another run (an automation trigger): the websocket cannot answer it; the
+    # gateway drops it and says so in this run's logs.
+    emit_event(
+        event="prefect.flow-run.Completed", resource={"prefect.resource.id": f"prefect.flow-run.{victim}"}
+    )
+    log.info("ATTEMPT emitted an event about another run")
