@@ -21,7 +21,7 @@ from typing import Any
 
 import egress_net
 import pytest
-from polling import wait_for
+from polling import scaled, wait_for
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
@@ -39,6 +39,9 @@ from prefect_resoluto.runtimes.base import LaunchError, SandboxRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = f"{egress_net.HOST2}:7,denied.example.test:443"
+# Sandbox namespaces are named by sandbox id machine-wide: ids of this session's own, so a
+# second suite on the machine never meets them (tests/test_egress_names.py).
+_OURS = f"{os.getpid()}-{os.urandom(2).hex()}"
 
 pytestmark = pytest.mark.skipif(
     bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}"
@@ -394,7 +397,7 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     req = egress.network_request("run-root", "n1", egress=["api.example.test"], resolve=testnet.resolve)
     assert req is not None
     hits_before = list(testnet.hits.seen)
-    net = egress.attach(req, "rsl-rootwiden0")
+    net = egress.attach(req, f"rsl-rootwiden-{_OURS}")
     try:
 
         def sh(cmd: str) -> subprocess.CompletedProcess[str]:
@@ -414,7 +417,7 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
         res = sh(f"curl -sS -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
         assert "403" in res.stdout + res.stderr or res.returncode != 0
     finally:
-        egress.detach("run-root", "rsl-rootwiden0")
+        egress.detach("run-root", f"rsl-rootwiden-{_OURS}")
     assert testnet.hits.seen == hits_before  # no connection reached any test host
 
 
@@ -531,7 +534,7 @@ def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
         has_setup=True,
     )
     assert req is not None
-    net = egress.attach(req, "rsl-phase00000")
+    net = egress.attach(req, f"rsl-phase-{_OURS}")
     try:
 
         def post(phase: str) -> str:
@@ -570,7 +573,7 @@ def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
         )
         assert "hello" not in res.stdout
     finally:
-        egress.detach("run-phase", "rsl-phase00000")
+        egress.detach("run-phase", f"rsl-phase-{_OURS}")
 
 
 class _LoopbackAPI:
@@ -991,7 +994,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
     )
     assert req is not None
     other_before = testnet.hits.to(egress_net.HOST2)
-    net = egress.attach(req, "rsl-keepalive0")
+    net = egress.attach(req, f"rsl-keepalive-{_OURS}")
     try:
         client = textwrap.dedent(f"""
             import socket
@@ -1013,7 +1016,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
             timeout=60,
         )
     finally:
-        egress.detach("run-ka", "rsl-keepalive0")
+        egress.detach("run-ka", f"rsl-keepalive-{_OURS}")
     assert "path=/one" in res.stdout and "path=/two" not in res.stdout, res.stdout + res.stderr
     assert testnet.hits.to(egress_net.HOST2) == other_before
 
@@ -1069,15 +1072,25 @@ def test_a_connection_or_dns_flood_is_bounded(
     assert req is not None
     events: list[dict[str, Any]] = []
     egress.listen("run-flood", "n1", events.append)
-    net = egress.attach(req, "rsl-flood00000")
+    sid = f"rsl-flood-{_OURS}"
+    net = egress.attach(req, sid)
+    run_proxy = proxy.proxy_for("run-flood")
+    assert run_proxy is not None
+    att = run_proxy._by_sandbox[sid]
+    t = scaled(10)  # the probe's socket timeouts only tell a hang from a busy machine
     try:
+        # The cap is taken in the order the proxy's connection threads run, not the order of
+        # connect(): the ninth connection is only "the one over the cap" once the first eight
+        # hold their slots, so the probe waits for that (the semaphore's own count) first.
         client = textwrap.dedent(f"""
-            import socket, struct
-            held = [socket.create_connection(("{net.gateway}", 3128), timeout=10) for _ in range(8)]
-            extra = socket.create_connection(("{net.gateway}", 3128), timeout=10)
+            import socket, struct, sys
+            held = [socket.create_connection(("{net.gateway}", 3128), timeout={t}) for _ in range(8)]
+            print("HELD", flush=True)
+            sys.stdin.readline()
+            extra = socket.create_connection(("{net.gateway}", 3128), timeout={t})
             print("EXTRA", extra.recv(10) == b"")       # closed at once: over the cap
             u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            u.settimeout(5)
+            u.settimeout({t})
             answered = 0
             for i in range(40):
                 q = struct.pack("!HHHHHH", i, 0x0100, 1, 0, 0, 0) + b"\\x05flood\\x07example\\x04test\\x00" + struct.pack("!HH", 1, 1)
@@ -1085,16 +1098,30 @@ def test_a_connection_or_dns_flood_is_bounded(
                 answered += u.recvfrom(512)[0][3] & 0x0F == 3   # NXDOMAIN
             print("NX", answered)
         """)
-        res = subprocess.run(
+        probe = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
-            capture_output=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=60,
         )
+        try:
+            assert probe.stdout is not None and probe.stdin is not None
+            first = probe.stdout.readline()
+            if first == "HELD\n":
+                wait_for(lambda: att.slots._value == 0, timeout=60, what="8 connections holding the 8 slots")
+                probe.stdin.write("go\n")
+                probe.stdin.flush()
+            out, err = probe.communicate(timeout=scaled(60))
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+                probe.wait()
     finally:
-        egress.detach("run-flood", "rsl-flood00000")
+        egress.detach("run-flood", sid)
         egress.unlisten("run-flood", "n1")
-    assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
+    stdout = first + out
+    assert "EXTRA True" in stdout and "NX 40" in stdout, stdout + err
     capped = [e for e in events if "connections open at once" in e["data"]["line"]]
     assert capped and capped[0]["data"]["reason"] == "more than 8 connections open at once"
     assert len(events) == 21  # 20 decisions, then one summary of what was dropped
