@@ -123,6 +123,9 @@ K8S_FIXTURES = {"k8s_cluster"}  # k8s_agent, k8s_ns and every fixture built on t
 PREFECT_FIXTURES = {"prefect_api"}  # `prefect`, the worker and server fixtures are built on it
 # Fixtures that hand the test a real sandbox (gVisor, bubblewrap, podman, an egress testnet).
 SANDBOX_FIXTURES = {"gvisor", "gv", "gw_gvisor", "testnet", "k8s_agent"}
+# Fixtures that run whole guests behind a loopback service (the Solari gateway fake): no
+# sandbox, but seconds each; they are `slow` too.
+SLOW_FIXTURES = {"gw"}
 SANDBOX_MODULE_RT = {  # the modules whose `rt` fixture is a real sandbox runtime
     "test_runtime_gvisor.py",
     "test_runtime_bubblewrap.py",
@@ -169,7 +172,13 @@ def pytest_collection_modifyitems(
             item.add_marker(pytest.mark.prefect)
         if needs_sandbox:
             item.add_marker(pytest.mark.sandbox)
-        if needs_k8s or needs_prefect or needs_sandbox or item.get_closest_marker("slow"):
+        if (
+            needs_k8s
+            or needs_prefect
+            or needs_sandbox
+            or names & SLOW_FIXTURES
+            or item.get_closest_marker("slow")
+        ):
             item.add_marker(pytest.mark.slow)
         (k8s if needs_k8s else rest).append(item)
     items[:] = rest + k8s
