@@ -102,9 +102,12 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory):
     """A real Prefect API (SQLite), started once for the whole session."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from polling import scaled
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # A hang bound, scaled: in a loaded full run the harness took 130 s to come up (its first
+    # start migrates a fresh database), next to a fixed 120 s bound.
+    with prefect_test_harness(server_startup_timeout=int(scaled(120))):
         yield
 
 
