@@ -16,6 +16,11 @@ from pathlib import Path
 # Prefect's ephemeral server would otherwise try to send usage telemetry off this machine.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The first run on a fresh machine creates and migrates Prefect's database before its
+# ephemeral server answers; on a busy 2-core machine that outlasts Prefect's 20 s default
+# (seen: a cold demo at load 25 failed "Timed out while attempting to connect to ephemeral
+# Prefect API server"). A bound on a start that does finish, not a wait for anything.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 from prefect import flow, get_run_logger, task  # noqa: E402
 

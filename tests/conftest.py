@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -100,9 +102,12 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory):
     """A real Prefect API (SQLite), started once for the whole session."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from polling import scaled
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # A hang bound, scaled: in a loaded full run the harness took 130 s to come up (its first
+    # start migrates a fresh database), next to a fixed 120 s bound.
+    with prefect_test_harness(server_startup_timeout=int(scaled(120))):
         yield
 
 
@@ -115,11 +120,101 @@ def prefect(prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         yield
 
 
+# Tiers, by what a test needs (pyproject.toml lists the markers; README, "Development"):
+# markers come from the fixtures a test uses, so a new test is tiered by what it asks for.
+K8S_FIXTURES = {"k8s_cluster"}  # k8s_agent, k8s_ns and every fixture built on them need it
+PREFECT_FIXTURES = {"prefect_api"}  # `prefect`, the worker and server fixtures are built on it
+# Fixtures that hand the test a real sandbox (gVisor, bubblewrap, podman, an egress testnet).
+SANDBOX_FIXTURES = {"gvisor", "gv", "gw_gvisor", "testnet", "k8s_agent"}
+# Fixtures that run whole guests behind a loopback service (the Solari gateway fake): no
+# sandbox, but seconds each; they are `slow` too.
+SLOW_FIXTURES = {"gw"}
+SANDBOX_MODULE_RT = {  # the modules whose `rt` fixture is a real sandbox runtime
+    "test_runtime_gvisor.py",
+    "test_runtime_bubblewrap.py",
+    "test_runtime_container.py",
+}
+# A runtime named in the test itself: ResolutoTaskRunner(runtime="gvisor"), get_runtime("gvisor"),
+# or a parametrize value; `process` and `solari` (the loopback gateway) are no sandbox here.
+SANDBOX_RUNTIMES = {"gvisor", "runsc", "bubblewrap", "container", "podman", "kata"}
+_NAMED_RUNTIME = re.compile(r"""(?:runtime\s*=\s*|get_runtime\(\s*)["'](\w+)["']""")
+
+
+def _uses_sandbox(item: pytest.Item) -> bool:
+    names = set(getattr(item, "fixturenames", ()))
+    if names & SANDBOX_FIXTURES or (item.path.name in SANDBOX_MODULE_RT and "rt" in names):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(
+        isinstance(v, str) and v in SANDBOX_RUNTIMES for v in callspec.params.values()
+    ):
+        return True
+    fn = getattr(item, "function", None)
+    try:
+        src = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        src = ""
+    return any(m in SANDBOX_RUNTIMES for m in _NAMED_RUNTIME.findall(src))
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Mark each test by what it needs, and run the ones against the genuine apiserver last
+    (the session may be building it meanwhile, tests/k8s_build.py)."""
+    k8s: list[pytest.Item] = []
+    rest: list[pytest.Item] = []
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        needs_k8s = bool(names & K8S_FIXTURES)
+        needs_prefect = bool(names & PREFECT_FIXTURES)
+        needs_sandbox = _uses_sandbox(item)
+        if needs_k8s:
+            item.add_marker(pytest.mark.k8s)
+        if needs_prefect:
+            item.add_marker(pytest.mark.prefect)
+        if needs_sandbox:
+            item.add_marker(pytest.mark.sandbox)
+        if (
+            needs_k8s
+            or needs_prefect
+            or needs_sandbox
+            or names & SLOW_FIXTURES
+            or item.get_closest_marker("slow")
+        ):
+            item.add_marker(pytest.mark.slow)
+        (k8s if needs_k8s else rest).append(item)
+    items[:] = rest + k8s
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the strict type check in the background as soon as it is known to be wanted
-    (its test only collects the result), so its minute of CPU overlaps tests that wait."""
+    """Start, in the background, what collected tests will need later: the strict type check
+    (its test only collects the result) and, if a genuine-apiserver test is selected and the
+    build is not cached, the Kubernetes control plane's build (niced; those tests run last)."""
+    import k8s_build
+
+    if not session.config.option.collectonly and any(
+        item.get_closest_marker("k8s") for item in session.items
+    ):
+        proc = k8s_build.start(Path(session.config.rootpath) / ".pytest_cache")
+        if proc is not None:
+            session.config.get_terminal_writer().line(
+                f"k8s: building the control plane in the background (pid {proc.pid}, nice 19, "
+                f"log .pytest_cache/k8s-build.log); its tests run last and wait for it"
+            )
     for item in session.items:
         if item.path.name == "test_code_checks.py" and item.name == "test_mypy_strict":
             module = item.module  # type: ignore[attr-defined]
             module.start(*module.MYPY_STRICT)
             return
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    import k8s_build
+
+    proc = k8s_build.running()
+    if proc is not None:  # no genuine-apiserver test was reached (-x, Ctrl-C): it is left to finish
+        terminalreporter.write_line(
+            f"k8s: the control plane's build (pid {proc.pid}) continues in the background; "
+            "the next run reuses its cache"
+        )

@@ -1,9 +1,10 @@
 """Session fixtures: a genuine Kubernetes control plane on 127.0.0.1 and a node agent.
 
-``scripts/k8s-local-cluster.sh`` (built by ``scripts/setup.sh``) provides kube-apiserver,
+``scripts/k8s-local-cluster.sh`` (built by the test session itself, ``tests/k8s_build.py``) provides kube-apiserver,
 kube-controller-manager, kube-scheduler and etcd; the session starts them once on free loopback
 ports (``up``) and stops exactly what it started (``down``). ``tests/k8s_node_agent.py`` is the
-node. Without the build (not Debian bookworm, build failed) the tests that need it skip, saying why.
+node. Without the build (not Debian bookworm, build failed) the tests that need it skip, saying why;
+on CI (``CI`` set, bookworm) they fail instead.
 
 Fixtures (``from k8s_cluster import *``):
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import k8s_build
 import pytest
 from polling import wait_for
 
@@ -91,6 +93,10 @@ class Cluster:
 
 
 def _why_no_cluster() -> str:
+    # The session started the build at collection (conftest); wait for it to exit, not a timer.
+    failed = k8s_build.wait()
+    if failed:
+        return failed
     if shutil.which("runsc") is None:
         return "runsc (gVisor) is not installed, so no node agent can run pods"
     if os.geteuid() != 0:
@@ -98,8 +104,9 @@ def _why_no_cluster() -> str:
     st = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
     if st.returncode != 0:
         return (
-            f"no Kubernetes build ({st.stdout.strip() or st.stderr.strip()}); scripts/setup.sh builds it "
-            "with 'scripts/k8s-local-cluster.sh build' (Debian bookworm's kubernetes source package)"
+            f"no Kubernetes build ({st.stdout.strip() or st.stderr.strip()}); the test session builds it "
+            f"unless {k8s_build.wanted_here() or 'it was not started'}; by hand: "
+            "'scripts/k8s-local-cluster.sh build' (Debian bookworm's kubernetes source package)"
         )
     return ""
 
@@ -112,7 +119,7 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "bookworm" in Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else False
         )
         if os.environ.get("CI") and bookworm:
-            # CI ran scripts/setup.sh, which builds it on bookworm: a missing build is a failure there.
+            # The session builds it on bookworm: a missing or failed build is a failure on CI.
             pytest.fail(f"genuine kube-apiserver unavailable on a bookworm CI machine: {why}")
         pytest.skip(f"genuine kube-apiserver unavailable: {why}")
     d = tmp_path_factory.mktemp("k8s")

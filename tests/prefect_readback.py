@@ -10,10 +10,30 @@ def client():
 
 
 def task_runs(flow_run_id) -> list:
+    """The flow run's task runs, in start order. Prefect 3 records a task run's states from
+    the events its engine emits (the server's task-run recorder, asynchronously), so right
+    after a flow returns the API may still show a task run Running: for a Completed flow run
+    this waits until every task run's recorded state is final (a state, not a delay)."""
+    from polling import wait_for
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    def read() -> list:
+        with client() as c:
+            return c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
     with client() as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        flow_state = c.read_flow_run(flow_run_id).state
+    if flow_state is not None and flow_state.is_completed():
+
+        def settled() -> tuple[list] | None:
+            rs = read()
+            return (rs,) if all(r.state is not None and r.state.is_final() for r in rs) else None
+
+        (runs,) = wait_for(
+            settled, timeout=60, what=f"the task runs of flow run {flow_run_id} to be recorded final"
+        )
+    else:
+        runs = read()
     return sorted(runs, key=lambda r: r.expected_start_time or r.created)
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import scaled
 from prefect_cli import flow_child_env
 
 from prefect_resoluto.background import Background
@@ -73,7 +74,8 @@ def test_work_submitted_after_close_or_beyond_the_bound_runs_on_the_caller():
 
 def _interrupted_child(mode: str, tmp_path: Path) -> tuple[str, float]:
     """Run the child flow, Ctrl-C it once its artifact is queued: (task run id + output, seconds to exit)."""
-    env = flow_child_env(tmp_path)
+    # A hang is dumped, not just timed out: SIGABRT makes faulthandler print every thread's stack.
+    env = flow_child_env(tmp_path, PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         [sys.executable, str(FLOWS / "artifact_interrupt_flow.py"), mode],
         env=env,
@@ -96,13 +98,19 @@ def _interrupted_child(mode: str, tmp_path: Path) -> tuple[str, float]:
     try:
         # The task returns before its artifact is published (a runner that published on
         # the task's thread would never get here: the publication waits for the signal).
-        assert queued.wait(timeout=180), "".join(lines)
+        assert queued.wait(timeout=scaled(180)), "".join(lines)
         task_run_id = next(ln for ln in lines if ln.startswith("TASK ")).split()[1]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)  # a hang fails here
+        try:
+            proc.wait(timeout=scaled(120))  # a hang fails here, with the child's stacks
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait()
+            reader.join(timeout=30)  # a grandchild may hold the pipe: not waited on forever
+            pytest.fail("the flow process did not exit after Ctrl-C; its threads:\n" + "".join(lines))
         took = time.monotonic() - t0
-        reader.join(timeout=30)
+        reader.join(timeout=30)  # EOF once the process is gone (a grandchild may still hold it)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -126,6 +134,8 @@ def test_ctrl_c_with_a_pending_artifact_exits_and_the_artifact_is_published(tmp_
 def test_ctrl_c_with_an_artifact_that_never_publishes_does_not_hang(tmp_path):
     from prefect_resoluto.task_runner import ARTIFACT_DRAIN_INTERRUPTED
 
-    out, took = _interrupted_child("stuck", tmp_path)
-    assert took < ARTIFACT_DRAIN_INTERRUPTED + 30, out
-    assert "resoluto-artifacts: 1 item(s) unfinished" in out, out
+    out, _ = _interrupted_child("stuck", tmp_path)
+    # Not a wall-clock margin on the whole exit (Prefect's own crash report and log drain
+    # take what a busy API takes): the runner gave up on the stuck item at its own deadline
+    # and said so, and the process exited (a hang fails in _interrupted_child).
+    assert f"resoluto-artifacts: 1 item(s) unfinished after {ARTIFACT_DRAIN_INTERRUPTED:.1f} s" in out, out

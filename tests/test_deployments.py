@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from flows import sample_flows as sf
-from polling import wait_for
+from polling import scaled, wait_for
 from prefect import flow
 from prefect_cli import cli_env
 from pydantic import SecretStr
@@ -133,7 +133,7 @@ def serve(tmp_path: Path, conduit_dir: Path, **extra: str):
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + scaled(180)
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise AssertionError((tmp_path / "served.log").read_text(errors="replace")[-6000:])
@@ -228,7 +228,7 @@ def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, s
     assert deployment.schedules and deployment.schedules[0].schedule.interval.total_seconds() == 3600
 
     # on demand
-    run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2}, timeout=240)
+    run = run_deployment("served-sandboxed/every-few-seconds", parameters={"count": 2}, timeout=scaled(240))
     assert run.state.is_completed(), f"{run.state}\n--- served process output ---\n{served.output()}"
     nodes = LocalConduit(served.conduit).list_prefix(f"run/{run.id}/nodes/")
     finished = {k.split("/")[3] for k in nodes if k.endswith("/_manifest.json")}

@@ -23,7 +23,7 @@ from typing import Any
 
 import egress_net
 import pytest
-from polling import wait_for
+from polling import scaled, wait_for
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
@@ -41,6 +41,9 @@ from prefect_resoluto.runtimes.base import LaunchError, SandboxRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = f"{egress_net.HOST2}:7,denied.example.test:443"
+# Sandbox namespaces are named by sandbox id machine-wide: ids of this session's own, so a
+# second suite on the machine never meets them (tests/test_egress_names.py).
+_OURS = f"{os.getpid()}-{os.urandom(2).hex()}"
 
 pytestmark = pytest.mark.skipif(
     bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}"
@@ -424,7 +427,7 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     req = egress.network_request("run-root", "n1", egress=["api.example.test"], resolve=testnet.resolve)
     assert req is not None
     hits_before = list(testnet.hits.seen)
-    net = egress.attach(req, "rsl-rootwiden0")
+    net = egress.attach(req, f"rsl-rootwiden-{_OURS}")
     try:
 
         def sh(cmd: str) -> subprocess.CompletedProcess[str]:
@@ -444,7 +447,7 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
         res = sh(f"curl -sSf -x http://{net.gateway}:3128 --connect-timeout 3 http://other.example.test/")
         assert res.returncode == 22 and "403" in res.stderr, res.stdout + res.stderr
     finally:
-        egress.detach("run-root", "rsl-rootwiden0")
+        egress.detach("run-root", f"rsl-rootwiden-{_OURS}")
     assert testnet.hits.seen == hits_before  # no connection reached any test host
 
 
@@ -563,7 +566,7 @@ def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
         has_setup=True,
     )
     assert req is not None
-    net = egress.attach(req, "rsl-phase00000")
+    net = egress.attach(req, f"rsl-phase-{_OURS}")
     try:
 
         def post(phase: str) -> str:
@@ -602,7 +605,7 @@ def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
         )
         assert "hello" not in res.stdout
     finally:
-        egress.detach("run-phase", "rsl-phase00000")
+        egress.detach("run-phase", f"rsl-phase-{_OURS}")
 
 
 class _LoopbackAPI:
@@ -1023,7 +1026,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
     )
     assert req is not None
     other_before = testnet.hits.to(egress_net.HOST2)
-    net = egress.attach(req, "rsl-keepalive0")
+    net = egress.attach(req, f"rsl-keepalive-{_OURS}")
     try:
         client = textwrap.dedent(f"""
             import socket
@@ -1045,7 +1048,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
             timeout=60,
         )
     finally:
-        egress.detach("run-ka", "rsl-keepalive0")
+        egress.detach("run-ka", f"rsl-keepalive-{_OURS}")
     assert "path=/one" in res.stdout and "path=/two" not in res.stdout, res.stdout + res.stderr
     assert testnet.hits.to(egress_net.HOST2) == other_before
 
@@ -1102,7 +1105,8 @@ def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connec
     assert req is not None
     events: list[dict[str, Any]] = []
     egress.listen("run-flood", "n1", events.append)
-    net = egress.attach(req, "rsl-flood00000")
+    sid = f"rsl-flood-{_OURS}"
+    net = egress.attach(req, sid)
     try:
         # No timeouts in the probe: every wait is for the proxy's answer (the subprocess's
         # own timeout is the only bound).
@@ -1136,13 +1140,13 @@ def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connec
             ["nsenter", f"--net=/run/netns/{net.netns}", sys.executable, "-c", client],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
         )
         assert "EXTRA True" in res.stdout and "NX 40" in res.stdout, res.stdout + res.stderr
         assert f"AFTER hello from {egress_net.HOST} host=api.example.test path=/after-flood" in res.stdout
         wait_for(lambda: decisions(events, "allowed"), 30, "the admitted connection's decision")
     finally:
-        egress.detach("run-flood", "rsl-flood00000")
+        egress.detach("run-flood", sid)
         egress.unlisten("run-flood", "n1")
     refused = decisions(events, "refused")
     assert len(refused) == 20  # one by one up to the cap

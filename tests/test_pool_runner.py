@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from flows import pool_tasks as pt
 from flows import real_prefect_tasks as rp
-from polling import wait_for
+from polling import scaled, wait_for
 from prefect import flow, task
 from prefect_cli import flow_child_env
 from prefect_readback import artifacts_of, task_runs
@@ -173,13 +173,13 @@ def test_ctrl_c_destroys_idle_warm_sandboxes_too(gvisor, tmp_path):
     )
     rt = get_runtime("gvisor", state_dir=state)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not (len(rt.list_ids()) >= 3 and idle_warm(rt)):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the sandboxes never started"
             time.sleep(0.05)  # polling the runtime's own listing
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
+        proc.wait(timeout=scaled(90))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -202,7 +202,7 @@ def test_cancelling_a_deployment_run_destroys_idle_warm_sandboxes(gvisor, tmp_pa
         run = run_deployment(
             "served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0
         )
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while not (len(rt.list_ids()) >= 3 and idle_warm(rt)):
             assert time.monotonic() < deadline, "the run's sandboxes never started"
             time.sleep(0.1)  # polling the runtime's own listing

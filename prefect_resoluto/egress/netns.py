@@ -205,9 +205,13 @@ def create_sandbox_namespace(run_id: str, sandbox_id: str, proxy_ns: str, slot: 
     gateway, addr = slot_addresses(slot)
     # Interface names are at most 15 bytes; the proxy side carries the slot, unique in its namespace.
     host_if = f"rsv{slot}"
+    # Names are machine-wide: one already taken (another session's sandbox of that id) fails
+    # this launch here, before anything is recorded or cleaned up under it -- the clean-up
+    # below would delete the other sandbox's namespace. Recorded right after, so a crash
+    # mid-wiring is still swept.
+    _ip("netns", "add", name)
     _record(name, "sandbox", run_id, {"proxy": proxy_ns, "sandbox_id": sandbox_id})
     try:
-        _ip("netns", "add", name)
         _ip(
             "link",
             "add",

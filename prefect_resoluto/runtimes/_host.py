@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -331,7 +332,10 @@ class SandboxRecord:
 
     def save(self) -> None:
         path = Path(self.dir) / RECORD_NAME
-        tmp = path.with_suffix(".tmp")
+        # A temporary name of this writer's own: two threads saving one record at once (the
+        # node's status poll and the reaper's both remember an exit) shared one ".tmp", and
+        # the second rename found it gone (FileNotFoundError failed a flow run).
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
         os.replace(tmp, path)  # a concurrent sweep never reads half a record
 
