@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 SCHEMAS = ROOT / "schemas"
+
+# A suite started in the background by a non-interactive shell (`cmd &`, nohup) inherits
+# SIGINT as ignored, and so would every flow, worker and sandbox a test starts: the tests
+# of Ctrl-C and of stopping a worker would then wait on processes that cannot hear them.
+# Python's own handler makes it default again in each child (exec resets a handler, not an
+# ignore).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from s3_fixtures import *  # noqa: E402,F401,F403
 

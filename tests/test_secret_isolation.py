@@ -68,7 +68,7 @@ def test_every_shape_of_a_multi_line_secret_is_redacted_from_prefect_logs_and_th
     key = _pem()
     conduit = LocalConduit(tmp_path / "conduit")
 
-    @flow(task_runner=runner(conduit, tmp_path, secret_env={"SSH_PRIVATE_KEY": key}))
+    @flow(task_runner=runner(conduit, tmp_path, secret_env={"SSH_PRIVATE_KEY": key}), log_prints=True)
     def leaks_the_key() -> str:
         return ht.print_every_shape_of_the_key.submit().result()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -190,16 +191,22 @@ def test_pydantic_and_dataclass_parameters_and_returns_are_rebuilt(gvisor, condu
 def test_remote_exception_fails_the_task_with_its_traceback(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     def failing():
-        return caught(sf.fail_with.submit("bad input 42"))
+        try:
+            sf.fail_with.submit("bad input 42").result()
+        except Exception as e:
+            return type(e), str(e), "".join(traceback.format_exception(e))
+        raise AssertionError("the task was expected to fail")
 
     state = failing(return_state=True)
-    kind, text = state.result()
+    kind, text, tb = state.result()
     assert issubclass(kind, ValueError) and issubclass(kind, RemoteTaskError)  # except ValueError works
+    assert text == "bad input 42"  # str() of the exception, as on threads
+    # Its traceback is the sandbox's frames, from the task's own file down to the raise.
+    assert 'sample_flows.py", line' in tb and "raise ValueError(message)" in tb, tb
+    assert "guest_runner" not in tb and "pycall.py" not in tb, tb
     (tr,) = task_runs(state.state_details.flow_run_id)
     assert tr.state.is_failed()
-    for message in (text, tr.state.message):  # in the flow, and as the UI shows it
-        assert "ValueError: bad input 42" in message
-        assert 'sample_flows.py", line' in message and "raise ValueError(message)" in message
+    assert "ValueError: bad input 42" in tr.state.message  # as the UI shows it
     no_orphans()
 
 
@@ -385,7 +392,7 @@ def test_sandbox_options_override_one_submission(gvisor, conduit, tmp_path):
 def test_secret_env_reaches_the_task_but_never_the_logs_or_conduit(gvisor, conduit, tmp_path):
     secret = f"tok-{uuid.uuid4().hex}"
 
-    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}))
+    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}), log_prints=True)
     def secretive():
         return sf.echo_secret.submit().result()
 
