@@ -457,7 +457,9 @@ def serve_s3() -> Iterator[tuple[CountingProxy, str]]:
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
     pytest.importorskip("boto3")
-    pytest.importorskip("moto.server", reason="moto[server] is needed for S3 tests")
+    pytest.importorskip(
+        "moto.server", reason="moto[s3] with flask and flask-cors (the dev extra) is needed for S3 tests"
+    )
     nowhere = tmp_path_factory.mktemp("aws") / "absent"
     with pytest.MonkeyPatch.context() as mp:
         # Fake credentials, and nothing that could send a request anywhere but 127.0.0.1.
