@@ -177,6 +177,15 @@ def _sandbox_choices(schema: dict[str, Any]) -> None:
     title_choices(schema, {"SandboxBlock": "Resoluto Sandbox block"}, "None")
 
 
+def _direct_credential(upstream: Upstream) -> dict[str, str]:
+    """The worker's own credential as the sandbox's (the benchmark's direct baseline only)."""
+    if upstream.auth_string:
+        return {"PREFECT_API_AUTH_STRING": upstream.auth_string}
+    if upstream.api_key:
+        return {"PREFECT_API_KEY": upstream.api_key}
+    return {}
+
+
 class ResolutoWorkerVariables(BaseVariables):
     """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
@@ -623,42 +632,28 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             runtime = cfg.build_runtime()
         env, secret_env = split_env(dict(configuration.env), cfg.secret_env)
         env = {**cfg.env, **env}
+        gateway: ApiGateway | None = None
         if os.environ.get(DIRECT_API_ENV) == "1":
-            return self._plan_direct(flow_run, configuration, cfg, runtime, env, secret_env)
-        gateway = self._gateway(flow_run, configuration, remote=not runtime.supports_local_conduit)
+            # The benchmark's baseline: the sandbox dials the API itself with the worker's own
+            # credential, as before the gateway. Never for flows you do not trust.
+            upstream = Upstream.from_settings()
+            api_url, credential = upstream.api_url, _direct_credential(upstream)
+        else:
+            gateway = self._gateway(flow_run, configuration, remote=not runtime.supports_local_conduit)
+            api_url, credential = gateway.sandbox_url(), gateway_env(gateway.token)
         try:
-            net = sandbox_network(runtime, gateway.sandbox_url(), cfg.egress)
+            net = sandbox_network(runtime, api_url, cfg.egress)
             env.update(net.env)
-            secret_env.update(gateway_env(gateway.token))
-            gateway.start()
+            secret_env.update(credential)
+            if gateway is not None:
+                gateway.start()
             spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
         except BaseException:
-            gateway.close()
+            if gateway is not None:
+                gateway.close()
             raise
         self._runtimes[runtime.name] = runtime
         return spec, runtime, conduit, cfg, gateway
-
-    def _plan_direct(
-        self,
-        flow_run: FlowRun,
-        configuration: ResolutoJobConfiguration,
-        cfg: SandboxConfig,
-        runtime: Any,
-        env: dict[str, str],
-        secret_env: dict[str, str],
-    ) -> tuple[Any, ...]:
-        """The benchmark's baseline: the sandbox dials the API itself with the worker's own
-        credential, as before the gateway. Never for flows you do not trust."""
-        upstream = Upstream.from_settings()
-        net = sandbox_network(runtime, upstream.api_url, cfg.egress)
-        env.update(net.env)
-        if upstream.auth_string:
-            secret_env["PREFECT_API_AUTH_STRING"] = upstream.auth_string
-        elif upstream.api_key:
-            secret_env["PREFECT_API_KEY"] = upstream.api_key
-        spec, conduit = self._spec(flow_run, configuration, cfg, runtime, env, secret_env, net)
-        self._runtimes[runtime.name] = runtime
-        return spec, runtime, conduit, cfg, None
 
     def _gateway(
         self, flow_run: FlowRun, configuration: ResolutoJobConfiguration, *, remote: bool
