@@ -193,7 +193,49 @@ def pytest_collection_modifyitems(
         ):
             item.add_marker(pytest.mark.slow)
         (k8s if needs_k8s else rest).append(item)
-    items[:] = rest + k8s
+    items[:] = _distribution_order(rest, k8s)
+
+
+# Two workers (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml): the suite waits on
+# sandboxes, servers and Prefect far more than it computes, so two of it on 2 cores take
+# about half the time of one. Each worker has its own session servers (Prefect API, S3).
+# Work is handed out in the order of `items` (--no-loadscope-reorder) in units: a test alone,
+# or every test of a module that shares a module-scoped fixture (a worker process, a
+# testnet, one sandbox's findings: one instance, on one worker), or all the cluster tests
+# (one control plane, after its build). Heavy units go first and single tests fill the end,
+# so both workers finish together; the cluster unit goes last, as it waits for the build.
+K8S_GROUP = "k8s"
+
+
+def _shared_scope_module(item: pytest.Item) -> str:
+    """The module's name if the test uses a fixture shared across the module's tests."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return ""
+    for defs in info.name2fixturedefs.values():
+        if any(d.scope in ("module", "class", "package") for d in defs):
+            return item.path.stem
+    return ""
+
+
+def _distribution_order(rest: list[pytest.Item], k8s: list[pytest.Item]) -> list[pytest.Item]:
+    grouped: dict[str, list[pytest.Item]] = {}
+    sandboxed: list[pytest.Item] = []
+    plain: list[pytest.Item] = []
+    for item in rest:
+        module = _shared_scope_module(item)
+        if module:
+            item.add_marker(pytest.mark.xdist_group(module))
+            grouped.setdefault(module, []).append(item)
+        elif item.get_closest_marker("slow"):
+            sandboxed.append(item)
+        else:
+            plain.append(item)
+    for item in k8s:
+        item.add_marker(pytest.mark.xdist_group(K8S_GROUP))
+    # A module's group keeps its tests in file order (one unit); units, largest first.
+    units = sorted(grouped.values(), key=len, reverse=True)
+    return [i for unit in units for i in unit] + sandboxed + plain + k8s
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -205,17 +247,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly and any(
         item.get_closest_marker("k8s") for item in session.items
     ):
-        proc = k8s_build.start(Path(session.config.rootpath) / ".pytest_cache")
+        proc = k8s_build.start(Path(session.config.rootpath) / ".pytest_cache", _worker_id(session.config))
         if proc is not None:
             session.config.get_terminal_writer().line(
                 f"k8s: building the control plane in the background (pid {proc.pid}, nice 19, "
                 f"log .pytest_cache/k8s-build.log); its tests run last and wait for it"
             )
+    if _worker_id(session.config):
+        # Under xdist the other worker goes on while this one type-checks; two background
+        # runs (one per worker) would only share one .mypy_cache and the CPU.
+        return
     for item in session.items:
         if item.path.name == "test_code_checks.py" and item.name == "test_mypy_strict":
             module = item.module  # type: ignore[attr-defined]
             module.start(*module.MYPY_STRICT)
             return
+
+
+def _worker_id(config: pytest.Config) -> str:
+    """This xdist worker's id ("gw0", ...), or "" in a run without workers."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput["workerid"]) if workerinput else ""
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

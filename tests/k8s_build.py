@@ -41,13 +41,15 @@ def wanted_here() -> str:
     return ""
 
 
-def start(log_dir: Path) -> subprocess.Popen[bytes] | None:
-    """Start the build in the background unless it is cached (idempotent within a session)."""
+def start(log_dir: Path, worker: str = "") -> subprocess.Popen[bytes] | None:
+    """Start the build in the background unless it is cached (idempotent within a session).
+    Each xdist worker starts its own: the script's flock makes all but one a wait, and the
+    worker that runs the cluster tests waits on its own process either way."""
     global _build, _log
     if _build is not None or cached() or wanted_here():
         return _build
     log_dir.mkdir(parents=True, exist_ok=True)
-    _log = log_dir / "k8s-build.log"
+    _log = log_dir / (f"k8s-build-{worker}.log" if worker else "k8s-build.log")
     # nice 19: the build eats only CPU the tests leave idle. Its own session, so a Ctrl-C of
     # pytest does not kill it half-way (the cache is filled for the next run; the flock keeps
     # a second build out meanwhile).
