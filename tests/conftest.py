@@ -193,7 +193,14 @@ def pytest_collection_modifyitems(
         ):
             item.add_marker(pytest.mark.slow)
         (k8s if needs_k8s else rest).append(item)
-    items[:] = _distribution_order(rest, k8s)
+    items[:] = _distribution_order(rest, k8s, build_pending=bool(k8s) and _k8s_build_pending())
+
+
+def _k8s_build_pending() -> bool:
+    """Will the cluster tests wait for the control plane's build (not cached, and buildable)?"""
+    import k8s_build
+
+    return not k8s_build.wanted_here() and not k8s_build.cached()
 
 
 # Two workers (pytest-xdist, `-n 2 --dist loadgroup` in pyproject.toml): the suite waits on
@@ -203,7 +210,8 @@ def pytest_collection_modifyitems(
 # or every test of a module that shares a module-scoped fixture (a worker process, a
 # testnet, one sandbox's findings: one instance, on one worker), or all the cluster tests
 # (one control plane, after its build). Heavy units go first and single tests fill the end,
-# so both workers finish together; the cluster unit goes last, as it waits for the build.
+# so both workers finish together. The cluster unit is the largest: it goes first when the
+# control plane is cached, last when it has to wait for its build (started at collection).
 K8S_GROUP = "k8s"
 
 
@@ -218,7 +226,9 @@ def _shared_scope_module(item: pytest.Item) -> str:
     return ""
 
 
-def _distribution_order(rest: list[pytest.Item], k8s: list[pytest.Item]) -> list[pytest.Item]:
+def _distribution_order(
+    rest: list[pytest.Item], k8s: list[pytest.Item], *, build_pending: bool
+) -> list[pytest.Item]:
     grouped: dict[str, list[pytest.Item]] = {}
     sandboxed: list[pytest.Item] = []
     plain: list[pytest.Item] = []
@@ -235,7 +245,11 @@ def _distribution_order(rest: list[pytest.Item], k8s: list[pytest.Item]) -> list
         item.add_marker(pytest.mark.xdist_group(K8S_GROUP))
     # A module's group keeps its tests in file order (one unit); units, largest first.
     units = sorted(grouped.values(), key=len, reverse=True)
-    return [i for unit in units for i in unit] + sandboxed + plain + k8s
+    # The code checks run whole-tree tools (a cold strict mypy is a minute of CPU): first
+    # among the single tests, never the last thing a worker does.
+    plain.sort(key=lambda i: i.path.name != "test_code_checks.py")
+    ordered = [i for unit in units for i in unit] + sandboxed + plain
+    return ordered + k8s if build_pending else k8s + ordered
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
