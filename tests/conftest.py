@@ -132,7 +132,9 @@ def prefect(prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 # Tiers, by what a test needs (pyproject.toml lists the markers; README, "Development"):
 # markers come from the fixtures a test uses, so a new test is tiered by what it asks for.
 K8S_FIXTURES = {"k8s_cluster"}  # k8s_agent, k8s_ns and every fixture built on them need it
-PREFECT_FIXTURES = {"prefect_api"}  # `prefect`, the worker and server fixtures are built on it
+# `prefect`, the worker and server fixtures are built on prefect_api; auth_server is a
+# `prefect server` of its own (with an auth string) and a worker on it.
+PREFECT_FIXTURES = {"prefect_api", "auth_server"}
 # Fixtures that hand the test a real sandbox (gVisor, bubblewrap, podman, an egress testnet).
 SANDBOX_FIXTURES = {"gvisor", "gv", "gw_gvisor", "testnet", "k8s_agent"}
 # Fixtures that run whole guests behind a loopback service (the Solari gateway fake): no
