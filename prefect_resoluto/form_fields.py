@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional, TypeVar
 
 from prefect_resoluto import settings
-from prefect_resoluto.settings import OWN, SETTINGS, Form, Omitted, SandboxSettings, Surface
+from prefect_resoluto.settings import OWN, SETTINGS, Form, SandboxSettings, Surface
 
 
 class SurfaceType(NamedTuple):
@@ -141,16 +141,6 @@ def to_settings(surface: Surface, values: Mapping[str, Any]) -> dict[str, Any]:
 def optional(annotation: Any) -> Any:
     """``annotation`` accepting None too (a job configuration's field: unset unless templated)."""
     return Optional[annotation]  # noqa: UP045 - pydantic annotation
-
-
-def omitted(surface: Surface) -> dict[str, str]:
-    """Why ``surface`` leaves each setting it does not show out, by setting."""
-    out: dict[str, str] = {}
-    for name, s in SETTINGS.items():
-        where = {Surface.BLOCK: s.block, Surface.POOL: s.pool, Surface.CLI: s.cli, Surface.RUNNER: s.runner}
-        if isinstance(where[surface], Omitted):
-            out[name] = where[surface].why  # type: ignore[union-attr]
-    return out
 
 
 def plain_optional(schema: dict[str, Any]) -> None:

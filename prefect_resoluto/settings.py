@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Optional, Self
 
 from guest_runner import redact
 from prefect_resoluto.runtimes import RUNTIMES
@@ -94,7 +95,7 @@ class Flag:
     metavar: str
     help: str
     repeat: bool = False
-    type: Callable[[str], Any] | None = None
+    type: Callable[[str], Any] = str
     default: Any = None
 
     @property
@@ -122,9 +123,6 @@ class Setting:
     def exposed(self, surface: Surface) -> bool:
         where = {Surface.RUNNER: self.runner, Surface.BLOCK: self.block, Surface.POOL: self.pool}
         return not isinstance(self.cli if surface is Surface.CLI else where[surface], Omitted)
-
-
-_T = TypeVar("_T")
 
 
 def setting(
@@ -276,7 +274,11 @@ class SandboxSettings:
         check=parse_quantity,
         block=Form(examples=["1Gi"], blank_is_unset=True),
         pool=Omitted("a flow run's sandbox is sized by memory; use a sandbox block for more"),
-        cli=Omitted("not offered yet: a command's scratch is sized by --memory"),
+        cli=Flag(
+            "--disk",
+            "QTY",
+            "size of /tmp and /workspace where the runtime can size them, e.g. 1Gi (default: the memory limit)",
+        ),
     )
     #: Most bytes of outputs the host takes from one node (quantity); None: what the sandbox
     #: could hold (``disk``, else ``memory``). See node.output_allowance.
@@ -293,7 +295,7 @@ class SandboxSettings:
         cli=Flag(
             "--output-limit",
             "QTY",
-            "most bytes of --output files taken back, e.g. 10Gi (default: the memory limit)",
+            "most bytes of --output files taken back, e.g. 10Gi (default: --disk, else the memory limit)",
         ),
     )
     pids: int | None = setting(
@@ -303,7 +305,13 @@ class SandboxSettings:
         check=_check_pids,
         block=Form(type=int, gt=0),
         pool=Omitted("a flow run's sandbox keeps the default; use a sandbox block to change it"),
-        cli=Omitted("not offered yet: a command's sandbox keeps the default"),
+        cli=Flag(
+            "--pids",
+            "N",
+            f"most processes and threads in the sandbox (default {DEFAULT_PIDS})",
+            type=int,
+            default=DEFAULT_PIDS,
+        ),
     )
     image: str | None = setting(
         None,
@@ -498,7 +506,7 @@ class SandboxSettings:
             self.outputs_dir = Path(self.outputs_dir)
         self.output_paths = list(self.output_paths)
 
-    def replace(self: _T, **changes: Any) -> _T:
+    def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied; dict fields are merged, not replaced."""
         names = {f.name for f in dataclasses.fields(SandboxSettings)}
         merged: dict[str, Any] = {}
@@ -507,10 +515,10 @@ class SandboxSettings:
                 continue
             if k not in names:
                 raise TypeError(f"unknown sandbox option {k!r}")
-            if k in ("env", "secret_env", "runtime_options", "egress_resolve"):
+            if isinstance(getattr(self, k), dict):
                 v = {**getattr(self, k), **v}
             merged[k] = v
-        return dataclasses.replace(self, **merged)  # type: ignore[type-var]
+        return dataclasses.replace(self, **merged)
 
 
 def declaration(name: str) -> Setting:
@@ -537,14 +545,6 @@ def exposed(surface: Surface) -> list[str]:
     return [name for name, s in SETTINGS.items() if s.exposed(surface)]
 
 
-def default_of(name: str) -> Any:
-    """The setting's own default (a fresh one for a mutable default)."""
-    f = {f.name: f for f in dataclasses.fields(SandboxSettings)}[name]
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
 def field_type(name: str) -> str:
     """The setting's type, as written in its declaration."""
     return str({f.name: f for f in dataclasses.fields(SandboxSettings)}[name].type)
@@ -555,3 +555,34 @@ def check_value(name: str, value: Any) -> None:
     s = SETTINGS[name]
     if value is not None and s.check is not None:
         s.check(value)
+
+
+def keyword_signature(fn: Callable[..., Any], *, keep: tuple[str, ...] = ("self",)) -> inspect.Signature:
+    """``fn``'s signature with its ``**options`` spelt out as one keyword per setting of
+    :attr:`Surface.RUNNER` (default None: the block's or the built-in value), for help(),
+    IDEs and ``inspect``; the parameters named in ``keep`` stay as ``fn`` declares them."""
+    own = inspect.signature(fn)
+    kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    first = [p for p in kept if p.name in keep]
+    rest = [p for p in kept if p.name not in keep]
+    settings = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=field_type(name)
+            if field_type(name).endswith("| None")
+            else f"{field_type(name)} | None",
+        )
+        for name in exposed(Surface.RUNNER)
+    ]
+    return own.replace(parameters=[*first, *settings, *rest])
+
+
+def unknown_keywords(who: str, options: dict[str, Any]) -> None:
+    """Refuse a keyword that is no setting of :attr:`Surface.RUNNER`, as Python refuses an
+    unknown argument."""
+    known = set(exposed(Surface.RUNNER))
+    for k in options:
+        if k not in known:
+            raise TypeError(f"{who} got an unexpected keyword argument {k!r} (not a sandbox setting)")
