@@ -246,6 +246,7 @@ else:
             },
         ),
         setting_validators(Surface.BLOCK),
+        __name__,
     )
 
 

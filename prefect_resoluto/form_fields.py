@@ -82,14 +82,18 @@ _M = TypeVar("_M")
 
 
 def model(
-    name: str, base: type[_M], fields: Mapping[str, tuple[Any, Any]], validators: dict[str, Any]
+    name: str,
+    base: type[_M],
+    fields: Mapping[str, tuple[Any, Any]],
+    validators: dict[str, Any],
+    module: str,
 ) -> type[_M]:
-    """A pydantic model ``name`` deriving from ``base`` with ``fields`` (in order) and
-    ``validators``: what a surface inherits its setting fields from."""
+    """A pydantic model ``name`` of ``module`` deriving from ``base`` with ``fields`` (in
+    order) and ``validators``: what a surface inherits its setting fields from."""
     from pydantic import create_model
 
     made: type[_M] = create_model(  # type: ignore[call-overload]
-        name, __base__=base, __module__=base.__module__, __validators__=validators, **fields
+        name, __base__=base, __module__=module, __validators__=validators, **fields
     )
     return made
 

@@ -231,12 +231,15 @@ if TYPE_CHECKING:
     _VariableFields = BaseVariables
     _JobFields = BaseJobConfiguration
 else:
-    _VariableFields = model("_VariableFields", BaseVariables, {**_SETTINGS, **_WORKER_FIELDS}, _VALIDATORS)
+    _VariableFields = model(
+        "_VariableFields", BaseVariables, {**_SETTINGS, **_WORKER_FIELDS}, _VALIDATORS, __name__
+    )
     _JobFields = model(
         "_JobFields",
         BaseJobConfiguration,
         {name: _job_field(*spec) for name, spec in {**_SETTINGS, **_WORKER_FIELDS}.items()},
         _VALIDATORS,
+        __name__,
     )
 
 
