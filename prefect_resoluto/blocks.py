@@ -13,7 +13,7 @@ passed to the sandbox block is taken in as such a model.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 from prefect.blocks.core import Block
 from prefect.types import SecretDict
@@ -22,19 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.config import SandboxConfig
 from prefect_resoluto.form_fields import (
-    DESCRIPTIONS,
-    MIN_ISOLATION_DEFAULT,
+    SurfaceType,
+    model,
     plain_optional,
-    shared_field,
+    setting_fields,
+    setting_validators,
     title_choices,
+    to_settings,
 )
-from prefect_resoluto.runtimes import RUNTIMES
-from prefect_resoluto.runtimes.base import DEFAULT_PIDS, IsolationLevel
-from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
-
-# Choices, so the block form shows dropdowns: every registered runtime, every level.
-RuntimeName = Literal[tuple(RUNTIMES)]  # type: ignore[valid-type]
-IsolationName = Literal[tuple(level.label for level in sorted(IsolationLevel, reverse=True))]  # type: ignore[valid-type]
+from prefect_resoluto.settings import Surface, exposed
 
 # The conduit settings, once for the blocks and the sandbox block's nested models.
 _Path = Annotated[str, Field(title="Path", description="Absolute path of the conduit directory on the host.")]
@@ -231,8 +227,35 @@ def _solari(title: str, description: str) -> Any:
     return Field(None, title=f"Solari: {title}", description=description, json_schema_extra=plain_optional)
 
 
-class SandboxBlock(Block):
+# Every setting the block shows, built from its one declaration (settings.py): a plain model
+# the block inherits its fields from, in declaration order, before the runtimes' own below.
+if TYPE_CHECKING:
+    _BlockSettings = BaseModel
+else:
+    _BlockSettings = model(
+        "_BlockSettings",
+        BaseModel,
+        setting_fields(
+            Surface.BLOCK,
+            {
+                "conduit": SurfaceType(
+                    Union[LocalDirectoryConduit, S3BucketConduit, None],  # noqa: UP007 - pydantic union
+                    schema=_conduit_choices,
+                ),
+                "secret_dict": SurfaceType(SecretDict, lambda: SecretDict({})),
+            },
+        ),
+        setting_validators(Surface.BLOCK),
+        __name__,
+    )
+
+
+class SandboxBlock(Block, _BlockSettings):
     """Everything ResolutoTaskRunner needs to place task runs in sandboxes."""
+
+    if TYPE_CHECKING:  # the settings' fields are built from their declaration (settings.py)
+
+        def __getattr__(self, name: str) -> Any: ...
 
     _block_type_name = "Resoluto Sandbox"
     _block_type_slug = "resoluto-sandbox"
@@ -248,89 +271,8 @@ def my_flow(): ...
 ```
 """
 
-    # Fields in the order the form shows them: every runtime's settings first, then those
-    # of one runtime, each titled with its runtime ("Kubernetes: namespace").
-    runtime: RuntimeName | None = Field(  # type: ignore[valid-type]
-        None,
-        title="Runtime",
-        description=DESCRIPTIONS["runtime"].replace(
-            "bubblewrap (namespaces),", "bubblewrap (namespaces), solari (a hosted micro-VM),"
-        ),
-        json_schema_extra=plain_optional,
-    )
-    min_isolation: IsolationName = shared_field("min_isolation", MIN_ISOLATION_DEFAULT)  # type: ignore[valid-type]
-    memory: str | None = shared_field("memory", None, examples=["4Gi"], json_schema_extra=plain_optional)
-    cpus: str | None = shared_field("cpus", None, examples=["2"], json_schema_extra=plain_optional)
-    disk: str | None = shared_field("disk", None, examples=["1Gi"], json_schema_extra=plain_optional)
-    output_limit: str | None = shared_field(
-        "output_limit", None, examples=["10Gi"], json_schema_extra=plain_optional
-    )
-    pids: int = shared_field(
-        "pids",
-        DEFAULT_PIDS,
-        gt=0,
-    )
-    image: str | None = shared_field("image", None, json_schema_extra=plain_optional)
-    conduit: Union[LocalDirectoryConduit, S3BucketConduit, None] = Field(  # noqa: UP007 - pydantic union
-        None,
-        title="Conduit",
-        description=DESCRIPTIONS["conduit"],
-        json_schema_extra=_conduit_choices,
-    )
-    env: dict[str, str] = shared_field(
-        "env",
-        default_factory=dict,
-    )
-    secret_env: SecretDict = shared_field(
-        "secret_env",
-        default_factory=lambda: SecretDict({}),
-    )
-    egress: list[str] = shared_field(
-        "egress",
-        default_factory=list,
-    )
-    egress_resolve: dict[str, str] = Field(
-        default_factory=dict,
-        title="Egress name pins",
-        description="Pin allowlisted names to addresses {HOST: IP}, like curl --resolve.",
-    )
-    setup_argv: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
-        None,
-        title="Setup command",
-        description="A command run in the sandbox before each task (e.g. pip install ...), one argument per item.",
-        json_schema_extra=plain_optional,
-    )
-    setup_egress: Optional[list[str]] = Field(  # noqa: UP045 - pydantic field
-        None,
-        title="Setup egress allowlist",
-        description="The setup command's own allowlist (e.g. a package index); the task's is the egress allowlist.",
-        json_schema_extra=plain_optional,
-    )
-    output_paths: list[str] = Field(
-        default_factory=list,
-        title="Output paths",
-        description="Paths or globs every node returns from its workspace.",
-    )
-    silence_window: float = shared_field(
-        "silence_window",
-        DEFAULT_SILENCE_WINDOW,
-        gt=0,
-    )
-    infrastructure_retries: int = Field(
-        1,
-        ge=0,
-        title="Infrastructure retries",
-        description="Re-launches after an infrastructure failure (not the task's own retries). Default: 1.",
-    )
-    warm_pool: int | None = Field(
-        None,
-        ge=0,
-        title="Warm sandboxes",
-        description="Warm sandboxes kept ready per kind of node on local runtimes (0 disables). "
-        "Empty: the task runner's concurrency, at most 4.",
-        json_schema_extra=plain_optional,
-    )
-
+    # Fields in the order the form shows them: every runtime's settings first (inherited,
+    # above), then those of one runtime, each titled with its runtime ("Kubernetes: namespace").
     kube_namespace: str | None = _k8s("namespace", "Namespace of the sandbox pods. Empty: default.")
     kube_context: str | None = _k8s("kubeconfig context", "Required unless the flow runs in the cluster.")
     runtime_class: str | None = _k8s("RuntimeClass", "RuntimeClass of the pods. Empty: kata.")
@@ -369,11 +311,6 @@ def my_flow(): ...
     solari_metadata: dict[str, str] = Field(
         default_factory=dict, title="Solari: VM metadata", description="Extra metadata on every VM."
     )
-
-    @field_validator("min_isolation", mode="before")
-    @classmethod
-    def _level(cls, v: str) -> str:
-        return IsolationLevel.parse(v).label
 
     @field_validator("conduit", mode="before")
     @classmethod
@@ -414,28 +351,11 @@ def my_flow(): ...
             runtime_options = {k: v for k, v in solari.items() if v is not None}
         if self.runtime == "container" and self.image:
             runtime_options["image"] = self.image
-        return SandboxConfig(
-            runtime=self.runtime or None,
-            runtime_options=runtime_options,
-            conduit=self.conduit.to_conduit() if self.conduit is not None else None,
-            output_paths=list(self.output_paths),
-            env=dict(self.env),
-            secret_env={str(k): str(v) for k, v in self.secret_env.get_secret_value().items()},
-            memory=self.memory or None,
-            cpus=self.cpus or None,
-            disk=self.disk or None,
-            output_limit=self.output_limit or None,
-            pids=self.pids,
-            image=self.image or None,
-            egress=list(self.egress),
-            egress_resolve=dict(self.egress_resolve),
-            setup_egress=list(self.setup_egress) if self.setup_egress is not None else None,
-            setup_argv=list(self.setup_argv) if self.setup_argv else None,
-            min_isolation=self.min_isolation,
-            silence_window=self.silence_window,
-            infrastructure_retries=self.infrastructure_retries,
-            warm_pool=self.warm_pool,
-        )
+        values = to_settings(Surface.BLOCK, {name: getattr(self, name) for name in exposed(Surface.BLOCK)})
+        conduit, secret_env = values["conduit"], values["secret_env"]
+        values["conduit"] = conduit.to_conduit() if conduit is not None else None
+        values["secret_env"] = {str(k): str(v) for k, v in secret_env.get_secret_value().items()}
+        return SandboxConfig(runtime_options=runtime_options, **values)
 
 
 def load_sandbox_block(ref: str | SandboxBlock) -> SandboxBlock:

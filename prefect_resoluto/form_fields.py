@@ -1,87 +1,150 @@
-"""What the sandbox block's form and the ``resoluto`` pool's form say about the settings they
-share, and how their JSON schemas are shaped so Prefect's UIs render plain inputs.
+"""The sandbox block's and the ``resoluto`` pool's fields, built from the settings' one
+declaration (settings.py), and how their JSON schemas are shaped so Prefect's UIs render
+plain inputs.
 
-One title and one description per setting, used by both forms, so a value reads the same
-wherever it is edited. Nothing here decides behaviour; ``config.py`` does.
+A setting reads the same wherever it is edited: its title and description are its
+declaration's. Nothing here decides behaviour; ``config.py`` does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Optional, TypeVar
 
-from prefect_resoluto.runtimes.base import DEFAULT_CPUS, DEFAULT_MEMORY, DEFAULT_PIDS
-from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
-
-#: The built-in defaults, as the forms show them (strings where the setting is a quantity).
-MEMORY_DEFAULT = DEFAULT_MEMORY
-CPUS_DEFAULT = f"{DEFAULT_CPUS:g}"
-SILENCE_DEFAULT = DEFAULT_SILENCE_WINDOW
-MIN_ISOLATION_DEFAULT = "user-kernel"
-
-TITLES = {
-    "runtime": "Runtime",
-    "min_isolation": "Minimum isolation",
-    "image": "Image",
-    "memory": "Memory",
-    "cpus": "CPUs",
-    "disk": "Disk (/tmp and /workspace)",
-    "output_limit": "Output limit",
-    "pids": "Process limit",
-    "silence_window": "Silence window (s)",
-    "egress": "Egress allowlist",
-    "env": "Environment variables",
-    "secret_env": "Secret environment variables",
-    "conduit": "Conduit",
-}
-
-DESCRIPTIONS = {
-    "runtime": (
-        "Where sandboxes run: gvisor (a user-space kernel), container (podman with runsc or Kata), "
-        "kubernetes (a pod, RuntimeClass kata), bubblewrap (namespaces), process (no isolation: "
-        "needs minimum isolation 'none'). Empty: the strongest runtime available on the host."
-    ),
-    "min_isolation": (
-        "Refuse a runtime weaker than this: vm, user-kernel, namespace or none ('none' is for "
-        f"trusted code only). Default: {MIN_ISOLATION_DEFAULT}."
-    ),
-    "image": (
-        "Image for the container and kubernetes runtimes; it must bring Python (and Prefect for "
-        "whole flow runs). Empty: the host's interpreter, bound read-only."
-    ),
-    "memory": f"Memory limit per sandbox, e.g. 512Mi or 8Gi. Default: {MEMORY_DEFAULT}.",
-    "cpus": f"CPU limit per sandbox, e.g. 1, 0.5 or 500m. Default: {CPUS_DEFAULT}.",
-    "disk": (
-        "Size of /tmp and /workspace per sandbox where the runtime can size them (ephemeral "
-        "storage on Kubernetes). Empty: the memory limit; in-memory scratch counts against memory."
-    ),
-    "output_limit": (
-        "Most bytes of output files the host takes from one sandbox, e.g. 10Gi. Empty: what the "
-        "sandbox could hold (disk, else the memory limit)."
-    ),
-    "pids": f"Most processes and threads per sandbox. Default: {DEFAULT_PIDS}.",
-    "silence_window": (
-        f"Seconds without any event from a sandbox before it is presumed dead. Default: {SILENCE_DEFAULT:g}."
-    ),
-    "egress": (
-        "Hosts a sandbox may reach: names (api.example.com, *.example.com, host:8443) on local "
-        "runtimes, CIDRs on Kubernetes. Empty: no network at all."
-    ),
-    "env": "Environment variables of every sandbox.",
-    "secret_env": (
-        "Secret environment variables {NAME: value}: stored encrypted, shown masked, redacted "
-        "from every log line, event and artifact."
-    ),
-    "conduit": "Where host and sandboxes exchange work. Empty: a local directory under the user's cache.",
-}
+from prefect_resoluto import settings
+from prefect_resoluto.settings import OWN, SETTINGS, Form, SandboxSettings, Surface
 
 
-def shared_field(name: str, default: Any = None, **extra: Any) -> Any:
-    """A ``Field`` for a shared setting, with its one title and description."""
+class SurfaceType(NamedTuple):
+    """A field type a surface supplies for a setting whose :class:`~settings.Form` names it:
+    a Prefect or pydantic type settings.py does not import."""
+
+    annotation: Any
+    factory: Callable[[], Any] | None = None
+    schema: Callable[[dict[str, Any]], None] | None = None
+
+
+def _form(name: str, surface: Surface) -> Form:
+    s = SETTINGS[name]
+    form = s.block if surface is Surface.BLOCK else s.pool
+    assert isinstance(form, Form), f"{surface.value} does not expose {name}"
+    return form
+
+
+def _own_type(name: str) -> Any:
+    # SandboxRuntime / Conduit appear only in the types of settings whose forms name their own.
+    hints = typing.get_type_hints(SandboxSettings, localns={"SandboxRuntime": object, "Conduit": object})
+    return hints[name]
+
+
+def setting_fields(surface: Surface, types: Mapping[str, SurfaceType]) -> dict[str, tuple[Any, Any]]:
+    """The pydantic fields (annotation, FieldInfo) of the settings ``surface`` shows, in
+    declaration order, each with its one title and description."""
     from pydantic import Field
 
-    if "default_factory" in extra:
-        return Field(title=TITLES[name], description=DESCRIPTIONS[name], **extra)
-    return Field(default, title=TITLES[name], description=DESCRIPTIONS[name], **extra)
+    out: dict[str, tuple[Any, Any]] = {}
+    for name in settings.exposed(surface):
+        s, form = SETTINGS[name], _form(name, surface)
+        supplied = types[form.type] if isinstance(form.type, str) else None
+        annotation = (
+            supplied.annotation if supplied else form.type if form.type is not None else _own_type(name)
+        )
+        kw: dict[str, Any] = {
+            "title": form.title or s.title,
+            "description": form.description or s.description,
+        }
+        if form.examples is not None:
+            kw["examples"] = form.examples
+        if form.gt is not None:
+            kw["gt"] = form.gt
+        if form.ge is not None:
+            kw["ge"] = form.ge
+        factory = supplied.factory if supplied and supplied.factory else None
+        default = form.default
+        if default is OWN and factory is None:
+            declared = {f.name: f for f in dataclasses.fields(SandboxSettings)}[name]
+            if declared.default_factory is not dataclasses.MISSING:
+                factory = declared.default_factory
+            else:
+                default = declared.default
+        schema = supplied.schema if supplied else None
+        if schema is None and factory is None and default is None:
+            schema = plain_optional
+        if schema is not None:
+            kw["json_schema_extra"] = schema
+        out[name] = (annotation, Field(default_factory=factory, **kw) if factory else Field(default, **kw))
+    return out
+
+
+_M = TypeVar("_M")
+
+
+def model(
+    name: str,
+    base: type[_M],
+    fields: Mapping[str, tuple[Any, Any]],
+    validators: dict[str, Any],
+    module: str,
+) -> type[_M]:
+    """A pydantic model ``name`` of ``module`` deriving from ``base`` with ``fields`` (in
+    order) and ``validators``: what a surface inherits its setting fields from."""
+    from pydantic import create_model
+
+    made: type[_M] = create_model(  # type: ignore[call-overload]
+        name, __base__=base, __module__=module, __validators__=validators, **fields
+    )
+    return made
+
+
+def setting_validators(surface: Surface) -> dict[str, Any]:
+    """The field validators a surface's declared forms ask for (``Form.check``, ``Form.normalize``)."""
+    from pydantic import field_validator
+
+    out: dict[str, Any] = {}
+    for name in settings.exposed(surface):
+        s, form = SETTINGS[name], _form(name, surface)
+        if form.check and s.check is not None:
+            out[f"_check_{name}"] = field_validator(name)(_checker(s.check))
+        if form.normalize and s.normalize is not None:
+            out[f"_normalize_{name}"] = field_validator(name, mode="before")(_normalizer(s.normalize))
+    return out
+
+
+def _checker(check: Callable[[Any], object]) -> Callable[[Any], Any]:
+    def validate(v: Any) -> Any:
+        if v is not None and v != "":
+            check(v)
+        return v or None  # an empty input is no value
+
+    return validate
+
+
+def _normalizer(normalize: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def validate(v: Any) -> Any:
+        return normalize(v)
+
+    return validate
+
+
+def to_settings(surface: Surface, values: Mapping[str, Any]) -> dict[str, Any]:
+    """A form's values as settings: an empty input of a ``blank_is_unset`` setting is None,
+    containers are copies (the form keeps its own)."""
+    out: dict[str, Any] = {}
+    for name in settings.exposed(surface):
+        v = values[name]
+        if _form(name, surface).blank_is_unset and not v and v != 0:
+            v = None
+        elif isinstance(v, (list, dict)):
+            v = type(v)(v)
+        out[name] = v
+    return out
+
+
+def optional(annotation: Any) -> Any:
+    """``annotation`` accepting None too (a job configuration's field: unset unless templated)."""
+    return Optional[annotation]  # noqa: UP045 - pydantic annotation
 
 
 def plain_optional(schema: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node, output_allowance
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
+from prefect_resoluto.settings import keyword_signature, unknown_keywords
 from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
@@ -57,8 +58,8 @@ _overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 def sandbox_options(**options: Any) -> Iterator[None]:
     """Per-submission overrides: ``with sandbox_options(memory="4Gi"): big.submit(x)``.
 
-    Any :class:`~prefect_resoluto.config.SandboxConfig` field (memory, cpus, output_paths,
-    env, secret_env, image, silence_window ...); env dicts are merged.
+    Any sandbox setting (settings.py: memory, cpus, output_paths, env, secret_env, image,
+    silence_window ...); env dicts are merged.
     """
     probe = SandboxConfig()
     probe.replace(**options)  # unknown or invalid options fail here, at the call site
@@ -79,67 +80,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     """Run each task run of a flow in its own sandbox.
 
     Either pass a saved sandbox block (``sandbox="my-sandbox"`` or an instance) or the
-    settings directly; explicit keywords win over the block's. See
-    :class:`~prefect_resoluto.config.SandboxConfig` for every setting.
+    settings directly; explicit keywords win over the block's. Every setting is declared
+    once, in :class:`~prefect_resoluto.settings.SandboxSettings`.
     """
 
-    def __init__(
-        self,
-        *,
-        sandbox: Any = None,
-        runtime: str | SandboxRuntime | None = None,
-        conduit: str | Conduit | Any = None,
-        workspace: str | Path | None = None,
-        output_paths: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        secret_env: dict[str, str] | None = None,
-        memory: str | None = None,
-        cpus: str | float | None = None,
-        disk: str | None = None,
-        output_limit: str | None = None,
-        pids: int | None = None,
-        image: str | None = None,
-        egress: list[str] | None = None,
-        egress_resolve: dict[str, str] | None = None,
-        setup_egress: list[str] | None = None,
-        setup_argv: list[str] | None = None,
-        min_isolation: str | None = None,
-        silence_window: float | None = None,
-        infrastructure_retries: int | None = None,
-        outputs_dir: str | Path | None = None,
-        runtime_options: dict[str, Any] | None = None,
-        max_workers: int | None = None,
-        warm_pool: int | None = None,
-    ) -> None:
+    def __init__(self, *, sandbox: Any = None, max_workers: int | None = None, **options: Any) -> None:
         # Runs at import time (@flow(task_runner=...)): record, validate cheaply, load nothing.
-        self._options: dict[str, Any] = {
-            k: v
-            for k, v in dict(
-                runtime=runtime,
-                conduit=conduit,
-                workspace=workspace,
-                output_paths=output_paths,
-                env=env,
-                secret_env=secret_env,
-                memory=memory,
-                cpus=cpus,
-                disk=disk,
-                output_limit=output_limit,
-                pids=pids,
-                image=image,
-                egress=egress,
-                egress_resolve=egress_resolve,
-                setup_egress=setup_egress,
-                setup_argv=setup_argv,
-                min_isolation=min_isolation,
-                silence_window=silence_window,
-                infrastructure_retries=infrastructure_retries,
-                outputs_dir=outputs_dir,
-                runtime_options=runtime_options,
-                warm_pool=warm_pool,
-            ).items()
-            if v is not None
-        }
+        # ``options``: one keyword per sandbox setting (settings.py; the signature spells them out).
+        unknown_keywords("ResolutoTaskRunner()", options)
+        self._options: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
         self._sandbox = sandbox
         if max_workers is None:
@@ -150,6 +99,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             max_workers = get_current_settings().tasks.runner.thread_pool_max_workers or default_max_workers()
         super().__init__(max_workers=max_workers)
         self._reset_state()
+
+    setattr(__init__, "__signature__", keyword_signature(__init__, keep=("self", "sandbox")))  # noqa: B010
 
     def _reset_state(self) -> None:
         self._config: SandboxConfig | None = None

@@ -22,13 +22,14 @@ import threading
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field, PrivateAttr, field_validator
+from pydantic_core import PydanticUndefined
 
 from guest_runner import wire
 from prefect_resoluto.api_gateway import ApiGateway, Upstream, gateway_summary
@@ -54,18 +55,17 @@ from prefect_resoluto.flow_runs import (
     with_code_mounts,
 )
 from prefect_resoluto.form_fields import (
-    CPUS_DEFAULT,
-    DESCRIPTIONS,
-    MEMORY_DEFAULT,
-    MIN_ISOLATION_DEFAULT,
-    SILENCE_DEFAULT,
+    SurfaceType,
+    model,
+    optional,
     plain_optional,
-    shared_field,
+    setting_fields,
+    setting_validators,
     title_choices,
 )
 from prefect_resoluto.logs import describe_event
 from prefect_resoluto.node import LABEL_RUN, NodeOutcome, NodeSpec, drive_node
-from prefect_resoluto.runtimes.base import parse_cpus, parse_quantity
+from prefect_resoluto.settings import Surface, exposed
 from prefect_resoluto.task_runner import LABEL_FLOW_RUN, label_value
 
 if TYPE_CHECKING:
@@ -73,8 +73,6 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun, WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
 
-RuntimeName = Literal["gvisor", "container", "kubernetes", "bubblewrap", "process"]
-IsolationName = Literal["vm", "user-kernel", "namespace", "none"]
 ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydantic union of blocks
 if TYPE_CHECKING:
     _SecretBlock = Secret[Any]
@@ -99,18 +97,9 @@ EVIDENCE_LINES = 40
 
 # --------------------------------------------------------------------------- the pool's form
 
-# One title and description per variable; settings the sandbox block shares read as there
-# (form_fields.py). A new variable is one more Field on ResolutoWorkerVariables and on
-# ResolutoJobConfiguration.
-_RUNTIME = (
-    DESCRIPTIONS["runtime"]
-    + " Solari is not offered here: a Solari VM has no egress setting through which a flow run could "
-    "reach the Prefect API (use it from ResolutoTaskRunner, whose host talks to the API)."
-)
-_EGRESS = (
-    "Hosts the flow run may reach besides the Prefect API: names (host, host:port) on local "
-    "runtimes, CIDRs on Kubernetes. Added to the sandbox block's; everything else is refused."
-)
+# The pool's variables are the settings a pool shows (declared once, in settings.py: there
+# each setting the pool leaves out says why), then the worker's own below. The job
+# configuration is derived from the variables: the same names, unset unless templated.
 _SECRET_BLOCK = (
     "A Secret block holding a JSON object {NAME: value}: the flow run's secret environment "
     "variables, stored encrypted, shown masked, redacted from every log line and event."
@@ -133,26 +122,6 @@ _GATEWAY_ADDRESS = (
     "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
     "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
 )
-
-#: The pool form's defaults: where a sandbox block is chosen, its own value wins over these.
-POOL_DEFAULTS: dict[str, Any] = {
-    "min_isolation": MIN_ISOLATION_DEFAULT,
-    "memory": MEMORY_DEFAULT,
-    "cpus": CPUS_DEFAULT,
-    "silence_window": SILENCE_DEFAULT,
-}
-
-
-def _check_memory(v: str | None) -> str | None:
-    if v is not None and v != "":
-        parse_quantity(v)
-    return v or None
-
-
-def _check_cpus(v: str | None) -> str | None:
-    if v is not None and v != "":
-        parse_cpus(v)
-    return v or None
 
 
 def _conduit_choices(schema: dict[str, Any]) -> None:
@@ -186,96 +155,114 @@ def _direct_credential(upstream: Upstream) -> dict[str, str]:
     return {}
 
 
-class ResolutoWorkerVariables(BaseVariables):
+_SETTINGS = setting_fields(
+    Surface.POOL, {"conduit": SurfaceType(Optional[ConduitBlock], schema=_conduit_choices)}
+)
+#: The pool form's defaults: where a sandbox block is chosen, its own value wins over these.
+POOL_DEFAULTS: dict[str, Any] = {
+    name: info.default
+    for name, (_, info) in _SETTINGS.items()
+    if info.default not in (None, PydanticUndefined)
+}
+#: The worker's own variables (not sandbox settings).
+_WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
+    "secret_env_block": (
+        Optional[_SecretBlock],
+        Field(
+            default=None,
+            title="Secret environment variables (Secret block)",
+            description=_SECRET_BLOCK,
+            json_schema_extra=_secret_choices,
+        ),
+    ),
+    "sandbox": (
+        Optional[SandboxBlock],
+        Field(default=None, title="Sandbox block", description=_SANDBOX, json_schema_extra=_sandbox_choices),
+    ),
+    "working_dir": (
+        Optional[Path],
+        Field(
+            default=None,
+            title="Working directory",
+            description=_WORKING_DIR,
+            json_schema_extra=plain_optional,
+        ),
+    ),
+    "stream_output": (bool, Field(default=True, title="Stream output", description=_STREAM)),
+    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
+    "allowed_blocks": (
+        list[str],
+        Field(default_factory=list, title="Allowed blocks", description=_ALLOWED_BLOCKS),
+    ),
+    "allowed_variables": (
+        list[str],
+        Field(default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES),
+    ),
+    "api_gateway_address": (
+        Optional[str],
+        Field(
+            default=None,
+            title="API gateway address",
+            description=_GATEWAY_ADDRESS,
+            json_schema_extra=plain_optional,
+        ),
+    ),
+}
+_VALIDATORS = {
+    **setting_validators(Surface.POOL),
+    "_blocks": field_validator("allowed_blocks")(_check_block_refs),
+}
+
+
+def _job_field(annotation: Any, info: Any) -> tuple[Any, Any]:
+    """A variable's field in the job configuration: the value the template put there, unset
+    (None) unless the variable's default is a container or a flag."""
+    if info.default_factory is not None:
+        return annotation, Field(default_factory=info.default_factory)
+    if annotation is bool:
+        return annotation, Field(default=info.default)
+    bounds = {
+        k: getattr(m, k) for m in info.metadata for k in ("gt", "ge") if getattr(m, k, None) is not None
+    }
+    return optional(annotation), Field(default=None, **bounds)
+
+
+if TYPE_CHECKING:
+    _VariableFields = BaseVariables
+    _JobFields = BaseJobConfiguration
+else:
+    _VariableFields = model(
+        "_VariableFields", BaseVariables, {**_SETTINGS, **_WORKER_FIELDS}, _VALIDATORS, __name__
+    )
+    _JobFields = model(
+        "_JobFields",
+        BaseJobConfiguration,
+        {name: _job_field(*spec) for name, spec in {**_SETTINGS, **_WORKER_FIELDS}.items()},
+        _VALIDATORS,
+        __name__,
+    )
+
+
+class ResolutoWorkerVariables(_VariableFields):
     """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
     stored and shown in clear."""
 
-    runtime: Optional[RuntimeName] = Field(
-        default=None, title="Runtime", description=_RUNTIME, json_schema_extra=plain_optional
-    )
-    min_isolation: IsolationName = shared_field(
-        "min_isolation",
-        MIN_ISOLATION_DEFAULT,
-    )
-    memory: str = shared_field(
-        "memory",
-        MEMORY_DEFAULT,
-    )
-    cpus: str = shared_field(
-        "cpus",
-        CPUS_DEFAULT,
-    )
-    image: Optional[str] = shared_field("image", None, json_schema_extra=plain_optional)
-    silence_window: float = shared_field(
-        "silence_window",
-        SILENCE_DEFAULT,
-        gt=0,
-    )
-    egress: list[str] = Field(default_factory=list, title="Egress allowlist", description=_EGRESS)
-    secret_env_block: Optional[_SecretBlock] = Field(
-        default=None,
-        title="Secret environment variables (Secret block)",
-        description=_SECRET_BLOCK,
-        json_schema_extra=_secret_choices,
-    )
-    conduit: Optional[ConduitBlock] = Field(
-        default=None,
-        title="Conduit",
-        description=DESCRIPTIONS["conduit"],
-        json_schema_extra=_conduit_choices,
-    )
-    sandbox: Optional[SandboxBlock] = Field(
-        default=None, title="Sandbox block", description=_SANDBOX, json_schema_extra=_sandbox_choices
-    )
-    working_dir: Optional[Path] = Field(
-        default=None, title="Working directory", description=_WORKING_DIR, json_schema_extra=plain_optional
-    )
-    stream_output: bool = Field(default=True, title="Stream output", description=_STREAM)
-    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
-    allowed_blocks: list[str] = Field(
-        default_factory=list, title="Allowed blocks", description=_ALLOWED_BLOCKS
-    )
-    allowed_variables: list[str] = Field(
-        default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES
-    )
-    api_gateway_address: Optional[str] = Field(
-        default=None,
-        title="API gateway address",
-        description=_GATEWAY_ADDRESS,
-        json_schema_extra=plain_optional,
-    )
+    if TYPE_CHECKING:  # fields: the pool's settings and the worker's own (above)
 
-    _memory = field_validator("memory")(_check_memory)
-    _cpus = field_validator("cpus")(_check_cpus)
-    _blocks = field_validator("allowed_blocks")(_check_block_refs)
+        def __getattr__(self, name: str) -> Any: ...
 
 
-class ResolutoJobConfiguration(BaseJobConfiguration):
+class ResolutoJobConfiguration(_JobFields):
     """One flow run's sandbox, as the worker receives it (template + job variables)."""
 
-    runtime: Optional[RuntimeName] = Field(default=None)
-    min_isolation: Optional[IsolationName] = Field(default=None)
-    image: Optional[str] = Field(default=None)
-    memory: Optional[str] = Field(default=None)
-    cpus: Optional[str] = Field(default=None)
-    silence_window: Optional[float] = Field(default=None, gt=0)
-    egress: list[str] = Field(default_factory=list)
-    secret_env_block: Optional[_SecretBlock] = Field(default=None)
-    conduit: Optional[ConduitBlock] = Field(default=None)
-    sandbox: Optional[SandboxBlock] = Field(default=None)
-    working_dir: Optional[Path] = Field(default=None)
-    stream_output: bool = Field(default=True)
-    allowed_blocks: list[str] = Field(default_factory=list)
-    allowed_variables: list[str] = Field(default_factory=list)
-    api_gateway_address: Optional[str] = Field(default=None)
-
-    _memory = field_validator("memory")(_check_memory)
-    _cpus = field_validator("cpus")(_check_cpus)
-    _blocks = field_validator("allowed_blocks")(_check_block_refs)
     _command_configured: bool = PrivateAttr(default=False)
     _pull_steps: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _deployment_path: Optional[str] = PrivateAttr(default=None)
+
+    if TYPE_CHECKING:  # fields: one per variable of the pool (above)
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def prepare_for_flow_run(
         self,
@@ -303,7 +290,7 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
         value = getattr(self, name)
         if self.sandbox is not None and name in POOL_DEFAULTS and value is not None:
             default = POOL_DEFAULTS[name]
-            same = float(value) == float(default) if name == "silence_window" else str(value) == str(default)
+            same = float(value) == default if isinstance(default, float) else str(value) == str(default)
             if same:
                 return None
         return value
@@ -314,16 +301,14 @@ class ResolutoJobConfiguration(BaseJobConfiguration):
         if self.runtime and base.runtime and self.runtime != base.runtime:
             base = dataclasses.replace(base, runtime_options={})  # options of another runtime do not apply
         secrets = _secret_block_env(self.secret_env_block) if self.secret_env_block is not None else {}
+        values = {name: self._over_block(name) for name in exposed(Surface.POOL)}
         cfg = base.replace(
-            runtime=self.runtime,
-            min_isolation=self._over_block("min_isolation"),
-            image=self.image,
-            memory=self._over_block("memory"),
-            cpus=self._over_block("cpus"),
-            silence_window=self._over_block("silence_window"),
-            conduit=self.conduit.to_conduit() if self.conduit is not None else None,
+            **{
+                **values,
+                "conduit": self.conduit.to_conduit() if self.conduit is not None else None,
+                "egress": list(dict.fromkeys([*base.egress, *self.egress])),
+            },
             secret_env=secrets,
-            egress=list(dict.fromkeys([*base.egress, *self.egress])),
             infrastructure_retries=0,  # a flow run is not idempotent: a dead sandbox is Crashed
         )
         if cfg.runtime == "container" and cfg.image:

@@ -26,7 +26,7 @@ was killed by the substrate, left no result, or broke the wire protocol); 130/14
 interrupted by SIGINT/SIGTERM (the sandbox is reaped first).
 
 The CLI never imports Prefect, and a command's module (and rich) is imported only when
-that command runs: ``--help`` costs argparse and nothing more.
+that command runs: ``--help`` costs argparse and the settings' declaration (settings.py).
 """
 
 from __future__ import annotations
@@ -59,84 +59,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--runtime",
-        metavar="NAME",
-        help="sandbox runtime (default: the strongest available at or above --min-isolation; see `doctor`)",
-    )
-    p.add_argument(
-        "--runtime-option",
-        action="append",
-        metavar="K=V",
-        help="runtime constructor option, e.g. oci_runtime=kata (V parsed as JSON if it can be)",
-    )
-    p.add_argument(
-        "--conduit",
-        metavar="URL",
-        help="file:///dir or s3://bucket/prefix?endpoint_url=... "
-        "(default: a local directory under the user's cache directory)",
-    )
-    p.add_argument(
-        "--workspace", metavar="DIR", help="directory staged into the sandbox as its working directory"
-    )
-    p.add_argument(
-        "--output",
-        action="append",
-        metavar="GLOB",
-        help="workspace-relative glob of files to bring back (repeatable; ** crosses directories)",
-    )
-    p.add_argument("--env", action="append", metavar="K=V", help="environment variable for the command")
-    p.add_argument(
-        "--secret-env",
-        action="append",
-        metavar="K[=V]",
-        help="secret variable: redacted from all output; bare K takes the value from this environment",
-    )
+    # One flag per sandbox setting the CLI takes, as declared (settings.py), then the CLI's own.
+    from prefect_resoluto.settings import SETTINGS, Flag
+
+    for s in SETTINGS.values():
+        if isinstance(s.cli, Flag):
+            p.add_argument(
+                s.cli.flag,
+                action="append" if s.cli.repeat else "store",
+                metavar=s.cli.metavar,
+                help=s.cli.help,
+                default=s.cli.default,
+                type=s.cli.type,
+            )
     p.add_argument("--label", action="append", metavar="K=V", help="extra sandbox label (for sweep)")
-    p.add_argument("--memory", metavar="QTY", help="memory limit, e.g. 512Mi or 2G")
-    p.add_argument("--cpus", metavar="N", help="CPU limit, e.g. 1, 0.5 or 500m")
-    p.add_argument(
-        "--output-limit",
-        metavar="QTY",
-        help="most bytes of --output files taken back, e.g. 10Gi (default: the memory limit)",
-    )
-    p.add_argument("--image", metavar="IMG", help="container image (container and kubernetes runtimes)")
-    p.add_argument(
-        "--min-isolation",
-        default="user-kernel",
-        metavar="LEVEL",
-        help="refuse runtimes weaker than this: vm, user-kernel (default), namespace, none",
-    )
-    p.add_argument(
-        "--silence-window",
-        type=float,
-        metavar="S",
-        help="seconds without any event (not even a heartbeat) before the sandbox is presumed dead "
-        "(default 600)",
-    )
-    p.add_argument(
-        "--egress",
-        action="append",
-        metavar="HOST",
-        help="allowlist a name the sandbox may reach (repeatable): api.example.com, "
-        "*.example.com, host:8443 (default ports 443 and 80); without it: no network",
-    )
-    p.add_argument(
-        "--egress-resolve",
-        action="append",
-        metavar="HOST=IP",
-        help="pin an allowlisted name to an address (like curl --resolve; repeatable)",
-    )
-    p.add_argument("--setup", metavar="SHELL", help="a shell command run in the sandbox before the command")
-    p.add_argument(
-        "--setup-egress",
-        action="append",
-        metavar="HOST",
-        help="the --setup command's own allowlist (repeatable); the command gets --egress",
-    )
-    p.add_argument(
-        "--outputs-dir", metavar="DIR", help="where outputs land (default ./resoluto-outputs/<node-id>)"
-    )
     p.add_argument("--run-id", metavar="ID", help="run id (default: a fresh random id)")
     p.add_argument("--node-id", metavar="ID", help="node id (default: cli-<random>)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")

@@ -102,6 +102,25 @@ def pick_local(args: argparse.Namespace, options: dict[str, Any]) -> SandboxRunt
     return select_runtime(args.runtime, options, floor(args.min_isolation))
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Each setting's flag checked as the setting checks its value (settings.py), so the CLI
+    refuses what the task runner and the forms refuse, in the flag's words."""
+    from prefect_resoluto.settings import SETTINGS, Flag, check_value
+
+    for name, s in SETTINGS.items():
+        flag = s.cli
+        if not isinstance(flag, Flag) or flag.repeat:
+            continue  # repeatable K=V flags are parsed (and refused) one by one below
+        value = getattr(args, flag.dest, None)
+        try:
+            check_value(name, value)
+        except ValueError as e:
+            msg = str(e)
+            raise UsageError(
+                flag.flag + msg[len(name) :] if msg.startswith(name + " ") else f"{flag.flag}: {msg}"
+            ) from None
+
+
 def takes_image(runtime: SandboxRuntime) -> bool:
     import inspect
 
@@ -115,11 +134,11 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     ``render`` puts nothing there).
     """
     from guest_runner import archive, wire
-    from guest_runner.conduit import ConduitError, LocalConduit, conduit_from_url
+    from guest_runner.conduit import ConduitError, conduit_from_url
     from guest_runner.redact import Redactor
-    from prefect_resoluto.config import default_conduit_url
+    from prefect_resoluto.config import check_conduit_fits, check_store_reachable, default_conduit_url
     from prefect_resoluto.node import NodeSpec
-    from prefect_resoluto.runtimes.base import IsolationLevel, Resources, parse_cpus, parse_quantity
+    from prefect_resoluto.runtimes.base import Resources, parse_quantity
 
     argv = strip_dashdash(args.argv)
     if not argv or not argv[0]:
@@ -128,21 +147,9 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     secret_env = parse_secret_env(args.secret_env)
     labels = parse_pairs(args.label, "--label")
     options = parse_options(args.runtime_option)
+    check_flags(args)
     level = floor(args.min_isolation)
-    try:
-        memory = parse_quantity(args.memory) if args.memory else None
-    except ValueError as e:
-        raise UsageError(f"--memory: {e}") from None
-    try:
-        cpus = parse_cpus(args.cpus) if args.cpus else None
-    except ValueError as e:
-        raise UsageError(f"--cpus: {e}") from None
-    try:
-        output_limit = parse_quantity(args.output_limit) if getattr(args, "output_limit", None) else None
-    except ValueError as e:
-        raise UsageError(f"--output-limit: {e}") from None
-    if args.silence_window is not None and args.silence_window <= 0:
-        raise UsageError("--silence-window must be a positive number of seconds")
+    output_limit = parse_quantity(args.output_limit) if args.output_limit else None
 
     workspace: Path | None = None
     if args.workspace is not None:
@@ -176,22 +183,11 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         raise UsageError(f"--conduit: {e}") from None
 
     runtime = pick(args, options)
-    if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
-        raise UsageError(
-            f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the "
-            f"local conduit {conduit.root}; pass --conduit s3://bucket/prefix?endpoint_url=..."
-        )
-    if (
-        not isinstance(conduit, LocalConduit)
-        and runtime.supports_local_conduit
-        and not runtime.remote
-        and runtime.isolation > IsolationLevel.NONE
-    ):
-        # Local sandboxes get no network at all, so they could never reach an object store.
-        raise UsageError(
-            f"runtime {runtime.name!r} gives its sandbox no network, so it cannot reach the "
-            f"conduit {conduit.url}; use a local conduit (file:///dir) with it"
-        )
+    try:
+        check_conduit_fits(runtime, conduit)
+        check_store_reachable(runtime, conduit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.image and not takes_image(runtime):
         raise UsageError(
             f"runtime {runtime.name!r} does not run images (it uses the host's /usr); "
@@ -206,7 +202,9 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         output_paths=outputs,
         env=env,
         secret_env=secret_env,
-        resources=Resources.from_quantities(memory=memory, cpus=cpus),
+        resources=Resources.from_quantities(
+            memory=args.memory, cpus=args.cpus, disk=args.disk, pids=args.pids
+        ),
         labels={**labels, LABEL_SOURCE: "cli"},
         image=args.image,
         outputs_dir=outputs_dir,
