@@ -324,7 +324,9 @@ def _context_flow(task_runner):
 def test_tags_and_prefect_runtime_reach_the_sandbox_and_nested_tasks_run_inline(conduit, tmp_path):
     # Prefect glue, not isolation: the context crosses as it does into any sandbox (the node's
     # env and the call), so the cheapest real runtime shows it; gVisor's own is tested above.
-    state = _context_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))(return_state=True)
+    state = _context_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))(
+        return_state=True
+    )
     standin_ctx, real_ctx, nested, nested_real = state.result()
     th = _context_flow(ThreadPoolTaskRunner())(return_state=True)
     th_standin, th_real, th_nested, th_nested_real = th.result()
