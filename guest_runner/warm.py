@@ -298,4 +298,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runner.exit_now(main())
