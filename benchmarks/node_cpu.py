@@ -86,7 +86,7 @@ def _workspace(work: Path) -> Path:
     return ws
 
 
-def _call_spec(ws: Path, node_id: str) -> NodeSpec:
+def _call_spec(ws: Path, node_id: str, env: dict[str, str] | None = None) -> NodeSpec:
     """The node the task runner drives for ``bench_tasks.noop.submit(1)``."""
     ref = {"file": "bench_tasks.py", "qualname": "noop"}
     return NodeSpec(
@@ -96,12 +96,13 @@ def _call_spec(ws: Path, node_id: str) -> NodeSpec:
         workspace=ws,
         output_paths=list(pycall.RESULT_PATHS),
         extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, {"x": 1})},
+        env=dict(env or {}),
     )
 
 
-def warm_node(rt: Any, conduit: LocalConduit, ws: Path) -> dict[str, float]:
+def warm_node(rt: Any, conduit: LocalConduit, ws: Path, env: dict[str, str] | None = None) -> dict[str, float]:
     """One warm trivial node: the CPU at ready, at the outcome, and before destroy (seconds)."""
-    spec = _call_spec(ws, f"warm-{uuid.uuid4().hex[:8]}")
+    spec = _call_spec(ws, f"warm-{uuid.uuid4().hex[:8]}", env)
     key = key_for(spec)
     pool = WarmPool(rt, conduit, size=1)
     if not pool.enabled:
