@@ -100,7 +100,9 @@ def _call_spec(ws: Path, node_id: str, env: dict[str, str] | None = None) -> Nod
     )
 
 
-def warm_node(rt: Any, conduit: LocalConduit, ws: Path, env: dict[str, str] | None = None) -> dict[str, float]:
+def warm_node(
+    rt: Any, conduit: LocalConduit, ws: Path, env: dict[str, str] | None = None
+) -> dict[str, float]:
     """One warm trivial node: the CPU at ready, at the outcome, and before destroy (seconds)."""
     spec = _call_spec(ws, f"warm-{uuid.uuid4().hex[:8]}", env)
     key = key_for(spec)
@@ -163,7 +165,9 @@ def bare_run(rt: Any, work: Path) -> float:
     # while a hold on the sandbox's cgroup (ours, pre-created) keeps it from going.
     res = subprocess.run(prep.argv, env=prep.env, cwd=prep.cwd, stdin=subprocess.DEVNULL, capture_output=True)
     if res.returncode != 0:
-        raise RuntimeError(f"bare runsc run failed ({res.returncode}): {res.stderr.decode(errors='replace')[-800:]}")
+        raise RuntimeError(
+            f"bare runsc run failed ({res.returncode}): {res.stderr.decode(errors='replace')[-800:]}"
+        )
     used = _usage(rt, sid)
     _drop_cpuacct(rt, sid)
     cg = _cgroup.existing(rt._cgroup_name(sid))

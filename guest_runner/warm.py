@@ -265,6 +265,7 @@ def main() -> int:
     # of CPU in gVisor) is imported while the sandbox waits, not on its node's path (and
     # after the fork above: the call's process never needs it).
     from guest_runner import archive  # noqa: F401
+
     try:
         print(READY, flush=True)
         line = sys.stdin.readline()
