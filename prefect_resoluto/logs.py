@@ -10,7 +10,7 @@ runner's own events are DEBUG. Every event stays in the node's event chunks
 (``prefect-resoluto events``). Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
 instead, which sends a line within ~10–100 ms and coalesces a heavy stream into at most
-one request per 0.5 s plus its round trip.
+one request per 0.6 s.
 
 With a batcher, a line's API row is built on the tail's thread and handed to the batcher
 first; the logger's handlers (Prefect's console, which renders each line with rich at
@@ -84,18 +84,20 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
 
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
 # chunks of other nodes landing together, share a request), the previous request started
-# at least WINDOW ago and returned at least MIN_WINDOW ago. WINDOW grows with the square of the traffic (lines/s over
-# the streams' last half second): 0.1 s up to 100 lines/s, 0.4 s at 200, 0.5 s from ~225
-# on. A lone line goes out within ~10 ms and a stream a person can read within ~0.1 s; a
-# heavy one costs at most one request per 0.5 s plus the round trip (< 2 a second), and a
-# line of it waits half that on average: at 1 000 lines/s a 2 s window made the stored
-# rows ~2.8 s late (p50) and each request a 2 000-row insert taking 1-3 s under load.
-# One request at a time: an API slower than WINDOW sets the pace (fewer, larger requests),
-# as Prefect's own worker does, without WINDOW added on top of its round trip. A stream's rate is read on the guest's clock:
-# a host that lags behind a fast stream still treats it as fast.
+# at least WINDOW ago and returned at least MIN_WINDOW ago. WINDOW grows with the square
+# of the traffic (lines/s over the streams' last half second): 0.1 s up to 100 lines/s,
+# 0.4 s at 200, 0.6 s from ~245 on. A lone line goes out within ~10 ms and a stream a
+# person can read within ~0.1 s; a heavy one costs one request per 0.6 s (with the first
+# line's and Prefect's own, ~2 a second for the flow run) and a line of it waits half
+# that plus the round trip: at 1 000 lines/s a 2 s window had the stored rows ~2.8 s late
+# (p50), each request a 2 000-row insert taking 1-3 s under load. (0.5 s measured ~20 %
+# lower latency and one request more in 5 s: 2.2 a second.) One request at a time: an API
+# slower than WINDOW sets the pace (fewer, larger requests), as Prefect's own worker does,
+# without WINDOW added on top of its round trip. A stream's rate is read on the guest's
+# clock: a host that lags behind a fast stream still treats it as fast.
 COALESCE = 0.01
 MIN_WINDOW = 0.1
-MAX_WINDOW = 0.5
+MAX_WINDOW = 0.6
 QUIET_RATE = 100.0  # lines/s up to which the window stays MIN_WINDOW
 STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
 ATTEMPTS = 3  # a failed request is sent again (same lines, same order) this many times in all
