@@ -17,6 +17,7 @@ its phases, for the before -> after of the node's own path (issue 24).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -172,8 +173,7 @@ def bare_run(rt: Any, work: Path) -> float:
     d.mkdir()
     rt._before_start(spec)  # the cgroup runsc joins, pre-created as for a node
     prep = rt._prepare(spec, d)
-    # runsc deletes the cgroups it created on exit: keep it alive until read, by reading
-    # while a hold on the sandbox's cgroup (ours, pre-created) keeps it from going.
+    # The cgroups are pre-created (_keep_cpuacct), so they outlive runsc's exit until read.
     res = subprocess.run(prep.argv, env=prep.env, cwd=prep.cwd, stdin=subprocess.DEVNULL, capture_output=True)
     if res.returncode != 0:
         raise RuntimeError(
@@ -209,8 +209,6 @@ def run(quick: bool) -> dict[str, Any]:
                 warm.append(warm_node(rt, conduit, ws))
                 bare.append(bare_run(rt, work))
         finally:
-            import shutil
-
             shutil.rmtree(conduit.root, ignore_errors=True)
     med = {k: median(x[k] for x in warm) for k in ("boot_s", "node_s", "exit_s", "total_s")}
     return {
@@ -238,8 +236,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
 
 # Before issue 24 (the tree at 74e49cc, interleaved with the change, docs/performance.md):
 # a warm trivial node's sandbox CPU after its assignment (node + exit), and boot to end.
-NODE_PATH_BEFORE_MS = 170.0
-TOTAL_BEFORE_MS = 596.0
+NODE_PATH_BEFORE_MS = 168.0
+TOTAL_BEFORE_MS = 589.0
 
 
 def targets(res: dict[str, Any]) -> list[Target]:
@@ -279,8 +277,6 @@ def samples(k: int) -> list[dict[str, float]]:
                 if i:
                     out.append(got)
         finally:
-            import shutil
-
             shutil.rmtree(conduit.root, ignore_errors=True)
     return out
 
