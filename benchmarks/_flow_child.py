@@ -124,7 +124,12 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
     from prefect_resoluto.logs import ApiLogBatcher
 
     arrived: dict[int, float] = {}
-    add = ApiLogBatcher.add
+    add, init = ApiLogBatcher.add, ApiLogBatcher.__init__
+    batchers: list[Any] = []  # the run's batchers: which of the requests were theirs
+
+    def counted_init(self: Any) -> None:
+        init(self)
+        batchers.append(self)
 
     def timed_add(self: Any, log: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         parts = str(log.get("message", "")).split()
@@ -133,6 +138,7 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
         add(self, log, *args, **kwargs)
 
     ApiLogBatcher.add = timed_add  # type: ignore[method-assign]
+    ApiLogBatcher.__init__ = counted_init  # type: ignore[method-assign]
     APILogHandler().flush()  # earlier flows' queued logs are not this run's requests
     try:
         with counting_api_requests() as count:
@@ -140,6 +146,7 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
             APILogHandler().flush()
     finally:
         ApiLogBatcher.add = add  # type: ignore[method-assign]
+        ApiLogBatcher.__init__ = init  # type: ignore[method-assign]
     printed = state.result()
     flow_run_id = state.state_details.flow_run_id
     lat: list[float] = []
@@ -174,6 +181,7 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
         "seconds": seconds,
         "every_s": every,
         "log_posts": count.log_posts,
+        "batcher_posts": sum(b.requests for b in batchers),
         "log_post_median_s": count.log_post_median_s(),
         "to_host_s": to_host,
         "to_row_s": to_row,

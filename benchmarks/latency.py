@@ -150,6 +150,7 @@ def attach_api(res: dict[str, Any], api: dict[str, Any] | None) -> None:
             if posts is not None:
                 res[key].update(
                     log_posts=posts,
+                    batcher_posts=got.get("batcher_posts"),
                     posts_per_s=round(posts / got["seconds"], 2),
                     posts_per_1000_lines=round(1000 * posts / max(got["printed"], 1), 2),
                     lines_per_s=round(got["printed"] / got["seconds"]),
@@ -222,7 +223,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
             if "posts_per_s" in t:
                 text += (
                     f"; POST /logs/ {t['posts_per_s']}/s at {t['lines_per_s']} lines/s "
-                    f"({t['log_posts']} in all, {t['posts_per_1000_lines']} per 1 000 lines, "
+                    f"({t['log_posts']} in all, {t.get('batcher_posts')} of them the runner's batcher's, "
+                    f"{t['posts_per_1000_lines']} per 1 000 lines, "
                     f"round trip p50 {t['post_round_trip_p50_ms']} ms)"
                 )
             if "split_p50_ms" in t:
