@@ -133,9 +133,14 @@ class HandlerThread:
 
     Started in the caller's context (Prefect's settings: the console's style, its level).
     A record queued while the thread is not running is handled on the caller's thread.
+    At most ``max_queued`` records wait: a stream faster than its handlers (a burst of
+    100 000 lines, the console at ~4 000 a second) then holds the tail back, as when the
+    handlers ran on its thread, instead of piling records up in memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_queued: int = 10_000) -> None:
+        self.max_queued = max(1, max_queued)
+        self.held_back = 0  # records whose producer had to wait for room
         self._cond = threading.Condition()
         self._queue: deque[tuple[logging.Logger, logging.LogRecord]] = deque()
         self._added = 0
@@ -154,6 +159,12 @@ class HandlerThread:
     def handle(self, logger: logging.Logger, record: logging.LogRecord) -> None:
         with self._cond:
             running = self._thread is not None and self._thread.is_alive() and not self._stop
+            if running and len(self._queue) >= self.max_queued:
+                self.held_back += 1
+                self._cond.notify_all()
+            while running and len(self._queue) >= self.max_queued:
+                self._cond.wait(1.0)  # woken by each record handled; re-checks a thread that died
+                running = self._thread is not None and self._thread.is_alive() and not self._stop
             if running:
                 self._queue.append((logger, record))
                 self._added += 1

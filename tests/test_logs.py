@@ -194,3 +194,41 @@ def test_handler_thread_runs_handlers_in_order_and_drains():
     pump.stop()
     pump.handle(logger, _record("after stop: inline", 0.0))
     assert seen[-1] == "after stop: inline"
+
+
+def test_handler_thread_holds_the_producer_back_when_its_handlers_are_slower():
+    import threading
+
+    from polling import wait_for
+
+    from prefect_resoluto.logs import HandlerThread
+
+    pump = HandlerThread(max_queued=3)
+    produced = threading.Event()
+    seen: list[tuple[str, int]] = []
+
+    class Slow(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not seen:  # the first record waits until the producer is held back, or done
+                wait_for(lambda: pump.held_back > 0 or produced.is_set(), timeout=60, what="the producer")
+            seen.append((record.getMessage(), len(pump._queue)))
+
+    logger = logging.getLogger("resoluto-test-handler-thread-bound")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Slow())
+    pump.start()
+
+    def produce() -> None:
+        for i in range(50):
+            pump.handle(logger, _record(f"l{i}", 0.0))
+        produced.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    producer.join()
+    assert pump.drain(timeout=60)
+    pump.stop()
+    assert [m for m, _ in seen] == [f"l{i}" for i in range(50)]
+    assert max(q for _, q in seen) <= 3, "never more records waiting than the bound"
+    assert pump.held_back > 0
