@@ -112,29 +112,41 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
     from prefect.client.schemas.sorting import LogSort
     from prefect.logging.handlers import APILogHandler
 
-    @flow(task_runner=runner, name="bench-latency", persist_result=False)
+    # log_prints: the ticker's lines are prints, logged as Prefect logs a thread's prints then
+    @flow(task_runner=runner, name="bench-latency", persist_result=False, log_prints=True)
     def bench_latency() -> int:
         return bench_tasks.ticker.submit(seconds, every).result()  # type: ignore[attr-defined]
 
-    # When each line reached the host's log handlers (the forwarder): splits the latency
-    # into guest + tail (print -> here) and forwarding + API (here -> stored row).
+    # When each line's API row reached the runner's batcher (the forwarder, on the tail's
+    # thread): splits the latency into guest + tail (print -> here) and batching + API
+    # (here -> stored row). The console and the loggers' other handlers run on another
+    # thread since issue 24, so a handler here would time the console, not the API path.
+    from prefect_resoluto.logs import ApiLogBatcher
+
     arrived: dict[int, float] = {}
+    add, init = ApiLogBatcher.add, ApiLogBatcher.__init__
+    batchers: list[Any] = []  # the run's batchers: which of the requests were theirs
 
-    class Arrival(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            parts = record.getMessage().split()
-            if len(parts) == 3 and parts[0] == "tick":
-                arrived.setdefault(int(parts[1]), time.time())
+    def counted_init(self: Any) -> None:
+        init(self)
+        batchers.append(self)
 
-    arrival = Arrival()
-    logging.getLogger("prefect.task_runs").addHandler(arrival)
+    def timed_add(self: Any, log: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        parts = str(log.get("message", "")).split()
+        if len(parts) == 3 and parts[0] == "tick":
+            arrived.setdefault(int(parts[1]), time.time())
+        add(self, log, *args, **kwargs)
+
+    ApiLogBatcher.add = timed_add  # type: ignore[method-assign]
+    ApiLogBatcher.__init__ = counted_init  # type: ignore[method-assign]
     APILogHandler().flush()  # earlier flows' queued logs are not this run's requests
     try:
         with counting_api_requests() as count:
             state = bench_latency(return_state=True)
             APILogHandler().flush()
     finally:
-        logging.getLogger("prefect.task_runs").removeHandler(arrival)
+        ApiLogBatcher.add = add  # type: ignore[method-assign]
+        ApiLogBatcher.__init__ = init  # type: ignore[method-assign]
     printed = state.result()
     flow_run_id = state.state_details.flow_run_id
     lat: list[float] = []
@@ -169,6 +181,7 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
         "seconds": seconds,
         "every_s": every,
         "log_posts": count.log_posts,
+        "batcher_posts": sum(b.requests for b in batchers),
         "log_post_median_s": count.log_post_median_s(),
         "to_host_s": to_host,
         "to_row_s": to_row,

@@ -42,6 +42,7 @@ FIGURES = (
     "solari_relay",
     "worker",
     "pool",
+    "node_cpu",
 )
 
 
@@ -86,6 +87,7 @@ def main() -> int:
     import egress_cost
     import flow
     import latency
+    import node_cpu
     import overhead
     import pool_cost
     import reference
@@ -106,6 +108,7 @@ def main() -> int:
         "solari_relay": solari_relay,
         "worker": worker,
         "pool": pool_cost,
+        "node_cpu": node_cpu,
     }
     started = time.monotonic()
     results: dict[str, Any] = {}

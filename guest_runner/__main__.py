@@ -1,8 +1,6 @@
 """``python -m guest_runner``: run one node as described by the RESOLUTO_* environment."""
 
-import sys
-
-from guest_runner.runner import main
+from guest_runner.runner import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

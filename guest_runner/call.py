@@ -14,8 +14,6 @@ deployment), which :mod:`guest_runner.standin` makes visible through ``prefect``
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import enum
 import importlib
 import importlib.util
@@ -24,9 +22,11 @@ import json
 import os
 import sys
 import traceback
-import uuid
-from pathlib import PurePath
 from typing import Any, Dict
+
+# dataclasses, datetime, uuid and pathlib are not imported for every call (each import is
+# a few syscalls per sys.path entry, dear under gVisor): a value can only be an instance
+# of their classes once its module is loaded, so _jsonable looks in sys.modules.
 
 CALL_DIR = ".resoluto"
 CALL_FILE = CALL_DIR + "/call.json"
@@ -45,16 +45,24 @@ class CallError(Exception):
     """The call cannot even be attempted (bad call.json, import failure)."""
 
 
+def _is_dataclass(obj: Any) -> bool:
+    """``dataclasses.is_dataclass`` without importing dataclasses."""
+    return hasattr(obj if isinstance(obj, type) else type(obj), "__dataclass_fields__")
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
         return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if _is_dataclass(value) and not isinstance(value, type):
+        import dataclasses
+
         return dataclasses.asdict(value)
-    if isinstance(value, PurePath):
+    pathlib, datetime, uuid = (sys.modules.get(m) for m in ("pathlib", "datetime", "uuid"))
+    if pathlib is not None and isinstance(value, pathlib.PurePath):
         return str(value)
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+    if datetime is not None and isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
-    if isinstance(value, uuid.UUID):
+    if uuid is not None and isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, enum.Enum):
         return value.value
@@ -125,7 +133,7 @@ def _rebuild(annotation: Any, value: Any) -> Any:
     if isinstance(annotation, type):
         if hasattr(annotation, "model_validate") and isinstance(value, dict):
             return annotation.model_validate(value)
-        if dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+        if _is_dataclass(annotation) and isinstance(value, dict):
             return annotation(**value)
     return value
 

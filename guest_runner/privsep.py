@@ -49,6 +49,8 @@ _CAP_CHOWN, _CAP_SETGID, _CAP_SETUID = 0, 6, 7
 
 _user: Optional[Tuple[int, int]] = None
 _pidns = False
+_hardened = False  # this process's hardening is done (it is permanent: never twice)
+_libc: Any = None
 
 
 class PrivsepError(RuntimeError):
@@ -69,11 +71,20 @@ def parse(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
     return uid, gid
 
 
+def _c() -> Any:
+    """libc, loaded once (a warm guest hardens at boot and reads its node's settings later)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 def _prctl(option: int, arg: int = 0) -> int:
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = int(libc.prctl(option, arg, 0, 0, 0))
+    rc = int(_c().prctl(option, arg, 0, 0, 0))
     if rc < 0:
         raise OSError(ctypes.get_errno(), f"prctl({option})")
     return rc
@@ -93,12 +104,15 @@ def _effective_caps() -> int:
 def configure(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
     """Read the workload user from ``env`` and harden this (the runner's) process.
     Idempotent. Raises PrivsepError when the user is set but cannot be switched to."""
-    global _user, _pidns
+    global _user, _pidns, _hardened
     user = parse(env)
     _pidns = env.get(PIDNS_ENV) == "1"
     if user is None:
         _user = None
         return None
+    if _hardened:  # a warm guest at its assignment: every step below is already in force
+        _user = user
+        return user
     if os.geteuid() != 0:
         raise PrivsepError(
             f"{USER_ENV}={user[0]}:{user[1]} but the runner is not root (uid {os.geteuid()}): "
@@ -126,6 +140,7 @@ def configure(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
     _clear_inheritable()
     _scrub_initial_environ()
     _user = user
+    _hardened = True
     return user
 
 
@@ -143,7 +158,7 @@ def _clear_inheritable() -> None:
             ("inheritable", ctypes.c_uint32),
         ]
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _c()
     hdr = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
     data = (Data * 2)()
     if libc.capget(ctypes.byref(hdr), data) != 0:
@@ -167,7 +182,7 @@ def _scrub_initial_environ() -> None:
         return
     if not block.strip(b"\0"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _c()
     array = ctypes.c_void_p.in_dll(libc, "environ").value
     if not array:
         raise PrivsepError("cannot find the runner's environment to scrub it")
@@ -250,11 +265,25 @@ def kill_leftovers() -> None:
     namespace, where that is exactly what the workload left running)."""
     if _user is None or not _pidns:
         return
+    if _only_this_process():
+        # Nothing else runs in this PID namespace, so nothing of the workload's can start
+        # again (only a running process creates one): no process to start for the kill.
+        return
     # kill(-1) from a process of that user: every process it may signal but itself.
     try:
         _kill_all_as_user()
     except OSError as e:  # the outputs are not read while something of the workload may run
         raise PrivsepError(f"cannot stop what the workload left running: {e}") from None
+
+
+def _only_this_process() -> bool:
+    """True when /proc lists no process but this one (its threads are not listed there).
+    Any doubt (no /proc, an unreadable listing) is False: the kill then runs as before."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except (OSError, ValueError):
+        return False
+    return pids == [os.getpid()]
 
 
 def _kill_all_as_user() -> None:

@@ -26,11 +26,12 @@ secret and is left alone when that short (see docs/security.md).
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
-from urllib.parse import quote, quote_plus
+
+# base64 and urllib.parse are imported only to compute a secret's shapes: a node without
+# secrets never needs them, and every import costs syscalls through gVisor.
 
 MASK = "***"
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|PRIVATE|API_?KEY|KEY", re.I)
@@ -61,6 +62,8 @@ def too_short_message(names: Iterable[str], setting: str = "secret_env") -> str:
 def _b64_cores(raw: bytes) -> Set[str]:
     """The base64 characters determined by ``raw`` alone, at each offset mod 3 of a stream,
     in both alphabets; plus the standalone padded forms."""
+    import base64
+
     out: Set[str] = set()
     n = len(raw)
     for k in range(3):
@@ -80,6 +83,8 @@ _URLSAFE = str.maketrans("+/", "-_")
 
 
 def _escapes(p: str) -> Set[str]:
+    from urllib.parse import quote, quote_plus
+
     return {
         p,
         json.dumps(p)[1:-1],
@@ -104,6 +109,8 @@ def shapes(secret: str) -> Set[str]:
             for p in (line, line.strip()):
                 if len(p) >= MIN_SECRET_LEN:
                     out |= _escapes(p)
+    import base64
+
     raw = secret.encode("utf-8", "surrogatepass")
     out |= _b64_cores(raw)
     for enc in (base64.b64encode(raw).decode("ascii"), base64.urlsafe_b64encode(raw).decode("ascii")):

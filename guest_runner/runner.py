@@ -33,7 +33,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional
 
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
@@ -322,6 +322,21 @@ def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, o
     shipper.close()
     conduit.put(wire.result_key(prefix), wire.encode_result(result))
     shipper.write_manifest()
+
+
+def exit_now(code: int) -> "NoReturn":
+    """End the guest runner's process once its node is written (the manifest is the last
+    object): its own output flushed, without the interpreter's teardown, which frees every
+    module and object one by one (~20 ms of a trivial node's CPU in gVisor) for a sandbox
+    that is destroyed next. Nothing is left to run: the shipper's thread is joined and the
+    conduit closed before ``main`` returns."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not change the exit status
+            pass
+    os._exit(code)
 
 
 def main(

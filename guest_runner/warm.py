@@ -44,7 +44,7 @@ class SlotConduit(LocalConduit):
     """One node's directory, mounted at ``slot``: canonical keys under ``prefix`` only."""
 
     def __init__(self, slot: str, prefix: str) -> None:
-        super().__init__(slot)
+        super().__init__(slot, sync=False)  # a guest's conduit (see LocalConduit)
         self.prefix = prefix.rstrip("/") + "/"
 
     def _rel(self, key: str) -> str:
@@ -52,7 +52,7 @@ class SlotConduit(LocalConduit):
             raise InvalidKey(f"conduit key {key!r} is outside this node's prefix {self.prefix!r}")
         return key[len(self.prefix) :]
 
-    def put(self, key: str, data: bytes, *, sync: bool = True) -> None:
+    def put(self, key: str, data: bytes, *, sync: Optional[bool] = None) -> None:
         super().put(self._rel(key), data, sync=sync)
 
     def get(self, key: str) -> bytes:
@@ -261,6 +261,11 @@ def main() -> int:
     except privsep.PrivsepError:
         mode = ""  # no pre-started call; runner.main reports why the node cannot run
     call = _Prestarted(mode) if mode else None
+    # Every Python node stages an inbox: the archive code (tarfile, gzip, shutil ...; ~40 ms
+    # of CPU in gVisor) is imported while the sandbox waits, not on its node's path (and
+    # after the fork above: the call's process never needs it).
+    from guest_runner import archive  # noqa: F401
+
     try:
         print(READY, flush=True)
         line = sys.stdin.readline()
@@ -298,4 +303,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runner.exit_now(main())

@@ -9,8 +9,16 @@ logs prints (``log_prints``), else written to this process's stdout only. The gu
 runner's own events are DEBUG. Every event stays in the node's event chunks
 (``prefect-resoluto events``). Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
-instead, which sends a line within ~10–100 ms and coalesces a heavy stream into one
-request every 2 s or so. Prefect's API handler still prepares every row.
+instead, which sends a line within ~10–100 ms and coalesces a heavy stream into at most
+one request per 0.6 s.
+
+With a batcher, a line's API row is built on the tail's thread and handed to the batcher
+first; the logger's handlers (Prefect's console, which renders each line with rich at
+~0.2–0.3 ms, and any other) run on the batcher's handler thread, in order, so a chatty
+task's console cannot hold its lines back from the API. The row is the dict Prefect's
+``APILogHandler.prepare`` makes, built directly (its pydantic model and pendulum
+timestamp cost ~0.1–0.4 ms a line) once the first row of each forwarder has been checked
+equal to Prefect's own; any difference and every row is Prefect's again.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from collections import deque
+from datetime import UTC, datetime
 from typing import Any
 
 from guest_runner.redact import Redactor
@@ -73,18 +83,21 @@ def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
 
 
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
-# chunks of other nodes landing together, share a request) and the previous request
-# returned at least WINDOW ago. WINDOW grows with the square of the traffic (lines/s over
-# the streams' last half second): 0.1 s up to 100 lines/s, 0.4 s at 200, 0.9 s at 300,
-# 2 s from 450 on. A lone line goes out within ~10 ms and a stream a person can read
-# within ~0.1 s; a heavy one costs one request per 2 s plus the round trip, against one
-# per 0.5 s plus the round trip plus a fresh log worker and client for the 0.5 s flush
-# pacing this replaced. Timing from the previous request's return lets a slow API set
-# the pace (fewer, larger requests), as Prefect's own worker does. A stream's rate is read
-# on the guest's clock: a host that lags behind a fast stream still treats it as fast.
+# chunks of other nodes landing together, share a request), the previous request started
+# at least WINDOW ago and returned at least MIN_WINDOW ago. WINDOW grows with the square
+# of the traffic (lines/s over the streams' last half second): 0.1 s up to 100 lines/s,
+# 0.4 s at 200, 0.6 s from ~245 on. A lone line goes out within ~10 ms and a stream a
+# person can read within ~0.1 s; a heavy one costs one request per 0.6 s (with the first
+# line's and Prefect's own, ~2 a second for the flow run) and a line of it waits half
+# that plus the round trip: at 1 000 lines/s a 2 s window had the stored rows ~2.8 s late
+# (p50), each request a 2 000-row insert taking 1-3 s under load. (0.5 s measured ~20 %
+# lower latency and one request more in 5 s: 2.2 a second.) One request at a time: an API
+# slower than WINDOW sets the pace (fewer, larger requests), as Prefect's own worker does,
+# without WINDOW added on top of its round trip. A stream's rate is read on the guest's
+# clock: a host that lags behind a fast stream still treats it as fast.
 COALESCE = 0.01
 MIN_WINDOW = 0.1
-MAX_WINDOW = 2.0
+MAX_WINDOW = 0.6
 QUIET_RATE = 100.0  # lines/s up to which the window stays MIN_WINDOW
 STALL = 60.0  # at the runner's exit, how long a request may take before lines are given up
 ATTEMPTS = 3  # a failed request is sent again (same lines, same order) this many times in all
@@ -115,6 +128,91 @@ class StreamRate:
         return sum(b[1] for b in self._buckets) / (_RATE_SPAN + _RATE_BUCKET)
 
 
+class HandlerThread:
+    """Runs loggers' handlers for queued records on one thread, in the order queued.
+
+    Started in the caller's context (Prefect's settings: the console's style, its level).
+    A record queued while the thread is not running is handled on the caller's thread.
+    At most ``max_queued`` records wait: a stream faster than its handlers (a burst of
+    100 000 lines, the console at ~4 000 a second) then holds the tail back, as when the
+    handlers ran on its thread, instead of piling records up in memory.
+    """
+
+    def __init__(self, max_queued: int = 10_000) -> None:
+        self.max_queued = max(1, max_queued)
+        self.held_back = 0  # records whose producer had to wait for room
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[logging.Logger, logging.LogRecord]] = deque()
+        self._added = 0
+        self._done = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            ctx = contextvars.copy_context()
+            self._thread = threading.Thread(
+                target=ctx.run, args=(self._run,), name="resoluto-log-handlers", daemon=True
+            )
+            self._thread.start()
+
+    def handle(self, logger: logging.Logger, record: logging.LogRecord) -> None:
+        with self._cond:
+            running = self._thread is not None and self._thread.is_alive() and not self._stop
+            if running and len(self._queue) >= self.max_queued:
+                self.held_back += 1
+                self._cond.notify_all()
+            while running and len(self._queue) >= self.max_queued:
+                self._cond.wait(1.0)  # woken by each record handled; re-checks a thread that died
+                running = self._thread is not None and self._thread.is_alive() and not self._stop
+            if running:
+                self._queue.append((logger, record))
+                self._added += 1
+                self._cond.notify_all()
+        if not running:
+            logger.handle(record)
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every record queued so far has been handled (False on timeout)."""
+        with self._cond:
+            target = self._added
+            return self._cond.wait_for(
+                lambda: self._done >= target or self._thread is None or not self._thread.is_alive(),
+                timeout=timeout,
+            )
+
+    def stop(self) -> None:
+        """Handle what is queued, then end the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._thread = None
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._stop:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    logger, record = self._queue.popleft()
+                try:
+                    logger.handle(record)
+                except Exception:  # a handler's own failure is its handleError's; never stop here
+                    pass
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
+        finally:
+            with self._cond:  # nobody waits for a thread that is gone; later records go inline
+                self._done = self._added
+                self._cond.notify_all()
+
+
 class ApiLogBatcher:
     """Sends a task runner's sandbox lines to the Prefect API, in coalesced batches.
 
@@ -131,7 +229,8 @@ class ApiLogBatcher:
         self._pending_bytes = 0
         self._max_bytes = _max_batch_bytes()
         self._oldest = 0.0  # monotonic arrival of the oldest pending line
-        self._last_send = 0.0
+        self._last_send = 0.0  # monotonic return of the last request
+        self._last_start = 0.0  # monotonic start of the last request
         self._added = 0  # lines ever added
         self._done = 0  # lines ever sent, or given up with a failed request
         self._urgent = 0  # flush() callers waiting: send without waiting for the window
@@ -139,8 +238,11 @@ class ApiLogBatcher:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.requests = 0
+        #: The loggers' handlers of the lines whose rows this batcher sends (the console ...).
+        self.handlers = HandlerThread()
 
     def start(self) -> None:
+        self.handlers.start()
         if self._thread is None:
             # The caller's context carries Prefect's settings (the API URL, its key).
             ctx = contextvars.copy_context()
@@ -168,7 +270,9 @@ class ApiLogBatcher:
                 self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Send every line added so far and wait until it has been sent (False on timeout)."""
+        """Send every line added so far and wait until it has been sent (False on timeout);
+        the handlers of every line queued so far have run too."""
+        self.handlers.drain(timeout)
         with self._cond:
             target = self._added
             if self._done >= target:
@@ -186,6 +290,7 @@ class ApiLogBatcher:
         """Send what is pending and end the thread (the runner's exit). Waits as long as
         requests keep completing, as Prefect's own worker does at exit, so a slow API
         loses nothing; gives up only on an API that answers nothing for STALL seconds."""
+        self.handlers.stop()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -221,7 +326,11 @@ class ApiLogBatcher:
             while True:
                 now = time.monotonic()
                 if self._pending:
-                    due = max(self._oldest + COALESCE, self._last_send + self.window(now))
+                    due = max(
+                        self._oldest + COALESCE,
+                        self._last_start + self.window(now),
+                        self._last_send + MIN_WINDOW,
+                    )
                     if self._stop or self._urgent or self._pending_bytes >= self._max_bytes or now >= due:
                         return self._take()
                     self._cond.wait(due - now)
@@ -260,6 +369,8 @@ class ApiLogBatcher:
                     if client is None:
                         raise RuntimeError("no Prefect API client")
                     self.requests += 1
+                    with self._cond:
+                        self._last_start = time.monotonic()
                     client.create_logs([log for log, _ in batch])
                     failures = 0
                 except Exception as e:  # report, never break a task; retry a few times first
@@ -320,6 +431,53 @@ def _to_api_enabled() -> bool:
     return bool(get_settings_context().settings.logging.to_api.enabled)
 
 
+class RowBuilder:
+    """The API rows of one forwarder's records: what ``APILogHandler.prepare`` returns
+    (a ``LogCreate`` dumped to JSON, with ``__payload_size__``), built without pydantic.
+    The first record's row is Prefect's own, compared with ours; when they differ (another
+    Prefect, another handler), every row is Prefect's."""
+
+    def __init__(self, api: Any, flow_run_id: Any, task_run_id: Any) -> None:
+        from prefect.settings import PREFECT_LOGGING_TO_API_MAX_LOG_SIZE
+
+        self.api = api
+        self.max_size: int = PREFECT_LOGGING_TO_API_MAX_LOG_SIZE.value()
+        self.fast: bool | None = None  # None: not checked yet
+        try:
+            self.ids = {
+                "flow_run_id": str(uuid.UUID(str(flow_run_id))),
+                "task_run_id": None if task_run_id is None else str(uuid.UUID(str(task_run_id))),
+            }
+        except ValueError:
+            self.fast = False
+
+    def row(self, record: logging.LogRecord) -> dict[str, Any]:
+        if self.fast is False:
+            return dict(self.api.prepare(record))
+        mine = self._build(record)
+        if self.fast is None:
+            theirs = dict(self.api.prepare(record))
+            self.fast = mine == theirs
+            return theirs
+        if mine["__payload_size__"] > self.max_size:
+            return dict(self.api.prepare(record))  # Prefect truncates it
+        return mine
+
+    def _build(self, record: logging.LogRecord) -> dict[str, Any]:
+        import orjson
+
+        stamp = datetime.fromtimestamp(record.created, UTC).isoformat()
+        row: dict[str, Any] = {
+            "name": record.name,
+            "level": record.levelno,
+            "message": self.api.format(record),
+            "timestamp": stamp[:-6] + "Z" if stamp.endswith("+00:00") else stamp,
+            **self.ids,
+        }
+        row["__payload_size__"] = len(orjson.dumps(row))
+        return row
+
+
 class EventLogForwarder:
     """Callable handed to the node driver: one Prefect log record per guest event."""
 
@@ -346,6 +504,7 @@ class EventLogForwarder:
         # Without a batcher, or where the logging config has no API handler, records take
         # Prefect's own path unchanged.
         self._api = api_handler_of(self.target) if batcher is not None else None
+        self._rows: RowBuilder | None = None
         self._rate = StreamRate()
         self.run_fields = {
             k: v for k, v in (run_fields or {}).items() if k not in ("task_run_id", "flow_run_id")
@@ -373,17 +532,19 @@ class EventLogForwarder:
         if api is None:
             self.target.handle(record)
             return
-        record.send_to_api = False  # the console and other handlers as usual; the API below
-        self.target.handle(record)
-        if level < api.level or not api.filter(record) or not _to_api_enabled():
-            return
-        try:
-            log = api.prepare(record)
-        except Exception:
-            api.handleError(record)
-            return
         assert self.batcher is not None
-        self.batcher.add(log, self._rate, ts)
+        record.send_to_api = False  # the API row below; the console and other handlers as usual
+        if level >= api.level and api.filter(record) and _to_api_enabled():
+            if self._rows is None:
+                self._rows = RowBuilder(api, self.flow_run_id, self.task_run_id)
+            try:
+                log = self._rows.row(record)
+            except Exception:
+                api.handleError(record)
+            else:
+                self.batcher.add(log, self._rate, ts)
+        # Rendered on the batcher's handler thread: its cost never delays a row above.
+        self.batcher.handlers.handle(self.target, record)
 
     def flush(self) -> None:
         """Every line emitted so far is in the API when this returns (or the wait timed out):

@@ -122,3 +122,113 @@ def test_requests_per_line_do_not_grow_with_the_stream(tmp_path):
     assert len(burst_lines(rows_s)) == small and len(burst_lines(rows_l)) == large
     assert posts_l / large <= posts_s / small, (posts_s, posts_l)
     assert large / posts_l >= 250, f"{posts_l} requests for {large} lines"
+
+
+def test_a_stream_at_1000_lines_a_second_arrives_whole_and_in_order(tmp_path):
+    # The rate of issue 24's latency figure: every line once, in the guest's order, in the
+    # API and on the console (which runs on the batcher's handler thread, not the tail's).
+    n = 3000
+    rows, console, posts = run_burst(tmp_path, n, per_second=1000)
+    got = burst_lines(rows)
+    assert [i for i, _ in got] == list(range(n)), "every line once, in the guest's order"
+    assert all(level == bt.LEVELS[i % 4] for i, level in got)
+    assert [f"burst {i}" for i in range(n)] == [m for m in console if m.startswith("burst ")]
+    assert posts < n / 100, f"{posts} requests for {n} lines: lines are batched"
+
+
+def _record(message: str, created: float, level: int = logging.INFO) -> logging.LogRecord:
+    record = logging.LogRecord(SANDBOX_LOGGER, level, __file__, 0, message, None, None)
+    record.created = created
+    return record
+
+
+def test_rows_are_the_rows_prefect_prepares():
+    import uuid
+
+    from prefect.logging.handlers import APILogHandler
+    from prefect.settings import PREFECT_LOGGING_TO_API_MAX_LOG_SIZE
+
+    from prefect_resoluto.logs import RowBuilder
+
+    api = APILogHandler()
+    flow_run_id, task_run_id = uuid.uuid4(), uuid.uuid4()
+    rows = RowBuilder(api, flow_run_id, task_run_id)
+    cases = [
+        ("tick 1 2", 1796193858.919018, logging.INFO),
+        ("whole second", 1796193858.0, logging.WARNING),
+        ("rounds up to the next second", 1796193858.9999996, logging.ERROR),
+        ('quotes " \\ / \n tab\t nul\x00 é 🐍 \u2028', 1.5, logging.DEBUG),
+        (
+            "x" * (PREFECT_LOGGING_TO_API_MAX_LOG_SIZE.value() + 10),
+            2.25,
+            logging.INFO,
+        ),  # truncated by Prefect
+    ]
+    for message, created, level in cases:
+        record = _record(message, created, level)
+        record.flow_run_id, record.task_run_id = flow_run_id, task_run_id
+        assert rows.row(record) == api.prepare(record), message[:40]
+    assert rows.fast is True, "the first row matched Prefect's, so the rest were built directly"
+
+
+def test_handler_thread_runs_handlers_in_order_and_drains():
+    from prefect_resoluto.logs import HandlerThread
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("resoluto-test-handler-thread")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Keep())
+    pump = HandlerThread()
+    pump.handle(logger, _record("before start: inline", 0.0))
+    pump.start()
+    for i in range(500):
+        pump.handle(logger, _record(f"line {i}", float(i)))
+    assert pump.drain(timeout=60)
+    assert seen == ["before start: inline"] + [f"line {i}" for i in range(500)]
+    pump.stop()
+    pump.handle(logger, _record("after stop: inline", 0.0))
+    assert seen[-1] == "after stop: inline"
+
+
+def test_handler_thread_holds_the_producer_back_when_its_handlers_are_slower():
+    import threading
+
+    from polling import wait_for
+
+    from prefect_resoluto.logs import HandlerThread
+
+    pump = HandlerThread(max_queued=3)
+    produced = threading.Event()
+    seen: list[tuple[str, int]] = []
+
+    class Slow(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not seen:  # the first record waits until the producer is held back, or done
+                wait_for(lambda: pump.held_back > 0 or produced.is_set(), timeout=60, what="the producer")
+            seen.append((record.getMessage(), len(pump._queue)))
+
+    logger = logging.getLogger("resoluto-test-handler-thread-bound")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Slow())
+    pump.start()
+
+    def produce() -> None:
+        for i in range(50):
+            pump.handle(logger, _record(f"l{i}", 0.0))
+        produced.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    producer.join()
+    assert pump.drain(timeout=60)
+    pump.stop()
+    assert [m for m, _ in seen] == [f"l{i}" for i in range(50)]
+    assert max(q for _, q in seen) <= 3, "never more records waiting than the bound"
+    assert pump.held_back > 0
