@@ -28,6 +28,13 @@ SCHEMAS = ROOT / "schemas"
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# An xdist worker starts with COLUMNS=80 LINES=24 set (execnet's pipe is no terminal); every
+# program a test starts would take them over its own terminal's size. Not the suite's own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("COLUMNS", "LINES"):
+        if os.environ.get(_name) in ("80", "24"):
+            os.environ.pop(_name, None)
+
 from s3_fixtures import *  # noqa: E402,F401,F403
 
 

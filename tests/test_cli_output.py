@@ -45,10 +45,13 @@ def on_pty(
     ``when=(text, action)`` runs ``action`` once ``text`` has been printed."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, cols, 0, 0))
+    # The terminal's size is the pty's: COLUMNS/LINES would override it (an xdist worker's
+    # environment has COLUMNS=80 LINES=24, from execnet's pipe).
+    env = {k: v for k, v in (env or cli.env).items() if k not in ("COLUMNS", "LINES")}
     p = subprocess.Popen(
         cli.argv(*args),
         cwd=cli.work,
-        env=env or cli.env,
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=slave,
         stderr=slave,
