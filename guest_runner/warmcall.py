@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from guest_runner import call, standin
+from guest_runner import call, reseed, standin
 
 IMPORTS_ENV = "RESOLUTO_WARM_IMPORTS"
 
@@ -51,6 +51,7 @@ def main() -> int:
     if not line.strip():
         return 0
     spec = json.loads(line)
+    reseed.reseed()  # this process may be one of many restored from one snapshot
     # What `python -m guest_runner.call` would have had: /dev/null on stdin, its own env.
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)

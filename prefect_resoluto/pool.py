@@ -12,6 +12,11 @@ directory ``run/<run>/nodes/<node>/`` (the bind mount follows the directory), so
 node's objects land at the canonical keys and nowhere else, and a sandbox that is never
 assigned leaves nothing in the conduit.
 
+On a runtime that can checkpoint (gVisor), each key's sandboxes are *restored* from one
+image of a template sandbox checkpointed at the point a warm guest waits for its
+assignment (:mod:`prefect_resoluto.snapshots`), instead of booted; without a usable
+image they boot as before.
+
 Pools are keyed by everything fixed at launch (:class:`PoolKey`); a node whose key has
 no sandbox ready gets a cold one. Nodes with egress are always cold: their network
 namespace and proxy belong to the run, which a sandbox started ahead of demand cannot
@@ -36,6 +41,8 @@ from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+from prefect_resoluto.snapshots import SnapshotError, Snapshots
+from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
 
 log = logging.getLogger("prefect_resoluto.pool")
 
@@ -49,6 +56,11 @@ MAX_BOOTING = 2
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
 READY = "resoluto warm: ready"
+SNAPSHOT_READY = "resoluto warm: snapshot-ready"
+WAKE = b'{"wake":1}\n'
+SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+#: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
+TEMPLATE_TIMEOUT = 300.0
 SLOT = "slot"
 GUEST_MODULE = "guest_runner.warm"
 
@@ -162,8 +174,17 @@ MAX_IMPORTS_BYTES = 1 << 20
 
 
 class WarmSandbox:
-    def __init__(self, pool: WarmPool, key: PoolKey, handle: SandboxHandle, slot: Path | None) -> None:
+    def __init__(
+        self,
+        pool: WarmPool,
+        key: PoolKey,
+        handle: SandboxHandle,
+        slot: Path | None,
+        restored: Path | None = None,
+    ) -> None:
         self.pool, self.key, self.handle, self.slot = pool, key, handle, slot
+        #: The image it was restored from (None: booted).
+        self.restored = restored
         self.started = time.monotonic()
         self._ready = False
 
@@ -213,8 +234,16 @@ class WarmPool:
     """Idle warm sandboxes of one runtime and conduit, per key, refilled in the background."""
 
     def __init__(
-        self, runtime: SandboxRuntime, conduit: Conduit, *, size: int, labels: dict[str, str] | None = None
+        self,
+        runtime: SandboxRuntime,
+        conduit: Conduit,
+        *,
+        size: int,
+        labels: dict[str, str] | None = None,
+        snapshots: bool | None = None,
     ) -> None:
+        """``snapshots``: restore warm sandboxes from per-key images where the runtime can
+        (default: on, unless ``RESOLUTO_WARM_SNAPSHOTS=0``)."""
         self.runtime, self.conduit, self.size = runtime, conduit, max(0, size)
         self.id = uuid.uuid4().hex[:12]
         self.labels = {**(labels or {}), LABEL_POOL: self.id, LABEL_WARM: "idle"}
@@ -231,6 +260,17 @@ class WarmPool:
         self._thread: threading.Thread | None = None
         self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
         self.learned = Learned()
+        self.python = getattr(runtime, "python", None) or sys.executable
+        self.snapshots: Snapshots | None = None
+        if (
+            self.enabled
+            and getattr(runtime, "supports_snapshots", False)
+            and (snapshots if snapshots is not None else snapshots_by_env())
+        ):
+            self.snapshots = Snapshots(runtime, self.python)
+            self.snapshots.prune()
+        #: Keys whose image could not be made or restored: their sandboxes boot.
+        self._booting_only: set[PoolKey] = set()
 
     @property
     def enabled(self) -> bool:
@@ -379,6 +419,13 @@ class WarmPool:
         why = self.runtime.status(w.handle).reason
         logs = self.runtime.logs(w.handle, tail=5).strip()
         w.discard()
+        if not w._ready and w.restored is not None and self.snapshots is not None:
+            self.snapshots.discard(
+                w.key, f"a sandbox restored from it ended before it was ready ({why}): {logs[-400:]}"
+            )
+            with self._lock:
+                self._booting_only.add(w.key)
+            return
         if not w._ready:
             log.warning(
                 "a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
@@ -392,11 +439,32 @@ class WarmPool:
                     self._wanted.remove(w.key)
 
     def _launch(self, key: PoolKey) -> WarmSandbox:
+        """One warm sandbox of ``key``: restored from its image (made first if there is none
+        yet) where the pool has snapshots, else booted."""
+        if self.snapshots is not None and key not in self._booting_only:
+            try:
+                image = self.snapshots.usable(key) or self._make_image(key)
+            except (SnapshotError, OSError) as e:
+                log.warning(
+                    "could not make a warm-sandbox image on %s: %s; warm sandboxes of this kind boot instead",
+                    self.runtime.name,
+                    e,
+                )
+                with self._lock:
+                    self._booting_only.add(key)
+            else:
+                if image is not None:
+                    return self._start(key, image=image)
+        return self._start(key)
+
+    def _start(self, key: PoolKey, *, image: Path | None = None, template: bool = False) -> WarmSandbox:
+        """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
-        python = getattr(self.runtime, "python", None) or sys.executable
         env = {"RESOLUTO_WARM_CALL": ("import:" + ",".join(key.imports)) if key.imports else "1"}
         env.update(self.conduit.guest_env())
+        if image is not None or template:
+            env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
         state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
         spec = LaunchSpec(
             sandbox_id=sid,
@@ -404,7 +472,7 @@ class WarmPool:
             resources=key.resources,
             labels=dict(self.labels),
             image=key.image,
-            command=[python, "-m", GUEST_MODULE],
+            command=[self.python, "-m", GUEST_MODULE],
             hold_stdin=True,
             conduit_root=(state / sid) if slotted else None,
             conduit_subdir=SLOT if slotted else "",
@@ -413,8 +481,46 @@ class WarmPool:
             from prefect_resoluto.runtimes._host import guest_conduit_dir
 
             env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
-        handle = self.runtime.launch(spec)
-        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None)
+        if image is not None:
+            handle = self.runtime.restore(spec, image, wake=WAKE)  # type: ignore[attr-defined]
+        else:
+            handle = self.runtime.launch(spec)
+        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None, restored=image)
+
+    def _make_image(self, key: PoolKey) -> Path | None:
+        """Boot ``key``'s template, checkpoint it where it waits for an assignment (no node
+        exists yet), destroy it, and commit the image. None when the pool closed meanwhile."""
+        assert self.snapshots is not None
+        t0 = time.monotonic()
+        w = self._start(key, template=True)
+        try:
+            deadline = t0 + TEMPLATE_TIMEOUT
+            while SNAPSHOT_READY not in self.runtime.logs(w.handle, tail=5):
+                with self._lock:
+                    if self._closed:
+                        return None
+                    if not w.alive():
+                        raise SnapshotError(
+                            "the template sandbox ended before its checkpoint: "
+                            + self.runtime.logs(w.handle, tail=5).strip()[-400:]
+                        )
+                    if time.monotonic() > deadline:
+                        raise SnapshotError(f"the template sandbox was not ready in {TEMPLATE_TIMEOUT:.0f} s")
+                    self._lock.wait(timeout=0.05)  # a log line has no event to wait on
+            booted = time.monotonic() - t0
+            tmp = self.snapshots.new_dir()
+            t1 = time.monotonic()
+            try:
+                self.runtime.checkpoint(w.handle, tmp)  # type: ignore[attr-defined]
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SnapshotError(str(e)) from e
+            made = {"template_boot_s": round(booted, 3), "checkpoint_s": round(time.monotonic() - t1, 3)}
+        finally:
+            w.discard()
+        image = self.snapshots.commit(key, tmp, made)
+        log.debug("warm-sandbox image %s made in %.1f s", image, time.monotonic() - t0)
+        return image
 
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
