@@ -41,7 +41,7 @@ from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
-from prefect_resoluto.snapshots import SnapshotError, Snapshots
+from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
 
 log = logging.getLogger("prefect_resoluto.pool")
@@ -420,6 +420,8 @@ class WarmPool:
         logs = self.runtime.logs(w.handle, tail=5).strip()
         w.discard()
         if not w._ready and w.restored is not None and self.snapshots is not None:
+            if not w.restored.exists():  # discarded already (another restored from it failed first)
+                return
             self.snapshots.discard(
                 w.key, f"a sandbox restored from it ended before it was ready ({why}): {logs[-400:]}"
             )
@@ -443,13 +445,16 @@ class WarmPool:
         yet) where the pool has snapshots, else booted."""
         if self.snapshots is not None and key not in self._booting_only:
             try:
-                image = self.snapshots.usable(key) or self._make_image(key)
+                image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
+                if image is None:
+                    image = self._make_image(key)
             except (SnapshotError, OSError) as e:
-                log.warning(
-                    "could not make a warm-sandbox image on %s: %s; warm sandboxes of this kind boot instead",
-                    self.runtime.name,
-                    e,
-                )
+                if not isinstance(e, CorruptImage):
+                    log.warning(
+                        "could not make a warm-sandbox image on %s: %s; warm sandboxes of this kind boot",
+                        self.runtime.name,
+                        e,
+                    )
                 with self._lock:
                     self._booting_only.add(key)
             else:

@@ -47,6 +47,10 @@ class SnapshotError(Exception):
     """An image could not be made or is unusable (the key's sandboxes boot instead)."""
 
 
+class CorruptImage(SnapshotError):
+    """An image failed its check; it has been discarded, and the warning given."""
+
+
 def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -101,7 +105,8 @@ class Snapshots:
         return self.root / f"{key_hash}-{image_hash}"
 
     def usable(self, key: Any) -> Path | None:
-        """``key``'s current image if there is a good one; a bad one is discarded (warning)."""
+        """``key``'s current image, None if there is none yet; a bad one is discarded with a
+        warning and SnapshotError raised."""
         d = self.path(key)
         if not d.is_dir():
             return None
@@ -113,7 +118,7 @@ class Snapshots:
                 raise SnapshotError("its checkpoint does not match the digest recorded when it was made")
         except (OSError, ValueError, SnapshotError) as e:
             self.discard(key, f"{e}")
-            return None
+            raise CorruptImage(f"the image {d} was corrupt") from e
         self._checked.add(d)
         return d
 

@@ -40,10 +40,11 @@ def main() -> None:
     restore, delete = args[:sep], args[sep + 1 :]
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     kill = [*delete[:-3], "kill", delete[-1], "KILL"]  # delete argv ends in: delete --force <id>
-    signal.signal(signal.SIGTERM, lambda *_: _spawn(kill, quiet=True))
+    kills: set[int] = set()
+    signal.signal(signal.SIGTERM, lambda *_: kills.add(_spawn(kill, quiet=True)))
     child = _spawn(restore)
     code = 1
-    while True:
+    while child or kills:  # a kill still running would re-create the container's lock file
         try:
             pid, status = os.wait()
         except InterruptedError:
@@ -52,8 +53,9 @@ def main() -> None:
             break
         if pid == child:
             code = os.waitstatus_to_exitcode(status)
-            break
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            child = 0
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        kills.discard(pid)
     deleter = _spawn(delete, quiet=True)
     while True:  # reap the gofer (and anything else left) while delete waits for it
         try:

@@ -468,11 +468,16 @@ class GVisorRuntime(LocalChildRuntime):
                     pipe.close()
                 except OSError:
                     pass
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass  # the group kill and `runsc delete` below still run
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass  # the group kill and `runsc delete` below still run
         super()._destroy(sandbox_id)
 
     # ----------------------------------------------------------------- observe & reap
@@ -501,6 +506,11 @@ class GVisorRuntime(LocalChildRuntime):
             self._runsc("delete", "--force", sandbox_id)
         except (OSError, subprocess.TimeoutExpired):
             pass  # the process-group kill and the cgroup drain below still run
+        # A container runsc never finished creating or restoring leaves its socket and lock
+        # file in our root, which delete does not remove (it finds no container).
+        for leftover in (self.state / "runsc-root").glob(f"*{sandbox_id}*"):
+            if leftover.is_file() or leftover.is_socket():
+                leftover.unlink(missing_ok=True)
 
     def containers(self) -> list[dict[str, Any]]:
         """``runsc list`` of this runtime's root, with each container's OCI state."""
