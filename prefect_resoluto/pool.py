@@ -59,6 +59,8 @@ READY = "resoluto warm: ready"
 SNAPSHOT_READY = "resoluto warm: snapshot-ready"
 WAKE = b'{"wake":1}\n'
 SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+#: Seconds a node waits at most for a sandbox being restored before it runs cold.
+RESTORE_WAIT = 1.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
 TEMPLATE_TIMEOUT = 300.0
 SLOT = "slot"
@@ -298,7 +300,8 @@ class WarmPool:
         when there is none: the node runs cold, and the key is warmed (``warm=False``: a
         fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
-        mounts, and moving the slot then would fail the sandbox's start."""
+        mounts, and moving the slot then would fail the sandbox's start. One being
+        *restored* is waited for (RESTORE_WAIT at most): it is a fraction of a cold start away."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
@@ -308,6 +311,9 @@ class WarmPool:
             with self._lock:
                 idle = self._idle.get(key) or []
                 pick = next((w for w in idle if w.ready()), None)
+                if pick is None and warm and self._restoring_soon(idle, t0):
+                    self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+                    continue
                 if pick is None:
                     if warm:
                         self._misses.setdefault(key, []).append(time.monotonic())
@@ -318,6 +324,16 @@ class WarmPool:
             if pick.alive():
                 return pick, time.monotonic() - t0
             self._failed(pick)
+
+    @staticmethod
+    def _restoring_soon(idle: list[WarmSandbox], t0: float) -> bool:
+        """Whether a sandbox of ``idle`` is being restored and worth waiting for: a restore
+        reaches ready in ~0.3-0.5 s, a cold node costs a whole boot more. At most
+        RESTORE_WAIT seconds from ``t0``, and never for one booting (seconds away)."""
+        now = time.monotonic()
+        return now - t0 < RESTORE_WAIT and any(
+            w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle
+        )
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
