@@ -415,12 +415,21 @@ class WarmPool:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
-        if booting >= MAX_BOOTING or self._saturated():
+        if booting >= MAX_BOOTING:
             return None
+        # Saturated, only a restore is started ahead: it costs a third of the CPU of the
+        # cold boot it saves the next node (docs/performance.md, "cpu per node").
+        saturated = self._saturated()
         for key in self._wanted:
-            if len(self._idle.get(key) or []) < self.target(key):
+            if len(self._idle.get(key) or []) < self.target(key) and (not saturated or self._restorable(key)):
                 return key
         return None
+
+    def _restorable(self, key: PoolKey) -> bool:
+        """Whether ``key``'s next sandbox would be restored from an image already made."""
+        return (
+            self.snapshots is not None and key not in self._booting_only and self.snapshots.path(key).is_dir()
+        )
 
     def _saturated(self) -> bool:
         """As many nodes in flight as the host has cores: no idle CPU to boot ahead in, and a
