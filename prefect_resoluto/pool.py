@@ -269,7 +269,12 @@ class WarmPool:
             and getattr(runtime, "supports_snapshots", False)
             and (snapshots if snapshots is not None else snapshots_by_env())
         ):
-            self.snapshots = Snapshots(runtime, self.python)
+            seen = {
+                k: v for k, v in conduit.guest_env().items() if k != "RESOLUTO_STORE_ROOT"
+            }  # /conduit inside
+            slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
+            context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
+            self.snapshots = Snapshots(runtime, self.python, context)
             self.snapshots.prune()
         #: Keys whose image could not be made or restored: their sandboxes boot.
         self._booting_only: set[PoolKey] = set()

@@ -86,17 +86,22 @@ def _key_text(key: Any) -> str:
 class Snapshots:
     """The images of one runtime (its state directory), as a pool uses them."""
 
-    def __init__(self, runtime: Any, python: str) -> None:
+    def __init__(self, runtime: Any, python: str, context: str = "") -> None:
+        """``context``: what else the template's launch depends on (the pool's conduit kind
+        and address, whether a slot is mounted): pools that differ there never share an image."""
         self.runtime = runtime
         self.python = python
+        self.context = context
         self.root = Path(runtime.state) / DIR_NAME
         self._checked: set[Path] = set()  # images whose digest was verified by this process
 
     def _names(self, key: Any) -> tuple[str, str]:
         """(key hash, image hash) of ``key``'s current image."""
-        key_hash = hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]
+        # The key in its pool's context: a stale image is one of the same pair, made with
+        # another guest runner, interpreter or runsc.
+        key_hash = hashlib.sha256((_key_text(key) + self.context).encode()).hexdigest()[:16]
         material = json.dumps(
-            [guest_digest(), _key_text(key), self.python, self.runtime.snapshot_fingerprint()]
+            [guest_digest(), _key_text(key), self.python, self.runtime.snapshot_fingerprint(), self.context]
         )
         return key_hash, hashlib.sha256(material.encode()).hexdigest()[:16]
 
@@ -141,6 +146,7 @@ class Snapshots:
             "guest_digest": guest_digest(),
             "python": self.python,
             "runtime": self.runtime.snapshot_fingerprint(),
+            "context": self.context,
             "created": time.time(),
             **made_from,
         }

@@ -416,10 +416,12 @@ class GVisorRuntime(LocalChildRuntime):
     supports_snapshots: ClassVar[bool] = True
 
     def snapshot_fingerprint(self) -> str:
-        """What an image depends on besides the guest: this runsc, its platform and flags."""
+        """What an image depends on besides the guest: this runsc, its platform, flags and mounts."""
         exe = self._binary() or self.runsc
         version = _probe(exe)[0] if self._binary() else self.runsc
-        return json.dumps([version, self._platform(), self._ignore_cgroups(), self.runsc_flags])
+        return json.dumps(
+            [version, self._platform(), self._ignore_cgroups(), self.runsc_flags, self.extra_ro_paths]
+        )
 
     def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:
         """Write ``handle``'s checkpoint into ``image`` (a directory that must not exist yet:
