@@ -393,6 +393,8 @@ class WarmPool:
                     self._broken.add(todo)
                     self._wanted.remove(todo)
                 continue
+            if w is None:  # the pool closed while the key's image was being made
+                continue
             with self._lock:
                 if self._closed:
                     closed = True
@@ -470,9 +472,9 @@ class WarmPool:
                 if w.key in self._wanted:
                     self._wanted.remove(w.key)
 
-    def _launch(self, key: PoolKey) -> WarmSandbox:
+    def _launch(self, key: PoolKey) -> WarmSandbox | None:
         """One warm sandbox of ``key``: restored from its image (made first if there is none
-        yet) where the pool has snapshots, else booted."""
+        yet) where the pool has snapshots, else booted. None: the pool closed meanwhile."""
         if self.snapshots is not None and key not in self._booting_only:
             try:
                 image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
@@ -490,6 +492,8 @@ class WarmPool:
             else:
                 if image is not None:
                     return self._start(key, image=image)
+                if self._closed:
+                    return None
         return self._start(key)
 
     def _start(self, key: PoolKey, *, image: Path | None = None, template: bool = False) -> WarmSandbox:

@@ -195,3 +195,17 @@ def test_python_calls_in_restored_sandboxes_draw_fresh_random_numbers(prefect, g
     assert len({d[1] for d in got}) == 3, got  # os.urandom: the kernel's, never the image's
     assert len(_images(gvisor)) == 1  # every one was restored from the same image
     no_orphans()
+
+
+def test_closing_the_pool_while_a_template_boots_leaves_nothing(gvisor, local_conduit):
+    """Runner exit, Ctrl-C or cancellation while a key's image is being made."""
+    key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
+    pool = WarmPool(gvisor, local_conduit, size=1)
+    pool.want(key, idle=1)
+    wait_for(lambda: gvisor.list_ids(), timeout=60, what="the template sandbox")
+    assert _images(gvisor) == []  # still booting: no image yet
+    pool.close()
+    _no_sandboxes(gvisor)
+    _runsc_root_empty(gvisor)
+    tmp = Path(gvisor.state) / snapshots.DIR_NAME
+    assert not tmp.is_dir() or [p for p in tmp.iterdir() if p.name.startswith(".tmp-")] == []
