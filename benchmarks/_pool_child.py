@@ -3,9 +3,12 @@
 Submit -> result of a trivial Python task on gVisor, one task after another, with the
 warm pool off (cold), on (back to back: the next task takes whatever the pool has, a
 sandbox still booting included) and on with a ready sandbox (the pool given the time to
-boot its replacement between tasks: the warm path itself). The same for a task module that
-imports ``prefect.variables``. Interleaved with the same number of bare ``runsc run``
-launches of ``python -c pass`` (the runtime's own bundle). Writes JSON to ``--out``.
+boot its replacement between tasks: the warm path itself); the warm runs twice, with
+sandboxes restored from the key's snapshot image (the default) and booted
+(``RESOLUTO_WARM_SNAPSHOTS=0``). The same for a task module that imports
+``prefect.variables``. Interleaved with the same number of bare ``runsc run`` launches of
+``python -c pass`` (the runtime's own bundle). Each sandbox's CPU (``cpu_node.py``) is
+noted at its destroy. Writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -32,7 +36,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import common  # noqa: F401
+    import cpu_node
     from overhead import bare_launcher
+
+    cpu_node.record_destroys()
 
     work = Path(tempfile.mkdtemp(prefix="resoluto-bench-pool-"))
     ws = work / "ws"
@@ -74,7 +81,20 @@ def main() -> None:
                 return
             time.sleep(0.02)  # polling the pool's readiness (not part of any timing)
 
-    def sequential(task: object, warm_pool: int, n: int, ready: bool) -> list[float]:
+    cpu: dict[str, list[float]] = {}
+
+    def sequential(
+        task: object, warm_pool: int, n: int, ready: bool, snapshots: bool = True, tag: str = ""
+    ) -> list[float]:
+        os.environ["RESOLUTO_WARM_SNAPSHOTS"] = "1" if snapshots else "0"
+        start = cpu_node.mark()
+        try:
+            return _sequential(task, warm_pool, n, ready)
+        finally:
+            if tag:
+                cpu[tag] = cpu_node.since(start, "assigned" if warm_pool else "cold")
+
+    def _sequential(task: object, warm_pool: int, n: int, ready: bool) -> list[float]:
         @flow(task_runner=runner(warm_pool), name="bench-pool", persist_result=False)
         def one_after_another() -> list[float]:
             times = []
@@ -105,9 +125,13 @@ def main() -> None:
             bare_s.append(time.perf_counter() - t0)
         out["bare_s"] = bare_s
         out["trivial"] = {
-            "cold": sequential(bench_tasks.noop, 0, args.n, ready=False),
+            "cold": sequential(bench_tasks.noop, 0, args.n, ready=False, tag="cold"),
             "warm_back_to_back": sequential(bench_tasks.noop, 1, args.n, ready=False),
-            "warm_ready": sequential(bench_tasks.noop, 1, args.n, ready=True),
+            "warm_ready": sequential(bench_tasks.noop, 1, args.n, ready=True, tag="restored"),
+            "warm_back_to_back_booted": sequential(bench_tasks.noop, 1, args.n, ready=False, snapshots=False),
+            "warm_ready_booted": sequential(
+                bench_tasks.noop, 1, args.n, ready=True, snapshots=False, tag="warm_booted"
+            ),
         }
         for _ in range(args.n):  # and after, so drift hits both sides
             t0 = time.perf_counter()
@@ -117,7 +141,18 @@ def main() -> None:
         out["real_prefect"] = {
             "cold": sequential(bench_prefect_tasks.noop_real, 0, args.prefect_n, ready=False),
             "warm_ready": sequential(bench_prefect_tasks.noop_real, 1, args.prefect_n, ready=True),
+            "warm_ready_booted": sequential(
+                bench_prefect_tasks.noop_real, 1, args.prefect_n, ready=True, snapshots=False
+            ),
         }
+        cpu["bare"] = cpu_node.bare_cpu(rt, work / "bare-cpu", args.n)
+        out["cpu_s"] = cpu
+        images = Path(rt.state) / "snapshots"  # type: ignore[attr-defined]
+        out["images"] = [
+            {k: v for k, v in json.loads((d / "meta.json").read_text()).items() if k != "key"}
+            for d in sorted(images.iterdir())
+            if (d / "meta.json").is_file()
+        ]
     finally:
         cleanup()
     Path(args.out).write_text(json.dumps(out))

@@ -10,6 +10,14 @@ From there it is an ordinary node (``runner.main``). Nothing of the assignment t
 the conduit or a file: a warm sandbox that is never assigned (stdin closes, the host
 went away) exits without writing anything.
 
+With ``RESOLUTO_WARM_SNAPSHOT`` it is a *template* (prefect_resoluto/snapshots.py): it
+prints ``resoluto warm: snapshot-ready`` where it would print that it is ready, and the
+host checkpoints it there; every sandbox restored from that image wakes at the same
+point, reads one wake line (nothing of a node: ``{"wake": 1}``), renews what must not be
+shared between sandboxes (the random state), prints its ready line to its *own* log and
+then waits for its assignment like any warm guest. stdin and stdout are the restoring
+``runsc restore``'s (runsc hands the new container's stdio to the restored process).
+
 With ``RESOLUTO_WARM_SLOT`` the node's conduit directory is mounted at that fixed path
 (the host moves it to the node's canonical key path at assignment); the guest still
 writes canonical keys (``run/<run>/nodes/<node>/...``, also inside ``result.json``), which
@@ -26,7 +34,7 @@ import subprocess
 import sys
 from typing import IO, BinaryIO, Dict, List, Optional, Union
 
-from guest_runner import privsep, runner, wire
+from guest_runner import privsep, reseed, runner, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
 
 SLOT_ENV = "RESOLUTO_WARM_SLOT"
@@ -36,6 +44,12 @@ CALL_ENV = "RESOLUTO_WARM_CALL"
 CALL_MODULE = "guest_runner.call"
 #: Printed (stdout: the sandbox's log) once everything is imported and started.
 READY = "resoluto warm: ready"
+#: "1": a snapshot template (see the module's doc).
+SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+#: Printed by a template at the point the host checkpoints it.
+SNAPSHOT_READY = "resoluto warm: snapshot-ready"
+#: The one line a restored sandbox reads before it says it is ready.
+WAKE = b'{"wake":1}\n'
 #: The runtime's own view of the sandbox, kept over the assignment's.
 RUNTIME_OWNED = ("RESOLUTO_WORKSPACE_DIR", "RESOLUTO_STORE_ROOT")
 
@@ -267,6 +281,11 @@ def main() -> int:
     from guest_runner import archive  # noqa: F401
 
     try:
+        if os.environ.get(SNAPSHOT_ENV):
+            print(SNAPSHOT_READY, flush=True)  # the host checkpoints the sandbox here
+            if sys.stdin.readline().strip() != WAKE.decode().strip():
+                return 0  # the template itself is never woken: it is checkpointed and deleted
+            reseed.reseed()  # every sandbox restored from one image had the same state
         print(READY, flush=True)
         line = sys.stdin.readline()
         if not line.strip():
@@ -276,7 +295,7 @@ def main() -> int:
         except ValueError as e:
             print(f"resoluto warm guest: bad assignment: {e}", file=sys.stderr)
             return 3
-        boot = {k: v for k, v in os.environ.items() if k not in (SLOT_ENV, CALL_ENV)}
+        boot = {k: v for k, v in os.environ.items() if k not in (SLOT_ENV, CALL_ENV, SNAPSHOT_ENV)}
         env = {**boot, **assigned}
         for k in RUNTIME_OWNED:
             if k in boot:

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from guest_runner import call, standin
+from guest_runner import call, reseed, standin
 
 IMPORTS_ENV = "RESOLUTO_WARM_IMPORTS"
 
@@ -51,6 +51,7 @@ def main() -> int:
     if not line.strip():
         return 0
     spec = json.loads(line)
+    reseed.reseed()  # this process may be one of many restored from one snapshot
     # What `python -m guest_runner.call` would have had: /dev/null on stdin, its own env.
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
@@ -63,5 +64,31 @@ def main() -> int:
     return call.main(list(spec["argv"]))
 
 
+def exit_now(code: "int | None") -> None:
+    """Exit as the interpreter would, minus its finalization: the task's non-daemon threads
+    are joined and its atexit handlers run, then stdio is flushed and the process ends.
+    Tearing down every module and object of a pre-imported Prefect (~110 000 objects)
+    took ~0.45 s in gVisor, after the call's result was already written."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        rc = main()
+    except SystemExit as e:  # as the interpreter reports it
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    exit_now(rc)

@@ -12,6 +12,11 @@ directory ``run/<run>/nodes/<node>/`` (the bind mount follows the directory), so
 node's objects land at the canonical keys and nowhere else, and a sandbox that is never
 assigned leaves nothing in the conduit.
 
+On a runtime that can checkpoint (gVisor), each key's sandboxes are *restored* from one
+image of a template sandbox checkpointed at the point a warm guest waits for its
+assignment (:mod:`prefect_resoluto.snapshots`), instead of booted; without a usable
+image they boot as before.
+
 Pools are keyed by everything fixed at launch (:class:`PoolKey`); a node whose key has
 no sandbox ready gets a cold one. Nodes with egress are always cold: their network
 namespace and proxy belong to the run, which a sandbox started ahead of demand cannot
@@ -36,6 +41,8 @@ from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
+from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
 
 log = logging.getLogger("prefect_resoluto.pool")
 
@@ -49,6 +56,13 @@ MAX_BOOTING = 2
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
 READY = "resoluto warm: ready"
+SNAPSHOT_READY = "resoluto warm: snapshot-ready"
+WAKE = b'{"wake":1}\n'
+SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+#: Seconds a node waits at most for a sandbox being restored before it runs cold.
+RESTORE_WAIT = 1.0
+#: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
+TEMPLATE_TIMEOUT = 300.0
 SLOT = "slot"
 GUEST_MODULE = "guest_runner.warm"
 
@@ -162,8 +176,17 @@ MAX_IMPORTS_BYTES = 1 << 20
 
 
 class WarmSandbox:
-    def __init__(self, pool: WarmPool, key: PoolKey, handle: SandboxHandle, slot: Path | None) -> None:
+    def __init__(
+        self,
+        pool: WarmPool,
+        key: PoolKey,
+        handle: SandboxHandle,
+        slot: Path | None,
+        restored: Path | None = None,
+    ) -> None:
         self.pool, self.key, self.handle, self.slot = pool, key, handle, slot
+        #: The image it was restored from (None: booted).
+        self.restored = restored
         self.started = time.monotonic()
         self._ready = False
 
@@ -213,8 +236,16 @@ class WarmPool:
     """Idle warm sandboxes of one runtime and conduit, per key, refilled in the background."""
 
     def __init__(
-        self, runtime: SandboxRuntime, conduit: Conduit, *, size: int, labels: dict[str, str] | None = None
+        self,
+        runtime: SandboxRuntime,
+        conduit: Conduit,
+        *,
+        size: int,
+        labels: dict[str, str] | None = None,
+        snapshots: bool | None = None,
     ) -> None:
+        """``snapshots``: restore warm sandboxes from per-key images where the runtime can
+        (default: on, unless ``RESOLUTO_WARM_SNAPSHOTS=0``)."""
         self.runtime, self.conduit, self.size = runtime, conduit, max(0, size)
         self.id = uuid.uuid4().hex[:12]
         self.labels = {**(labels or {}), LABEL_POOL: self.id, LABEL_WARM: "idle"}
@@ -231,6 +262,22 @@ class WarmPool:
         self._thread: threading.Thread | None = None
         self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
         self.learned = Learned()
+        self.python = getattr(runtime, "python", None) or sys.executable
+        self.snapshots: Snapshots | None = None
+        if (
+            self.enabled
+            and getattr(runtime, "supports_snapshots", False)
+            and (snapshots if snapshots is not None else snapshots_by_env())
+        ):
+            seen = {
+                k: v for k, v in conduit.guest_env().items() if k != "RESOLUTO_STORE_ROOT"
+            }  # /conduit inside
+            slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
+            context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
+            self.snapshots = Snapshots(runtime, self.python, context)
+            self.snapshots.prune()
+        #: Keys whose image could not be made or restored: their sandboxes boot.
+        self._booting_only: set[PoolKey] = set()
 
     @property
     def enabled(self) -> bool:
@@ -258,7 +305,8 @@ class WarmPool:
         when there is none: the node runs cold, and the key is warmed (``warm=False``: a
         fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
-        mounts, and moving the slot then would fail the sandbox's start."""
+        mounts, and moving the slot then would fail the sandbox's start. One being
+        *restored* is waited for (RESTORE_WAIT at most): it is a fraction of a cold start away."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
@@ -268,6 +316,9 @@ class WarmPool:
             with self._lock:
                 idle = self._idle.get(key) or []
                 pick = next((w for w in idle if w.ready()), None)
+                if pick is None and warm and self._restoring_soon(idle, t0):
+                    self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+                    continue
                 if pick is None:
                     if warm:
                         self._misses.setdefault(key, []).append(time.monotonic())
@@ -278,6 +329,16 @@ class WarmPool:
             if pick.alive():
                 return pick, time.monotonic() - t0
             self._failed(pick)
+
+    @staticmethod
+    def _restoring_soon(idle: list[WarmSandbox], t0: float) -> bool:
+        """Whether a sandbox of ``idle`` is being restored and worth waiting for: a restore
+        reaches ready in ~0.3-0.5 s, a cold node costs a whole boot more. At most
+        RESTORE_WAIT seconds from ``t0``, and never for one booting (seconds away)."""
+        now = time.monotonic()
+        return now - t0 < RESTORE_WAIT and any(
+            w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle
+        )
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
@@ -332,6 +393,8 @@ class WarmPool:
                     self._broken.add(todo)
                     self._wanted.remove(todo)
                 continue
+            if w is None:  # the pool closed while the key's image was being made
+                continue
             with self._lock:
                 if self._closed:
                     closed = True
@@ -359,12 +422,21 @@ class WarmPool:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
-        if booting >= MAX_BOOTING or self._saturated():
+        if booting >= MAX_BOOTING:
             return None
+        # Saturated, only a restore is started ahead: it costs a third of the CPU of the
+        # cold boot it saves the next node (docs/performance.md, "cpu per node").
+        saturated = self._saturated()
         for key in self._wanted:
-            if len(self._idle.get(key) or []) < self.target(key):
+            if len(self._idle.get(key) or []) < self.target(key) and (not saturated or self._restorable(key)):
                 return key
         return None
+
+    def _restorable(self, key: PoolKey) -> bool:
+        """Whether ``key``'s next sandbox would be restored from an image already made."""
+        return (
+            self.snapshots is not None and key not in self._booting_only and self.snapshots.path(key).is_dir()
+        )
 
     def _saturated(self) -> bool:
         """As many nodes in flight as the host has cores: no idle CPU to boot ahead in, and a
@@ -379,6 +451,15 @@ class WarmPool:
         why = self.runtime.status(w.handle).reason
         logs = self.runtime.logs(w.handle, tail=5).strip()
         w.discard()
+        if not w._ready and w.restored is not None and self.snapshots is not None:
+            if not w.restored.exists():  # discarded already (another restored from it failed first)
+                return
+            self.snapshots.discard(
+                w.key, f"a sandbox restored from it ended before it was ready ({why}): {logs[-400:]}"
+            )
+            with self._lock:
+                self._booting_only.add(w.key)
+            return
         if not w._ready:
             log.warning(
                 "a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
@@ -391,12 +472,38 @@ class WarmPool:
                 if w.key in self._wanted:
                     self._wanted.remove(w.key)
 
-    def _launch(self, key: PoolKey) -> WarmSandbox:
+    def _launch(self, key: PoolKey) -> WarmSandbox | None:
+        """One warm sandbox of ``key``: restored from its image (made first if there is none
+        yet) where the pool has snapshots, else booted. None: the pool closed meanwhile."""
+        if self.snapshots is not None and key not in self._booting_only:
+            try:
+                image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
+                if image is None:
+                    image = self._make_image(key)
+            except (SnapshotError, OSError) as e:
+                if not isinstance(e, CorruptImage):
+                    log.warning(
+                        "could not make a warm-sandbox image on %s: %s; warm sandboxes of this kind boot",
+                        self.runtime.name,
+                        e,
+                    )
+                with self._lock:
+                    self._booting_only.add(key)
+            else:
+                if image is not None:
+                    return self._start(key, image=image)
+                if self._closed:
+                    return None
+        return self._start(key)
+
+    def _start(self, key: PoolKey, *, image: Path | None = None, template: bool = False) -> WarmSandbox:
+        """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
-        python = getattr(self.runtime, "python", None) or sys.executable
         env = {"RESOLUTO_WARM_CALL": ("import:" + ",".join(key.imports)) if key.imports else "1"}
         env.update(self.conduit.guest_env())
+        if image is not None or template:
+            env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
         state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
         spec = LaunchSpec(
             sandbox_id=sid,
@@ -404,7 +511,7 @@ class WarmPool:
             resources=key.resources,
             labels=dict(self.labels),
             image=key.image,
-            command=[python, "-m", GUEST_MODULE],
+            command=[self.python, "-m", GUEST_MODULE],
             hold_stdin=True,
             conduit_root=(state / sid) if slotted else None,
             conduit_subdir=SLOT if slotted else "",
@@ -413,8 +520,46 @@ class WarmPool:
             from prefect_resoluto.runtimes._host import guest_conduit_dir
 
             env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
-        handle = self.runtime.launch(spec)
-        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None)
+        if image is not None:
+            handle = self.runtime.restore(spec, image, wake=WAKE)  # type: ignore[attr-defined]
+        else:
+            handle = self.runtime.launch(spec)
+        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None, restored=image)
+
+    def _make_image(self, key: PoolKey) -> Path | None:
+        """Boot ``key``'s template, checkpoint it where it waits for an assignment (no node
+        exists yet), destroy it, and commit the image. None when the pool closed meanwhile."""
+        assert self.snapshots is not None
+        t0 = time.monotonic()
+        w = self._start(key, template=True)
+        try:
+            deadline = t0 + TEMPLATE_TIMEOUT
+            while SNAPSHOT_READY not in self.runtime.logs(w.handle, tail=5):
+                with self._lock:
+                    if self._closed:
+                        return None
+                    if not w.alive():
+                        raise SnapshotError(
+                            "the template sandbox ended before its checkpoint: "
+                            + self.runtime.logs(w.handle, tail=5).strip()[-400:]
+                        )
+                    if time.monotonic() > deadline:
+                        raise SnapshotError(f"the template sandbox was not ready in {TEMPLATE_TIMEOUT:.0f} s")
+                    self._lock.wait(timeout=0.05)  # a log line has no event to wait on
+            booted = time.monotonic() - t0
+            tmp = self.snapshots.new_dir()
+            t1 = time.monotonic()
+            try:
+                self.runtime.checkpoint(w.handle, tmp)  # type: ignore[attr-defined]
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SnapshotError(str(e)) from e
+            made = {"template_boot_s": round(booted, 3), "checkpoint_s": round(time.monotonic() - t1, 3)}
+        finally:
+            w.discard()
+        image = self.snapshots.commit(key, tmp, made)
+        log.debug("warm-sandbox image %s made in %.1f s", image, time.monotonic() - t0)
+        return image
 
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:

@@ -109,7 +109,9 @@ def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key)
     try:
-        o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key))
+        w = _take(pool, key)
+        assert w.restored is not None  # gVisor's default: restored from the key's snapshot image
+        o = drive_node(spec, local_conduit, gvisor, warm=w)
     finally:
         pool.close()
     assert o.ok and o.warm, o.describe()

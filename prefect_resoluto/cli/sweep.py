@@ -41,13 +41,18 @@ def main(args: argparse.Namespace) -> int:
         for name, found, why in chosen:
             if found is None:
                 raise UsageError(f"runtime {name!r} is unavailable here: {why}")
-    report: dict[str, Any] = {"labels": labels, "reaped": {}, "skipped": {}, "errors": {}}
+    report: dict[str, Any] = {"labels": labels, "reaped": {}, "images": {}, "skipped": {}, "errors": {}}
     for name, picked, why in chosen:
         if picked is None:
             report["skipped"][name] = why
             continue
         try:
             report["reaped"][name] = picked.sweep(labels)
+            if not labels and getattr(picked, "supports_snapshots", False):
+                # Warm-sandbox images hold no node, but are the runtime's state: a full sweep clears it.
+                from prefect_resoluto import snapshots
+
+                report["images"][name] = snapshots.remove_all(picked)
         except Exception as e:
             report["errors"][name] = f"{type(e).__name__}: {e}"
     if args.json:
@@ -57,7 +62,9 @@ def main(args: argparse.Namespace) -> int:
         what = " ".join(f"{k}={v}" for k, v in labels.items()) or "every prefect-resoluto sandbox"
         out.line(("sweep", STRONG), f" ({what}):")
         for name, n in report["reaped"].items():
-            out.line(f"  {name}: ", (f"reaped {n} sandbox(es)", OK if n else ""))
+            images = report["images"].get(name)
+            more = f", removed {images} warm-sandbox image(s)" if images else ""
+            out.line(f"  {name}: ", (f"reaped {n} sandbox(es){more}", OK if n else ""))
         for name, why in report["skipped"].items():
             out.line(f"  {name}: ", (f"skipped, unavailable: {why}", DIM))
         for name, problem in report["errors"].items():

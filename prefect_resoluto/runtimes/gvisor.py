@@ -8,6 +8,11 @@ Memory, pids and CPU go into ``linux.resources`` (runsc puts the sandbox in a ho
 cgroup); labels become annotations, so ``runsc state`` shows them.
 
 ``runsc run`` is the child process we observe: its exit status is the guest's.
+A warm sandbox may instead be *restored* from a checkpoint image of a template sandbox
+(:meth:`GVisorRuntime.checkpoint`, :meth:`GVisorRuntime.restore`; prefect_resoluto/snapshots.py):
+``runsc restore`` takes the place of ``runsc run`` with a bundle of its own (same mounts,
+its own slot directory as the conduit mount's source) and is then the child we observe.
+
 Secrets never go into config.json: they are written to the container's stdin as
 shell ``export`` lines, which a tiny ``/bin/sh`` prelude evaluates before exec'ing the
 guest (so they exist only in the guest's memory).
@@ -22,11 +27,12 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import _cgroup
+from . import _cgroup, _local
 from ._host import (
     RUNNER_CAPS,
     WORKLOAD_USER_ENV,
@@ -35,6 +41,7 @@ from ._host import (
     add_network,
     guest_layout,
     labels_match,
+    sandbox_dir,
 )
 from ._local import LocalChildRuntime, Prepared
 from .base import (
@@ -55,6 +62,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # `runsc run`'s own exit status when it fails (any other status is the container's).
 _RUNSC_FAILED = 128
 _SECRET_PRELUDE = 'eval "$(cat)"; exec "$@"'
+_RESTORE_REAPER = str(Path(__file__).with_name("_restore_reaper.py"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,6 +195,8 @@ class GVisorRuntime(LocalChildRuntime):
         self.debug = debug
         self.extra_ro_paths = list(extra_ro_paths or [])
         self.runsc_flags = list(runsc_flags or [])
+        # Sandbox id -> checkpoint image, for launches that restore instead of boot.
+        self._restore_from: dict[str, Path] = {}
 
     @property
     def isolation(self) -> IsolationLevel:
@@ -365,13 +375,18 @@ class GVisorRuntime(LocalChildRuntime):
         cfg = bundle / "config.json"
         cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None), indent=1))
         exe = self._binary() or self.runsc
+        image = self._restore_from.pop(spec.sandbox_id, None)
+        verb = ["restore", f"--image-path={image}"] if image is not None else ["run"]
         argv = [
             exe,
             *self._global_flags(sandbox, network=net is not None),
-            "run",
+            *verb,
             f"--bundle={bundle}",
             spec.sandbox_id,
         ]
+        if image is not None:  # deleted on exit like `runsc run`'s, by a subreaper (see the module)
+            delete = [exe, *self._global_flags(network=net is not None), "delete", "--force", spec.sandbox_id]
+            argv = [sys.executable, "-I", "-S", _RESTORE_REAPER, *argv, "--", *delete]
         if net is not None:
             argv = netns_argv(net.netns, argv)
         # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
@@ -380,7 +395,7 @@ class GVisorRuntime(LocalChildRuntime):
             argv=argv,
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             cwd=str(sandbox),
-            extra={"bundle": str(bundle)},
+            extra={"bundle": str(bundle), **({"restored": True} if image is not None else {})},
             host_limits=False,
             stdin_data=secrets.encode() if secrets else None,
         )
@@ -395,6 +410,77 @@ class GVisorRuntime(LocalChildRuntime):
             _cgroup.create(self._cgroup_name(spec.sandbox_id), spec.resources)
         except OSError as e:
             raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
+
+    # ----------------------------------------------------------------- snapshots
+
+    supports_snapshots: ClassVar[bool] = True
+
+    def snapshot_fingerprint(self) -> str:
+        """What an image depends on besides the guest: this runsc, its platform, flags and mounts."""
+        exe = self._binary() or self.runsc
+        version = _probe(exe)[0] if self._binary() else self.runsc
+        return json.dumps(
+            [version, self._platform(), self._ignore_cgroups(), self.runsc_flags, self.extra_ro_paths]
+        )
+
+    def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:
+        """Write ``handle``'s checkpoint into ``image`` (a directory that must not exist yet:
+        runsc refuses to reuse one). The container stops; the caller destroys it. The image
+        is uncompressed: restoring skips the inflate, and what it holds can be inspected."""
+        res = self._runsc(
+            "checkpoint", f"--image-path={image}", "--compression=none", handle.id, timeout=timeout
+        )
+        if res.returncode != 0:
+            raise LaunchError(f"runsc checkpoint of {handle.id!r} failed: {res.stderr.strip()[-400:]}")
+
+    def restore(self, spec: LaunchSpec, image: Path, wake: bytes = b"") -> SandboxHandle:
+        """Start ``spec``'s sandbox from ``image`` instead of booting it. ``spec`` must have
+        the template's mounts (sources may differ: each restored sandbox gets its own slot)
+        and ``hold_stdin``; ``wake`` is written to the restored guest's stdin at once."""
+        self._restore_from[spec.sandbox_id] = image
+        try:
+            handle = self.launch(spec)
+        finally:
+            self._restore_from.pop(spec.sandbox_id, None)
+        if wake:
+            with _local._LOCK:
+                pipe = _local._STDIN.get((self.name, handle.id))
+            try:
+                if pipe is not None:
+                    pipe.write(wake)
+                    pipe.flush()
+            except OSError:
+                pass  # it already died: its status says why
+        return handle
+
+    def _destroy(self, sandbox_id: str) -> None:
+        key = (self.name, sandbox_id)
+        with _local._LOCK:
+            proc = _local._CHILDREN.get(key)
+        rec = SandboxRecord.load(sandbox_dir(self.state, sandbox_id)) if proc is not None else None
+        if proc is not None and proc.poll() is None and rec is not None and rec.extra.get("restored"):
+            # Its reaper deletes the container while it can still reap the gofer (killing
+            # the reaper's group instead leaves the gofer to PID 1: seconds). A guest never
+            # assigned exits at the end of its stdin, one still restoring too; an assigned
+            # one is killed by the reaper on SIGTERM.
+            with _local._LOCK:
+                pipe = _local._STDIN.pop(key, None)
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass  # the group kill and `runsc delete` below still run
+        super()._destroy(sandbox_id)
 
     # ----------------------------------------------------------------- observe & reap
 
@@ -414,12 +500,19 @@ class GVisorRuntime(LocalChildRuntime):
         if self._binary() is None:
             return
         if exit_code is not None and exit_code >= 0 and exit_code != _RUNSC_FAILED:
-            return  # `runsc run` exited by itself, and deleted its container on the way out
+            # `runsc run` exited by itself and deleted its container on the way out (a
+            # restored sandbox's reaper did the same for `runsc restore`).
+            return
         try:
             self._runsc("kill", sandbox_id, "KILL")
             self._runsc("delete", "--force", sandbox_id)
         except (OSError, subprocess.TimeoutExpired):
             pass  # the process-group kill and the cgroup drain below still run
+        # A container runsc never finished creating or restoring leaves its socket and lock
+        # file in our root, which delete does not remove (it finds no container).
+        for leftover in (self.state / "runsc-root").glob(f"*{sandbox_id}*"):
+            if leftover.is_file() or leftover.is_socket():
+                leftover.unlink(missing_ok=True)
 
     def containers(self) -> list[dict[str, Any]]:
         """``runsc list`` of this runtime's root, with each container's OCI state."""

@@ -22,3 +22,11 @@ def hog(megabytes: int) -> int:
     for i in range(0, len(block), 4096):  # touch every page: the limit is on resident memory
         block[i] = 1
     return len(block) // (1024 * 1024)
+
+
+@task
+def draw() -> list[float]:
+    """What a task draws from ``random`` (reseeded after a snapshot restore) and ``os.urandom``."""
+    import random
+
+    return [random.random(), int.from_bytes(os.urandom(8), "big") / 2**64]
