@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from guest_runner import redact
-from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
+from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduits import conduit_from_url
 from prefect_resoluto.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,

@@ -15,7 +15,6 @@ import copy
 import functools
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
+from prefect_resoluto.labels import LABEL_ATTEMPT, LABEL_FLOW_RUN, LABEL_TASK, LABEL_TASK_RUN, label_value
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
 from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node, output_allowance
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
@@ -38,10 +38,6 @@ from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
 
-LABEL_FLOW_RUN = "resoluto.flow-run-id"
-LABEL_TASK_RUN = "resoluto.task-run-id"
-LABEL_TASK = "resoluto.task-name"
-LABEL_ATTEMPT = "resoluto.attempt"
 #: Seconds the runner's exit waits for queued artifacts (normal exit / interrupted or failed
 #: flow) and for sandboxes being reaped; a daemon thread never holds the process beyond them.
 ARTIFACT_DRAIN = 30.0
@@ -67,12 +63,6 @@ def sandbox_options(**options: Any) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
-
-
-def label_value(s: str) -> str:
-    """A Kubernetes-valid label value (also fine for container engines)."""
-    v = re.sub(r"[^A-Za-z0-9._-]", "-", s)[:63].strip("-._")
-    return v or "x"
 
 
 class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):

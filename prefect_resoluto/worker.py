@@ -63,10 +63,10 @@ from prefect_resoluto.form_fields import (
     shared_field,
     title_choices,
 )
+from prefect_resoluto.labels import LABEL_FLOW_RUN, label_value
 from prefect_resoluto.logs import describe_event
 from prefect_resoluto.node import LABEL_RUN, NodeOutcome, NodeSpec, drive_node
 from prefect_resoluto.runtimes.base import parse_cpus, parse_quantity
-from prefect_resoluto.task_runner import LABEL_FLOW_RUN, label_value
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow

@@ -115,7 +115,8 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     ``render`` puts nothing there).
     """
     from guest_runner import archive, wire
-    from guest_runner.conduit import ConduitError, LocalConduit, conduit_from_url
+    from guest_runner.conduit import ConduitError, LocalConduit
+    from guest_runner.conduits import conduit_from_url
     from guest_runner.redact import Redactor
     from prefect_resoluto.config import default_conduit_url
     from prefect_resoluto.node import NodeSpec

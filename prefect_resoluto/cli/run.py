@@ -25,12 +25,11 @@ from prefect_resoluto.cli.common import (
     EXIT_OK,
     PROG,
     UsageError,
-    err,
     redact_json,
     runtime_label,
     show_argv,
 )
-from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress
+from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress, err
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor

@@ -293,7 +293,8 @@ class SolariRuntime(SandboxRuntime):
         if conduit is not None:
             return conduit
         # Not prepared (a caller other than drive_node): the conduit the node's env names.
-        from guest_runner.conduit import LocalConduit, conduit_from_env
+        from guest_runner.conduit import LocalConduit
+        from guest_runner.conduits import conduit_from_env
 
         if spec.conduit_root is not None:
             return LocalConduit(spec.conduit_root)
