@@ -8,6 +8,7 @@ from the guest.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import queue
@@ -26,10 +27,12 @@ from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,
     IsolationLevel,
     LaunchSpec,
+    NodeAddress,
     Resources,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
+    StoreLocation,
     check_isolation,
     format_bytes,
     memory_hint,
@@ -37,6 +40,7 @@ from prefect_resoluto.runtimes.base import (
 from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
 
 if TYPE_CHECKING:
+    from prefect_resoluto.egress import NetworkRequest
     from prefect_resoluto.pool import WarmSandbox
 
 log = logging.getLogger("prefect_resoluto.node")
@@ -98,14 +102,64 @@ class EgressNotEnforced(InfrastructureError):
 EGRESS_NOT_ENFORCED = "egress is not enforced"
 
 
-FAILURE_TYPES: dict[str, type[NodeFailure]] = {
-    "workload": WorkloadFailed,
-    "unstartable": SandboxUnstartable,
-    "lost": SandboxLost,
-    "killed": SandboxKilled,
-    "no_result": NoResult,
-    "protocol": ProtocolError,
-    "egress": EgressNotEnforced,
+class FailureKind(enum.StrEnum):
+    """Every way a node can fail, as the host judged it. The values are what outcomes, the
+    CLI's JSON and artifacts carry (a ``str``: ``outcome.failure == "workload"`` holds)."""
+
+    WORKLOAD = "workload"
+    UNSTARTABLE = "unstartable"
+    LOST = "lost"
+    KILLED = "killed"
+    NO_RESULT = "no_result"
+    PROTOCOL = "protocol"
+    EGRESS = "egress"
+
+    @property
+    def infrastructure(self) -> bool:
+        """The sandbox, not the work, failed (a task run may be re-launched)."""
+        return self is not FailureKind.WORKLOAD
+
+    @property
+    def error(self) -> type[NodeFailure]:
+        return _ERRORS[self]
+
+    @property
+    def what(self) -> str:
+        """How a node's description words it: ``node n1 <what> on gvisor: ...``."""
+        return _WHAT[self]
+
+    @property
+    def crash_how(self) -> str:
+        """How a flow run's Crashed message words it: ``Sandbox rsl-.. on gvisor <how>: ...``."""
+        return _CRASH_HOW.get(self, "failed")
+
+
+_ERRORS: dict[FailureKind, type[NodeFailure]] = {
+    FailureKind.WORKLOAD: WorkloadFailed,
+    FailureKind.UNSTARTABLE: SandboxUnstartable,
+    FailureKind.LOST: SandboxLost,
+    FailureKind.KILLED: SandboxKilled,
+    FailureKind.NO_RESULT: NoResult,
+    FailureKind.PROTOCOL: ProtocolError,
+    FailureKind.EGRESS: EgressNotEnforced,
+}
+_WHAT = {
+    FailureKind.WORKLOAD: "failed",
+    FailureKind.UNSTARTABLE: "could not start",
+    FailureKind.LOST: "was lost",
+    FailureKind.KILLED: "was killed by the sandbox substrate",
+    FailureKind.NO_RESULT: "ended without a result",
+    FailureKind.PROTOCOL: "broke the wire protocol",
+    FailureKind.EGRESS: "was stopped before its workload",
+}
+# A flow run's sandbox (the worker) is worded shorter; a failed workload or a stopped canary
+# there is the flow run's own failure, reported by the engine, so it has no entry.
+_CRASH_HOW = {
+    FailureKind.UNSTARTABLE: "could not start",
+    FailureKind.LOST: "was lost",
+    FailureKind.KILLED: "was killed",
+    FailureKind.NO_RESULT: "ended without reporting",
+    FailureKind.PROTOCOL: "broke the wire protocol",
 }
 
 
@@ -173,7 +227,7 @@ class NodeSpec:
         if short:
             raise NodeSpecError(redact.too_short_message(short))
 
-    def network_request(self) -> Any:
+    def network_request(self) -> NetworkRequest | None:
         """The node's per-name egress request (None: no network), for local runtimes."""
         from prefect_resoluto import egress
 
@@ -213,7 +267,7 @@ class NodeOutcome:
     exit_code: int | None
     reason: str
     observed_phase: str
-    failure: str | None  # None on success, else a key of FAILURE_TYPES
+    failure: FailureKind | None  # None on success
     substrate_logs: str
     output_dir: Path | None
     output_files: dict[str, Path]
@@ -234,29 +288,20 @@ class NodeOutcome:
 
     @property
     def infrastructure_failure(self) -> bool:
-        return self.failure is not None and self.failure != "workload"
+        return self.failure is not None and self.failure.infrastructure
 
     def raise_for_failure(self) -> None:
         if self.failure is None:
             return
-        cls = FAILURE_TYPES[self.failure]
-        raise cls(self.describe(), self)
+        raise self.failure.error(self.describe(), self)
 
     def describe(self) -> str:
         if self.ok:
             return f"node {self.node_id} succeeded on {self.runtime} ({self.isolation})"
-        what = {
-            "workload": "failed",
-            "unstartable": "could not start",
-            "lost": "was lost",
-            "killed": "was killed by the sandbox substrate",
-            "no_result": "ended without a result",
-            "protocol": "broke the wire protocol",
-            "egress": "was stopped before its workload",
-        }.get(self.failure or "", "failed")
+        what = self.failure.what if self.failure is not None else "failed"
         code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
         msg = f"node {self.node_id} {what} on {self.runtime}{code}: {self.reason or 'no reason given'}"
-        if self.substrate_logs and self.failure != "workload":
+        if self.substrate_logs and self.failure is not FailureKind.WORKLOAD:
             msg += "\n--- substrate logs (tail) ---\n" + self.substrate_logs[-2000:]
         return msg
 
@@ -303,9 +348,11 @@ def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
     rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
     store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
     local = isinstance(conduit, LocalConduit)
+    env = guest_env(spec, conduit, store_prefix)
     return LaunchSpec(
         sandbox_id=new_sandbox_id(),
-        env=guest_env(spec, conduit, store_prefix),
+        address=NodeAddress(spec.run_id, spec.node_id, StoreLocation.from_env(env)),
+        env=env,
         secret_env=dict(spec.secret_env),
         conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
         conduit_subdir=rel_prefix if local else "",
@@ -462,7 +509,7 @@ def _drive(
             egress_events.append(ev)
             deliver(ev)
 
-    failure: str | None = None
+    failure: FailureKind | None = None
     reason = ""
     substrate_logs = ""
     st = SandboxStatus(phase="pending")
@@ -477,7 +524,7 @@ def _drive(
         except Exception as e:
             if warm is not None:
                 handle = warm.handle  # reaped below like any other
-            failure, reason = "unstartable", f"launch failed: {e}"
+            failure, reason = FailureKind.UNSTARTABLE, f"launch failed: {e}"
             raise _Stop() from None
         timings["launch"] = time.monotonic() - t0
         if on_launch is not None:
@@ -492,16 +539,16 @@ def _drive(
                 try:
                     tailer.poll(deliver)
                 except TailError as e:
-                    failure, reason = "protocol", str(e)
+                    failure, reason = FailureKind.PROTOCOL, str(e)
                     break
                 except ConduitError as e:
-                    failure, reason = "lost", f"conduit unavailable while tailing: {e}"
+                    failure, reason = FailureKind.LOST, f"conduit unavailable while tailing: {e}"
                     break
                 if tailer.finished:
                     break
                 next_poll = time.monotonic() + tailer.next_delay()
             if should_cancel is not None and should_cancel():
-                failure, reason = "lost", "cancelled by the host"
+                failure, reason = FailureKind.LOST, "cancelled by the host"
                 break
             now = time.monotonic()
             if now >= next_status or tailer.result_seen:
@@ -514,17 +561,17 @@ def _drive(
                     break
                 unstartable_seen = unstartable_seen + 1 if st.unstartable else 0
                 if unstartable_seen >= CONFIRMATIONS:
-                    failure, reason = "unstartable", st.reason or "the sandbox cannot start"
+                    failure, reason = FailureKind.UNSTARTABLE, st.reason or "the sandbox cannot start"
                     break
                 gone_seen = gone_seen + 1 if st.gone else 0
                 if gone_seen >= CONFIRMATIONS:
-                    failure = "lost"
+                    failure = FailureKind.LOST
                     reason = st.reason or "the sandbox disappeared"
                     if not tailer.armed:
                         reason += " (before it ever ran)"
                     break
             if tailer.silent:
-                failure = "lost"
+                failure = FailureKind.LOST
                 reason = (
                     f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
                     "the sandbox is presumed dead"
@@ -533,7 +580,7 @@ def _drive(
             deliver_egress()
             if tailer.wait(min(next_poll, next_status) - time.monotonic()):
                 next_poll = 0.0  # something landed: read it now
-        if failure is not None and failure != "workload" and handle is not None:
+        if failure is not None and failure != FailureKind.WORKLOAD and handle is not None:
             substrate_logs = _logs(runtime, handle)
     except _Stop:
         pass
@@ -571,15 +618,15 @@ def _drive(
             result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
             status, exit_code = result["status"], result["exit_code"]
             if status != "success":
-                failure = "workload"
+                failure = FailureKind.WORKLOAD
                 reason = result.get("reason") or f"workload exited with code {exit_code}"
                 if launch.network is not None and reason.startswith(EGRESS_NOT_ENFORCED):
-                    failure = "egress"
+                    failure = FailureKind.EGRESS
         except ObjectNotFound:
-            failure, reason = "no_result", "the sandbox wrote a manifest but no result.json"
+            failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
         except wire.WireError as e:
-            failure, reason = "protocol", str(e)
-    if failure in (None, "workload") and spec.output_paths:
+            failure, reason = FailureKind.PROTOCOL, str(e)
+    if failure in (None, FailureKind.WORKLOAD) and spec.output_paths:
         output_dir = (
             Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
         )
@@ -596,20 +643,20 @@ def _drive(
                 output_files[rel] = output_dir / rel
             archives.extend(keys)
         except archive.LimitExceeded as e:
-            failure, status = "protocol", "failure"
+            failure, status = FailureKind.PROTOCOL, "failure"
             reason = f"outbox rejected: {e}; nothing of it was kept. {_limit_hint(limit, source)}"
         except (archive.ArchiveError, ConduitError) as e:
-            failure, status = "protocol", "failure"
+            failure, status = FailureKind.PROTOCOL, "failure"
             reason = f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)"
     if failure is not None:
         status = "failure"
-    if failure == "workload" and st.memory_exhausted:
+    if failure == FailureKind.WORKLOAD and st.memory_exhausted:
         # The workload died at the memory limit; the guest runner only saw an exit code.
         failure, reason = (
-            "killed",
+            FailureKind.KILLED,
             f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})",
         )
-    if failure == "killed" and "memory" in reason.lower() and spec.resources.memory_bytes:
+    if failure == FailureKind.KILLED and "memory" in reason.lower() and spec.resources.memory_bytes:
         reason += f"; {memory_hint(spec.resources)}"
     return NodeOutcome(
         run_id=spec.run_id,
@@ -677,7 +724,7 @@ def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, An
 
 def _drain_after_exit(
     tailer: ChunkTailer, deliver: Callable[[dict[str, Any]], None], st: SandboxStatus
-) -> tuple[str | None, str]:
+) -> tuple[FailureKind | None, str]:
     """The sandbox has exited: read what it left, then judge."""
     try:
         if tailer.check_manifest():
@@ -686,17 +733,17 @@ def _drain_after_exit(
                 if not tailer.finished:
                     tailer.wait(tailer.next_delay())
             if st.infrastructure:
-                return "killed", st.reason or "killed by the substrate"
+                return FailureKind.KILLED, st.reason or "killed by the substrate"
             return None, ""
         tailer.poll(deliver)
     except TailError as e:
-        return "protocol", str(e)
+        return FailureKind.PROTOCOL, str(e)
     except ConduitError as e:
-        return "lost", f"conduit unavailable while reading the final events: {e}"
+        return FailureKind.LOST, f"conduit unavailable while reading the final events: {e}"
     if st.infrastructure:
-        return "killed", st.reason or "killed by the substrate before writing a result"
+        return FailureKind.KILLED, st.reason or "killed by the substrate before writing a result"
     code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
-    return "no_result", f"the sandbox exited{code} without writing _manifest.json"
+    return FailureKind.NO_RESULT, f"the sandbox exited{code} without writing _manifest.json"
 
 
 def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:

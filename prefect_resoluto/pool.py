@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit
-from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 
 log = logging.getLogger("prefect_resoluto.pool")
 
@@ -229,7 +229,7 @@ class WarmPool:
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
+        self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
 
     @property
@@ -394,10 +394,11 @@ class WarmPool:
     def _launch(self, key: PoolKey) -> WarmSandbox:
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
-        python = getattr(self.runtime, "python", None) or sys.executable
+        python = self.runtime.python or sys.executable
         env = {"RESOLUTO_WARM_CALL": ("import:" + ",".join(key.imports)) if key.imports else "1"}
         env.update(self.conduit.guest_env())
-        state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
+        assert self.runtime.state is not None  # checked by usable()
+        state = Path(self.runtime.state)
         spec = LaunchSpec(
             sandbox_id=sid,
             env=env,
@@ -417,23 +418,25 @@ class WarmPool:
         return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None)
 
 
-def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
-    """ "" when ``runtime`` can keep sandboxes warm for ``conduit``, else why not."""
+def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
+    """Whether ``runtime`` can keep sandboxes warm for ``conduit``, and if not why."""
     if not runtime.supports_warm:
-        return f"runtime {runtime.name!r} does not keep sandboxes warm"
-    state = getattr(runtime, "state", None)
+        return Availability.refused(f"runtime {runtime.name!r} does not keep sandboxes warm")
+    state = runtime.state
     if state is None:
-        return f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+        return Availability.refused(
+            f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+        )
     if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
         try:
             if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
-                return (
+                return Availability.refused(
                     f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
                     "different filesystems, so a warm sandbox's directory cannot be moved into place"
                 )
         except OSError as e:
-            return f"cannot check the conduit's filesystem: {e}"
-    return ""
+            return Availability.refused(f"cannot check the conduit's filesystem: {e}")
+    return Availability(True)
 
 
 def default_size(warm_pool: int | None, max_workers: int) -> int:

@@ -614,7 +614,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         await self._propose_crashed_state(
             flow_run,
             f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
-            f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
+            f"{outcome.failure.crash_how if outcome.failure else 'failed'}: "
             f"{outcome.reason}",
         )
         code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
@@ -819,12 +819,3 @@ def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Any, *, name: str) -> as
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return fut
-
-
-_FAILED_HOW = {
-    "unstartable": "could not start",
-    "lost": "was lost",
-    "killed": "was killed",
-    "no_result": "ended without reporting",
-    "protocol": "broke the wire protocol",
-}

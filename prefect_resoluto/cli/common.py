@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
-    from prefect_resoluto.runtimes.base import SandboxRuntime
 
 PROG = "prefect-resoluto"
 
@@ -111,8 +110,3 @@ def known_runtimes() -> list[str]:
     from prefect_resoluto.runtimes import RUNTIMES
 
     return sorted(RUNTIMES)
-
-
-def runtime_label(rt: SandboxRuntime) -> str:
-    oci = getattr(rt, "oci_runtime", None)  # container: the OCI runtime decides the isolation
-    return f"{rt.name}({oci})" if rt.name == "container" and oci else rt.name

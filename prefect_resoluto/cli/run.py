@@ -26,7 +26,6 @@ from prefect_resoluto.cli.common import (
     PROG,
     UsageError,
     redact_json,
-    runtime_label,
     show_argv,
 )
 from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress, err
@@ -151,13 +150,13 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress(
         sys.stderr,
         enabled=sys.stderr.isatty() and not args.quiet,
-        label=f"{spec.node_id} on {runtime_label(rt)}",
+        label=f"{spec.node_id} on {rt.display_name}",
         lock=lock,
     )
     printer = EventPrinter(sys.stdout, sys.stderr, red, quiet=args.quiet, progress=progress)
     if not args.quiet:
         printer.note(
-            f"node {spec.node_id} of run {spec.run_id} on {runtime_label(rt)} "
+            f"node {spec.node_id} of run {spec.run_id} on {rt.display_name} "
             f"({rt.isolation.label}), conduit {plan.conduit.url}"
         )
     launched = False

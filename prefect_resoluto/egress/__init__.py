@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefect_resoluto.availability import Availability
+
 from . import netns, proxy
 from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port
 
@@ -71,9 +73,9 @@ class SandboxNetwork:
     resolv_conf: str = ""
 
 
-def available() -> str:
-    """ "" when allowlists can be enforced on this host (namespaces), else why not."""
-    return netns.available()
+def available() -> Availability:
+    """Whether allowlists can be enforced on this host (network namespaces), and if not why."""
+    return Availability.of(netns.available())
 
 
 def network_request(
@@ -136,9 +138,9 @@ def _publish(run_id: str, node_id: str, ev: dict[str, Any]) -> None:
 
 def attach(req: NetworkRequest, sandbox_id: str) -> SandboxNetwork:
     """Start (or join) the run's proxy and wire a namespace for ``sandbox_id`` to it."""
-    why = available()
-    if why:
-        raise netns.NetnsError(f"egress allowlists cannot be enforced here: {why}")
+    here = available()
+    if not here.ok:
+        raise netns.NetnsError(f"egress allowlists cannot be enforced here: {here.why}")
     run_proxy = proxy.acquire(req.run_id)
     try:
         att = run_proxy.attach(

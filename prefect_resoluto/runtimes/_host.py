@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from prefect_resoluto.host_state import RECORD_NAME as RECORD_NAME
 from prefect_resoluto.host_state import STATE_ENV as STATE_ENV
@@ -31,6 +31,9 @@ from prefect_resoluto.host_state import sandbox_dir as sandbox_dir
 from prefect_resoluto.host_state import state_dir as state_dir
 
 from .base import LaunchSpec
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import SandboxNetwork
 
 #: Where the conduit root appears inside a sandbox (RESOLUTO_STORE_ROOT is rewritten to it).
 GUEST_CONDUIT_ROOT = "/conduit"
@@ -295,7 +298,7 @@ def tail_file(path: Path, lines: int, max_bytes: int = 1 << 20) -> str:
 # --------------------------------------------------------------------------- network
 
 
-def add_network(lay: GuestLayout, net: Any, sandbox: Path) -> None:
+def add_network(lay: GuestLayout, net: SandboxNetwork, sandbox: Path) -> None:
     """Give a guest its egress network's view: /etc/resolv.conf pointing at the run's
     proxy, a minimal /etc/hosts, and the proxy variables (the guest's own env wins for
     nothing here: these are the runtime's)."""

@@ -264,8 +264,8 @@ def build_manifests(
     own = {MANAGED_BY_LABEL: MANAGED_BY, SANDBOX_LABEL: name}
     labels = {
         **sanitise_labels(spec.labels),
-        RUN_LABEL: label_value(spec.env["RESOLUTO_RUN_ID"]),
-        NODE_LABEL: label_value(spec.env["RESOLUTO_NODE_ID"]),
+        RUN_LABEL: label_value(spec.run_id),
+        NODE_LABEL: label_value(spec.node_id),
         **own,
     }
     annotations = {
