@@ -8,7 +8,7 @@ from the guest.
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import functools
 import logging
 import queue
@@ -16,13 +16,29 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, redact, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
+from prefect_resoluto import labels
+from prefect_resoluto.observer import Callbacks, NodeObserver
+from prefect_resoluto.outcome import (
+    EGRESS_NOT_ENFORCED,
+    EgressNotEnforced,
+    FailureKind,
+    InfrastructureError,
+    NodeFailure,
+    NodeOutcome,
+    NoResult,
+    ProtocolError,
+    SandboxKilled,
+    SandboxLost,
+    SandboxUnstartable,
+    WorkloadFailed,
+)
 from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,
     IsolationLevel,
@@ -45,122 +61,45 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefect_resoluto.node")
 
+# The node's public names, wherever they are defined (the outcome and its failures live in
+# outcome.py; callers keep importing them from here).
+__all__ = [
+    "EGRESS_NOT_ENFORCED",
+    "LABEL_NODE",
+    "LABEL_RUN",
+    "EgressNotEnforced",
+    "FailureKind",
+    "InfrastructureError",
+    "NoResult",
+    "NodeFailure",
+    "NodeOutcome",
+    "NodeSpec",
+    "NodeSpecError",
+    "ProtocolError",
+    "SandboxKilled",
+    "SandboxLost",
+    "SandboxUnstartable",
+    "WorkloadFailed",
+    "drive",
+    "drive_node",
+    "egress_events_key",
+    "guest_env",
+    "launch_spec",
+    "new_sandbox_id",
+    "output_allowance",
+]
+
 GUEST_WORKSPACE = "/workspace"
 # Consecutive observations before "unstartable"/"gone" is believed (a pod may report
 # a transient ErrImagePull, a process may be between fork and exec).
 CONFIRMATIONS = 3
 
-LABEL_RUN = "resoluto.run-id"
-LABEL_NODE = "resoluto.node-id"
+# The labels every node's sandbox carries (defined in labels.py, named here too for callers).
+LABEL_RUN, LABEL_NODE = labels.LABEL_RUN, labels.LABEL_NODE
 
 
 class NodeSpecError(ValueError):
     """The node cannot be run as specified (bad argv, workspace, outputs, ids, env)."""
-
-
-class NodeFailure(RuntimeError):
-    """Base of every way a node can fail to produce a successful result."""
-
-    def __init__(self, message: str, outcome: NodeOutcome | None = None) -> None:
-        super().__init__(message)
-        self.outcome = outcome
-
-
-class WorkloadFailed(NodeFailure):
-    """The user's work ran and failed (non-zero exit, exception): a user failure."""
-
-
-class InfrastructureError(NodeFailure):
-    """The sandbox, not the work, failed; safe to re-launch."""
-
-
-class SandboxUnstartable(InfrastructureError):
-    """Never started: launch refused, image missing, sustained fatal waiting reason."""
-
-
-class SandboxLost(InfrastructureError):
-    """Started, then vanished: deleted from outside, or silent past the watchdog."""
-
-
-class SandboxKilled(InfrastructureError):
-    """Killed by the substrate: OOM, eviction, a signal from outside."""
-
-
-class NoResult(InfrastructureError):
-    """The sandbox ended without leaving a (valid) result.json / manifest."""
-
-
-class ProtocolError(InfrastructureError):
-    """The guest's objects break the wire contract (malformed chunk, gap, bad result)."""
-
-
-class EgressNotEnforced(InfrastructureError):
-    """The guest's canary reached a destination outside the allowlist: the workload never ran."""
-
-
-#: How the guest's fail-closed canary words its verdict (guest_runner.egress).
-EGRESS_NOT_ENFORCED = "egress is not enforced"
-
-
-class FailureKind(enum.StrEnum):
-    """Every way a node can fail, as the host judged it. The values are what outcomes, the
-    CLI's JSON and artifacts carry (a ``str``: ``outcome.failure == "workload"`` holds)."""
-
-    WORKLOAD = "workload"
-    UNSTARTABLE = "unstartable"
-    LOST = "lost"
-    KILLED = "killed"
-    NO_RESULT = "no_result"
-    PROTOCOL = "protocol"
-    EGRESS = "egress"
-
-    @property
-    def infrastructure(self) -> bool:
-        """The sandbox, not the work, failed (a task run may be re-launched)."""
-        return self is not FailureKind.WORKLOAD
-
-    @property
-    def error(self) -> type[NodeFailure]:
-        return _ERRORS[self]
-
-    @property
-    def what(self) -> str:
-        """How a node's description words it: ``node n1 <what> on gvisor: ...``."""
-        return _WHAT[self]
-
-    @property
-    def crash_how(self) -> str:
-        """How a flow run's Crashed message words it: ``Sandbox rsl-.. on gvisor <how>: ...``."""
-        return _CRASH_HOW.get(self, "failed")
-
-
-_ERRORS: dict[FailureKind, type[NodeFailure]] = {
-    FailureKind.WORKLOAD: WorkloadFailed,
-    FailureKind.UNSTARTABLE: SandboxUnstartable,
-    FailureKind.LOST: SandboxLost,
-    FailureKind.KILLED: SandboxKilled,
-    FailureKind.NO_RESULT: NoResult,
-    FailureKind.PROTOCOL: ProtocolError,
-    FailureKind.EGRESS: EgressNotEnforced,
-}
-_WHAT = {
-    FailureKind.WORKLOAD: "failed",
-    FailureKind.UNSTARTABLE: "could not start",
-    FailureKind.LOST: "was lost",
-    FailureKind.KILLED: "was killed by the sandbox substrate",
-    FailureKind.NO_RESULT: "ended without a result",
-    FailureKind.PROTOCOL: "broke the wire protocol",
-    FailureKind.EGRESS: "was stopped before its workload",
-}
-# A flow run's sandbox (the worker) is worded shorter; a failed workload or a stopped canary
-# there is the flow run's own failure, reported by the engine, so it has no entry.
-_CRASH_HOW = {
-    FailureKind.UNSTARTABLE: "could not start",
-    FailureKind.LOST: "was lost",
-    FailureKind.KILLED: "was killed",
-    FailureKind.NO_RESULT: "ended without reporting",
-    FailureKind.PROTOCOL: "broke the wire protocol",
-}
 
 
 @dataclass
@@ -198,6 +137,10 @@ class NodeSpec:
     #: Most bytes the host extracts from the node's outbox (None: the node's own allowance,
     #: what its sandbox could hold; see :meth:`output_allowance`).
     output_limit: int | None = None
+    #: The weakest isolation the node may run under (a weaker runtime is refused before launch).
+    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION
+    #: Seconds without any event (heartbeats included) after which the sandbox is presumed dead.
+    silence_window: float = DEFAULT_SILENCE_WINDOW
 
     def output_allowance(self) -> tuple[int | None, str]:
         """The outbox limit in bytes (None: unlimited) and where it comes from."""
@@ -259,59 +202,6 @@ def output_allowance(output_limit: int | None, resources: Resources) -> tuple[in
     return None, "unlimited"
 
 
-@dataclass
-class NodeOutcome:
-    run_id: str
-    node_id: str
-    status: str  # "success" | "failure"
-    exit_code: int | None
-    reason: str
-    observed_phase: str
-    failure: FailureKind | None  # None on success
-    substrate_logs: str
-    output_dir: Path | None
-    output_files: dict[str, Path]
-    output_archives: list[str]
-    conduit_prefix: str
-    conduit_url: str
-    runtime: str
-    isolation: str
-    sandbox_id: str
-    events: int
-    timings: dict[str, float]
-    #: Whether the node ran in a sandbox started ahead of demand (prefect_resoluto.pool).
-    warm: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "success"
-
-    @property
-    def infrastructure_failure(self) -> bool:
-        return self.failure is not None and self.failure.infrastructure
-
-    def raise_for_failure(self) -> None:
-        if self.failure is None:
-            return
-        raise self.failure.error(self.describe(), self)
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"node {self.node_id} succeeded on {self.runtime} ({self.isolation})"
-        what = self.failure.what if self.failure is not None else "failed"
-        code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
-        msg = f"node {self.node_id} {what} on {self.runtime}{code}: {self.reason or 'no reason given'}"
-        if self.substrate_logs and self.failure is not FailureKind.WORKLOAD:
-            msg += "\n--- substrate logs (tail) ---\n" + self.substrate_logs[-2000:]
-        return msg
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["output_dir"] = str(self.output_dir) if self.output_dir else None
-        d["output_files"] = {k: str(v) for k, v in self.output_files.items()}
-        return d
-
-
 def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, str]:
     env: dict[str, str] = dict(spec.env)
     env.update(conduit.guest_env())
@@ -357,7 +247,7 @@ def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
         conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
         conduit_subdir=rel_prefix if local else "",
         resources=spec.resources,
-        labels={**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id},
+        labels={**spec.labels, **labels.node_labels(spec.run_id, spec.node_id)},
         egress=list(spec.egress),
         image=spec.image,
     )
@@ -367,74 +257,80 @@ def new_sandbox_id() -> str:
     return f"rsl-{uuid.uuid4().hex[:16]}"
 
 
-def drive_node(
+def drive(
     spec: NodeSpec,
     conduit: Conduit,
     runtime: SandboxRuntime,
+    observer: NodeObserver | None = None,
     *,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
-    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION,
-    silence_window: float = DEFAULT_SILENCE_WINDOW,
-    on_launch: Callable[[SandboxHandle], None] | None = None,
-    should_cancel: Callable[[], bool] | None = None,
     warm: WarmSandbox | None = None,
-    reap: Callable[[SandboxHandle], None] | None = None,
-    pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
 ) -> NodeOutcome:
-    """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
+    """Run ``spec`` in a sandbox of ``runtime`` and return what happened; ``observer`` sees it
+    happen (:class:`~prefect_resoluto.observer.NodeObserver`: launched, each event, finished)
+    and answers for the host (cancelled? reap the sandbox? how to pack the workspace?).
 
     ``warm``: a sandbox of ``runtime`` started ahead of demand (:mod:`prefect_resoluto.pool`),
     assigned this node instead of launching one; it is destroyed with the node either way.
 
-    ``reap``: takes over destroying the sandbox of a node whose guest wrote a complete
-    manifest and a successful result (its objects are all in the conduit; what is left is
-    the guest's interpreter exit and the runtime's teardown), so the outcome returns without
-    waiting for them; ``observed_phase`` is then the phase seen before the hand-over
-    (``running``). Without it, or for any other node, the sandbox is destroyed before return.
-
-    ``pack_workspace(root, skip)``: builds the workspace archive (default: ``archive.pack``;
-    the task runner's reuses one archive while the tree is unchanged).
+    A node whose guest wrote a complete manifest and a successful result may be handed to
+    ``observer.reap`` (its objects are all in the conduit; what is left is the guest's exit and
+    the runtime's teardown), so the outcome returns without waiting for them;
+    ``observed_phase`` is then the phase seen before the hand-over (``running``).
 
     Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
     for bad input before anything is launched, and re-raises interruption after the
     sandbox has been reaped.
     """
     try:
-        return _drive(
-            spec,
-            conduit,
-            runtime,
-            on_event=on_event,
-            min_isolation=min_isolation,
-            silence_window=silence_window,
-            on_launch=on_launch,
-            should_cancel=should_cancel,
-            warm=warm,
-            reap=reap,
-            pack_workspace=pack_workspace,
-        )
+        return _drive(spec, conduit, runtime, observer or NodeObserver(), warm)
     except BaseException:
         if warm is not None:
             warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
         raise
 
 
-def _drive(
+def drive_node(
     spec: NodeSpec,
     conduit: Conduit,
     runtime: SandboxRuntime,
     *,
-    on_event: Callable[[dict[str, Any]], None] | None,
-    min_isolation: IsolationLevel | str,
-    silence_window: float,
-    on_launch: Callable[[SandboxHandle], None] | None,
-    should_cancel: Callable[[], bool] | None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    min_isolation: IsolationLevel | str | None = None,
+    silence_window: float | None = None,
+    on_launch: Callable[[SandboxHandle], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    warm: WarmSandbox | None = None,
+    reap: Callable[[SandboxHandle], None] | None = None,
+    pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
+) -> NodeOutcome:
+    """:func:`drive` with plain callbacks (a script, a test): ``min_isolation`` and
+    ``silence_window``, when given, replace the spec's; ``reap(handle)`` takes over destroying
+    the sandbox of a node that succeeded."""
+    if min_isolation is not None or silence_window is not None:
+        spec = dataclasses.replace(
+            spec,
+            min_isolation=spec.min_isolation if min_isolation is None else min_isolation,
+            silence_window=spec.silence_window if silence_window is None else silence_window,
+        )
+    observer = Callbacks(
+        on_event=on_event,
+        on_launch=on_launch,
+        should_cancel=should_cancel,
+        reap=reap,
+        pack_workspace=pack_workspace,
+    )
+    return drive(spec, conduit, runtime, observer, warm=warm)
+
+
+def _drive(
+    spec: NodeSpec,
+    conduit: Conduit,
+    runtime: SandboxRuntime,
+    observer: NodeObserver,
     warm: WarmSandbox | None,
-    reap: Callable[[SandboxHandle], None] | None,
-    pack_workspace: Callable[[Path, list[str]], bytes] | None,
 ) -> NodeOutcome:
     spec.validate()
-    check_isolation(runtime, min_isolation)
+    check_isolation(runtime, spec.min_isolation)
     t0 = time.monotonic()
     rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
     store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
@@ -472,7 +368,7 @@ def _drive(
         _put_inbox(
             conduit,
             wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-            _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace),
+            observer.pack_workspace(Path(spec.workspace), _nested_dirs(spec, conduit)),
         )
     for name, data in spec.extra_inbox.items():
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
@@ -480,6 +376,7 @@ def _drive(
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
     runtime.prepare(conduit, spec.run_id)
 
+    silence_window = spec.silence_window
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
     events = 0
     # The proxy's decisions arrive on its threads; they are delivered from this one.
@@ -493,10 +390,9 @@ def _drive(
     def deliver(ev: dict[str, Any]) -> None:
         nonlocal events
         events += 1
-        if on_event is not None:
-            if redactor.count:
-                ev["data"] = redactor.data(ev.get("data") or {})
-            on_event(ev)
+        if redactor.count:
+            ev["data"] = redactor.data(ev.get("data") or {})
+        observer.event(ev)
 
     def deliver_egress() -> None:
         while True:
@@ -527,8 +423,7 @@ def _drive(
             failure, reason = FailureKind.UNSTARTABLE, f"launch failed: {e}"
             raise _Stop() from None
         timings["launch"] = time.monotonic() - t0
-        if on_launch is not None:
-            on_launch(handle)
+        observer.launched(handle)
         unstartable_seen = gone_seen = 0
         # Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a
         # paid request), the runtime's status every runtime.status_interval; a local conduit also
@@ -547,7 +442,7 @@ def _drive(
                 if tailer.finished:
                     break
                 next_poll = time.monotonic() + tailer.next_delay()
-            if should_cancel is not None and should_cancel():
+            if observer.cancelled():
                 failure, reason = FailureKind.LOST, "cancelled by the host"
                 break
             now = time.monotonic()
@@ -591,9 +486,8 @@ def _drive(
             # substrate's view of the exited sandbox tells: wait longer for it.
             verdict = _result_status(conduit, rel_prefix)
             failed = verdict is not None and verdict != "success"
-            if reap is not None and verdict == "success" and tailer.finished and launch.network is None:
-                reap(handle)  # everything is in the conduit: the exit and teardown need not be waited for
-                handle = None
+            if verdict == "success" and tailer.finished and launch.network is None and observer.reap(handle):
+                handle = None  # everything is in the conduit: the exit and teardown need not be waited for
             else:
                 st = _settle(runtime, handle, st, 5.0 if failed else 0.5)
         if handle is not None:
@@ -658,7 +552,7 @@ def _drive(
         )
     if failure == FailureKind.KILLED and "memory" in reason.lower() and spec.resources.memory_bytes:
         reason += f"; {memory_hint(spec.resources)}"
-    return NodeOutcome(
+    outcome = NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
         status=status,
@@ -679,6 +573,8 @@ def _drive(
         timings=timings,
         warm=warm is not None,
     )
+    observer.finished(outcome)
+    return outcome
 
 
 class _Stop(Exception):
@@ -692,10 +588,6 @@ def _limit_hint(limit: int | None, source: str) -> str:
         "ResolutoTaskRunner(output_limit=...), sandbox_options(output_limit=...), the sandbox block's "
         "output_limit, or --output-limit on the command line"
     )
-
-
-def _pack(root: Path, skip: list[str], packer: Callable[[Path, list[str]], bytes] | None) -> bytes:
-    return packer(root, skip) if packer is not None else archive.pack(root, skip=skip)
 
 
 def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:

@@ -30,9 +30,10 @@ from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
-from prefect_resoluto.labels import LABEL_ATTEMPT, LABEL_FLOW_RUN, LABEL_TASK, LABEL_TASK_RUN, label_value
+from prefect_resoluto.labels import LABEL_FLOW_RUN, label_value, task_run_labels
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
-from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node, output_allowance
+from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive, output_allowance
+from prefect_resoluto.observer import NodeObserver, WorkloadOutput
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
 from prefect_resoluto.workspace import WorkspacePacker
 
@@ -163,6 +164,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         # API call never competes with the task's own Completed-state call.
         self._held: dict[str, list[Callable[[], None]]] = {}
         self._node_tables: dict[str, NodeTable] = {}  # per flow run: its keyed artifact
+        #: What the runner holds while entered, released in reverse order by __exit__.
+        self._resources: contextlib.ExitStack | None = None
 
     _TRANSIENT = (
         "_config",
@@ -184,6 +187,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_packer",
         "_held",
         "_node_tables",
+        "_resources",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -237,17 +241,32 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
     def __enter__(self) -> ResolutoTaskRunner:
         self._reset_state()
-        self._config = self._resolve_config()
-        self._runtime = self._config.build_runtime()
-        self._conduit = self._config.build_conduit()
-        self._config.check_conduit_fits(self._runtime, self._conduit)
-        self._pacer = ApiLogBatcher()
-        self._pacer.start()
-        self._artifacts = Background("resoluto-artifacts")
-        self._reaper = Background("resoluto-reaper")
-        self._packer = WorkspacePacker()
-        super().__enter__()
-        self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
+        # Each resource is registered as it is acquired: the exit releases them in reverse
+        # (the pool, the reaper, the sweep, held artifacts, the artifacts' drain, the log
+        # pacer, the conduit), and a failure half-way through entering releases what was taken.
+        with contextlib.ExitStack() as stack:
+            self._config = self._resolve_config()
+            self._runtime = self._config.build_runtime()
+            self._conduit = self._config.build_conduit()
+            stack.callback(self._drop_packer)
+            stack.callback(self._conduit.close)
+            self._config.check_conduit_fits(self._runtime, self._conduit)
+            self._pacer = ApiLogBatcher()
+            self._pacer.start()
+            stack.callback(self._pacer.stop)
+            self._artifacts = stack.enter_context(_Draining(Background("resoluto-artifacts")))
+            stack.callback(self._flush_held)
+            stack.callback(self._sweep)
+            self._reaper = Background("resoluto-reaper")
+            stack.callback(self._reaper.close, REAP_DRAIN)
+            self._packer = WorkspacePacker()
+            super().__enter__()
+            self._pool = warm_pool_mod.start_for(
+                self._config, self._runtime, self._conduit, self._max_workers
+            )
+            if self._pool is not None:
+                stack.callback(self._pool.close)
+            self._resources = stack.pop_all()
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -260,23 +279,20 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 self._executor.shutdown(wait=True)
             super().__exit__(exc_type, exc_value, traceback)
         finally:
-            if self._pool is not None:
-                self._pool.close()
-            if self._reaper is not None:
-                self._reaper.close(REAP_DRAIN)
-            self._sweep()
-            with self._live_lock:
-                held = [job for jobs in self._held.values() for job in jobs]
-                self._held.clear()
-            for job in held:  # task runs whose future never completed (cancelled, interrupted)
-                self._queue_artifact(job)
-            if self._artifacts is not None:
-                self._artifacts.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
-            if self._pacer is not None:
-                self._pacer.stop()
-            if self._conduit is not None:
-                self._conduit.close()
-            self._packer = None  # its archives go with the runner
+            resources, self._resources = self._resources, None
+            if resources is not None:
+                resources.__exit__(exc_type, exc_value, traceback)
+
+    def _drop_packer(self) -> None:
+        self._packer = None  # its archives go with the runner
+
+    def _flush_held(self) -> None:
+        """Queue the artifacts of task runs whose future never completed (cancelled, interrupted)."""
+        with self._live_lock:
+            held = [job for jobs in self._held.values() for job in jobs]
+            self._held.clear()
+        for job in held:
+            self._queue_artifact(job)
 
     def _flow_failed(self) -> bool:
         # The flow engine handles the flow's exception before leaving the runner's context,
@@ -585,12 +601,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 env=dict(cfg.env),
                 secret_env=dict(cfg.secret_env),
                 resources=cfg.resources,
-                labels={
-                    LABEL_FLOW_RUN: label_value(run_id),
-                    LABEL_TASK_RUN: label_value(key),
-                    LABEL_TASK: label_value(task_name),
-                    LABEL_ATTEMPT: str(attempt),
-                },
+                labels=task_run_labels(run_id, key, task_name, attempt),
                 egress=list(cfg.egress),
                 setup_egress=cfg.setup_egress,
                 setup_argv=cfg.setup_argv,
@@ -600,6 +611,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 outputs_dir=(cfg.outputs_dir or default_outputs_root()) / run_id / node_id,
                 workspace_skip=[cfg.outputs_dir or default_outputs_root()],
                 output_limit=cfg.output_limit_bytes,
+                min_isolation=cfg.min_isolation,
+                silence_window=cfg.silence_window,
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(
@@ -617,57 +630,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 f"sandbox node {node_id} on {runtime.name} "
                 f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}",
             )
-            launched: list[SandboxHandle] = []
-            reaping: set[str] = set()
-
-            def on_launch(handle: SandboxHandle, _launched: list[SandboxHandle] = launched) -> None:
-                _launched.append(handle)
-                with self._live_lock:
-                    self._live[handle.id] = handle
-
-            def reap(handle: SandboxHandle, _reaping: set[str] = reaping) -> None:
-                # Stays in _live until destroyed, so cancel_all still reaches it.
-                _reaping.add(handle.id)
-                assert self._reaper is not None
-                self._reaper.submit(functools.partial(self._reap, handle), f"reaping sandbox {handle.id}")
-
-            workload_spans: set[str] = set()
-
-            def on_event(
-                ev: dict[str, Any], _forward: EventLogForwarder = forward, _spans: set[str] = workload_spans
-            ) -> None:
-                _forward(ev)
-                if line_sink is not None:
-                    if ev.get("kind") == "workload" and ev.get("event") == "open":
-                        _spans.add(ev.get("span_id", ""))
-                    elif ev.get("event") == "log" and ev.get("parent_span_id") in _spans:
-                        line_sink(str((ev.get("data") or {}).get("line", "")))
-
+            node = TaskRunNode(self, forward, line_sink, cancel)
             try:
-                outcome = drive_node(
-                    spec,
-                    conduit,
-                    runtime,
-                    on_event=on_event,
-                    min_isolation=cfg.min_isolation,
-                    silence_window=cfg.silence_window,
-                    on_launch=on_launch,
-                    should_cancel=lambda: (
-                        self._cancelled.is_set() or (cancel is not None and cancel.is_set())
-                    ),
-                    warm=warm,
-                    reap=reap if self._reaper is not None else None,
-                    pack_workspace=self._packer,
-                )
+                outcome = drive(spec, conduit, runtime, node, warm=warm)
             finally:
-                with self._live_lock:
-                    for h in launched:
-                        if h.id not in reaping:
-                            self._live.pop(h.id, None)
-            # One short line per node at INFO (a failure is told by the task's exception, as
-            # on threads); the details at DEBUG, in the artifact and in the node's events.
-            forward.emit(logging.DEBUG, _summary(outcome))
-            forward.emit(logging.INFO, runner_line(outcome))
+                node.release()
             if outcome.ok:
                 with self._live_lock:
                     self._output_files[key] = {
@@ -692,6 +659,82 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             break
         assert outcome is not None
         return outcome
+
+
+class _Draining:
+    """The artifacts' background queue as a context: drained at exit, for less time when the
+    flow was interrupted (exit with an exception) than after a normal end."""
+
+    def __init__(self, background: Background) -> None:
+        self.background = background
+
+    def __enter__(self) -> Background:
+        return self.background
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        self.background.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
+
+
+class TaskRunNode(NodeObserver):
+    """One node of a task run, as the runner sees it: its events become the task run's logs
+    (and, for a command task, its output lines), its sandbox is live -- reached by
+    ``cancel_all`` -- from launch until destroyed, here or by the runner's reaper."""
+
+    def __init__(
+        self,
+        runner: ResolutoTaskRunner,
+        forward: EventLogForwarder,
+        line_sink: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.runner = runner
+        self.forward = forward
+        self.line_sink = line_sink
+        self.cancel = cancel
+        self.output = WorkloadOutput()
+        self.sandboxes: list[SandboxHandle] = []
+        self.reaping: set[str] = set()
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.sandboxes.append(handle)
+        with self.runner._live_lock:
+            self.runner._live[handle.id] = handle
+
+    def event(self, ev: dict[str, Any]) -> None:
+        self.forward(ev)
+        if self.line_sink is not None:
+            line = self.output.line(ev)
+            if line is not None:
+                self.line_sink(line)
+
+    def cancelled(self) -> bool:
+        return self.runner._cancelled.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def reap(self, handle: SandboxHandle) -> bool:
+        reaper = self.runner._reaper
+        if reaper is None:
+            return False
+        # Stays live until destroyed, so cancel_all still reaches it.
+        self.reaping.add(handle.id)
+        reaper.submit(functools.partial(self.runner._reap, handle), f"reaping sandbox {handle.id}")
+        return True
+
+    def pack_workspace(self, root: Path, skip: list[str]) -> bytes:
+        packer = self.runner._packer
+        return packer(root, skip) if packer is not None else super().pack_workspace(root, skip)
+
+    def finished(self, outcome: NodeOutcome) -> None:
+        # One short line per node at INFO (a failure is told by the task's exception, as
+        # on threads); the details at DEBUG, in the artifact and in the node's events.
+        self.forward.emit(logging.DEBUG, _summary(outcome))
+        self.forward.emit(logging.INFO, runner_line(outcome))
+
+    def release(self) -> None:
+        """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
+        with self.runner._live_lock:
+            for h in self.sandboxes:
+                if h.id not in self.reaping:
+                    self.runner._live.pop(h.id, None)
 
 
 _active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = (
