@@ -14,16 +14,24 @@ import logging
 import queue
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guest_runner import archive, redact, wire
+from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
-from prefect_resoluto import labels
+from prefect_resoluto import verdict
+from prefect_resoluto.labels import LABEL_NODE, LABEL_RUN
+from prefect_resoluto.node_spec import (
+    GUEST_WORKSPACE,
+    NodeSpec,
+    NodeSpecError,
+    guest_env,
+    launch_spec,
+    new_sandbox_id,
+    output_allowance,
+)
 from prefect_resoluto.observer import Callbacks, NodeObserver
 from prefect_resoluto.outcome import (
     EGRESS_NOT_ENFORCED,
@@ -40,23 +48,15 @@ from prefect_resoluto.outcome import (
     WorkloadFailed,
 )
 from prefect_resoluto.runtimes.base import (
-    DEFAULT_MIN_ISOLATION,
     IsolationLevel,
-    LaunchSpec,
-    NodeAddress,
-    Resources,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
-    StoreLocation,
     check_isolation,
-    format_bytes,
-    memory_hint,
 )
-from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
+from prefect_resoluto.tail import ChunkTailer, TailError
 
 if TYPE_CHECKING:
-    from prefect_resoluto.egress import NetworkRequest
     from prefect_resoluto.pool import WarmSandbox
 
 log = logging.getLogger("prefect_resoluto.node")
@@ -65,6 +65,7 @@ log = logging.getLogger("prefect_resoluto.node")
 # outcome.py; callers keep importing them from here).
 __all__ = [
     "EGRESS_NOT_ENFORCED",
+    "GUEST_WORKSPACE",
     "LABEL_NODE",
     "LABEL_RUN",
     "EgressNotEnforced",
@@ -89,172 +90,9 @@ __all__ = [
     "output_allowance",
 ]
 
-GUEST_WORKSPACE = "/workspace"
 # Consecutive observations before "unstartable"/"gone" is believed (a pod may report
 # a transient ErrImagePull, a process may be between fork and exec).
 CONFIRMATIONS = 3
-
-# The labels every node's sandbox carries (defined in labels.py, named here too for callers).
-LABEL_RUN, LABEL_NODE = labels.LABEL_RUN, labels.LABEL_NODE
-
-
-class NodeSpecError(ValueError):
-    """The node cannot be run as specified (bad argv, workspace, outputs, ids, env)."""
-
-
-@dataclass
-class NodeSpec:
-    run_id: str
-    node_id: str
-    argv: list[str]
-    workspace: Path | None = None
-    output_paths: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    secret_env: dict[str, str] = field(default_factory=dict)
-    resources: Resources = field(default_factory=Resources)
-    labels: dict[str, str] = field(default_factory=dict)
-    #: Names the workload may reach (``api.example.com``, ``*.example.com``, ``host:8443``).
-    egress: list[str] = field(default_factory=list)
-    #: The setup step's own allowlist (None: the same as ``egress``); the proxy switches
-    #: to ``egress`` before the workload starts, without restarting the sandbox.
-    setup_egress: list[str] | None = None
-    #: Name -> address pins for allowlisted names, like ``curl --resolve``.
-    egress_resolve: dict[str, str] = field(default_factory=dict)
-    #: ``"name:port"`` the sandbox dials -> one host ``"127.0.0.1:port"`` (e.g. the Prefect API).
-    egress_forward: dict[str, str] = field(default_factory=dict)
-    #: Destinations the guest checks are unreachable before the workload (default: egress.DEFAULT_CANARY).
-    egress_canary: list[str] | None = None
-    image: str | None = None
-    setup_argv: list[str] | None = None
-    cleanup_argv: list[str] | None = None
-    #: Additional inbox archives: name -> gzip tar bytes (e.g. a Python call).
-    extra_inbox: dict[str, bytes] = field(default_factory=dict)
-    #: Where declared outputs land on the host (default: a fresh temporary directory).
-    outputs_dir: Path | None = None
-    #: Host directories never shipped with the workspace even when inside it (an outputs
-    #: root; the local conduit and ``outputs_dir`` are always left out).
-    workspace_skip: list[Path] = field(default_factory=list)
-    #: Most bytes the host extracts from the node's outbox (None: the node's own allowance,
-    #: what its sandbox could hold; see :meth:`output_allowance`).
-    output_limit: int | None = None
-    #: The weakest isolation the node may run under (a weaker runtime is refused before launch).
-    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION
-    #: Seconds without any event (heartbeats included) after which the sandbox is presumed dead.
-    silence_window: float = DEFAULT_SILENCE_WINDOW
-
-    def output_allowance(self) -> tuple[int | None, str]:
-        """The outbox limit in bytes (None: unlimited) and where it comes from."""
-        return output_allowance(self.output_limit, self.resources)
-
-    def validate(self) -> None:
-        """Raises NodeSpecError for anything that would make the node unrunnable."""
-        try:
-            wire.check_id(self.run_id, "run id")
-            wire.check_id(self.node_id, "node id")
-            for p in self.output_paths:
-                archive.check_pattern(p)
-        except ValueError as e:
-            raise NodeSpecError(str(e)) from None
-        if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
-            raise NodeSpecError(
-                "argv must be a non-empty list of strings (the command to run in the sandbox)"
-            )
-        if self.output_limit is not None and (isinstance(self.output_limit, bool) or self.output_limit <= 0):
-            raise NodeSpecError(f"output_limit must be a positive number of bytes, got {self.output_limit!r}")
-        if self.workspace is not None and not Path(self.workspace).is_dir():
-            raise NodeSpecError(f"workspace directory {str(self.workspace)!r} does not exist")
-        for k in list(self.env) + list(self.secret_env):
-            if not k or "=" in k or "\x00" in k:
-                raise NodeSpecError(f"invalid environment variable name {k!r}")
-        short = redact.too_short(self.secret_env)
-        if short:
-            raise NodeSpecError(redact.too_short_message(short))
-
-    def network_request(self) -> NetworkRequest | None:
-        """The node's per-name egress request (None: no network), for local runtimes."""
-        from prefect_resoluto import egress
-
-        try:
-            return egress.network_request(
-                self.run_id,
-                self.node_id,
-                egress=self.egress,
-                setup_egress=self.setup_egress,
-                resolve=self.egress_resolve,
-                forward=self.egress_forward,
-                has_setup=bool(self.setup_argv),
-                canary=self.egress_canary,
-            )
-        except egress.EgressPolicyError as e:
-            raise NodeSpecError(str(e)) from None
-
-
-def output_allowance(output_limit: int | None, resources: Resources) -> tuple[int | None, str]:
-    """The most a node's outbox may put on the host (None: unlimited), and why: the
-    ``output_limit`` setting, else what the sandbox could have held (its ``disk``, else
-    its memory limit, which bounds its in-memory scratch)."""
-    if output_limit is not None:
-        return output_limit, "the output_limit setting"
-    if resources.disk_bytes:
-        return resources.disk_bytes, "the node's disk setting"
-    if resources.memory_bytes:
-        return resources.memory_bytes, "the node's memory limit"
-    return None, "unlimited"
-
-
-def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, str]:
-    env: dict[str, str] = dict(spec.env)
-    env.update(conduit.guest_env())
-    env.update(
-        {
-            "RESOLUTO_RUN_ID": spec.run_id,
-            "RESOLUTO_NODE_ID": spec.node_id,
-            "RESOLUTO_STORE_PREFIX": store_prefix,
-            "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
-            "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
-            "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
-        }
-    )
-    if spec.setup_argv:
-        env["RESOLUTO_SETUP_ARGV"] = _json(spec.setup_argv)
-    if spec.cleanup_argv:
-        env["RESOLUTO_CLEANUP_ARGV"] = _json(spec.cleanup_argv)
-    if spec.secret_env:
-        env["RESOLUTO_SECRET_ENV"] = _json(sorted(spec.secret_env))
-    user = sorted(set(spec.env) | set(spec.secret_env))
-    if user:
-        env["RESOLUTO_USER_ENV"] = _json(user)
-    return env
-
-
-def _json(v: Any) -> str:
-    import json
-
-    return json.dumps(v, separators=(",", ":"))
-
-
-def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
-    """What the runtime is asked to start for ``spec`` (also used to render manifests)."""
-    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
-    store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
-    local = isinstance(conduit, LocalConduit)
-    env = guest_env(spec, conduit, store_prefix)
-    return LaunchSpec(
-        sandbox_id=new_sandbox_id(),
-        address=NodeAddress(spec.run_id, spec.node_id, StoreLocation.from_env(env)),
-        env=env,
-        secret_env=dict(spec.secret_env),
-        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
-        conduit_subdir=rel_prefix if local else "",
-        resources=spec.resources,
-        labels={**spec.labels, **labels.node_labels(spec.run_id, spec.node_id)},
-        egress=list(spec.egress),
-        image=spec.image,
-    )
-
-
-def new_sandbox_id() -> str:
-    return f"rsl-{uuid.uuid4().hex[:16]}"
 
 
 def drive(
@@ -484,9 +322,9 @@ def _drive(
         if handle is not None and failure is None and not st.terminal:
             # A failed workload may have died at the memory limit, which only the
             # substrate's view of the exited sandbox tells: wait longer for it.
-            verdict = _result_status(conduit, rel_prefix)
-            failed = verdict is not None and verdict != "success"
-            if verdict == "success" and tailer.finished and launch.network is None and observer.reap(handle):
+            said = _result_status(conduit, rel_prefix)
+            failed = said is not None and said != "success"
+            if said == "success" and tailer.finished and launch.network is None and observer.reap(handle):
                 handle = None  # everything is in the conduit: the exit and teardown need not be waited for
             else:
                 st = _settle(runtime, handle, st, 5.0 if failed else 0.5)
@@ -511,11 +349,7 @@ def _drive(
         try:
             result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
             status, exit_code = result["status"], result["exit_code"]
-            if status != "success":
-                failure = FailureKind.WORKLOAD
-                reason = result.get("reason") or f"workload exited with code {exit_code}"
-                if launch.network is not None and reason.startswith(EGRESS_NOT_ENFORCED):
-                    failure = FailureKind.EGRESS
+            failure, reason = verdict.of_result(result, networked=launch.network is not None)
         except ObjectNotFound:
             failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
         except wire.WireError as e:
@@ -538,20 +372,13 @@ def _drive(
             archives.extend(keys)
         except archive.LimitExceeded as e:
             failure, status = FailureKind.PROTOCOL, "failure"
-            reason = f"outbox rejected: {e}; nothing of it was kept. {_limit_hint(limit, source)}"
+            reason = f"outbox rejected: {e}; nothing of it was kept. {verdict.limit_hint(limit, source)}"
         except (archive.ArchiveError, ConduitError) as e:
             failure, status = FailureKind.PROTOCOL, "failure"
             reason = f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)"
     if failure is not None:
         status = "failure"
-    if failure == FailureKind.WORKLOAD and st.memory_exhausted:
-        # The workload died at the memory limit; the guest runner only saw an exit code.
-        failure, reason = (
-            FailureKind.KILLED,
-            f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})",
-        )
-    if failure == FailureKind.KILLED and "memory" in reason.lower() and spec.resources.memory_bytes:
-        reason += f"; {memory_hint(spec.resources)}"
+    failure, reason = verdict.with_memory(failure, reason, st, spec.resources)
     outcome = NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
@@ -579,15 +406,6 @@ def _drive(
 
 class _Stop(Exception):
     pass
-
-
-def _limit_hint(limit: int | None, source: str) -> str:
-    size = format_bytes(limit) if limit else "unlimited"
-    return (
-        f"The node's output limit is {size} ({source}); raise it with the `output_limit` setting: "
-        "ResolutoTaskRunner(output_limit=...), sandbox_options(output_limit=...), the sandbox block's "
-        "output_limit, or --output-limit on the command line"
-    )
 
 
 def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:
@@ -624,18 +442,13 @@ def _drain_after_exit(
                 tailer.poll(deliver)
                 if not tailer.finished:
                     tailer.wait(tailer.next_delay())
-            if st.infrastructure:
-                return FailureKind.KILLED, st.reason or "killed by the substrate"
-            return None, ""
+            return verdict.after_exit(st, manifest=True)
         tailer.poll(deliver)
     except TailError as e:
         return FailureKind.PROTOCOL, str(e)
     except ConduitError as e:
         return FailureKind.LOST, f"conduit unavailable while reading the final events: {e}"
-    if st.infrastructure:
-        return FailureKind.KILLED, st.reason or "killed by the substrate before writing a result"
-    code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
-    return FailureKind.NO_RESULT, f"the sandbox exited{code} without writing _manifest.json"
+    return verdict.after_exit(st, manifest=False)
 
 
 def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
