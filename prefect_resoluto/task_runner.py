@@ -25,16 +25,17 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
-from prefect_resoluto import pycall, remote_traceback
+from prefect_resoluto import pycall, python_tasks, remote_traceback
 from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.labels import LABEL_FLOW_RUN, label_value, task_run_labels
+from prefect_resoluto.live import LiveSandboxes
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
-from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive, output_allowance
+from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
 from prefect_resoluto.observer import NodeObserver, WorkloadOutput
-from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
@@ -146,16 +147,14 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._config: SandboxConfig | None = None
         self._runtime: SandboxRuntime | None = None
         self._conduit: Conduit | None = None
-        self._live: dict[str, SandboxHandle] = {}
-        self._live_lock = threading.Lock()
-        self._attempts: dict[str, int] = {}
-        self._output_files: dict[str, dict[str, Path]] = {}  # task run id -> its last node's outputs
+        self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
+        self._live_lock = threading.Lock()  # what the runner keeps per flow run and per task run
         self._flow_runs: set[str] = set()
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
         self._pacer: ApiLogBatcher | None = None
         self._announced: set[str] = set()
-        self._deployment_names: dict[str, str | None] = {}
+        self._deployment_names = python_tasks.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
         self._artifacts: Background | None = None
         self._reaper: Background | None = None
@@ -173,8 +172,6 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_conduit",
         "_live",
         "_live_lock",
-        "_attempts",
-        "_output_files",
         "_flow_runs",
         "_flow_run_objs",
         "_cancelled",
@@ -307,16 +304,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._cancelled.set()
         if self._pool is not None:
             self._pool.close()
-        with self._live_lock:
-            live = list(self._live.values())
-        for handle in live:
+        for handle in self._live.handles():
             self._destroy(handle)
         super().cancel_all()
 
     def _reap(self, handle: SandboxHandle) -> None:
         self._destroy(handle)
-        with self._live_lock:
-            self._live.pop(handle.id, None)
+        self._live.drop(handle.id)
 
     def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor, sandbox: str = "") -> None:
         """The node's artifacts (artifacts.py), off the task's critical path (API round trips):
@@ -465,94 +459,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     def _run_python(
         self, task: Any, fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
     ) -> Any:
-        from prefect.context import TaskRunContext
-
-        ctx = TaskRunContext.get()
-        if ctx is None or ctx.task_run is None:
-            raise RuntimeError("a sandboxed task must run inside Prefect's task engine")
-        cfg = self.config.replace(**overrides)
-        ref = pycall.function_ref(fn, cfg.workspace or _default_workspace())
-        params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
-        redactor = Redactor(cfg.secret_env.values())
-        task_module = getattr(fn, "__module__", None)
-        limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
-        outcome = self.run_node(
-            task_name=task.name,
-            argv=pycall.guest_argv(),
-            cfg=cfg,
-            extra_inbox={
-                pycall.CALL_ARCHIVE: pycall.call_archive(ref, params, context=self._run_context(ctx, params))
-            },
-            extra_outputs=pycall.RESULT_PATHS,
-            cancel=cancel,
-            log_prints=bool(getattr(ctx, "log_prints", False)),
-            warm_prefect=warm_pool_mod.imports_for(self._pool, _workspace_file(ref, cfg)),
+        return python_tasks.call(
+            task,
+            fn,
+            self.config.replace(**overrides),
+            cancel,
+            run_node=self.run_node,
+            pool=self._pool,
+            deployment_name=self._deployment_names,
         )
-        warm_pool_mod.learn(self._pool, _workspace_file(ref, cfg), outcome.output_dir)
-        if outcome.failure == "workload":
-            # raises the task's own exception type (or RemoteTaskError), remote traceback kept
-            pycall.read_outcome(
-                outcome.output_dir,
-                redactor=redactor,
-                task_module=task_module,
-                memory_hint=memory_hint(cfg.resources),
-                limit=limit,
-                workspace=cfg.workspace or _default_workspace(),
-            )
-            raise WorkloadFailed(outcome.describe(), outcome)
-        outcome.raise_for_failure()
-        found, value = pycall.read_outcome(
-            outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
-        )
-        if not found:
-            raise WorkloadFailed(
-                f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
-            )
-        return pycall.rebuild(value, pycall.return_annotation(fn))
-
-    def _run_context(self, ctx: Any, params: dict[str, Any]) -> dict[str, Any]:
-        """What a task can read of its run, as JSON for the sandbox: the current tags and
-        prefect.runtime's task_run, flow_run and deployment."""
-        from prefect.context import FlowRunContext, TagsContext
-
-        tr = ctx.task_run
-        tags_ctx = TagsContext.get()
-        out: dict[str, Any] = {
-            "tags": sorted(tags_ctx.current_tags) if tags_ctx is not None else [],
-            "task_run": {
-                "id": str(tr.id),
-                "name": tr.name,
-                "task_name": ctx.task.name,
-                "run_count": tr.run_count,
-                "parameters": params,
-                "tags": list(tr.tags or []),
-            },
-        }
-        fr_ctx = FlowRunContext.get()
-        fr = fr_ctx.flow_run if fr_ctx is not None else None
-        if fr_ctx is not None and fr is not None:
-            out["flow_run"] = {
-                "id": str(fr.id),
-                "name": fr.name,
-                "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
-                "tags": list(fr.tags or []),
-                "parameters": _json_only(fr_ctx.parameters or {}),
-            }
-            dep = str(fr.deployment_id) if fr.deployment_id else None
-            out["deployment"] = {"id": dep, "name": self._deployment_name(dep) if dep else None}
-        return out
-
-    def _deployment_name(self, deployment_id: str) -> str | None:
-        if deployment_id not in self._deployment_names:
-            try:
-                from prefect.client.orchestration import get_client
-
-                with get_client(sync_client=True) as client:
-                    self._deployment_names[deployment_id] = client.read_deployment(deployment_id).name
-            except Exception as e:  # the name is a convenience; the id is the reference
-                log.debug("could not read deployment %s: %s", deployment_id, e)
-                self._deployment_names[deployment_id] = None
-        return self._deployment_names[deployment_id]
 
     def run_node(
         self,
@@ -585,12 +500,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         logger = get_run_logger()
         runtime, conduit = self._runtime, self._conduit
         assert runtime is not None and conduit is not None
-        workspace = cfg.workspace or _default_workspace()
+        workspace = cfg.workspace or python_tasks.default_workspace()
         outcome: NodeOutcome | None = None
         for infra_try in range(cfg.infrastructure_retries + 1):
             key = str(tr.id)
-            with self._live_lock:
-                attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+            attempt = self._live.next_attempt(key)
             node_id = key if attempt == 1 else f"{key}.{attempt}"
             spec = NodeSpec(
                 run_id=run_id,
@@ -636,10 +550,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             finally:
                 node.release()
             if outcome.ok:
-                with self._live_lock:
-                    self._output_files[key] = {
-                        k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")
-                    }
+                self._live.set_outputs(
+                    key, {k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")}
+                )
             self._publish(outcome, attempt, redactor, how)
             if (
                 outcome.infrastructure_failure
@@ -697,8 +610,7 @@ class TaskRunNode(NodeObserver):
 
     def launched(self, handle: SandboxHandle) -> None:
         self.sandboxes.append(handle)
-        with self.runner._live_lock:
-            self.runner._live[handle.id] = handle
+        self.runner._live.add(handle)
 
     def event(self, ev: dict[str, Any]) -> None:
         self.forward(ev)
@@ -731,10 +643,9 @@ class TaskRunNode(NodeObserver):
 
     def release(self) -> None:
         """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
-        with self.runner._live_lock:
-            for h in self.sandboxes:
-                if h.id not in self.reaping:
-                    self.runner._live.pop(h.id, None)
+        for h in self.sandboxes:
+            if h.id not in self.reaping:
+                self.runner._live.drop(h.id)
 
 
 _active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = (
@@ -746,45 +657,8 @@ def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
     return _active_runner.get()
 
 
-def _default_workspace() -> Path:
-    """The directory of the flow's source file (the workspace shipped to each node)."""
-    from prefect.context import FlowRunContext
-
-    ctx = FlowRunContext.get()
-    if ctx is not None and ctx.flow is not None:
-        import inspect
-
-        try:
-            src = inspect.getsourcefile(ctx.flow.fn)
-            if src:
-                return Path(src).resolve().parent
-        except TypeError:
-            pass
-    return Path.cwd()
-
-
 def default_max_workers() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
-
-
-def _json_only(values: dict[str, Any]) -> dict[str, Any]:
-    """The values that survive JSON encoding (the rest is left out, not stringified)."""
-    import json
-
-    from pydantic_core import to_jsonable_python
-
-    out: dict[str, Any] = {}
-    for k, v in values.items():
-        try:
-            out[str(k)] = to_jsonable_python(v)
-            json.dumps(out[str(k)])
-        except Exception:
-            out.pop(str(k), None)
-    return out
-
-
-def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
-    return (cfg.workspace or _default_workspace()) / ref["file"] if ref.get("file") else None
 
 
 _RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}
@@ -844,5 +718,4 @@ def output_files(future_or_id: Any) -> dict[str, Path]:
     runner = getattr(ctx, "task_runner", None) if ctx is not None else None
     if not isinstance(runner, ResolutoTaskRunner):
         raise RuntimeError("output_files() works inside a flow whose task runner is ResolutoTaskRunner")
-    with runner._live_lock:
-        return dict(runner._output_files.get(key, {}))
+    return runner._live.outputs(key)
