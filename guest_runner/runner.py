@@ -39,7 +39,8 @@ from typing import Callable, Dict, List, Mapping, NoReturn, Optional
 # needed: a node without inbox archives or outputs never pays for them, and every
 # import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
 from guest_runner import privsep, wire
-from guest_runner.conduit import Conduit, ConduitError, conduit_from_env
+from guest_runner.conduit import Conduit, ConduitError
+from guest_runner.conduits import conduit_from_env
 from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
 

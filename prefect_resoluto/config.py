@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from guest_runner.conduit import Conduit, LocalConduit, conduit_from_url
+from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduits import conduit_from_url
 from prefect_resoluto.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,

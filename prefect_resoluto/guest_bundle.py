@@ -23,10 +23,10 @@ import hashlib
 import io
 import tarfile
 from pathlib import Path
-from typing import Any
 
 import guest_runner
 from guest_runner import wire
+from guest_runner.conduit import Conduit
 
 GUEST_DIR = "_guest"
 PACKAGE = "guest_runner"
@@ -104,7 +104,7 @@ def guest_bundle_key(run_id: str, base: str = "", sha: str | None = None) -> str
     return f"{wire.run_prefix(run_id, base)}/{GUEST_DIR}/{PACKAGE}-{sha[:16]}.tar.gz"
 
 
-def upload_guest_bundle(conduit: Any, run_id: str) -> tuple[str, str]:
+def upload_guest_bundle(conduit: Conduit, run_id: str) -> tuple[str, str]:
     """Put the bundle on ``conduit`` unless it is already there.
 
     Returns ``(full key as the sandbox sees it, sha256)``; the full key includes the

@@ -8,316 +8,123 @@ from the guest.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guest_runner import archive, redact, wire
+from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
+from prefect_resoluto import verdict
+from prefect_resoluto.labels import LABEL_NODE, LABEL_RUN
+from prefect_resoluto.node_spec import (
+    GUEST_WORKSPACE,
+    NodeSpec,
+    NodeSpecError,
+    guest_env,
+    launch_spec,
+    new_sandbox_id,
+    output_allowance,
+)
+from prefect_resoluto.observer import Callbacks, NodeObserver
+from prefect_resoluto.outcome import (
+    EGRESS_NOT_ENFORCED,
+    EgressNotEnforced,
+    FailureKind,
+    InfrastructureError,
+    NodeFailure,
+    NodeOutcome,
+    NoResult,
+    ProtocolError,
+    SandboxKilled,
+    SandboxLost,
+    SandboxUnstartable,
+    WorkloadFailed,
+)
 from prefect_resoluto.runtimes.base import (
-    DEFAULT_MIN_ISOLATION,
     IsolationLevel,
-    LaunchSpec,
-    Resources,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
     check_isolation,
-    format_bytes,
-    memory_hint,
 )
-from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW, ChunkTailer, TailError
+from prefect_resoluto.tail import ChunkTailer, TailError
 
 if TYPE_CHECKING:
     from prefect_resoluto.pool import WarmSandbox
 
 log = logging.getLogger("prefect_resoluto.node")
 
-GUEST_WORKSPACE = "/workspace"
+# The node's public names, wherever they are defined (the outcome and its failures live in
+# outcome.py; callers keep importing them from here).
+__all__ = [
+    "EGRESS_NOT_ENFORCED",
+    "GUEST_WORKSPACE",
+    "LABEL_NODE",
+    "LABEL_RUN",
+    "EgressNotEnforced",
+    "FailureKind",
+    "InfrastructureError",
+    "NoResult",
+    "NodeFailure",
+    "NodeOutcome",
+    "NodeSpec",
+    "NodeSpecError",
+    "ProtocolError",
+    "SandboxKilled",
+    "SandboxLost",
+    "SandboxUnstartable",
+    "WorkloadFailed",
+    "drive",
+    "drive_node",
+    "egress_events_key",
+    "guest_env",
+    "launch_spec",
+    "new_sandbox_id",
+    "output_allowance",
+]
+
 # Consecutive observations before "unstartable"/"gone" is believed (a pod may report
 # a transient ErrImagePull, a process may be between fork and exec).
 CONFIRMATIONS = 3
 
-LABEL_RUN = "resoluto.run-id"
-LABEL_NODE = "resoluto.node-id"
 
+def drive(
+    spec: NodeSpec,
+    conduit: Conduit,
+    runtime: SandboxRuntime,
+    observer: NodeObserver | None = None,
+    *,
+    warm: WarmSandbox | None = None,
+) -> NodeOutcome:
+    """Run ``spec`` in a sandbox of ``runtime`` and return what happened; ``observer`` sees it
+    happen (:class:`~prefect_resoluto.observer.NodeObserver`: launched, each event, finished)
+    and answers for the host (cancelled? reap the sandbox? how to pack the workspace?).
 
-class NodeSpecError(ValueError):
-    """The node cannot be run as specified (bad argv, workspace, outputs, ids, env)."""
+    ``warm``: a sandbox of ``runtime`` started ahead of demand (:mod:`prefect_resoluto.pool`),
+    assigned this node instead of launching one; it is destroyed with the node either way.
 
+    A node whose guest wrote a complete manifest and a successful result may be handed to
+    ``observer.reap`` (its objects are all in the conduit; what is left is the guest's exit and
+    the runtime's teardown), so the outcome returns without waiting for them;
+    ``observed_phase`` is then the phase seen before the hand-over (``running``).
 
-class NodeFailure(RuntimeError):
-    """Base of every way a node can fail to produce a successful result."""
-
-    def __init__(self, message: str, outcome: NodeOutcome | None = None) -> None:
-        super().__init__(message)
-        self.outcome = outcome
-
-
-class WorkloadFailed(NodeFailure):
-    """The user's work ran and failed (non-zero exit, exception): a user failure."""
-
-
-class InfrastructureError(NodeFailure):
-    """The sandbox, not the work, failed; safe to re-launch."""
-
-
-class SandboxUnstartable(InfrastructureError):
-    """Never started: launch refused, image missing, sustained fatal waiting reason."""
-
-
-class SandboxLost(InfrastructureError):
-    """Started, then vanished: deleted from outside, or silent past the watchdog."""
-
-
-class SandboxKilled(InfrastructureError):
-    """Killed by the substrate: OOM, eviction, a signal from outside."""
-
-
-class NoResult(InfrastructureError):
-    """The sandbox ended without leaving a (valid) result.json / manifest."""
-
-
-class ProtocolError(InfrastructureError):
-    """The guest's objects break the wire contract (malformed chunk, gap, bad result)."""
-
-
-class EgressNotEnforced(InfrastructureError):
-    """The guest's canary reached a destination outside the allowlist: the workload never ran."""
-
-
-#: How the guest's fail-closed canary words its verdict (guest_runner.egress).
-EGRESS_NOT_ENFORCED = "egress is not enforced"
-
-
-FAILURE_TYPES: dict[str, type[NodeFailure]] = {
-    "workload": WorkloadFailed,
-    "unstartable": SandboxUnstartable,
-    "lost": SandboxLost,
-    "killed": SandboxKilled,
-    "no_result": NoResult,
-    "protocol": ProtocolError,
-    "egress": EgressNotEnforced,
-}
-
-
-@dataclass
-class NodeSpec:
-    run_id: str
-    node_id: str
-    argv: list[str]
-    workspace: Path | None = None
-    output_paths: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    secret_env: dict[str, str] = field(default_factory=dict)
-    resources: Resources = field(default_factory=Resources)
-    labels: dict[str, str] = field(default_factory=dict)
-    #: Names the workload may reach (``api.example.com``, ``*.example.com``, ``host:8443``).
-    egress: list[str] = field(default_factory=list)
-    #: The setup step's own allowlist (None: the same as ``egress``); the proxy switches
-    #: to ``egress`` before the workload starts, without restarting the sandbox.
-    setup_egress: list[str] | None = None
-    #: Name -> address pins for allowlisted names, like ``curl --resolve``.
-    egress_resolve: dict[str, str] = field(default_factory=dict)
-    #: ``"name:port"`` the sandbox dials -> one host ``"127.0.0.1:port"`` (e.g. the Prefect API).
-    egress_forward: dict[str, str] = field(default_factory=dict)
-    #: Destinations the guest checks are unreachable before the workload (default: egress.DEFAULT_CANARY).
-    egress_canary: list[str] | None = None
-    image: str | None = None
-    setup_argv: list[str] | None = None
-    cleanup_argv: list[str] | None = None
-    #: Additional inbox archives: name -> gzip tar bytes (e.g. a Python call).
-    extra_inbox: dict[str, bytes] = field(default_factory=dict)
-    #: Where declared outputs land on the host (default: a fresh temporary directory).
-    outputs_dir: Path | None = None
-    #: Host directories never shipped with the workspace even when inside it (an outputs
-    #: root; the local conduit and ``outputs_dir`` are always left out).
-    workspace_skip: list[Path] = field(default_factory=list)
-    #: Most bytes the host extracts from the node's outbox (None: the node's own allowance,
-    #: what its sandbox could hold; see :meth:`output_allowance`).
-    output_limit: int | None = None
-
-    def output_allowance(self) -> tuple[int | None, str]:
-        """The outbox limit in bytes (None: unlimited) and where it comes from."""
-        return output_allowance(self.output_limit, self.resources)
-
-    def validate(self) -> None:
-        """Raises NodeSpecError for anything that would make the node unrunnable."""
-        try:
-            wire.check_id(self.run_id, "run id")
-            wire.check_id(self.node_id, "node id")
-            for p in self.output_paths:
-                archive.check_pattern(p)
-        except ValueError as e:
-            raise NodeSpecError(str(e)) from None
-        if not self.argv or not all(isinstance(a, str) for a in self.argv) or not self.argv[0]:
-            raise NodeSpecError(
-                "argv must be a non-empty list of strings (the command to run in the sandbox)"
-            )
-        if self.output_limit is not None and (isinstance(self.output_limit, bool) or self.output_limit <= 0):
-            raise NodeSpecError(f"output_limit must be a positive number of bytes, got {self.output_limit!r}")
-        if self.workspace is not None and not Path(self.workspace).is_dir():
-            raise NodeSpecError(f"workspace directory {str(self.workspace)!r} does not exist")
-        for k in list(self.env) + list(self.secret_env):
-            if not k or "=" in k or "\x00" in k:
-                raise NodeSpecError(f"invalid environment variable name {k!r}")
-        short = redact.too_short(self.secret_env)
-        if short:
-            raise NodeSpecError(redact.too_short_message(short))
-
-    def network_request(self) -> Any:
-        """The node's per-name egress request (None: no network), for local runtimes."""
-        from prefect_resoluto import egress
-
-        try:
-            return egress.network_request(
-                self.run_id,
-                self.node_id,
-                egress=self.egress,
-                setup_egress=self.setup_egress,
-                resolve=self.egress_resolve,
-                forward=self.egress_forward,
-                has_setup=bool(self.setup_argv),
-                canary=self.egress_canary,
-            )
-        except egress.EgressPolicyError as e:
-            raise NodeSpecError(str(e)) from None
-
-
-def output_allowance(output_limit: int | None, resources: Resources) -> tuple[int | None, str]:
-    """The most a node's outbox may put on the host (None: unlimited), and why: the
-    ``output_limit`` setting, else what the sandbox could have held (its ``disk``, else
-    its memory limit, which bounds its in-memory scratch)."""
-    if output_limit is not None:
-        return output_limit, "the output_limit setting"
-    if resources.disk_bytes:
-        return resources.disk_bytes, "the node's disk setting"
-    if resources.memory_bytes:
-        return resources.memory_bytes, "the node's memory limit"
-    return None, "unlimited"
-
-
-@dataclass
-class NodeOutcome:
-    run_id: str
-    node_id: str
-    status: str  # "success" | "failure"
-    exit_code: int | None
-    reason: str
-    observed_phase: str
-    failure: str | None  # None on success, else a key of FAILURE_TYPES
-    substrate_logs: str
-    output_dir: Path | None
-    output_files: dict[str, Path]
-    output_archives: list[str]
-    conduit_prefix: str
-    conduit_url: str
-    runtime: str
-    isolation: str
-    sandbox_id: str
-    events: int
-    timings: dict[str, float]
-    #: Whether the node ran in a sandbox started ahead of demand (prefect_resoluto.pool).
-    warm: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "success"
-
-    @property
-    def infrastructure_failure(self) -> bool:
-        return self.failure is not None and self.failure != "workload"
-
-    def raise_for_failure(self) -> None:
-        if self.failure is None:
-            return
-        cls = FAILURE_TYPES[self.failure]
-        raise cls(self.describe(), self)
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"node {self.node_id} succeeded on {self.runtime} ({self.isolation})"
-        what = {
-            "workload": "failed",
-            "unstartable": "could not start",
-            "lost": "was lost",
-            "killed": "was killed by the sandbox substrate",
-            "no_result": "ended without a result",
-            "protocol": "broke the wire protocol",
-            "egress": "was stopped before its workload",
-        }.get(self.failure or "", "failed")
-        code = f", exit code {self.exit_code}" if self.exit_code is not None else ""
-        msg = f"node {self.node_id} {what} on {self.runtime}{code}: {self.reason or 'no reason given'}"
-        if self.substrate_logs and self.failure != "workload":
-            msg += "\n--- substrate logs (tail) ---\n" + self.substrate_logs[-2000:]
-        return msg
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["output_dir"] = str(self.output_dir) if self.output_dir else None
-        d["output_files"] = {k: str(v) for k, v in self.output_files.items()}
-        return d
-
-
-def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, str]:
-    env: dict[str, str] = dict(spec.env)
-    env.update(conduit.guest_env())
-    env.update(
-        {
-            "RESOLUTO_RUN_ID": spec.run_id,
-            "RESOLUTO_NODE_ID": spec.node_id,
-            "RESOLUTO_STORE_PREFIX": store_prefix,
-            "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
-            "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
-            "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
-        }
-    )
-    if spec.setup_argv:
-        env["RESOLUTO_SETUP_ARGV"] = _json(spec.setup_argv)
-    if spec.cleanup_argv:
-        env["RESOLUTO_CLEANUP_ARGV"] = _json(spec.cleanup_argv)
-    if spec.secret_env:
-        env["RESOLUTO_SECRET_ENV"] = _json(sorted(spec.secret_env))
-    user = sorted(set(spec.env) | set(spec.secret_env))
-    if user:
-        env["RESOLUTO_USER_ENV"] = _json(user)
-    return env
-
-
-def _json(v: Any) -> str:
-    import json
-
-    return json.dumps(v, separators=(",", ":"))
-
-
-def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
-    """What the runtime is asked to start for ``spec`` (also used to render manifests)."""
-    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
-    store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
-    local = isinstance(conduit, LocalConduit)
-    return LaunchSpec(
-        sandbox_id=new_sandbox_id(),
-        env=guest_env(spec, conduit, store_prefix),
-        secret_env=dict(spec.secret_env),
-        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
-        conduit_subdir=rel_prefix if local else "",
-        resources=spec.resources,
-        labels={**spec.labels, LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id},
-        egress=list(spec.egress),
-        image=spec.image,
-    )
-
-
-def new_sandbox_id() -> str:
-    return f"rsl-{uuid.uuid4().hex[:16]}"
+    Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
+    for bad input before anything is launched, and re-raises interruption after the
+    sandbox has been reaped.
+    """
+    try:
+        return _drive(spec, conduit, runtime, observer or NodeObserver(), warm)
+    except BaseException:
+        if warm is not None:
+            warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
+        raise
 
 
 def drive_node(
@@ -326,68 +133,42 @@ def drive_node(
     runtime: SandboxRuntime,
     *,
     on_event: Callable[[dict[str, Any]], None] | None = None,
-    min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION,
-    silence_window: float = DEFAULT_SILENCE_WINDOW,
+    min_isolation: IsolationLevel | str | None = None,
+    silence_window: float | None = None,
     on_launch: Callable[[SandboxHandle], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     warm: WarmSandbox | None = None,
     reap: Callable[[SandboxHandle], None] | None = None,
     pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
 ) -> NodeOutcome:
-    """Run ``spec`` in a sandbox of ``runtime`` and return what happened.
-
-    ``warm``: a sandbox of ``runtime`` started ahead of demand (:mod:`prefect_resoluto.pool`),
-    assigned this node instead of launching one; it is destroyed with the node either way.
-
-    ``reap``: takes over destroying the sandbox of a node whose guest wrote a complete
-    manifest and a successful result (its objects are all in the conduit; what is left is
-    the guest's interpreter exit and the runtime's teardown), so the outcome returns without
-    waiting for them; ``observed_phase`` is then the phase seen before the hand-over
-    (``running``). Without it, or for any other node, the sandbox is destroyed before return.
-
-    ``pack_workspace(root, skip)``: builds the workspace archive (default: ``archive.pack``;
-    the task runner's reuses one archive while the tree is unchanged).
-
-    Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
-    for bad input before anything is launched, and re-raises interruption after the
-    sandbox has been reaped.
-    """
-    try:
-        return _drive(
+    """:func:`drive` with plain callbacks (a script, a test): ``min_isolation`` and
+    ``silence_window``, when given, replace the spec's; ``reap(handle)`` takes over destroying
+    the sandbox of a node that succeeded."""
+    if min_isolation is not None or silence_window is not None:
+        spec = dataclasses.replace(
             spec,
-            conduit,
-            runtime,
-            on_event=on_event,
-            min_isolation=min_isolation,
-            silence_window=silence_window,
-            on_launch=on_launch,
-            should_cancel=should_cancel,
-            warm=warm,
-            reap=reap,
-            pack_workspace=pack_workspace,
+            min_isolation=spec.min_isolation if min_isolation is None else min_isolation,
+            silence_window=spec.silence_window if silence_window is None else silence_window,
         )
-    except BaseException:
-        if warm is not None:
-            warm.discard()  # refused before launch: a warm sandbox taken for it must not linger
-        raise
+    observer = Callbacks(
+        on_event=on_event,
+        on_launch=on_launch,
+        should_cancel=should_cancel,
+        reap=reap,
+        pack_workspace=pack_workspace,
+    )
+    return drive(spec, conduit, runtime, observer, warm=warm)
 
 
 def _drive(
     spec: NodeSpec,
     conduit: Conduit,
     runtime: SandboxRuntime,
-    *,
-    on_event: Callable[[dict[str, Any]], None] | None,
-    min_isolation: IsolationLevel | str,
-    silence_window: float,
-    on_launch: Callable[[SandboxHandle], None] | None,
-    should_cancel: Callable[[], bool] | None,
+    observer: NodeObserver,
     warm: WarmSandbox | None,
-    reap: Callable[[SandboxHandle], None] | None,
-    pack_workspace: Callable[[Path, list[str]], bytes] | None,
 ) -> NodeOutcome:
     spec.validate()
-    check_isolation(runtime, min_isolation)
+    check_isolation(runtime, spec.min_isolation)
     t0 = time.monotonic()
     rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
     store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
@@ -425,7 +206,7 @@ def _drive(
         _put_inbox(
             conduit,
             wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-            _pack(Path(spec.workspace), _nested_dirs(spec, conduit), pack_workspace),
+            observer.pack_workspace(Path(spec.workspace), _nested_dirs(spec, conduit)),
         )
     for name, data in spec.extra_inbox.items():
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
@@ -433,6 +214,7 @@ def _drive(
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
     runtime.prepare(conduit, spec.run_id)
 
+    silence_window = spec.silence_window
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
     events = 0
     # The proxy's decisions arrive on its threads; they are delivered from this one.
@@ -446,10 +228,9 @@ def _drive(
     def deliver(ev: dict[str, Any]) -> None:
         nonlocal events
         events += 1
-        if on_event is not None:
-            if redactor.count:
-                ev["data"] = redactor.data(ev.get("data") or {})
-            on_event(ev)
+        if redactor.count:
+            ev["data"] = redactor.data(ev.get("data") or {})
+        observer.event(ev)
 
     def deliver_egress() -> None:
         while True:
@@ -462,7 +243,7 @@ def _drive(
             egress_events.append(ev)
             deliver(ev)
 
-    failure: str | None = None
+    failure: FailureKind | None = None
     reason = ""
     substrate_logs = ""
     st = SandboxStatus(phase="pending")
@@ -477,11 +258,10 @@ def _drive(
         except Exception as e:
             if warm is not None:
                 handle = warm.handle  # reaped below like any other
-            failure, reason = "unstartable", f"launch failed: {e}"
+            failure, reason = FailureKind.UNSTARTABLE, f"launch failed: {e}"
             raise _Stop() from None
         timings["launch"] = time.monotonic() - t0
-        if on_launch is not None:
-            on_launch(handle)
+        observer.launched(handle)
         unstartable_seen = gone_seen = 0
         # Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a
         # paid request), the runtime's status every runtime.status_interval; a local conduit also
@@ -492,16 +272,16 @@ def _drive(
                 try:
                     tailer.poll(deliver)
                 except TailError as e:
-                    failure, reason = "protocol", str(e)
+                    failure, reason = FailureKind.PROTOCOL, str(e)
                     break
                 except ConduitError as e:
-                    failure, reason = "lost", f"conduit unavailable while tailing: {e}"
+                    failure, reason = FailureKind.LOST, f"conduit unavailable while tailing: {e}"
                     break
                 if tailer.finished:
                     break
                 next_poll = time.monotonic() + tailer.next_delay()
-            if should_cancel is not None and should_cancel():
-                failure, reason = "lost", "cancelled by the host"
+            if observer.cancelled():
+                failure, reason = FailureKind.LOST, "cancelled by the host"
                 break
             now = time.monotonic()
             if now >= next_status or tailer.result_seen:
@@ -514,17 +294,17 @@ def _drive(
                     break
                 unstartable_seen = unstartable_seen + 1 if st.unstartable else 0
                 if unstartable_seen >= CONFIRMATIONS:
-                    failure, reason = "unstartable", st.reason or "the sandbox cannot start"
+                    failure, reason = FailureKind.UNSTARTABLE, st.reason or "the sandbox cannot start"
                     break
                 gone_seen = gone_seen + 1 if st.gone else 0
                 if gone_seen >= CONFIRMATIONS:
-                    failure = "lost"
+                    failure = FailureKind.LOST
                     reason = st.reason or "the sandbox disappeared"
                     if not tailer.armed:
                         reason += " (before it ever ran)"
                     break
             if tailer.silent:
-                failure = "lost"
+                failure = FailureKind.LOST
                 reason = (
                     f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
                     "the sandbox is presumed dead"
@@ -533,7 +313,7 @@ def _drive(
             deliver_egress()
             if tailer.wait(min(next_poll, next_status) - time.monotonic()):
                 next_poll = 0.0  # something landed: read it now
-        if failure is not None and failure != "workload" and handle is not None:
+        if failure is not None and failure != FailureKind.WORKLOAD and handle is not None:
             substrate_logs = _logs(runtime, handle)
     except _Stop:
         pass
@@ -542,11 +322,10 @@ def _drive(
         if handle is not None and failure is None and not st.terminal:
             # A failed workload may have died at the memory limit, which only the
             # substrate's view of the exited sandbox tells: wait longer for it.
-            verdict = _result_status(conduit, rel_prefix)
-            failed = verdict is not None and verdict != "success"
-            if reap is not None and verdict == "success" and tailer.finished and launch.network is None:
-                reap(handle)  # everything is in the conduit: the exit and teardown need not be waited for
-                handle = None
+            said = _result_status(conduit, rel_prefix)
+            failed = said is not None and said != "success"
+            if said == "success" and tailer.finished and launch.network is None and observer.reap(handle):
+                handle = None  # everything is in the conduit: the exit and teardown need not be waited for
             else:
                 st = _settle(runtime, handle, st, 5.0 if failed else 0.5)
         if handle is not None:
@@ -570,16 +349,12 @@ def _drive(
         try:
             result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
             status, exit_code = result["status"], result["exit_code"]
-            if status != "success":
-                failure = "workload"
-                reason = result.get("reason") or f"workload exited with code {exit_code}"
-                if launch.network is not None and reason.startswith(EGRESS_NOT_ENFORCED):
-                    failure = "egress"
+            failure, reason = verdict.of_result(result, networked=launch.network is not None)
         except ObjectNotFound:
-            failure, reason = "no_result", "the sandbox wrote a manifest but no result.json"
+            failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
         except wire.WireError as e:
-            failure, reason = "protocol", str(e)
-    if failure in (None, "workload") and spec.output_paths:
+            failure, reason = FailureKind.PROTOCOL, str(e)
+    if failure in (None, FailureKind.WORKLOAD) and spec.output_paths:
         output_dir = (
             Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
         )
@@ -596,22 +371,15 @@ def _drive(
                 output_files[rel] = output_dir / rel
             archives.extend(keys)
         except archive.LimitExceeded as e:
-            failure, status = "protocol", "failure"
-            reason = f"outbox rejected: {e}; nothing of it was kept. {_limit_hint(limit, source)}"
+            failure, status = FailureKind.PROTOCOL, "failure"
+            reason = f"outbox rejected: {e}; nothing of it was kept. {verdict.limit_hint(limit, source)}"
         except (archive.ArchiveError, ConduitError) as e:
-            failure, status = "protocol", "failure"
+            failure, status = FailureKind.PROTOCOL, "failure"
             reason = f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)"
     if failure is not None:
         status = "failure"
-    if failure == "workload" and st.memory_exhausted:
-        # The workload died at the memory limit; the guest runner only saw an exit code.
-        failure, reason = (
-            "killed",
-            f"OOM-killed: the workload was killed at the sandbox's memory limit ({reason})",
-        )
-    if failure == "killed" and "memory" in reason.lower() and spec.resources.memory_bytes:
-        reason += f"; {memory_hint(spec.resources)}"
-    return NodeOutcome(
+    failure, reason = verdict.with_memory(failure, reason, st, spec.resources)
+    outcome = NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
         status=status,
@@ -632,23 +400,12 @@ def _drive(
         timings=timings,
         warm=warm is not None,
     )
+    observer.finished(outcome)
+    return outcome
 
 
 class _Stop(Exception):
     pass
-
-
-def _limit_hint(limit: int | None, source: str) -> str:
-    size = format_bytes(limit) if limit else "unlimited"
-    return (
-        f"The node's output limit is {size} ({source}); raise it with the `output_limit` setting: "
-        "ResolutoTaskRunner(output_limit=...), sandbox_options(output_limit=...), the sandbox block's "
-        "output_limit, or --output-limit on the command line"
-    )
-
-
-def _pack(root: Path, skip: list[str], packer: Callable[[Path, list[str]], bytes] | None) -> bytes:
-    return packer(root, skip) if packer is not None else archive.pack(root, skip=skip)
 
 
 def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:
@@ -677,7 +434,7 @@ def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, An
 
 def _drain_after_exit(
     tailer: ChunkTailer, deliver: Callable[[dict[str, Any]], None], st: SandboxStatus
-) -> tuple[str | None, str]:
+) -> tuple[FailureKind | None, str]:
     """The sandbox has exited: read what it left, then judge."""
     try:
         if tailer.check_manifest():
@@ -685,18 +442,13 @@ def _drain_after_exit(
                 tailer.poll(deliver)
                 if not tailer.finished:
                     tailer.wait(tailer.next_delay())
-            if st.infrastructure:
-                return "killed", st.reason or "killed by the substrate"
-            return None, ""
+            return verdict.after_exit(st, manifest=True)
         tailer.poll(deliver)
     except TailError as e:
-        return "protocol", str(e)
+        return FailureKind.PROTOCOL, str(e)
     except ConduitError as e:
-        return "lost", f"conduit unavailable while reading the final events: {e}"
-    if st.infrastructure:
-        return "killed", st.reason or "killed by the substrate before writing a result"
-    code = f" (exit code {st.exit_code})" if st.exit_code is not None else ""
-    return "no_result", f"the sandbox exited{code} without writing _manifest.json"
+        return FailureKind.LOST, f"conduit unavailable while reading the final events: {e}"
+    return verdict.after_exit(st, manifest=False)
 
 
 def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from guest_runner.conduit import Conduit, LocalConduit
-from prefect_resoluto.runtimes.base import LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
 
@@ -260,13 +260,13 @@ class WarmPool:
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.why_not = usable(runtime, conduit) if self.size else "warm_pool=0"
+        self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
-        self.python = getattr(runtime, "python", None) or sys.executable
+        self.python = runtime.python or sys.executable
         self.snapshots: Snapshots | None = None
         if (
             self.enabled
-            and getattr(runtime, "supports_snapshots", False)
+            and runtime.supports_snapshots
             and (snapshots if snapshots is not None else snapshots_by_env())
         ):
             seen = {
@@ -504,7 +504,8 @@ class WarmPool:
         env.update(self.conduit.guest_env())
         if image is not None or template:
             env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
-        state = Path(self.runtime.state)  # type: ignore[attr-defined]  # checked by usable()
+        assert self.runtime.state is not None  # checked by usable()
+        state = Path(self.runtime.state)
         spec = LaunchSpec(
             sandbox_id=sid,
             env=env,
@@ -521,7 +522,7 @@ class WarmPool:
 
             env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
         if image is not None:
-            handle = self.runtime.restore(spec, image, wake=WAKE)  # type: ignore[attr-defined]
+            handle = self.runtime.restore(spec, image, wake=WAKE)
         else:
             handle = self.runtime.launch(spec)
         return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None, restored=image)
@@ -550,7 +551,7 @@ class WarmPool:
             tmp = self.snapshots.new_dir()
             t1 = time.monotonic()
             try:
-                self.runtime.checkpoint(w.handle, tmp)  # type: ignore[attr-defined]
+                self.runtime.checkpoint(w.handle, tmp)
             except Exception as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise SnapshotError(str(e)) from e
@@ -562,23 +563,25 @@ class WarmPool:
         return image
 
 
-def usable(runtime: SandboxRuntime, conduit: Conduit) -> str:
-    """ "" when ``runtime`` can keep sandboxes warm for ``conduit``, else why not."""
+def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
+    """Whether ``runtime`` can keep sandboxes warm for ``conduit``, and if not why."""
     if not runtime.supports_warm:
-        return f"runtime {runtime.name!r} does not keep sandboxes warm"
-    state = getattr(runtime, "state", None)
+        return Availability.refused(f"runtime {runtime.name!r} does not keep sandboxes warm")
+    state = runtime.state
     if state is None:
-        return f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+        return Availability.refused(
+            f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+        )
     if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
         try:
             if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
-                return (
+                return Availability.refused(
                     f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
                     "different filesystems, so a warm sandbox's directory cannot be moved into place"
                 )
         except OSError as e:
-            return f"cannot check the conduit's filesystem: {e}"
-    return ""
+            return Availability.refused(f"cannot check the conduit's filesystem: {e}")
+    return Availability(True)
 
 
 def default_size(warm_pool: int | None, max_workers: int) -> int:

@@ -15,7 +15,6 @@ import copy
 import functools
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,23 +25,22 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
-from prefect_resoluto import pycall, remote_traceback
+from prefect_resoluto import pycall, python_tasks, remote_traceback
 from prefect_resoluto.artifacts import NodeTable, flow_run_key
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
+from prefect_resoluto.labels import LABEL_FLOW_RUN, label_value, task_run_labels
+from prefect_resoluto.live import LiveSandboxes
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
-from prefect_resoluto.node import NodeOutcome, NodeSpec, WorkloadFailed, drive_node, output_allowance
-from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime, memory_hint
+from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
+from prefect_resoluto.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.settings import keyword_signature, unknown_keywords
 from prefect_resoluto.workspace import WorkspacePacker
 
 log = logging.getLogger("prefect_resoluto")
 
-LABEL_FLOW_RUN = "resoluto.flow-run-id"
-LABEL_TASK_RUN = "resoluto.task-run-id"
-LABEL_TASK = "resoluto.task-name"
-LABEL_ATTEMPT = "resoluto.attempt"
 #: Seconds the runner's exit waits for queued artifacts (normal exit / interrupted or failed
 #: flow) and for sandboxes being reaped; a daemon thread never holds the process beyond them.
 ARTIFACT_DRAIN = 30.0
@@ -68,12 +66,6 @@ def sandbox_options(**options: Any) -> Iterator[None]:
         yield
     finally:
         _overrides.reset(token)
-
-
-def label_value(s: str) -> str:
-    """A Kubernetes-valid label value (also fine for container engines)."""
-    v = re.sub(r"[^A-Za-z0-9._-]", "-", s)[:63].strip("-._")
-    return v or "x"
 
 
 class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
@@ -106,16 +98,14 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._config: SandboxConfig | None = None
         self._runtime: SandboxRuntime | None = None
         self._conduit: Conduit | None = None
-        self._live: dict[str, SandboxHandle] = {}
-        self._live_lock = threading.Lock()
-        self._attempts: dict[str, int] = {}
-        self._output_files: dict[str, dict[str, Path]] = {}  # task run id -> its last node's outputs
+        self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
+        self._live_lock = threading.Lock()  # what the runner keeps per flow run and per task run
         self._flow_runs: set[str] = set()
         self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
         self._cancelled = threading.Event()
         self._pacer: ApiLogBatcher | None = None
         self._announced: set[str] = set()
-        self._deployment_names: dict[str, str | None] = {}
+        self._deployment_names = python_tasks.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
         self._artifacts: Background | None = None
         self._reaper: Background | None = None
@@ -124,6 +114,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         # API call never competes with the task's own Completed-state call.
         self._held: dict[str, list[Callable[[], None]]] = {}
         self._node_tables: dict[str, NodeTable] = {}  # per flow run: its keyed artifact
+        #: What the runner holds while entered, released in reverse order by __exit__.
+        self._resources: contextlib.ExitStack | None = None
 
     _TRANSIENT = (
         "_config",
@@ -131,8 +123,6 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_conduit",
         "_live",
         "_live_lock",
-        "_attempts",
-        "_output_files",
         "_flow_runs",
         "_flow_run_objs",
         "_cancelled",
@@ -145,6 +135,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_packer",
         "_held",
         "_node_tables",
+        "_resources",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -198,17 +189,32 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
     def __enter__(self) -> ResolutoTaskRunner:
         self._reset_state()
-        self._config = self._resolve_config()
-        self._runtime = self._config.build_runtime()
-        self._conduit = self._config.build_conduit()
-        self._config.check_conduit_fits(self._runtime, self._conduit)
-        self._pacer = ApiLogBatcher()
-        self._pacer.start()
-        self._artifacts = Background("resoluto-artifacts")
-        self._reaper = Background("resoluto-reaper")
-        self._packer = WorkspacePacker()
-        super().__enter__()
-        self._pool = warm_pool_mod.start_for(self._config, self._runtime, self._conduit, self._max_workers)
+        # Each resource is registered as it is acquired: the exit releases them in reverse
+        # (the pool, the reaper, the sweep, held artifacts, the artifacts' drain, the log
+        # pacer, the conduit), and a failure half-way through entering releases what was taken.
+        with contextlib.ExitStack() as stack:
+            self._config = self._resolve_config()
+            self._runtime = self._config.build_runtime()
+            self._conduit = self._config.build_conduit()
+            stack.callback(self._drop_packer)
+            stack.callback(self._conduit.close)
+            self._config.check_conduit_fits(self._runtime, self._conduit)
+            self._pacer = ApiLogBatcher()
+            self._pacer.start()
+            stack.callback(self._pacer.stop)
+            self._artifacts = stack.enter_context(_Draining(Background("resoluto-artifacts")))
+            stack.callback(self._flush_held)
+            stack.callback(self._sweep)
+            self._reaper = Background("resoluto-reaper")
+            stack.callback(self._reaper.close, REAP_DRAIN)
+            self._packer = WorkspacePacker()
+            super().__enter__()
+            self._pool = warm_pool_mod.start_for(
+                self._config, self._runtime, self._conduit, self._max_workers
+            )
+            if self._pool is not None:
+                stack.callback(self._pool.close)
+            self._resources = stack.pop_all()
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -221,23 +227,20 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 self._executor.shutdown(wait=True)
             super().__exit__(exc_type, exc_value, traceback)
         finally:
-            if self._pool is not None:
-                self._pool.close()
-            if self._reaper is not None:
-                self._reaper.close(REAP_DRAIN)
-            self._sweep()
-            with self._live_lock:
-                held = [job for jobs in self._held.values() for job in jobs]
-                self._held.clear()
-            for job in held:  # task runs whose future never completed (cancelled, interrupted)
-                self._queue_artifact(job)
-            if self._artifacts is not None:
-                self._artifacts.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
-            if self._pacer is not None:
-                self._pacer.stop()
-            if self._conduit is not None:
-                self._conduit.close()
-            self._packer = None  # its archives go with the runner
+            resources, self._resources = self._resources, None
+            if resources is not None:
+                resources.__exit__(exc_type, exc_value, traceback)
+
+    def _drop_packer(self) -> None:
+        self._packer = None  # its archives go with the runner
+
+    def _flush_held(self) -> None:
+        """Queue the artifacts of task runs whose future never completed (cancelled, interrupted)."""
+        with self._live_lock:
+            held = [job for jobs in self._held.values() for job in jobs]
+            self._held.clear()
+        for job in held:
+            self._queue_artifact(job)
 
     def _flow_failed(self) -> bool:
         # The flow engine handles the flow's exception before leaving the runner's context,
@@ -252,16 +255,13 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._cancelled.set()
         if self._pool is not None:
             self._pool.close()
-        with self._live_lock:
-            live = list(self._live.values())
-        for handle in live:
+        for handle in self._live.handles():
             self._destroy(handle)
         super().cancel_all()
 
     def _reap(self, handle: SandboxHandle) -> None:
         self._destroy(handle)
-        with self._live_lock:
-            self._live.pop(handle.id, None)
+        self._live.drop(handle.id)
 
     def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor, sandbox: str = "") -> None:
         """The node's artifacts (artifacts.py), off the task's critical path (API round trips):
@@ -410,94 +410,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     def _run_python(
         self, task: Any, fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
     ) -> Any:
-        from prefect.context import TaskRunContext
-
-        ctx = TaskRunContext.get()
-        if ctx is None or ctx.task_run is None:
-            raise RuntimeError("a sandboxed task must run inside Prefect's task engine")
-        cfg = self.config.replace(**overrides)
-        ref = pycall.function_ref(fn, cfg.workspace or _default_workspace())
-        params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
-        redactor = Redactor(cfg.secret_env.values())
-        task_module = getattr(fn, "__module__", None)
-        limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
-        outcome = self.run_node(
-            task_name=task.name,
-            argv=pycall.guest_argv(),
-            cfg=cfg,
-            extra_inbox={
-                pycall.CALL_ARCHIVE: pycall.call_archive(ref, params, context=self._run_context(ctx, params))
-            },
-            extra_outputs=pycall.RESULT_PATHS,
-            cancel=cancel,
-            log_prints=bool(getattr(ctx, "log_prints", False)),
-            warm_prefect=warm_pool_mod.imports_for(self._pool, _workspace_file(ref, cfg)),
+        return python_tasks.call(
+            task,
+            fn,
+            self.config.replace(**overrides),
+            cancel,
+            run_node=self.run_node,
+            pool=self._pool,
+            deployment_name=self._deployment_names,
         )
-        warm_pool_mod.learn(self._pool, _workspace_file(ref, cfg), outcome.output_dir)
-        if outcome.failure == "workload":
-            # raises the task's own exception type (or RemoteTaskError), remote traceback kept
-            pycall.read_outcome(
-                outcome.output_dir,
-                redactor=redactor,
-                task_module=task_module,
-                memory_hint=memory_hint(cfg.resources),
-                limit=limit,
-                workspace=cfg.workspace or _default_workspace(),
-            )
-            raise WorkloadFailed(outcome.describe(), outcome)
-        outcome.raise_for_failure()
-        found, value = pycall.read_outcome(
-            outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
-        )
-        if not found:
-            raise WorkloadFailed(
-                f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
-            )
-        return pycall.rebuild(value, pycall.return_annotation(fn))
-
-    def _run_context(self, ctx: Any, params: dict[str, Any]) -> dict[str, Any]:
-        """What a task can read of its run, as JSON for the sandbox: the current tags and
-        prefect.runtime's task_run, flow_run and deployment."""
-        from prefect.context import FlowRunContext, TagsContext
-
-        tr = ctx.task_run
-        tags_ctx = TagsContext.get()
-        out: dict[str, Any] = {
-            "tags": sorted(tags_ctx.current_tags) if tags_ctx is not None else [],
-            "task_run": {
-                "id": str(tr.id),
-                "name": tr.name,
-                "task_name": ctx.task.name,
-                "run_count": tr.run_count,
-                "parameters": params,
-                "tags": list(tr.tags or []),
-            },
-        }
-        fr_ctx = FlowRunContext.get()
-        fr = fr_ctx.flow_run if fr_ctx is not None else None
-        if fr_ctx is not None and fr is not None:
-            out["flow_run"] = {
-                "id": str(fr.id),
-                "name": fr.name,
-                "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
-                "tags": list(fr.tags or []),
-                "parameters": _json_only(fr_ctx.parameters or {}),
-            }
-            dep = str(fr.deployment_id) if fr.deployment_id else None
-            out["deployment"] = {"id": dep, "name": self._deployment_name(dep) if dep else None}
-        return out
-
-    def _deployment_name(self, deployment_id: str) -> str | None:
-        if deployment_id not in self._deployment_names:
-            try:
-                from prefect.client.orchestration import get_client
-
-                with get_client(sync_client=True) as client:
-                    self._deployment_names[deployment_id] = client.read_deployment(deployment_id).name
-            except Exception as e:  # the name is a convenience; the id is the reference
-                log.debug("could not read deployment %s: %s", deployment_id, e)
-                self._deployment_names[deployment_id] = None
-        return self._deployment_names[deployment_id]
 
     def run_node(
         self,
@@ -530,12 +451,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         logger = get_run_logger()
         runtime, conduit = self._runtime, self._conduit
         assert runtime is not None and conduit is not None
-        workspace = cfg.workspace or _default_workspace()
+        workspace = cfg.workspace or python_tasks.default_workspace()
         outcome: NodeOutcome | None = None
         for infra_try in range(cfg.infrastructure_retries + 1):
             key = str(tr.id)
-            with self._live_lock:
-                attempt = self._attempts[key] = self._attempts.get(key, 0) + 1
+            attempt = self._live.next_attempt(key)
             node_id = key if attempt == 1 else f"{key}.{attempt}"
             spec = NodeSpec(
                 run_id=run_id,
@@ -546,12 +466,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 env=dict(cfg.env),
                 secret_env=dict(cfg.secret_env),
                 resources=cfg.resources,
-                labels={
-                    LABEL_FLOW_RUN: label_value(run_id),
-                    LABEL_TASK_RUN: label_value(key),
-                    LABEL_TASK: label_value(task_name),
-                    LABEL_ATTEMPT: str(attempt),
-                },
+                labels=task_run_labels(run_id, key, task_name, attempt),
                 egress=list(cfg.egress),
                 setup_egress=cfg.setup_egress,
                 setup_argv=cfg.setup_argv,
@@ -561,6 +476,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 outputs_dir=(cfg.outputs_dir or default_outputs_root()) / run_id / node_id,
                 workspace_skip=[cfg.outputs_dir or default_outputs_root()],
                 output_limit=cfg.output_limit_bytes,
+                min_isolation=cfg.min_isolation,
+                silence_window=cfg.silence_window,
             )
             redactor = Redactor(cfg.secret_env.values())
             forward = EventLogForwarder(
@@ -578,62 +495,15 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 f"sandbox node {node_id} on {runtime.name} "
                 f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}",
             )
-            launched: list[SandboxHandle] = []
-            reaping: set[str] = set()
-
-            def on_launch(handle: SandboxHandle, _launched: list[SandboxHandle] = launched) -> None:
-                _launched.append(handle)
-                with self._live_lock:
-                    self._live[handle.id] = handle
-
-            def reap(handle: SandboxHandle, _reaping: set[str] = reaping) -> None:
-                # Stays in _live until destroyed, so cancel_all still reaches it.
-                _reaping.add(handle.id)
-                assert self._reaper is not None
-                self._reaper.submit(functools.partial(self._reap, handle), f"reaping sandbox {handle.id}")
-
-            workload_spans: set[str] = set()
-
-            def on_event(
-                ev: dict[str, Any], _forward: EventLogForwarder = forward, _spans: set[str] = workload_spans
-            ) -> None:
-                _forward(ev)
-                if line_sink is not None:
-                    if ev.get("kind") == "workload" and ev.get("event") == "open":
-                        _spans.add(ev.get("span_id", ""))
-                    elif ev.get("event") == "log" and ev.get("parent_span_id") in _spans:
-                        line_sink(str((ev.get("data") or {}).get("line", "")))
-
+            node = TaskRunNode(self, forward, line_sink, cancel)
             try:
-                outcome = drive_node(
-                    spec,
-                    conduit,
-                    runtime,
-                    on_event=on_event,
-                    min_isolation=cfg.min_isolation,
-                    silence_window=cfg.silence_window,
-                    on_launch=on_launch,
-                    should_cancel=lambda: (
-                        self._cancelled.is_set() or (cancel is not None and cancel.is_set())
-                    ),
-                    warm=warm,
-                    reap=reap if self._reaper is not None else None,
-                    pack_workspace=self._packer,
-                )
+                outcome = drive(spec, conduit, runtime, node, warm=warm)
             finally:
-                with self._live_lock:
-                    for h in launched:
-                        if h.id not in reaping:
-                            self._live.pop(h.id, None)
-            # One short line per node at INFO (a failure is told by the task's exception, as
-            # on threads); the details at DEBUG, in the artifact and in the node's events.
-            forward.emit(logging.DEBUG, _summary(outcome))
-            forward.emit(logging.INFO, runner_line(outcome))
+                node.release()
             if outcome.ok:
-                with self._live_lock:
-                    self._output_files[key] = {
-                        k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")
-                    }
+                self._live.set_outputs(
+                    key, {k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")}
+                )
             self._publish(outcome, attempt, redactor, how)
             if (
                 outcome.infrastructure_failure
@@ -655,6 +525,80 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         return outcome
 
 
+class _Draining:
+    """The artifacts' background queue as a context: drained at exit, for less time when the
+    flow was interrupted (exit with an exception) than after a normal end."""
+
+    def __init__(self, background: Background) -> None:
+        self.background = background
+
+    def __enter__(self) -> Background:
+        return self.background
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        self.background.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
+
+
+class TaskRunNode(NodeObserver):
+    """One node of a task run, as the runner sees it: its events become the task run's logs
+    (and, for a command task, its output lines), its sandbox is live -- reached by
+    ``cancel_all`` -- from launch until destroyed, here or by the runner's reaper."""
+
+    def __init__(
+        self,
+        runner: ResolutoTaskRunner,
+        forward: EventLogForwarder,
+        line_sink: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self.runner = runner
+        self.forward = forward
+        self.line_sink = line_sink
+        self.cancel = cancel
+        self.output = WorkloadOutput()
+        self.sandboxes: list[SandboxHandle] = []
+        self.reaping: set[str] = set()
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.sandboxes.append(handle)
+        self.runner._live.add(handle)
+
+    def event(self, ev: dict[str, Any]) -> None:
+        self.forward(ev)
+        if self.line_sink is not None:
+            line = self.output.line(ev)
+            if line is not None:
+                self.line_sink(line)
+
+    def cancelled(self) -> bool:
+        return self.runner._cancelled.is_set() or (self.cancel is not None and self.cancel.is_set())
+
+    def reap(self, handle: SandboxHandle) -> bool:
+        reaper = self.runner._reaper
+        if reaper is None:
+            return False
+        # Stays live until destroyed, so cancel_all still reaches it.
+        self.reaping.add(handle.id)
+        reaper.submit(functools.partial(self.runner._reap, handle), f"reaping sandbox {handle.id}")
+        return True
+
+    def pack_workspace(self, root: Path, skip: list[str]) -> bytes:
+        packer = self.runner._packer
+        return packer(root, skip) if packer is not None else super().pack_workspace(root, skip)
+
+    def finished(self, outcome: NodeOutcome) -> None:
+        # One short line per node at INFO (a failure is told by the task's exception, as
+        # on threads); the details at DEBUG, in the artifact and in the node's events.
+        self.forward.emit(logging.DEBUG, _summary(outcome))
+        self.forward.emit(logging.INFO, runner_line(outcome))
+
+    def release(self) -> None:
+        """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
+        for h in self.sandboxes:
+            if h.id not in self.reaping:
+                self.runner._live.drop(h.id)
+
+
 _active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = (
     contextvars.ContextVar("resoluto_active_runner", default=None)
 )
@@ -664,45 +608,8 @@ def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
     return _active_runner.get()
 
 
-def _default_workspace() -> Path:
-    """The directory of the flow's source file (the workspace shipped to each node)."""
-    from prefect.context import FlowRunContext
-
-    ctx = FlowRunContext.get()
-    if ctx is not None and ctx.flow is not None:
-        import inspect
-
-        try:
-            src = inspect.getsourcefile(ctx.flow.fn)
-            if src:
-                return Path(src).resolve().parent
-        except TypeError:
-            pass
-    return Path.cwd()
-
-
 def default_max_workers() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
-
-
-def _json_only(values: dict[str, Any]) -> dict[str, Any]:
-    """The values that survive JSON encoding (the rest is left out, not stringified)."""
-    import json
-
-    from pydantic_core import to_jsonable_python
-
-    out: dict[str, Any] = {}
-    for k, v in values.items():
-        try:
-            out[str(k)] = to_jsonable_python(v)
-            json.dumps(out[str(k)])
-        except Exception:
-            out.pop(str(k), None)
-    return out
-
-
-def _workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
-    return (cfg.workspace or _default_workspace()) / ref["file"] if ref.get("file") else None
 
 
 _RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}
@@ -762,5 +669,4 @@ def output_files(future_or_id: Any) -> dict[str, Path]:
     runner = getattr(ctx, "task_runner", None) if ctx is not None else None
     if not isinstance(runner, ResolutoTaskRunner):
         raise RuntimeError("output_files() works inside a flow whose task runner is ResolutoTaskRunner")
-    with runner._live_lock:
-        return dict(runner._output_files.get(key, {}))
+    return runner._live.outputs(key)

@@ -21,6 +21,7 @@ import sys
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -63,10 +64,12 @@ from prefect_resoluto.form_fields import (
     setting_validators,
     title_choices,
 )
+from prefect_resoluto.labels import LABEL_FLOW_RUN, LABEL_RUN, label_value
 from prefect_resoluto.logs import describe_event
-from prefect_resoluto.node import LABEL_RUN, NodeOutcome, NodeSpec, drive_node
+from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
+from prefect_resoluto.observer import NodeObserver
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.settings import Surface, exposed
-from prefect_resoluto.task_runner import LABEL_FLOW_RUN, label_value
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
@@ -423,51 +426,25 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         live = self._live[fr_id] = _Live(flow_run)
         loop = asyncio.get_running_loop()
         launched = asyncio.Event()
-        handle_ids: list[str] = []
-        evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
-        echo = _stream if configuration.stream_output else None
+        node = FlowRunNode(
+            flow_run_name=str(flow_run.name),
+            where=f"conduit {conduit.url} "
+            f"{wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)}",
+            runtime=runtime,
+            logger=logger,
+            worker_logger=self._logger,
+            on_launched=lambda: loop.call_soon_threadsafe(launched.set),
+            cancel=live.cancel,
+            echo=_stream if configuration.stream_output else None,
+        )
 
-        def on_launch(handle: Any) -> None:
-            handle_ids.append(handle.id)
-            logger.info(
-                "sandbox %s on %s (%s isolation); its events: conduit %s %s",
-                handle.id,
-                runtime.name,
-                runtime.isolation.label,
-                conduit.url,
-                wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix),
-            )
-            loop.call_soon_threadsafe(launched.set)
-
-        def on_event(ev: dict[str, Any]) -> None:
-            if ev.get("kind") == "heartbeat":
-                return
-            if ev.get("event") == "log":
-                line = str((ev.get("data") or {}).get("line", ""))
-                evidence.append(line)
-                if echo is not None:
-                    echo(line)
-            else:
-                described = describe_event(ev)
-                if described is not None:
-                    self._logger.debug("%s | %s", flow_run.name, described[1])
-
-        def drive() -> NodeOutcome:
+        def run_node() -> NodeOutcome:
             try:
-                return drive_node(
-                    spec,
-                    conduit,
-                    runtime,
-                    on_event=on_event,
-                    min_isolation=cfg.min_isolation,
-                    silence_window=cfg.silence_window,
-                    on_launch=on_launch,
-                    should_cancel=live.cancel.is_set,
-                )
+                return drive(spec, conduit, runtime, node)
             finally:
                 conduit.close()
 
-        outcome_future = live.outcome = _in_own_thread(loop, drive, name=f"resoluto-flow-run-{fr_id}")
+        outcome_future = live.outcome = _in_own_thread(loop, run_node, name=f"resoluto-flow-run-{fr_id}")
         try:
             try:
                 outcome = await self._until_done(
@@ -490,9 +467,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         finally:
             self._live.pop(fr_id, None)
 
-        if not handle_ids:  # never started: the base worker reports the run Crashed with this
+        if not node.handle_ids:  # never started: the base worker reports the run Crashed with this
             raise RuntimeError(f"the sandbox could not start: {outcome.reason}")
-        return await self._report(flow_run, outcome, live, list(evidence), logger, cfg.memory)
+        return await self._report(flow_run, outcome, live, list(node.evidence), logger, cfg.memory)
 
     async def _until_done(
         self,
@@ -599,7 +576,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         await self._propose_crashed_state(
             flow_run,
             f"Sandbox {outcome.sandbox_id} on {outcome.runtime} "
-            f"{_FAILED_HOW.get(outcome.failure or '', 'failed')}: "
+            f"{outcome.failure.crash_how if outcome.failure else 'failed'}: "
             f"{outcome.reason}",
         )
         code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
@@ -688,6 +665,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             labels=labels,
             egress=net.egress,
             image=cfg.image,
+            min_isolation=cfg.min_isolation,
+            silence_window=cfg.silence_window,
             **extra,
         )
         spec.validate()
@@ -781,6 +760,62 @@ def _stopped_message(outcome: NodeOutcome) -> str:
     return f"The resoluto worker stopped; sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
 
 
+class FlowRunNode(NodeObserver):
+    """A flow run's node as the worker sees it: the launch goes to the flow run's logs (and
+    wakes the worker's wait), each log line is kept as evidence for a crash report (and echoed
+    with ``stream_output``), other events go to the worker's own log at DEBUG."""
+
+    def __init__(
+        self,
+        *,
+        flow_run_name: str,
+        where: str,
+        runtime: SandboxRuntime,
+        logger: Any,
+        worker_logger: Any,
+        on_launched: Callable[[], object],
+        cancel: threading.Event,
+        echo: Callable[[str], None] | None,
+    ) -> None:
+        self.flow_run_name = flow_run_name
+        self.where = where
+        self.runtime = runtime
+        self.logger = logger
+        self.worker_logger = worker_logger
+        self.on_launched = on_launched
+        self.cancel = cancel
+        self.echo = echo
+        self.handle_ids: list[str] = []
+        self.evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.handle_ids.append(handle.id)
+        self.logger.info(
+            "sandbox %s on %s (%s isolation); its events: %s",
+            handle.id,
+            self.runtime.name,
+            self.runtime.isolation.label,
+            self.where,
+        )
+        self.on_launched()
+
+    def event(self, ev: dict[str, Any]) -> None:
+        if ev.get("kind") == "heartbeat":
+            return
+        if ev.get("event") == "log":
+            line = str((ev.get("data") or {}).get("line", ""))
+            self.evidence.append(line)
+            if self.echo is not None:
+                self.echo(line)
+        else:
+            described = describe_event(ev)
+            if described is not None:
+                self.worker_logger.debug("%s | %s", self.flow_run_name, described[1])
+
+    def cancelled(self) -> bool:
+        return self.cancel.is_set()
+
+
 def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Any, *, name: str) -> asyncio.Future[Any]:
     """``fn()`` in a thread of its own (not the loop's small default pool: every running
     flow run holds one for its whole life), as a future of ``loop``."""
@@ -804,12 +839,3 @@ def _in_own_thread(loop: asyncio.AbstractEventLoop, fn: Any, *, name: str) -> as
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return fut
-
-
-_FAILED_HOW = {
-    "unstartable": "could not start",
-    "lost": "was lost",
-    "killed": "was killed",
-    "no_result": "ended without reporting",
-    "protocol": "broke the wire protocol",
-}

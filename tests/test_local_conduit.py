@@ -12,9 +12,8 @@ from guest_runner.conduit import (
     InvalidKey,
     LocalConduit,
     ObjectNotFound,
-    conduit_from_env,
-    conduit_from_url,
 )
+from guest_runner.conduits import conduit_from_env, conduit_from_url
 
 
 def test_put_get_list_delete(local_conduit):

@@ -24,9 +24,8 @@ from guest_runner.conduit import (
     ConduitUnavailable,
     InvalidKey,
     ObjectNotFound,
-    conduit_from_env,
-    conduit_from_url,
 )
+from guest_runner.conduits import conduit_from_env, conduit_from_url
 
 pytest.importorskip("boto3")
 

@@ -431,7 +431,7 @@ def test_the_runner_pickles_with_its_configuration_only(conduit, tmp_path):
     r = runner(conduit, tmp_path, memory="1Gi")
     with r:
         clone = cloudpickle.loads(cloudpickle.dumps(r))
-    assert clone == r and clone._config is None and clone._live == {}
+    assert clone == r and clone._config is None and clone._live.handles() == []
 
 
 def test_async_flow_with_async_tasks(gvisor, conduit, tmp_path):

@@ -39,7 +39,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from prefect_resoluto.cli.common import EXIT_SIGINT, EXIT_USAGE, PROG, UsageError, err
+from prefect_resoluto.cli.common import EXIT_SIGINT, EXIT_USAGE, PROG, UsageError
 
 __all__ = ["PROG", "UsageError", "build_parser", "main"]
 
@@ -153,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = command.main(args)
         return code
     except UsageError as e:
+        from prefect_resoluto.cli.output import err  # only on bad input: no cost at start
+
         err(str(e))
         return EXIT_USAGE
     except KeyboardInterrupt:  # outside a run (doctor, events ...): nothing to reap

@@ -1,6 +1,8 @@
 """The vocabulary every command shares: exit codes, bad input, ``KEY=VALUE`` flags.
 
 Standard library only, imported when the parser is built: nothing here may cost start time.
+A leaf of the CLI: how things look (``err`` among them) is :mod:`prefect_resoluto.cli.output`,
+which imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -8,13 +10,11 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
-    from prefect_resoluto.runtimes.base import SandboxRuntime
 
 PROG = "prefect-resoluto"
 
@@ -35,13 +35,6 @@ def one_line(text: str) -> str:
     if not lines:
         return "unknown error"
     return lines[0] if len(lines) == 1 else lines[0] + " " + "; ".join(lines[1:])
-
-
-def err(message: str) -> None:
-    """``prefect-resoluto: error: <one line>`` on stderr ("error:" in red on a terminal)."""
-    from prefect_resoluto.cli.output import Out
-
-    Out(sys.stderr).line(f"{PROG}: ", ("error:", "bold red"), f" {one_line(message)}")
 
 
 def parse_pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -117,8 +110,3 @@ def known_runtimes() -> list[str]:
     from prefect_resoluto.runtimes import RUNTIMES
 
     return sorted(RUNTIMES)
-
-
-def runtime_label(rt: SandboxRuntime) -> str:
-    oci = getattr(rt, "oci_runtime", None)  # container: the OCI runtime decides the isolation
-    return f"{rt.name}({oci})" if rt.name == "container" and oci else rt.name

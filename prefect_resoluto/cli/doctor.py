@@ -13,7 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK, runtime_label
+from prefect_resoluto.availability import Availability
+from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK
 from prefect_resoluto.cli.output import BAD, DIM, ISOLATION_STYLE, OK, STRONG, Out
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def doctor_report() -> dict[str, Any]:
                 "floor": level.label,
                 "default": level == DEFAULT_MIN_ISOLATION,
                 "runtime": rt.name if rt is not None else None,
-                "label": runtime_label(rt) if rt is not None else None,
+                "label": rt.display_name if rt is not None else None,
                 "isolation": rt.isolation.label if rt is not None else None,
                 "why_none": "" if rt is not None else runtimes.why_unavailable(level),
             }
@@ -110,15 +111,14 @@ def doctor_report() -> dict[str, Any]:
 def _egress_row(rt: SandboxRuntime) -> dict[str, Any]:
     """Whether ``rt`` can enforce an allowlist here, how, and if not why not."""
     try:
-        why = rt.egress_support()
+        support = rt.egress_support()
     except Exception as e:  # a probe must never take doctor down
-        why = f"probe failed: {type(e).__name__}: {e}"
-    if why:
-        return {"enforced": False, "why": why}
+        support = Availability.refused(f"probe failed: {type(e).__name__}: {e}")
+    if not support.ok:
+        return {"enforced": False, "why": support.why}
     if rt.egress_by_name:
         how = "by name: per-run proxy (CONNECT + SNI/Host + DNS), host-side; IMDS and private ranges refused"
-        extra = getattr(rt, "egress_detail", None)
-        detail = f"{how}; runsc netstack: {extra()}" if callable(extra) else how
+        detail = f"{how}; {support.detail}" if support.detail else how
     else:
         detail = "by CIDR: a NetworkPolicy per pod (cannot filter by name); IMDS always refused"
     return {"enforced": True, "detail": detail}

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK, UsageError, err
-from prefect_resoluto.cli.output import BAD, DIM, STATUS_STYLE, STRONG, WARN, Out, TreePrinter
+from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK, UsageError
+from prefect_resoluto.cli.output import BAD, DIM, STATUS_STYLE, STRONG, WARN, Out, TreePrinter, err
 
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
@@ -135,7 +135,8 @@ def main(args: argparse.Namespace) -> int:
     from urllib.parse import unquote, urlparse
 
     from guest_runner import wire
-    from guest_runner.conduit import ConduitError, conduit_from_url
+    from guest_runner.conduit import ConduitError
+    from guest_runner.conduits import conduit_from_url
 
     parsed = urlparse(args.conduit)
     local = (

@@ -9,13 +9,14 @@ The text is the same either way, so what a script greps is what a person reads.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
-from prefect_resoluto.cli.common import show_argv
+from prefect_resoluto.cli.common import PROG, one_line, show_argv
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -94,6 +95,11 @@ class Out:
                 self.console.print(renderable)
             self.stream.write("".join(ln.rstrip() + "\n" for ln in cap.get().splitlines()))
         self.stream.flush()
+
+
+def err(message: str) -> None:
+    """``prefect-resoluto: error: <one line>`` on stderr ("error:" in red on a terminal)."""
+    Out(sys.stderr).line(f"{PROG}: ", ("error:", "bold red"), f" {one_line(message)}")
 
 
 class Progress:

@@ -134,11 +134,13 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     ``render`` puts nothing there).
     """
     from guest_runner import archive, wire
-    from guest_runner.conduit import ConduitError, conduit_from_url
+    from guest_runner.conduit import ConduitError
+    from guest_runner.conduits import conduit_from_url
     from guest_runner.redact import Redactor
     from prefect_resoluto.config import check_conduit_fits, check_store_reachable, default_conduit_url
     from prefect_resoluto.node import NodeSpec
     from prefect_resoluto.runtimes.base import Resources, parse_quantity
+    from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
 
     argv = strip_dashdash(args.argv)
     if not argv or not argv[0]:
@@ -213,6 +215,8 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
         setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
         setup_argv=["sh", "-c", args.setup] if args.setup else None,
         output_limit=output_limit,
+        min_isolation=level,
+        silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
     )
     try:
         spec.validate()
@@ -231,14 +235,12 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
                 f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
                 "pick another --node-id (or --run-id)"
             )
-    from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
-
     return RunPlan(
         spec=spec,
         conduit=conduit,
         runtime=runtime,
         floor=level,
-        silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
+        silence_window=spec.silence_window,
         redactor=Redactor(secret_env.values()),
         labels=labels,
     )

@@ -25,12 +25,11 @@ from prefect_resoluto.cli.common import (
     EXIT_OK,
     PROG,
     UsageError,
-    err,
     redact_json,
-    runtime_label,
     show_argv,
 )
-from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress
+from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress, err
+from prefect_resoluto.observer import NodeObserver, WorkloadOutput
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
@@ -48,7 +47,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class EventPrinter:
-    """The driver's ``on_event``: workload lines to stdout, runner notes to stderr."""
+    """The node's events as the CLI shows them: workload lines to stdout, runner notes to stderr."""
 
     def __init__(
         self, out: TextIO, err: TextIO, redactor: Redactor, *, quiet: bool, progress: Progress
@@ -60,7 +59,7 @@ class EventPrinter:
         self.quiet = quiet
         self.progress = progress
         self.lock = progress.lock
-        self.span_kinds: dict[str, str] = {}
+        self.output = WorkloadOutput()
         self.lines = 0
 
     def write(self, stream: TextIO, text: str) -> None:
@@ -83,24 +82,36 @@ class EventPrinter:
         self.progress.events += 1
         self.progress.phase = "running"
         kind, event = ev.get("kind", ""), ev.get("event", "")
-        if event == "open":
-            self.span_kinds[str(ev.get("span_id", ""))] = kind
+        workload_line = self.output.line(ev) is not None
         described = describe_event(ev)
         if described is None:  # heartbeats
             return
         level, message = described
         if event == "open" and isinstance((ev.get("data") or {}).get("argv"), list):
             message = f"> {kind} {ev.get('name', '')}: {show_argv(ev['data']['argv'])}"
-        if (
-            event == "log"
-            and kind == "log"
-            and self.span_kinds.get(str(ev.get("parent_span_id"))) == "workload"
-        ):
+        if workload_line:
             self.lines += 1
             self.write(self.out, message)
             return
         if level >= logging.ERROR or (not self.quiet and level >= logging.INFO):
             self.note(message, BAD if level >= logging.ERROR else WARN if level >= logging.WARNING else "")
+
+
+class CliNode(NodeObserver):
+    """One node as ``run`` sees it: the progress line learns of the launch, the printer gets
+    every event."""
+
+    def __init__(self, printer: EventPrinter, progress: Progress) -> None:
+        self.printer = printer
+        self.progress = progress
+        self.sandbox_launched = False
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.sandbox_launched = True
+        self.progress.launched()
+
+    def event(self, ev: dict[str, Any]) -> None:
+        self.printer(ev)
 
 
 def exit_code_for(outcome: NodeOutcome) -> int:
@@ -143,7 +154,8 @@ def _interruptible() -> Iterator[None]:
 
 def main(args: argparse.Namespace) -> int:
     from prefect_resoluto.cli.plan import plan_node
-    from prefect_resoluto.node import LABEL_NODE, LABEL_RUN, drive_node
+    from prefect_resoluto.labels import node_labels
+    from prefect_resoluto.node import drive
     from prefect_resoluto.runtimes.base import IsolationTooWeak
 
     plan = plan_node(args)
@@ -152,40 +164,27 @@ def main(args: argparse.Namespace) -> int:
     progress = Progress(
         sys.stderr,
         enabled=sys.stderr.isatty() and not args.quiet,
-        label=f"{spec.node_id} on {runtime_label(rt)}",
+        label=f"{spec.node_id} on {rt.display_name}",
         lock=lock,
     )
     printer = EventPrinter(sys.stdout, sys.stderr, red, quiet=args.quiet, progress=progress)
     if not args.quiet:
         printer.note(
-            f"node {spec.node_id} of run {spec.run_id} on {runtime_label(rt)} "
+            f"node {spec.node_id} of run {spec.run_id} on {rt.display_name} "
             f"({rt.isolation.label}), conduit {plan.conduit.url}"
         )
-    launched = False
-
-    def on_launch(handle: SandboxHandle) -> None:
-        nonlocal launched
-        launched = True
-        progress.launched()
+    node = CliNode(printer, progress)
 
     with _interruptible():
         progress.start()
         try:
-            outcome = drive_node(
-                spec,
-                plan.conduit,
-                rt,
-                on_event=printer,
-                min_isolation=plan.floor,
-                silence_window=plan.silence_window,
-                on_launch=on_launch,
-            )
+            outcome = drive(spec, plan.conduit, rt, node)
         except Interrupted as e:
             progress.stop()
             # drive_node's finally destroyed the sandbox it knew of; one interrupted
             # mid-launch is only findable by its labels.
             try:
-                rt.sweep({LABEL_RUN: spec.run_id, LABEL_NODE: spec.node_id})
+                rt.sweep(node_labels(spec.run_id, spec.node_id))
             except Exception as sweep_error:  # best effort: say so, keep the exit code
                 err(f"could not sweep node {spec.node_id}: {sweep_error}")
             print(
@@ -197,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         except BrokenPipeError:
             raise
         except Exception as e:
-            if not launched and isinstance(e, (ValueError, FileNotFoundError, IsolationTooWeak)):
+            if not node.sandbox_launched and isinstance(e, (ValueError, FileNotFoundError, IsolationTooWeak)):
                 # drive_node refuses bad input before launching (validation, floor, packing
                 # the workspace -- e.g. a device file or a link pointing outside it).
                 raise UsageError(red.text(str(e))) from None
@@ -205,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
             # a runtime's prepare step, a status call that broke): infrastructure.
             progress.stop()
             err(
-                f"infrastructure error{' after launch' if launched else ' before launch'} of node "
+                f"infrastructure error{' after launch' if node.sandbox_launched else ' before launch'} of node "
                 f"{spec.node_id}: {type(e).__name__}: {red.text(str(e))}"
             )
             return EXIT_INFRA

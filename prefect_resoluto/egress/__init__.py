@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from . import netns, proxy
+from prefect_resoluto.availability import Availability
+
+from . import netns, proxy, registry
 from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port
 
 __all__ = [
@@ -71,9 +71,9 @@ class SandboxNetwork:
     resolv_conf: str = ""
 
 
-def available() -> str:
-    """ "" when allowlists can be enforced on this host (namespaces), else why not."""
-    return netns.available()
+def available() -> Availability:
+    """Whether allowlists can be enforced on this host (network namespaces), and if not why."""
+    return Availability.of(netns.available())
 
 
 def network_request(
@@ -109,26 +109,9 @@ def network_request(
 
 # --------------------------------------------------------------------------- events
 
-_SINKS: dict[tuple[str, str], Any] = {}
-_SINK_LOCK = threading.Lock()
-
-
-def listen(run_id: str, node_id: str, sink: Any) -> None:
-    """Send the proxy's decisions for this node to ``sink(event)`` (any thread)."""
-    with _SINK_LOCK:
-        _SINKS[(run_id, node_id)] = sink
-
-
-def unlisten(run_id: str, node_id: str) -> None:
-    with _SINK_LOCK:
-        _SINKS.pop((run_id, node_id), None)
-
-
-def _publish(run_id: str, node_id: str, ev: dict[str, Any]) -> None:
-    with _SINK_LOCK:
-        sink = _SINKS.get((run_id, node_id))
-    if sink is not None:
-        sink(ev)
+#: A node's egress decisions go to the sink it listens with (the per-run registry holds both).
+listen = registry.listen
+unlisten = registry.unlisten
 
 
 # --------------------------------------------------------------------------- the seam
@@ -136,16 +119,16 @@ def _publish(run_id: str, node_id: str, ev: dict[str, Any]) -> None:
 
 def attach(req: NetworkRequest, sandbox_id: str) -> SandboxNetwork:
     """Start (or join) the run's proxy and wire a namespace for ``sandbox_id`` to it."""
-    why = available()
-    if why:
-        raise netns.NetnsError(f"egress allowlists cannot be enforced here: {why}")
+    here = available()
+    if not here.ok:
+        raise netns.NetnsError(f"egress allowlists cannot be enforced here: {here.why}")
     run_proxy = proxy.acquire(req.run_id)
     try:
         att = run_proxy.attach(
             sandbox_id,
             req.node_id,
             req.policy,
-            sink=lambda ev: _publish(req.run_id, req.node_id, ev),
+            sink=lambda ev: registry.publish(req.run_id, req.node_id, ev),
             canary=frozenset(split_host_port(t)[0] for t in req.canary),
         )
     except Exception:

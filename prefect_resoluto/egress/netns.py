@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prefect_resoluto.runtimes._host import process_start_time, same_process, state_dir
+from prefect_resoluto.host_state import process_start_time, same_process, state_dir
 
 NETNS_DIR = Path("/run/netns")
 PROXY_PREFIX = "rsl-p-"

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import netns, parse
+from . import netns, parse, registry
 from .names import printable
 from .policy import NodePolicy, is_ip, refusal
 
@@ -758,38 +758,18 @@ def _close(s: socket.socket) -> None:
 
 # --------------------------------------------------------------------------- per run
 
-_PROXIES: dict[str, tuple[RunProxy, int]] = {}
-_REGISTRY = threading.Lock()
-
 
 def acquire(run_id: str) -> RunProxy:
     """The run's proxy, started by its first sandbox; pair every call with :func:`release`."""
-    with _REGISTRY:
-        entry = _PROXIES.get(run_id)
-        if entry is None:
-            proxy = RunProxy(run_id).start()
-            _PROXIES[run_id] = (proxy, 1)
-            return proxy
-        _PROXIES[run_id] = (entry[0], entry[1] + 1)
-        return entry[0]
+    return registry.acquire(run_id, lambda run: RunProxy(run).start())
 
 
 def release(run_id: str) -> None:
     """Stops the run's proxy when its last sandbox lets go."""
-    with _REGISTRY:
-        entry = _PROXIES.get(run_id)
-        if entry is None:
-            return
-        proxy, count = entry
-        if count > 1:
-            _PROXIES[run_id] = (proxy, count - 1)
-            return
-        del _PROXIES[run_id]
-    proxy.stop()
+    registry.release(run_id)
 
 
 def proxy_for(run_id: str) -> RunProxy | None:
     """The live proxy of ``run_id`` in this process, if any (drivers, tests, the worker)."""
-    with _REGISTRY:
-        entry = _PROXIES.get(run_id)
-        return entry[0] if entry else None
+    found: RunProxy | None = registry.proxy_of(run_id)
+    return found

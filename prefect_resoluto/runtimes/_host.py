@@ -2,27 +2,38 @@
 
 * which host paths a Python guest needs inside a sandbox (:func:`guest_layout`),
 * the environment a sandbox gets (:func:`sandbox_env`): never the host's,
-* a per-runtime state directory with one JSON record per sandbox, so ``sweep`` can
-  find sandboxes launched by an earlier (crashed) process, and so a recorded pid is
-  only ever signalled while it still belongs to the process we started.
+* (re-exported from :mod:`prefect_resoluto.host_state`, a leaf shared with egress) a
+  per-runtime state directory with one JSON record per sandbox, so ``sweep`` can find
+  sandboxes launched by an earlier (crashed) process, and so a recorded pid is only ever
+  signalled while it still belongs to the process we started.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
-import signal
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
+
+from prefect_resoluto.host_state import RECORD_NAME as RECORD_NAME
+from prefect_resoluto.host_state import STATE_ENV as STATE_ENV
+from prefect_resoluto.host_state import SandboxRecord as SandboxRecord
+from prefect_resoluto.host_state import kill_group as kill_group
+from prefect_resoluto.host_state import labels_match as labels_match
+from prefect_resoluto.host_state import process_start_time as process_start_time
+from prefect_resoluto.host_state import records as records
+from prefect_resoluto.host_state import remove_tree as remove_tree
+from prefect_resoluto.host_state import same_process as same_process
+from prefect_resoluto.host_state import sandbox_dir as sandbox_dir
+from prefect_resoluto.host_state import state_dir as state_dir
 
 from .base import LaunchSpec
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import SandboxNetwork
 
 #: Where the conduit root appears inside a sandbox (RESOLUTO_STORE_ROOT is rewritten to it).
 GUEST_CONDUIT_ROOT = "/conduit"
@@ -31,8 +42,6 @@ GUEST_WORKSPACE = "/workspace"
 #: Where the guest_runner package is mounted inside a sandbox (PYTHONPATH points here).
 GUEST_RUNNER_ROOT = "/opt/resoluto"
 
-STATE_ENV = "RESOLUTO_STATE_DIR"
-RECORD_NAME = "sandbox.json"
 LOG_NAME = "output.log"
 
 # System directories a dynamically linked interpreter needs. On merged-/usr systems the
@@ -262,115 +271,6 @@ def sandbox_env(
     return env
 
 
-# --------------------------------------------------------------------------- state & records
-
-
-def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> Path:
-    """``$RESOLUTO_STATE_DIR/<runtime>`` or ``<cache dir>/sandboxes/<runtime>``."""
-    if override:
-        base = Path(override)
-    elif os.environ.get(STATE_ENV):
-        base = Path(os.environ[STATE_ENV])
-    else:
-        from prefect_resoluto.paths import cache_dir
-
-        base = cache_dir() / "sandboxes"
-    d = base / runtime
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
-
-
-def same_process(pid: int | None, start_time: int | None) -> bool:
-    """Whether ``pid`` is still the process we started (guards against pid reuse)."""
-    if not pid:
-        return False
-    current = process_start_time(pid)
-    if current is None:
-        return False
-    return start_time is None or current == start_time
-
-
-def kill_group(pid: int | None, start_time: int | None, sig: int = signal.SIGKILL) -> bool:
-    """Signal the process group led by ``pid`` if it is still ours; True if it was signalled."""
-    if not same_process(pid, start_time):
-        return False
-    assert pid is not None
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        os.kill(pid, sig)
-    return True
-
-
-@dataclass
-class SandboxRecord:
-    """What survives the launching process: enough for ``sweep`` and forensics."""
-
-    id: str
-    runtime: str
-    labels: dict[str, str]
-    dir: str
-    pid: int | None = None
-    start_time: int | None = None
-    created: float = field(default_factory=time.time)
-    exit_code: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def save(self) -> None:
-        path = Path(self.dir) / RECORD_NAME
-        # A temporary name of this writer's own: two threads saving one record at once (the
-        # node's status poll and the reaper's both remember an exit) shared one ".tmp", and
-        # the second rename found it gone (FileNotFoundError failed a flow run).
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
-        os.replace(tmp, path)  # a concurrent sweep never reads half a record
-
-    @classmethod
-    def load(cls, sandbox_dir: Path) -> SandboxRecord | None:
-        try:
-            data = json.loads((sandbox_dir / RECORD_NAME).read_text())
-            return cls(**data)
-        except (OSError, ValueError, TypeError):
-            return None
-
-
-def sandbox_dir(runtime_state: Path, sandbox_id: str) -> Path:
-    if "/" in sandbox_id or sandbox_id in ("", ".", ".."):
-        raise ValueError(f"sandbox id {sandbox_id!r} cannot be used as a directory name")
-    return runtime_state / sandbox_id
-
-
-def records(runtime_state: Path) -> list[SandboxRecord]:
-    out = []
-    for d in sorted(runtime_state.iterdir()) if runtime_state.is_dir() else []:
-        rec = SandboxRecord.load(d) if d.is_dir() else None
-        if rec is not None:
-            out.append(rec)
-    return out
-
-
-def labels_match(have: dict[str, str], want: dict[str, str]) -> bool:
-    return all(have.get(k) == v for k, v in want.items())
-
-
-def remove_tree(path: str | os.PathLike[str]) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- logs
 
 
@@ -398,7 +298,7 @@ def tail_file(path: Path, lines: int, max_bytes: int = 1 << 20) -> str:
 # --------------------------------------------------------------------------- network
 
 
-def add_network(lay: GuestLayout, net: Any, sandbox: Path) -> None:
+def add_network(lay: GuestLayout, net: SandboxNetwork, sandbox: Path) -> None:
     """Give a guest its egress network's view: /etc/resolv.conf pointing at the run's
     proxy, a minimal /etc/hosts, and the proxy variables (the guest's own env wins for
     nothing here: these are the runtime's)."""

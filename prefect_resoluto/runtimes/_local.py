@@ -415,12 +415,11 @@ class LocalChildRuntime(SandboxRuntime):
 def network_request_of(spec: LaunchSpec) -> egress.NetworkRequest | None:
     """The spec's network request; a bare ``egress`` list (a runtime used directly) becomes one."""
     if spec.network is not None or not spec.egress:
-        request: egress.NetworkRequest | None = spec.network  # LaunchSpec keeps it Any (no egress import)
-        return request
-    run_id = spec.labels.get("resoluto.run-id", spec.sandbox_id)
-    node_id = spec.labels.get("resoluto.node-id", spec.sandbox_id)
+        return spec.network
     try:
-        return egress.network_request(run_id, node_id, egress=spec.egress)
+        return egress.network_request(
+            spec.run_id or spec.sandbox_id, spec.node_id or spec.sandbox_id, egress=spec.egress
+        )
     except egress.EgressPolicyError as e:
         raise LaunchError(str(e)) from None
 

@@ -12,7 +12,16 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from guest_runner import wire
+from prefect_resoluto.availability import Availability as Availability
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from guest_runner.conduit import Conduit
+    from prefect_resoluto.egress import NetworkRequest
 
 
 class IsolationLevel(enum.IntEnum):
@@ -161,9 +170,49 @@ def memory_hint(resources: Resources) -> str:
     )
 
 
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a node's objects live, as its guest is told (the ``RESOLUTO_STORE_*`` variables):
+    what a remote runtime needs to mint credentials, open a policy or stage a bundle."""
+
+    #: ``localfs`` or ``s3`` ("" when the spec names no store: a runtime used directly).
+    kind: str = ""
+    bucket: str = ""
+    #: The node's own key prefix in the store, the conduit's base prefix included.
+    prefix: str = ""
+    endpoint: str = ""
+    region: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> StoreLocation:
+        return cls(
+            kind=env.get("RESOLUTO_STORE_KIND", ""),
+            bucket=env.get("RESOLUTO_STORE_BUCKET", ""),
+            prefix=env.get("RESOLUTO_STORE_PREFIX", ""),
+            endpoint=env.get("RESOLUTO_STORE_ENDPOINT", ""),
+            region=env.get("RESOLUTO_STORE_REGION", ""),
+        )
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """Which node a sandbox runs, and where that node's objects live."""
+
+    run_id: str
+    node_id: str
+    store: StoreLocation = field(default_factory=StoreLocation)
+
+
 @dataclass
 class LaunchSpec:
-    """Everything a runtime needs to start one guest runner."""
+    """Everything a runtime needs to start one guest runner.
+
+    ``run_id``, ``node_id`` and ``store`` (its :class:`NodeAddress`) are what runtimes read;
+    ``env`` is what the guest gets. The node driver sets both
+    (:func:`prefect_resoluto.node.launch_spec`); a spec without an address (a runtime driven
+    directly, a test) answers from its guest variables, here -- no runtime parses ``env`` or
+    labels for them.
+    """
 
     sandbox_id: str
     #: RESOLUTO_* variables for the guest (conduit location, ids, argv, workspace, outputs).
@@ -178,15 +227,35 @@ class LaunchSpec:
     resources: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     egress: list[str] = field(default_factory=list)
-    #: A node's per-name allowlist (a ``prefect_resoluto.egress.NetworkRequest``) for runtimes
-    #: that enforce one on this host; None: the sandbox gets no interface but ``lo``.
-    network: Any = None
+    #: A node's per-name allowlist for runtimes that enforce one on this host; None: the
+    #: sandbox gets no interface but ``lo``.
+    network: NetworkRequest | None = None
     image: str | None = None
     #: Replaces the runtime's way of starting the guest runner (tests, foreign guests).
     command: list[str] | None = None
     #: A warm sandbox (prefect_resoluto.pool): stdin stays an open pipe to the host, the
     #: private channel its assignment arrives on (see ``assign``).
     hold_stdin: bool = False
+    #: Which node this sandbox runs and where its objects live (None: as ``env`` says).
+    address: NodeAddress | None = None
+
+    @property
+    def run_id(self) -> str:
+        """The node's run id ("" for a warm sandbox, which has no node until assigned)."""
+        return self.address.run_id if self.address is not None else self.env.get("RESOLUTO_RUN_ID", "")
+
+    @property
+    def node_id(self) -> str:
+        return self.address.node_id if self.address is not None else self.env.get("RESOLUTO_NODE_ID", "")
+
+    @property
+    def store(self) -> StoreLocation:
+        return self.address.store if self.address is not None else StoreLocation.from_env(self.env)
+
+    @property
+    def rel_prefix(self) -> str:
+        """The node's key prefix relative to the conduit's base (``run/<run>/nodes/<node>``)."""
+        return wire.node_prefix(self.run_id, self.node_id)
 
 
 @dataclass
@@ -224,13 +293,6 @@ class SandboxStatus:
         return self.phase in ("succeeded", "failed")
 
 
-@dataclass(frozen=True)
-class Availability:
-    ok: bool
-    why: str = ""
-    detail: str = ""
-
-
 class RuntimeUnavailable(RuntimeError):
     """The runtime cannot run on this machine (missing binary, no KVM, no cluster ...)."""
 
@@ -255,7 +317,12 @@ def check_isolation(runtime: SandboxRuntime, minimum: IsolationLevel | str) -> N
 
 
 class SandboxRuntime(ABC):
+    """One kind of sandbox. Every capability the host asks about is declared here, with
+    the answer of a runtime that lacks it; a runtime overrides what it has."""
+
     name: ClassVar[str] = ""
+    #: The interpreter its sandboxes start the guest runner with (None: the host's own).
+    python: str | None = None
 
     @property
     @abstractmethod
@@ -303,11 +370,38 @@ class SandboxRuntime(ABC):
     #: directory when the host renames it (False: the guest sees host paths as they are).
     mounts_conduit: ClassVar[bool] = True
 
+    @property
+    def state(self) -> Path | None:
+        """The host directory holding one record per sandbox (None: the substrate keeps
+        them); a warm sandbox's slot lives under it."""
+        return None
+
+    @property
+    def display_name(self) -> str:
+        """The name with what decides its isolation, for notes and ``doctor`` (``container(kata)``)."""
+        return self.name
+
     def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
         """Deliver a warm sandbox's assignment on its private channel, once."""
         raise LaunchError(f"runtime {self.name!r} cannot keep sandboxes warm")
 
-    def prepare(self, conduit: Any, run_id: str) -> None:  # noqa: B027 - optional hook
+    #: Whether a warm sandbox can be checkpointed and others restored from its image
+    #: (``checkpoint``, ``restore``, ``snapshot_fingerprint``; the pool's snapshots).
+    supports_snapshots: ClassVar[bool] = False
+
+    def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:
+        """Write ``handle``'s checkpoint into the new directory ``image``; the sandbox stops."""
+        raise LaunchError(f"runtime {self.name!r} cannot checkpoint sandboxes")
+
+    def restore(self, spec: LaunchSpec, image: Path, wake: bytes = b"") -> SandboxHandle:
+        """Start ``spec``'s sandbox from ``image`` instead of booting it."""
+        raise LaunchError(f"runtime {self.name!r} cannot restore sandboxes")
+
+    def snapshot_fingerprint(self) -> str:
+        """What an image depends on besides the guest (the runtime's version, flags, mounts)."""
+        raise LaunchError(f"runtime {self.name!r} cannot restore sandboxes")
+
+    def prepare(self, conduit: Conduit, run_id: str) -> None:  # noqa: B027 - optional hook
         """Called before each launch of a run; runtimes that stage per-run material
         (the Kubernetes guest bundle) do it here, once."""
 
@@ -316,15 +410,18 @@ class SandboxRuntime(ABC):
         if not avail.ok:
             raise RuntimeUnavailable(f"runtime {self.name!r} is not available here: {avail.why}")
 
-    def egress_support(self) -> str:
-        """ "" when this runtime can enforce an allowlist here, else why not (for ``doctor``)."""
+    def egress_support(self) -> Availability:
+        """Whether this runtime can enforce an allowlist here (for ``doctor``); ``detail``
+        adds what the runtime's own network stack reports, when it has one to report."""
         if not self.supports_egress_allowlist:
-            return f"runtime {self.name!r} cannot enforce an egress allowlist (its sandboxes get no network)"
+            return Availability.refused(
+                f"runtime {self.name!r} cannot enforce an egress allowlist (its sandboxes get no network)"
+            )
         if self.egress_by_name:
             from prefect_resoluto import egress
 
             return egress.available()
-        return ""
+        return Availability(True)
 
     def check_spec(self, spec: LaunchSpec) -> None:
         if (spec.egress or spec.network is not None) and not self.supports_egress_allowlist:

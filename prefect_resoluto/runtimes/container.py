@@ -178,6 +178,11 @@ class ContainerRuntime(SandboxRuntime):
     def _is_runsc(self) -> bool:
         return isolation_of(self.oci_runtime) == IsolationLevel.USER_KERNEL
 
+    @property
+    def display_name(self) -> str:
+        # The OCI runtime decides the isolation: container(runsc), container(kata).
+        return f"{self.name}({self.oci_runtime})" if self.oci_runtime else self.name
+
     def availability(self) -> Availability:
         if self._availability is None:
             self._availability = self._check()

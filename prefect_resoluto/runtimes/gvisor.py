@@ -267,17 +267,18 @@ class GVisorRuntime(LocalChildRuntime):
             stdin=subprocess.DEVNULL,
         )
 
-    def egress_support(self) -> str:
-        why = super().egress_support() or self.availability().why
-        if why:
-            return why
+    def egress_support(self) -> Availability:
+        base = super().egress_support()
+        if not base.ok:
+            return base
+        avail = self.availability()
+        if not avail.ok:
+            return Availability.refused(avail.why)
         exe = self._binary() or self.runsc
         verdict = _probe_network(exe, (f"--platform={self._platform()}", *self.runsc_flags))
-        return "" if verdict.startswith("ok") else verdict
-
-    def egress_detail(self) -> str:
-        exe = self._binary() or self.runsc
-        return _probe_network(exe, (f"--platform={self._platform()}", *self.runsc_flags)).removeprefix("ok: ")
+        if not verdict.startswith("ok"):
+            return Availability.refused(verdict)
+        return Availability(True, detail=f"runsc netstack: {verdict.removeprefix('ok: ')}")
 
     # ----------------------------------------------------------------- the bundle
 

@@ -40,7 +40,7 @@ class ProcessRuntime(LocalChildRuntime):
         ``limits``: ``auto`` (cgroup if writable, else RLIMIT_DATA), ``cgroup``, ``rlimit``, ``none``.
         ``workload_user``: ``"uid:gid"`` the workload runs as (the host must be root)."""
         super().__init__(state_dir=state_dir, limits=limits)
-        self.python = python or sys.executable
+        self.python: str = python or sys.executable
         self.workload_user = _parse_user(workload_user) if workload_user else None
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_resoluto.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256, bootstrap_command
+from prefect_resoluto.labels import label_value as label_value
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,6 @@ ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 
 
 # -- names and labels -----------------------------------------------------------------------
-
-
-def label_value(value: object) -> str:
-    """A valid label value for ``value``: <= 63 chars of ``[A-Za-z0-9._-]``, alphanumeric ends."""
-    s = re.sub(r"[^A-Za-z0-9._-]+", "-", str(value))
-    s = s.strip("-._")[:63]
-    return s.strip("-._")
 
 
 def label_key(key: str) -> str | None:
@@ -270,8 +264,8 @@ def build_manifests(
     own = {MANAGED_BY_LABEL: MANAGED_BY, SANDBOX_LABEL: name}
     labels = {
         **sanitise_labels(spec.labels),
-        RUN_LABEL: label_value(spec.env["RESOLUTO_RUN_ID"]),
-        NODE_LABEL: label_value(spec.env["RESOLUTO_NODE_ID"]),
+        RUN_LABEL: label_value(spec.run_id),
+        NODE_LABEL: label_value(spec.node_id),
         **own,
     }
     annotations = {

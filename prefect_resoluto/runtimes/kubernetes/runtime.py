@@ -45,9 +45,12 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from guest_runner import wire
+if TYPE_CHECKING:
+    from guest_runner.conduit import Conduit
+
+
 from prefect_resoluto.runtimes._sts import mint_node_credentials
 from prefect_resoluto.runtimes.base import (
     Availability,
@@ -276,13 +279,13 @@ class KubernetesRuntime(SandboxRuntime):
 
     # -- guest bundle ---------------------------------------------------------------------
 
-    def prepare(self, conduit: Any, run_id: str) -> None:
+    def prepare(self, conduit: Conduit, run_id: str) -> None:
         """Host hook, once per run before launches: refuse a local conduit, upload the guest bundle.
 
         Optional -- :meth:`launch` uploads the bundle itself (through the conduit described by
         the node's RESOLUTO_STORE_* variables) when the run was not prepared.
         """
-        kind = getattr(conduit, "kind", "")
+        kind = conduit.kind
         if kind != "s3":
             raise LaunchError(self._local_conduit_message(kind or type(conduit).__name__))
         if self.guest_source == "bundle":
@@ -300,15 +303,19 @@ class KubernetesRuntime(SandboxRuntime):
 
     def _check(self, spec: LaunchSpec) -> None:
         self.check_spec(spec)
-        kind = spec.env.get("RESOLUTO_STORE_KIND", "")
+        kind = spec.store.kind
         if spec.conduit_root is not None or kind == "localfs":
             raise LaunchError(self._local_conduit_message("local (filesystem)"))
         if kind != "s3":
             raise LaunchError(
                 f"the kubernetes runtime needs RESOLUTO_STORE_KIND=s3 in the node's environment, got {kind!r}"
             )
-        for var in ("RESOLUTO_STORE_BUCKET", "RESOLUTO_RUN_ID", "RESOLUTO_NODE_ID"):
-            if not spec.env.get(var):
+        for var, value in (
+            ("RESOLUTO_STORE_BUCKET", spec.store.bucket),
+            ("RESOLUTO_RUN_ID", spec.run_id),
+            ("RESOLUTO_NODE_ID", spec.node_id),
+        ):
+            if not value:
                 raise LaunchError(f"the node's environment lacks {var}")
         for var in list(spec.env) + list(spec.secret_env):
             if not ENV_NAME.match(var):
@@ -382,10 +389,8 @@ class KubernetesRuntime(SandboxRuntime):
         )
 
     def _mint_store_credentials(self, spec: LaunchSpec, name: str) -> dict[str, str]:
-        bucket = spec.env["RESOLUTO_STORE_BUCKET"]
-        prefix = spec.env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
-            spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"]
-        )
+        bucket = spec.store.bucket
+        prefix = spec.store.prefix or spec.rel_prefix
         read_only = []
         if self.guest_source == "bundle" and not spec.command:
             key, _ = self._bundle_cache.for_spec(spec, upload=False)
@@ -397,7 +402,7 @@ class KubernetesRuntime(SandboxRuntime):
             session_name=name,
             ttl_s=self.store_credentials_ttl_s,
             sts_endpoint=self.store_sts_endpoint,
-            region=spec.env.get("RESOLUTO_STORE_REGION"),
+            region=spec.store.region or None,
             read_only_keys=read_only,
         )
 

@@ -13,13 +13,15 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from guest_runner import wire
 from prefect_resoluto.guest_bundle import build_guest_bundle, guest_bundle_key, upload_guest_bundle
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
 from prefect_resoluto.runtimes.kubernetes.manifests import IPNetwork, parse_network
+
+if TYPE_CHECKING:
+    from guest_runner.conduit import Conduit
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ def store_egress(
     spec: LaunchSpec, *, cidr: str | None = None, port: int | None = None
 ) -> tuple[list[IPNetwork], int]:
     """Where pods reach the object store: the configured CIDRs, else the endpoint resolved here."""
-    endpoint = spec.env.get("RESOLUTO_STORE_ENDPOINT", "")
+    endpoint = spec.store.endpoint
     parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}") if endpoint else None
     default_port = (parsed.port or (80 if parsed.scheme == "http" else 443)) if parsed else 443
     port = port or _int_env("RESOLUTO_STORE_EGRESS_PORT") or default_port
@@ -70,11 +72,10 @@ def store_egress(
 
 def store_base(spec: LaunchSpec) -> str:
     """The conduit's base prefix: ``RESOLUTO_STORE_PREFIX`` without the node's own key prefix."""
-    prefix = spec.env.get("RESOLUTO_STORE_PREFIX", "").strip("/")
-    run_id, node_id = spec.env.get("RESOLUTO_RUN_ID", ""), spec.env.get("RESOLUTO_NODE_ID", "")
+    prefix = spec.store.prefix.strip("/")
     if not prefix:
         return ""
-    suffix = wire.node_prefix(run_id, node_id)
+    suffix = spec.rel_prefix
     if prefix == suffix:
         return ""
     if prefix.endswith("/" + suffix):
@@ -91,7 +92,7 @@ class GuestBundles:
         self._lock = threading.Lock()
         self._upload_lock = threading.Lock()
 
-    def prepare(self, conduit: Any, run_id: str) -> None:
+    def prepare(self, conduit: Conduit, run_id: str) -> None:
         """Upload the run's bundle through the host's own conduit (once)."""
         with self._lock:
             if run_id in self.known:
@@ -103,7 +104,7 @@ class GuestBundles:
     def for_spec(self, spec: LaunchSpec, *, upload: bool) -> tuple[str, str]:
         """The bundle a node's pod fetches; ``upload`` puts it there (through the node's S3 settings)
         when the run was not prepared, otherwise only its key is computed."""
-        run_id = spec.env.get("RESOLUTO_RUN_ID", "")
+        run_id = spec.run_id
         with self._lock:
             known = self.known.get(run_id)
         if known is not None:
@@ -120,17 +121,16 @@ class GuestBundles:
             if known is not None:
                 return known
             conduit = S3Conduit(
-                spec.env["RESOLUTO_STORE_BUCKET"],
+                spec.store.bucket,
                 base_prefix=base,
-                endpoint_url=spec.env.get("RESOLUTO_STORE_ENDPOINT") or None,
-                region=spec.env.get("RESOLUTO_STORE_REGION") or None,
+                endpoint_url=spec.store.endpoint or None,
+                region=spec.store.region or None,
             )
             try:
                 key, sha = upload_guest_bundle(conduit, run_id)
             except Exception as e:
                 raise LaunchError(
-                    f"cannot upload the guest runner bundle to s3://"
-                    f"{spec.env['RESOLUTO_STORE_BUCKET']}/{base}: {e}"
+                    f"cannot upload the guest runner bundle to s3://{spec.store.bucket}/{base}: {e}"
                 ) from e
             finally:
                 conduit.close()

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from guest_runner import wire
 from prefect_resoluto.runtimes.base import LaunchSpec
 
 MANAGED_BY_KEY = "resoluto.managed-by"
@@ -110,7 +109,7 @@ def guest_command(
     Relaying, the guest writes a local store inside the VM (the host mirrors it out), so the
     node's ``RESOLUTO_STORE_*`` settings are replaced by that store's.
     """
-    rel = wire.node_prefix(spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"])
+    rel = spec.rel_prefix
     env = {k: str(v) for k, v in spec.env.items()}
     if relay:
         for k in [k for k in env if k.startswith("RESOLUTO_STORE_")]:

@@ -50,9 +50,12 @@ import logging
 import os
 import threading
 from collections.abc import Coroutine, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from guest_runner import wire
+if TYPE_CHECKING:
+    from guest_runner.conduit import Conduit
+
+
 from prefect_resoluto.runtimes._sts import mint_node_credentials
 from prefect_resoluto.runtimes.base import (
     Availability,
@@ -154,7 +157,7 @@ class SolariRuntime(SandboxRuntime):
         self.envs = {str(k): str(v) for k, v in (envs or {}).items()}
         self.cpu, self.mem_mb, self.disk_gb = cpu, mem_mb, disk_gb
         self.guest_dir = str(guest_dir).rstrip("/")
-        self.python = python
+        self.python: str = python
         self.admission_backoff_max_s = float(admission_backoff_max_s)
         self.admission_patience_s = admission_patience_s
         self.capacity_retries = int(capacity_retries)
@@ -270,14 +273,14 @@ class SolariRuntime(SandboxRuntime):
 
     # -- run preparation ------------------------------------------------------------------
 
-    def prepare(self, conduit: Any, run_id: str) -> None:
+    def prepare(self, conduit: Conduit, run_id: str) -> None:
         """Remember the run's conduit: the relay mirrors the VM's objects into it."""
         self._conduits[run_id] = conduit
 
     def check_spec(self, spec: LaunchSpec) -> None:
         super().check_spec(spec)
-        if self.conduit_mode == "direct" and spec.env.get("RESOLUTO_STORE_KIND") != "s3":
-            raise LaunchError(self._direct_needs_s3(spec.env.get("RESOLUTO_STORE_KIND", "")))
+        if self.conduit_mode == "direct" and spec.store.kind != "s3":
+            raise LaunchError(self._direct_needs_s3(spec.store.kind))
 
     @staticmethod
     def _direct_needs_s3(kind: str) -> str:
@@ -288,12 +291,12 @@ class SolariRuntime(SandboxRuntime):
         )
 
     def _run_conduit(self, spec: LaunchSpec) -> Any:
-        run_id = spec.env.get("RESOLUTO_RUN_ID", "")
-        conduit = self._conduits.get(run_id)
+        conduit = self._conduits.get(spec.run_id)
         if conduit is not None:
             return conduit
         # Not prepared (a caller other than drive_node): the conduit the node's env names.
-        from guest_runner.conduit import LocalConduit, conduit_from_env
+        from guest_runner.conduit import LocalConduit
+        from guest_runner.conduits import conduit_from_env
 
         if spec.conduit_root is not None:
             return LocalConduit(spec.conduit_root)
@@ -341,8 +344,8 @@ class SolariRuntime(SandboxRuntime):
 
     def _check(self, spec: LaunchSpec) -> None:
         self.check_spec(spec)
-        for var in ("RESOLUTO_RUN_ID", "RESOLUTO_NODE_ID"):
-            if not spec.env.get(var):
+        for var, value in (("RESOLUTO_RUN_ID", spec.run_id), ("RESOLUTO_NODE_ID", spec.node_id)):
+            if not value:
                 raise LaunchError(f"the node's environment lacks {var}")
 
     def _secret_env(self, spec: LaunchSpec, *, mint: bool) -> dict[str, str]:
@@ -357,12 +360,12 @@ class SolariRuntime(SandboxRuntime):
         """Short-lived credentials that reach only this node's prefix (STS AssumeRole + session policy)."""
         return mint_node_credentials(
             role_arn=self.store_role_arn,
-            bucket=spec.env["RESOLUTO_STORE_BUCKET"],
-            prefix=(spec.env.get("RESOLUTO_STORE_PREFIX") or "").strip("/"),
+            bucket=spec.store.bucket,
+            prefix=spec.store.prefix.strip("/"),
             session_name=spec.sandbox_id,
             ttl_s=self.store_credentials_ttl_s,
             sts_endpoint=self.store_sts_endpoint,
-            region=spec.env.get("RESOLUTO_STORE_REGION"),
+            region=spec.store.region or None,
         )
 
     # -- launch ---------------------------------------------------------------------------
@@ -388,7 +391,7 @@ class SolariRuntime(SandboxRuntime):
         client = self._sdk()
         conduit = self._run_conduit(spec) if self.conduit_mode == "relay" else None
         secrets = self._secret_env(spec, mint=True)
-        rel = wire.node_prefix(spec.env["RESOLUTO_RUN_ID"], spec.env["RESOLUTO_NODE_ID"])
+        rel = spec.rel_prefix
         inbox: dict[str, bytes] = {}
         if conduit is not None:
             for key in conduit.list_prefix(rel + "/"):
@@ -396,7 +399,7 @@ class SolariRuntime(SandboxRuntime):
         s = Session(
             spec_id=spec.sandbox_id,
             mode=self.conduit_mode,
-            run_id=spec.env["RESOLUTO_RUN_ID"],
+            run_id=spec.run_id,
             rel_prefix=rel,
             create=self.create_request(spec),
             command=self.guest_command(spec, secrets),

@@ -1,0 +1,99 @@
+"""The one node path: drive(spec, conduit, runtime, observer) tells the observer what
+happened, in order, and asks it what only the host can answer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
+from prefect_resoluto.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes.base import SandboxHandle
+
+
+class Recorder(NodeObserver):
+    def __init__(self, *, cancel: bool = False, take: bool = False) -> None:
+        self.calls: list[str] = []
+        self.lines: list[str] = []
+        self.output = WorkloadOutput()
+        self.cancel = cancel
+        self.take = take
+        self.taken: list[SandboxHandle] = []
+        self.outcome: NodeOutcome | None = None
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.calls.append("launched")
+
+    def event(self, ev: dict[str, Any]) -> None:
+        if not self.calls or self.calls[-1] != "event":
+            self.calls.append("event")
+        line = self.output.line(ev)
+        if line is not None:
+            self.lines.append(line)
+
+    def finished(self, outcome: NodeOutcome) -> None:
+        self.calls.append("finished")
+        self.outcome = outcome
+
+    def cancelled(self) -> bool:
+        return self.cancel
+
+    def reap(self, handle: SandboxHandle) -> bool:
+        if self.take:
+            self.taken.append(handle)
+        return self.take
+
+    def pack_workspace(self, root: Path, skip: list[str]) -> bytes:
+        self.calls.append("pack")
+        return super().pack_workspace(root, skip)
+
+
+def _spec(tmp_path: Path, code: str, node: str) -> NodeSpec:
+    ws = tmp_path / "ws"
+    ws.mkdir(exist_ok=True)
+    return NodeSpec(
+        run_id="run-obs",
+        node_id=node,
+        argv=[sys.executable, "-c", code],
+        workspace=ws,
+        min_isolation="none",
+        setup_argv=["sh", "-c", "echo from-setup"],
+    )
+
+
+def test_the_observer_sees_the_node_in_order_and_only_workload_lines(tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "conduit")
+    obs = Recorder(take=True)
+    out = drive(_spec(tmp_path, "print('one'); print('two')", "n1"), conduit, get_runtime("process"), obs)
+    assert out.ok, out.describe()
+    assert obs.calls == ["pack", "launched", "event", "finished"]
+    assert obs.outcome is out
+    assert obs.lines == ["one", "two"]  # not the setup's "from-setup", nor the runner's words
+    # A finished node's sandbox was handed over: the host destroys it.
+    assert [h.id for h in obs.taken] == [out.sandbox_id]
+    get_runtime("process").destroy(obs.taken[0])
+
+
+def test_a_cancelling_observer_stops_the_node(tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "conduit")
+    obs = Recorder(cancel=True)
+    out = drive(_spec(tmp_path, "import time; time.sleep(60)", "n2"), conduit, get_runtime("process"), obs)
+    assert out.failure == "lost" and out.reason == "cancelled by the host"
+    assert obs.calls[-1] == "finished" and not obs.taken
+
+
+def test_workload_output_is_the_plain_lines_of_workload_spans() -> None:
+    w = WorkloadOutput()
+    evs: list[dict[str, Any]] = [
+        {"event": "open", "kind": "setup", "span_id": "s"},
+        {"event": "log", "kind": "log", "parent_span_id": "s", "data": {"line": "setup says"}},
+        {"event": "open", "kind": "workload", "span_id": "w"},
+        {"event": "log", "kind": "log", "parent_span_id": "w", "data": {"line": "hello"}},
+        {"event": "log", "kind": "error", "parent_span_id": "w", "data": {"line": "not output"}},
+        {"event": "log", "kind": "log", "parent_span_id": "", "data": {"line": "runner"}},
+        {"event": "close", "kind": "workload", "span_id": "w"},
+    ]
+    assert [w.line(ev) for ev in evs] == [None, None, None, "hello", None, None, None]

@@ -1,0 +1,98 @@
+"""The typed runtime seam: ids and store on LaunchSpec, capabilities on the interface,
+failure kinds as one enum, every "is it usable?" answer an Availability."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import egress, pool
+from prefect_resoluto.node import FailureKind, NodeFailure, NodeSpec, WorkloadFailed, launch_spec
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes.base import (
+    Availability,
+    LaunchSpec,
+    NodeAddress,
+    SandboxRuntime,
+    StoreLocation,
+)
+
+
+def test_launch_spec_carries_the_node_ids_and_store(tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "c")
+    spec = launch_spec(NodeSpec(run_id="run-1", node_id="node-1", argv=["true"]), conduit)
+    assert (spec.run_id, spec.node_id) == ("run-1", "node-1")
+    assert spec.rel_prefix == "run/run-1/nodes/node-1"
+    assert spec.store == StoreLocation(kind="localfs", prefix="run/run-1/nodes/node-1")
+    # The guest is told the same (the wire contract is unchanged).
+    assert spec.env["RESOLUTO_RUN_ID"] == "run-1" and spec.env["RESOLUTO_NODE_ID"] == "node-1"
+
+
+def test_a_spec_without_an_address_answers_from_its_guest_variables() -> None:
+    env = {
+        "RESOLUTO_RUN_ID": "r",
+        "RESOLUTO_NODE_ID": "n",
+        "RESOLUTO_STORE_KIND": "s3",
+        "RESOLUTO_STORE_BUCKET": "b",
+        "RESOLUTO_STORE_PREFIX": "base/run/r/nodes/n",
+        "RESOLUTO_STORE_REGION": "eu-west-1",
+    }
+    spec = LaunchSpec(sandbox_id="rsl-x", env=env)
+    assert (spec.run_id, spec.node_id) == ("r", "n")
+    assert spec.store == StoreLocation("s3", "b", "base/run/r/nodes/n", "", "eu-west-1")
+    # An explicit address wins over the variables.
+    other = LaunchSpec(
+        sandbox_id="rsl-y", env=env, address=NodeAddress("r2", "n2", StoreLocation(kind="localfs"))
+    )
+    assert (other.run_id, other.node_id, other.store.kind) == ("r2", "n2", "localfs")
+    warm = LaunchSpec(sandbox_id="rsl-w", env={})
+    assert (warm.run_id, warm.node_id, warm.store) == ("", "", StoreLocation())
+
+
+def test_capabilities_are_declared_on_the_interface() -> None:
+    for name in ("supports_warm", "egress_by_name", "remote", "supports_local_conduit", "mounts_conduit"):
+        assert isinstance(getattr(SandboxRuntime, name), bool), name
+    assert SandboxRuntime.python is None
+    proc = get_runtime("process")
+    assert proc.display_name == "process"
+    assert proc.state is not None and proc.python
+    container = get_runtime("container", oci_runtime="kata")
+    assert container.display_name == "container(kata)"
+
+
+def test_usable_answers_are_availabilities(tmp_path: Path) -> None:
+    proc = get_runtime("process")
+    refused = proc.egress_support()
+    assert isinstance(refused, Availability) and not refused.ok
+    assert "cannot enforce an egress allowlist" in refused.why
+    assert isinstance(egress.available(), Availability)
+    assert pool.usable(proc, LocalConduit(tmp_path / "c")) == Availability(True)
+
+    class Cold(type(proc)):  # type: ignore[misc]
+        supports_warm = False
+
+    cold = pool.usable(Cold(), LocalConduit(tmp_path / "c"))
+    assert not cold.ok and cold.why == "runtime 'process' does not keep sandboxes warm"
+    assert Availability.of("") == Availability(True)
+    assert Availability.of("no ip", detail="x") == Availability(False, why="no ip")
+
+
+def test_failure_kinds_keep_their_strings_and_wordings() -> None:
+    assert [k.value for k in FailureKind] == [
+        "workload",
+        "unstartable",
+        "lost",
+        "killed",
+        "no_result",
+        "protocol",
+        "egress",
+    ]
+    assert FailureKind.LOST == "lost" and f"{FailureKind.NO_RESULT}" == "no_result"
+    assert json.dumps({"failure": FailureKind.KILLED}) == '{"failure": "killed"}'
+    assert FailureKind.WORKLOAD.error is WorkloadFailed and not FailureKind.WORKLOAD.infrastructure
+    assert all(issubclass(k.error, NodeFailure) for k in FailureKind)
+    assert FailureKind.KILLED.what == "was killed by the sandbox substrate"
+    assert FailureKind.KILLED.crash_how == "was killed"
+    assert FailureKind.NO_RESULT.crash_how == "ended without reporting"
+    assert FailureKind.EGRESS.crash_how == "failed"
