@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from flows import sample_flows as sf
-from polling import scaled
+from polling import scaled, wait_for
 from prefect import flow, task
 from prefect_cli import flow_child_env
 from prefect_readback import artifacts_of, client, task_runs
@@ -458,15 +458,18 @@ def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
         text=True,
     )
     rt = get_runtime("gvisor", state_dir=state)
+
+    def started() -> bool:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        return len(rt.list_ids()) >= 2
+
     try:
-        deadline = time.monotonic() + 120
-        while len(rt.list_ids()) < 2:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "the sandboxes never started"
-            time.sleep(0.05)  # polling the runtime's own listing
+        wait_for(started, timeout=120, what="the flow's two sandboxes to start")
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
+        # A hang detector, scaled to the load: Prefect's crash-and-drain exit of the flow.
+        proc.wait(timeout=scaled(90))
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rt.list_ids() == [] and rt.containers() == []
+    out = proc.stdout.read() if proc.stdout else ""
+    assert rt.list_ids() == [] and rt.containers() == [], out[-4000:]

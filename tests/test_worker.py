@@ -436,12 +436,15 @@ def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
         pool = create_pool()
         with running_worker(pool, tmp_path) as worker:
             source = flow.from_source(source=str(FLOWS), entrypoint="worker_flows.py:where_am_i")
+            # The scheduler only makes runs for times still ahead when it first sees the
+            # deployment; a busy machine may take longer than any fixed lead to deploy. A short
+            # interval makes the next slot at most 20 s away whenever that is.
             anchor = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=5)
             dep_id = source.deploy(
-                name="every-hour",
+                name="every-20s",
                 work_pool_name=pool,
                 job_variables={**PROCESS, "conduit": {"path": str(conduit)}},
-                schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=anchor),
+                schedule=IntervalSchedule(interval=datetime.timedelta(seconds=20), anchor_date=anchor),
                 build=False,
                 push=False,
                 print_next_steps=False,
