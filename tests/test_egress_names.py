@@ -11,7 +11,7 @@ import pytest
 from prefect_resoluto.egress import netns
 
 pytestmark = pytest.mark.skipif(
-    bool(netns.available()), reason=f"egress needs namespaces: {netns.available()}"
+    not netns.available().ok, reason=f"egress needs namespaces: {netns.available().why}"
 )
 
 

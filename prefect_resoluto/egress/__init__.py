@@ -73,7 +73,7 @@ class SandboxNetwork:
 
 def available() -> Availability:
     """Whether allowlists can be enforced on this host (network namespaces), and if not why."""
-    return Availability.of(netns.available())
+    return netns.available()
 
 
 def network_request(

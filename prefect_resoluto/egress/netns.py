@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from prefect_resoluto.availability import Availability
 from prefect_resoluto.host_state import process_start_time, same_process, state_dir
 
 NETNS_DIR = Path("/run/netns")
@@ -57,15 +58,15 @@ def _ip(*args: str, stdin: str | None = None, check: bool = True) -> subprocess.
     return res
 
 
-def available() -> str:
-    """ "" when namespaces can be made here, else why not."""
+def available() -> Availability:
+    """Whether network namespaces can be made here, and if not why."""
     if os.geteuid() != 0:
-        return "creating network namespaces needs root"
+        return Availability.refused("creating network namespaces needs root")
     try:
         subprocess.run(["ip", "-V"], capture_output=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
-        return "the 'ip' command (iproute2) is missing"
-    return ""
+        return Availability.refused("the 'ip' command (iproute2) is missing")
+    return Availability(True)
 
 
 def exists(name: str) -> bool:
