@@ -254,10 +254,11 @@ def _distribution_order(
         item.add_marker(pytest.mark.xdist_group(K8S_GROUP))
     # A module's group keeps its tests in file order (one unit); units, largest first.
     units = sorted(grouped.values(), key=len, reverse=True)
-    # The code checks run whole-tree tools (a cold strict mypy is a minute of CPU): first
-    # among the single tests, never the last thing a worker does.
-    plain.sort(key=lambda i: i.path.name != "test_code_checks.py")
-    ordered = [i for unit in units for i in unit] + sandboxed + plain
+    # The code checks run whole-tree tools (a cold strict mypy is a minute of CPU): they start
+    # at once, beside the first large units, and are never the last thing a worker does.
+    checks = [i for i in plain if i.path.name == "test_code_checks.py"]
+    plain = [i for i in plain if i.path.name != "test_code_checks.py"]
+    ordered = checks + [i for unit in units for i in unit] + sandboxed + plain
     return ordered + k8s if build_pending else k8s + ordered
 
 
