@@ -235,6 +235,22 @@ def _shared_scope_module(item: pytest.Item) -> str:
     return ""
 
 
+def _group(item: pytest.Item, name: str) -> None:
+    """Send ``item`` to the worker of group ``name``: loadgroup's scheduler reads the group from
+    the node id's ``@name`` suffix. xdist 3.8's worker writes that suffix from an
+    ``xdist_group`` mark into ``item._nodeid``, which pytest 9 no longer reads (a node's id is
+    ``item._id`` now): every grouped test would be scheduled alone. So it is written here."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if not os.environ.get("PYTEST_XDIST_WORKER") or item.nodeid.endswith(f"@{name}"):
+        return
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(f"{item.nodeid}@{name}")
+    else:
+        item._nodeid = f"{item.nodeid}@{name}"
+
+
 def _distribution_order(
     rest: list[pytest.Item], k8s: list[pytest.Item], *, build_pending: bool
 ) -> list[pytest.Item]:
@@ -244,14 +260,14 @@ def _distribution_order(
     for item in rest:
         module = _shared_scope_module(item)
         if module:
-            item.add_marker(pytest.mark.xdist_group(module))
+            _group(item, module)
             grouped.setdefault(module, []).append(item)
         elif item.get_closest_marker("slow"):
             sandboxed.append(item)
         else:
             plain.append(item)
     for item in k8s:
-        item.add_marker(pytest.mark.xdist_group(K8S_GROUP))
+        _group(item, K8S_GROUP)
     # A module's group keeps its tests in file order (one unit); units, largest first.
     units = sorted(grouped.values(), key=len, reverse=True)
     # The code checks run whole-tree tools (a cold strict mypy is a minute of CPU): they start
