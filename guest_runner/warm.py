@@ -39,9 +39,15 @@ from guest_runner.conduit import InvalidKey, LocalConduit
 
 SLOT_ENV = "RESOLUTO_WARM_SLOT"
 #: "1": pre-start the call interpreter; "import:<module>,...": and import those installed
-#: modules in it (what the task's module imports, or what its earlier nodes did).
+#: modules in it (what the task's module imports, or what its earlier nodes did);
+#: "engine": pre-start Prefect's flow-run engine instead (a worker's flow run).
 CALL_ENV = "RESOLUTO_WARM_CALL"
 CALL_MODULE = "guest_runner.call"
+ENGINE_MODE = "engine"
+#: Set for the pre-started process in engine mode (read by guest_runner.warmcall, which
+#: this module does not import: the call's interpreter never needs the runner's modules).
+ENGINE_ENV = "RESOLUTO_WARM_ENGINE"
+ENGINE_MODULE = "prefect.engine"
 #: Printed (stdout: the sandbox's log) once everything is imported and started.
 READY = "resoluto warm: ready"
 #: "1": a snapshot template (see the module's doc).
@@ -103,13 +109,17 @@ class _Prestarted:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
         if mode.startswith("import:"):
             env["RESOLUTO_WARM_IMPORTS"] = mode[len("import:") :]
+        self.engine = mode == ENGINE_MODE
+        if self.engine:
+            env[ENGINE_ENV] = "1"
         self.proc: "Optional[_Call]" = None
         try:
             # A fork saves an interpreter start (~70 ms of CPU and ~45 ms to the result in
             # gVisor); but a forked child importing a large package there costs more CPU
             # than a fresh interpreter does (~+1.5 s for the real Prefect, measured), so a
             # call that pre-imports gets its own interpreter.
-            self.proc = _exec_call(env) if "RESOLUTO_WARM_IMPORTS" in env else _fork_call(env)
+            own = "RESOLUTO_WARM_IMPORTS" in env or self.engine
+            self.proc = _exec_call(env) if own else _fork_call(env)
         except OSError:
             return  # no pre-started call: the workload starts as on a cold node
         assert self.proc.stdout is not None
@@ -125,7 +135,7 @@ class _Prestarted:
         self, argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool
     ) -> "subprocess.Popen[bytes]":
         proc, self.proc = self.proc, None
-        if proc is None or own_group or argv[1:3] != ["-m", CALL_MODULE] or proc.poll() is not None:
+        if proc is None or own_group or not self._serves(argv) or proc.poll() is not None:
             self.close(proc)
             return runner._popen(argv, cwd, env, own_group)
         assert proc.stdin is not None
@@ -136,6 +146,15 @@ class _Prestarted:
             self.close(proc)
             return runner._popen(argv, cwd, env, own_group)
         return proc  # type: ignore[return-value]  # what the runner uses of a Popen
+
+    def _serves(self, argv: List[str]) -> bool:
+        """Whether the pre-started process can become ``argv``: the call, or (engine mode)
+        ``<this interpreter> -m prefect.engine``, the command a worker's flow run runs."""
+        if not self.engine:
+            return argv[1:3] == ["-m", CALL_MODULE]
+        return argv[1:3] == ["-m", ENGINE_MODULE] and os.path.realpath(argv[0]) == os.path.realpath(
+            sys.executable
+        )
 
     def close(self, proc: "Optional[_Call]" = None) -> None:
         proc = proc or self.proc

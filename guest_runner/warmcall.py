@@ -7,6 +7,12 @@ while the sandbox waits, then reads one JSON line from stdin: ``{"argv": [call.j
 path], "cwd": ..., "env": {...}}`` and becomes ``python -m guest_runner.call`` with
 exactly that environment and directory. It was started (forked or run) before any
 credential reached the sandbox and never sees the runner's.
+
+With ``RESOLUTO_WARM_ENGINE=1`` it is a worker's flow run instead: it imports Prefect's
+flow-run engine ahead (what ``python -m prefect.engine`` loads before it asks the API for
+its flow run: ~2-4 s of CPU in gVisor), and its assignment makes it that command. Prefect
+reads its settings from the environment when it is imported, so they are read again from
+the assigned one (:func:`run_engine`) before the engine runs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,29 @@ import sys
 from guest_runner import call, reseed, standin
 
 IMPORTS_ENV = "RESOLUTO_WARM_IMPORTS"
+ENGINE_ENV = "RESOLUTO_WARM_ENGINE"
+ENGINE_MODULE = "prefect.engine"
+#: What ``python -m prefect.engine`` imports on its way to a flow run's first request, beyond
+#: ``prefect.main`` (measured from its ``sys.modules``): the flow engine, the client, the
+#: deployment pull steps and runner storage, the task runners and results, the events client.
+ENGINE_IMPORTS = (
+    "prefect.main",
+    "prefect.engine",
+    "prefect.flow_engine",
+    "prefect.flows",
+    "prefect.client.orchestration",
+    "prefect.deployments.steps.core",
+    "prefect.deployments.steps.pull",
+    "prefect.runner.storage",
+    "prefect.task_runners",
+    "prefect.task_engine",
+    "prefect.results",
+    "prefect.events.clients",
+    "prefect.events.worker",
+    "prefect.logging.handlers",
+    "prefect._internal.metrics",
+    "prefect.concurrency.v1.context",
+)
 
 
 def preimport(modules: "list[str]") -> None:
@@ -42,9 +71,48 @@ def preimport(modules: "list[str]") -> None:
             sys.modules.pop(name, None)
 
 
+def preimport_engine() -> None:
+    """Import the flow-run engine's modules now (before any flow run or credential exists);
+    one that fails is left for the engine to import, and report, itself."""
+    import importlib
+
+    for name in ENGINE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit):  # noqa: BLE001 - the engine's own import reports it
+            sys.modules.pop(name, None)
+
+
+def run_engine(argv: "list[str]") -> int:
+    """Become ``python -m prefect.engine <argv>`` in the environment and directory already
+    set: ``sys.path`` as ``-m`` and PYTHONPATH would have made it, Prefect's settings and
+    logging read again from this environment (they were read from the template's when
+    imported), then the module run as ``__main__``."""
+    import runpy
+
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:1] = [os.getcwd(), *extra]
+    prefect = sys.modules.get("prefect")
+    if prefect is not None:
+        import prefect.context
+        import prefect.logging.configuration
+
+        prefect.context.refresh_global_settings_context()
+        prefect.logging.configuration.setup_logging(incremental=False)
+        plugins = getattr(prefect, "_initialize_plugins", None)
+        if plugins is not None:  # what importing prefect runs when the settings enable plugins
+            plugins()
+    sys.argv = [ENGINE_MODULE, *argv]  # run_module puts the module's file first
+    runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
+    return 0
+
+
 def main() -> int:
+    engine = os.environ.pop(ENGINE_ENV, "") == "1"
     modules = [m for m in os.environ.pop(IMPORTS_ENV, "").split(",") if m]
-    if modules:
+    if engine:
+        preimport_engine()
+    elif modules:
         preimport(modules)
     print("resoluto warm: ready", flush=True)
     line = sys.stdin.readline()
@@ -60,6 +128,8 @@ def main() -> int:
     os.environ.update({str(k): str(v) for k, v in spec["env"].items()})
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
+    if engine:
+        return run_engine(list(spec["argv"]))
     sys.argv = [call.__file__, *spec["argv"]]
     return call.main(list(spec["argv"]))
 

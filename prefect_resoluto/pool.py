@@ -37,12 +37,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import NetworkRequest
 
 log = logging.getLogger("prefect_resoluto.pool")
 
@@ -63,6 +66,8 @@ SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
 RESTORE_WAIT = 1.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
 TEMPLATE_TIMEOUT = 300.0
+#: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
+RESTORED_READY_TIMEOUT = 60.0
 SLOT = "slot"
 GUEST_MODULE = "guest_runner.warm"
 
@@ -77,6 +82,9 @@ class PoolKey:
     #: Installed modules the call's interpreter pre-imports (:func:`imports_for`): the real
     #: Prefect's the task module names, and what the module's earlier nodes imported.
     imports: tuple[str, ...] = ()
+    #: A worker's flow run: the pre-started process imports Prefect's flow-run engine, and
+    #: the sandbox is laid out for the network it is restored into (:meth:`WarmPool.restore_for`).
+    engine: bool = False
 
 
 def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
@@ -215,8 +223,10 @@ class WarmSandbox:
         self.slot = None
 
     def assign(self, launch: LaunchSpec) -> SandboxHandle:
-        """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only."""
-        payload = json.dumps({"env": launch.env, "secret_env": launch.secret_env}, separators=(",", ":"))
+        """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only (with the
+        variables of the network it was restored into: its process has its template's)."""
+        env = {**launch.env, **self.runtime.network_env(self.handle)}
+        payload = json.dumps({"env": env, "secret_env": launch.secret_env}, separators=(",", ":"))
         self.runtime.assign(
             self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"}
         )
@@ -278,6 +288,9 @@ class WarmPool:
             self.snapshots.prune()
         #: Keys whose image could not be made or restored: their sandboxes boot.
         self._booting_only: set[PoolKey] = set()
+        #: Keys whose image is being made for restore_for, and the threads making them.
+        self._building: set[PoolKey] = set()
+        self._builders: list[threading.Thread] = []
 
     @property
     def enabled(self) -> bool:
@@ -352,6 +365,9 @@ class WarmPool:
             w.discard()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=30)
+        for builder in list(self._builders):  # a template being made sees _closed and stops
+            if builder is not threading.current_thread():
+                builder.join(timeout=30)
         with self._lock:  # one launched while we joined
             idle = [w for ws in self._idle.values() for w in ws]
             self._idle.clear()
@@ -496,11 +512,21 @@ class WarmPool:
                     return None
         return self._start(key)
 
-    def _start(self, key: PoolKey, *, image: Path | None = None, template: bool = False) -> WarmSandbox:
-        """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint."""
+    def _start(
+        self,
+        key: PoolKey,
+        *,
+        image: Path | None = None,
+        template: bool = False,
+        network: NetworkRequest | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> WarmSandbox:
+        """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint;
+        ``network``: the network of the node it is restored for (restore_for)."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
-        env = {"RESOLUTO_WARM_CALL": ("import:" + ",".join(key.imports)) if key.imports else "1"}
+        mode = "engine" if key.engine else ("import:" + ",".join(key.imports)) if key.imports else "1"
+        env = {"RESOLUTO_WARM_CALL": mode}
         env.update(self.conduit.guest_env())
         if image is not None or template:
             env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
@@ -510,10 +536,12 @@ class WarmPool:
             sandbox_id=sid,
             env=env,
             resources=key.resources,
-            labels=dict(self.labels),
+            labels={**self.labels, **(labels or {})},
             image=key.image,
             command=[self.python, "-m", GUEST_MODULE],
             hold_stdin=True,
+            network=network,
+            network_layout=key.engine,
             conduit_root=(state / sid) if slotted else None,
             conduit_subdir=SLOT if slotted else "",
         )
@@ -526,6 +554,69 @@ class WarmPool:
         else:
             handle = self.runtime.launch(spec)
         return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None, restored=image)
+
+    # -- restored on demand (a worker's flow runs) -----------------------------------------
+    def restore_for(
+        self, key: PoolKey, network: NetworkRequest | None, labels: dict[str, str]
+    ) -> tuple[WarmSandbox | None, str]:
+        """A sandbox of ``key`` restored now from the key's image into ``network`` (the node's
+        own, made for it: a network belongs to its run, so such a sandbox cannot wait ahead
+        of demand like the pool's), once it says it is ready; and the words for the log.
+        (None, why) when it cannot be: then the node boots. Without an image yet, the image
+        is made in the background meanwhile, for the key's next nodes."""
+        if self.snapshots is None or not self.enabled:
+            return None, f"booted (no snapshots: {self.why_not or 'turned off'})"
+        if key in self._booting_only:
+            return None, "booted (this kind's snapshot image could not be made or restored)"
+        try:
+            image = self.snapshots.usable(key)
+        except SnapshotError:  # corrupt: discarded with a warning; made again
+            image = None
+        if image is None:
+            self._build_in_background(key)
+            return None, "booted (its snapshot image is being made for the next ones)"
+        t0 = time.monotonic()
+        try:
+            w = self._start(key, image=image, network=network, labels=labels)
+        except Exception as e:
+            log.warning("could not restore a sandbox on %s: %s; booting one", self.runtime.name, e)
+            return None, f"booted (the restore failed: {e})"
+        deadline = t0 + RESTORED_READY_TIMEOUT
+        while not w.ready():
+            if not w.alive() or time.monotonic() > deadline or self._closed:
+                if w.alive():
+                    w.discard()
+                    return None, "booted (the restored sandbox was not ready in time)"
+                self._failed(w)  # an image whose sandboxes die before ready is discarded
+                return None, "booted (the restored sandbox ended before it was ready)"
+            with self._lock:
+                self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+        return w, f"restored sandbox {w.handle.id} from its snapshot in {time.monotonic() - t0:.2f} s"
+
+    def _build_in_background(self, key: PoolKey) -> None:
+        with self._lock:
+            if self._closed or key in self._building or key in self._booting_only:
+                return
+            self._building.add(key)
+            t = threading.Thread(target=self._build, args=(key,), name="resoluto-snapshot", daemon=True)
+            self._builders.append(t)
+        t.start()
+
+    def _build(self, key: PoolKey) -> None:
+        try:
+            self._make_image(key)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the key's sandboxes boot
+            log.warning(
+                "could not make a snapshot image on %s: %s; sandboxes of this kind boot",
+                self.runtime.name,
+                e,
+            )
+            with self._lock:
+                self._booting_only.add(key)
+        finally:
+            with self._lock:
+                self._building.discard(key)
+                self._builders = [t for t in self._builders if t is not threading.current_thread()]
 
     def _make_image(self, key: PoolKey) -> Path | None:
         """Boot ``key``'s template, checkpoint it where it waits for an assignment (no node

@@ -43,6 +43,7 @@ from prefect_resoluto.blocks import (
     SandboxBlock,
 )
 from prefect_resoluto.config import SandboxConfig
+from prefect_resoluto.flow_run_snapshots import FlowRunSnapshots
 from prefect_resoluto.flow_runs import (
     LABEL_WORK_POOL,
     LABEL_WORKER,
@@ -385,6 +386,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         self._instance = uuid.uuid4().hex[:16]
         self._live: dict[str, _Live] = {}
         self._runtimes: dict[str, Any] = {}  # one per runtime name: what the exit sweeps
+        self._snapshots = FlowRunSnapshots({LABEL_WORKER_INSTANCE: self._instance})
 
     async def run(
         self,
@@ -440,7 +442,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         def run_node() -> NodeOutcome:
             try:
-                return drive(spec, conduit, runtime, node)
+                warm, how = self._snapshots.take(spec, runtime, conduit)
+                if how:
+                    logger.info("flow run sandbox: %s", how)
+                return drive(spec, conduit, runtime, node, warm=warm)
             finally:
                 conduit.close()
 
@@ -704,6 +709,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             await super().teardown(*exc_info)
         finally:
             with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._snapshots.close)
                 await anyio.to_thread.run_sync(self._sweep_own)
 
     async def _let_finished_runs_exit(self) -> None:

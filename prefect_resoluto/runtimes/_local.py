@@ -188,7 +188,11 @@ class LocalChildRuntime(SandboxRuntime):
                     _NETWORKS[key] = request.run_id
             prep = self._prepare(spec, d, net)
             if net is not None:
-                prep.extra["egress"] = {"run_id": request.run_id if request else "", "netns": net.netns}
+                prep.extra["egress"] = {
+                    "run_id": request.run_id if request else "",
+                    "netns": net.netns,
+                    "env": dict(net.env),  # no secret: the proxy's address and the canary's targets
+                }
             argv, cgrouped = prep.argv, False
             if prep.host_limits:
                 argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
@@ -239,6 +243,11 @@ class LocalChildRuntime(SandboxRuntime):
         )
 
     supports_warm: ClassVar[bool] = True
+
+    def network_env(self, handle: SandboxHandle) -> dict[str, str]:
+        egress = handle.data.get("egress")
+        env = egress.get("env") if isinstance(egress, dict) else None
+        return {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
 
     def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
         key = (self.name, handle.id)

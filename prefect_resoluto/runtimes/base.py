@@ -238,6 +238,9 @@ class LaunchSpec:
     hold_stdin: bool = False
     #: Which node this sandbox runs and where its objects live (None: as ``env`` says).
     address: NodeAddress | None = None
+    #: Lay the sandbox out as one with a network (its resolver files bound) though it has
+    #: none: a snapshot template that is restored later into a sandbox that has one.
+    network_layout: bool = False
 
     @property
     def run_id(self) -> str:
@@ -400,6 +403,12 @@ class SandboxRuntime(ABC):
     def snapshot_fingerprint(self) -> str:
         """What an image depends on besides the guest (the runtime's version, flags, mounts)."""
         raise LaunchError(f"runtime {self.name!r} cannot restore sandboxes")
+
+    def network_env(self, handle: SandboxHandle) -> dict[str, str]:
+        """The variables the runtime gave ``handle``'s guest with its network (the proxy's
+        address): a restored guest kept its template's environment and gets them with its
+        assignment instead."""
+        return {}
 
     def prepare(self, conduit: Conduit, run_id: str) -> None:  # noqa: B027 - optional hook
         """Called before each launch of a run; runtimes that stage per-run material

@@ -30,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
+
+from prefect_resoluto.egress import SandboxNetwork
 
 from . import _cgroup, _local
 from ._host import (
@@ -52,9 +54,6 @@ from .base import (
     SandboxHandle,
     SandboxStatus,
 )
-
-if TYPE_CHECKING:
-    from prefect_resoluto.egress import SandboxNetwork
 
 LABEL_PREFIX = "io.resoluto.label/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -353,6 +352,11 @@ class GVisorRuntime(LocalChildRuntime):
         lay = guest_layout(spec, python=self.python, extra_ro=self.extra_ro_paths)
         if net is not None:
             add_network(lay, net, sandbox)
+        elif spec.network_layout:
+            # A template restored later in a namespace of its own: the same mounts as the
+            # sandbox it becomes (runsc restores into the mount points the image has); the
+            # interfaces come from that namespace, the files from that sandbox's directory.
+            add_network(lay, SandboxNetwork(netns="", gateway="", address=""), sandbox)
         bundle = sandbox / "bundle"
         rootfs = bundle / "rootfs"
         rootfs.mkdir(parents=True)

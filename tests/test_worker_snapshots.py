@@ -1,0 +1,148 @@
+"""A worker's flow runs on gVisor restored from a snapshot of Prefect's imported engine
+(prefect_resoluto/flow_run_snapshots.py), end to end: a real `prefect worker start`
+process, deployments on its pool, evidence from the API, the conduit, the image on disk
+and the runtime's own listing.
+
+The first flow run of a kind boots while its image is made; the runs after it are
+restored into a network made for them, and must behave as a booted one does: reach the
+run's API gateway and nothing else, see their own settings, secrets and ids, leave
+nothing behind -- and the image must hold nothing of any run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from polling import wait_for
+from test_worker import (
+    Worker,
+    create_pool,
+    deploy,
+    facts,
+    final_run,
+    gone,
+    logs_with,
+    needs_egress,
+    run_logs,
+    running_worker,
+    sandbox_ids,
+    schedule,
+    started,
+)
+
+from prefect_resoluto.egress import netns
+
+pytestmark = [pytest.mark.usefixtures("prefect"), needs_egress]
+GVISOR = {"runtime": "gvisor", "min_isolation": "user-kernel", "memory": "1Gi"}
+SECRET = "restored-secret-4410"
+
+
+@pytest.fixture(scope="module")
+def snapshot_worker(prefect_api: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker of its own (its own state directory: no image exists before its first run)."""
+    from prefect_resoluto.runtimes import get_runtime
+
+    if not get_runtime("gvisor").availability().ok:
+        pytest.skip("gVisor is not available here")
+    tmp = tmp_path_factory.mktemp("snapshot-worker")
+    with running_worker(create_pool(cli=False), tmp) as w:
+        yield w
+
+
+def engine_images(state: Path) -> list[Path]:
+    """Committed images of flow-run (engine) templates in the worker's gVisor state."""
+    root = state / "gvisor" / "snapshots"
+    found = []
+    for meta in root.glob("*/meta.json") if root.is_dir() else []:
+        try:
+            if json.loads(meta.read_text())["key"].get("engine"):
+                found.append(meta.parent)
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+def restored_run(worker: Worker, dep: str, **parameters: Any) -> Any:
+    """A run of ``dep`` once the kind's image exists: the first run boots and has it made."""
+    if not engine_images(worker.state_dir):
+        first = schedule(dep, marker="boots")
+        fr = final_run(first.id, worker)
+        assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
+        logs_with(first.id, "snapshot image is being made")
+        wait_for(
+            lambda: engine_images(worker.state_dir),
+            timeout=600,
+            what="the flow-run template's image",
+            max_delay=1.0,
+        )
+    return schedule(dep, **parameters)
+
+
+def test_a_flow_run_restored_from_the_engine_snapshot_runs_as_a_booted_one(
+    tmp_path: Path, snapshot_worker: Worker
+) -> None:
+    from prefect.blocks.system import Secret
+
+    worker = snapshot_worker
+    block_id = Secret(value={"WORKER_TEST_SECRET": "never-shown-7731"}).save(f"snap-{uuid.uuid4().hex[:6]}")
+    dep = deploy(
+        worker.pool,
+        "worker_flows.py:where_am_i",
+        tmp_path / "conduit",
+        secret_env_block={"$ref": {"block_document_id": str(block_id)}},
+        **GVISOR,
+    )
+    run = restored_run(worker, dep, marker="restored")
+    fr = final_run(run.id, worker)
+    assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
+    logs = logs_with(run.id, "restored sandbox")
+    f = facts(run.id)
+    # Its own ids, its own secret, the API through the run's gateway, gVisor's own stack.
+    assert f["run_id"] == str(run.id) and f["node_id"].startswith("flow-run-"), f
+    assert f["secret_seen"] is True, f
+    assert f["api_url"].startswith("http://prefect-api.resoluto.internal:"), f
+    assert "lo" in f["interfaces"] and len(f["interfaces"]) <= 2, f
+    (line,) = [m for m in logs if "restored sandbox" in m]
+    sandbox = line.split("restored sandbox ", 1)[1].split()[0]
+    assert all("never-shown-7731" not in m for m in run_logs(run.id))
+    assert "never-shown-7731" not in worker.output()
+    # Nothing left: the runtime's listing, runsc's containers, the sandbox's namespace.
+    wait_for(
+        lambda: sandbox_ids(worker.state_dir, "gvisor", run.id) == [],
+        timeout=60,
+        what="the restored run's sandbox to go",
+    )
+    from prefect_resoluto.runtimes import get_runtime
+
+    rt = get_runtime("gvisor", state_dir=worker.state_dir)
+    assert [c["id"] for c in rt.containers()] == [], rt.containers()  # type: ignore[attr-defined]
+    assert f"{netns.SANDBOX_PREFIX}{sandbox}" not in netns.list_namespaces()
+    # The image was made before any run it served: no run id, no node id, no secret in it.
+    (image,) = engine_images(worker.state_dir)
+    for p in image.iterdir():
+        data = p.read_bytes()
+        for needle in (str(run.id), f["node_id"], "never-shown-7731"):
+            assert needle.encode() not in data, f"{needle!r} found in {p}"
+
+
+def test_cancelling_a_restored_flow_run_destroys_its_sandbox(tmp_path: Path, snapshot_worker: Worker) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    worker = snapshot_worker
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **GVISOR)
+    run = restored_run(worker, dep, seconds=600)
+    started(run.id)
+    logs_with(run.id, "restored sandbox")
+    (sandbox,) = sandbox_ids(worker.state_dir, "gvisor", run.id)
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(run.id, Cancelling(), force=True)
+    fr = final_run(run.id, worker, timeout=120)
+    assert fr.state.is_cancelled(), fr.state
+    assert gone(worker.state_dir, "gvisor", sandbox, None), "the restored sandbox outlived the cancellation"
+    assert f"{netns.SANDBOX_PREFIX}{sandbox}" not in netns.list_namespaces()
