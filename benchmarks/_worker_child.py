@@ -54,12 +54,14 @@ def main() -> None:
             for v in variants:
                 pool = f"bench-{v}"
                 kind, _, runtime = v.partition("-")
-                runtime, direct = runtime.removesuffix("-direct"), runtime.endswith("-direct")
+                direct, booted = runtime.endswith("-direct"), runtime.endswith("-booted")
+                runtime = runtime.removesuffix("-direct").removesuffix("-booted")
                 _cli(api, "work-pool", "create", pool, "--type", kind)
                 deployments[v] = _deploy(pool, _job_variables(kind, runtime, work))
-                workers[v] = _start_worker(api, pool, work, direct=direct)
+                workers[v] = _start_worker(api, pool, work, direct=direct, booted=booted)
             for v in variants:  # warm-up: first imports, first sandbox state directories
                 _one(deployments[v])
+            images = _engine_images(work) if any("gvisor" in v for v in variants) else []
             samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
             for _ in range(args.n):
                 for v in variants:
@@ -72,7 +74,26 @@ def main() -> None:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    Path(args.out).write_text(json.dumps({"n": args.n, "samples": samples}))
+    Path(args.out).write_text(json.dumps({"n": args.n, "samples": samples, "images": images}))
+
+
+def _engine_images(work: Path, timeout: float = 900) -> list[dict[str, Any]]:
+    """The flow-run templates' images (made after the warm-up's first gVisor run), once
+    committed: the measured runs are then restored, as a worker's are from its second run."""
+    root = Path(_env("", work)["RESOLUTO_STATE_DIR"]) / "gvisor" / "snapshots"
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for meta in root.glob("*/meta.json") if root.is_dir() else []:
+            try:
+                m = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                continue
+            if m.get("key", {}).get("engine"):
+                found.append({k: m.get(k) for k in ("template_boot_s", "checkpoint_s", "bytes")})
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)  # the image is committed by the worker's background thread
 
 
 def _job_variables(kind: str, runtime: str, work: Path) -> dict[str, Any]:
@@ -112,13 +133,18 @@ def _cli(api: str, *args: str) -> None:
         raise RuntimeError(f"prefect {' '.join(args)} failed: {res.stdout}{res.stderr}")
 
 
-def _start_worker(api: str, pool: str, work: Path, *, direct: bool = False) -> subprocess.Popen[bytes]:
+def _start_worker(
+    api: str, pool: str, work: Path, *, direct: bool = False, booted: bool = False
+) -> subprocess.Popen[bytes]:
     """``direct``: the resoluto worker without its API gateway (the sandbox dials the API
-    through the egress forward with the worker's credential, as before issue 20)."""
+    through the egress forward with the worker's credential, as before issue 20);
+    ``booted``: every flow-run sandbox booted, none restored from a snapshot (before issue 24)."""
     log = open(work / f"{pool}.log", "wb")  # noqa: SIM115 - lives as long as the worker
     env = _env(api, work)
     if direct:
         env["RESOLUTO_UNSAFE_DIRECT_API"] = "1"
+    if booted:
+        env["RESOLUTO_WARM_SNAPSHOTS"] = "0"
     return subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
         env=env,
