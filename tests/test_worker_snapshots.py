@@ -84,7 +84,7 @@ def restored_run(worker: Worker, dep: str, **parameters: Any) -> Any:
 
 
 def test_a_flow_run_restored_from_the_engine_snapshot_runs_as_a_booted_one(
-    tmp_path: Path, snapshot_worker: Worker
+    gvisor: Any, tmp_path: Path, snapshot_worker: Worker
 ) -> None:
     from prefect.blocks.system import Secret
 
@@ -130,7 +130,9 @@ def test_a_flow_run_restored_from_the_engine_snapshot_runs_as_a_booted_one(
             assert needle.encode() not in data, f"{needle!r} found in {p}"
 
 
-def test_cancelling_a_restored_flow_run_destroys_its_sandbox(tmp_path: Path, snapshot_worker: Worker) -> None:
+def test_cancelling_a_restored_flow_run_destroys_its_sandbox(
+    gvisor: Any, tmp_path: Path, snapshot_worker: Worker
+) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
@@ -146,3 +148,29 @@ def test_cancelling_a_restored_flow_run_destroys_its_sandbox(tmp_path: Path, sna
     assert fr.state.is_cancelled(), fr.state
     assert gone(worker.state_dir, "gvisor", sandbox, None), "the restored sandbox outlived the cancellation"
     assert f"{netns.SANDBOX_PREFIX}{sandbox}" not in netns.list_namespaces()
+
+
+def test_stopping_the_worker_destroys_a_restored_run_and_leaves_only_the_image(
+    gvisor: Any, tmp_path: Path, snapshot_worker: Worker
+) -> None:
+    """Last in this module: it stops the module's worker."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_resoluto.runtimes import get_runtime
+
+    worker = snapshot_worker
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **GVISOR)
+    run = restored_run(worker, dep, seconds=600)
+    started(run.id)
+    logs_with(run.id, "restored sandbox")
+    (sandbox,) = sandbox_ids(worker.state_dir, "gvisor", run.id)
+    worker.stop()
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(run.id)
+    assert fr.state.is_crashed() and "worker stopped" in (fr.state.message or ""), fr.state
+    rt = get_runtime("gvisor", state_dir=worker.state_dir)
+    assert rt.list_ids() == [] and rt.containers() == [], worker.output()[-4000:]  # type: ignore[attr-defined]
+    assert f"{netns.SANDBOX_PREFIX}{sandbox}" not in netns.list_namespaces()
+    snapshots = worker.state_dir / "gvisor" / "snapshots"
+    assert [p.name for p in snapshots.iterdir() if p.name.startswith(".tmp-")] == []
+    assert engine_images(worker.state_dir), "the image outlives the worker: the next one restores from it"
