@@ -94,11 +94,11 @@ def run_engine(argv: "list[str]") -> int:
     sys.path[0:1] = [os.getcwd(), *extra]
     prefect = sys.modules.get("prefect")
     if prefect is not None:
-        import prefect.context
-        import prefect.logging.configuration
+        import importlib
 
-        prefect.context.refresh_global_settings_context()
-        prefect.logging.configuration.setup_logging(incremental=False)
+        # By name: the guest runner itself needs nothing but the standard library.
+        importlib.import_module("prefect.context").refresh_global_settings_context()
+        importlib.import_module("prefect.logging.configuration").setup_logging(incremental=False)
         plugins = getattr(prefect, "_initialize_plugins", None)
         if plugins is not None:  # what importing prefect runs when the settings enable plugins
             plugins()
