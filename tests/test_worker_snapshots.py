@@ -83,6 +83,16 @@ def restored_run(worker: Worker, dep: str, **parameters: Any) -> Any:
     return schedule(dep, **parameters)
 
 
+def restored_lingering_run(worker: Worker, tmp_path: Path) -> tuple[Any, str]:
+    """A restored run of a 600 s flow, started: (the run, its sandbox's id)."""
+    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **GVISOR)
+    run = restored_run(worker, dep, seconds=600)
+    started(run.id)
+    logs_with(run.id, "restored sandbox")
+    (sandbox,) = sandbox_ids(worker.state_dir, "gvisor", run.id)
+    return run, sandbox
+
+
 def test_a_flow_run_restored_from_the_engine_snapshot_runs_as_a_booted_one(
     gvisor: Any, tmp_path: Path, snapshot_worker: Worker
 ) -> None:
@@ -137,11 +147,7 @@ def test_cancelling_a_restored_flow_run_destroys_its_sandbox(
     from prefect.states import Cancelling
 
     worker = snapshot_worker
-    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **GVISOR)
-    run = restored_run(worker, dep, seconds=600)
-    started(run.id)
-    logs_with(run.id, "restored sandbox")
-    (sandbox,) = sandbox_ids(worker.state_dir, "gvisor", run.id)
+    run, sandbox = restored_lingering_run(worker, tmp_path)
     with get_client(sync_client=True) as c:
         c.set_flow_run_state(run.id, Cancelling(), force=True)
     fr = final_run(run.id, worker, timeout=120)
@@ -159,11 +165,7 @@ def test_stopping_the_worker_destroys_a_restored_run_and_leaves_only_the_image(
     from prefect_resoluto.runtimes import get_runtime
 
     worker = snapshot_worker
-    dep = deploy(worker.pool, "worker_flows.py:linger", tmp_path / "conduit", **GVISOR)
-    run = restored_run(worker, dep, seconds=600)
-    started(run.id)
-    logs_with(run.id, "restored sandbox")
-    (sandbox,) = sandbox_ids(worker.state_dir, "gvisor", run.id)
+    run, sandbox = restored_lingering_run(worker, tmp_path)
     worker.stop()
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(run.id)
