@@ -67,9 +67,9 @@ def _curl(prefix: list[str], url: str, extra: list[str]) -> tuple[float, int]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    why = netns.available()
-    if why:
-        raise RuntimeError(f"cannot build test namespaces here: {why}")
+    here = netns.available()
+    if not here.ok:
+        raise RuntimeError(f"cannot build test namespaces here: {here.why}")
     rt = get_runtime("gvisor")
     if not rt.availability().ok:
         raise RuntimeError(f"gVisor is not available: {rt.availability().why}")
