@@ -79,6 +79,19 @@ def _image_digest(d: Path) -> str:
     return h.hexdigest()
 
 
+def _files_state(d: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """Name, size, inode and modification time of each file of ``d``: what changes when a
+    file is rewritten or replaced."""
+    out = []
+    try:
+        for p in sorted(d.iterdir()):
+            st = p.stat()
+            out.append((p.name, st.st_size, st.st_ino, st.st_mtime_ns))
+    except OSError:
+        return ()
+    return tuple(out)
+
+
 def _key_text(key: Any) -> str:
     return json.dumps(dataclasses.asdict(key), sort_keys=True, default=str)
 
@@ -93,7 +106,9 @@ class Snapshots:
         self.python = python
         self.context = context
         self.root = Path(runtime.state) / DIR_NAME
-        self._checked: set[Path] = set()  # images whose digest was verified by this process
+        # Images whose digest this process verified, with what their files looked like then
+        # (a long-lived worker re-hashes only an image whose files changed since).
+        self._checked: dict[Path, tuple[tuple[str, int, int, int], ...]] = {}
 
     def _names(self, key: Any) -> tuple[str, str]:
         """(key hash, image hash) of ``key``'s current image."""
@@ -115,7 +130,7 @@ class Snapshots:
         d = self.path(key)
         if not d.is_dir():
             return None
-        if d in self._checked:
+        if self._checked.get(d) == _files_state(d):
             return d
         try:
             meta = json.loads((d / META_FILE).read_text())
@@ -124,7 +139,7 @@ class Snapshots:
         except (OSError, ValueError, SnapshotError) as e:
             self.discard(key, f"{e}")
             raise CorruptImage(f"the image {d} was corrupt") from e
-        self._checked.add(d)
+        self._checked[d] = _files_state(d)
         return d
 
     def new_dir(self) -> Path:
@@ -161,7 +176,7 @@ class Snapshots:
             if old != final:
                 log.info("removing stale warm-sandbox image %s (guest runner or settings changed)", old)
                 shutil.rmtree(old, ignore_errors=True)
-        self._checked.add(final)
+        self._checked[final] = _files_state(final)
         return final
 
     def discard(self, key: Any, why: str) -> None:
@@ -169,7 +184,7 @@ class Snapshots:
         log.warning(
             "discarding the warm-sandbox image %s: %s; warm sandboxes of this kind boot instead", d, why
         )
-        self._checked.discard(d)
+        self._checked.pop(d, None)
         shutil.rmtree(d, ignore_errors=True)
 
     def prune(self) -> None:

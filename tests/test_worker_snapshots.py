@@ -156,6 +156,47 @@ def test_cancelling_a_restored_flow_run_destroys_its_sandbox(
     assert f"{netns.SANDBOX_PREFIX}{sandbox}" not in netns.list_namespaces()
 
 
+def test_a_corrupt_engine_image_is_discarded_with_a_warning_the_run_boots_and_a_new_one_is_made(
+    gvisor: Any, tmp_path: Path, snapshot_worker: Worker
+) -> None:
+    worker = snapshot_worker
+    dep = deploy(worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit", **GVISOR)
+    first = restored_run(worker, dep, marker="before")  # an image exists from here on
+    assert final_run(first.id, worker).state.is_completed()
+    (image,) = engine_images(worker.state_dir)
+    pages = max((p for p in image.iterdir() if p.name != "meta.json"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:  # one byte of the image changed: its digest no longer matches
+        f.seek(pages.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    run = schedule(dep, marker="after-corruption")
+    fr = final_run(run.id, worker)
+    assert fr.state.is_completed(), (fr.state, worker.output()[-6000:])
+    logs_with(run.id, "booted (its snapshot image is being made")
+    assert f"discarding the warm-sandbox image {image}" in worker.output(), worker.output()[-4000:]
+    assert facts(run.id)["run_id"] == str(run.id)
+    wait_for(
+        lambda: (
+            engine_images(worker.state_dir)
+            and engine_images(worker.state_dir) != [image]
+            or (image.exists() and engine_images(worker.state_dir) == [image] and _intact(image))
+        ),
+        timeout=600,
+        what="a new image in place of the corrupt one",
+        max_delay=1.0,
+    )
+
+
+def _intact(image: Path) -> bool:
+    from prefect_resoluto.snapshots import _image_digest
+
+    try:
+        return json.loads((image / "meta.json").read_text())["sha256"] == _image_digest(image)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def test_stopping_the_worker_destroys_a_restored_run_and_leaves_only_the_image(
     gvisor: Any, tmp_path: Path, snapshot_worker: Worker
 ) -> None:
