@@ -53,12 +53,15 @@ class AuthServer:
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
-    """One server with an auth string and one worker on it for the whole module."""
+    """One server with an auth string and one worker on it for the whole module. The worker
+    makes no engine snapshots (RESOLUTO_WARM_SNAPSHOTS=0): the module's two gVisor runs
+    start together, so an image (~6-10 s of CPU in the background) would never be used;
+    restored runs are tests/test_worker_snapshots.py's."""
     tmp = tmp_path_factory.mktemp("gateway")
     auth = AUTH_PREFIX + secrets.token_hex(16)
     with prefect_server(tmp, auth_string=auth) as url:
         pool = create_pool(cli=False)
-        with running_worker(pool, tmp) as worker:
+        with running_worker(pool, tmp, RESOLUTO_WARM_SNAPSHOTS="0") as worker:
             yield AuthServer(url, auth, tmp, worker)
 
 

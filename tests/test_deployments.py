@@ -1,4 +1,9 @@
-"""Blocks and deployments: what a scheduled deployment on a real Prefect API does."""
+"""Blocks and deployments: what a scheduled deployment on a real Prefect API does.
+
+Prefect glue, on the `process` runtime, the cheapest real one that shows it (issue 21): the
+served deployment's tasks and a saved block's runner. A cancelled served run's gVisor
+sandboxes (warm ones too) going is tests/test_pool_runner.py's.
+"""
 
 from __future__ import annotations
 
@@ -55,10 +60,11 @@ def test_blocks_register_from_the_cli_and_by_entry_point():
             assert c.read_block_type_by_slug(slug).slug == slug
 
 
-def test_a_saved_sandbox_block_configures_the_runner_and_masks_secrets(gvisor, tmp_path):
+def test_a_saved_sandbox_block_configures_the_runner_and_masks_secrets(tmp_path):
     conduit_dir = tmp_path / "conduit"
     SandboxBlock(
-        runtime="gvisor",
+        runtime="process",
+        min_isolation="none",
         env={"GREETING": "from-the-block"},
         secret_env={"API_TOKEN": "block-secret-123456"},
         conduit=LocalConduitBlock(path=str(conduit_dir)),
@@ -169,10 +175,13 @@ class Served:
 @pytest.fixture(scope="module")
 def served(prefect_api: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """One served process for the module's tests (starting one costs more than a run): each
-    test makes its own deployment run and reads back only that run's nodes and sandboxes."""
+    test makes its own deployment run and reads back only that run's nodes and sandboxes.
+    Its tasks run on `process` (Prefect glue; the module's docstring)."""
     tmp = tmp_path_factory.mktemp("served")
     conduit, state_dir = tmp / "conduit", tmp / "state"
-    server, deployment = serve(tmp, conduit, RESOLUTO_STATE_DIR=str(state_dir))
+    server, deployment = serve(
+        tmp, conduit, RESOLUTO_STATE_DIR=str(state_dir), RESOLUTO_TEST_RUNTIME="process"
+    )
     try:
         yield Served(server, deployment, conduit, state_dir, tmp / "served.log")
     finally:
@@ -180,18 +189,18 @@ def served(prefect_api: None, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def run_sandboxes(state_dir: Path, run_id: Any) -> set[str]:
-    """The gVisor runtime's sandboxes of one flow run (by the run label every node carries)."""
-    return {r.id for r in records(state_dir / "gvisor") if r.labels.get(LABEL_RUN) == str(run_id)}
+    """The process runtime's sandboxes of one flow run (by the run label every node carries)."""
+    return {r.id for r in records(state_dir / "process") if r.labels.get(LABEL_RUN) == str(run_id)}
 
 
-def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, served):
+def test_cancelling_a_deployment_run_destroys_its_sandboxes(served):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
     assert served.server.poll() is None, served.output()
-    rt = get_runtime("gvisor", state_dir=served.state_dir)
+    rt = get_runtime("process", state_dir=served.state_dir)
     run = run_deployment(
         "served-sandboxed/every-few-seconds", parameters={"count": 2, "linger": 300}, timeout=0
     )
@@ -213,13 +222,13 @@ def test_cancelling_a_deployment_run_destroys_its_sandboxes(gvisor, served):
     assert fr.state.type == StateType.CANCELLED, fr.state
 
     def reaped() -> bool:  # the flow-run process reaps on its way out
-        return not (sandboxes & (set(rt.list_ids()) | {c["id"] for c in rt.containers()}))
+        return not (sandboxes & set(rt.list_ids()))
 
     wait_for(reaped, timeout=90, what="the cancelled run's sandboxes to go")
     assert not run_sandboxes(served.state_dir, run.id)
 
 
-def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(gvisor, served):
+def test_served_deployment_with_a_schedule_runs_its_tasks_in_sandboxes(served):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 

@@ -1,8 +1,8 @@
 """Drop-in fidelity: a sandboxed task behaves like the same task under ThreadPoolTaskRunner.
 
-Every test runs against a real Prefect API; sandboxed tasks run on gVisor (tests about
-Prefect glue alone say so). Where it makes sense, the same flow also runs under
-Prefect's own ThreadPoolTaskRunner and the two are compared.
+Every test runs against a real Prefect API; sandboxed tasks run on gVisor, except those
+about Prefect glue alone, on the `process` runtime (each says so). Where it makes sense,
+the same flow also runs under Prefect's own ThreadPoolTaskRunner and the two are compared.
 """
 
 from __future__ import annotations
@@ -178,8 +178,12 @@ def _exception_flow(task_runner):
     return exceptions
 
 
-def test_exceptions_keep_their_type_and_the_remote_traceback(gvisor, conduit, tmp_path):
-    state = _exception_flow(runner(conduit, tmp_path))(return_state=True)
+def test_exceptions_keep_their_type_and_the_remote_traceback(conduit, tmp_path):
+    # Prefect glue (exceptions rebuilt from the call protocol, the same out of any sandbox): on
+    # `process` (issue 21); a gVisor task's traceback is test_task_runner.py's and the next one's.
+    state = _exception_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))(
+        return_state=True
+    )
     out = state.result()
     ve = out["value_error"]
     assert isinstance(ve, ValueError) and isinstance(ve, RemoteTaskError)
@@ -233,8 +237,11 @@ def _crash_flow(task_runner):
     return crashing
 
 
-def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(gvisor, conduit, tmp_path):
-    sandboxed = _crash_flow(runner(conduit, tmp_path))(return_state=True)
+def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(conduit, tmp_path):
+    # Prefect glue (the task run's states, as under threads): on `process` (issue 21).
+    sandboxed = _crash_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))(
+        return_state=True
+    )
     threaded = _crash_flow(ThreadPoolTaskRunner())(return_state=True)
     assert sandboxed.is_completed() and threaded.is_completed()
     assert sandboxed.result() == threaded.result() == ["KeyboardInterrupt", "SystemExit", "SystemExit"]
@@ -460,10 +467,9 @@ def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
 
 
 # -- 10: artifacts ---------------------------------------------------------------------------------
-def test_each_node_artifact_tells_attempts_apart_and_the_flow_run_has_one_keyed_table(
-    gvisor, conduit, tmp_path
-):
-    @flow(task_runner=runner(conduit, tmp_path))
+def test_each_node_artifact_tells_attempts_apart_and_the_flow_run_has_one_keyed_table(conduit, tmp_path):
+    # Prefect glue (artifacts per attempt): on `process` (issue 21).
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none"))
     def retrying():
         return sf.fail_on_first_attempt.submit().result()
 
@@ -572,11 +578,13 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
 
 
 # -- Prefect's own generic task-runner checks, on a sandboxed runner ----------------------------------
-def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(gvisor, conduit, tmp_path):
+def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(conduit, tmp_path):
     """As Prefect's ThreadPoolTaskRunner tests drive a runner: entered directly, tasks
-    submitted with a parameters dict, tags from the submitting context."""
+    submitted with a parameters dict, tags from the submitting context. Prefect glue alone:
+    on the `process` runtime (issue 21)."""
+    sandboxed = runner(conduit, tmp_path, runtime="process", min_isolation="none")
     results = {}
-    for name, task_runner in (("threads", ThreadPoolTaskRunner()), ("sandbox", runner(conduit, tmp_path))):
+    for name, task_runner in (("threads", ThreadPoolTaskRunner()), ("sandbox", sandboxed)):
         with task_runner as r:
             plain = r.submit(sf.square, {"x": 3})
             with tags("tag1"):

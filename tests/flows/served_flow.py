@@ -1,7 +1,8 @@
 """A flow served as a deployment with a schedule; its tasks run in sandboxes.
 
 Run by tests/test_deployments.py as a separate process (like `python served_flow.py`
-on a real host): RESOLUTO_TEST_CONDUIT and RESOLUTO_TEST_INTERVAL configure it.
+on a real host): RESOLUTO_TEST_CONDUIT, RESOLUTO_TEST_INTERVAL, RESOLUTO_TEST_RUNTIME
+(default gvisor) and RESOLUTO_TEST_WARM_POOL configure it.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ def _warm_pool() -> int | None:
     return int(value) if value else None
 
 
+RUNTIME = os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor")
+
+
 @flow(
     name="served-sandboxed",
     task_runner=ResolutoTaskRunner(
-        runtime=os.environ.get("RESOLUTO_TEST_RUNTIME", "gvisor"),
+        runtime=RUNTIME,
         conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
         workspace=Path(__file__).parent,
         warm_pool=_warm_pool(),
+        # `process` isolates nothing: asked for by a test about Prefect glue, it is meant
+        **({"min_isolation": "none"} if RUNTIME == "process" else {}),
     ),
 )
 def served_sandboxed(count: int = 2, linger: float = 0.0) -> list[str]:
