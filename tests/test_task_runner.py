@@ -11,6 +11,7 @@ failure). Each says which.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 import traceback
@@ -119,7 +120,8 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
         if r.name.startswith("square"):
             msgs = [log.message for log in logs_of(r.id) if log.name == "prefect.task_runs"]
             assert any(m.startswith("squaring ") for m in msgs), msgs  # a print: the flow logs prints
-            assert any(m.startswith("ran in a cold process sandbox in ") for m in msgs), msgs
+            # Warm or cold: the process runtime's pool may have one ready for the first squares.
+            assert any(re.match(r"ran in a (warm|cold) process sandbox in ", m) for m in msgs), msgs
     no_orphans("process")
 
 
@@ -473,27 +475,38 @@ def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
     import sys
 
     state = tmp_path / "state"
-    env = flow_child_env(tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, str(FLOWS / "interruptible_flow.py")],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log_path = tmp_path / "flow.log"
+    # A hang is dumped, not just timed out: SIGABRT makes faulthandler print every thread's stack.
+    env = flow_child_env(tmp_path, PYTHONFAULTHANDLER="1")
+    with open(log_path, "wb") as log:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen(
+            [sys.executable, str(FLOWS / "interruptible_flow.py")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     rt = get_runtime("gvisor", state_dir=state)
 
     def started() -> bool:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert proc.poll() is None, log_path.read_text(errors="replace")
         return len(rt.list_ids()) >= 2
 
     try:
         wait_for(started, timeout=120, what="the flow's two sandboxes to start")
         proc.send_signal(signal.SIGINT)
-        # A hang detector, scaled to the load: Prefect's crash-and-drain exit of the flow.
-        proc.wait(timeout=scaled(90))
+        try:
+            # A hang detector, scaled to the load: Prefect's crash-and-drain exit of the flow.
+            proc.wait(timeout=scaled(90))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=60)
+            pytest.fail(
+                "the flow did not exit after Ctrl-C; its output and threads:\n"
+                + log_path.read_text(errors="replace")[-20000:]
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = proc.stdout.read() if proc.stdout else ""
+            proc.wait()
+    out = log_path.read_text(errors="replace")
     assert rt.list_ids() == [] and rt.containers() == [], out[-4000:]
