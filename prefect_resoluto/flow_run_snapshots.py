@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any
 
 from guest_runner.conduit import Conduit
 from prefect_resoluto.node_spec import NodeSpec, launch_spec
@@ -82,8 +81,3 @@ class FlowRunSnapshots:
             self._pools.clear()
         for pool in pools:
             pool.close()
-
-    def pools(self) -> list[Any]:
-        """The pools in use (tests)."""
-        with self._lock:
-            return list(self._pools.values())

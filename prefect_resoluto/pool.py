@@ -497,14 +497,7 @@ class WarmPool:
                 if image is None:
                     image = self._make_image(key)
             except (SnapshotError, OSError) as e:
-                if not isinstance(e, CorruptImage):
-                    log.warning(
-                        "could not make a warm-sandbox image on %s: %s; warm sandboxes of this kind boot",
-                        self.runtime.name,
-                        e,
-                    )
-                with self._lock:
-                    self._booting_only.add(key)
+                self._no_image(key, None if isinstance(e, CorruptImage) else e)
             else:
                 if image is not None:
                     return self._start(key, image=image)
@@ -606,17 +599,23 @@ class WarmPool:
         try:
             self._make_image(key)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the key's sandboxes boot
-            log.warning(
-                "could not make a snapshot image on %s: %s; sandboxes of this kind boot",
-                self.runtime.name,
-                e,
-            )
-            with self._lock:
-                self._booting_only.add(key)
+            self._no_image(key, e)
         finally:
             with self._lock:
                 self._building.discard(key)
                 self._builders = [t for t in self._builders if t is not threading.current_thread()]
+
+    def _no_image(self, key: PoolKey, e: BaseException | None) -> None:
+        """``key``'s image could not be made (``e``, warned here) or was corrupt (None: the
+        discard warned already): its sandboxes boot from now on."""
+        if e is not None:
+            log.warning(
+                "could not make a warm-sandbox image on %s: %s; sandboxes of this kind boot",
+                self.runtime.name,
+                e,
+            )
+        with self._lock:
+            self._booting_only.add(key)
 
     def _make_image(self, key: PoolKey) -> Path | None:
         """Boot ``key``'s template, checkpoint it where it waits for an assignment (no node
