@@ -128,6 +128,10 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "NO_PROXY": "127.0.0.1,localhost",
             "no_proxy": "127.0.0.1,localhost",
             "AWS_EC2_METADATA_DISABLED": "true",
+            # A child's ephemeral Prefect server migrates a fresh database first; Prefect's
+            # 20 s default is its typical start on a quiet 2-core machine, so a loaded run
+            # timed out before any figure (the flow figure, twice).
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         }
     )
     env.update(extra or {})

@@ -100,8 +100,6 @@ def api_child(seconds: float) -> dict[str, Any]:
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_UI_ENABLED": "false",
                 "PREFECT_LOGGING_LEVEL": "WARNING",
-                # its 20 s default is too short on this machine under load
-                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
             }
         )
         log(

@@ -19,6 +19,15 @@ def api_url() -> str:
     return str(PREFECT_API_URL.value())
 
 
+def api_http(**kw: Any) -> Any:
+    """An HTTP client for raw API requests that, like Prefect's own client, retries what the
+    server answers 503 (SQLite busy under a loaded suite: "Service Unavailable", retryable)
+    and 429/502. A raw ``httpx`` call failed a CI run on one such 503."""
+    from prefect.client.base import PrefectHttpxSyncClient
+
+    return PrefectHttpxSyncClient(timeout=30, trust_env=False, raise_on_all_errors=False, **kw)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child, without pytest's variables, on the current API
     (with its auth string, when the current API has one)."""

@@ -16,9 +16,8 @@ import re
 import uuid
 from typing import Any
 
-import httpx
 import pytest
-from prefect_cli import api_url, prefect_cli
+from prefect_cli import api_http, api_url, prefect_cli
 from pydantic import SecretStr
 
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
@@ -27,7 +26,8 @@ pytestmark = pytest.mark.usefixtures("prefect")
 
 
 def _api(method: str, path: str, **kw: Any) -> Any:
-    r = httpx.request(method, api_url().rstrip("/") + path, timeout=30, **kw)
+    with api_http() as http:
+        r = http.request(method, api_url().rstrip("/") + path, **kw)
     r.raise_for_status()
     return r.json() if r.content else None
 
