@@ -10,7 +10,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefect.client.base import PrefectHttpxSyncClient
 
 
 def api_url() -> str:
@@ -19,13 +22,13 @@ def api_url() -> str:
     return str(PREFECT_API_URL.value())
 
 
-def api_http(**kw: Any) -> Any:
+def api_http() -> PrefectHttpxSyncClient:
     """An HTTP client for raw API requests that, like Prefect's own client, retries what the
     server answers 503 (SQLite busy under a loaded suite: "Service Unavailable", retryable)
     and 429/502. A raw ``httpx`` call failed a CI run on one such 503."""
     from prefect.client.base import PrefectHttpxSyncClient
 
-    return PrefectHttpxSyncClient(timeout=30, trust_env=False, raise_on_all_errors=False, **kw)
+    return PrefectHttpxSyncClient(timeout=30, trust_env=False, raise_on_all_errors=False)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

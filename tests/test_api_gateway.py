@@ -393,15 +393,20 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
         cases.append(("GET", "folded", None, "path"))
         assert gw.refused == len(cases)
         # what the run does need passes: itself, its own logs, its pool without the pool's defaults
-        api = api_http()  # what reaches Prefect may meet its retryable 503
-        assert api.get(f"{base}/flow_runs/{own.id}", headers=h).status_code == 200
-        pool = api.get(f"{base}/work_pools/{server.worker.pool}", headers=h).json()
-        assert pool["name"] == server.worker.pool and pool["base_job_template"] == {}, pool
-        log = [
-            {"name": "t", "level": 20, "message": "own line", "timestamp": now, "flow_run_id": str(own.id)}
-        ]
-        assert api.post(f"{base}/logs/", headers=h, json=log).status_code == 201
-        api.close()
+        with api_http() as api:  # what reaches Prefect may meet its retryable 503
+            assert api.get(f"{base}/flow_runs/{own.id}", headers=h).status_code == 200
+            pool = api.get(f"{base}/work_pools/{server.worker.pool}", headers=h).json()
+            assert pool["name"] == server.worker.pool and pool["base_job_template"] == {}, pool
+            log = [
+                {
+                    "name": "t",
+                    "level": 20,
+                    "message": "own line",
+                    "timestamp": now,
+                    "flow_run_id": str(own.id),
+                }
+            ]
+            assert api.post(f"{base}/logs/", headers=h, json=log).status_code == 201
     warnings = wait_for(
         lambda: (w := _logs_named(own.id, LOGGER_NAME)) and len(w) >= len(cases) and w,
         timeout=60,

@@ -7,12 +7,13 @@ machine (``MYPY_CACHE``), so a warm run only re-checks what changed.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from prefect_resoluto.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,11 +50,11 @@ def check(*argv: str) -> None:
         pytest.fail(f"`{' '.join(argv)}` exited {proc.returncode}:\n{output.strip()}", pytrace=False)
 
 
-#: mypy's cache lives per machine, like the control plane's build: most of a cold strict run
+#: mypy's cache lives per machine, in prefect-resoluto's cache root like the control plane's build: most of a cold strict run
 #: (a minute and a half of CPU) is Prefect's own typed sources, the same for every clone. mypy
 #: takes a cached module whose path or mtime differ once its source hash matches, and writes
 #: each cache file atomically, so clones and parallel runs share it safely.
-MYPY_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefect-resoluto" / "mypy"
+MYPY_CACHE = cache_dir() / "mypy"
 MYPY_STRICT = ("mypy", "--cache-dir", str(MYPY_CACHE))
 
 
