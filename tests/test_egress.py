@@ -451,6 +451,55 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     assert testnet.hits.seen == hits_before  # no connection reached any test host
 
 
+def test_an_address_the_dialling_namespace_gains_after_start_is_refused(testnet: egress_net.TestNet) -> None:
+    """Issue 33, finding 2: the proxy took the host's addresses once, at start. An address
+    gained later (DHCP, a VPN, an IPv6 privacy address) was dialled for an allowlisted name
+    whose DNS the attacker controls, and a service on the host's 0.0.0.0 answered. Now the
+    dialling namespace's kernel is asked at dial time."""
+    late = "198.18.0.50"
+    resolve = {**testnet.resolve, "late.example.test": late}
+    req = egress.network_request(
+        "run-late", "n1", egress=["late.example.test", "api.example.test"], resolve=resolve
+    )
+    assert req is not None
+    events: list[dict[str, Any]] = []
+    egress.listen("run-late", "n1", events.append)
+    sid = f"rsl-late-{_OURS}"
+    net = egress.attach(req, sid)
+    added = False
+    try:
+
+        def curl(url: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                ["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS", "--cacert", str(testnet.cert)]
+                + ["-x", f"http://{net.gateway}:3128", url],
+                capture_output=True,
+                text=True,
+                timeout=scaled(30),
+            )
+
+        # After the proxy started, its dialling namespace (the test's uplink, whose lo is
+        # served by listeners on 0.0.0.0:80 and :443) gains an address.
+        egress_net._ip("-n", testnet.uplink, "addr", "add", f"{late}/32", "dev", "lo")
+        added = True
+        loop_before = list(testnet.loop_hits.seen)
+        plain, tls = curl("http://late.example.test/late"), curl("https://late.example.test/late")
+        assert "hello" not in plain.stdout + tls.stdout and "egress refused" in plain.stdout, plain
+        assert "403" in tls.stderr, tls.stderr
+        # A name pinned to a test host (not local) still goes through.
+        assert f"hello from {egress_net.HOST}" in curl("http://api.example.test/still").stdout
+    finally:
+        if added:
+            egress_net._ip("-n", testnet.uplink, "addr", "del", f"{late}/32", "dev", "lo")
+        egress.detach("run-late", sid)
+        egress.unlisten("run-late", "n1")
+    assert testnet.loop_hits.seen == loop_before  # nothing reached the new address
+    refused = [d for d in decisions(events, "refused") if d["host"] == "late.example.test"]
+    assert len(refused) == 2 and all(
+        d["reason"] == f"resolves to a private address ({late}: an address of this host)" for d in refused
+    ), refused
+
+
 def test_guest_root_cannot_rewrite_its_dns_or_routes(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:

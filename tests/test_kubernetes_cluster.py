@@ -282,6 +282,31 @@ def test_rendered_objects_pass_the_real_servers_validation(k8s_cluster: Cluster,
     assert r.status == 422 and b"must be a strict subset" in r.data
 
 
+@pytest.mark.parametrize("dns_cidr", [None, "0.0.0.0/0,::/0", "10.96.0.10,169.254.20.10"])
+def test_the_dns_rule_is_stored_as_rendered(k8s_cluster: Cluster, k8s_ns: str, dns_cidr: str | None) -> None:
+    """Issue 33, finding 1: the real API server accepts the resolver-only DNS rule (and a
+    named block with its private ranges excepted) and stores exactly that: no 0.0.0.0/0."""
+    from kubernetes.client import ApiClient
+
+    rt = make_runtime(k8s_cluster, k8s_ns, dns_cidr=dns_cidr)
+    tag = uuid.uuid4().hex[:8]
+    sent = rt.manifests(make_spec(), name=f"rsl-dns-{tag}", token=tag * 4).network_policy
+    api = net(k8s_cluster)
+    api.create_namespaced_network_policy(k8s_ns, sent)
+    stored = ApiClient().sanitize_for_serialization(
+        api.read_namespaced_network_policy(sent["metadata"]["name"], k8s_ns)
+    )
+    assert stored["spec"]["egress"] == sent["spec"]["egress"]
+    dns = stored["spec"]["egress"][0]
+    assert dns["ports"][0] == {"protocol": "UDP", "port": 53}
+    blocks = [p["ipBlock"] for p in dns["to"] if "ipBlock" in p]
+    if dns_cidr is None:
+        assert blocks == []
+    for block in blocks:
+        if block["cidr"] == "0.0.0.0/0":
+            assert {"10.0.0.0/8", "100.64.0.0/10", "169.254.0.0/16"} <= set(block["except"])
+
+
 ROLE_DOC = ROOT / "docs" / "backends.md"
 
 

@@ -17,6 +17,7 @@ from prefect_resoluto.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256
 from prefect_resoluto.runtimes._sts import session_policy
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec, Resources
 from prefect_resoluto.runtimes.kubernetes.manifests import (
+    NON_PUBLIC_V4,
     PodSettings,
     build_manifests,
     egress_rules,
@@ -122,8 +123,8 @@ def test_egress_never_reaches_the_metadata_address() -> None:
     }
     with pytest.raises(LaunchError, match="cloud metadata endpoint"):
         ip_block(ipaddress.ip_network("169.254.169.254/32"))
-    rules = egress_rules(["10.1.0.0/16:5432"], STORE, 9000, "0.0.0.0/0")
-    assert rules[0]["to"][1]["ipBlock"] == {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}
+    rules = egress_rules(["10.1.0.0/16:5432"], STORE, 9000, "169.254.0.0/16")
+    assert rules[0]["to"][2]["ipBlock"] == {"cidr": "169.254.0.0/16", "except": ["169.254.169.254/32"]}
     assert rules[1] == {
         "to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}],
         "ports": [{"protocol": "TCP", "port": 9000}],
@@ -132,6 +133,85 @@ def test_egress_never_reaches_the_metadata_address() -> None:
         "to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}],
         "ports": [{"protocol": "TCP", "port": 5432}],
     }
+
+
+def admits(rules: list[dict[str, Any]], address: str, port: int, protocol: str) -> bool:
+    """Whether a rendered egress rule lets a packet to ``address:port`` leave the pod by
+    address (an ``ipBlock``), as a NetworkPolicy implementation judges it."""
+    ip = ipaddress.ip_address(address)
+    for rule in rules:
+        if not any(p["port"] == port and p["protocol"] == protocol for p in rule.get("ports", [])):
+            continue
+        for peer in rule["to"]:
+            block = peer.get("ipBlock")
+            if block is None:
+                continue  # a pod selector admits those pods, never an arbitrary address
+            net = ipaddress.ip_network(block["cidr"])
+            if ip.version == net.version and ip in net:
+                if not any(ip in ipaddress.ip_network(e) for e in block.get("except", [])):
+                    return True
+    return False
+
+
+OUTSIDE = (
+    "8.8.8.8",  # any internet host: a two-way TCP channel on port 53
+    "10.0.0.53",  # RFC 1918 (an internal DNS server to zone-transfer)
+    "172.16.0.53",
+    "192.168.1.53",
+    "100.100.100.200",  # CGNAT: a cloud's metadata DNS
+    "169.254.169.254",  # the metadata endpoint
+    "169.254.20.10",  # link-local
+    "127.0.0.53",
+    "fd00:ec2::254",
+    "fe80::53",
+    "2001:4860:4860::8888",
+)
+
+
+def test_dns_goes_only_to_the_clusters_resolver_by_default() -> None:
+    """Issue 33, finding 1: with no egress at all the policy opened TCP and UDP 53 to
+    0.0.0.0/0. By default port 53 goes to the resolver pods only: no address at all."""
+    m = build()
+    rules = m.network_policy["spec"]["egress"]
+    dns = rules[0]
+    assert dns["ports"] == [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        },
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "node-local-dns"}},
+        },
+    ]
+    for address in OUTSIDE:
+        for proto in ("UDP", "TCP"):
+            assert not admits(rules, address, 53, proto), (address, proto)
+    # Nothing but the store (its port) leaves by address.
+    assert [r for r in rules if any("ipBlock" in p for p in r["to"])] == [rules[1]]
+
+
+def test_a_named_dns_block_never_holds_private_cgnat_link_local_or_metadata() -> None:
+    """An operator's wide block (here the whole internet) admits public resolvers only;
+    a private resolver is reached when named itself (the DNS Service IP, NodeLocal DNS)."""
+    wide = build(settings=PodSettings(namespace="sandboxes", runtime_class="kata", dns_cidr="0.0.0.0/0,::/0"))
+    rules = wide.network_policy["spec"]["egress"]
+    assert admits(rules, "8.8.8.8", 53, "UDP") and admits(rules, "2001:4860:4860::8888", 53, "TCP")
+    assert not admits(rules, "8.8.8.8", 443, "TCP")
+    for address in OUTSIDE[1:-1]:
+        assert not admits(rules, address, 53, "UDP"), address
+    v4 = rules[0]["to"][2]["ipBlock"]
+    assert v4["cidr"] == "0.0.0.0/0" and set(v4["except"]) == {str(n) for n in NON_PUBLIC_V4}
+    named = build(
+        settings=PodSettings(
+            namespace="sandboxes", runtime_class="kata", dns_cidr="10.96.0.10, 169.254.0.0/16"
+        )
+    ).network_policy["spec"]["egress"]
+    assert admits(named, "10.96.0.10", 53, "UDP") and admits(named, "169.254.20.10", 53, "UDP")
+    assert not admits(named, "10.96.0.11", 53, "UDP") and not admits(named, "169.254.169.254", 53, "UDP")
+    with pytest.raises(LaunchError, match="dns_cidr 'kube-dns' is not an IP address"):
+        egress_rules([], STORE, 9000, "kube-dns")
 
 
 def stored(pod: dict[str, Any]) -> Any:

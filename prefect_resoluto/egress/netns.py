@@ -16,6 +16,7 @@ gone, and only those: never a namespace this module did not create.
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
 import json
 import os
@@ -112,6 +113,48 @@ def socket_in(
     """A socket that lives in namespace ``name`` however it is used afterwards."""
     with entered(name):
         return socket.socket(family, kind)
+
+
+def is_local(name: str | None, address: str) -> bool:
+    """Whether ``address`` is one of namespace ``name``'s own addresses *now* (None: the
+    host's), as its kernel judges it: binding a socket to an address succeeds only for a
+    local one (``EADDRNOTAVAIL`` otherwise). An address gained after start (DHCP, a VPN,
+    an IPv6 privacy address) is local from that moment. Where the namespace lets any
+    address be bound (``ip_nonlocal_bind``) this cannot tell, and says False: the caller's
+    check of the connected socket (:func:`connected_to_self`) still holds there."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with entered(name):
+        if _nonlocal_bind(family):
+            return False
+        s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((address, 0))
+    except OSError as e:
+        # Anything but "not an address of mine" is a doubt, and a doubt refuses.
+        return e.errno != errno.EADDRNOTAVAIL
+    finally:
+        s.close()
+    return True
+
+
+def _nonlocal_bind(family: int) -> bool:
+    """``net.ipv{4,6}.ip_nonlocal_bind`` of the calling thread's namespace (read in it)."""
+    path = f"/proc/sys/net/{'ipv6' if family == socket.AF_INET6 else 'ipv4'}/ip_nonlocal_bind"
+    try:
+        with open(path) as f:
+            return f.read().strip() != "0"
+    except OSError:
+        return family == socket.AF_INET  # no IPv6 in the namespace: nothing binds there anyway
+
+
+def connected_to_self(s: socket.socket) -> bool:
+    """Whether a connected socket reached its own namespace: the kernel picks the
+    destination itself as the source of a connection to a local address (race free, and
+    true whatever ``ip_nonlocal_bind`` says)."""
+    try:
+        return bool(s.getsockname()[0] == s.getpeername()[0])
+    except OSError:
+        return True
 
 
 def addresses(name: str | None = None) -> set[str]:

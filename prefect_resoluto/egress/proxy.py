@@ -19,7 +19,9 @@ anything is matched: the admission is the ``CONNECT`` authority, the absolute-fo
 body (by ``Content-Length`` or chunked framing) are relayed, ``Connection: close`` is
 sent upstream, and anything the client sends after that is refused, not relayed. Names
 are resolved here (``egress_resolve`` first), and the address about to be dialled is
-checked against :func:`.ranges.refusal` — the name's allowlisting never exempts it. Only
+checked against :func:`.ranges.refusal` and, at that moment, against the dialling
+namespace's own addresses (:func:`.netns.is_local`, then the connected socket) — the
+name's allowlisting never exempts it. Only
 the node's forwards (``name:port`` -> one host loopback ``addr:port``) skip that check,
 for exactly that pair. Dialling happens from the host's namespace, or from
 ``RESOLUTO_EGRESS_UPLINK_NETNS`` when set (tests point it at a namespace of test hosts).
@@ -55,6 +57,7 @@ PHASE_PATH = "/.resoluto/egress/phase/"
 _BUF = 256 * 1024
 _CLIENT_TIMEOUT = 30.0
 _DIAL_TIMEOUT = 10.0
+_LOCAL = "an address of this host"
 #: Open connections per sandbox (each costs the host two threads): beyond, refused.
 MAX_CONNECTIONS = 256
 #: Refusals logged one by one per sandbox; beyond, counted by reason and summarised at
@@ -100,7 +103,6 @@ class RunProxy:
         self.run_id = run_id
         self.netns = ""
         self.uplink = os.environ.get(UPLINK_ENV) or None
-        self._own: set[str] = set()
         self._nodes: dict[str, Attachment] = {}  # by sandbox address
         self._by_sandbox: dict[str, Attachment] = {}
         self._listeners: dict[int, socket.socket] = {}
@@ -117,7 +119,6 @@ class RunProxy:
             raise netns.NetnsError(f"{UPLINK_ENV}={self.uplink}: no such network namespace")
         self.netns = netns.create_proxy_namespace(self.run_id)
         try:
-            self._own = netns.addresses(None) | (netns.addresses(self.uplink) if self.uplink else set())
             self._listen(PROXY_PORT, self._serve_proxy)
             udp = netns.socket_in(self.netns, socket.AF_INET, socket.SOCK_DGRAM)
             udp.bind(("0.0.0.0", DNS_PORT))
@@ -507,7 +508,9 @@ class RunProxy:
         candidates = self._resolve(att, name, port)
         why = ""
         for family, addr, pinned in candidates:
-            bad = refusal(addr, self._own, pinned=pinned)
+            # Whether the address is the dialling namespace's own is asked of its kernel
+            # now, not of a list taken at start: addresses come and go during a run.
+            bad = refusal(addr, pinned=pinned) or (_LOCAL if netns.is_local(self.uplink, addr) else None)
             if bad:
                 why = why or f"resolves to a private address ({addr}: {bad})"
                 continue
@@ -518,6 +521,10 @@ class RunProxy:
             except OSError:
                 _close(s)
                 raise
+            if netns.connected_to_self(s):  # it became local between the check and the dial
+                _close(s)
+                why = why or f"resolves to a private address ({addr}: {_LOCAL})"
+                continue
             return s, (addr, port), False
         raise parse.Refused(why or f"{name} does not resolve", candidates[0][1] if candidates else "")
 

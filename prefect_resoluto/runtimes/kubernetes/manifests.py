@@ -53,6 +53,13 @@ NON_PUBLIC_V4 = tuple(
         "192.168.0.0/16",
     )
 )
+#: Never inside a wider DNS block (``dns_cidr``) unless that block is itself inside one of
+#: them, i.e. the operator named the private resolver explicitly.
+NON_PUBLIC_V6 = tuple(ipaddress.ip_network(c) for c in ("::1/128", "fc00::/7", "fe80::/10"))
+DNS_PORT = 53
+#: The cluster's own resolvers: CoreDNS/kube-dns and NodeLocal DNSCache, both labelled
+#: ``k8s-app`` in kube-system (the namespace's name label is set by the API server itself).
+DNS_RESOLVER_APPS = ("kube-dns", "node-local-dns")
 # Credentials the pod must never receive as literals: the store's come from a Secret.
 STORE_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
@@ -172,22 +179,58 @@ def parse_egress_entry(entry: str) -> dict[str, Any]:
     return rule
 
 
+def parse_dns_cidrs(value: str | Sequence[str] | None) -> tuple[IPNetwork, ...]:
+    """``dns_cidr``: none (the default: the cluster's resolver pods only), one CIDR or
+    address, or several (a list, or one string separated by commas)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    nets: list[IPNetwork] = []
+    for item in items:
+        if not item.strip():
+            continue
+        try:
+            net = parse_network(item)
+        except ValueError:
+            raise LaunchError(f"dns_cidr {item.strip()!r} is not an IP address or CIDR") from None
+        if net not in nets:
+            nets.append(net)
+    return tuple(nets)
+
+
+def dns_block(net: IPNetwork) -> dict[str, Any]:
+    """An ``ipBlock`` for a resolver block the operator named: the metadata address never,
+    and no private, CGNAT, loopback or link-local range the block merely contains -- a
+    range is reached only when the named block lies inside it (named explicitly)."""
+    return ip_block(net, NON_PUBLIC_V4 if net.version == 4 else NON_PUBLIC_V6)
+
+
+def dns_rule(dns_cidrs: Sequence[IPNetwork] = ()) -> dict[str, Any]:
+    """Port 53, UDP first, to the cluster's resolver pods; to an address block only when
+    the operator named one (``dns_cidr``): never to the world by default."""
+    peers: list[dict[str, Any]] = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": app}},
+        }
+        for app in DNS_RESOLVER_APPS
+    ]
+    peers += [{"ipBlock": dns_block(n)} for n in dns_cidrs]
+    return {
+        "to": peers,
+        "ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}],
+    }
+
+
 def egress_rules(
-    allowlist: Sequence[str], store_nets: Sequence[IPNetwork], store_port: int, dns_cidr: str
+    allowlist: Sequence[str],
+    store_nets: Sequence[IPNetwork],
+    store_port: int,
+    dns_cidr: str | Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """DNS, the object store, then the node's own allowlist -- nothing else leaves the pod."""
-    dns_block = ip_block(parse_network(dns_cidr))
     rules: list[dict[str, Any]] = [
-        {
-            "to": [
-                {
-                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
-                },
-                {"ipBlock": dns_block},
-            ],
-            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
-        },
+        dns_rule(parse_dns_cidrs(dns_cidr)),
         {
             "to": [{"ipBlock": ip_block(n)} for n in store_nets],
             "ports": [{"protocol": "TCP", "port": store_port}],
@@ -235,7 +278,8 @@ class PodSettings:
     run_as_user: int | None = DEFAULT_RUN_AS_USER
     read_only_root_filesystem: bool = True
     termination_grace_s: int = 5
-    dns_cidr: str = "0.0.0.0/0"
+    #: Resolver blocks the operator named (comma separated); None: the resolver pods only.
+    dns_cidr: str | None = None
     #: The operator's Secret with long-lived store keys, referenced by name (never copied).
     store_credentials_secret: str | None = None
     #: Short-lived store credentials are minted per node and travel in the node's Secret.

@@ -78,7 +78,7 @@ from prefect_resoluto.runtimes.kubernetes.manifests import (
     build_manifests,
     check_name,
     egress_rules,
-    parse_network,
+    parse_dns_cidrs,
     pod_name,
     sanitise_labels,
     weakened,
@@ -158,7 +158,7 @@ class KubernetesRuntime(SandboxRuntime):
         store_role_arn: str | None = None,
         store_sts_endpoint: str | None = None,
         store_credentials_ttl_s: int = 3600,
-        dns_cidr: str = "0.0.0.0/0",
+        dns_cidr: str | Sequence[str] | None = None,
         run_as_user: int | None = DEFAULT_RUN_AS_USER,
         read_only_root_filesystem: bool = True,
         unschedulable_patience_s: float = 300.0,
@@ -202,7 +202,8 @@ class KubernetesRuntime(SandboxRuntime):
         if store_credentials_ttl_s < 900:
             raise ValueError("store_credentials_ttl_s must be at least 900 (the STS minimum)")
         self.store_credentials_ttl_s = int(store_credentials_ttl_s)
-        self.dns_cidr = str(parse_network(dns_cidr))
+        # None: port 53 to the cluster's resolver pods only (manifests.dns_rule).
+        self.dns_cidr = ",".join(str(n) for n in parse_dns_cidrs(dns_cidr)) or None
         self.run_as_user = run_as_user
         self.read_only_root_filesystem = read_only_root_filesystem
         self.unschedulable_patience_s = float(unschedulable_patience_s)
