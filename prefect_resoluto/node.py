@@ -220,9 +220,12 @@ def _drive(
     # The proxy's decisions arrive on its threads; they are delivered from this one.
     egress_queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
     egress_events: list[dict[str, Any]] = []
+    egress_bound = 0
     if launch.network is not None:
         from prefect_resoluto import egress as _egress
 
+        # The proxy caps each kind of decision per sandbox; this list holds no more than that.
+        egress_bound = _egress.events_bound()
         _egress.listen(spec.run_id, spec.node_id, egress_queue.put)
 
     def deliver(ev: dict[str, Any]) -> None:
@@ -238,6 +241,8 @@ def _drive(
                 ev = egress_queue.get_nowait()
             except queue.Empty:
                 return
+            if len(egress_events) >= egress_bound:
+                continue
             if redactor.count:
                 ev["data"] = redactor.data(ev.get("data") or {})
             egress_events.append(ev)

@@ -1149,7 +1149,7 @@ def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connec
     """Each open connection costs the host threads, each refusal a log line: both capped.
     Past the cap refusals are counted by reason; an admitted connection is always logged."""
     monkeypatch.setattr(proxy, "MAX_CONNECTIONS", 8)
-    monkeypatch.setattr(proxy, "MAX_REFUSALS", 20)
+    monkeypatch.setattr(proxy, "MAX_DECISIONS", 20)
     req = egress.network_request("run-flood", "n1", egress=["api.example.test"], resolve=testnet.resolve)
     assert req is not None
     events: list[dict[str, Any]] = []
@@ -1207,6 +1207,67 @@ def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connec
     logged_dns = len([d for d in refused if d["via"] == "DNS"])
     assert summary["dropped_by_reason"]["not in the allowlist"] == 40 - logged_dns
     assert summary["dropped"] == sum(summary["dropped_by_reason"].values())
+
+
+FLOOD = r"""
+import collections, socket
+gw = open("/etc/resolv.conf").read().split()[1]
+def ask(head):
+    s = socket.create_connection((gw, 3128))
+    s.sendall(head)
+    data = b""
+    while chunk := s.recv(65536):   # the proxy closes every one of these
+        data += chunk
+    s.close()
+    return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "none"
+codes = collections.Counter()
+for i in range(3000):   # an allowlisted name on a closed port: each dial fails
+    codes["failed " + ask(b"CONNECT api.example.test:9 HTTP/1.1\r\nHost: api.example.test:9\r\n\r\n")] += 1
+for i in range(120):
+    codes["refused " + ask(b"CONNECT other.example.test:443 HTTP/1.1\r\n\r\n")] += 1
+    codes["allowed " + ask(b"GET http://api.example.test/f HTTP/1.1\r\nHost: api.example.test\r\n\r\n")] += 1
+print("CODES", dict(sorted(codes.items())))
+"""
+
+
+def test_every_kind_of_decision_is_capped_and_summarised_the_same_way(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, finding 3: a failed dial was recorded as an admitted decision and only
+    refusals were capped: 6 000 CONNECTs to a closed port gave 6 000 WARNING events and no
+    summary. Now admitted, refused and failed are each capped per sandbox and counted in a
+    summary of their own, and the node's event list (and what it stores) stays bounded."""
+    monkeypatch.setattr(proxy, "MAX_DECISIONS", 50, raising=False)
+    outcome, events = run_node(
+        gv,
+        tmp_path,
+        testnet,
+        [sys.executable, "-c", FLOOD],
+        run_id="run-capped",
+        egress=["api.example.test", "api.example.test:9"],
+    )
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    assert "CODES {'allowed 200': 120, 'failed 502': 3000, 'refused 403': 120}" in out, out[-2000:]
+    egress_events = [e for e in events if e["kind"] == "egress"]
+    failed = [e["data"] for e in egress_events if e["name"] == "failed"]
+    assert len(failed) == 50 and all(d["decision"] == "failed" for d in failed)
+    assert len(decisions(events, "refused")) == 50 and len(decisions(events, "allowed")) == 50
+    summaries = {e["data"]["summary_of"]: e["data"] for e in egress_events if e["name"] == "summary"}
+    assert set(summaries) == {"allowed", "refused", "failed"}
+    assert summaries["failed"]["dropped"] == 3000 - 50
+    assert [k for k in summaries["failed"]["dropped_by_reason"] if "Connection refused" in k]
+    assert summaries["failed"]["level"] == "WARNING"
+    assert "2950 more failed dial(s) were not logged one by one" in summaries["failed"]["line"]
+    assert summaries["allowed"]["dropped_by_reason"] == {"api.example.test:80": 120 - 50}
+    assert summaries["allowed"]["bytes_down"] > 0 and summaries["allowed"]["level"] == "INFO"
+    # Refusals: the canary's probes were logged first, within the same cap.
+    assert summaries["refused"]["dropped"] == sum(summaries["refused"]["dropped_by_reason"].values())
+    assert len(egress_events) <= proxy.events_bound()
+    from prefect_resoluto.node import egress_events_key
+
+    stored = LocalConduit(tmp_path / "conduit").get(egress_events_key("run-capped", "n1")).splitlines()
+    assert len(stored) == len(egress_events)
 
 
 # --------------------------------------------------------------------------- hostile requests (issue 19)
@@ -1408,9 +1469,9 @@ def test_the_audit_trail_cannot_be_silenced_or_forged(hostile: Hostile) -> None:
     )
     after = [d for d in decisions(hostile.events, "allowed") if d["via"] == "CONNECT"]
     assert [d["host"] for d in after] == ["api.example.test"] and after[0]["bytes_down"] > 0
-    assert len(hostile.refused) == proxy.MAX_REFUSALS
+    assert len(hostile.refused) == proxy.MAX_DECISIONS
     summary = [e["data"] for e in hostile.events if e["kind"] == "egress" and e["name"] == "summary"]
-    assert len(summary) == 1, summary
+    assert len(summary) == 1 and summary[0]["summary_of"] == "refused", summary
     logged = len([d for d in hostile.refused if d["via"] == "DNS" and d["host"] == "flood.example.test"])
     assert summary[0]["dropped_by_reason"] == {"not in the allowlist": 2100 - logged}
     assert f"{2100 - logged} x not in the allowlist" in summary[0]["line"]

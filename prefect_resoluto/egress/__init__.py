@@ -37,12 +37,15 @@ __all__ = [
     "network_request",
     "available",
     "proxy_for",
+    "events_bound",
     "CANARY_ENV",
     "DEFAULT_CANARY",
 ]
 
 #: The live proxy of a run in this process (``None`` when none of its sandboxes is up).
 proxy_for = proxy.proxy_for
+#: The most egress events one sandbox produces (each kind of decision is capped).
+events_bound = proxy.events_bound
 
 #: Host-side override of the canary targets (comma separated ``host:port``).
 CANARY_ENV = "RESOLUTO_EGRESS_CANARY"

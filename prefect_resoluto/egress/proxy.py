@@ -27,8 +27,12 @@ for exactly that pair. Dialling happens from the host's namespace, or from
 ``RESOLUTO_EGRESS_UPLINK_NETNS`` when set (tests point it at a namespace of test hosts).
 
 Every decision becomes an event (kind ``egress``) handed to the node's sink, with every
-string made printable (a name cannot start a line of its own): each admitted connection
-always, refusals up to :data:`MAX_REFUSALS` per sandbox, then counted by reason.
+string made printable (a name cannot start a line of its own). Each kind of decision —
+admitted, refused, failed — is logged one by one up to :data:`MAX_DECISIONS` per sandbox,
+then counted (refusals and failures by reason, admissions by destination with their
+bytes) and summarised at detach, one summary per kind: a flood of one kind neither floods
+the logs nor hides the first decisions of another, and a sandbox's events are bounded
+(:func:`events_bound`).
 """
 
 from __future__ import annotations
@@ -60,11 +64,21 @@ _DIAL_TIMEOUT = 10.0
 _LOCAL = "an address of this host"
 #: Open connections per sandbox (each costs the host two threads): beyond, refused.
 MAX_CONNECTIONS = 256
-#: Refusals logged one by one per sandbox; beyond, counted by reason and summarised at
-#: detach (a flood must not flood the logs). Admitted connections are never capped.
-MAX_REFUSALS = 2000
-#: Distinct reasons counted past the cap; the rest are counted as "other reasons".
+#: Decisions of each kind (:data:`DECISIONS`) logged one by one per sandbox; beyond, counted
+#: and summarised at detach (a flood must not flood the logs, nor the node's event list).
+MAX_DECISIONS = 2000
+DECISIONS = ("allowed", "refused", "failed")
+#: Distinct reasons (destinations, for admissions) counted past the cap per kind; the rest
+#: are counted as "other reasons".
 _REASONS = 32
+_NOUNS = {"allowed": "admitted connection(s)", "refused": "refusal(s)", "failed": "failed dial(s)"}
+
+
+def events_bound() -> int:
+    """The most events one sandbox's attachment hands its sink: each kind up to its cap,
+    plus its phase switches and the summaries."""
+    return len(DECISIONS) * MAX_DECISIONS + 8
+
 
 Sink = Callable[[dict[str, Any]], None]
 
@@ -89,9 +103,12 @@ class Attachment:
     slots: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(MAX_CONNECTIONS)
     )
-    refusals: int = 0
-    #: Refusals past MAX_REFUSALS, by reason.
-    dropped: dict[str, int] = field(default_factory=dict)
+    #: Decisions logged one by one, by kind.
+    logged: dict[str, int] = field(default_factory=dict)
+    #: Decisions past MAX_DECISIONS, by kind, then by reason (admissions: by destination).
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Bytes (up, down) of the admitted connections that were not logged one by one.
+    dropped_bytes: list[int] = field(default_factory=lambda: [0, 0])
 
     @property
     def proxy_url(self) -> str:
@@ -374,7 +391,8 @@ class RunProxy:
                 port=port,
                 via=via,
                 reason=str(e),
-                decision="allowed",
+                decision="failed",
+                phase=phase,
             )
             if replies:
                 _reply(client, 502, f"cannot connect to {name}:{port}: {e}")
@@ -621,16 +639,16 @@ class RunProxy:
     # ----------------------------------------------------------------- events
 
     def _event(self, att: Attachment, name: str, line: str, level: str = "INFO", **data: Any) -> None:
-        """Every admitted connection and phase switch is delivered; refusals up to
-        ``MAX_REFUSALS`` per sandbox, then counted by reason for the summary at detach."""
-        if data.get("decision") == "refused":
-            reason = str(data.get("reason", ""))
+        """Phase switches and summaries are always delivered; decisions up to
+        ``MAX_DECISIONS`` per sandbox and kind, then counted for the summary at detach."""
+        kind = data.get("decision")
+        if kind in DECISIONS:
             with att.lock:
-                att.refusals += 1
-                if att.refusals > MAX_REFUSALS:
-                    key = reason if reason in att.dropped or len(att.dropped) < _REASONS else "other reasons"
-                    att.dropped[key] = att.dropped.get(key, 0) + 1
+                n = att.logged.get(kind, 0)
+                if n >= MAX_DECISIONS:
+                    self._count(att, kind, data)
                     return
+                att.logged[kind] = n + 1
         ev = {
             "run_id": self.run_id,
             "span_id": uuid.uuid4().hex[:16],
@@ -654,22 +672,44 @@ class RunProxy:
             except Exception as e:
                 log.debug("egress event sink failed: %s", printable(str(e)))
 
+    @staticmethod
+    def _count(att: Attachment, kind: str, data: dict[str, Any]) -> None:
+        """One decision past the cap (``att.lock`` held): counted by reason, an admission
+        by its destination and its bytes."""
+        if kind == "allowed":
+            key = f"{data.get('host', '')}:{data.get('port', '')}"
+            att.dropped_bytes[0] += int(data.get("bytes_up") or 0)
+            att.dropped_bytes[1] += int(data.get("bytes_down") or 0)
+        else:
+            key = str(data.get("reason", ""))
+        counts = att.dropped.setdefault(kind, {})
+        key = key if key in counts or len(counts) < _REASONS else "other reasons"
+        counts[key] = counts.get(key, 0) + 1
+
     def _summary(self, att: Attachment) -> None:
         with att.lock:
-            dropped = {printable(why): n for why, n in att.dropped.items()}
-        if not dropped:
-            return
-        total = sum(dropped.values())
-        by_reason = "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda kv: -kv[1]))
-        self._event(
-            att,
-            "summary",
-            f"egress: {total} more refusal(s) were not logged one by one (more than {MAX_REFUSALS} "
-            f"for one sandbox; every admitted connection was): {by_reason}",
-            level="WARNING",
-            dropped=total,
-            dropped_by_reason=dropped,
-        )
+            dropped = {kind: {printable(k): n for k, n in c.items()} for kind, c in att.dropped.items()}
+            up, down = att.dropped_bytes
+        for kind in DECISIONS:
+            counts = dropped.get(kind)
+            if not counts:
+                continue
+            total = sum(counts.values())
+            by_reason = "; ".join(f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            extra = {"bytes_up": up, "bytes_down": down} if kind == "allowed" else {}
+            self._event(
+                att,
+                "summary",
+                f"egress: {total} more {_NOUNS[kind]} were not logged one by one (more than "
+                f"{MAX_DECISIONS} for one sandbox)"
+                + (f", {up} B up, {down} B down in all" if extra else "")
+                + f": {by_reason}",
+                level="INFO" if kind == "allowed" else "WARNING",
+                summary_of=kind,
+                dropped=total,
+                dropped_by_reason=counts,
+                **extra,
+            )
 
 
 def _forwards(policy: NodePolicy) -> str:
