@@ -19,9 +19,10 @@ local runtimes):
   cleared; a uid change from root clears every capability;
 * the workspace is given to that user after the inputs are staged;
 * with ``RESOLUTO_WORKLOAD_PIDNS=1`` (the sandbox is its own PID namespace, so every
-  process of that user is the workload's) whatever the workload left running is
-  killed before the runner reads its outputs, so nothing can swap a file for a link
-  while the runner reads it.
+  process of that user is the node's) whatever a phase left running is killed when
+  it ends, in whatever session or process group it put itself: the setup's before
+  the workload starts, the workload's before the runner reads its outputs (so
+  nothing can swap a file for a link while the runner reads it).
 
 Without the variable nothing changes (the reference runner's behaviour; Kubernetes
 pods and Solari VMs start the runner as a non-root user already). A variable the runner
@@ -262,7 +263,8 @@ def give(path: str) -> None:
 
 def kill_leftovers() -> None:
     """Kill every process of the workload user (only in a sandbox that is its own PID
-    namespace, where that is exactly what the workload left running)."""
+    namespace, where that is exactly what the phase that just ended left running: a
+    ``setsid()`` or a new process group changes nothing)."""
     if _user is None or not _pidns:
         return
     if _only_this_process():
@@ -273,7 +275,7 @@ def kill_leftovers() -> None:
     try:
         _kill_all_as_user()
     except OSError as e:  # the outputs are not read while something of the workload may run
-        raise PrivsepError(f"cannot stop what the workload left running: {e}") from None
+        raise PrivsepError(f"cannot stop what the phase left running: {e}") from None
 
 
 def _only_this_process() -> bool:

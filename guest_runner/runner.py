@@ -219,6 +219,9 @@ def run_node(
                     src = _exec_streamed(
                         shipper, sp, cfg.setup_argv, workspace, cfg.child_env, own_group=bool(phased)
                     )
+                # Nothing the setup started runs on into the workload, whatever session or
+                # process group it made for itself (a sandbox that is its own PID namespace).
+                privsep.kill_leftovers()
                 if src != 0:
                     ok = False
                     result.update(

@@ -605,6 +605,61 @@ def test_setup_phase_has_its_own_allowlist_switched_without_restart(
     assert any(d["host"] == "setup.example.test" and d["phase"] == "workload" for d in refused)
 
 
+DAEMON = """
+import os, sys
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()   # a session (and process group) of its own: out of the setup's group
+    if os.fork():
+        os._exit(0)   # and orphaned: its parent is gone
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.write(w, str(os.getpid()).encode())
+    os.close(w)
+    while True:
+        os.read(r, 1)   # never returns: nothing else writes the pipe and this end stays open
+os.close(w)
+pid = int(os.read(r, 32))
+stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+print("DAEMON", pid, "running", stat[0] in "RS", "out of the setup's session and group",
+      int(stat[3]) != os.getsid(0) and int(stat[2]) != os.getpgrp(), flush=True)
+open("/workspace/daemon.pid", "w").write(str(pid))
+"""
+
+CHECK = """
+import os
+pid = open("/workspace/daemon.pid").read()
+try:
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+except OSError:
+    state = "gone"
+print("IN WORKLOAD", "GONE" if state in ("gone", "Z", "X") else "RUNNING " + state)
+"""
+
+
+@pytest.mark.parametrize("phased", [True, False], ids=["setup-egress", "no-network"])
+def test_nothing_the_setup_started_runs_into_the_workload(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, phased: bool
+) -> None:
+    """Issue 33, finding 5: only the setup's process group was killed at the phase switch,
+    so a process that called setsid() (and double-forked) kept running in the workload
+    phase. Now every process the setup's user left in the sandbox's PID namespace ends
+    with the setup."""
+    outcome, events = run_node(
+        gv,
+        tmp_path,
+        testnet,
+        [sys.executable, "-c", CHECK],
+        setup_argv=[sys.executable, "-c", DAEMON],
+        **({"setup_egress": ["setup.example.test"], "egress": ["api.example.test"]} if phased else {}),
+    )
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    assert "running True out of the setup's session and group True" in out, out
+    assert "IN WORKLOAD GONE" in out, out
+
+
 def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
     req = egress.network_request(
         "run-phase",
@@ -1268,6 +1323,101 @@ def test_every_kind_of_decision_is_capped_and_summarised_the_same_way(
 
     stored = LocalConduit(tmp_path / "conduit").get(egress_events_key("run-capped", "n1")).splitlines()
     assert len(stored) == len(egress_events)
+
+
+HOLD = r"""
+import socket, sys, urllib.request
+gw = open("/etc/resolv.conf").read().split()[1]
+held = []
+for i in range(int(sys.argv[1])):   # every tunnel moves a byte each way, then stays idle
+    s = socket.create_connection((gw, 3128))
+    s.sendall(b"CONNECT api.example.test:7 HTTP/1.1\r\nHost: api.example.test:7\r\n\r\n")
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += s.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    s.sendall(b"x")
+    assert s.recv(1) == b"x"
+    held.append(s)
+print("HELD", len(held), flush=True)
+urllib.request.urlopen("http://api.example.test/wait/" + sys.argv[2]).read()   # the test measures here
+"""
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_sandbox_cannot_bloat_the_proxy_with_idle_tunnels(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
+) -> None:
+    """Issue 33, finding 4: each tunnel kept two 256 KiB relay buffers for its whole life, so
+    one sandbox's 256 idle tunnels held ~145 MiB of the host process, outside the sandbox's
+    own memory limit. Now a relay takes a buffer only while data is there to move: all the
+    tunnels a sandbox may hold, idle, cost the host under 24 MiB (measured: 8.5 MiB)."""
+    key = f"bloat-{os.urandom(3).hex()}"
+    tunnels = proxy.MAX_CONNECTIONS - 1  # and the request that says they are all up
+    before = _rss_mib()
+    result: list[tuple[NodeOutcome, list[dict[str, Any]]]] = []
+    node = threading.Thread(
+        target=lambda: result.append(
+            run_node(
+                gv,
+                tmp_path,
+                testnet,
+                [sys.executable, "-c", HOLD, str(tunnels), key],
+                run_id="run-bloat",
+                egress=["api.example.test", "api.example.test:7"],
+            )
+        )
+    )
+    node.start()
+    try:
+        wait_for(lambda: key in egress_net.ARRIVED or not node.is_alive(), 120, "the tunnels to be held")
+        held = _rss_mib()
+    finally:
+        egress_net.GATES.setdefault(key, threading.Event()).set()
+        node.join(120)
+    outcome, events = result[0]
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    assert f"HELD {tunnels}" in out
+    assert held - before < 24, f"{tunnels} idle tunnels: +{held - before:.1f} MiB"
+
+
+def test_an_idle_tunnel_is_closed(
+    gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, finding 4: a tunnel in which neither direction moves is closed after
+    proxy.IDLE_TIMEOUT (300 s; 2 s here); before, it was held for the life of the sandbox."""
+    monkeypatch.setattr(proxy, "IDLE_TIMEOUT", 2.0, raising=False)
+    code = textwrap.dedent(r"""
+        import socket, time
+        gw = open("/etc/resolv.conf").read().split()[1]
+        s = socket.create_connection((gw, 3128))
+        s.sendall(b"CONNECT api.example.test:7 HTTP/1.1\r\n\r\n")
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += s.recv(1)
+        s.sendall(b"x")
+        assert s.recv(1) == b"x"
+        t0 = time.monotonic()
+        s.settimeout(60)
+        try:
+            print("CLOSED" if s.recv(1) == b"" else "DATA", round(time.monotonic() - t0, 1))
+        except socket.timeout:
+            print("OPEN after 60 s")
+    """)
+    outcome, events = run_node(
+        gv, tmp_path, testnet, [sys.executable, "-c", code], egress=["api.example.test:7"]
+    )
+    out = output(events)
+    assert outcome.ok, outcome.describe() + out
+    closed = [line for line in lines(events, "log") if line.startswith("CLOSED ")]
+    assert closed and 1.5 <= float(closed[0].split()[1]) < 30, out
+    tunnel = [d for d in decisions(events, "allowed") if d["via"] == "CONNECT"]
+    assert len(tunnel) == 1 and tunnel[0]["bytes_up"] == 1 and tunnel[0]["bytes_down"] == 1
 
 
 # --------------------------------------------------------------------------- hostile requests (issue 19)

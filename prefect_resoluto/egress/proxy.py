@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -58,12 +59,17 @@ PROXY_PORT = 3128
 DNS_PORT = 53
 UPLINK_ENV = "RESOLUTO_EGRESS_UPLINK_NETNS"
 PHASE_PATH = "/.resoluto/egress/phase/"
-_BUF = 256 * 1024
+#: The most a relay reads at once. Taken only when data is there to read and dropped once
+#: it is sent on: an idle tunnel holds no buffer (docs/performance.md, "Egress memory").
+_BUF = 64 * 1024
+#: A tunnel in which neither direction moved for this long is closed (seconds).
+IDLE_TIMEOUT = 300.0
 _CLIENT_TIMEOUT = 30.0
 _DIAL_TIMEOUT = 10.0
 _LOCAL = "an address of this host"
-#: Open connections per sandbox (each costs the host two threads): beyond, refused.
-MAX_CONNECTIONS = 256
+#: Open connections per sandbox (each costs the host two threads and, while data moves,
+#: up to two relay buffers): beyond, refused.
+MAX_CONNECTIONS = 128
 #: Decisions of each kind (:data:`DECISIONS`) logged one by one per sandbox; beyond, counted
 #: and summarised at detach (a flood must not flood the logs, nor the node's event list).
 MAX_DECISIONS = 2000
@@ -403,29 +409,30 @@ class RunProxy:
                 return
             att.conns.update((client, upstream))
         self.connections += 1
-        counts = [0, 0]
+        flow = _Flow()
         try:
             if on_open is not None:
                 on_open()
-            client.settimeout(None)
-            upstream.settimeout(None)
-            t = threading.Thread(target=_pump, args=(upstream, client, counts, 1), daemon=True)
+            # A send the other side never reads gives up after the idle timeout too.
+            client.settimeout(IDLE_TIMEOUT)
+            upstream.settimeout(IDLE_TIMEOUT)
+            t = threading.Thread(target=_pump, args=(upstream, client, flow, 1), daemon=True)
             if http is None:
                 if first:
                     upstream.sendall(first)
-                    counts[0] += len(first)
+                    flow.moved(0, len(first))
                 t.start()
-                _pump(client, upstream, counts, 0)
+                _pump(client, upstream, flow, 0)
             else:
                 t.start()
-                self._pump_request(att, client, upstream, http, first, counts, port, via)
+                self._pump_request(att, client, upstream, http, first, flow, port, via)
             t.join()
         finally:
             with att.lock:
                 att.conns.discard(client)
                 att.conns.discard(upstream)
             _close(upstream)
-        up, down = counts
+        up, down = flow.counts
         took = time.monotonic() - t0
         target = f"{address[0]}:{address[1]}"
         self._event(
@@ -453,7 +460,7 @@ class RunProxy:
         upstream: socket.socket,
         http: parse.Request,
         rest: bytes,
-        counts: list[int],
+        flow: _Flow,
         port: int,
         via: str,
     ) -> None:
@@ -464,16 +471,18 @@ class RunProxy:
             n = body.feed(rest)
             data, extra = http.forwarded + rest[:n], rest[n:]
             upstream.sendall(data)
-            counts[0] += len(data)
+            flow.moved(0, len(data))
             while not body.done and not extra:
+                if not _readable(client, upstream, flow):
+                    break
                 chunk = client.recv(_BUF)
                 if not chunk:
                     break
                 n = body.feed(chunk)
                 upstream.sendall(chunk[:n])
-                counts[0] += n
+                flow.moved(0, n)
                 extra = chunk[n:]
-            if body.done and not extra:
+            if body.done and not extra and _readable(client, upstream, flow):
                 extra = client.recv(_BUF)  # more, or the client's end of the connection
             if extra:
                 self._refuse_second(att, extra, port, via)
@@ -721,16 +730,42 @@ def _forwards(policy: NodePolicy) -> str:
 # --------------------------------------------------------------------------- bytes
 
 
-def _pump(src: socket.socket, dst: socket.socket, counts: list[int], idx: int) -> None:
-    buf = bytearray(_BUF)
-    view = memoryview(buf)
+@dataclass
+class _Flow:
+    """One relayed connection: bytes each way, and when either way last moved."""
+
+    counts: list[int] = field(default_factory=lambda: [0, 0])
+    last: float = field(default_factory=time.monotonic)
+
+    def moved(self, idx: int, n: int) -> None:
+        self.counts[idx] += n
+        self.last = time.monotonic()
+
+
+def _readable(src: socket.socket, dst: socket.socket, flow: _Flow) -> bool:
+    """Wait, holding no buffer, until ``src`` has data or its end. False when neither
+    direction moved for ``IDLE_TIMEOUT``: then both sockets are shut down, which ends the
+    other direction's wait too."""
+    poller = select.poll()
+    poller.register(src, select.POLLIN)
+    while True:
+        left = flow.last + IDLE_TIMEOUT - time.monotonic()
+        if left <= 0:
+            _shutdown(src)
+            _shutdown(dst)
+            return False
+        if poller.poll(max(1, int(left * 1000))):
+            return True
+
+
+def _pump(src: socket.socket, dst: socket.socket, flow: _Flow, idx: int) -> None:
     try:
-        while True:
-            n = src.recv_into(buf)
-            if not n:
+        while _readable(src, dst, flow):
+            data = src.recv(_BUF)
+            if not data:
                 break
-            dst.sendall(view[:n])
-            counts[idx] += n
+            dst.sendall(data)
+            flow.moved(idx, len(data))
     except OSError:
         pass
     finally:
