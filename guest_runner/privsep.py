@@ -22,7 +22,9 @@ local runtimes):
   process of that user is the node's) whatever a phase left running is killed when
   it ends, in whatever session or process group it put itself: the setup's before
   the workload starts, the workload's before the runner reads its outputs (so
-  nothing can swap a file for a link while the runner reads it).
+  nothing can swap a file for a link while the runner reads it). Without a user of its
+  own but as its PID namespace's init (pid 1: a Kubernetes pod's container), the runner
+  kills every other process there at the same points.
 
 Without the variable nothing changes (the reference runner's behaviour; Kubernetes
 pods and Solari VMs start the runner as a non-root user already). A variable the runner
@@ -266,6 +268,8 @@ def kill_leftovers() -> None:
     namespace, where that is exactly what the phase that just ended left running: a
     ``setsid()`` or a new process group changes nothing)."""
     if _user is None or not _pidns:
+        if os.getpid() == 1:
+            _kill_all_but_init()
         return
     if _only_this_process():
         # Nothing else runs in this PID namespace, so nothing of the workload's can start
@@ -275,6 +279,20 @@ def kill_leftovers() -> None:
     try:
         _kill_all_as_user()
     except OSError as e:  # the outputs are not read while something of the workload may run
+        raise PrivsepError(f"cannot stop what the phase left running: {e}") from None
+
+
+def _kill_all_but_init() -> None:
+    """The runner is its PID namespace's init (a Kubernetes pod's container, which runs the
+    workload as the runner's own user): every other process here is the node's, and
+    kill(-1) from init reaches each of them but init itself."""
+    import signal
+
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing else runs here
+    except OSError as e:
         raise PrivsepError(f"cannot stop what the phase left running: {e}") from None
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import egress_net
+import phase_leftovers
 import pytest
 from polling import scaled, wait_for
 
@@ -605,39 +606,6 @@ def test_setup_phase_has_its_own_allowlist_switched_without_restart(
     assert any(d["host"] == "setup.example.test" and d["phase"] == "workload" for d in refused)
 
 
-DAEMON = """
-import os, sys
-r, w = os.pipe()
-if os.fork() == 0:
-    os.setsid()   # a session (and process group) of its own: out of the setup's group
-    if os.fork():
-        os._exit(0)   # and orphaned: its parent is gone
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.write(w, str(os.getpid()).encode())
-    os.close(w)
-    while True:
-        os.read(r, 1)   # never returns: nothing else writes the pipe and this end stays open
-os.close(w)
-pid = int(os.read(r, 32))
-stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-print("DAEMON", pid, "running", stat[0] in "RS", "out of the setup's session and group",
-      int(stat[3]) != os.getsid(0) and int(stat[2]) != os.getpgrp(), flush=True)
-open("/workspace/daemon.pid", "w").write(str(pid))
-"""
-
-CHECK = """
-import os
-pid = open("/workspace/daemon.pid").read()
-try:
-    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-except OSError:
-    state = "gone"
-print("IN WORKLOAD", "GONE" if state in ("gone", "Z", "X") else "RUNNING " + state)
-"""
-
-
 @pytest.mark.parametrize("phased", [True, False], ids=["setup-egress", "no-network"])
 def test_nothing_the_setup_started_runs_into_the_workload(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, phased: bool
@@ -650,13 +618,13 @@ def test_nothing_the_setup_started_runs_into_the_workload(
         gv,
         tmp_path,
         testnet,
-        [sys.executable, "-c", CHECK],
-        setup_argv=[sys.executable, "-c", DAEMON],
+        [sys.executable, "-c", phase_leftovers.CHECK],
+        setup_argv=[sys.executable, "-c", phase_leftovers.DAEMON],
         **({"setup_egress": ["setup.example.test"], "egress": ["api.example.test"]} if phased else {}),
     )
     out = output(events)
     assert outcome.ok, outcome.describe() + out
-    assert "running True out of the setup's session and group True" in out, out
+    assert phase_leftovers.ESCAPED in out, out
     assert "IN WORKLOAD GONE" in out, out
 
 

@@ -932,6 +932,26 @@ def test_node_end_to_end_through_a_real_pod(
     assert proxy.calls("create", "pods") == [201]
 
 
+def test_a_setup_steps_leftovers_end_with_it_in_a_real_pod(
+    k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str
+) -> None:
+    """Issue 33, finding 5 on Kubernetes: the guest runner is the pod's PID namespace's init,
+    so at the end of the setup it kills every other process there; a child that left the
+    setup's session and process group does not run into the workload."""
+    import phase_leftovers
+
+    store_secret(k8s_cluster, k8s_ns)
+    rt, run = k8s_node
+    outcome, events = run(
+        ["python3", "-c", phase_leftovers.CHECK],
+        setup_argv=["python3", "-c", phase_leftovers.DAEMON],
+        node_id="n-leftovers",
+    )
+    text = "\n".join(str(e["data"].get("line", "")) for e in events if e.get("event") == "log")
+    assert outcome.ok, outcome.describe() + text
+    assert phase_leftovers.ESCAPED in text and "IN WORKLOAD GONE" in text, text
+
+
 def test_node_workload_failure_through_a_real_pod(k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str) -> None:
     store_secret(k8s_cluster, k8s_ns)
     rt, run = k8s_node
