@@ -501,6 +501,44 @@ def test_an_address_the_dialling_namespace_gains_after_start_is_refused(testnet:
     ), refused
 
 
+def test_a_connection_that_reached_its_own_namespace_relays_nothing(testnet: egress_net.TestNet) -> None:
+    """Where the dialling namespace binds any address (``ip_nonlocal_bind``), the bind test
+    cannot tell a local address; the connected socket still does (the kernel made the
+    destination its own source): the connection is closed before a byte is relayed."""
+    late = "198.18.0.51"
+    req = egress.network_request(
+        "run-late2", "n1", egress=["late.example.test"], resolve={"late.example.test": late}
+    )
+    assert req is not None
+    events: list[dict[str, Any]] = []
+    egress.listen("run-late2", "n1", events.append)
+    sid = f"rsl-late2-{_OURS}"
+    net = egress.attach(req, sid)
+    sysctl = ["ip", "netns", "exec", testnet.uplink, "sysctl", "-q", "-w"]
+    try:
+        subprocess.run([*sysctl, "net.ipv4.ip_nonlocal_bind=1"], check=True, timeout=30)
+        egress_net._ip("-n", testnet.uplink, "addr", "add", f"{late}/32", "dev", "lo")
+        assert not netns.is_local(testnet.uplink, "192.0.2.99")  # the bind test cannot tell here
+        res = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{net.netns}", "curl", "-sS"]
+            + ["-x", f"http://{net.gateway}:3128", "http://late.example.test/nonlocal-bind"],
+            capture_output=True,
+            text=True,
+            timeout=scaled(30),
+        )
+        assert "hello" not in res.stdout and "egress refused" in res.stdout, res
+    finally:
+        egress_net._ip("-n", testnet.uplink, "addr", "flush", "dev", "lo", "to", f"{late}/32")
+        subprocess.run([*sysctl, "net.ipv4.ip_nonlocal_bind=0"], check=True, timeout=30)
+        egress.detach("run-late2", sid)
+        egress.unlisten("run-late2", "n1")
+    assert not [r for r in egress_net.REQUESTS if r[2] == "/nonlocal-bind"]  # no request was relayed
+    refused = [d for d in decisions(events, "refused") if d["host"] == "late.example.test"]
+    assert [d["reason"] for d in refused] == [
+        f"resolves to a private address ({late}: an address of this host)"
+    ]
+
+
 def test_guest_root_cannot_rewrite_its_dns_or_routes(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
