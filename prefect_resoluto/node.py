@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
-from prefect_resoluto import verdict
+from prefect_resoluto import slot, verdict
 from prefect_resoluto.labels import LABEL_NODE, LABEL_RUN
 from prefect_resoluto.node_spec import (
     GUEST_WORKSPACE,
@@ -201,6 +201,16 @@ def _drive(
             warm.discard()
             warm = None
 
+    # -- the slot: the node's directory as a filesystem of its own (prefect_resoluto.slot)
+    node_dir: Path | None = None
+    slot_size, slot_setting = slot.capacity_of(spec.resources.disk_bytes, spec.resources.memory_bytes)
+    if isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and runtime.mounts_conduit:
+        node_dir = conduit.root / rel_prefix
+        node_dir.parent.mkdir(parents=True, exist_ok=True)
+        node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
+        if warm is None:
+            slot.mount(node_dir, slot_size)
+
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
         _put_inbox(
@@ -212,6 +222,8 @@ def _drive(
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
+    if node_dir is not None:
+        slot.grow(node_dir, slot_size + slot.used(node_dir))  # the inbox is the host's, not the guest's
     runtime.prepare(conduit, spec.run_id)
 
     silence_window = spec.silence_window
@@ -337,6 +349,13 @@ def _drive(
             _egress.unlisten(spec.run_id, spec.node_id)
             deliver_egress()
             _save_egress_events(conduit, spec, egress_events)
+        if node_dir is not None:
+            try:
+                problems = slot.settle(node_dir, slot_size, slot_setting).reason()
+            except OSError as e:
+                problems = f"the node's conduit slot could not be kept: {e}"
+            if problems and failure is not FailureKind.UNSTARTABLE:
+                failure, reason = FailureKind.PROTOCOL, problems
     timings["finish"] = time.monotonic() - t0
     if tailer.first_event_at is not None:
         timings["first_event"] = tailer.first_event_at - t0

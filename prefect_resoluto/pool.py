@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner.conduit import Conduit, LocalConduit
+from prefect_resoluto import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
@@ -68,7 +69,7 @@ RESTORE_WAIT = 1.0
 TEMPLATE_TIMEOUT = 300.0
 #: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
 RESTORED_READY_TIMEOUT = 60.0
-SLOT = "slot"
+SLOT = slot.SLOT_NAME
 GUEST_MODULE = "guest_runner.warm"
 
 
@@ -218,8 +219,12 @@ class WarmSandbox:
         if not isinstance(conduit, LocalConduit):
             raise OSError("a slotted warm sandbox needs the local conduit it was made for")
         target = conduit.root / rel_prefix
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if slot.mounted(self.slot):
+            # A mount point cannot be renamed: the node's directory shows the same slot.
+            slot.bind(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        else:
+            os.rename(self.slot, target)
         self.slot = None
 
     def assign(self, launch: LaunchSpec) -> SandboxHandle:
@@ -537,6 +542,9 @@ class WarmPool:
             network_layout=key.engine,
             conduit_root=(state / sid) if slotted else None,
             conduit_subdir=SLOT if slotted else "",
+            conduit_slot=slot.capacity_of(key.resources.disk_bytes, key.resources.memory_bytes)[0]
+            if slotted
+            else None,
         )
         if slotted:
             from prefect_resoluto.runtimes._host import guest_conduit_dir

@@ -8,6 +8,7 @@ and is gone; one never assigned is destroyed and leaves nothing in the conduit.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -53,8 +54,13 @@ def local_runtime(request):
     return rt
 
 
-def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path):
+def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path, monkeypatch):
     rt = local_runtime
+    from prefect_resoluto import slot
+
+    bound: list[str] = []
+    real_bind = slot.bind
+    monkeypatch.setattr(slot, "bind", lambda src, dst: (bound.append(dst.name), real_bind(src, dst))[1])
     # HOME is /tmp in gVisor and bubblewrap (the marker), the sandbox's own home on process.
     marker = [
         "python3",
@@ -92,6 +98,11 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_
         p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file()
     )
     assert files and all(f.startswith(("run/run-w/nodes/n1/", "run/run-w/nodes/n2/")) for f in files), files
+    if rt.mounts_conduit:  # each warm slot was bound at its node's directory and settled there
+        assert bound == ["n1", "n2"]
+        modes = {f: (local_conduit.root / f).stat().st_mode & 0o7777 for f in files}
+        assert set(modes.values()) == {0o600}, modes
+        assert not any(os.path.ismount(local_conduit.root / f"run/run-w/nodes/{n}") for n in ("n1", "n2"))
 
 
 @pytest.mark.skipif(bool(REF_WHY), reason=REF_WHY or "reference available")
