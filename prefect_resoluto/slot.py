@@ -179,7 +179,11 @@ def settle(path: Path, size: int | None, setting: str) -> Settled:
     if is_mount and size is not None:
         st = os.statvfs(path)
         if st.f_bavail * st.f_frsize < FULL_MARGIN or st.f_favail == 0:
-            hint = "raise the node's `disk`" if setting == "disk" else "set the node's `disk` (or raise `memory`)"
+            hint = (
+                "raise the node's `disk`"
+                if setting == "disk"
+                else "set the node's `disk` (or raise `memory`)"
+            )
             out.problems.append(f"a full slot: it holds at most {size} bytes ({setting}); {hint}")
     if not is_mount:
         _clean_in_place(path, out)

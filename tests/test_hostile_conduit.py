@@ -105,7 +105,12 @@ def _spec(tmp_path: Path, node: str = "node1", **kw: Any) -> NodeSpec:
 def _hostile(script: str) -> list[str]:
     import base64
 
-    return ["python3", "-c", script + "\n" + HOSTILE_GUEST, base64.b64encode(tar_gz([reg("ok.txt")])).decode()]
+    return [
+        "python3",
+        "-c",
+        script + "\n" + HOSTILE_GUEST,
+        base64.b64encode(tar_gz([reg("ok.txt")])).decode(),
+    ]
 
 
 def _special(root: Path) -> list[str]:
@@ -189,7 +194,9 @@ def test_filling_the_slot_fails_the_node_and_the_host_keeps_at_most_the_allowanc
         allowance = 256 << 20
     else:
         assert outcome.failure == "protocol", outcome.describe()
-        assert "a full slot: it holds at most 67108864 bytes (disk); raise the node's `disk`" in outcome.reason
+        assert (
+            "a full slot: it holds at most 67108864 bytes (disk); raise the node's `disk`" in outcome.reason
+        )
         allowance = 64 << 20
     stored = sum(os.lstat(p).st_blocks * 512 for p in conduit.root.rglob("*"))
     assert stored <= allowance + (1 << 20), stored

@@ -54,7 +54,9 @@ def local_runtime(request):
     return rt
 
 
-def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path, monkeypatch):
+def test_warm_node_canonical_keys_and_one_node_per_sandbox(
+    local_runtime, local_conduit, tmp_path, monkeypatch
+):
     rt = local_runtime
     from prefect_resoluto import slot
 
