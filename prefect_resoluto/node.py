@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
-from prefect_resoluto import slot, verdict
+from prefect_resoluto import bounded, slot, verdict
 from prefect_resoluto.labels import LABEL_NODE, LABEL_RUN
 from prefect_resoluto.node_spec import (
     GUEST_WORKSPACE,
@@ -366,12 +366,12 @@ def _drive(
     archives: list[str] = []
     if failure is None:
         try:
-            result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
+            result = wire.decode_result(_read_result(conduit, rel_prefix))
             status, exit_code = result["status"], result["exit_code"]
             failure, reason = verdict.of_result(result, networked=launch.network is not None)
         except ObjectNotFound:
             failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
-        except wire.WireError as e:
+        except (wire.WireError, bounded.TooLarge) as e:
             failure, reason = FailureKind.PROTOCOL, str(e)
     if failure in (None, FailureKind.WORKLOAD) and spec.output_paths:
         output_dir = (
@@ -515,9 +515,13 @@ def _settle(
 def _result_status(conduit: Conduit, rel_prefix: str) -> str | None:
     """result.json's status, None when there is no valid one (judged later, in full)."""
     try:
-        return str(wire.decode_result(conduit.get(wire.result_key(rel_prefix))).get("status"))
+        return str(wire.decode_result(_read_result(conduit, rel_prefix)).get("status"))
     except Exception:
         return None
+
+
+def _read_result(conduit: Conduit, rel_prefix: str) -> bytes:
+    return bounded.read(conduit, wire.result_key(rel_prefix), wire.MAX_RESULT_BYTES, "a result")
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:
