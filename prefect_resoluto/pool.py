@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,7 +139,7 @@ _NEVER = frozenset({"prefect", "guest_runner", "prefect_resoluto"})
 
 
 @functools.cache
-def _top_levels() -> dict[str, list[str]]:
+def _top_levels() -> Mapping[str, list[str]]:
     import importlib.metadata
 
     return importlib.metadata.packages_distributions()
