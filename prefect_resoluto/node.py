@@ -222,8 +222,10 @@ def _drive(
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
+    inbox_bytes = 0
     if node_dir is not None:
-        slot.grow(node_dir, slot_size + slot.used(node_dir))  # the inbox is the host's, not the guest's
+        inbox_bytes = slot.used(node_dir)
+        slot.grow(node_dir, slot_size + inbox_bytes)  # the inbox is the host's, not the guest's
     runtime.prepare(conduit, spec.run_id)
 
     silence_window = spec.silence_window
@@ -351,7 +353,7 @@ def _drive(
             _save_egress_events(conduit, spec, egress_events)
         if node_dir is not None:
             try:
-                problems = slot.settle(node_dir, slot_size, slot_setting).reason()
+                problems = slot.settle(node_dir, slot_size, slot_setting, host_bytes=inbox_bytes).reason()
             except OSError as e:
                 problems = f"the node's conduit slot could not be kept: {e}"
             if problems and failure is not FailureKind.UNSTARTABLE:

@@ -48,8 +48,6 @@ SOURCE = "resoluto-slot"
 FULL_MARGIN = 64 * 1024
 #: Modes a file or directory left in a slot must not have.
 SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
-#: The host's own input to the node, not copied back (the inbox matters only while it runs).
-HOST_INPUT = "inbox"
 _COPY_CHUNK = 1 << 20
 #: Directories deeper than this in a slot are refused (the walk is recursive).
 MAX_DEPTH = 64
@@ -170,10 +168,11 @@ class Settled:
         return "the sandbox left in its conduit slot " + "; ".join(self.problems[:10]) + more
 
 
-def settle(path: Path, size: int | None, setting: str) -> Settled:
+def settle(path: Path, size: int | None, setting: str, *, host_bytes: int = 0) -> Settled:
     """After the node: keep the slot's ordinary files in the durable directory under it,
-    report and drop everything else, and unmount it. ``size``/``setting``: its capacity and
-    the setting that raises it, for the "filled" failure. Never follows a link."""
+    report and drop everything else, and unmount it. ``size``/``setting``: the node's
+    allowance and the setting that raises it, for the "filled" failure; ``host_bytes``:
+    what the host itself put there (the inbox), kept on top of it. Never follows a link."""
     out = Settled()
     is_mount = mounted(path)
     if is_mount and size is not None:
@@ -190,12 +189,12 @@ def settle(path: Path, size: int | None, setting: str) -> Settled:
         return out
     staging = path.parent / f".{path.name}.settle-{uuid.uuid4().hex[:8]}"
     staging.mkdir(mode=0o700)
-    budget = [size if size is not None else 1 << 62]
+    budget = [size + host_bytes if size is not None else 1 << 62]
     try:
         src = os.open(path, _O_DIR)
         dst = os.open(staging, _O_DIR)
         try:
-            _copy_tree(src, dst, "", out, budget, top=True)
+            _copy_tree(src, dst, "", out, budget)
         finally:
             os.close(src)
             os.close(dst)
@@ -219,14 +218,12 @@ def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
             continue
 
 
-def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: list[int], *, top: bool = False) -> None:
+def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: list[int]) -> None:
     if rel.count("/") > MAX_DEPTH:
         out.problems.append(f"{rel!r}, directories nested deeper than {MAX_DEPTH}")
         return
     for name, st in _entries(src):
         where = f"{rel}{name}"
-        if top and name == HOST_INPUT and stat.S_ISDIR(st.st_mode):
-            continue
         bad = _why_bad(where, st)
         if bad:
             out.problems.append(bad)
