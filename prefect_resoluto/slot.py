@@ -30,6 +30,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Iterator
@@ -202,7 +203,16 @@ def settle(path: Path, size: int | None, setting: str, *, host_bytes: int = 0) -
         release(path)
     # The node's durable directory (the host's, under the mount) is empty: replace it whole.
     try:
-        os.replace(staging, path)
+        try:
+            os.replace(staging, path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # An earlier run of the same node id left files under the mount: this run's win.
+            old = path.parent / f".{path.name}.replaced-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            os.rename(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise SlotError(e.errno, f"cannot keep the conduit slot's files in {path}: {e.strerror}") from None
     return out

@@ -234,3 +234,14 @@ def test_setpriv_is_what_the_privilege_check_uses():
         assert "euid=0" in out, out
     finally:
         bad.unlink()
+
+
+def test_a_node_directory_left_by_an_earlier_run_is_replaced(tmp_path):
+    d = tmp_path / "n"
+    d.mkdir()
+    (d / "stale.txt").write_text("from an earlier run of this node id")
+    assert slot.mount(d, 1 << 20)
+    (d / "fresh.txt").write_text("this run")
+    assert slot.settle(d, 1 << 20, "memory").problems == []
+    assert sorted(p.name for p in d.iterdir()) == ["fresh.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["n"]
