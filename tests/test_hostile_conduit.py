@@ -245,3 +245,30 @@ def test_a_node_directory_left_by_an_earlier_run_is_replaced(tmp_path):
     assert slot.settle(d, 1 << 20, "memory").problems == []
     assert sorted(p.name for p in d.iterdir()) == ["fresh.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["n"]
+
+
+def test_without_the_right_to_mount_a_slot_is_a_plain_directory_cleaned_after_the_node(tmp_path, monkeypatch):
+    """The weaker mode (a host not running as root): mount(2) refused with EPERM, the slot
+    is a plain directory; settle still removes and names every special file and resets
+    the modes (nothing bounds the size: docs/security.md)."""
+    import errno as _errno
+
+    real = slot._call
+
+    def refuse(fn: str, *args: object) -> None:
+        if fn == "mount":
+            raise OSError(_errno.EPERM, "Operation not permitted")
+        real(fn, *args)
+
+    monkeypatch.setattr(slot, "_call", refuse)
+    d = tmp_path / "n"
+    assert slot.mount(d, 1 << 20) is False and not slot.mounted(d)
+    (d / "ok").write_text("x")
+    os.mkfifo(d / "fifo")
+    (d / "suid").write_text("y")
+    os.chmod(d / "suid", 0o4755)
+    os.chmod(d, 0o755)
+    done = slot.settle(d, 1 << 20, "memory")
+    assert "'fifo', a FIFO" in done.reason() and "'suid' with mode 4755" in done.reason()
+    assert sorted(os.listdir(d)) == ["ok"]
+    assert stat.S_IMODE(os.stat(d / "ok").st_mode) == 0o600 and stat.S_IMODE(os.stat(d).st_mode) == 0o700
