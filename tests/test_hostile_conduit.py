@@ -272,3 +272,19 @@ def test_without_the_right_to_mount_a_slot_is_a_plain_directory_cleaned_after_th
     assert "'fifo', a FIFO" in done.reason() and "'suid' with mode 4755" in done.reason()
     assert sorted(os.listdir(d)) == ["ok"]
     assert stat.S_IMODE(os.stat(d / "ok").st_mode) == 0o600 and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_a_set_uid_file_in_a_live_slot_gives_nobody_privilege(tmp_path):
+    """While the node runs, its files are on the slot: a set-uid root copy of ``id`` there
+    (what gVisor's gofer makes of a guest's chmod 4755) does not even execute (noexec), and
+    the same copy off the slot would have given euid=0
+    (test_setpriv_is_what_the_privilege_check_uses)."""
+    d = tmp_path / "n"
+    assert slot.mount(d, 8 << 20)
+    try:
+        shutil.copyfile("/usr/bin/id", d / "id")
+        os.chmod(d / "id", 0o4755)
+        code, out = _run_as_nobody(d / "id")
+        assert code != 0 and "uid=" not in out, out
+    finally:
+        slot.release(d)
