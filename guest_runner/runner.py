@@ -159,9 +159,12 @@ def _exec_streamed(
         span.outputs["exit_code"] = 126
         span.status = "failure"
         return 126
-    assert proc.stdout is not None
-    with proc.stdout:
-        for raw in iter(proc.stdout.readline, b""):
+    out = proc.stdout
+    assert out is not None
+    with out:
+        # At most MAX_LOG_LINE_BYTES a line: a longer one (a progress bar's \r updates)
+        # goes out in pieces, each an event the host reads within its line limit.
+        for raw in iter(lambda: out.readline(wire.MAX_LOG_LINE_BYTES), b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if line.startswith(wire.LOG_MARKER):
                 record = _log_record(line)

@@ -218,7 +218,9 @@ class S3Conduit(Conduit):
         resp = self._call(
             "read", full, lambda: self._client.get_object(Bucket=self._bucket, Key=full), missing_ok=True
         )
-        return io.BufferedReader(_Body(self, full, resp["Body"]), buffer_size=1 << 20)
+        length = resp.get("ContentLength")
+        size = length if isinstance(length, int) and not isinstance(length, bool) else None
+        return io.BufferedReader(_Body(self, full, resp["Body"], size), buffer_size=1 << 20)
 
     def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
         if prefix:
@@ -332,9 +334,11 @@ class S3Conduit(Conduit):
 class _Body(io.RawIOBase):
     """A GetObject body read in pieces; a failure part-way is :class:`ConduitUnavailable`."""
 
-    def __init__(self, conduit: S3Conduit, full_key: str, body: Any) -> None:
+    def __init__(self, conduit: S3Conduit, full_key: str, body: Any, size: Optional[int] = None) -> None:
         super().__init__()
         self._conduit, self._key, self._body = conduit, full_key, body
+        #: The object's ContentLength: a reader checks it before reading anything.
+        self.size = size
 
     def readable(self) -> bool:
         return True

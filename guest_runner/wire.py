@@ -28,6 +28,16 @@ WORKSPACE_ARCHIVE_NAME = "workspace"
 
 #: A workload line starting with this is a structured log record: JSON with level, logger, msg.
 LOG_MARKER = "\x1eresoluto-log:"
+#: The most a host reads of one event chunk, and of one line in it (checked before
+#: reading: issue 30). A guest runner splits a workload's output lines at
+#: MAX_LOG_LINE_BYTES, so its lines (JSON-escaped at most 6x) and its chunks (flushed
+#: at 256 KiB) stay far below both.
+MAX_CHUNK_BYTES = 32 << 20
+MAX_LINE_BYTES = 16 << 20
+MAX_LOG_LINE_BYTES = 1 << 20
+#: The most a host reads of result.json and of _manifest.json.
+MAX_RESULT_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 4096
 
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = (

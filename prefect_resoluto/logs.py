@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from guest_runner.redact import Redactor
+from prefect_resoluto import terminal
 
 #: The logger a sandbox's records go out under: Prefect's own for task runs.
 SANDBOX_LOGGER = "prefect.task_runs"
@@ -543,6 +544,8 @@ class EventLogForwarder:
                 api.handleError(record)
             else:
                 self.batcher.add(log, self._rate, ts)
+        # The API row above keeps the text as written; the console shows it escaped.
+        record.msg = terminal.safe(record.msg)
         # Rendered on the batcher's handler thread: its cost never delays a row above.
         self.batcher.handlers.handle(self.target, record)
 
@@ -557,7 +560,7 @@ class EventLogForwarder:
         self.lines += 1
         out = sys.stdout
         if out is not None:
-            out.write(self.redactor.text(line) + "\n")
+            out.write(terminal.safe(self.redactor.text(line)) + "\n")
             out.flush()
 
     def __call__(self, ev: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
 from guest_runner.redact import Redactor
-from prefect_resoluto import verdict
+from prefect_resoluto import bounded, slot, verdict
 from prefect_resoluto.labels import LABEL_NODE, LABEL_RUN
 from prefect_resoluto.node_spec import (
     GUEST_WORKSPACE,
@@ -201,6 +201,16 @@ def _drive(
             warm.discard()
             warm = None
 
+    # -- the slot: the node's directory as a filesystem of its own (prefect_resoluto.slot)
+    node_dir: Path | None = None
+    slot_size, slot_setting = slot.capacity_of(spec.resources.disk_bytes, spec.resources.memory_bytes)
+    if isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and runtime.mounts_conduit:
+        node_dir = conduit.root / rel_prefix
+        node_dir.parent.mkdir(parents=True, exist_ok=True)
+        node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
+        if warm is None:
+            slot.mount(node_dir, slot_size)
+
     # -- inbox ---------------------------------------------------------------------
     if spec.workspace is not None:
         _put_inbox(
@@ -212,6 +222,10 @@ def _drive(
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
     if isinstance(conduit, LocalConduit):
         (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
+    inbox_bytes = 0
+    if node_dir is not None:
+        inbox_bytes = slot.used(node_dir)
+        slot.grow(node_dir, slot_size + inbox_bytes)  # the inbox is the host's, not the guest's
     runtime.prepare(conduit, spec.run_id)
 
     silence_window = spec.silence_window
@@ -342,6 +356,13 @@ def _drive(
             _egress.unlisten(spec.run_id, spec.node_id)
             deliver_egress()
             _save_egress_events(conduit, spec, egress_events)
+        if node_dir is not None:
+            try:
+                problems = slot.settle(node_dir, slot_size, slot_setting, host_bytes=inbox_bytes).reason()
+            except OSError as e:
+                problems = f"the node's conduit slot could not be kept: {e}"
+            if problems and failure is not FailureKind.UNSTARTABLE:
+                failure, reason = FailureKind.PROTOCOL, problems
     timings["finish"] = time.monotonic() - t0
     if tailer.first_event_at is not None:
         timings["first_event"] = tailer.first_event_at - t0
@@ -352,12 +373,12 @@ def _drive(
     archives: list[str] = []
     if failure is None:
         try:
-            result = wire.decode_result(conduit.get(wire.result_key(rel_prefix)))
+            result = wire.decode_result(_read_result(conduit, rel_prefix))
             status, exit_code = result["status"], result["exit_code"]
             failure, reason = verdict.of_result(result, networked=launch.network is not None)
         except ObjectNotFound:
             failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
-        except wire.WireError as e:
+        except (wire.WireError, bounded.TooLarge) as e:
             failure, reason = FailureKind.PROTOCOL, str(e)
     if failure in (None, FailureKind.WORKLOAD) and spec.output_paths:
         output_dir = (
@@ -501,9 +522,13 @@ def _settle(
 def _result_status(conduit: Conduit, rel_prefix: str) -> str | None:
     """result.json's status, None when there is no valid one (judged later, in full)."""
     try:
-        return str(wire.decode_result(conduit.get(wire.result_key(rel_prefix))).get("status"))
+        return str(wire.decode_result(_read_result(conduit, rel_prefix)).get("status"))
     except Exception:
         return None
+
+
+def _read_result(conduit: Conduit, rel_prefix: str) -> bytes:
+    return bounded.read(conduit, wire.result_key(rel_prefix), wire.MAX_RESULT_BYTES, "a result")
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:

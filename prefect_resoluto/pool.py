@@ -26,6 +26,7 @@ know.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,11 +36,13 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner.conduit import Conduit, LocalConduit
+from prefect_resoluto import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.snapshots import enabled_by_env as snapshots_by_env
@@ -68,7 +71,7 @@ RESTORE_WAIT = 1.0
 TEMPLATE_TIMEOUT = 300.0
 #: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
 RESTORED_READY_TIMEOUT = 60.0
-SLOT = "slot"
+SLOT = slot.SLOT_NAME
 GUEST_MODULE = "guest_runner.warm"
 
 
@@ -128,29 +131,91 @@ def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str,
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?$")
 #: What one task module's warm sandboxes pre-import at most (guest_runner.call.MAX_IMPORTS).
 MAX_IMPORTS = 200
+#: A learned name not reported by any of this many later successful calls is forgotten.
+KEEP_CALLS = 8
+#: Never learned: the host alone decides real Prefect (needs_real_prefect, from the task's
+#: module), and its own packages are the guest's plumbing.
+_NEVER = frozenset({"prefect", "guest_runner", "prefect_resoluto"})
+
+
+@functools.cache
+def _top_levels() -> Mapping[str, list[str]]:
+    import importlib.metadata
+
+    return importlib.metadata.packages_distributions()
+
+
+_verified: dict[str, bool] = {}
+
+
+def installed_module(name: str) -> bool:
+    """Whether ``name`` is a module the host can vouch for: a top-level module of an installed
+    distribution, or a submodule its files list (``pkg/sub.py``, ``pkg/sub/__init__.py``, an
+    extension ``pkg/sub.*.so``); never a ``__main__`` (which runs a program), never Prefect
+    or the project's own packages. Read from distribution metadata: nothing is imported."""
+    if name in _verified:
+        return _verified[name]
+    ok = False
+    top, _, sub = name.partition(".")
+    if _MODULE_NAME.match(name) and top not in _NEVER and "__main__" not in (top, sub):
+        dists = _top_levels().get(top) or []
+        if dists and not sub:
+            ok = True
+        elif dists:
+            ok = any(_lists_submodule(d, top, sub) for d in dists)
+    _verified[name] = ok
+    return ok
+
+
+def _lists_submodule(dist: str, top: str, sub: str) -> bool:
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    wanted = (f"{top}/{sub}.py", f"{top}/{sub}/__init__.py")
+    ext = f"{top}/{sub}."
+    for f in files:
+        path = str(f)
+        if path in wanted or (path.startswith(ext) and path.endswith((".so", ".pyd"))):
+            return True
+    return False
 
 
 class Learned:
-    """The installed packages each task module's calls imported (``.resoluto/imports.json``,
-    names only), so the next warm sandboxes for that module import them before their
-    assignment. Never the workspace's modules (the guest leaves them out and the names
-    are checked here): pre-importing runs before the node's env and secrets exist, which
-    installed packages do not depend on, and user code might. Grows only (a key that
-    flapped between two sets would keep two pools), and is bounded by MAX_IMPORTS."""
+    """The installed packages each task module's successful calls imported
+    (``.resoluto/imports.json``, names only), so the next warm sandboxes for that module
+    import them before their assignment. A call's report is the sandbox's word, so only
+    names the host can vouch for are kept (:func:`installed_module`: never the workspace's
+    modules, a ``__main__``, Prefect or anything not installed), only from calls that
+    succeeded, and a name no later call reports again is forgotten after KEEP_CALLS
+    successful calls (the most recently reported win at the MAX_IMPORTS cap): one hostile
+    call can neither add what is not installed nor hold the list for good."""
 
     def __init__(self) -> None:
-        self._by_file: dict[str, tuple[str, ...]] = {}
+        #: Per task module: name -> the number of the last successful call that reported it.
+        self._by_file: dict[str, dict[str, int]] = {}
+        self._calls: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def imports_for(self, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
         parsed = needs_real_prefect(source_file)
         with self._lock:
-            learned = self._by_file.get(str(source_file), ()) if source_file else ()
+            seen = self._by_file.get(str(source_file), {}) if source_file else {}
+            # Stable for a pool key, packages before their submodules (as the guest imports).
+            learned = tuple(sorted(seen, key=lambda n: ("." in n, n)))
         return learned + tuple(m for m in parsed if m not in learned)
 
-    def learn(self, source_file: str | os.PathLike[str] | None, output_dir: Path | None) -> tuple[str, ...]:
-        """Add what a finished call of ``source_file``'s module reported; the new names."""
-        if not source_file or output_dir is None:
+    def learn(
+        self,
+        source_file: str | os.PathLike[str] | None,
+        output_dir: Path | None,
+        *,
+        succeeded: bool = True,
+    ) -> tuple[str, ...]:
+        """Take what a finished call of ``source_file``'s module reported; the new names."""
+        if not source_file or output_dir is None or not succeeded:
             return ()
         from prefect_resoluto import result_files
 
@@ -161,12 +226,23 @@ class Learned:
             return ()
         if not isinstance(reported, list):
             return ()
-        names = [m for m in reported if isinstance(m, str) and _MODULE_NAME.match(m)]
+        names = list(
+            dict.fromkeys(
+                m for m in reported[: 4 * MAX_IMPORTS] if isinstance(m, str) and installed_module(m)
+            )
+        )[:MAX_IMPORTS]
+        key = str(source_file)
         with self._lock:
-            have = self._by_file.get(str(source_file), ())
-            new = tuple(dict.fromkeys(m for m in names if m not in have))[: max(0, MAX_IMPORTS - len(have))]
-            if new:
-                self._by_file[str(source_file)] = have + new
+            call = self._calls[key] = self._calls.get(key, 0) + 1
+            seen = self._by_file.setdefault(key, {})
+            new = tuple(m for m in names if m not in seen)
+            for m in names:
+                seen[m] = call
+            for m in [m for m, at in seen.items() if call - at >= KEEP_CALLS]:
+                del seen[m]
+            if len(seen) > MAX_IMPORTS:
+                for m in sorted(seen, key=lambda n: seen[n])[: len(seen) - MAX_IMPORTS]:
+                    del seen[m]
         if new:
             log.debug(
                 "warm sandboxes for %s will pre-import %d more module(s): %s",
@@ -218,8 +294,12 @@ class WarmSandbox:
         if not isinstance(conduit, LocalConduit):
             raise OSError("a slotted warm sandbox needs the local conduit it was made for")
         target = conduit.root / rel_prefix
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if slot.mounted(self.slot):
+            # A mount point cannot be renamed: the node's directory shows the same slot.
+            slot.bind(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        else:
+            os.rename(self.slot, target)
         self.slot = None
 
     def assign(self, launch: LaunchSpec) -> SandboxHandle:
@@ -537,6 +617,9 @@ class WarmPool:
             network_layout=key.engine,
             conduit_root=(state / sid) if slotted else None,
             conduit_subdir=SLOT if slotted else "",
+            conduit_slot=slot.capacity_of(key.resources.disk_bytes, key.resources.memory_bytes)[0]
+            if slotted
+            else None,
         )
         if slotted:
             from prefect_resoluto.runtimes._host import guest_conduit_dir
@@ -701,10 +784,17 @@ def imports_for(pool: WarmPool | None, source_file: str | os.PathLike[str] | Non
     return pool.learned.imports_for(source_file) if pool is not None else ()
 
 
-def learn(pool: WarmPool | None, source_file: str | os.PathLike[str] | None, output_dir: Path | None) -> None:
-    """Record what a finished Python call of ``source_file`` imported (see :class:`Learned`)."""
+def learn(
+    pool: WarmPool | None,
+    source_file: str | os.PathLike[str] | None,
+    output_dir: Path | None,
+    *,
+    succeeded: bool,
+) -> None:
+    """Record what a finished Python call of ``source_file`` imported, if it succeeded
+    (see :class:`Learned`)."""
     if pool is not None:
-        pool.learned.learn(source_file, output_dir)
+        pool.learned.learn(source_file, output_dir, succeeded=succeeded)
 
 
 def take_for(

@@ -79,7 +79,7 @@ def call(
         log_prints=bool(getattr(ctx, "log_prints", False)),
         warm_prefect=warm_pool_mod.imports_for(pool, workspace_file(ref, cfg)),
     )
-    warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir)
+    warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir, succeeded=outcome.ok)
     if outcome.failure == "workload":
         # raises the task's own exception type (or RemoteTaskError), remote traceback kept
         pycall.read_outcome(

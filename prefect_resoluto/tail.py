@@ -19,11 +19,12 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, LocalConduit, ObjectNotFound
+from prefect_resoluto import bounded
 
 Event = dict[str, Any]
 
@@ -280,22 +281,18 @@ class ChunkTailer:
 
     def _read_manifest(self) -> None:
         key = wire.manifest_key(self.prefix)
-        raw = self.conduit.get(key)
         try:
-            self.total = wire.decode_manifest(raw)
-        except wire.WireError as e:
+            self.total = wire.decode_manifest(
+                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest")
+            )
+        except (wire.WireError, bounded.TooLarge) as e:
             raise ManifestMismatch(f"{key}: {e}") from None
         self._result_seen = True
 
     def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
-        raw = self.conduit.get(key)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise MalformedChunk(key, text_line(raw, e.start), "not UTF-8") from None
         n = 0
         heartbeat_only = True
-        for line_no, line in enumerate(text.split("\n"), start=1):
+        for line_no, line in chunk_text_lines(self.conduit, key):
             if not line.strip():
                 continue
             try:
@@ -354,5 +351,16 @@ class ChunkTailer:
                 self.wait(self._delay)
 
 
-def text_line(raw: bytes, offset: int) -> int:
-    return raw[:offset].count(b"\n") + 1
+def chunk_text_lines(conduit: Conduit, key: str) -> Iterator[tuple[int, str]]:
+    """A chunk's lines as text, bounded (prefect_resoluto.bounded); TailError for a chunk
+    or a line the host does not read, or one that is not UTF-8."""
+    try:
+        for line_no, raw in bounded.chunk_lines(conduit, key):
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MalformedChunk(key, line_no, "not UTF-8") from None
+    except bounded.TooLarge as e:
+        raise TailError(
+            f"event chunk refused: {e} (a chunk holds at most {wire.MAX_CHUNK_BYTES} bytes, a line {wire.MAX_LINE_BYTES})"
+        ) from None

@@ -746,7 +746,9 @@ def _str_or_none(v: Any) -> str | None:
 def _stream(line: str) -> None:
     # As Prefect's process worker streams its child: to the worker's own stdout, not its
     # logger (whose records may go to the API as worker logs). Lines arrive redacted.
-    sys.stdout.write(line + "\n")
+    from prefect_resoluto.terminal import safe
+
+    sys.stdout.write(safe(line) + "\n")  # the sandbox's text: no control reaches the terminal
     sys.stdout.flush()
 
 

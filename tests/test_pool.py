@@ -8,10 +8,13 @@ and is gone; one never assigned is destroyed and leaves nothing in the conduit.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from polling import scaled, wait_for
 from test_wire_compat import _WHY as REF_WHY
 from test_wire_compat import OUTPUTS, WORKLOAD, _raw, _ref, _validate_node
@@ -53,8 +56,15 @@ def local_runtime(request):
     return rt
 
 
-def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_conduit, tmp_path):
+def test_warm_node_canonical_keys_and_one_node_per_sandbox(
+    local_runtime, local_conduit, tmp_path, monkeypatch
+):
     rt = local_runtime
+    from prefect_resoluto import slot
+
+    bound: list[str] = []
+    real_bind = slot.bind
+    monkeypatch.setattr(slot, "bind", lambda src, dst: (bound.append(dst.name), real_bind(src, dst))[1])
     # HOME is /tmp in gVisor and bubblewrap (the issue's marker), the sandbox's own home on process.
     marker = [
         "python3",
@@ -92,6 +102,11 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(local_runtime, local_
         p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file()
     )
     assert files and all(f.startswith(("run/run-w/nodes/n1/", "run/run-w/nodes/n2/")) for f in files), files
+    if rt.mounts_conduit:  # each warm slot was bound at its node's directory and settled there
+        assert bound == ["n1", "n2"]
+        modes = {f: (local_conduit.root / f).stat().st_mode & 0o7777 for f in files}
+        assert set(modes.values()) == {0o600}, modes
+        assert not any(os.path.ismount(local_conduit.root / f"run/run-w/nodes/{n}") for n in ("n1", "n2"))
 
 
 @pytest.mark.skipif(bool(REF_WHY), reason=REF_WHY or "reference available")
@@ -331,28 +346,121 @@ def test_a_call_reports_installed_packages_only(tmp_path):
     assert all(n.count(".") <= 1 for n in names) and len(names) <= 200
 
 
-def test_learned_imports_are_checked_bounded_and_only_grow(tmp_path):
-    from prefect_resoluto.pool import IMPORTS_FILE, MAX_IMPORTS, Learned
+def _report(out: Path, names: list[object]) -> None:
+    (out / ".resoluto").mkdir(parents=True, exist_ok=True)
+    (out / ".resoluto" / "imports.json").write_text(json.dumps({"modules": names}))
+
+
+def test_learned_imports_are_verified_from_successful_calls_and_evicted(tmp_path):
+    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned
 
     src = tmp_path / "mod.py"
     src.write_text("import prefect.variables\n")
     out = tmp_path / "out"
-    (out / ".resoluto").mkdir(parents=True)
-    report = out / IMPORTS_FILE
     learned = Learned()
     assert learned.imports_for(src) == ("prefect.variables",)  # from the module's own imports first
-    report.write_text(json.dumps({"modules": ["yaml", "../evil", "os;rm -rf /", 3, "a.b.c", "yaml._yaml"]}))
-    assert learned.learn(src, out) == ("yaml", "yaml._yaml")
+    # The issue's hostile list: real Prefect, a __main__, a module that opens a browser, names
+    # that are not installed, shapes that are not names -- and one honest package.
+    hostile = ["prefect", "prefect.blocks", "unittest.__main__", "antigravity", "this", "guest_runner"]
+    hostile += ["../evil", "os;rm -rf /", 3, "a.b.c", "yaml.__main__", "json", "unittest"]
+    _report(out, [*hostile, *(f"m{i}" for i in range(2 * MAX_IMPORTS)), "yaml", "yaml._yaml"])
+    assert learned.learn(src, out, succeeded=False) == ()  # a failed call teaches nothing
+    assert learned.imports_for(src) == ("prefect.variables",)
+    assert learned.learn(src, out) == ("yaml", "yaml._yaml")  # only what is installed, by name
     assert learned.imports_for(src) == ("yaml", "yaml._yaml", "prefect.variables")
-    report.write_text(json.dumps({"modules": ["attr"]}))  # a later node adds; nothing is forgotten
+    _report(out, ["attr"])
     learned.learn(src, out)
-    assert learned.imports_for(src) == ("yaml", "yaml._yaml", "attr", "prefect.variables")
-    report.write_text(json.dumps({"modules": [f"m{i}" for i in range(2 * MAX_IMPORTS)]}))
-    learned.learn(src, out)
-    assert len(learned.imports_for(src)) == MAX_IMPORTS + 1  # the cap, plus the module's own
-    report.write_text("not json")
+    assert learned.imports_for(src) == ("attr", "yaml", "yaml._yaml", "prefect.variables")
+    for _ in range(KEEP_CALLS):  # calls that no longer import yaml: it is forgotten
+        learned.learn(src, out)
+    assert learned.imports_for(src) == ("attr", "prefect.variables")
+    _report(out, ["not json"])
+    (out / ".resoluto" / "imports.json").write_text("not json")
     assert learned.learn(src, out) == () and learned.learn(src, tmp_path / "none") == ()
     assert learned.imports_for(tmp_path / "other.py") == ()
+
+
+def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
+    """A call that reports every installed module fills the cap; the next honest call's
+    names still get in (the least recently reported go), and the flood is gone after
+    KEEP_CALLS honest calls."""
+    import importlib.metadata
+
+    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
+
+    src, out = tmp_path / "mod.py", tmp_path / "out"
+    src.write_text("x = 1\n")
+    flood = sorted(n for n in importlib.metadata.packages_distributions() if installed_module(n))
+    assert len(flood) > 20
+    learned = Learned()
+    _report(out, flood * 3)
+    learned.learn(src, out)
+    assert len(learned.imports_for(src)) == min(len(flood), MAX_IMPORTS)
+    for _ in range(KEEP_CALLS):
+        _report(out, ["yaml"])
+        learned.learn(src, out)
+        assert "yaml" in learned.imports_for(src)
+    assert learned.imports_for(src) == ("yaml",)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reports=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.lists(
+                st.one_of(
+                    st.sampled_from(
+                        [
+                            "yaml",
+                            "yaml._yaml",
+                            "attr",
+                            "jsonschema",
+                            "prefect",
+                            "prefect.flows",
+                            "unittest.__main__",
+                            "antigravity",
+                            "yaml.__main__",
+                            "guest_runner",
+                            "prefect_resoluto.pool",
+                            "os",
+                            "pytest",
+                            "_pytest",
+                        ]
+                    ),
+                    st.from_regex(
+                        r"[A-Za-z_][A-Za-z0-9_]{0,8}(\.[A-Za-z_][A-Za-z0-9_]{0,8})?", fullmatch=True
+                    ),
+                    st.text(max_size=12),
+                    st.integers(),
+                ),
+                max_size=30,
+            ),
+        ),
+        max_size=12,
+    )
+)
+def test_learned_imports_property(tmp_path_factory, reports):
+    """Whatever calls report: the list holds only installed, non-__main__, non-Prefect
+    modules, at most MAX_IMPORTS, from successful calls among the last KEEP_CALLS."""
+    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
+
+    src = tmp_path_factory.mktemp("m") / "mod.py"
+    src.write_text("x = 1\n")
+    out = tmp_path_factory.mktemp("o")
+    learned = Learned()
+    ok_calls: list[list[object]] = []
+    for succeeded, names in reports:
+        _report(out, names)
+        learned.learn(src, out, succeeded=succeeded)
+        if succeeded:
+            ok_calls.append(names)
+    got = learned.imports_for(src)
+    assert len(got) <= MAX_IMPORTS and len(set(got)) == len(got)
+    recent = {n for names in ok_calls[-KEEP_CALLS:] for n in names if isinstance(n, str)}
+    for n in got:
+        assert installed_module(n) and n in recent, n
+        assert "__main__" not in n and n.split(".")[0] not in ("prefect", "guest_runner", "prefect_resoluto")
 
 
 def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):

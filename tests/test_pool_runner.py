@@ -256,6 +256,34 @@ def test_a_module_s_imports_are_learned_from_its_first_node(gvisor, conduit, tmp
     no_orphans()
 
 
+def test_a_hostile_calls_import_list_never_reaches_the_next_sandbox(gvisor, conduit, tmp_path):
+    """A call reports real Prefect, ``unittest.__main__``, ``antigravity``, ``this`` and 200
+    made-up names as its imports: none is learned (the host keeps only installed modules it
+    can vouch for, never Prefect or a __main__), the next warm sandbox for the module
+    pre-imports none of them, and an honest call still teaches jsonschema afterwards."""
+    from flows import learned_tasks as lt
+
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
+    def hostile() -> tuple[tuple[str, ...], dict[str, bool], tuple[str, ...]]:
+        lt.report_hostile_imports.submit().result()
+        from prefect.context import FlowRunContext
+
+        pool = FlowRunContext.get().task_runner._pool
+        after_hostile = pool.learned.imports_for(lt.__file__)
+        wait_ready()
+        seen = lt.hostile_preloaded.submit().result()
+        lt.import_late.submit().result()
+        return after_hostile, seen, pool.learned.imports_for(lt.__file__)
+
+    state = hostile(return_state=True)
+    assert state.is_completed(), state
+    after_hostile, seen, after_honest = state.result()
+    assert not set(after_hostile) & set(lt.HOSTILE_IMPORTS), after_hostile
+    assert seen == dict.fromkeys(lt.HOSTILE_IMPORTS[:4], False)
+    assert "jsonschema" in after_honest and not set(after_honest) & set(lt.HOSTILE_IMPORTS)
+    no_orphans()
+
+
 def test_a_zygote_call_holds_nothing_of_the_node_from_before_its_assignment(gvisor, conduit, tmp_path):
     """The warm guest forks the call before it reads its assignment: the child's first
     environment is the sandbox's boot environment (no node id, no secret), the secret

@@ -40,6 +40,10 @@ class Counting(LocalConduit):
         self.calls.append(("GET", key))
         return super().get(key)
 
+    def get_stream(self, key):  # how the tail reads a chunk: streamed, bounded
+        self.calls.append(("GET", key))
+        return super().get_stream(key)
+
 
 def drain(t: ChunkTailer) -> list[str]:
     got: list[str] = []

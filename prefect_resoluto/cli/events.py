@@ -38,6 +38,7 @@ class Replay:
 def scan_node(conduit: Conduit, run_id: str, node_id: str) -> Replay:
     from guest_runner import wire
     from guest_runner.conduit import ObjectNotFound
+    from prefect_resoluto import bounded
 
     prefix = wire.node_prefix(run_id, node_id)
     keys = conduit.list_prefix(prefix + "/")
@@ -55,10 +56,12 @@ def scan_node(conduit: Conduit, run_id: str, node_id: str) -> Replay:
             rep.outbox.append(key)
     rep.chunks.sort()
     try:
-        rep.total_chunks = wire.decode_manifest(conduit.get(wire.manifest_key(prefix)))
+        rep.total_chunks = wire.decode_manifest(
+            bounded.read(conduit, wire.manifest_key(prefix), wire.MAX_MANIFEST_BYTES, "a manifest")
+        )
     except ObjectNotFound:  # the node is still running, or died before it finished
         pass
-    except wire.WireError as e:
+    except (wire.WireError, bounded.TooLarge) as e:
         rep.manifest_error = f"{wire.manifest_key(prefix)}: {e}"
     return rep
 
@@ -67,7 +70,7 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
     """Events in chunk order; raises ReplayError at the first fault, after yielding all
     that precede it."""
     from guest_runner import wire
-    from prefect_resoluto.tail import MalformedChunk, text_line
+    from prefect_resoluto.tail import MalformedChunk, TailError, chunk_text_lines
 
     expected = 1
     for idx in rep.chunks:
@@ -77,18 +80,16 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
                 f"{wire.chunk_key(rep.prefix, expected)} is missing (the next chunk present is {key})"
             )
         expected += 1
-        raw = conduit.get(key)
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ReplayError(str(MalformedChunk(key, text_line(raw, e.start), "not UTF-8"))) from None
-        for line_no, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield wire.decode_event(line)
-            except wire.WireError as e:
-                raise ReplayError(str(MalformedChunk(key, line_no, str(e)))) from None
+            for line_no, line in chunk_text_lines(conduit, key):
+                if not line.strip():
+                    continue
+                try:
+                    yield wire.decode_event(line)
+                except wire.WireError as e:
+                    raise ReplayError(str(MalformedChunk(key, line_no, str(e)))) from None
+        except TailError as e:
+            raise ReplayError(str(e)) from None
     if rep.manifest_error:
         raise ReplayError(rep.manifest_error)
     if rep.total_chunks is not None and rep.total_chunks != len(rep.chunks):
@@ -120,11 +121,14 @@ def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict
 def read_result(conduit: Conduit, prefix: str) -> dict[str, Any] | None:
     from guest_runner import wire
     from guest_runner.conduit import ObjectNotFound
+    from prefect_resoluto import bounded
 
     try:
-        raw = conduit.get(wire.result_key(prefix))
+        raw = bounded.read(conduit, wire.result_key(prefix), wire.MAX_RESULT_BYTES, "a result")
     except ObjectNotFound:
         return None
+    except bounded.TooLarge as e:
+        raise ReplayError(str(e)) from None
     try:
         return wire.decode_result(raw)
     except wire.WireError as e:

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
 from prefect_resoluto.cli.common import PROG, one_line, show_argv
+from prefect_resoluto.terminal import safe
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -238,5 +239,7 @@ class TreePrinter:
             self._line(ts, base, ("! " if kind == "error" else "| ", style or DIM), (extra, style), line)
 
     def _line(self, ts: float, depth: int, *spans: Span) -> None:
+        # Every span may carry a sandbox's text (names, lines, levels, loggers): escaped.
         rel = ts - (self.t0 or ts)
-        self.out.line((f"+{rel:8.3f}s ", DIM), (self.guide * depth, DIM), *spans)
+        shown = [(safe(s[0]), s[1]) if isinstance(s, tuple) else safe(s) for s in spans]
+        self.out.line((f"+{rel:8.3f}s ", DIM), (self.guide * depth, DIM), *shown)

@@ -235,6 +235,10 @@ def conduit_host_dir(spec: LaunchSpec) -> Path | None:
         raise ValueError(f"conduit_subdir {spec.conduit_subdir!r} must be a plain relative path")
     host = Path(spec.conduit_root).resolve() / sub if sub else Path(spec.conduit_root).resolve()
     host.mkdir(parents=True, exist_ok=True)
+    if spec.conduit_slot is not None:
+        from prefect_resoluto import slot
+
+        slot.mount(host, spec.conduit_slot)
     if sub:
         # The runner's alone: the workload (another user, guest_runner/privsep.py) can
         # neither forge nor read the node's events, result and manifest.

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar
 
-from prefect_resoluto import egress
+from prefect_resoluto import egress, slot
 
 from . import _cgroup
 from ._host import (
@@ -275,6 +275,7 @@ class LocalChildRuntime(SandboxRuntime):
         cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg:
             cg.remove()
+        slot.release(d / slot.SLOT_NAME)
         remove_tree(d)
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
@@ -388,6 +389,7 @@ class LocalChildRuntime(SandboxRuntime):
         if cg is not None:
             _drain_cgroup(cg)
         self._detach_network(sandbox_id, rec)
+        slot.release(d / slot.SLOT_NAME)  # a warm sandbox's slot, mounted in its state directory
         remove_tree(d)
         with _LOCK:
             # Keep the first destroy's verdict: a second destroy has nothing left to read.

@@ -224,6 +224,9 @@ class LaunchSpec:
     #: RESOLUTO_STORE_ROOT to where the root appears inside.
     conduit_root: Path | None = None
     conduit_subdir: str = ""
+    #: Mount that directory as a conduit slot of this many bytes (prefect_resoluto.slot)
+    #: before the sandbox starts: a warm sandbox's, whose state directory the runtime makes.
+    conduit_slot: int | None = None
     resources: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     egress: list[str] = field(default_factory=list)

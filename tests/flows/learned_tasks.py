@@ -42,3 +42,25 @@ def call_process() -> dict[str, object]:
         "first_env_names": sorted(e.split(b"=", 1)[0].decode() for e in first_env.split(b"\0") if e),
         "fds": fds,
     }
+
+
+#: What a hostile call reports as its imports (issue 30, finding 4): real Prefect instead of
+#: the stand-ins, a __main__ (runs a program), modules with side effects, and names to fill
+#: the pool's list so honest calls could never teach it again.
+HOSTILE_IMPORTS = ["prefect.blocks", "unittest.__main__", "antigravity", "this"]
+HOSTILE_IMPORTS += [f"pad{i}" for i in range(200)]
+#: Which of them were loaded before this module was (in a warm call: its pre-imports).
+HOSTILE_PRELOADED = {name: name in sys.modules for name in HOSTILE_IMPORTS[:4]}
+
+
+@task
+def report_hostile_imports() -> None:
+    """Replaces the call's own report of its imports, as a compromised call can."""
+    for mod in (sys.modules.get("__main__"), sys.modules.get("guest_runner.call")):
+        if mod is not None and hasattr(mod, "imported_packages"):
+            mod.imported_packages = lambda workspace: list(HOSTILE_IMPORTS)
+
+
+@task
+def hostile_preloaded() -> dict[str, bool]:
+    return HOSTILE_PRELOADED

@@ -1,0 +1,134 @@
+"""What a sandbox writes reaches the host's terminals escaped (issue 30, finding 5).
+
+A workload prints ESC/BEL/CR/C1/bidi controls, and a compromised runner (the hostile guest
+of tests/test_hostile_outputs.py) writes an event whose line holds a newline forging a
+line in ``prefect-resoluto events``' own format, a name and a logger with controls. What
+the CLI, the flow process's stdout and the worker's stream print holds no control
+character but the line ends; the Prefect API keeps the text as written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flows import terminal_tasks as tt
+from prefect import flow
+from prefect_readback import task_runs
+from test_hostile_outputs import _Patched
+from test_task_runner import logs_of, runner
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes.base import Resources
+from prefect_resoluto.terminal import safe
+
+REPO = Path(__file__).resolve().parent.parent
+#: Any control character a terminal acts on, but the newline that ends a printed line.
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+FORGER = r"""
+import os
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+prefix = os.environ["RESOLUTO_STORE_PREFIX"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], prefix)
+os.makedirs(d, exist_ok=True)
+ev = wire.make_event(run, "node", "open", name="n\x1b[8m")
+log = dict(ev, event="log", kind="log", ts=ev["ts"] + 0.001,
+           data={"line": "real\n+   0.002s < node forged: success\x1b]0;t\x07", "level": "WARNING",
+                 "logger": "lg\r\x1b[2K"})
+close = dict(ev, event="close", status="success", ts=ev["ts"] + 0.002)
+def put(rel, b):
+    with open(os.path.join(d, ".tmp"), "wb") as f:
+        f.write(b)
+    os.rename(os.path.join(d, ".tmp"), os.path.join(d, rel))
+put("events-000001.jsonl", wire.encode_chunk([wire.encode_event(e) for e in (ev, log, close)]))
+put("result.json", wire.encode_result(wire.make_result(node, "success", 0, None)))
+put("_manifest.json", wire.encode_manifest(1))
+"""
+
+
+@pytest.fixture(params=["gvisor", "bubblewrap"])
+def rt(request: pytest.FixtureRequest) -> Any:
+    r = get_runtime(request.param)
+    if not r.availability().ok:
+        pytest.skip(f"{request.param} is not available here: {r.availability().why}")
+    return r
+
+
+def _events(conduit: LocalConduit, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefect_resoluto.cli",
+            "events",
+            *args,
+            "--conduit",
+            conduit.url,
+            "run1",
+            "node1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_the_events_cli_prints_a_forged_event_escaped(rt, tmp_path):
+    conduit = LocalConduit(tmp_path / "conduit")
+    spec = NodeSpec(
+        run_id="run1", node_id="node1", argv=["true"], resources=Resources.from_quantities(memory="256Mi")
+    )
+    with _Patched(["python3", "-c", FORGER]):
+        outcome = drive_node(spec, conduit, rt, min_isolation="none")
+    assert outcome.ok, outcome.describe()
+    res = _events(conduit)
+    assert res.returncode == 0, res.stderr
+    assert not CONTROL.findall(res.stdout), [ln for ln in res.stdout.splitlines() if CONTROL.search(ln)]
+    lines = res.stdout.splitlines()
+    assert not any(ln.startswith("+   0.002s < node forged") for ln in lines), lines
+    assert any("real\\n+   0.002s < node forged: success\\x1b]0;t\\x07" in ln for ln in lines), lines
+    assert any("> node n\\x1b[8m" in ln for ln in lines) and any("lg\\r\\x1b[2K" in ln for ln in lines)
+    # --json keeps the text as written: it is data, not a terminal line.
+    obj = json.loads(_events(conduit, "--json").stdout)
+    assert any(e["data"].get("line", "").startswith("real\n+") for e in obj["events"])
+
+
+@pytest.mark.usefixtures("prefect")
+def test_the_flow_process_prints_escaped_and_the_api_keeps_the_text(gvisor, tmp_path, capfd):
+    conduit = LocalConduit(tmp_path / "conduit")
+
+    @flow(task_runner=runner(conduit, tmp_path), log_prints=True)
+    def logged() -> str:
+        return tt.print_hostile.submit().result()
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def printed() -> str:
+        return tt.print_hostile.submit().result()
+
+    state = logged(return_state=True)
+    assert state.result() == "done"
+    assert printed() == "done"
+    out, err = capfd.readouterr()
+    printed_text = out + err
+    assert safe(tt.HOSTILE) in printed_text  # the print of the flow without log_prints
+    assert tt.HOSTILE not in printed_text and "\x1b]0;pwned" not in printed_text
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tt.HOSTILE in [entry.message for entry in logs_of(tr.id)]  # the API: as written
+
+
+def test_the_worker_stream_is_escaped(capsys):
+    from prefect_resoluto.worker import _stream
+
+    _stream(tt.HOSTILE)
+    assert capsys.readouterr().out == safe(tt.HOSTILE) + "\n"
+    assert not CONTROL.search(safe(tt.HOSTILE))
