@@ -613,7 +613,7 @@ def _head_timed_protocol() -> type:
     within HEAD_TIMEOUT (uvicorn itself waits for ever)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeadTimed(H11Protocol):  # type: ignore[misc]
+    class HeadTimed(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
