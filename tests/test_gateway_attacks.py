@@ -20,7 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from polling import scaled
+from polling import scaled, wait_for
 from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
     GVISOR,
     auth_server,
@@ -444,3 +444,65 @@ def server_pool_name() -> str:
 
     with get_client(sync_client=True) as c:
         return next(p.name for p in c.read_work_pools() if p.type == "resoluto")
+
+
+def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, tmp_path):  # noqa: F811
+    """An ordinary `process` pool with Prefect's own process worker on the same server: a run's
+    gateway refuses to create a flow run in it (or any queue, or Scheduled), and the sub-flow
+    it may create, even set Scheduled, is in no queue: the process worker, seen picking up
+    a canary after that, never touches it."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.states import Scheduled
+    from prefect.workers.process import ProcessWorker
+    from test_worker import Worker
+
+    pool = f"ordinary-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as c:
+        c.create_work_pool(
+            WorkPoolCreate(
+                name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+            )
+        )
+    own = parked_run()
+    parent = _task_run(own.id)
+    worker = Worker(pool, tmp_path, tmp_path / "state", tmp_path / "conduit")
+    try:
+        with gateway_for(own, flow_id=str(own.flow_id)) as gw:
+            base = f"http://{gw.address}/api"
+            sub = {"flow_id": str(own.flow_id), "parent_task_run_id": str(parent.id)}
+            for extra in (
+                {"work_pool_name": pool},
+                {"work_queue_name": "default"},
+                {"work_pool_name": pool, "state": {"type": "SCHEDULED"}},
+                {"state": {"type": "SCHEDULED"}},
+            ):
+                r = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json={**sub, **extra})
+                assert r.status_code == 403 and "(rule own-sub-flows)" in r.text, (extra, r.text)
+            made = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json=sub)
+            assert made.status_code == 201, made.text
+            sub_id = made.json()["id"]
+            scheduled = {"state": {"type": "SCHEDULED", "name": "Scheduled"}, "force": True}
+            r = httpx.post(f"{base}/flow_runs/{sub_id}/set_state", headers=_h(gw), json=scheduled)
+            assert r.status_code in (200, 201), r.text
+
+        @flow(name="canary")
+        def canary() -> None:
+            pass
+
+        with get_client(sync_client=True) as c:
+            probe = c.create_flow_run(canary, state=Scheduled(), work_pool_name=pool)
+
+            def picked_up() -> bool:
+                state = c.read_flow_run(probe.id).state
+                return state is not None and not state.is_scheduled()
+
+            wait_for(picked_up, timeout=120, what="the process worker to pick up its canary")
+            after = c.read_flow_run(sub_id)
+        assert after.state.is_scheduled() and after.work_queue_id is None and after.work_pool_name is None, (
+            after
+        )
+        assert sub_id not in worker.output()
+    finally:
+        worker.stop()
