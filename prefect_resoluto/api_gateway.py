@@ -38,8 +38,11 @@ from prefect_resoluto.api_rules import Rebuilt, Refusal, RunRules
 
 logger = logging.getLogger("prefect_resoluto.api_gateway")
 
-#: The largest request body a sandbox may send (a batch of logs, an artifact).
+#: The largest message the gateway takes from the API's event stream (a sandbox's bodies: api_bodies).
 MAX_BODY = 16 * 1024 * 1024
+#: The largest websocket message a sandbox may send (Prefect's own bound on an event is
+#: 1.5 MB, PREFECT_EVENTS_MAXIMUM_SIZE_BYTES).
+MAX_EVENT = 2 * 1024 * 1024
 #: Refusals written to the run's logs (and to the worker's); after that one line says that
 #: more were not, and they are only counted.
 MAX_LOGGED_REFUSALS = 100
@@ -184,7 +187,7 @@ class ApiGateway:
             ws="websockets-sansio",
             http=_head_timed_protocol(),
             limit_concurrency=4 * MAX_CONCURRENT + 16,  # connections: more are answered 503
-            ws_max_size=MAX_BODY,
+            ws_max_size=MAX_EVENT,
             timeout_graceful_shutdown=2,
             server_header=False,
             date_header=False,
@@ -418,7 +421,8 @@ class ApiGateway:
                 text = await ws.receive_text()
             except (WebSocketDisconnect, RuntimeError):
                 return
-            refusal = await self.rules.check_event(_json(text.encode()), self)
+            event = parse_bounded(text.encode())  # bounded before parsed, as an HTTP body
+            refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
             if refusal is not None:
                 await self._note_refusal(refusal)
                 continue  # the engine cannot be told about one event: it is dropped and logged
@@ -432,7 +436,8 @@ class ApiGateway:
             first = await ws.receive_text()
         except (WebSocketDisconnect, RuntimeError):
             return
-        narrowed, refusal = self.rules.events_out_filter(_json(first.encode()))
+        flt = parse_bounded(first.encode())
+        narrowed, refusal = (None, flt) if isinstance(flt, Refusal) else self.rules.events_out_filter(flt)
         if refusal is not None:
             await self._note_refusal(refusal)
             await _close(ws, 1008, refusal.rule)

@@ -387,11 +387,12 @@ _KEYS = [
 
 
 @pytest.fixture(scope="module")
-def hypothesis_target(auth_server: Any) -> Iterator[tuple[Any, Any, Any]]:  # noqa: F811
-    own = parked_run()
+def hypothesis_target(auth_server: Any) -> Iterator[tuple[Any, Any, Any, Any]]:  # noqa: F811
+    """A run's gateway, one of its task runs, and another run (the victim) on the module's server."""
+    own, victim = parked_run(), parked_run()
     parent = _task_run(own.id)
     with gateway_for(own, flow_id=str(own.flow_id)) as gw:
-        yield own, parent, gw
+        yield own, parent, gw, victim
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -404,7 +405,7 @@ def test_no_body_a_run_sends_makes_a_run_any_worker_would_start(hypothesis_targe
     the run is read, and what is created is a Pending sub-flow in no pool or queue."""
     from prefect.client.orchestration import get_client
 
-    own, parent, gw = hypothesis_target
+    own, parent, gw, _victim = hypothesis_target
     valid = {
         "flow_id": str(own.flow_id),
         "parent_task_run_id": str(parent.id),
@@ -506,3 +507,101 @@ def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, t
         assert sub_id not in worker.output()
     finally:
         worker.stop()
+
+
+def test_a_sandbox_blocks_floor_does_not_lower_the_pools() -> None:
+    """A deployment may choose a sandbox block; its min_isolation counts against the pool's floor too."""
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.run_admission import RunRefused
+    from prefect_resoluto.runtimes.base import IsolationLevel
+    from prefect_resoluto.worker import ResolutoJobConfiguration
+
+    cfg = ResolutoJobConfiguration(sandbox=SandboxBlock(runtime="process", min_isolation="none"))
+    cfg._isolation_floor = IsolationLevel.USER_KERNEL
+    with pytest.raises(RunRefused, match="below the pool's floor 'user-kernel'"):
+        cfg.sandbox_config()
+    cfg._isolation_floor = IsolationLevel.NONE
+    assert cfg.sandbox_config().min_isolation.label == "none"
+
+
+def test_a_deeply_nested_event_is_dropped_not_a_recursion_error(server):  # noqa: F811
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
+
+    own = parked_run()
+
+    async def send(gw: Any) -> None:
+        async with connect(f"ws://{gw.address}/api/events/in", subprotocols=[Subprotocol("prefect")]) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            assert json.loads(await ws.recv()) == {"type": "auth_success"}
+            await ws.send("[" * 100_000 + "]" * 100_000)
+            await ws.send(
+                json.dumps({"event": "x", "resource": {"prefect.resource.id": "prefect.flow-run.other"}})
+            )
+
+    with gateway_for(own) as gw:
+        asyncio.run(send(gw))
+        wait_for(lambda: gw.refused >= 2, timeout=30, what="both events judged")
+        assert gw.refused == 2
+    warnings = wait_for(
+        lambda: (w := [m for m in run_logs(own.id) if "refused (rule" in m]) and len(w) >= 2 and w,
+        timeout=60,
+        what="the refusals in the run's logs",
+    )
+    assert any("(rule body-shape)" in m for m in warnings), warnings
+
+
+_RUN_CHOICE = st.sampled_from(["own", "other", "random", "junk"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), which=st.lists(_RUN_CHOICE, min_size=1, max_size=3), extra=_JSON)
+def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, data, which, extra):
+    """Property over the other admitted writes: whatever ids and fields a run sends, nothing
+    is written into another run (its logs, artifacts and task runs stay empty)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    own, parent, gw, victim = hypothesis_target
+    ids = {"own": str(own.id), "other": str(victim.id), "random": str(uuid.uuid4()), "junk": extra}
+    base = f"http://{gw.address}/api"
+    now = "2026-01-01T00:00:00Z"
+    for w in which:
+        run_id = ids[w]
+        task = data.draw(st.sampled_from([None, str(parent.id), str(uuid.uuid4()), extra]))
+        line = {
+            "name": "x",
+            "level": 20,
+            "message": "m",
+            "timestamp": now,
+            "flow_run_id": run_id,
+            "task_run_id": task,
+        }
+        bodies = {
+            "/logs/": [line, {**line, "flow_run_id": str(own.id)}],
+            "/artifacts/": {"type": "markdown", "data": "x", "flow_run_id": run_id, "task_run_id": task},
+            "/task_runs/": {
+                "flow_run_id": run_id,
+                "task_key": "k",
+                "dynamic_key": uuid.uuid4().hex,
+                "name": "n",
+            },
+        }
+        for path, body in bodies.items():
+            r = httpx.post(base + path, headers=_h(gw), json=body)
+            assert r.status_code in (200, 201, 403, 422), (path, r.status_code, r.text)
+    with get_client(sync_client=True) as c:
+        assert run_logs(victim.id) == []
+        assert not c.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[victim.id]))
+        )
+        assert not c.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[victim.id]))
+        )
