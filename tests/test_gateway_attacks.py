@@ -605,3 +605,28 @@ def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, da
         assert not c.read_task_runs(
             task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[victim.id]))
         )
+
+
+def test_one_runs_stalled_requests_hold_only_its_own_few_slots(server, monkeypatch):  # noqa: F811
+    """Concurrency per run: bodies that never finish occupy at most MAX_CONCURRENT slots of
+    that run's gateway, each freed by the body timeout (408); a request behind them is then
+    answered."""
+    import concurrent.futures
+
+    monkeypatch.setattr(api_gateway, "BODY_TIMEOUT", 3.0)
+    own = parked_run()
+    with gateway_for(own) as gw:
+        auth = f"Authorization: Bearer {gw.token}\r\n".encode()
+        head = b"POST /api/logs/ HTTP/1.1\r\nHost: g\r\n" + auth + b"Content-Length: 10\r\n\r\n[{"
+        stalled = [_raw(gw, head) for _ in range(api_gateway.MAX_CONCURRENT)]
+        assert gw._busy is not None
+        wait_for(gw._busy.locked, timeout=30, what="every slot held by a stalled body")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            behind = pool.submit(
+                httpx.get, f"http://{gw.address}/api/flow_runs/{own.id}", headers=_h(gw), timeout=120
+            )
+            answers = [_answer(s) for s in stalled]
+            assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers
+            assert behind.result().status_code == 200
+        for s in stalled:
+            s.close()
