@@ -270,3 +270,65 @@ def _uuid(value: Any) -> str | None:
 
 def _small_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000
+
+
+# --------------------------------------------------------------------------- every other admitted body
+
+#: The fields Prefect 3.9's client sends to the other endpoints a run may write to (its
+#: ``TaskRunCreate``, ``ArtifactCreate``/``ArtifactUpdate``, ``LogCreate``, ``StateCreate``
+#: and the concurrency client's bodies). ``*`` stands for one id in the path.
+_STATE = frozenset({"type", "name", "message", "state_details", "data", "timestamp", "id"})
+_LOG = frozenset({"name", "level", "message", "timestamp", "flow_run_id", "task_run_id", "worker_id"})
+_FIELDS: dict[tuple[str, str], frozenset[str]] = {
+    ("POST", "task_runs"): frozenset(
+        {
+            "id",
+            "name",
+            "flow_run_id",
+            "task_key",
+            "dynamic_key",
+            "cache_key",
+            "cache_expiration",
+            "task_version",
+            "empirical_policy",
+            "tags",
+            "labels",
+            "task_inputs",
+            "state",
+        }
+    ),
+    ("POST", "artifacts"): frozenset(
+        {"key", "type", "description", "data", "metadata_", "flow_run_id", "task_run_id"}
+    ),
+    ("PATCH", "artifacts/*"): frozenset({"data", "description", "metadata_"}),
+    ("POST", "flow_runs/*/set_state"): frozenset({"state", "force"}),
+    ("POST", "task_runs/*/set_state"): frozenset({"state", "force"}),
+    ("POST", "v2/concurrency_limits/increment-with-lease"): frozenset(
+        {"names", "slots", "mode", "lease_duration", "holder"}
+    ),
+    ("POST", "v2/concurrency_limits/decrement-with-lease"): frozenset({"lease_id"}),
+    ("POST", "v2/concurrency_limits/leases/*/renew"): frozenset({"lease_duration"}),
+}
+
+
+def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None:
+    """An admitted body rebuilt from the engine's fields of its endpoint (a field it does not
+    send is refused, naming it); None where the endpoint has no table here."""
+    parts = path.strip("/").split("/")
+    shape = "/".join("*" if _uuid(p) is not None else p for p in parts)
+    what = f"{method} /api{path}"
+    if (method, shape) == ("POST", "logs") and isinstance(body, list):
+        extra = sorted({k for e in body if isinstance(e, dict) for k in e} - _LOG)
+        if extra:
+            return Refusal("engine-fields", f"{what}: log fields {extra} are not the engine's (refused)")
+        return Rebuilt([{k: e[k] for k in _LOG if k in e} for e in body])
+    allowed = _FIELDS.get((method, shape))
+    if allowed is None or not isinstance(body, dict):
+        return None
+    extra = sorted(set(body) - allowed)
+    state = body.get("state") if "set_state" in shape or shape == "task_runs" else None
+    if isinstance(state, dict):
+        extra += [f"state.{k}" for k in sorted(set(state) - _STATE)]
+    if extra:
+        return Refusal("engine-fields", f"{what}: fields {extra} are not the engine's (refused)")
+    return Rebuilt({k: body[k] for k in body})

@@ -19,7 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prefect_resoluto.api_bodies import MAX_IDS, Rebuilt, Refusal, flow_run_listing, subflow_run
+from prefect_resoluto.api_bodies import (
+    MAX_IDS,
+    Rebuilt,
+    Refusal,
+    engine_fields,
+    flow_run_listing,
+    subflow_run,
+)
 
 __all__ = ["FLOW_RUN_FIELDS", "Rebuilt", "Refusal", "RunRules", "Upstream"]
 
@@ -85,7 +92,10 @@ class RunRules:
         if isinstance(body, Refusal):  # the body's shape (api_bodies.parse_bounded)
             verdict: Refusal | Rebuilt | None = body
         else:
-            verdict = await self._judge(method.upper(), path.rstrip("/") or "/", body, api)
+            rel = path.rstrip("/") or "/"
+            verdict = await self._judge(method.upper(), rel, body, api)
+            if verdict is None:  # admitted: forwarded as rebuilt from the engine's fields
+                verdict = engine_fields(method.upper(), rel, body)
         if self.record is not None:
             seen = f"refused: {verdict.rule}" if isinstance(verdict, Refusal) else "admitted"
             self.record.append((method, path, seen))

@@ -630,3 +630,38 @@ def test_one_runs_stalled_requests_hold_only_its_own_few_slots(server, monkeypat
             assert behind.result().status_code == 200
         for s in stalled:
             s.close()
+
+
+def test_every_admitted_write_is_rebuilt_from_the_engines_fields(server):  # noqa: F811
+    """A field Prefect's client does not send to an endpoint is refused, naming it; what the
+    engine sends passes (its own run's state, a log line, a task run)."""
+    own = parked_run()
+    with gateway_for(own) as gw:
+        base = f"http://{gw.address}/api"
+        now = "2026-01-01T00:00:00Z"
+        line = {"name": "x", "level": 20, "message": "m", "timestamp": now, "flow_run_id": str(own.id)}
+        refused = [
+            (f"/flow_runs/{own.id}/set_state", {"state": {"type": "RUNNING", "extra": 1}}, "state.extra"),
+            (
+                f"/flow_runs/{own.id}/set_state",
+                {"state": {"type": "RUNNING"}, "orchestration": 1},
+                "orchestration",
+            ),
+            ("/logs/", [{**line, "worker_secret": 1}], "worker_secret"),
+            (
+                "/task_runs/",
+                {"flow_run_id": str(own.id), "task_key": "k", "dynamic_key": "0", "rogue": 1},
+                "rogue",
+            ),
+        ]
+        for path, body, named in refused:
+            r = httpx.post(base + path, headers=_h(gw), json=body)
+            assert r.status_code == 403 and "(rule engine-fields)" in r.text and named in r.text, (
+                path,
+                r.text,
+            )
+        assert httpx.post(base + "/logs/", headers=_h(gw), json=[line]).status_code == 201
+        r = httpx.post(
+            base + f"/flow_runs/{own.id}/set_state", headers=_h(gw), json={"state": {"type": "PENDING"}}
+        )
+        assert r.status_code in (200, 201), r.text
