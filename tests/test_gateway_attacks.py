@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polling import scaled, wait_for
+from prefect_cli import api_http
 from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
     GVISOR,
     auth_server,
@@ -207,6 +208,17 @@ def test_the_pools_floor_is_not_lowered_by_a_deployment(tmp_path, server):  # no
 # --------------------------------------------------------------------------- at the gateway
 
 
+def _post(url: str, **kw: Any) -> httpx.Response:
+    """A request through a gateway, retried as Prefect's client retries a busy server's 503."""
+    with api_http() as c:
+        return c.post(url, **kw)
+
+
+def _get(url: str, **kw: Any) -> httpx.Response:
+    with api_http() as c:
+        return c.get(url, **kw)
+
+
 def _h(gw: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {gw.token}"}
 
@@ -222,9 +234,9 @@ def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # no
             {"flow_runs": {"id": {"any_": [str(own.id)]}}, "flows": {"name": {"like_": ""}}},
             {"flow_runs": {"id": {"any_": [str(own.id), str(other.id)]}}},
         ):
-            r = httpx.post(f"{base}/flow_runs/filter", headers=_h(gw), json=body)
+            r = _post(f"{base}/flow_runs/filter", headers=_h(gw), json=body)
             assert r.status_code == 403 and "(rule own-runs-only)" in r.text, (body, r.text)
-        r = httpx.post(
+        r = _post(
             f"{base}/flow_runs/filter",
             headers=_h(gw),
             json={"flow_runs": {"id": {"any_": [str(own.id)]}}, "offset": 0},
@@ -256,13 +268,13 @@ def test_a_sub_flow_is_pending_in_no_pool_and_only_a_201_is_claimed(server):  # 
             "tags": ["t"],
             "empirical_policy": {"retries": None, "retry_delay": 0},
         }
-        r = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json={**body, "idempotency_key": "k"})
+        r = _post(f"{base}/flow_runs/", headers=_h(gw), json={**body, "idempotency_key": "k"})
         assert r.status_code == 403 and "idempotency_key" in r.text, r.text
-        r = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json=body)
+        r = _post(f"{base}/flow_runs/", headers=_h(gw), json=body)
         assert r.status_code == 201, r.text
         sub = r.json()["id"]
         assert sub in gw.rules.flow_runs
-        assert httpx.get(f"{base}/flow_runs/{sub}", headers=_h(gw)).status_code == 200
+        assert _get(f"{base}/flow_runs/{sub}", headers=_h(gw)).status_code == 200
         gw.rules.note_response("POST", "/flow_runs", body, 200, {"id": str(uuid.uuid4())})
         assert len(gw.rules.flow_runs) == 2  # itself and the sub-flow: the 200's object is not the run's
     with get_client(sync_client=True) as c:
@@ -285,7 +297,7 @@ def test_a_runs_slots_are_its_own_task_runs_tags_only(server):  # noqa: F811
         def ask(name: str) -> httpx.Response:
             holder = {"type": "task_run", "id": str(mine.id)}
             body = {"names": [f"tag:{name}"], "slots": 1, "mode": "concurrency", "holder": holder}
-            return httpx.post(url, headers=_h(gw), json={**body, "lease_duration": 60})
+            return _post(url, headers=_h(gw), json={**body, "lease_duration": 60})
 
         theirs = ask(f"theirs-{tag}")
         assert theirs.status_code == 403 and "(rule own-task-concurrency)" in theirs.text, theirs.text
@@ -333,7 +345,7 @@ def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeou
             s.settimeout(scaled(30))
             assert s.recv(1) == b"", "closed"
         for body in (b"[" * 5000 + b"]" * 5000, b"[" + b"{}," * 150_000 + b"{}]"):
-            r = httpx.post(f"http://{gw.address}/api/logs/", headers=_h(gw), content=body)
+            r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), content=body)
             assert r.status_code == 403 and "(rule body-shape)" in r.text, r.text[:300]
 
         queries: list[str] = []
@@ -359,13 +371,13 @@ def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeou
                 for _ in range(n)
             ]
 
-        r = httpx.post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(300))
+        r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(300))
         assert r.status_code == 403 and queries == [], r.text
-        r = httpx.post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(150))
+        r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(150))
         assert r.status_code == 201 and queries == ["task_runs/filter"], (r.text, queries)
 
         for _ in range(api_gateway.MAX_LOGGED_REFUSALS + 5):
-            httpx.get(f"http://{gw.address}/api/x%1b[31m%07", headers=_h(gw))
+            _get(f"http://{gw.address}/api/x%1b[31m%07", headers=_h(gw))
         lines = [r.getMessage() for r in caplog.records if r.name == "prefect_resoluto.api_gateway"]
         assert len(lines) == api_gateway.MAX_LOGGED_REFUSALS + 1, len(lines)
         assert not any(re.search(r"[\x00-\x1f\x7f]", m) for m in lines)
@@ -423,7 +435,7 @@ def test_no_body_a_run_sends_makes_a_run_any_worker_would_start(hypothesis_targe
         else:
             body[k] = data.draw(_JSON)
     base = f"http://{gw.address}/api"
-    r = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json=body)
+    r = _post(f"{base}/flow_runs/", headers=_h(gw), json=body)
     assert r.status_code in (201, 403, 422), (r.status_code, r.text, body)
     if r.status_code == 201:
         with get_client(sync_client=True) as c:
@@ -434,7 +446,7 @@ def test_no_body_a_run_sends_makes_a_run_any_worker_would_start(hypothesis_targe
         "flow_runs": {k: data.draw(_JSON) for k in keys[:2]},
         **{k: data.draw(_JSON) for k in keys[2:4]},
     }
-    r = httpx.post(f"{base}/flow_runs/filter", headers=_h(gw), json=listing)
+    r = _post(f"{base}/flow_runs/filter", headers=_h(gw), json=listing)
     assert r.status_code in (200, 403, 422), (r.status_code, r.text)
     if r.status_code == 200:
         assert {fr["id"] for fr in r.json()} <= gw.rules.flow_runs, listing
@@ -479,13 +491,13 @@ def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, t
                 {"work_pool_name": pool, "state": {"type": "SCHEDULED"}},
                 {"state": {"type": "SCHEDULED"}},
             ):
-                r = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json={**sub, **extra})
+                r = _post(f"{base}/flow_runs/", headers=_h(gw), json={**sub, **extra})
                 assert r.status_code == 403 and "(rule own-sub-flows)" in r.text, (extra, r.text)
-            made = httpx.post(f"{base}/flow_runs/", headers=_h(gw), json=sub)
+            made = _post(f"{base}/flow_runs/", headers=_h(gw), json=sub)
             assert made.status_code == 201, made.text
             sub_id = made.json()["id"]
             scheduled = {"state": {"type": "SCHEDULED", "name": "Scheduled"}, "force": True}
-            r = httpx.post(f"{base}/flow_runs/{sub_id}/set_state", headers=_h(gw), json=scheduled)
+            r = _post(f"{base}/flow_runs/{sub_id}/set_state", headers=_h(gw), json=scheduled)
             assert r.status_code in (200, 201), r.text
 
         @flow(name="canary")
@@ -595,7 +607,7 @@ def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, da
             },
         }
         for path, body in bodies.items():
-            r = httpx.post(base + path, headers=_h(gw), json=body)
+            r = _post(base + path, headers=_h(gw), json=body)
             assert r.status_code in (200, 201, 403, 422), (path, r.status_code, r.text)
     with get_client(sync_client=True) as c:
         assert run_logs(victim.id) == []
@@ -655,13 +667,13 @@ def test_every_admitted_write_is_rebuilt_from_the_engines_fields(server):  # noq
             ),
         ]
         for path, body, named in refused:
-            r = httpx.post(base + path, headers=_h(gw), json=body)
+            r = _post(base + path, headers=_h(gw), json=body)
             assert r.status_code == 403 and "(rule engine-fields)" in r.text and named in r.text, (
                 path,
                 r.text,
             )
-        assert httpx.post(base + "/logs/", headers=_h(gw), json=[line]).status_code == 201
-        r = httpx.post(
+        assert _post(base + "/logs/", headers=_h(gw), json=[line]).status_code == 201
+        r = _post(
             base + f"/flow_runs/{own.id}/set_state", headers=_h(gw), json={"state": {"type": "PENDING"}}
         )
         assert r.status_code in (200, 201), r.text

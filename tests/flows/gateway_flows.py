@@ -15,6 +15,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -253,14 +254,26 @@ def planter(
             },
         ),
     }
+
+    def send(http: httpx.Client, method: str, path: str, body: Any) -> httpx.Response:
+        # As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried.
+        for delay in (0.5, 1, 2, 4, 8, 0):
+            r = http.request(method, api + path, json=body)
+            if r.status_code not in (429, 502, 503) or not delay:
+                return r
+            time.sleep(delay)  # a retry's back-off, as the client's own
+        return r
+
     with httpx.Client(base_url=api, headers=headers, timeout=60) as http:
         for name, (method, path, body) in attempts.items():
-            r = http.request(method, api + path, json=body)
+            r = send(http, method, path, body)
             get_run_logger().info("ATTEMPT %s: %s %s", name, r.status_code, r.text[:600])
         # what the engine itself does for a tagged task passes: its own tag
-        r = http.post(
-            api + "/v2/concurrency_limits/increment-with-lease",
-            json={
+        r = send(
+            http,
+            "POST",
+            "/v2/concurrency_limits/increment-with-lease",
+            {
                 "names": ["tag:mine"],
                 "slots": 1,
                 "mode": "concurrency",
