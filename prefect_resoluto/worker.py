@@ -747,6 +747,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         if live is not None:
             live.stop(CANCELLED)
             return
+        configuration._isolation_floor = (
+            IsolationLevel.NONE
+        )  # destroying needs no floor: only the runtime's name
         cfg = configuration.sandbox_config().replace(runtime=runtime_name)
         runtime = await anyio.to_thread.run_sync(cfg.build_runtime)
         n = await anyio.to_thread.run_sync(runtime.sweep, {LABEL_RUN: fr_id})
