@@ -124,7 +124,12 @@ def check_deployment_floor(deployment: DeploymentResponse | None, work_pool: Wor
 
 def check_floor(min_isolation: str | IsolationLevel | None, floor: IsolationLevel, where: str) -> None:
     """The sandbox's final floor (a sandbox block's included) is at least the pool's."""
-    level = DEFAULT_MIN_ISOLATION if min_isolation in (None, "") else IsolationLevel.parse(min_isolation)
+    # IsolationLevel.NONE is falsy: only a missing value means the built-in floor.
+    level = (
+        DEFAULT_MIN_ISOLATION
+        if min_isolation is None or min_isolation == ""
+        else IsolationLevel.parse(min_isolation)
+    )
     if level < floor:
         raise RunRefused(
             f"{where} asks min_isolation {level.label!r}, below the pool's floor {floor.label!r} "
