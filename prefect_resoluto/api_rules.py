@@ -4,9 +4,12 @@ The table below is what Prefect 3.9's engine sends for a flow run with tasks, re
 logs, an artifact and a persisted result (recorded through the gateway, docs/worker.md
 "Behind the gateway"); every request and event is judged against it and anything else
 is refused with the name of the rule that refused it. Objects are the run's own when the
-API says so (read with the worker's credential), or when the run created them through
-this gateway; ids the run names that the API does not know yet (task runs, whose
-creation travels as events) are claimed for the run on first sight.
+API says so (read with the worker's credential, many ids in one filtered query), or when
+a ``201 Created`` answered the run's own request through this gateway; ids the run names
+that the API does not know yet (task runs, whose creation travels as events) are claimed
+for the run on first sight. An admitted body is forwarded as the gateway rebuilt it
+(``api_bodies``): a sub-flow's creation and a listing from the engine's fields only, every
+other write without a field the engine does not send.
 """
 
 from __future__ import annotations
