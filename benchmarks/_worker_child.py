@@ -57,6 +57,8 @@ def main() -> None:
                 direct, booted = runtime.endswith("-direct"), runtime.endswith("-booted")
                 runtime = runtime.removesuffix("-direct").removesuffix("-booted")
                 _cli(api, "work-pool", "create", pool, "--type", kind)
+                if kind == "resoluto" and runtime == "process":
+                    _lower_floor(pool)  # the pool's isolation floor is a floor (issue 29)
                 deployments[v] = _deploy(pool, _job_variables(kind, runtime, work))
                 workers[v] = _start_worker(api, pool, work, direct=direct, booted=booted)
             for v in variants:  # warm-up: first imports, first sandbox state directories
@@ -119,6 +121,17 @@ def _env(api: str, work: Path) -> dict[str, str]:
         RESOLUTO_STATE_DIR=os.environ.get("RESOLUTO_STATE_DIR", str(work / "state")),
     )
     return env
+
+
+def _lower_floor(pool: str) -> None:
+    """The operator's choice for a trusted `process` pool: its min_isolation default 'none'."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    with get_client(sync_client=True) as c:
+        template = c.read_work_pool(pool).base_job_template
+        template["variables"]["properties"]["min_isolation"]["default"] = "none"
+        c.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
 
 
 def _cli(api: str, *args: str) -> None:

@@ -33,14 +33,26 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_resoluto.api_rules import Refusal, RunRules
+from prefect_resoluto.api_bodies import body_cap, parse_bounded
+from prefect_resoluto.api_rules import Rebuilt, Refusal, RunRules
 
 logger = logging.getLogger("prefect_resoluto.api_gateway")
 
-#: The largest request body a sandbox may send (a batch of logs, an artifact).
+#: The largest message the gateway takes from the API's event stream (a sandbox's bodies: api_bodies).
 MAX_BODY = 16 * 1024 * 1024
-#: Refusals written to the run's logs; after that one line says that more were not.
+#: The largest websocket message a sandbox may send (Prefect's own bound on an event is
+#: 1.5 MB, PREFECT_EVENTS_MAXIMUM_SIZE_BYTES).
+MAX_EVENT = 2 * 1024 * 1024
+#: Refusals written to the run's logs (and to the worker's); after that one line says that
+#: more were not, and they are only counted.
 MAX_LOGGED_REFUSALS = 100
+#: Seconds a request's body may take to arrive, once its head has (a sandbox that sends
+#: half a body holds no slot for ever).
+BODY_TIMEOUT = 30.0
+#: Seconds a connection may take to send a whole request head.
+HEAD_TIMEOUT = 15.0
+#: Requests of one run the gateway works on at once; more wait their turn.
+MAX_CONCURRENT = 8
 #: The logger name of the gateway's lines in the flow run's logs.
 LOGGER_NAME = "prefect_resoluto.gateway"
 # Headers of the sandbox's request that are the gateway's business, not the API's.
@@ -148,6 +160,8 @@ class ApiGateway:
         self.subscriptions = 0  # event subscriptions relayed (narrowed to the run)
         self._announce = announce  # refusals on the worker's own log too (doctor's probe: not)
         self._logged = 0
+        self._announced = 0
+        self._busy: asyncio.Semaphore | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -171,7 +185,9 @@ class ApiGateway:
             access_log=False,
             lifespan="off",
             ws="websockets-sansio",
-            ws_max_size=MAX_BODY,
+            http=_head_timed_protocol(),
+            limit_concurrency=4 * MAX_CONCURRENT + 16,  # connections: more are answered 503
+            ws_max_size=MAX_EVENT,
             timeout_graceful_shutdown=2,
             server_header=False,
             date_header=False,
@@ -199,6 +215,7 @@ class ApiGateway:
         import httpx
 
         self._loop = asyncio.get_running_loop()
+        self._busy = asyncio.Semaphore(MAX_CONCURRENT)
         async with httpx.AsyncClient(
             base_url=self.upstream.api_url,
             headers=self.upstream.headers(),
@@ -258,7 +275,7 @@ class ApiGateway:
         return False
 
     async def _http(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse, Response
+        from starlette.responses import JSONResponse
 
         if not self._authorized(request.headers.get("authorization")):
             return JSONResponse(
@@ -273,17 +290,40 @@ class ApiGateway:
                 Refusal("api-only", f"{request.method} {path}: only the Prefect API under /api is forwarded")
             )
         rel = path[len("/api") :] or "/"
+        assert self._busy is not None
+        async with self._busy:  # one run's requests share a few slots: the rest wait
+            return await self._judged(request, rel)
+
+    async def _judged(self, request: Any, rel: str) -> Any:
+        from starlette.responses import JSONResponse, Response
+
+        cap = body_cap(request.method, rel)
+        declared = request.headers.get("content-length")
+        too_big = JSONResponse({"detail": f"resoluto gateway: request body over {cap} bytes"}, 413)
+        if declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return too_big  # refused before a byte of the body is read
         buf = bytearray()
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > MAX_BODY:
-                return JSONResponse({"detail": f"resoluto gateway: request body over {MAX_BODY} bytes"}, 413)
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT):
+                async for chunk in request.stream():
+                    buf += chunk
+                    if len(buf) > cap:
+                        return too_big
+        except TimeoutError:
+            return JSONResponse(
+                {"detail": f"resoluto gateway: body not sent within {BODY_TIMEOUT:.0f} s"}, 408
+            )
         body = bytes(buf)
-        parsed = _json(body)
-        refusal = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
-        if refusal is not None:
-            return await self._refuse(refusal)
+        parsed = parse_bounded(body)
+        verdict = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
+        if isinstance(verdict, Refusal):
+            return await self._refuse(verdict)
+        if isinstance(verdict, Rebuilt):
+            body = json.dumps(verdict.body).encode()  # what the gateway built, never what it received
+            parsed = verdict.body
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        if isinstance(verdict, Rebuilt):
+            headers["content-type"] = "application/json"
         upstream_rel = rel.lstrip("/")
         try:
             resp = await self._client.request(
@@ -381,7 +421,8 @@ class ApiGateway:
                 text = await ws.receive_text()
             except (WebSocketDisconnect, RuntimeError):
                 return
-            refusal = await self.rules.check_event(_json(text.encode()), self)
+            event = parse_bounded(text.encode())  # bounded before parsed, as an HTTP body
+            refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
             if refusal is not None:
                 await self._note_refusal(refusal)
                 continue  # the engine cannot be told about one event: it is dropped and logged
@@ -395,7 +436,8 @@ class ApiGateway:
             first = await ws.receive_text()
         except (WebSocketDisconnect, RuntimeError):
             return
-        narrowed, refusal = self.rules.events_out_filter(_json(first.encode()))
+        flt = parse_bounded(first.encode())
+        narrowed, refusal = (None, flt) if isinstance(flt, Refusal) else self.rules.events_out_filter(flt)
         if refusal is not None:
             await self._note_refusal(refusal)
             await _close(ws, 1008, refusal.rule)
@@ -437,8 +479,17 @@ class ApiGateway:
 
     async def _note_refusal(self, refusal: Refusal) -> None:
         self.refused += 1
-        if self._announce:
-            logger.warning("flow run %s: refused (rule %s): %s", self.flow_run_id, refusal.rule, refusal.why)
+        why = escape_controls(refusal.why)
+        if self._announce and self._announced <= MAX_LOGGED_REFUSALS:
+            self._announced += 1
+            if self._announced > MAX_LOGGED_REFUSALS:
+                logger.warning(
+                    "flow run %s: more than %d refusals; the rest are counted, not logged",
+                    self.flow_run_id,
+                    MAX_LOGGED_REFUSALS,
+                )
+            else:
+                logger.warning("flow run %s: refused (rule %s): %s", self.flow_run_id, refusal.rule, why)
         if self._logged > MAX_LOGGED_REFUSALS:
             return
         self._logged += 1
@@ -447,7 +498,7 @@ class ApiGateway:
                 f"resoluto gateway: more than {MAX_LOGGED_REFUSALS} refusals; the rest are not logged here"
             )
         else:
-            message = f"resoluto gateway refused (rule {refusal.rule}): {refusal.why}"
+            message = f"resoluto gateway refused (rule {refusal.rule}): {why}"
         await self.write_log(message, level=logging.WARNING)
 
     async def write_log(self, message: str, *, level: int = logging.INFO) -> None:
@@ -469,6 +520,11 @@ class ApiGateway:
     async def upstream_get(self, rel: str) -> tuple[int, Any]:
         """A read with the worker's credential (the rules' ownership checks)."""
         resp = await self._client.get(rel.lstrip("/"))
+        return resp.status_code, _json(resp.content)
+
+    async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]:
+        """A filtered read with the worker's credential (many ids' ownership in one query)."""
+        resp = await self._client.post(rel.lstrip("/"), json=body)
         return resp.status_code, _json(resp.content)
 
     def sandbox_url(self, host: str | None = None, port: int | None = None) -> str:
@@ -546,6 +602,59 @@ def gateway_summary(gateway: ApiGateway) -> str:
 async def _close(ws: Any, code: int, reason: str) -> None:
     with contextlib.suppress(Exception):  # the sandbox may be gone already
         await ws.close(code=code, reason=reason)
+
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters (a terminal's escapes among them) as ``\\xNN``:
+    a refused path or field is the sandbox's text, and the worker's log is a terminal's."""
+    return text.translate(_CONTROLS)
+
+
+def _head_timed_protocol() -> type:
+    """uvicorn's h11 protocol, closing a connection whose request head is not complete
+    within HEAD_TIMEOUT (uvicorn itself waits for ever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimed(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_late)
+
+        def _head_late(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()  # no complete head since the last response
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._head_timer is not None:
+                self._head_timer.cancel()  # a head arrived: the body has its own timeout
+                self._head_timer = None
+
+        def handle_websocket_upgrade(self, event: Any) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()  # the websocket protocol owns the connection now
+                self._head_timer = None
+            super().handle_websocket_upgrade(event)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._head_timer is None and not self.transport.is_closing():
+                self._arm()  # keep-alive: the next head is timed too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadTimed
 
 
 def _json(raw: bytes) -> Any:

@@ -4,18 +4,34 @@ The table below is what Prefect 3.9's engine sends for a flow run with tasks, re
 logs, an artifact and a persisted result (recorded through the gateway, docs/worker.md
 "Behind the gateway"); every request and event is judged against it and anything else
 is refused with the name of the rule that refused it. Objects are the run's own when the
-API says so (read with the worker's credential), or when the run created them through
-this gateway; ids the run names that the API does not know yet (task runs, whose
-creation travels as events) are claimed for the run on first sight.
+API says so (read with the worker's credential, many ids in one filtered query), or when
+a ``201 Created`` answered the run's own request through this gateway; ids the run names
+that the API does not know yet (task runs, whose creation travels as events) are claimed
+for the run on first sight. An admitted body is forwarded as the gateway rebuilt it
+(``api_bodies``): a sub-flow's creation and a listing from the engine's fields only, every
+other write without a field the engine does not send.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from prefect_resoluto.api_bodies import (
+    MAX_IDS,
+    Rebuilt,
+    Refusal,
+    engine_fields,
+    flow_run_listing,
+    subflow_run,
+)
+
+__all__ = ["FLOW_RUN_FIELDS", "Rebuilt", "Refusal", "RunRules", "Upstream"]
 
 _UUID = r"[0-9a-fA-F-]{36}"
 
@@ -25,16 +41,15 @@ _UUID = r"[0-9a-fA-F-]{36}"
 FLOW_RUN_FIELDS = frozenset({"flow_version", "empirical_policy", "name"})
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request was refused: the rule's name and what it saw."""
-
-    rule: str
-    why: str
-
-
 class Upstream(Protocol):
     async def upstream_get(self, rel: str) -> tuple[int, Any]: ...
+
+    async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]: ...
+
+
+#: Seconds a tagged task's slot request waits for its task run's tags (they travel as an
+#: event on the websocket, which may come after the HTTP request).
+TAGS_WAIT_SECONDS = 10.0
 
 
 @dataclass
@@ -65,6 +80,9 @@ class RunRules:
             self.flows.add(self.flow_id)
 
     foreign: set[str] = field(default_factory=set)
+    #: The tags of the run's own task runs, as first seen (their creation, their events, the API).
+    task_tags: dict[str, frozenset[str]] = field(default_factory=dict)
+    _tags_seen: asyncio.Event | None = None
     #: Every judged request and event (method, path, verdict) when set: the recording of docs/worker.md.
     record: list[tuple[str, str, str]] | None = None
 
@@ -72,13 +90,21 @@ class RunRules:
 
     async def check_http(
         self, method: str, path: str, query: dict[str, str], body: Any, api: Upstream
-    ) -> Refusal | None:
-        verdict = await self._judge(method.upper(), path.rstrip("/") or "/", body, api)
+    ) -> Refusal | Rebuilt | None:
+        """None: forward as sent; Rebuilt: forward the body built here; Refusal: 403."""
+        if isinstance(body, Refusal):  # the body's shape (api_bodies.parse_bounded)
+            verdict: Refusal | Rebuilt | None = body
+        else:
+            rel = path.rstrip("/") or "/"
+            verdict = await self._judge(method.upper(), rel, body, api)
+            if verdict is None:  # admitted: forwarded as rebuilt from the engine's fields
+                verdict = engine_fields(method.upper(), rel, body)
         if self.record is not None:
-            self.record.append((method, path, "admitted" if verdict is None else f"refused: {verdict.rule}"))
+            seen = f"refused: {verdict.rule}" if isinstance(verdict, Refusal) else "admitted"
+            self.record.append((method, path, seen))
         return verdict
 
-    async def _judge(self, method: str, path: str, body: Any, api: Upstream) -> Refusal | None:
+    async def _judge(self, method: str, path: str, body: Any, api: Upstream) -> Refusal | Rebuilt | None:
         parts = path.strip("/").split("/")
         what = f"{method} /api{path}"
         if any(p in ("", ".", "..") for p in parts) and path != "/":
@@ -151,28 +177,32 @@ class RunRules:
 
     async def _flow_run(
         self, method: str, parts: list[str], body: Any, what: str, api: Upstream
-    ) -> Refusal | None:
+    ) -> Refusal | Rebuilt | None:
         own = self.flow_run_id
         if parts[1:] == ["filter"] and method == "POST":
-            ids = _dig(body, "flow_runs", "id", "any_")
-            if isinstance(ids, list) and ids and all(str(i) in self.flow_runs for i in ids):
-                return None
-            parents = _dig(body, "flow_runs", "parent_task_run_id", "any_")  # a sub-flow's earlier run
-            if isinstance(parents, list) and parents:
-                if all([await self._owns_task_run(str(p), api) for p in parents]):
-                    return None
+            # The listing forwarded is the gateway's own, over ids that are all the run's.
+            listing = flow_run_listing(body, what)
+            if isinstance(listing, Refusal):
+                return listing
+            if listing.by == "id":
+                if all(i in self.flow_runs for i in listing.ids):
+                    return Rebuilt(listing.body(list(listing.ids)))
+            elif not await self._foreign_task_runs(set(listing.ids), api):
+                return Rebuilt(listing.body(list(listing.ids)))  # a sub-flow's earlier run
             return Refusal(
                 "own-runs-only",
-                f"{what}: a listing of flow runs must name only this flow run's id (or its own task runs as parents)",
+                f"{what}: a listing of flow runs must name only this flow run's ids (or its own task runs as parents)",
             )
         if parts[1:] == [] and method == "POST":
-            parent = body.get("parent_task_run_id") if isinstance(body, dict) else None
-            if (
-                parent is not None
-                and body.get("deployment_id") is None
-                and await self._owns_task_run(str(parent), api)
-            ):
-                return None
+            made = subflow_run(body, what)
+            if isinstance(made, Refusal):
+                return made
+            if made["flow_id"] not in self.flows:
+                return Refusal(
+                    "own-sub-flows", f"{what}: flow {made['flow_id']} was not registered by this run"
+                )
+            if await self._owns_task_run(made["parent_task_run_id"], api):
+                return Rebuilt(made)
             return Refusal(
                 "own-sub-flows",
                 f"{what}: a flow run may be created only as a sub-flow under this run's task runs",
@@ -228,7 +258,17 @@ class RunRules:
                 return refusal
             if not isinstance(holder, dict) or holder.get("type") != "task_run":
                 return refusal
-            return None if await self._owns_task_run(str(holder.get("id")), api) else refusal
+            tr = str(holder.get("id"))
+            if not await self._owns_task_run(tr, api):
+                return refusal
+            tags = await self._tags_of(tr, api)
+            wanted = {n.removeprefix("tag:") for n in names}
+            if tags is None or not wanted <= tags:
+                return Refusal(
+                    "own-task-concurrency",
+                    f"{what}: task run {tr} holds tags {sorted(tags or ())}, not all of {sorted(wanted)}",
+                )
+            return None
         if rest == ["decrement-with-lease"] and str(body.get("lease_id")) in self.leases:
             return None
         if len(rest) == 3 and rest[0] == "leases" and rest[2] == "renew" and rest[1] in self.leases:
@@ -238,12 +278,18 @@ class RunRules:
     async def _logs(self, body: Any, what: str, api: Upstream) -> Refusal | None:
         if not isinstance(body, list):
             return Refusal("own-logs", f"{what}: logs are a list")
+        task_runs: set[str] = set()
         for entry in body:
             if not isinstance(entry, dict) or str(entry.get("flow_run_id")) not in self.flow_runs:
                 return Refusal("own-logs", f"{what}: every log line must belong to this flow run")
             tr = entry.get("task_run_id")
-            if tr is not None and not await self._owns_task_run(str(tr), api):
-                return Refusal("own-logs", f"{what}: log line of task run {tr}, not one of this flow run's")
+            if tr is not None:
+                task_runs.add(str(tr))
+        foreign = await self._foreign_task_runs(task_runs, api)
+        if foreign:
+            return Refusal(
+                "own-logs", f"{what}: log lines of task runs {sorted(foreign)[:3]}, not this flow run's"
+            )
         return None
 
     async def _artifact(
@@ -261,28 +307,35 @@ class RunRules:
         return Refusal("own-artifacts", f"{what}: only creating (and updating) this run's own artifacts")
 
     def note_response(self, method: str, path: str, body: Any, status: int, reply: Any) -> None:
-        """What the run created through the gateway is the run's own (and the allowed
-        blocks it read: their ``loaded`` events name them by id)."""
-        if status >= 300 or not isinstance(reply, dict):
+        """What the run created through the gateway is the run's own: an object is claimed
+        only from a 201 Created answering this request (a 200 handing back an existing one
+        never is), and the allowed blocks it read (their ``loaded`` events name them by id)."""
+        if status >= 300 or not isinstance(reply, dict) or not reply.get("id") and "lease_id" not in reply:
             return
         rel = path.rstrip("/")
-        if method.upper() == "GET" and rel.startswith("/block_types/slug/") and reply.get("id"):
+        if method.upper() == "GET" and rel.startswith("/block_types/slug/"):
             self.blocks.add(str(reply["id"]))
             return
         if method.upper() != "POST":
             return
-        if rel == "/task_runs" and reply.get("id"):
-            self.task_runs.add(str(reply["id"]))
-        elif rel == "/flow_runs" and reply.get("id"):
-            self.flow_runs.add(str(reply["id"]))
-            if reply.get("flow_id"):
-                self.flows.add(str(reply["flow_id"]))
-        elif rel == "/flows" and reply.get("id"):
-            self.flows.add(str(reply["id"]))
-        elif rel == "/artifacts" and reply.get("id"):
-            self.artifacts.add(str(reply["id"]))
+        rid = str(reply.get("id"))
+        if rel == "/task_runs":
+            # A 200 is an existing task run: the run's own only if the API says it is in it.
+            if status == 201 or str(reply.get("flow_run_id")) in self.flow_runs:
+                self.task_runs.add(rid)
+                tags = reply.get("tags")
+                if isinstance(tags, list):
+                    self._note_tags(rid, tags)
+        elif rel == "/flow_runs" and status == 201:
+            self.flow_runs.add(rid)
+        elif rel == "/flows":
+            # A flow is a name (the upsert answers 200 for a known one), not a run: the name
+            # the run registered is one its sub-flows may use.
+            self.flows.add(rid)
+        elif rel == "/artifacts" and status == 201:
+            self.artifacts.add(rid)
         elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
-            self.leases.add(str(reply["lease_id"]))
+            self.leases.add(str(reply["lease_id"]))  # a lease is new with every answer
             limits = reply.get("limits")  # their acquired/released events name them
             for limit in limits if isinstance(limits, list) else []:
                 if isinstance(limit, dict) and limit.get("id"):
@@ -300,21 +353,58 @@ class RunRules:
         return reply
 
     async def _owns_task_run(self, task_run_id: str, api: Upstream) -> bool:
-        """Ours if made through this gateway, or if the API says it is this run's; an id the
-        API does not know yet (its creation is on its way as an event) is claimed."""
-        if task_run_id in self.task_runs:
-            return True
-        if task_run_id in self.foreign or not _is_uuid(task_run_id):
-            return False
-        status, reply = await api.upstream_get(f"task_runs/{task_run_id}")
-        if status == 404 or (
-            status == 200 and isinstance(reply, dict) and str(reply.get("flow_run_id")) in self.flow_runs
-        ):
-            self.task_runs.add(task_run_id)
-            return True
-        if status == 200:
-            self.foreign.add(task_run_id)
-        return False
+        return not await self._foreign_task_runs({task_run_id}, api)
+
+    async def _foreign_task_runs(self, ids: set[str], api: Upstream) -> set[str]:
+        """Which of ``ids`` are not the run's. Ours if made through this gateway, or if the API
+        says it is this run's; an id the API does not know yet (its creation is on its way
+        as an event) is claimed. The unknown ones are asked in one filtered query."""
+        bad = {i for i in ids if i in self.foreign or not _is_uuid(i)}
+        unknown = sorted(ids - bad - self.task_runs)
+        if not unknown:
+            return bad
+        if len(unknown) > MAX_IDS:
+            return bad | set(unknown)
+        query = {"task_runs": {"id": {"any_": unknown}}, "limit": len(unknown)}
+        status, reply = await api.upstream_post("task_runs/filter", query)
+        if status != 200 or not isinstance(reply, list):
+            return bad | set(unknown)  # not judged: refused, the engine retries
+        known: dict[str, Any] = {str(r.get("id")): r for r in reply if isinstance(r, dict)}
+        for tr in unknown:
+            found = known.get(tr)
+            if found is None or str(found.get("flow_run_id")) in self.flow_runs:
+                self.task_runs.add(tr)
+                if found is not None and isinstance(found.get("tags"), list):
+                    self._note_tags(tr, found["tags"])
+            else:
+                self.foreign.add(tr)
+                bad.add(tr)
+        return bad
+
+    def _note_tags(self, task_run_id: str, tags: list[Any]) -> None:
+        if task_run_id not in self.task_tags:  # as first seen: later claims change nothing
+            self.task_tags[task_run_id] = frozenset(str(t) for t in tags)
+            if self._tags_seen is not None:
+                self._tags_seen.set()
+
+    async def _tags_of(self, task_run_id: str, api: Upstream) -> frozenset[str] | None:
+        """The task run's tags, once its creation (or the API) says them."""
+        deadline = time.monotonic() + TAGS_WAIT_SECONDS
+        while task_run_id not in self.task_tags:
+            status, reply = await api.upstream_get(f"task_runs/{task_run_id}")
+            if status == 200 and isinstance(reply, dict) and isinstance(reply.get("tags"), list):
+                self._note_tags(task_run_id, reply["tags"])
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._tags_seen = self._tags_seen or asyncio.Event()
+            self._tags_seen.clear()
+            try:
+                await asyncio.wait_for(self._tags_seen.wait(), timeout=min(left, 1.0))
+            except TimeoutError:
+                pass
+        return self.task_tags.get(task_run_id)
 
     # ------------------------------------------------------------------ events
 
@@ -356,6 +446,9 @@ class RunRules:
             ):
                 return Refusal("own-events", f"{what}: its task run payload names another run")
             if await self._owns_task_run(tr, api):
+                tags = inner.get("tags")
+                if isinstance(tags, list):
+                    self._note_tags(tr, tags)
                 return None
             return Refusal("own-events", f"{what}: task run {tr} belongs to another flow run")
         kinds = ("prefect.artifact.", "prefect.block-document.", "prefect.concurrency-limit.")

@@ -69,10 +69,18 @@ from prefect_resoluto.labels import LABEL_FLOW_RUN, LABEL_RUN, label_value
 from prefect_resoluto.logs import describe_event
 from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
 from prefect_resoluto.observer import NodeObserver
-from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
+from prefect_resoluto.run_admission import (
+    DEFAULT_RUN_OVERRIDABLE,
+    admit_flow_run,
+    check_deployment_floor,
+    check_floor,
+    pool_floor,
+)
+from prefect_resoluto.runtimes.base import IsolationLevel, SandboxHandle, SandboxRuntime
 from prefect_resoluto.settings import Surface, exposed
 
 if TYPE_CHECKING:
+    from prefect.client.orchestration import PrefectClient
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import FlowRun, WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
@@ -122,6 +130,11 @@ _ALLOWED_BLOCKS = (
     "Every other block is refused by the run's API gateway."
 )
 _ALLOWED_VARIABLES = "Variables the flow run may read, by name; read-only. Every other variable is refused."
+_RUN_OVERRIDABLE = (
+    "Job variables a flow run's own job variables may set (run_deployment, a custom run); the pool's "
+    "value counts, not a deployment's. Never runtime, min_isolation, command, conduit, egress, image, "
+    "allowed blocks or variables, nor a templated value; the pool's minimum isolation is a floor."
+)
 _GATEWAY_ADDRESS = (
     "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
     "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
@@ -202,6 +215,14 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
         list[str],
         Field(default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES),
     ),
+    "run_overridable": (
+        list[str],
+        Field(
+            default=list(DEFAULT_RUN_OVERRIDABLE),
+            title="What a flow run may override",
+            description=_RUN_OVERRIDABLE,
+        ),
+    ),
     "api_gateway_address": (
         Optional[str],
         Field(
@@ -263,10 +284,40 @@ class ResolutoJobConfiguration(_JobFields):
     _command_configured: bool = PrivateAttr(default=False)
     _pull_steps: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _deployment_path: Optional[str] = PrivateAttr(default=None)
+    # The pool's floor, set when the worker resolves a run (nothing known: no floor of its own).
+    _isolation_floor: IsolationLevel = PrivateAttr(default=IsolationLevel.NONE)
 
     if TYPE_CHECKING:  # fields: one per variable of the pool (above)
 
         def __getattr__(self, name: str) -> Any: ...
+
+    @classmethod
+    async def resolve_for_flow_run(
+        cls,
+        flow_run: FlowRun,
+        *,
+        client: PrefectClient,
+        work_pool: WorkPool,
+        worker_name: str,
+        worker_id: uuid.UUID | None = None,
+        deployment: DeploymentResponse | None = None,
+    ) -> ResolutoJobConfiguration:
+        # Judged before the base worker reads anything or resolves a template with the
+        # worker's credential: a refusal is the run's Crashed state, and nothing is launched.
+        admit_flow_run(flow_run, work_pool)
+        if deployment is None and flow_run.deployment_id is not None:
+            deployment = await client.read_deployment(flow_run.deployment_id)
+        check_deployment_floor(deployment, work_pool)
+        configuration = await super().resolve_for_flow_run(
+            flow_run,
+            client=client,
+            work_pool=work_pool,
+            worker_name=worker_name,
+            worker_id=worker_id,
+            deployment=deployment,
+        )
+        configuration._isolation_floor = pool_floor(work_pool)
+        return configuration
 
     def prepare_for_flow_run(
         self,
@@ -317,6 +368,8 @@ class ResolutoJobConfiguration(_JobFields):
         )
         if cfg.runtime == "container" and cfg.image:
             cfg = cfg.replace(runtime_options={"image": cfg.image})
+        # A sandbox block's floor counts too: nothing below the pool's.
+        check_floor(cfg.min_isolation, self._isolation_floor, "the flow run's sandbox")
         return cfg
 
 
@@ -694,6 +747,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         if live is not None:
             live.stop(CANCELLED)
             return
+        configuration._isolation_floor = (
+            IsolationLevel.NONE
+        )  # destroying needs no floor: only the runtime's name
         cfg = configuration.sandbox_config().replace(runtime=runtime_name)
         runtime = await anyio.to_thread.run_sync(cfg.build_runtime)
         n = await anyio.to_thread.run_sync(runtime.sweep, {LABEL_RUN: fr_id})

@@ -41,10 +41,13 @@ needs_egress = pytest.mark.skipif(not egress_forwarding_supported(), reason=NO_E
 PROCESS = {"runtime": "process", "min_isolation": "none"}
 
 
-def create_pool(cli: bool = True) -> str:
+def create_pool(cli: bool = True, floor: str | None = "none") -> str:
     """A `resoluto` pool, made as a user makes one (`prefect work-pool create --type resoluto`),
     or with ``cli=False`` (tests about something else) through the API with the template that
-    command sends, the worker type's default: the same pool without an interpreter's start."""
+    command sends, the worker type's default: the same pool without an interpreter's start.
+
+    ``floor``: the pool's isolation floor (its min_isolation default), lowered as an operator
+    lowers it, for the tests' trusted `process` deployments; None keeps the built-in one."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
@@ -54,14 +57,29 @@ def create_pool(cli: bool = True) -> str:
     if cli:
         proc = prefect_cli("work-pool", "create", name, "--type", "resoluto")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        return name
-    with get_client(sync_client=True) as c:
-        c.create_work_pool(
-            WorkPoolCreate(
-                name=name, type="resoluto", base_job_template=ResolutoWorker.get_default_base_job_template()
+    else:
+        with get_client(sync_client=True) as c:
+            c.create_work_pool(
+                WorkPoolCreate(
+                    name=name,
+                    type="resoluto",
+                    base_job_template=ResolutoWorker.get_default_base_job_template(),
+                )
             )
-        )
+    if floor is not None:
+        set_pool_default(name, "min_isolation", floor)
     return name
+
+
+def set_pool_default(pool: str, variable: str, value: Any) -> None:
+    """A variable's default in the pool's base job template, as an operator edits the pool."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    with get_client(sync_client=True) as c:
+        template = c.read_work_pool(pool).base_job_template
+        template["variables"]["properties"][variable]["default"] = value
+        c.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
 
 
 class Worker:

@@ -9,11 +9,13 @@ credential everywhere the sandbox lets them look.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -168,3 +170,116 @@ def hostile(victim: str, patterns: list[str], other_block: str, other_variable: 
         event="prefect.flow-run.Completed", resource={"prefect.resource.id": f"prefect.flow-run.{victim}"}
     )
     log.info("ATTEMPT emitted an event about another run")
+
+
+@task
+def own_task() -> None:
+    """A task run of the planter's own: the parent its planted runs name."""
+
+
+@flow
+def planter(
+    pool: str, marker: str, secret_block: str, other_tag: str, victim_flow: str, victim_key: str
+) -> None:
+    """Issue 29's attacks, from inside the sandbox with nothing but the gateway's address and
+    token: each is logged ``ATTEMPT <name>: <status> <body>``."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    assert ctx is not None and ctx.flow_run is not None
+    own, own_flow = str(ctx.flow_run.id), str(ctx.flow_run.flow_id)
+    with get_client(sync_client=True) as c:
+        parent = c.create_task_run(task=own_task, flow_run_id=ctx.flow_run.id, dynamic_key="planted")
+        tagged = c.create_task_run(
+            task=own_task.with_options(tags=["mine"]), flow_run_id=ctx.flow_run.id, dynamic_key="t"
+        )
+    api = os.environ["PREFECT_API_URL"]
+    token = os.environ["PREFECT_API_AUTH_STRING"]  # the run's gateway token, as its auth string
+    headers = {"Authorization": "Basic " + base64.b64encode(token.encode()).decode()}
+    planted = {
+        "flow_id": own_flow,
+        "parent_task_run_id": str(parent.id),
+        "work_pool_name": pool,
+        "state": {"type": "SCHEDULED"},
+        "job_variables": {"runtime": "process", "min_isolation": "none", "command": f"touch {marker}"},
+    }
+    attempts = {
+        "plant a run on the pool": ("POST", "/flow_runs/", planted),
+        "plant a run without a pool field, but scheduled": (
+            "POST",
+            "/flow_runs/",
+            {"flow_id": own_flow, "parent_task_run_id": str(parent.id), "state": {"type": "SCHEDULED"}},
+        ),
+        "template a secret": (
+            "POST",
+            "/flow_runs/",
+            {
+                "flow_id": own_flow,
+                "parent_task_run_id": str(parent.id),
+                "job_variables": {"env": {"X": "{{ prefect.blocks.secret." + secret_block + " }}"}},
+            },
+        ),
+        "list every run": (
+            "POST",
+            "/flow_runs/filter",
+            {"flow_runs": {"operator": "or_", "id": {"any_": [own]}, "name": {"like_": ""}}},
+        ),
+        "list by parent, widened": (
+            "POST",
+            "/flow_runs/filter",
+            {
+                "flow_runs": {
+                    "operator": "or_",
+                    "parent_task_run_id": {"any_": [str(parent.id)]},
+                    "name": {"like_": ""},
+                }
+            },
+        ),
+        "claim another run by its idempotency key": (
+            "POST",
+            "/flow_runs/",
+            {"flow_id": victim_flow, "idempotency_key": victim_key, "parent_task_run_id": str(parent.id)},
+        ),
+        "take another tag's slots": (
+            "POST",
+            "/v2/concurrency_limits/increment-with-lease",
+            {
+                "names": [f"tag:{other_tag}"],
+                "slots": 1,
+                "mode": "concurrency",
+                "holder": {"type": "task_run", "id": str(tagged.id)},
+                "lease_duration": 60,
+            },
+        ),
+    }
+
+    def send(http: httpx.Client, method: str, path: str, body: Any) -> httpx.Response:
+        # As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried.
+        for delay in (0.5, 1, 2, 4, 8, 0):
+            r = http.request(method, api + path, json=body)
+            if r.status_code not in (429, 502, 503) or not delay:
+                return r
+            time.sleep(delay)  # a retry's back-off, as the client's own
+        return r
+
+    with httpx.Client(base_url=api, headers=headers, timeout=60) as http:
+        for name, (method, path, body) in attempts.items():
+            r = send(http, method, path, body)
+            get_run_logger().info("ATTEMPT %s: %s %s", name, r.status_code, r.text[:600])
+        # what the engine itself does for a tagged task passes: its own tag
+        r = send(
+            http,
+            "POST",
+            "/v2/concurrency_limits/increment-with-lease",
+            {
+                "names": ["tag:mine"],
+                "slots": 1,
+                "mode": "concurrency",
+                "holder": {"type": "task_run", "id": str(tagged.id)},
+                "lease_duration": 60,
+            },
+        )
+        get_run_logger().info("OWN TAG %s", r.status_code)
+    _flush_logs()

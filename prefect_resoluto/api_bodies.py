@@ -1,0 +1,334 @@
+"""Bodies the gateway builds itself: what it forwards is serialised from what it parsed.
+
+A sandboxed run's body is never passed through where it could steer the API beyond the
+run: a sub-flow's creation and a flow-run listing are parsed into exactly the fields
+Prefect 3.9's engine sends there (``FlowRunCreate`` from ``create_flow_run``,
+``FlowRunFilter`` from ``load_subflow_run`` and the suspension observer), anything else
+is refused naming it, and the body forwarded is built here. Every body is also bounded
+before it is parsed: its size per endpoint (checked before it is read) and its nesting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was refused: the rule's name and what it saw."""
+
+    rule: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """An admitted request whose body the gateway forwards as built here, not as received."""
+
+    body: Any
+
+
+#: A body's nesting (objects and arrays inside each other) and its number of them: what
+#: ``json.loads`` would otherwise turn into a RecursionError, or a few GB of small dicts.
+MAX_DEPTH = 32
+MAX_CONTAINERS = 100_000
+#: Ids one request may name (a listing, a batch of logs): one upstream query answers them.
+MAX_IDS = 200
+#: Bytes of a body, per endpoint (the rest: ``DEFAULT_CAP``). Prefect's log batches are at
+#: most 3 MB (PREFECT_LOGGING_TO_API_BATCH_SIZE) and an artifact is the run's own markdown.
+BODY_CAPS = {("POST", "/logs"): 6 << 20, ("POST", "/artifacts"): 4 << 20, ("POST", "/flow_runs"): 2 << 20}
+DEFAULT_CAP = 1 << 20
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def body_cap(method: str, rel: str) -> int:
+    return BODY_CAPS.get((method.upper(), rel.rstrip("/") or "/"), DEFAULT_CAP)
+
+
+def parse_bounded(raw: bytes) -> Any:
+    """The body as JSON (None when it is none or not JSON), or a Refusal when it nests deeper
+    than MAX_DEPTH or holds more than MAX_CONTAINERS objects and arrays. Strings are blanked
+    and everything but brackets dropped by C-speed passes before the one count in Python."""
+    if not raw:
+        return None
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if len(brackets) > 2 * MAX_CONTAINERS:
+        return Refusal("body-shape", f"a body of more than {MAX_CONTAINERS} objects and arrays")
+    depth = 0
+    for b in brackets:
+        depth += 1 if b in b"[{" else -1
+        if depth > MAX_DEPTH:
+            return Refusal("body-shape", f"a body nested deeper than {MAX_DEPTH}")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+# --------------------------------------------------------------------------- a sub-flow's creation
+
+#: ``FlowRunCreate`` as the engine's ``create_flow_run`` sends it for a sub-flow
+#: (``exclude_unset``): no deployment, pool, queue, job variables, idempotency key.
+SUBFLOW_FIELDS = frozenset(
+    {
+        "flow_id",
+        "flow_version",
+        "name",
+        "parameters",
+        "context",
+        "tags",
+        "parent_task_run_id",
+        "state",
+        "empirical_policy",
+    }
+)
+_STATE_FIELDS = frozenset({"type", "name", "message", "state_details", "data", "timestamp"})
+_POLICY_FIELDS = frozenset({"retries", "retry_delay"})
+
+
+def subflow_run(body: Any, what: str) -> dict[str, Any] | Refusal:
+    """The sub-flow run the gateway creates: Pending, in no pool or queue, with no job
+    variables: no worker polls it, and only its parent's engine runs it."""
+    rule = "own-sub-flows"
+    if not isinstance(body, dict):
+        return Refusal(rule, f"{what}: a flow run's creation is a JSON object")
+    extra = sorted(set(body) - SUBFLOW_FIELDS)
+    if extra:
+        return Refusal(rule, f"{what}: fields {extra} are not the engine's for a sub-flow (refused)")
+    flow_id, parent = _uuid(body.get("flow_id")), _uuid(body.get("parent_task_run_id"))
+    if flow_id is None or parent is None:
+        return Refusal(rule, f"{what}: a sub-flow names its flow_id and parent_task_run_id")
+    state = body.get("state")
+    if state is not None:
+        if not isinstance(state, dict) or set(state) - _STATE_FIELDS:
+            return Refusal(rule, f"{what}: state fields {sorted(set(state) - _STATE_FIELDS)} refused")
+        if state.get("type") != "PENDING":
+            return Refusal(rule, f"{what}: a sub-flow starts Pending, not {state.get('type')!r}")
+    policy = body.get("empirical_policy") or {}
+    if not isinstance(policy, dict) or set(policy) - _POLICY_FIELDS:
+        return Refusal(rule, f"{what}: empirical_policy fields beyond {sorted(_POLICY_FIELDS)} refused")
+    retries, delay = policy.get("retries"), policy.get("retry_delay") or 0
+    if not (retries is None or _small_int(retries)) or not _small_int(delay):
+        return Refusal(rule, f"{what}: empirical_policy holds retries/retry_delay as small integers")
+    tags = body.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(t, str) and len(t) <= 256 for t in tags):
+        return Refusal(rule, f"{what}: tags are a list of strings")
+    name, version = body.get("name"), body.get("flow_version")
+    if not (name is None or isinstance(name, str)) or not (version is None or isinstance(version, str)):
+        return Refusal(rule, f"{what}: name and flow_version are strings")
+    params, context = body.get("parameters") or {}, body.get("context") or {}
+    if not isinstance(params, dict) or not isinstance(context, dict):
+        return Refusal(rule, f"{what}: parameters and context are objects")
+    out: dict[str, Any] = {
+        "flow_id": flow_id,
+        "parent_task_run_id": parent,
+        "name": name,
+        "flow_version": version,
+        "parameters": params,
+        "context": context,
+        "tags": tags,
+        "state": {"type": "PENDING", "name": "Pending"},
+        "empirical_policy": {"retries": retries, "retry_delay": delay},
+    }
+    return out
+
+
+# --------------------------------------------------------------------------- a listing of flow runs
+
+
+@dataclass(frozen=True)
+class FlowRunListing:
+    """``POST /flow_runs/filter`` as the engine sends it: by ids, or by parent task runs."""
+
+    by: str  # "id" or "parent_task_run_id"
+    ids: tuple[str, ...]
+    state: dict[str, list[str]] | None
+    sort: str | None
+    limit: int | None
+    offset: int
+
+    def body(self, ids: list[str]) -> dict[str, Any]:
+        """The filter forwarded: the gateway's own, over ``ids`` (already the run's own)."""
+        runs: dict[str, Any] = {self.by: {"any_": ids}}
+        if self.state:
+            runs["state"] = {k: {"any_": v} for k, v in self.state.items()}
+        limit = min(self.limit or MAX_IDS, MAX_IDS)
+        out: dict[str, Any] = {"flow_runs": runs, "limit": limit, "offset": self.offset}
+        if self.sort:
+            out["sort"] = self.sort
+        return out
+
+
+_TOP = frozenset(
+    {
+        "flows",
+        "flow_runs",
+        "task_runs",
+        "deployments",
+        "work_pools",
+        "work_pool_queues",
+        "sort",
+        "limit",
+        "offset",
+    }
+)
+_SORTS = frozenset(
+    {
+        "ID_DESC",
+        "START_TIME_ASC",
+        "START_TIME_DESC",
+        "EXPECTED_START_TIME_ASC",
+        "EXPECTED_START_TIME_DESC",
+        "NAME_ASC",
+        "NAME_DESC",
+        "NEXT_SCHEDULED_START_TIME_ASC",
+        "END_TIME_DESC",
+    }
+)
+_STATE_TYPES = frozenset(
+    {"SCHEDULED", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "CRASHED", "PAUSED", "CANCELLING"}
+)
+
+
+def flow_run_listing(body: Any, what: str) -> FlowRunListing | Refusal:
+    rule = "own-runs-only"
+    if not isinstance(body, dict):
+        return Refusal(rule, f"{what}: a listing is a JSON object")
+    extra = sorted(set(body) - _TOP)
+    others = sorted(k for k in _TOP - {"flow_runs", "sort", "limit", "offset"} if body.get(k) is not None)
+    if extra or others:
+        return Refusal(rule, f"{what}: fields {extra + others} are not the engine's (refused)")
+    runs = body.get("flow_runs")
+    if not isinstance(runs, dict):
+        return Refusal(rule, f"{what}: a listing names flow_runs by id or by parent task run")
+    if runs.get("operator", "and_") != "and_":
+        return Refusal(rule, f"{what}: operator {runs.get('operator')!r} refused (only and_)")
+    keys = set(runs) - {"operator"}
+    by = [k for k in ("id", "parent_task_run_id") if k in keys]
+    unknown = sorted(keys - {"id", "parent_task_run_id", "state"})
+    if unknown or len(by) != 1:
+        return Refusal(
+            rule,
+            f"{what}: flow_runs filters {unknown or sorted(keys)} refused (one of id, parent_task_run_id)",
+        )
+    cond = runs[by[0]]
+    ids = cond.get("any_") if isinstance(cond, dict) else None
+    if (
+        not isinstance(cond, dict)
+        or set(cond) - {"any_", "operator"}
+        or cond.get("operator", "and_") != "and_"
+        or not isinstance(ids, list)
+        or not ids
+        or len(ids) > MAX_IDS
+        or any(_uuid(i) is None for i in ids)
+    ):
+        return Refusal(rule, f"{what}: flow_runs.{by[0]} is {{any_: [1..{MAX_IDS} ids]}} and nothing else")
+    state = _state_filter(runs.get("state"))
+    if isinstance(state, str):
+        return Refusal(rule, f"{what}: {state}")
+    sort, limit, offset = body.get("sort"), body.get("limit"), body.get("offset") or 0
+    if sort is not None and sort not in _SORTS:
+        return Refusal(rule, f"{what}: sort {sort!r} refused")
+    if not (limit is None or _small_int(limit)) or not _small_int(offset):
+        return Refusal(rule, f"{what}: limit and offset are small integers")
+    return FlowRunListing(by[0], tuple(str(_uuid(i)) for i in ids), state, sort, limit, offset)
+
+
+def _state_filter(state: Any) -> dict[str, list[str]] | None | str:
+    if state is None:
+        return None
+    if not isinstance(state, dict) or set(state) - {"type", "name", "operator"}:
+        return "flow_runs.state is {type: {any_}, name: {any_}}"
+    out: dict[str, list[str]] = {}
+    for k in ("type", "name"):
+        cond = state.get(k)
+        if cond is None:
+            continue
+        vals = cond.get("any_") if isinstance(cond, dict) else None
+        if set(cond) - {"any_"} or not isinstance(vals, list) or not all(isinstance(v, str) for v in vals):
+            return f"flow_runs.state.{k} is {{any_: [...]}}"
+        if k == "type" and set(vals) - _STATE_TYPES:
+            return f"state types {sorted(set(vals) - _STATE_TYPES)} refused"
+        out[k] = [str(v)[:64] for v in vals[:16]]
+    return out or None
+
+
+def _uuid(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return None
+
+
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000
+
+
+# --------------------------------------------------------------------------- every other admitted body
+
+#: The fields Prefect 3.9's client sends to the other endpoints a run may write to (its
+#: ``TaskRunCreate``, ``ArtifactCreate``/``ArtifactUpdate``, ``LogCreate``, ``StateCreate``
+#: and the concurrency client's bodies). ``*`` stands for one id in the path.
+_STATE = frozenset({"type", "name", "message", "state_details", "data", "timestamp", "id"})
+_LOG = frozenset({"name", "level", "message", "timestamp", "flow_run_id", "task_run_id", "worker_id"})
+_FIELDS: dict[tuple[str, str], frozenset[str]] = {
+    ("POST", "task_runs"): frozenset(
+        {
+            "id",
+            "name",
+            "flow_run_id",
+            "task_key",
+            "dynamic_key",
+            "cache_key",
+            "cache_expiration",
+            "task_version",
+            "empirical_policy",
+            "tags",
+            "labels",
+            "task_inputs",
+            "state",
+        }
+    ),
+    ("POST", "artifacts"): frozenset(
+        {"key", "type", "description", "data", "metadata_", "flow_run_id", "task_run_id"}
+    ),
+    ("PATCH", "artifacts/*"): frozenset({"data", "description", "metadata_"}),
+    ("POST", "flow_runs/*/set_state"): frozenset({"state", "force"}),
+    ("POST", "task_runs/*/set_state"): frozenset({"state", "force"}),
+    ("POST", "v2/concurrency_limits/increment-with-lease"): frozenset(
+        {"names", "slots", "mode", "lease_duration", "holder"}
+    ),
+    ("POST", "v2/concurrency_limits/decrement-with-lease"): frozenset({"lease_id"}),
+    ("POST", "v2/concurrency_limits/leases/*/renew"): frozenset({"lease_duration"}),
+}
+
+
+def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None:
+    """An admitted body rebuilt from the engine's fields of its endpoint (a field it does not
+    send is refused, naming it); None where the endpoint has no table here."""
+    parts = path.strip("/").split("/")
+    shape = "/".join("*" if _uuid(p) is not None else p for p in parts)
+    what = f"{method} /api{path}"
+    if (method, shape) == ("POST", "logs") and isinstance(body, list):
+        extra = sorted({k for e in body if isinstance(e, dict) for k in e} - _LOG)
+        if extra:
+            return Refusal("engine-fields", f"{what}: log fields {extra} are not the engine's (refused)")
+        return Rebuilt([{k: e[k] for k in _LOG if k in e} for e in body])
+    allowed = _FIELDS.get((method, shape))
+    if allowed is None or not isinstance(body, dict):
+        return None
+    extra = sorted(set(body) - allowed)
+    state = body.get("state") if "set_state" in shape or shape == "task_runs" else None
+    if isinstance(state, dict):
+        extra += [f"state.{k}" for k in sorted(set(state) - _STATE)]
+    if extra:
+        return Refusal("engine-fields", f"{what}: fields {extra} are not the engine's (refused)")
+    return Rebuilt({k: body[k] for k in body})

@@ -1,0 +1,679 @@
+"""Issue 29: a hostile flow run stays inside its sandbox.
+
+A real `prefect server` with an auth string, a real `resoluto` worker, and the attacks of
+the issue: from inside a gVisor sandbox through the worker and the gateway (the planter
+flow), planted on the pool directly (what the worker must refuse whoever planted it), and
+the finer points straight at a run's gateway with the real server behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from polling import scaled, wait_for
+from prefect_cli import api_http
+from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
+    GVISOR,
+    auth_server,
+    gateway_for,
+    logs_with_all,
+    parked_run,
+    server,
+)
+from test_worker import create_pool, deploy, final_run, run_logs, running_worker
+
+from prefect_resoluto import api_gateway
+
+PROCESS = {"runtime": "process", "min_isolation": "none"}
+
+
+def _admin_post(path: str, body: dict[str, Any]) -> httpx.Response:
+    """A raw request with the worker's own credential (the test is the operator here)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        return c._client.post(path, json=body)
+
+
+def _task_run(flow_run_id: Any, tags: list[str] | None = None) -> Any:
+    from prefect import task
+    from prefect.client.orchestration import get_client
+
+    @task(name="a-task", tags=tags or [])
+    def t() -> None:
+        pass
+
+    with get_client(sync_client=True) as c:
+        return c.create_task_run(task=t, flow_run_id=flow_run_id, dynamic_key=uuid.uuid4().hex)
+
+
+# --------------------------------------------------------------------------- from inside gVisor
+
+
+def test_a_hostile_run_in_gvisor_plants_lists_claims_and_takes_slots_in_vain(gvisor, server, tmp_path):  # noqa: F811
+    """Findings 1-5 from inside the sandbox: planting a run on the pool (with a host command,
+    with a templated Secret), listing every run, claiming another by its idempotency key,
+    taking another tag's slots. Each is refused naming what it sent, nothing is planted,
+    nothing ran on the host, the victim is unchanged; the run's own tag slot still passes."""
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
+    from test_worker import schedule
+
+    tag = uuid.uuid4().hex[:6]
+    marker = tmp_path / "planted-command-ran"
+    Secret(value="planted-9931").save(f"plant-{tag}")
+    victim = parked_run()
+    key = f"victim-key-{tag}"
+    made = _admin_post("/flow_runs/", {"flow_id": str(victim.flow_id), "idempotency_key": key})
+    assert made.status_code == 201, made.text
+    victim_id = made.json()["id"]
+    with get_client(sync_client=True) as c:
+        victim_before = c.read_flow_run(victim_id)
+    other_tag = f"theirs-{tag}"
+    with get_client(sync_client=True) as c:
+        c.create_concurrency_limit(tag=other_tag, concurrency_limit=1)
+    run = schedule(
+        deploy(server.worker.pool, "gateway_flows.py:planter", tmp_path / "conduit", **GVISOR),
+        pool=server.worker.pool,
+        marker=str(marker),
+        secret_block=f"plant-{tag}",
+        other_tag=other_tag,
+        victim_flow=str(victim.flow_id),
+        victim_key=key,
+    )
+    done = final_run(run.id, server.worker)
+    assert done.state.is_completed(), (done.state, server.worker.output()[-6000:])
+    logs = logs_with_all(run.id, "OWN TAG ")
+    attempts = {m.split(":", 1)[0][8:]: m.split(": ", 1)[1] for m in logs if m.startswith("ATTEMPT ")}
+    assert len(attempts) == 7, logs
+    expected = {
+        "plant a run on the pool": ("own-sub-flows", "job_variables", "work_pool_name"),
+        "plant a run without a pool field, but scheduled": ("own-sub-flows", "Pending, not 'SCHEDULED'"),
+        "template a secret": ("own-sub-flows", "job_variables"),
+        "list every run": ("own-runs-only", "'or_'"),
+        "list by parent, widened": ("own-runs-only", "'or_'"),
+        "claim another run by its idempotency key": ("own-sub-flows", "idempotency_key"),
+        "take another tag's slots": ("own-task-concurrency", other_tag),
+    }
+    for name, (rule, *said) in expected.items():
+        answer = attempts[name]
+        assert answer.startswith("403 ") and f"(rule {rule})" in answer, (name, answer)
+        assert all(s in answer for s in said), (name, answer)
+    assert next(m for m in logs if m.startswith("OWN TAG ")).startswith("OWN TAG 2"), logs
+    assert "planted-9931" not in "\n".join(logs)
+    assert not marker.exists()
+    with get_client(sync_client=True) as c:
+        planted = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=False))
+        )
+        assert [fr for fr in planted if fr.flow_id == done.flow_id] == []
+        after = c.read_flow_run(victim_id)
+        assert (after.state_type, after.updated) == (victim_before.state_type, victim_before.updated)
+        limit = c.read_global_concurrency_limit_by_name(f"tag:{other_tag}")
+        assert limit.active_slots == 0, limit
+    assert run_logs(victim_id) == []
+
+
+# --------------------------------------------------------------------------- planted on the pool
+
+
+def test_the_worker_refuses_a_run_without_a_deployment_before_launching_anything(server, tmp_path):  # noqa: F811
+    """Finding 1 at the worker: a run planted on the pool with a host command in its job
+    variables (by anyone who can create a run) is Crashed with the reason, nothing launched."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    @flow(name="planted")
+    def planted() -> None:
+        pass
+
+    own = parked_run()
+    parent = _task_run(own.id)
+    markers = {k: tmp_path / f"ran-{k}" for k in ("bare", "sub")}
+    runs = {}
+    with get_client(sync_client=True) as c:
+        for kind, marker in markers.items():
+            runs[kind] = c.create_flow_run(
+                planted,
+                state=Scheduled(),
+                work_pool_name=server.worker.pool,
+                parent_task_run_id=parent.id if kind == "sub" else None,
+                job_variables={**PROCESS, "command": f"touch {marker}"},
+            )
+    for kind, fr in runs.items():
+        done = final_run(fr.id, server.worker)
+        message = done.state.message or ""
+        assert done.state.is_crashed(), (kind, done.state, server.worker.output()[-4000:])
+        assert "refuses flow run" in message and "it has no deployment" in message, message
+        assert "nothing was launched" in message, message
+        if kind == "sub":
+            assert str(parent.id) in message, message
+    assert not any(m.exists() for m in markers.values())
+
+
+def test_a_runs_own_job_variables_set_only_what_the_pool_lets_it(server, tmp_path):  # noqa: F811
+    """Finding 2 at the worker: a run of a deployment (run_deployment, a custom run) may set
+    the pool's run_overridable keys only, never a template the worker would resolve with its
+    own credential, never what chooses the isolation or the command."""
+    from prefect.blocks.system import Secret
+    from prefect.deployments import run_deployment
+
+    tag = uuid.uuid4().hex[:6]
+    Secret(value="templated-5521").save(f"tmpl-{tag}")
+    dep = deploy(server.worker.pool, "worker_flows.py:where_am_i", tmp_path / "conduit", **PROCESS)
+    cases = {
+        "template": ({"env": {"X": "{{ prefect.blocks.secret.tmpl-" + tag + " }}"}}, "hold templates at"),
+        "command": (
+            {"command": f"touch {tmp_path / 'ran'}"},
+            "which only the pool and the deployment choose",
+        ),
+        "floor": ({"min_isolation": "none"}, "which only the pool and the deployment choose"),
+        "grants": ({"allowed_blocks": [f"secret/tmpl-{tag}"]}, "which only the pool and the deployment"),
+        "off the list": ({"stream_output": False}, "does not let a run override"),
+    }
+    runs = {k: run_deployment(dep, job_variables=v, timeout=0) for k, (v, _) in cases.items()}
+    allowed = run_deployment(dep, job_variables={"memory": "1Gi", "env": {"PLAIN": "1"}}, timeout=0)
+    for kind, fr in runs.items():
+        done = final_run(fr.id, server.worker)
+        assert done.state.is_crashed(), (kind, done.state)
+        assert cases[kind][1] in (done.state.message or ""), (kind, done.state.message)
+        assert "templated-5521" not in json.dumps(run_logs(fr.id))
+    assert not (tmp_path / "ran").exists()
+    assert final_run(allowed.id, server.worker).state.is_completed()
+
+
+def test_the_pools_floor_is_not_lowered_by_a_deployment(tmp_path, server):  # noqa: F811
+    pool = create_pool(cli=False, floor=None)  # the built-in floor: user-kernel
+    with running_worker(pool, tmp_path) as worker:
+        dep = deploy(pool, "worker_flows.py:where_am_i", tmp_path / "conduit", **PROCESS)
+        from prefect.deployments import run_deployment
+
+        done = final_run(run_deployment(dep, timeout=0).id, worker)
+    assert done.state.is_crashed(), done.state
+    assert "below the pool's floor 'user-kernel'" in (done.state.message or ""), done.state.message
+
+
+# --------------------------------------------------------------------------- at the gateway
+
+
+def _post(url: str, **kw: Any) -> httpx.Response:
+    """A request through a gateway, retried as Prefect's client retries a busy server's 503."""
+    with api_http() as c:
+        return c.post(url, **kw)
+
+
+def _get(url: str, **kw: Any) -> httpx.Response:
+    with api_http() as c:
+        return c.get(url, **kw)
+
+
+def _h(gw: Any) -> dict[str, str]:
+    return {"Authorization": f"Bearer {gw.token}"}
+
+
+def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # noqa: F811
+    own, other = parked_run(), parked_run()
+    with gateway_for(own) as gw:
+        base = f"http://{gw.address}/api"
+        for body in (
+            {"flow_runs": {"operator": "or_", "id": {"any_": [str(own.id)]}, "name": {"like_": ""}}},
+            {"flow_runs": {"id": {"any_": [str(own.id)]}, "name": {"like_": ""}}},
+            {"flow_runs": {"id": {"any_": [str(own.id)], "not_any_": [str(other.id)]}}},
+            {"flow_runs": {"id": {"any_": [str(own.id)]}}, "flows": {"name": {"like_": ""}}},
+            {"flow_runs": {"id": {"any_": [str(own.id), str(other.id)]}}},
+        ):
+            r = _post(f"{base}/flow_runs/filter", headers=_h(gw), json=body)
+            assert r.status_code == 403 and "(rule own-runs-only)" in r.text, (body, r.text)
+        r = _post(
+            f"{base}/flow_runs/filter",
+            headers=_h(gw),
+            json={"flow_runs": {"id": {"any_": [str(own.id)]}}, "offset": 0},
+        )
+        assert r.status_code == 200 and [fr["id"] for fr in r.json()] == [str(own.id)], r.text
+
+
+def test_a_sub_flow_is_pending_in_no_pool_and_only_a_201_is_claimed(server):  # noqa: F811
+    """Finding 4 and the sub-flow's body: the run's own sub-flow is created from the body the
+    gateway built (no pool, queue, job variables; Pending), and claimed from its 201; an
+    idempotency key is refused, and a 200 (an existing object) is never claimed."""
+    from prefect.client.orchestration import get_client
+
+    own = parked_run()
+    parent = _task_run(own.id)
+    with gateway_for(own, flow_id=str(own.flow_id)) as gw:
+        base = f"http://{gw.address}/api"
+        body = {
+            "flow_id": str(own.flow_id),
+            "parent_task_run_id": str(parent.id),
+            "state": {
+                "type": "PENDING",
+                "name": "Pending",
+                "message": None,
+                "state_details": {},
+                "data": None,
+            },
+            "parameters": {"x": 1},
+            "tags": ["t"],
+            "empirical_policy": {"retries": None, "retry_delay": 0},
+        }
+        r = _post(f"{base}/flow_runs/", headers=_h(gw), json={**body, "idempotency_key": "k"})
+        assert r.status_code == 403 and "idempotency_key" in r.text, r.text
+        r = _post(f"{base}/flow_runs/", headers=_h(gw), json=body)
+        assert r.status_code == 201, r.text
+        sub = r.json()["id"]
+        assert sub in gw.rules.flow_runs
+        assert _get(f"{base}/flow_runs/{sub}", headers=_h(gw)).status_code == 200
+        gw.rules.note_response("POST", "/flow_runs", body, 200, {"id": str(uuid.uuid4())})
+        assert len(gw.rules.flow_runs) == 2  # itself and the sub-flow: the 200's object is not the run's
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(sub)
+    assert fr.state.is_pending() and fr.work_queue_id is None and fr.work_pool_name is None, fr
+    assert fr.job_variables in ({}, None) and fr.idempotency_key is None and fr.deployment_id is None
+
+
+def test_a_runs_slots_are_its_own_task_runs_tags_only(server):  # noqa: F811
+    from prefect.client.orchestration import get_client
+
+    own = parked_run()
+    tag = uuid.uuid4().hex[:6]
+    with get_client(sync_client=True) as c:
+        c.create_concurrency_limit(tag=f"theirs-{tag}", concurrency_limit=1)
+    mine = _task_run(own.id, tags=[f"mine-{tag}"])
+    with gateway_for(own) as gw:
+        url = f"http://{gw.address}/api/v2/concurrency_limits/increment-with-lease"
+
+        def ask(name: str) -> httpx.Response:
+            holder = {"type": "task_run", "id": str(mine.id)}
+            body = {"names": [f"tag:{name}"], "slots": 1, "mode": "concurrency", "holder": holder}
+            return _post(url, headers=_h(gw), json={**body, "lease_duration": 60})
+
+        theirs = ask(f"theirs-{tag}")
+        assert theirs.status_code == 403 and "(rule own-task-concurrency)" in theirs.text, theirs.text
+        assert ask(f"mine-{tag}").status_code == 200
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(f"tag:theirs-{tag}").active_slots == 0
+
+
+@pytest.fixture
+def quick_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api_gateway, "HEAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(api_gateway, "BODY_TIMEOUT", 1.0)
+
+
+def _raw(gw: Any, data: bytes) -> socket.socket:
+    s = socket.create_connection((gw.host, gw.port), timeout=scaled(30))
+    s.sendall(data)
+    return s
+
+
+def _answer(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+        if b"\r\n\r\n" in out:
+            break
+    return out
+
+
+def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeouts, caplog):  # noqa: F811
+    """Finding 6: a declared size over the endpoint's cap is refused before the body is read;
+    a deep or huge nesting is refused before it is parsed; a half-sent head or body is
+    dropped; 300 unknown task-run ids are one refusal, 150 one upstream query; refusals on
+    the worker's log are capped and their control characters escaped."""
+    caplog.set_level(logging.WARNING, logger="prefect_resoluto.api_gateway")
+    own = parked_run()
+    with gateway_for(own) as gw:
+        auth = f"Authorization: Bearer {gw.token}\r\n".encode()
+        head = b"POST /api/logs/ HTTP/1.1\r\nHost: g\r\n" + auth + b"Content-Type: application/json\r\n"
+        with _raw(gw, head + b"Content-Length: 100000000\r\n\r\n") as s:  # and never a byte of it
+            assert _answer(s).startswith(b"HTTP/1.1 413 "), "refused before the body"
+        with _raw(gw, head + b"Content-Length: 10\r\n\r\n[{") as s:
+            assert _answer(s).startswith(b"HTTP/1.1 408 ")
+        with _raw(gw, b"GET /api/flow_runs/x HTTP/1.1\r\nHost: g\r\n") as s:  # a head never finished
+            s.settimeout(scaled(30))
+            assert s.recv(1) == b"", "closed"
+        for body in (b"[" * 5000 + b"]" * 5000, b"[" + b"{}," * 150_000 + b"{}]"):
+            r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), content=body)
+            assert r.status_code == 403 and "(rule body-shape)" in r.text, r.text[:300]
+
+        queries: list[str] = []
+        post = gw.upstream_post
+
+        async def counted(rel: str, body: Any) -> tuple[int, Any]:
+            queries.append(rel)
+            return await post(rel, body)
+
+        gw.upstream_post = counted  # type: ignore[method-assign]
+
+        def logs(n: int) -> list[dict[str, Any]]:
+            now = "2026-01-01T00:00:00Z"
+            return [
+                {
+                    "name": "x",
+                    "level": 20,
+                    "message": "m",
+                    "timestamp": now,
+                    "flow_run_id": str(own.id),
+                    "task_run_id": str(uuid.uuid4()),
+                }
+                for _ in range(n)
+            ]
+
+        r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(300))
+        assert r.status_code == 403 and queries == [], r.text
+        r = _post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs(150))
+        assert r.status_code == 201 and queries == ["task_runs/filter"], (r.text, queries)
+
+        for _ in range(api_gateway.MAX_LOGGED_REFUSALS + 5):
+            _get(f"http://{gw.address}/api/x%1b[31m%07", headers=_h(gw))
+        lines = [r.getMessage() for r in caplog.records if r.name == "prefect_resoluto.api_gateway"]
+        assert len(lines) == api_gateway.MAX_LOGGED_REFUSALS + 1, len(lines)
+        assert not any(re.search(r"[\x00-\x1f\x7f]", m) for m in lines)
+        assert "\\x1b[31m\\x07" in lines[-2] and "the rest are counted" in lines[-1]
+
+
+# --------------------------------------------------------------------------- properties
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**7) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+_KEYS = [
+    "flow_id", "flow_version", "name", "parameters", "context", "tags", "parent_task_run_id", "state",
+    "empirical_policy", "work_pool_name", "work_queue_name", "job_variables", "deployment_id",
+    "idempotency_key", "infrastructure_pid", "labels",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hypothesis_target(auth_server: Any) -> Iterator[tuple[Any, Any, Any, Any]]:  # noqa: F811
+    """A run's gateway, one of its task runs, and another run (the victim) on the module's server."""
+    own, victim = parked_run(), parked_run()
+    parent = _task_run(own.id)
+    with gateway_for(own, flow_id=str(own.flow_id)) as gw:
+        yield own, parent, gw, victim
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    data=st.data(),
+    keys=st.lists(st.sampled_from(_KEYS), unique=True, max_size=8),
+)
+def test_no_body_a_run_sends_makes_a_run_any_worker_would_start(hypothesis_target, data, keys):
+    """Property: whatever body a run sends to create a flow run or list them, nothing outside
+    the run is read, and what is created is a Pending sub-flow in no pool or queue."""
+    from prefect.client.orchestration import get_client
+
+    own, parent, gw, _victim = hypothesis_target
+    valid = {
+        "flow_id": str(own.flow_id),
+        "parent_task_run_id": str(parent.id),
+        "state": st.sampled_from([{"type": t} for t in ("PENDING", "SCHEDULED", "RUNNING")]),
+        "work_pool_name": st.just(server_pool_name()),
+        "tags": st.lists(st.text(max_size=5), max_size=2),
+    }
+    body: dict[str, Any] = {}
+    for k in ["flow_id", "parent_task_run_id", *keys]:
+        choice = valid.get(k)
+        if isinstance(choice, str) and data.draw(st.booleans()):
+            body[k] = choice
+        elif isinstance(choice, st.SearchStrategy) and data.draw(st.booleans()):
+            body[k] = data.draw(choice)
+        else:
+            body[k] = data.draw(_JSON)
+    base = f"http://{gw.address}/api"
+    r = _post(f"{base}/flow_runs/", headers=_h(gw), json=body)
+    assert r.status_code in (201, 403, 422), (r.status_code, r.text, body)
+    if r.status_code == 201:
+        with get_client(sync_client=True) as c:
+            fr = c.read_flow_run(r.json()["id"])
+        assert fr.state.is_pending() and fr.work_queue_id is None and fr.work_pool_name is None, (fr, body)
+        assert not fr.job_variables and fr.deployment_id is None and fr.idempotency_key is None
+    listing = {
+        "flow_runs": {k: data.draw(_JSON) for k in keys[:2]},
+        **{k: data.draw(_JSON) for k in keys[2:4]},
+    }
+    r = _post(f"{base}/flow_runs/filter", headers=_h(gw), json=listing)
+    assert r.status_code in (200, 403, 422), (r.status_code, r.text)
+    if r.status_code == 200:
+        assert {fr["id"] for fr in r.json()} <= gw.rules.flow_runs, listing
+
+
+def server_pool_name() -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        return next(p.name for p in c.read_work_pools() if p.type == "resoluto")
+
+
+def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, tmp_path):  # noqa: F811
+    """An ordinary `process` pool with Prefect's own process worker on the same server: a run's
+    gateway refuses to create a flow run in it (or any queue, or Scheduled), and the sub-flow
+    it may create, even set Scheduled, is in no queue: the process worker, seen picking up
+    a canary after that, never touches it."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.states import Scheduled
+    from prefect.workers.process import ProcessWorker
+    from test_worker import Worker
+
+    pool = f"ordinary-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as c:
+        c.create_work_pool(
+            WorkPoolCreate(
+                name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+            )
+        )
+    own = parked_run()
+    parent = _task_run(own.id)
+    worker = Worker(pool, tmp_path, tmp_path / "state", tmp_path / "conduit")
+    try:
+        with gateway_for(own, flow_id=str(own.flow_id)) as gw:
+            base = f"http://{gw.address}/api"
+            sub = {"flow_id": str(own.flow_id), "parent_task_run_id": str(parent.id)}
+            for extra in (
+                {"work_pool_name": pool},
+                {"work_queue_name": "default"},
+                {"work_pool_name": pool, "state": {"type": "SCHEDULED"}},
+                {"state": {"type": "SCHEDULED"}},
+            ):
+                r = _post(f"{base}/flow_runs/", headers=_h(gw), json={**sub, **extra})
+                assert r.status_code == 403 and "(rule own-sub-flows)" in r.text, (extra, r.text)
+            made = _post(f"{base}/flow_runs/", headers=_h(gw), json=sub)
+            assert made.status_code == 201, made.text
+            sub_id = made.json()["id"]
+            scheduled = {"state": {"type": "SCHEDULED", "name": "Scheduled"}, "force": True}
+            r = _post(f"{base}/flow_runs/{sub_id}/set_state", headers=_h(gw), json=scheduled)
+            assert r.status_code in (200, 201), r.text
+
+        @flow(name="canary")
+        def canary() -> None:
+            pass
+
+        with get_client(sync_client=True) as c:
+            probe = c.create_flow_run(canary, state=Scheduled(), work_pool_name=pool)
+
+            def picked_up() -> bool:
+                state = c.read_flow_run(probe.id).state
+                return state is not None and not state.is_scheduled()
+
+            wait_for(picked_up, timeout=120, what="the process worker to pick up its canary")
+            after = c.read_flow_run(sub_id)
+        assert after.state.is_scheduled() and after.work_queue_id is None and after.work_pool_name is None, (
+            after
+        )
+        assert sub_id not in worker.output()
+    finally:
+        worker.stop()
+
+
+def test_a_sandbox_blocks_floor_does_not_lower_the_pools() -> None:
+    """A deployment may choose a sandbox block; its min_isolation counts against the pool's floor too."""
+    from prefect_resoluto.blocks import SandboxBlock
+    from prefect_resoluto.run_admission import RunRefused
+    from prefect_resoluto.runtimes.base import IsolationLevel
+    from prefect_resoluto.worker import ResolutoJobConfiguration
+
+    cfg = ResolutoJobConfiguration(sandbox=SandboxBlock(runtime="process", min_isolation="none"))
+    cfg._isolation_floor = IsolationLevel.USER_KERNEL
+    with pytest.raises(RunRefused, match="below the pool's floor 'user-kernel'"):
+        cfg.sandbox_config()
+    cfg._isolation_floor = IsolationLevel.NONE
+    assert cfg.sandbox_config().min_isolation.label == "none"
+
+
+def test_a_deeply_nested_event_is_dropped_not_a_recursion_error(server):  # noqa: F811
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
+
+    own = parked_run()
+
+    async def send(gw: Any) -> None:
+        async with connect(f"ws://{gw.address}/api/events/in", subprotocols=[Subprotocol("prefect")]) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            assert json.loads(await ws.recv()) == {"type": "auth_success"}
+            await ws.send("[" * 100_000 + "]" * 100_000)
+            await ws.send(
+                json.dumps({"event": "x", "resource": {"prefect.resource.id": "prefect.flow-run.other"}})
+            )
+
+    with gateway_for(own) as gw:
+        asyncio.run(send(gw))
+        wait_for(lambda: gw.refused >= 2, timeout=30, what="both events judged")
+        assert gw.refused == 2
+    warnings = wait_for(
+        lambda: (w := [m for m in run_logs(own.id) if "refused (rule" in m]) and len(w) >= 2 and w,
+        timeout=60,
+        what="the refusals in the run's logs",
+    )
+    assert any("(rule body-shape)" in m for m in warnings), warnings
+
+
+_RUN_CHOICE = st.sampled_from(["own", "other", "random", "junk"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), which=st.lists(_RUN_CHOICE, min_size=1, max_size=3), extra=_JSON)
+def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, data, which, extra):
+    """Property over the other admitted writes: whatever ids and fields a run sends, nothing
+    is written into another run (its logs, artifacts and task runs stay empty)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    own, parent, gw, victim = hypothesis_target
+    ids = {"own": str(own.id), "other": str(victim.id), "random": str(uuid.uuid4()), "junk": extra}
+    base = f"http://{gw.address}/api"
+    now = "2026-01-01T00:00:00Z"
+    for w in which:
+        run_id = ids[w]
+        task = data.draw(st.sampled_from([None, str(parent.id), str(uuid.uuid4()), extra]))
+        line = {
+            "name": "x",
+            "level": 20,
+            "message": "m",
+            "timestamp": now,
+            "flow_run_id": run_id,
+            "task_run_id": task,
+        }
+        bodies = {
+            "/logs/": [line, {**line, "flow_run_id": str(own.id)}],
+            "/artifacts/": {"type": "markdown", "data": "x", "flow_run_id": run_id, "task_run_id": task},
+            "/task_runs/": {
+                "flow_run_id": run_id,
+                "task_key": "k",
+                "dynamic_key": uuid.uuid4().hex,
+                "name": "n",
+            },
+        }
+        for path, body in bodies.items():
+            r = _post(base + path, headers=_h(gw), json=body)
+            assert r.status_code in (200, 201, 403, 422), (path, r.status_code, r.text)
+    with get_client(sync_client=True) as c:
+        assert run_logs(victim.id) == []
+        assert not c.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[victim.id]))
+        )
+        assert not c.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[victim.id]))
+        )
+
+
+def test_one_runs_stalled_requests_hold_only_its_own_few_slots(server, monkeypatch):  # noqa: F811
+    """Concurrency per run: bodies that never finish occupy at most MAX_CONCURRENT slots of
+    that run's gateway, each freed by the body timeout (408); a request behind them is then
+    answered."""
+    import concurrent.futures
+
+    monkeypatch.setattr(api_gateway, "BODY_TIMEOUT", 3.0)
+    own = parked_run()
+    with gateway_for(own) as gw:
+        auth = f"Authorization: Bearer {gw.token}\r\n".encode()
+        head = b"POST /api/logs/ HTTP/1.1\r\nHost: g\r\n" + auth + b"Content-Length: 10\r\n\r\n[{"
+        stalled = [_raw(gw, head) for _ in range(api_gateway.MAX_CONCURRENT)]
+        assert gw._busy is not None
+        wait_for(gw._busy.locked, timeout=30, what="every slot held by a stalled body")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            behind = pool.submit(
+                httpx.get, f"http://{gw.address}/api/flow_runs/{own.id}", headers=_h(gw), timeout=120
+            )
+            answers = [_answer(s) for s in stalled]
+            assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers
+            assert behind.result().status_code == 200
+        for s in stalled:
+            s.close()
+
+
+def test_every_admitted_write_is_rebuilt_from_the_engines_fields(server):  # noqa: F811
+    """A field Prefect's client does not send to an endpoint is refused, naming it; what the
+    engine sends passes (its own run's state, a log line, a task run)."""
+    own = parked_run()
+    with gateway_for(own) as gw:
+        base = f"http://{gw.address}/api"
+        now = "2026-01-01T00:00:00Z"
+        line = {"name": "x", "level": 20, "message": "m", "timestamp": now, "flow_run_id": str(own.id)}
+        refused = [
+            (f"/flow_runs/{own.id}/set_state", {"state": {"type": "RUNNING", "extra": 1}}, "state.extra"),
+            (
+                f"/flow_runs/{own.id}/set_state",
+                {"state": {"type": "RUNNING"}, "orchestration": 1},
+                "orchestration",
+            ),
+            ("/logs/", [{**line, "worker_secret": 1}], "worker_secret"),
+            (
+                "/task_runs/",
+                {"flow_run_id": str(own.id), "task_key": "k", "dynamic_key": "0", "rogue": 1},
+                "rogue",
+            ),
+        ]
+        for path, body, named in refused:
+            r = _post(base + path, headers=_h(gw), json=body)
+            assert r.status_code == 403 and "(rule engine-fields)" in r.text and named in r.text, (
+                path,
+                r.text,
+            )
+        assert _post(base + "/logs/", headers=_h(gw), json=[line]).status_code == 201
+        r = _post(
+            base + f"/flow_runs/{own.id}/set_state", headers=_h(gw), json={"state": {"type": "PENDING"}}
+        )
+        assert r.status_code in (200, 201), r.text
