@@ -342,6 +342,10 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
         [_real_future(f) for f in inline_map(self.name, self.fn, a, k)]
     )
     _apply_run_context(prefect)
+    # No ephemeral server, no wait on an API; artifacts relayed to the host.
+    from guest_runner import prefect_api
+
+    prefect_api.patch()
 
 
 _REAL_FUTURE: Optional[type] = None
@@ -416,6 +420,11 @@ class _Finder(_FinderBase):
                     real_spec = getattr(module, "__spec__", None)
                     module.__spec__ = None
                     return ModuleSpec(fullname, _Loaded(real_spec))
+                # Not imported yet: a module guest_runner.prefect_api patches is patched as
+                # it loads (its own finder, inserted while this one was asked, is not).
+                from guest_runner import prefect_api
+
+                return prefect_api.find_spec(fullname, path)
         return None
 
 

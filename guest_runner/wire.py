@@ -28,6 +28,12 @@ WORKSPACE_ARCHIVE_NAME = "workspace"
 
 #: A workload line starting with this is a structured log record: JSON with level, logger, msg.
 LOG_MARKER = "\x1eresoluto-log:"
+#: A workload line starting with this is an artifact a task relays (guest_runner.prefect_api):
+#: JSON with op ("create" / "update"), id, and the artifact's type, label (Prefect's key),
+#: description and data.
+#: It travels as a "log" event of kind "artifact" whose data holds it under "artifact" (the
+#: reference's readers take any kind and any data object: to them it is a log line).
+ARTIFACT_MARKER = "\x1eresoluto-artifact:"
 
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = (
