@@ -165,6 +165,125 @@ def _patch_artifacts(module: types.ModuleType) -> None:
     module.aupdate_progress_artifact = aupdate  # type: ignore[attr-defined]
 
 
+# -- variables and blocks the runner allows ------------------------------------------------
+#: The node's environment variable (a declared secret: delivered at assignment, redacted)
+#: holding {"variables": {name: value}, "blocks": {"slug/name": {...}}}: what the host read
+#: of the runner's allowed_variables / allowed_blocks when the task started.
+READS_ENV = "RESOLUTO_PREFECT_READS"
+_reads: Optional[Dict[str, Any]] = None
+
+
+def reads() -> Dict[str, Any]:
+    global _reads
+    if _reads is None:
+        import os
+
+        try:
+            loaded = json.loads(os.environ.get(READS_ENV, "") or "{}")
+        except ValueError:
+            loaded = {}
+        _reads = loaded if isinstance(loaded, dict) else {}
+    return _reads
+
+
+def _allowed(kind: str) -> Dict[str, Any]:
+    found = reads().get(kind)
+    return found if isinstance(found, dict) else {}
+
+
+def _not_allowed(what: str, setting: str, allowed: Dict[str, Any]) -> PrefectAPIUnavailable:
+    names = ", ".join(sorted(map(repr, allowed))) or "none"
+    return PrefectAPIUnavailable(
+        f"{what} is not available inside a sandboxed task: only those named in the runner's "
+        f"{setting} setting are (ResolutoTaskRunner({setting}=[...]) or the sandbox block's; allowed "
+        f"here: {names}); the host reads them when the task starts"
+    )
+
+
+def _refused_write(what: str, setting: str) -> PrefectAPIUnavailable:
+    return PrefectAPIUnavailable(
+        f"{what} is not available inside a sandboxed task: the runner's {setting} setting "
+        "(ResolutoTaskRunner) allows reads only; write it from the flow"
+    )
+
+
+def _variable_get(name: Any, default: Any = None) -> Any:
+    variables = _allowed("variables")
+    if name not in variables:
+        raise _not_allowed(f"Variable {name!r}", "allowed_variables", variables)
+    value = variables[name]
+    return default if value is None else value
+
+
+def _patch_variables(module: types.ModuleType) -> None:
+    cls = module.Variable
+
+    def get(cls_: Any, name: str, default: Any = None, _sync: Any = None) -> Any:
+        return _variable_get(name, default)
+
+    async def aget(cls_: Any, name: str, default: Any = None) -> Any:
+        return _variable_get(name, default)
+
+    def writer(what: str) -> Any:
+        def refuse(cls_: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
+            raise _refused_write(f"{what}({name!r})", "allowed_variables")
+
+        async def arefuse(cls_: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
+            raise _refused_write(f"{what}({name!r})", "allowed_variables")
+
+        return refuse, arefuse
+
+    cls.get, cls.aget = classmethod(get), classmethod(aget)
+    for verb in ("set", "unset"):
+        sync, asynchronous = writer(f"Variable.{verb}")
+        setattr(cls, verb, classmethod(sync))
+        setattr(cls, "a" + verb, classmethod(asynchronous))
+
+
+def _block_load(cls: Any, name: str) -> Any:
+    if cls.__name__ == "Block" and "/" in name:
+        ref = name
+    else:
+        ref = f"{cls.get_block_type_slug()}/{name}"
+    blocks = _allowed("blocks")
+    found = blocks.get(ref)
+    if not isinstance(found, dict):
+        raise _not_allowed(f"Block {ref!r}", "allowed_blocks", blocks)
+    error = found.get("error")
+    if isinstance(error, dict):  # what loading it on the host raised (a block that does not exist)
+        message = str(error.get("message", ""))
+        raise (ValueError(message) if error.get("type") == "ValueError" else PrefectAPIUnavailable(message))
+    target: Any = importlib.import_module(str(found.get("module")))
+    for part in str(found.get("qualname")).split("."):
+        target = getattr(target, part)
+    return target.model_validate(found.get("data") or {})
+
+
+def _patch_blocks(module: types.ModuleType) -> None:
+    cls = module.Block
+
+    def load(cls_: Any, name: str, validate: bool = True, client: Any = None, _sync: Any = None) -> Any:
+        return _block_load(cls_, name)
+
+    async def aload(cls_: Any, name: str, validate: bool = True, client: Any = None) -> Any:
+        return _block_load(cls_, name)
+
+    def writer(what: str) -> Any:
+        def refuse(self: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
+            raise _refused_write(f"{what}({name!r})", "allowed_blocks")
+
+        async def arefuse(self: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
+            raise _refused_write(f"{what}({name!r})", "allowed_blocks")
+
+        return refuse, arefuse
+
+    cls.load, cls.aload = classmethod(load), classmethod(aload)
+    sync, asynchronous = writer("Block.save")
+    cls.save, cls.asave = sync, asynchronous
+    sync, asynchronous = writer("Block.delete")
+    cls.delete, cls.adelete = classmethod(sync), classmethod(asynchronous)
+
+
 # -- the client ------------------------------------------------------------------------
 def _patch_client(base: types.ModuleType) -> None:
     async def asend(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -196,6 +315,8 @@ _PATCHES: Dict[str, Callable[[types.ModuleType], None]] = {
     "prefect.client.base": _patch_client,
     "prefect.artifacts": _patch_artifacts,
     "prefect.events.utilities": _patch_events,
+    "prefect.variables": _patch_variables,
+    "prefect.blocks.core": _patch_blocks,
 }
 _patched: "set[str]" = set()
 

@@ -29,7 +29,7 @@ import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr
 from pydantic_core import PydanticUndefined
 
 from guest_runner import wire
@@ -117,11 +117,6 @@ _WORKING_DIR = (
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
-_ALLOWED_BLOCKS = (
-    "Blocks the flow run may read, as 'block-type-slug/name' (e.g. 'secret/warehouse-password'); read-only. "
-    "Every other block is refused by the run's API gateway."
-)
-_ALLOWED_VARIABLES = "Variables the flow run may read, by name; read-only. Every other variable is refused."
 _GATEWAY_ADDRESS = (
     "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
     "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
@@ -130,16 +125,6 @@ _GATEWAY_ADDRESS = (
 
 def _conduit_choices(schema: dict[str, Any]) -> None:
     title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
-
-
-def _check_block_refs(v: list[str]) -> list[str]:
-    for ref in v:
-        slug, _, name = ref.partition("/")
-        if not slug or not name or "/" in name:
-            raise ValueError(
-                f"allowed block {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
-            )
-    return v
 
 
 def _secret_choices(schema: dict[str, Any]) -> None:
@@ -193,15 +178,8 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
         ),
     ),
     "stream_output": (bool, Field(default=True, title="Stream output", description=_STREAM)),
-    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
-    "allowed_blocks": (
-        list[str],
-        Field(default_factory=list, title="Allowed blocks", description=_ALLOWED_BLOCKS),
-    ),
-    "allowed_variables": (
-        list[str],
-        Field(default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES),
-    ),
+    # What the run's API gateway (api_gateway.py) lets the flow run read besides itself:
+    # allowed_blocks / allowed_variables, declared with the runner's in settings.py.
     "api_gateway_address": (
         Optional[str],
         Field(
@@ -214,7 +192,6 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
 }
 _VALIDATORS = {
     **setting_validators(Surface.POOL),
-    "_blocks": field_validator("allowed_blocks")(_check_block_refs),
 }
 
 

@@ -111,8 +111,17 @@ def test_what_a_sandbox_does_not_serve_fails_at_once_saying_so(tmp_path, runtime
         assert "is not available inside a sandboxed task" in call["message"], (name, call)
         assert "ResolutoTaskRunner" in call["message"], (name, call)
         assert call["seconds"] < 1.0, (name, call)
-    assert calls["sync variable"]["message"].startswith("Prefect variables (Variable.get / set)")
-    assert calls["sync secret"]["message"].startswith("Prefect blocks (Block.load / save)")
+    assert calls["sync variable"]["message"].startswith("Variable 'some-variable' is not available")
+    assert calls["async variable"]["message"] == calls["sync variable"]["message"]
+    assert "only those named in the runner's allowed_variables setting" in calls["sync variable"]["message"]
+    assert calls["sync variable_set"]["message"].startswith("Variable.set('some-variable') is not available")
+    assert (
+        "allowed_variables setting (ResolutoTaskRunner) allows reads only"
+        in calls["sync variable_set"]["message"]
+    )
+    assert calls["sync secret"]["message"].startswith("Block 'secret/some-secret' is not available")
+    assert "allowed_blocks" in calls["sync secret"]["message"]
+    assert calls["sync client"]["message"].startswith("reading or changing flow runs is not available")
 
 
 def test_a_task_that_floods_artifacts_is_refused_and_loses_nothing_else(tmp_path):
@@ -184,3 +193,41 @@ def test_a_flow_runs_artifacts_are_the_users_plus_one_runner_table(tmp_path):
     assert len(ours) == 1 and ours[0].task_run_id is None, ours
     assert ours[0].description == "9 sandbox node(s), 9 succeeded"
     assert len(json.loads(ours[0].data)) == 9
+
+
+def test_allowed_variables_and_blocks_read_as_on_threads_and_values_are_redacted(tmp_path, runtime):
+    from prefect.blocks.system import Secret
+    from prefect.variables import Variable
+    from test_drop_in import logs
+
+    Variable.set("relay-region", "eu-west-9", overwrite=True)
+    Secret(value=SECRET).save("relay-token", overwrite=True)
+
+    def run(task_runner) -> tuple:
+        @flow(task_runner=task_runner)
+        def reading() -> tuple:
+            return (
+                pcf.reads.submit("relay-region", "relay-token", "secret/relay-token").result(),
+                pcf.areads.submit("relay-region", "relay-token").result(),
+            )
+
+        state = reading(return_state=True)
+        return state.result(), state.state_details.flow_run_id
+
+    threads, _ = run(ThreadPoolTaskRunner())
+    allowed = {
+        "allowed_variables": ["relay-region", "missing-variable"],
+        "allowed_blocks": ["secret/relay-token", "secret/missing-secret"],
+    }
+    sandbox, fr = run(sandboxed(tmp_path, runtime, **allowed))
+    assert sandbox == threads
+    assert threads[0] == {
+        "variable": "eu-west-9",
+        "default": "dflt",
+        "secret": SECRET,
+        "block": SECRET,
+        "missing block": "ValueError: Unable to find block document named missing-secret for block type secret",
+    }
+    assert threads[1] == ["eu-west-9", SECRET]
+    lines = [r.message for r in logs(flow_run_id=fr)]
+    assert "the secret is ***" in lines and not any(SECRET in m for m in lines), lines

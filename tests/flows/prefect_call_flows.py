@@ -146,3 +146,35 @@ def forges(count: int, big_bytes: int) -> str:
     print(line(-2, "").replace('"markdown"', '"executable"'), flush=True)
     get_run_logger().info("still here")
     return "done"
+
+
+@task
+def reads(variable: str, secret: str, block_ref: str) -> dict:
+    """What a task reads of Prefect's variables and blocks, and what a missing one raises."""
+    from prefect import get_run_logger
+    from prefect.blocks.core import Block
+    from prefect.blocks.system import Secret
+    from prefect.variables import Variable
+
+    value = Secret.load(secret).get()
+    get_run_logger().info("the secret is %s", value)
+    try:
+        Secret.load("missing-secret")
+        missing = None
+    except Exception as e:  # noqa: BLE001 - what it raises is the point
+        missing = f"{type(e).__name__}: {e}"
+    return {
+        "variable": Variable.get(variable),
+        "default": Variable.get("missing-variable", default="dflt"),
+        "secret": value,
+        "block": Block.load(block_ref).get(),
+        "missing block": missing,
+    }
+
+
+@task
+async def areads(variable: str, secret: str) -> list:
+    from prefect.blocks.system import Secret
+    from prefect.variables import Variable
+
+    return [await Variable.aget(variable), (await Secret.aload(secret)).get()]
