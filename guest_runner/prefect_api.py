@@ -23,6 +23,7 @@ import sys
 import threading
 import types
 import uuid
+from importlib.machinery import ModuleSpec, PathFinder
 from typing import Any, Callable, Dict, Optional
 
 from guest_runner.wire import ARTIFACT_MARKER
@@ -301,9 +302,9 @@ def _patch_settings() -> None:
     process and every thread it starts (the global settings, not a context var)."""
     context = importlib.import_module("prefect.context")
     settings = importlib.import_module("prefect.settings")
-    current = context.GLOBAL_SETTINGS_CONTEXT
+    current = getattr(context, "GLOBAL_SETTINGS_CONTEXT")  # noqa: B009 - read at call time, as Prefect does
     updated = current.settings.copy_with_update(updates={settings.PREFECT_API_URL: UNAVAILABLE_URL})
-    context.GLOBAL_SETTINGS_CONTEXT = current.model_copy(update={"settings": updated})
+    setattr(context, "GLOBAL_SETTINGS_CONTEXT", current.model_copy(update={"settings": updated}))  # noqa: B010
 
 
 def _patch_events(utilities: types.ModuleType) -> None:
@@ -330,12 +331,10 @@ def patch_loaded() -> None:
             fn(module)
 
 
-def find_spec(fullname: str, path: Any) -> Any:
+def find_spec(fullname: str, path: Any) -> "Optional[ModuleSpec]":
     """The spec of a module of :data:`_PATCHES` whose loading patches it; None for others."""
     if fullname not in _PATCHES or fullname in _patched or fullname in sys.modules:
         return None
-    from importlib.machinery import PathFinder
-
     spec = PathFinder.find_spec(fullname, path)
     if spec is None or spec.loader is None:
         return None

@@ -48,7 +48,7 @@ def _block(ref: str) -> dict[str, Any]:
     from prefect.blocks.core import Block
 
     try:
-        block = Block.load(ref, _sync=True)  # type: ignore[call-arg]
+        block: Any = Block.load(ref, _sync=True)  # type: ignore[call-arg]
     except Exception as e:  # raised again in the sandbox, as it would be on a thread
         return {"error": {"type": type(e).__name__, "message": str(e)}}
     cls = type(block)
