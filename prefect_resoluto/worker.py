@@ -54,6 +54,7 @@ from prefect_resoluto.flow_runs import (
     new_node_id,
     sandbox_network,
     split_env,
+    ui_env,
     with_code_mounts,
 )
 from prefect_resoluto.form_fields import (
@@ -588,6 +589,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         try:
             net = sandbox_network(runtime, api_url, cfg.egress)
             env.update(net.env)
+            env.update({k: v for k, v in ui_env().items() if k not in env})  # the job's own wins
             secret_env.update(credential)
             if gateway is not None:
                 gateway.start()
@@ -786,7 +788,12 @@ class FlowRunNode(NodeObserver):
         if ev.get("kind") == "heartbeat":
             return
         if ev.get("event") == "log":
-            line = str((ev.get("data") or {}).get("line", ""))
+            data = ev.get("data") or {}
+            line = str(data.get("line", ""))
+            if ev.get("kind") == "egress" and str(data.get("level", "")).upper() in ("DEBUG", "INFO"):
+                # A connection the allowlist let through (the API's, mostly): a detail, not news.
+                self.worker_logger.debug("%s | %s", self.flow_run_name, line)
+                return
             self.evidence.append(line)
             if self.echo is not None:
                 self.echo(line)
