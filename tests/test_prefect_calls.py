@@ -105,7 +105,7 @@ def test_what_a_sandbox_does_not_serve_fails_at_once_saying_so(tmp_path, runtime
         **{f"sync {k}": v for k, v in sync.items()},
         **{f"async {k}": v for k, v in asynchronous.items()},
     }
-    assert len(calls) == 6, calls
+    assert len(calls) == 7, calls
     for name, call in calls.items():
         assert call.get("type") == "PrefectAPIUnavailable", (name, call)
         assert "is not available inside a sandboxed task" in call["message"], (name, call)
@@ -121,6 +121,7 @@ def test_what_a_sandbox_does_not_serve_fails_at_once_saying_so(tmp_path, runtime
     )
     assert calls["sync secret"]["message"].startswith("Block 'secret/some-secret' is not available")
     assert "allowed_blocks" in calls["sync secret"]["message"]
+    assert calls["sync block_save"]["message"].startswith("Block.save('new-secret') is not available")
     assert calls["sync client"]["message"].startswith("reading or changing flow runs is not available")
 
 

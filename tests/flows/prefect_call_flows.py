@@ -91,6 +91,7 @@ def unserved() -> dict:
         "variable": _timed(lambda: Variable.get("some-variable")),
         "variable_set": _timed(lambda: Variable.set("some-variable", "v", overwrite=True)),
         "secret": _timed(lambda: Secret.load("some-secret").get()),
+        "block_save": _timed(lambda: Secret(value="s" * 8).save("new-secret")),
         "client": _timed(read_flow_runs),
     }
 
