@@ -402,8 +402,9 @@ class SandboxSettings:
         check=lambda v: _check_names(v, "allowed_variables"),
         block=Form(),
         pool=Form(
+            check=True,
             description="Variables the flow run may read, by name; read-only. Every other variable is "
-            "refused (by the run's API gateway; in a sandboxed task, at once)."
+            "refused (by the run's API gateway; in a sandboxed task, at once).",
         ),
         cli=Omitted("prefect-resoluto run runs a command, not a Prefect task: nothing reads variables"),
     )
@@ -419,9 +420,10 @@ class SandboxSettings:
         check=_check_block_refs,
         block=Form(),
         pool=Form(
+            check=True,
             description="Blocks the flow run may read, as 'block-type-slug/name' (e.g. "
             "'secret/warehouse-password'); read-only. Every other block is refused (by the run's API "
-            "gateway; in a sandboxed task, at once)."
+            "gateway; in a sandboxed task, at once).",
         ),
         cli=Omitted("prefect-resoluto run runs a command, not a Prefect task: nothing loads blocks"),
     )

@@ -615,8 +615,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             work_queue_id=_str_or_none(flow_run.work_queue_id),
             work_pool_name=pool.name if pool is not None else None,
             work_pool_id=_str_or_none(pool.id) if pool is not None else None,
-            allowed_blocks=frozenset(configuration.allowed_blocks),
-            allowed_variables=frozenset(configuration.allowed_variables),
+            allowed_blocks=frozenset(configuration.allowed_blocks or ()),
+            allowed_variables=frozenset(configuration.allowed_variables or ()),
         )
         host = (configuration.api_gateway_address if remote else None) or "127.0.0.1"
         return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
