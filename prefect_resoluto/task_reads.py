@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from prefect_resoluto.config import SandboxConfig
 
 #: Declared secrets naming each redacted value: RESOLUTO_PREFECT_READ_0, _1, ...
-VALUE_ENV_PREFIX = READS_ENV[: -len("S")] + "_"
+VALUE_ENV_PREFIX = "RESOLUTO_PREFECT_READ_"
 
 
 def secret_entries(cfg: SandboxConfig) -> dict[str, str]:
