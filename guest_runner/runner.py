@@ -113,6 +113,22 @@ def _log_record(line: str) -> Optional[Dict[str, str]]:
     return {"msg": rec["msg"], "level": str(rec.get("level", "INFO")), "logger": str(rec.get("logger", ""))}
 
 
+def _artifact_record(line: str) -> Optional[Dict[str, object]]:
+    """An artifact a task relayed (guest_runner.prefect_api), or None if it isn't one."""
+    try:
+        rec = json.loads(line[len(wire.ARTIFACT_MARKER) :])
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _artifact_line(rec: Dict[str, object]) -> str:
+    """What a reader that knows no artifacts shows for one: a log line."""
+    if rec.get("op") == "update":
+        return f"artifact {rec.get('id')} updated"
+    return f"{rec.get('type')} artifact" + (f" {rec.get('label')!r}" if rec.get("label") else "")
+
+
 def _popen(
     argv: List[str], cwd: Optional[str], env: Dict[str, str], own_group: bool
 ) -> "subprocess.Popen[bytes]":
@@ -170,6 +186,11 @@ def _exec_streamed(
                 record = _log_record(line)
                 if record is not None:
                     span.log(record.pop("msg"), **record)
+                    continue
+            elif line.startswith(wire.ARTIFACT_MARKER):
+                artifact = _artifact_record(line)
+                if artifact is not None:
+                    span.log(_artifact_line(artifact), kind="artifact", artifact=artifact)
                     continue
             span.log(line)
     rc = proc.wait()

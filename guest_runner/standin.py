@@ -342,6 +342,10 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
         [_real_future(f) for f in inline_map(self.name, self.fn, a, k)]
     )
     _apply_run_context(prefect)
+    # No ephemeral server, no wait on an API; artifacts relayed to the host.
+    from guest_runner import prefect_api
+
+    prefect_api.patch()
 
 
 _REAL_FUTURE: Optional[type] = None
@@ -399,12 +403,27 @@ class _Loaded(_LoaderBase):
             module.__loader__ = self.real_spec.loader
 
 
+class _Empty(_LoaderBase):
+    """An empty module: what a submodule of a stand-in whose real package is absent holds."""
+
+    def create_module(self, spec: ModuleSpec) -> None:
+        return None  # the default module object
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
 class _Finder(_FinderBase):
     """``import prefect.<anything>`` swaps the stand-in for the real package first."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Optional[ModuleSpec]:
         for pkg in ("prefect", "prefect_resoluto"):
             if fullname.startswith(pkg + ".") and isinstance(sys.modules.get(pkg), _LazyModule):
+                if pkg == "prefect_resoluto" and getattr(sys.modules[pkg], "__path__", None) == []:
+                    # The host's package is not in this image. The real Prefect still finds its
+                    # collection entry point (prefect_resoluto.collection) and would print a
+                    # warning into the task's output: its submodules are empty here.
+                    return ModuleSpec(fullname, _Empty(), is_package=True)
                 _load_real(pkg)
                 module = sys.modules.get(fullname)
                 if module is not None:
@@ -416,6 +435,11 @@ class _Finder(_FinderBase):
                     real_spec = getattr(module, "__spec__", None)
                     module.__spec__ = None
                     return ModuleSpec(fullname, _Loaded(real_spec))
+                # Not imported yet: a module guest_runner.prefect_api patches is patched as
+                # it loads (its own finder, inserted while this one was asked, is not).
+                from guest_runner import prefect_api
+
+                return prefect_api.find_spec(fullname, path)
         return None
 
 
@@ -426,6 +450,8 @@ def _stand_in(name: str, provided: "dict[str, Any]", fallback: Optional[Callable
     spec = PathFinder.find_spec(name)
     if spec is not None and spec.submodule_search_locations is not None:
         module.__path__ = list(spec.submodule_search_locations)
+    elif name == "prefect_resoluto":
+        module.__path__ = []  # not in this image: its submodules are empty ones (_Finder)
     sys.modules[name] = module
 
 

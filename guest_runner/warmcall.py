@@ -102,6 +102,18 @@ def run_engine(argv: "list[str]") -> int:
         plugins = getattr(prefect, "_initialize_plugins", None)
         if plugins is not None:  # what importing prefect runs when the settings enable plugins
             plugins()
+    # runpy warns that prefect.engine "found in sys.modules ... may result in unpredictable
+    # behaviour": the engine's own dependencies imported it ahead (preimport_engine). Harmless:
+    # a cold `python -m prefect.engine` ends with the same two copies (``__main__`` and the one
+    # those dependencies import while it runs), only without the warning. Silenced exactly.
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore",
+        message=r"'prefect\.engine' found in sys\.modules after import of package 'prefect'",
+        category=RuntimeWarning,
+        module="runpy",
+    )
     sys.argv = [ENGINE_MODULE, *argv]  # run_module puts the module's file first
     runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
     return 0

@@ -38,6 +38,12 @@ MAX_LOG_LINE_BYTES = 1 << 20
 #: The most a host reads of result.json and of _manifest.json.
 MAX_RESULT_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 4096
+#: A workload line starting with this is an artifact a task relays (guest_runner.prefect_api):
+#: JSON with op ("create" / "update"), id, and the artifact's type, label (Prefect's key),
+#: description and data.
+#: It travels as a "log" event of kind "artifact" whose data holds it under "artifact" (the
+#: reference's readers take any kind and any data object: to them it is a log line).
+ARTIFACT_MARKER = "\x1eresoluto-artifact:"
 
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = (

@@ -590,9 +590,15 @@ def gateway_summary(gateway: ApiGateway) -> str:
     rules = gateway.rules
     blocks = ", ".join(sorted(rules.allowed_blocks)) or "none"
     variables = ", ".join(sorted(rules.allowed_variables)) or "none"
+    credential = {"basic": "the worker's auth string", "bearer": "the worker's API key"}.get(
+        gateway.upstream.scheme
+    )
+    upstream = (
+        f"which adds {credential} to what it passes on" if credential else "the API takes no credential"
+    )
     return (
         f"This flow run reaches the Prefect API only through its resoluto gateway ({gateway.address}, "
-        f"{gateway.upstream.scheme} auth upstream): it holds a token valid for this run only and no "
+        f"{upstream}): it holds a token valid for this run only and no "
         "credential of the worker's. It may act on itself and its task runs (states, logs, artifacts, "
         f"events) and read its deployment and flow; blocks it may read: {blocks}; variables: {variables}. "
         "Anything else is refused (HTTP 403) and logged here."

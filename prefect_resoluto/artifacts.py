@@ -1,10 +1,11 @@
-"""The artifacts a flow run's sandbox nodes leave: one keyed table per flow run, a row per
-node, a new version of the same key as nodes finish (what the Artifacts page lists, once
-per flow run), and an unkeyed table on each task run with the node's details (the task
-run's Artifacts tab).
+"""The runner's own artifacts, kept few so a user's own stand out: one keyed table per flow
+run, a row per sandbox node, written once when the runner leaves the flow run (one card on
+the Artifacts page, one version); and, for a *failed* attempt only, an unkeyed table on its
+task run with the node's details (a successful attempt's details are in its DEBUG lines and
+the node's events, ``prefect-resoluto events``).
 
-Published from the runner's background thread (``background.py``), off the task's
-critical path; everything here is best effort and never fails a task.
+Written from the runner's background thread (``background.py``) and at its exit, off the
+task's critical path; everything here is best effort and never fails a task.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _seconds(o: NodeOutcome) -> str:
 
 @dataclass
 class NodeTable:
-    """The flow run's table: a row per node, published as a new version when it changed."""
+    """The flow run's table: a row per node, published once, when the runner leaves the flow run."""
 
     flow_run_id: str
     key: str
@@ -77,7 +78,7 @@ class NodeTable:
     _version: int = 0
     _published: int = 0
 
-    def add(self, o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> None:
+    def add(self, o: NodeOutcome, task_run_name: str, attempt: int, error: str, sandbox: str = "") -> None:
         with self._lock:
             self.rows.append(
                 {
@@ -85,11 +86,14 @@ class NodeTable:
                     "attempt": str(attempt),
                     "status": _status(o),
                     "error": error,
-                    # Short columns only, so the page shows the whole row; the node's id,
-                    # conduit and isolation are in its task run's own table.
+                    # Short columns first, so the page shows them; the node's id, conduit
+                    # and isolation are in a failed attempt's own table and in its events.
                     "runtime": o.runtime,
                     "warm": "yes" if o.warm else "no",
                     "seconds": _seconds(o),
+                    # How the node got its sandbox (warm or cold, why, the wait): the one
+                    # place a successful node's details are kept in the API.
+                    "sandbox": sandbox,
                 }
             )
             self._version += 1
@@ -163,20 +167,31 @@ def publish_node_artifact(
     table: NodeTable | None = None,
     sandbox: str = "",
 ) -> None:
-    """The node's own table on its task run (unkeyed), then the flow run's table.
-    ``sandbox``: how the node got its sandbox (warm or cold, and why), the runner's words."""
+    """The node's row in the flow run's table and, for a failed attempt, its own table on its
+    task run (unkeyed). ``sandbox``: how the node got its sandbox (warm or cold, and why),
+    the runner's words."""
     try:
         from prefect.artifacts import create_table_artifact
 
         error = error_summary(o, redactor)
         if table is not None:
-            table.add(o, task_run_name, attempt, error)
+            table.add(o, task_run_name, attempt, error, sandbox)
+        if o.ok:
+            return
         how = f"{_status(o)}" + (f": {error}" if error else "")
         description = f"{task_run_name}, attempt {attempt}: {how}; {o.runtime}, {_seconds(o)} s"
         create_table_artifact(
             table=node_rows(o, task_run_name, attempt, error, sandbox), description=description, _sync=True
         )  # type: ignore[call-arg]
-        if table is not None:
-            table.publish()
     except Exception as e:  # an artifact is a convenience; never fail the task over it
         log.debug("could not publish the node's artifacts: %s", e)
+
+
+def publish_tables(tables: list[NodeTable]) -> None:
+    """The flow runs' tables, once each (the runner's exit)."""
+    for table in tables:
+        try:
+            if table.rows:
+                table.publish()
+        except Exception as e:  # a convenience; never fail the flow over it
+            log.debug("could not publish the flow run's sandbox table: %s", e)

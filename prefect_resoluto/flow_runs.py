@@ -218,3 +218,13 @@ def new_node_id() -> str:
     # Unique per submission: a flow run submitted again (after a crash) must not find the
     # chunks of its earlier sandbox under the same prefix.
     return f"flow-run-{uuid.uuid4().hex[:12]}"
+
+
+def ui_env() -> dict[str, str]:
+    """``PREFECT_UI_URL`` for a flow run's sandbox: the worker's own UI. Without it Prefect
+    derives the UI from the sandbox's API URL (the gateway's internal name) and prints a
+    "View at http://prefect-api.resoluto.internal:..." link nobody can open."""
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return {"PREFECT_UI_URL": str(ui)} if ui else {}

@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -492,10 +493,13 @@ class EventLogForwarder:
         batcher: ApiLogBatcher | None = None,
         run_fields: dict[str, Any] | None = None,
         log_prints: bool = True,
+        artifacts: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``run_fields``: what Prefect's run logger attaches to a record (task_run_name,
         flow_run_name ...: the console's format names the run with them); ``log_prints``:
-        whether the task's plain output lines are logged (else printed to stdout)."""
+        whether the task's plain output lines are logged (else printed to stdout);
+        ``artifacts``: takes the events of kind ``artifact`` (relayed_artifacts.ArtifactRelay),
+        which are otherwise a DEBUG line."""
         self.task_run_id = task_run_id
         self.flow_run_id = flow_run_id
         self.node_id = node_id
@@ -511,6 +515,7 @@ class EventLogForwarder:
             k: v for k, v in (run_fields or {}).items() if k not in ("task_run_id", "flow_run_id")
         }
         self.log_prints = log_prints
+        self.artifacts = artifacts
         self._output_spans: set[str] = set()
         self.lines = 0
 
@@ -565,6 +570,12 @@ class EventLogForwarder:
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind, event, data = ev.get("kind", ""), ev.get("event", ""), ev.get("data") or {}
+        if kind == "artifact" and event == "log":
+            if self.artifacts is not None:
+                self.artifacts(ev)
+            else:
+                self.emit(logging.DEBUG, str(data.get("line", "")), ev.get("ts"))
+            return
         if event == "open" and kind in OUTPUT_SPANS:
             self._output_spans.add(str(ev.get("span_id", "")))
         if event == "log" and kind == "log":

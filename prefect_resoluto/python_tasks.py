@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
-from prefect_resoluto import pycall
+from prefect_resoluto import pycall, task_reads
 from prefect_resoluto.config import SandboxConfig
 from prefect_resoluto.node import NodeOutcome, WorkloadFailed, output_allowance
 from prefect_resoluto.runtimes.base import memory_hint
@@ -60,6 +60,9 @@ def call(
     ctx = TaskRunContext.get()
     if ctx is None or ctx.task_run is None:
         raise RuntimeError("a sandboxed task must run inside Prefect's task engine")
+    reads = task_reads.secret_entries(cfg)  # the allowed variables and blocks, read here
+    if reads:
+        cfg = cfg.replace(secret_env={**cfg.secret_env, **reads})
     ref = pycall.function_ref(fn, cfg.workspace or default_workspace())
     params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
     redactor = Redactor(cfg.secret_env.values())

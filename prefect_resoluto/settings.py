@@ -144,6 +144,22 @@ def _check_secret_env(v: dict[str, str]) -> None:
         raise ValueError(redact.too_short_message(short))
 
 
+def _check_names(v: list[str], setting_name: str) -> None:
+    for name in v:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{setting_name} holds names: {name!r} is not one")
+
+
+def _check_block_refs(v: list[str]) -> None:
+    _check_names(v, "allowed_blocks")
+    for ref in v:
+        slug, _, name = ref.partition("/")
+        if not slug or not name or "/" in name:
+            raise ValueError(
+                f"allowed_blocks: {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
+            )
+
+
 def _check_pids(v: int | None) -> None:
     Resources.from_quantities(pids=v)
 
@@ -374,6 +390,42 @@ class SandboxSettings:
             "secret variable: redacted from all output; bare K takes the value from this environment",
             repeat=True,
         ),
+    )
+    allowed_variables: list[str] = setting(
+        factory=list,
+        title="Allowed variables",
+        description=(
+            "Prefect variables a sandboxed task may read (Variable.get), by name: read on the host "
+            "when the task starts and handed to its sandbox with its secrets, redacted from its "
+            "logs. Any other name, and every write (Variable.set), fails at once."
+        ),
+        check=lambda v: _check_names(v, "allowed_variables"),
+        block=Form(),
+        pool=Form(
+            check=True,
+            description="Variables the flow run may read, by name; read-only. Every other variable is "
+            "refused (by the run's API gateway; in a sandboxed task, at once).",
+        ),
+        cli=Omitted("prefect-resoluto run runs a command, not a Prefect task: nothing reads variables"),
+    )
+    allowed_blocks: list[str] = setting(
+        factory=list,
+        title="Allowed blocks",
+        description=(
+            "Prefect blocks a sandboxed task may load (Secret.load(...).get(), Block.load), as "
+            "'block-type-slug/name', e.g. 'secret/db-password': loaded on the host when the task "
+            "starts and handed to its sandbox with its secrets, redacted from its logs. Any other "
+            "block, and every write (Block.save), fails at once."
+        ),
+        check=_check_block_refs,
+        block=Form(),
+        pool=Form(
+            check=True,
+            description="Blocks the flow run may read, as 'block-type-slug/name' (e.g. "
+            "'secret/warehouse-password'); read-only. Every other block is refused (by the run's API "
+            "gateway; in a sandboxed task, at once).",
+        ),
+        cli=Omitted("prefect-resoluto run runs a command, not a Prefect task: nothing loads blocks"),
     )
     egress: list[str] = setting(
         factory=list,

@@ -26,7 +26,7 @@ from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto import pool as warm_pool_mod
 from prefect_resoluto import pycall, python_tasks, remote_traceback
-from prefect_resoluto.artifacts import NodeTable, flow_run_key
+from prefect_resoluto.artifacts import NodeTable, flow_run_key, publish_tables
 from prefect_resoluto.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.background import Background
 from prefect_resoluto.config import SandboxConfig, default_outputs_root
@@ -35,6 +35,7 @@ from prefect_resoluto.live import LiveSandboxes
 from prefect_resoluto.logs import ApiLogBatcher, EventLogForwarder
 from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
 from prefect_resoluto.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.relayed_artifacts import ArtifactRelay
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.settings import keyword_signature, unknown_keywords
 from prefect_resoluto.workspace import WorkspacePacker
@@ -202,6 +203,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             self._pacer = ApiLogBatcher()
             self._pacer.start()
             stack.callback(self._pacer.stop)
+            # After the queue below is drained: every node's row is in its table by then.
+            stack.callback(self._publish_tables)
             self._artifacts = stack.enter_context(_Draining(Background("resoluto-artifacts")))
             stack.callback(self._flush_held)
             stack.callback(self._sweep)
@@ -241,6 +244,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             self._held.clear()
         for job in held:
             self._queue_artifact(job)
+
+    def _publish_tables(self) -> None:
+        with self._live_lock:
+            tables = list(self._node_tables.values())
+        publish_tables(tables)
 
     def _flow_failed(self) -> bool:
         # The flow engine handles the flow's exception before leaving the runner's context,
@@ -489,6 +497,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 run_fields=dict(getattr(logger, "extra", None) or {}),
                 log_prints=log_prints,
             )
+            forward.artifacts = ArtifactRelay(tr.id, tr.flow_run_id, forward.emit, redactor)
             warm, how = warm_pool_mod.take_for(self._pool, spec, imports=warm_prefect)
             forward.emit(
                 logging.DEBUG,

@@ -29,7 +29,7 @@ import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr
 from pydantic_core import PydanticUndefined
 
 from guest_runner import wire
@@ -54,6 +54,7 @@ from prefect_resoluto.flow_runs import (
     new_node_id,
     sandbox_network,
     split_env,
+    ui_env,
     with_code_mounts,
 )
 from prefect_resoluto.form_fields import (
@@ -125,11 +126,6 @@ _WORKING_DIR = (
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
 _STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
-_ALLOWED_BLOCKS = (
-    "Blocks the flow run may read, as 'block-type-slug/name' (e.g. 'secret/warehouse-password'); read-only. "
-    "Every other block is refused by the run's API gateway."
-)
-_ALLOWED_VARIABLES = "Variables the flow run may read, by name; read-only. Every other variable is refused."
 _RUN_OVERRIDABLE = (
     "Job variables a flow run's own job variables may set (run_deployment, a custom run); the pool's "
     "value counts, not a deployment's. Never runtime, min_isolation, command, conduit, egress, image, "
@@ -143,16 +139,6 @@ _GATEWAY_ADDRESS = (
 
 def _conduit_choices(schema: dict[str, Any]) -> None:
     title_choices(schema, CONDUIT_CHOICES, CONDUIT_DEFAULT_TITLE)
-
-
-def _check_block_refs(v: list[str]) -> list[str]:
-    for ref in v:
-        slug, _, name = ref.partition("/")
-        if not slug or not name or "/" in name:
-            raise ValueError(
-                f"allowed block {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
-            )
-    return v
 
 
 def _secret_choices(schema: dict[str, Any]) -> None:
@@ -206,15 +192,8 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
         ),
     ),
     "stream_output": (bool, Field(default=True, title="Stream output", description=_STREAM)),
-    # The run's API gateway (api_gateway.py): what the flow run may read besides itself.
-    "allowed_blocks": (
-        list[str],
-        Field(default_factory=list, title="Allowed blocks", description=_ALLOWED_BLOCKS),
-    ),
-    "allowed_variables": (
-        list[str],
-        Field(default_factory=list, title="Allowed variables", description=_ALLOWED_VARIABLES),
-    ),
+    # What the run's API gateway (api_gateway.py) lets the flow run read besides itself:
+    # allowed_blocks / allowed_variables, declared with the runner's in settings.py.
     "run_overridable": (
         list[str],
         Field(
@@ -235,7 +214,6 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
 }
 _VALIDATORS = {
     **setting_validators(Surface.POOL),
-    "_blocks": field_validator("allowed_blocks")(_check_block_refs),
 }
 
 
@@ -664,6 +642,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         try:
             net = sandbox_network(runtime, api_url, cfg.egress)
             env.update(net.env)
+            env.update({k: v for k, v in ui_env().items() if k not in env})  # the job's own wins
             secret_env.update(credential)
             if gateway is not None:
                 gateway.start()
@@ -689,8 +668,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             work_queue_id=_str_or_none(flow_run.work_queue_id),
             work_pool_name=pool.name if pool is not None else None,
             work_pool_id=_str_or_none(pool.id) if pool is not None else None,
-            allowed_blocks=frozenset(configuration.allowed_blocks),
-            allowed_variables=frozenset(configuration.allowed_variables),
+            allowed_blocks=frozenset(configuration.allowed_blocks or ()),
+            allowed_variables=frozenset(configuration.allowed_variables or ()),
         )
         host = (configuration.api_gateway_address if remote else None) or "127.0.0.1"
         return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
@@ -867,7 +846,12 @@ class FlowRunNode(NodeObserver):
         if ev.get("kind") == "heartbeat":
             return
         if ev.get("event") == "log":
-            line = str((ev.get("data") or {}).get("line", ""))
+            data = ev.get("data") or {}
+            line = str(data.get("line", ""))
+            if ev.get("kind") == "egress" and str(data.get("level", "")).upper() in ("DEBUG", "INFO"):
+                # A connection the allowlist let through (the API's, mostly): a detail, not news.
+                self.worker_logger.debug("%s | %s", self.flow_run_name, line)
+                return
             self.evidence.append(line)
             if self.echo is not None:
                 self.echo(line)

@@ -125,7 +125,7 @@ def test_ctrl_c_with_a_pending_artifact_exits_and_the_artifact_is_published(tmp_
     out, _ = _interrupted_child("pending", tmp_path)
     task_run_id = out.split("\n", 1)[0]
     arts = artifacts_of(task_run_id)
-    assert arts and arts[0].description.startswith("square-"), out  # the task run's own table
+    assert arts and arts[0].description.startswith("fail_with-"), out  # the failed attempt's table
     assert "KeyboardInterrupt" in out
     assert get_runtime("process", state_dir=tmp_path / "state").list_ids() == []  # reaped too
 

@@ -20,7 +20,7 @@ from flows import real_prefect_tasks as rp
 from polling import scaled, wait_for
 from prefect import flow, task
 from prefect_cli import flow_child_env
-from prefect_readback import artifacts_of, task_runs
+from prefect_readback import client, task_runs
 from test_task_runner import FLOWS, no_orphans, runner
 
 from guest_runner.conduit import LocalConduit
@@ -38,16 +38,27 @@ def conduit(tmp_path: Path) -> LocalConduit:
 
 
 def sandbox_line(task_run_id) -> str:
-    """How the task run's node got its sandbox: its artifact's "sandbox" row (the task's
-    logs carry only "ran in a warm/cold ... sandbox"; the waits are details)."""
+    """How the task run's (last) node got its sandbox: its row's "sandbox" cell in the flow
+    run's table (the task's logs carry only "ran in a warm/cold ... sandbox"; the waits are
+    details)."""
     import json
 
-    for art in artifacts_of(task_run_id):
-        data = json.loads(art.data) if isinstance(art.data, str) else art.data
-        rows = {row["field"]: row["value"] for row in data}
-        if "sandbox" in rows:
-            return str(rows["sandbox"])
-    raise AssertionError(f"no node artifact with a sandbox row on task run {task_run_id}")
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with client() as c:
+        tr = c.read_task_run(task_run_id)
+        (table,) = [
+            a
+            for a in c.read_latest_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[tr.flow_run_id]))
+            )
+            if (a.key or "").startswith("resoluto-")
+        ]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    mine = [row for row in rows if row["task run"] == tr.name]
+    if not mine:
+        raise AssertionError(f"no row of task run {tr.name} in its flow run's table: {rows}")
+    return str(mine[-1]["sandbox"])
 
 
 def wait_ready() -> None:

@@ -50,8 +50,6 @@ WORKER_VARIABLES = {
     "sandbox",
     "working_dir",
     "stream_output",
-    "allowed_blocks",
-    "allowed_variables",
     "api_gateway_address",
 }
 

@@ -121,6 +121,14 @@ def test_a_flow_run_restored_from_the_engine_snapshot_runs_as_a_booted_one(
     sandbox = line.split("restored sandbox ", 1)[1].split()[0]
     assert all("never-shown-7731" not in m for m in run_logs(run.id))
     assert "never-shown-7731" not in worker.output()
+    # The worker's console tells what helps (issue 34): no runpy warning about the engine
+    # imported ahead, the allowed egress (the API's connections) at DEBUG, a "View at" link
+    # to the UI the worker knows, not to the gateway's internal name.
+    out = worker.output()
+    assert "'prefect.engine' found in sys.modules" not in out, out[-6000:]
+    assert "egress allowed" not in out, out[-6000:]
+    views = [line for line in out.splitlines() if "View at " in line]  # console only, not the API
+    assert views and all("resoluto.internal" not in m for m in views), views
     # Nothing left: the runtime's listing, runsc's containers, the sandbox's namespace.
     wait_for(
         lambda: sandbox_ids(worker.state_dir, "gvisor", run.id) == [],

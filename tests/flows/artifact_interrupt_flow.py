@@ -53,8 +53,9 @@ trm._publish_artifact = held_publish
     )
 )
 def interrupted_with_a_pending_artifact() -> None:
-    fut = sf.square.submit(3)
-    assert fut.result() == 9
+    fut = sf.fail_with.submit("on purpose")  # a failed attempt: its own table on its task run
+    fut.wait()
+    assert fut.state.is_failed()
     publishing.wait()
     print(f"TASK {fut.task_run_id}", flush=True)
     threading.Event().wait()  # until Ctrl-C
