@@ -26,14 +26,12 @@ import uuid
 from importlib.machinery import ModuleSpec, PathFinder
 from typing import Any, Callable, Dict, Optional
 
-from guest_runner.wire import ARTIFACT_MARKER
+from guest_runner.wire import ARTIFACT_MARKER, MAX_ARTIFACT_BYTES
 
 #: The API URL Prefect's settings name inside a sandbox: never resolved, never contacted.
 UNAVAILABLE_URL = "http://prefect-api.not-available-in-a-sandbox.invalid/api"
 #: At most this many artifacts (creations and progress updates) relayed per node.
 MAX_ARTIFACTS = 1000
-#: At most this many bytes of one artifact's JSON (its data, key, description).
-MAX_ARTIFACT_BYTES = 1024 * 1024
 #: The artifact types Prefect's functions make.
 ARTIFACT_TYPES = ("markdown", "table", "link", "progress", "image")
 

@@ -33,7 +33,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional
+from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional
 
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
@@ -122,6 +122,16 @@ def _artifact_record(line: str) -> Optional[Dict[str, object]]:
     return rec if isinstance(rec, dict) else None
 
 
+def _skip_line(out: IO[bytes]) -> int:
+    """Read to the end of the current line without keeping it; the bytes skipped."""
+    skipped = 0
+    while True:
+        piece = out.readline(wire.MAX_LOG_LINE_BYTES)
+        skipped += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return skipped
+
+
 def _artifact_line(rec: Dict[str, object]) -> str:
     """What a reader that knows no artifacts shows for one: a log line."""
     if rec.get("op") == "update":
@@ -182,6 +192,16 @@ def _exec_streamed(
         # goes out in pieces, each an event the host reads within its line limit.
         for raw in iter(lambda: out.readline(wire.MAX_LOG_LINE_BYTES), b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith(wire.ARTIFACT_MARKER) and not raw.endswith(b"\n"):
+                # Longer than any artifact may be: its pieces are neither an artifact nor
+                # the task's output. Read past it and say so, as the host would.
+                size = len(raw) + _skip_line(out)
+                span.log(
+                    f"artifact refused: {size} bytes is more than one artifact may hold "
+                    f"({wire.MAX_ARTIFACT_BYTES} bytes)",
+                    level="ERROR",
+                )
+                continue
             if line.startswith(wire.LOG_MARKER):
                 record = _log_record(line)
                 if record is not None:

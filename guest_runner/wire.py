@@ -34,7 +34,9 @@ LOG_MARKER = "\x1eresoluto-log:"
 #: at 256 KiB) stay far below both.
 MAX_CHUNK_BYTES = 32 << 20
 MAX_LINE_BYTES = 16 << 20
-MAX_LOG_LINE_BYTES = 1 << 20
+#: A little over 1 MiB, so that a relayed artifact of MAX_ARTIFACT_BYTES plus its marker
+#: is one line.
+MAX_LOG_LINE_BYTES = (1 << 20) + (64 << 10)
 #: The most a host reads of result.json and of _manifest.json.
 MAX_RESULT_BYTES = 16 << 20
 MAX_MANIFEST_BYTES = 4096
@@ -44,6 +46,8 @@ MAX_MANIFEST_BYTES = 4096
 #: It travels as a "log" event of kind "artifact" whose data holds it under "artifact" (the
 #: reference's readers take any kind and any data object: to them it is a log line).
 ARTIFACT_MARKER = "\x1eresoluto-artifact:"
+#: At most this many bytes of one relayed artifact's JSON (its data, key, description).
+MAX_ARTIFACT_BYTES = 1 << 20
 
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = (

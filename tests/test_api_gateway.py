@@ -246,7 +246,11 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     assert ordinary_logs.index(first) < min(
         i for i, m in enumerate(ordinary_logs) if m.startswith("sandbox rsl-")
     )
-    assert f"secret/{allowed_block}" in first and f"allowed_{tag}" in first and "basic auth" in first, first
+    assert (
+        f"secret/{allowed_block}" in first
+        and f"allowed_{tag}" in first
+        and "the worker's auth string" in first
+    ), first
     assert not [m for m in ordinary_logs if m.startswith("resoluto gateway refused")], ordinary_logs
 
     # Each gateway died with its run: no listener left on its port.

@@ -51,6 +51,7 @@ WORKER_VARIABLES = {
     "working_dir",
     "stream_output",
     "api_gateway_address",
+    "run_overridable",
 }
 
 
