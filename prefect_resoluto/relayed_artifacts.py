@@ -18,8 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from guest_runner.prefect_api import ARTIFACT_TYPES, MAX_ARTIFACT_BYTES, MAX_ARTIFACTS
+from guest_runner.prefect_api import ARTIFACT_TYPES, MAX_ARTIFACTS
 from guest_runner.redact import Redactor
+from guest_runner.wire import MAX_ARTIFACT_BYTES
 
 log = logging.getLogger("prefect_resoluto")
 

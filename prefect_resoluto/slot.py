@@ -18,6 +18,11 @@ a full slot -- as a protocol failure naming it, and unmounts. A mount point cann
 renamed, so a warm sandbox's slot (mounted in its state directory before it boots) is
 bound onto the node's directory at assignment (:func:`bind`) instead of renamed.
 
+Every slot this host mounts or binds is written in a ledger (``$RESOLUTO_STATE_DIR/slots``)
+with the process that made it: a host killed mid-node leaves its slots mounted, and
+:func:`sweep_orphans` (run by every local runtime's ``sweep``) settles the slots whose
+process is gone, so their ordinary files stay on the conduit and the mount goes.
+
 Without the right to mount (a host not running as root) a slot is a plain directory:
 :func:`settle` still removes and reports every special file, but nothing bounds the size
 (docs/security.md states this weaker mode).
@@ -28,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -36,6 +43,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prefect_resoluto.host_state import process_start_time, same_process, state_dir
 
 log = logging.getLogger("prefect_resoluto.slot")
 
@@ -117,6 +126,7 @@ def mount(path: Path, size: int | None) -> bool:
                 )
             return False
         raise SlotError(e.errno, f"cannot mount the conduit slot {path}: {e.strerror}") from None
+    _enter(path)
     return True
 
 
@@ -131,6 +141,7 @@ def bind(src: Path, dst: Path) -> None:
         with contextlib.suppress(OSError):
             dst.rmdir()
         raise SlotError(e.errno, f"cannot bind the conduit slot {src} at {dst}: {e.strerror}") from None
+    _enter(dst)
 
 
 def grow(path: Path, size: int) -> None:
@@ -153,6 +164,54 @@ def release(path: Path) -> None:
     if mounted(path):
         with contextlib.suppress(OSError):
             _call("umount2", _b(path), _MNT_DETACH)
+    with contextlib.suppress(FileNotFoundError):
+        _entry(path).unlink()
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+def _entry(path: Path) -> Path:
+    key = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:32]
+    return state_dir("slots") / f"{key}.json"
+
+
+def _enter(path: Path) -> None:
+    pid = os.getpid()
+    entry = _entry(path)
+    tmp = entry.with_suffix(f".{pid}.tmp")
+    tmp.write_text(
+        json.dumps({"path": os.path.abspath(path), "pid": pid, "start_time": process_start_time(pid)})
+    )
+    os.replace(tmp, entry)
+
+
+def sweep_orphans() -> int:
+    """Settle every slot in the ledger whose mounting process is gone (a host killed
+    mid-node): its ordinary files stay in the node's directory, the rest is reported in the
+    log, the mount goes. Slots of live processes are left alone. Returns how many went."""
+    n = 0
+    for entry in sorted(state_dir("slots").glob("*.json")):
+        try:
+            rec = json.loads(entry.read_text())
+            path, pid, start = Path(rec["path"]), rec.get("pid"), rec.get("start_time")
+        except (OSError, ValueError, KeyError, TypeError):
+            entry.unlink(missing_ok=True)
+            continue
+        if same_process(pid, start):
+            continue
+        if mounted(path):
+            try:
+                problems = settle(path, None, "sweep").reason()
+            except OSError as e:
+                log.warning("cannot settle the orphaned conduit slot %s: %s", path, e)
+                release(path)
+            else:
+                if problems:
+                    log.warning("an orphaned conduit slot %s: %s", path, problems)
+            n += 1
+        entry.unlink(missing_ok=True)
+    return n
 
 
 @dataclass

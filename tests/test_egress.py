@@ -876,8 +876,13 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
             host.kill()
         egress_net.GATES.setdefault(key, threading.Event()).set()
     assert _mine(_snapshot(), state) == made  # nobody cleaned up: the host died
+    node_dir = tmp_path / "conduit" / "run" / "run-kill" / "nodes" / "n1"
+    assert os.path.ismount(node_dir) == (os.geteuid() == 0)  # its conduit slot, still mounted
     swept = get_runtime(rt.name).sweep({})
     assert swept >= 1
+    # The slot was settled: the mount is gone, what the runner wrote stays on the conduit.
+    assert not os.path.ismount(node_dir)
+    assert list(node_dir.glob("events-*.jsonl")), sorted(p.name for p in node_dir.rglob("*"))
     assert netns.wait_gone(made)
     after = _snapshot()
     assert _mine(after, state) == [] and after["links"] == before["links"]

@@ -413,6 +413,7 @@ class LocalChildRuntime(SandboxRuntime):
                 n += 1
         if self.supports_egress_allowlist:
             egress.sweep()  # namespaces of hosts that died before they could destroy
+        slot.sweep_orphans()  # conduit slots of hosts that died mid-node
         return n
 
     def list_ids(self) -> list[str]:

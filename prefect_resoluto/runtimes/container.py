@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_resoluto import egress
+from prefect_resoluto import egress, slot
 
 from ._host import (
     RUNNER_CAPS,
@@ -484,6 +484,7 @@ class ContainerRuntime(SandboxRuntime):
         for name in names:
             self._remove(name)
         egress.sweep()  # namespaces of hosts that died before they could destroy
+        slot.sweep_orphans()  # conduit slots of hosts that died mid-node
         return len(names)
 
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
