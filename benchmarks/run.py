@@ -43,6 +43,7 @@ FIGURES = (
     "worker",
     "pool",
     "node_cpu",
+    "prefect_calls",
 )
 
 
@@ -90,6 +91,7 @@ def main() -> int:
     import node_cpu
     import overhead
     import pool_cost
+    import prefect_calls
     import reference
     import solari_relay
     import staging
@@ -109,6 +111,7 @@ def main() -> int:
         "worker": worker,
         "pool": pool_cost,
         "node_cpu": node_cpu,
+        "prefect_calls": prefect_calls,
     }
     started = time.monotonic()
     results: dict[str, Any] = {}

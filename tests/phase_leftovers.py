@@ -11,15 +11,22 @@ if os.fork() == 0:
     os.setsid()   # a session (and process group) of its own: out of the setup's group
     if os.fork():
         os._exit(0)   # and orphaned: its parent is gone
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.write(w, str(os.getpid()).encode())
+    try:
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.write(w, str(os.getpid()).encode())
+    except BaseException as e:  # said through the pipe: its stderr is gone
+        os.write(w, repr(e).encode())
+        os._exit(1)
     os.close(w)
     while True:
         os.read(r, 1)   # never returns: nothing else writes the pipe and this end stays open
 os.close(w)
-pid = int(os.read(r, 32))
+said = os.read(r, 200)
+if not said.isdigit():
+    sys.exit(f"the setup's child said {said!r} (b'': it died before it could say its pid)")
+pid = int(said)
 stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
 print("DAEMON", pid, "running", stat[0] in "RS", "out of the setup's session and group",
       int(stat[3]) != os.getsid(0) and int(stat[2]) != os.getpgrp(), flush=True)

@@ -126,14 +126,14 @@ def test_what_a_sandbox_does_not_serve_fails_at_once_saying_so(tmp_path, runtime
 
 
 def test_a_task_that_floods_artifacts_is_refused_and_loses_nothing_else(tmp_path):
-    """10 000 forged artifact lines and one of 100 MB, past the guest's own checks: the host
+    """10 000 forged artifact lines and one of 8 MB, past the guest's own checks: the host
     takes the first MAX_ARTIFACTS, refuses the rest saying why, and the task's log line and
     return value arrive."""
     from test_drop_in import logs
 
     @flow(task_runner=sandboxed(tmp_path, "process"))
     def flooding():
-        return pcf.forges.submit(10_000, 100 * 1024 * 1024).result()
+        return pcf.forges.submit(10_000, 8 * 1024 * 1024).result()
 
     state = flooding(return_state=True)
     assert state.result() == "done"
@@ -156,11 +156,11 @@ def test_a_task_that_floods_artifacts_is_refused_and_loses_nothing_else(tmp_path
 
 
 def test_a_task_over_the_bounds_is_told_by_an_exception_of_its_own(tmp_path):
-    """Through Prefect's functions the guest refuses first, in the task: a table of ~110 MB."""
+    """Through Prefect's functions the guest refuses first, in the task: a table of ~3 MB."""
 
     @flow(task_runner=sandboxed(tmp_path, "process"))
     def flooding():
-        return pcf.floods.submit(2, 1_000_000).result()
+        return pcf.floods.submit(2, 30_000).result()
 
     told = flooding()
     assert told.startswith("ArtifactRefused: artifact refused: ")
