@@ -61,7 +61,10 @@ def main() -> None:
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
                 limit=200,
             )
-        return sorted((str(a.key), str(a.type), str(a.data)) for a in found)
+        # The runner's own table of its nodes (resoluto-<flow run>) is not the task's.
+        return sorted(
+            (str(a.key), str(a.type), str(a.data)) for a in found if not str(a.key).startswith("resoluto-")
+        )
 
     def mapped(runner: Any, fn: Any, n: int) -> tuple[float, list[tuple[str, str, str]]]:
         @flow(task_runner=runner, name="bench-calls", persist_result=False)
@@ -100,6 +103,8 @@ def main() -> None:
         "artifacts": len(seen["threadpool_calls"]),
         "same_artifacts": seen["threadpool_calls"] == seen["gvisor_calls"],
     }
+    if not out["same_artifacts"]:
+        out["differ"] = {"threadpool": seen["threadpool_calls"], "gvisor": seen["gvisor_calls"]}
     Path(args.out).write_text(json.dumps(out))
     shutil.rmtree(work, ignore_errors=True)
 

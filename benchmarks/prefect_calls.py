@@ -64,7 +64,9 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     if res.get("gvisor") != "measured":
         return [("prefect_calls", f"n/a: {res.get('gvisor')}")]
     w = res["wall_s"]
+    differ = res.get("differ")
     return [
+        *([("prefect_calls artifacts DIFFER", json.dumps(differ)[:2000])] if differ else []),
         (
             "prefect_calls wall (artifacts + variable + secret)",
             f"threadpool {w['threadpool_calls']} s, gvisor {w['gvisor_calls']} s "

@@ -4,9 +4,12 @@ There is no Prefect API in a sandbox (guest_runner.prefect_api). The names the r
 ``allowed_variables`` / ``allowed_blocks`` settings allow are read here, in the task run's
 context, when its node starts, and reach the sandbox as one more declared secret
 (:data:`~guest_runner.prefect_api.READS_ENV`): at assignment, never through the conduit,
-and every string value in them (of at least ``MIN_SECRET_LEN`` characters) redacted from
-what the node logs, as a ``secret_env`` value is. In the sandbox ``Variable.get`` /
-``Block.load`` answer from it; any other name, and every write, fails at once.
+and every value Prefect itself keeps secret (a block's ``SecretStr`` / ``SecretDict``
+fields: what its own dump obfuscates) redacted from what the node logs, as a
+``secret_env`` value is. Variables and a block's plain fields are not secret in Prefect and
+are not redacted: a task writes them into its logs and artifacts as it does on a thread.
+In the sandbox ``Variable.get`` / ``Block.load`` answer from it; any other name, and every
+write, fails at once.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ def secret_entries(cfg: SandboxConfig) -> dict[str, str]:
     """``secret_env`` entries carrying what the task may read; empty when it may read nothing."""
     if not cfg.allowed_variables and not cfg.allowed_blocks:
         return {}
+    hidden: set[str] = set()
     reads = {
         "variables": {name: _variable(name) for name in cfg.allowed_variables},
-        "blocks": {ref: _block(ref) for ref in cfg.allowed_blocks},
+        "blocks": {ref: _block(ref, hidden) for ref in cfg.allowed_blocks},
     }
     entries = {READS_ENV: json.dumps(reads, separators=(",", ":"))}
-    for i, value in enumerate(sorted(_strings(reads))):
+    for i, value in enumerate(sorted(hidden)):
         entries[f"{VALUE_ENV_PREFIX}{i}"] = value
     return entries
 
@@ -44,7 +48,8 @@ def _variable(name: str) -> Any:
     return Variable.get(name, _sync=True)  # type: ignore[call-overload]
 
 
-def _block(ref: str) -> dict[str, Any]:
+def _block(ref: str, hidden: set[str]) -> dict[str, Any]:
+    """The block's fields, secrets included; adds its secret values to ``hidden``."""
     from prefect.blocks.core import Block
 
     try:
@@ -53,7 +58,20 @@ def _block(ref: str) -> dict[str, Any]:
         return {"error": {"type": type(e).__name__, "message": str(e)}}
     cls = type(block)
     data = block.model_dump(mode="json", context={"include_secrets": True})
+    hidden |= _secrets(data, block.model_dump(mode="json"))
     return {"module": cls.__module__, "qualname": cls.__qualname__, "data": data}
+
+
+def _secrets(revealed: Any, shown: Any) -> set[str]:
+    """The string values (long enough to redact) where Prefect's own dump hides what the
+    revealing one holds: its secret fields, however nested."""
+    if revealed == shown:
+        return set()
+    if isinstance(revealed, dict) and isinstance(shown, dict):
+        return set().union(*(_secrets(v, shown.get(k)) for k, v in revealed.items()))
+    if isinstance(revealed, list) and isinstance(shown, list) and len(revealed) == len(shown):
+        return set().union(*(_secrets(v, w) for v, w in zip(revealed, shown)))
+    return _strings(revealed)
 
 
 def _strings(obj: Any) -> set[str]:
@@ -61,9 +79,7 @@ def _strings(obj: Any) -> set[str]:
     if isinstance(obj, str):
         return {obj} if len(obj) >= MIN_SECRET_LEN else set()
     if isinstance(obj, dict):
-        return set().union(
-            *(_strings(v) for k, v in obj.items() if k not in ("module", "qualname", "block_type_slug"))
-        )
+        return set().union(*(_strings(v) for v in obj.values()))
     if isinstance(obj, list):
         return set().union(*(_strings(v) for v in obj))
     return set()

@@ -235,5 +235,7 @@ def test_allowed_variables_and_blocks_read_as_on_threads_and_values_are_redacted
     assert threads[1] == ["eu-west-9", SECRET]
     lines = [r.message for r in logs(flow_run_id=fr)]
     assert "the secret is ***" in lines and not any(SECRET in m for m in lines), lines
+    # A variable is not a secret in Prefect: shown as a thread shows it.
+    assert "the variable is eu-west-9" in lines, lines
     # Prefect's collections, loaded with the blocks in a sandbox without this package: quiet.
     assert "Failed to load collection" not in capsys.readouterr().out

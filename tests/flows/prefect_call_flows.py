@@ -159,6 +159,7 @@ def reads(variable: str, secret: str, block_ref: str) -> dict:
 
     value = Secret.load(secret).get()
     get_run_logger().info("the secret is %s", value)
+    get_run_logger().info("the variable is %s", Variable.get(variable))  # not a secret: shown
     try:
         Secret.load("missing-secret")
         missing = None
