@@ -70,7 +70,7 @@ def _secrets(revealed: Any, shown: Any) -> set[str]:
     if isinstance(revealed, dict) and isinstance(shown, dict):
         return set().union(*(_secrets(v, shown.get(k)) for k, v in revealed.items()))
     if isinstance(revealed, list) and isinstance(shown, list) and len(revealed) == len(shown):
-        return set().union(*(_secrets(v, w) for v, w in zip(revealed, shown)))
+        return set().union(*(_secrets(v, w) for v, w in zip(revealed, shown, strict=True)))
     return _strings(revealed)
 
 
