@@ -138,5 +138,18 @@ def loopback_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def prefect_child_env(work: Path) -> dict[str, str]:
+    """The environment of a child on Prefect's ephemeral API: a scratch PREFECT_HOME in
+    ``work``, no analytics, no UI, quiet logs, loopback only."""
+    return loopback_env(
+        {
+            "PREFECT_HOME": str(work / "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+        }
+    )
+
+
 def dump_json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=False, default=str)

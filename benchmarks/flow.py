@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from common import BENCH, Target, log, loopback_env, median, r3, scratch, timed
+from common import BENCH, Target, log, median, prefect_child_env, r3, scratch, timed
 from overhead import bare_launcher
 
 from prefect_resoluto.runtimes import get_runtime
@@ -67,14 +67,7 @@ def run(quick: bool, latency_seconds: float) -> dict[str, Any]:
     runtimes = [r for r in ("process", "gvisor") if get_runtime(r).availability().ok]
     with scratch("flow") as work:
         out_path = work / "flow.json"
-        env = loopback_env(
-            {
-                "PREFECT_HOME": str(work / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-            }
-        )
+        env = prefect_child_env(work)
         log(
             f"flow: {n}-way map on threadpool, {', '.join(runtimes)}; API latency {latency_seconds:g} s "
             "(ephemeral Prefect server, ~20 s to start)"

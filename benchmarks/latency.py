@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from common import BENCH, Target, log, loopback_env, ms, percentile, scratch
+from common import BENCH, Target, log, ms, percentile, prefect_child_env, scratch
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node import NodeSpec, drive_node
@@ -94,14 +94,7 @@ def api_child(seconds: float) -> dict[str, Any]:
     """The flow child for the latency runs alone (no mapped flows)."""
     with scratch("latency-api") as work:
         out_path = work / "latency.json"
-        env = loopback_env(
-            {
-                "PREFECT_HOME": str(work / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-            }
-        )
+        env = prefect_child_env(work)
         log(
             f"latency: ticker for {seconds:g} s at the Prefect log API, at 100 and 1 000 lines/s "
             "(ephemeral Prefect server, ~20 s to start)"

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any
 
-from common import BENCH, Target, log, loopback_env, median, ms, percentile, scratch
+from common import BENCH, Target, log, median, ms, percentile, prefect_child_env, scratch
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import pool as pool_mod
@@ -114,14 +114,7 @@ def run(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"available": True, "memory": memory(), "memory_restored": memory(snapshots=True)}
     with scratch("pool") as work:
         out_path = work / "pool.json"
-        env = loopback_env(
-            {
-                "PREFECT_HOME": str(work / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-            }
-        )
+        env = prefect_child_env(work)
         log(f"pool: latency, {n} trivial tasks cold / warm back to back / warm ready; {pn} real-prefect each")
         cmd = [
             sys.executable,

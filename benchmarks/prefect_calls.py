@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
-from common import BENCH, Target, log, loopback_env, r3, scratch
+from common import BENCH, Target, log, prefect_child_env, r3, scratch
 
 from prefect_resoluto.runtimes import get_runtime
 
@@ -25,14 +25,7 @@ def run(quick: bool) -> dict[str, Any]:
         return {"n": n, "gvisor": "gVisor unavailable here"}
     with scratch("prefect-calls") as work:
         out_path = work / "calls.json"
-        env = loopback_env(
-            {
-                "PREFECT_HOME": str(work / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-            }
-        )
+        env = prefect_child_env(work)
         log(f"prefect_calls: {n}-way map of an artifact + variable + secret task, threadpool and gvisor")
         cmd = [sys.executable, str(BENCH / "_prefect_calls_child.py"), "--n", str(n), "--out", str(out_path)]
         if quick:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from common import BENCH, Target, log, loopback_env, median, r3, scratch
+from common import BENCH, Target, log, median, prefect_child_env, r3, scratch
 
 from prefect_resoluto.flow_runs import egress_forwarding_supported
 from prefect_resoluto.runtimes import get_runtime
@@ -42,14 +42,7 @@ def run(quick: bool) -> dict[str, Any]:
         variants += ["resoluto-gvisor", "resoluto-gvisor-booted", "resoluto-gvisor-direct"]
     with scratch("worker") as work:
         out_path = work / "worker.json"
-        env = loopback_env(
-            {
-                "PREFECT_HOME": str(work / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_UI_ENABLED": "false",
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-            }
-        )
+        env = prefect_child_env(work)
         log(f"worker: {n} flow runs each on {', '.join(variants)} (real workers; ephemeral Prefect server)")
         cmd = [
             sys.executable,
