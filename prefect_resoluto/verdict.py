@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect_resoluto.outcome import EGRESS_NOT_ENFORCED, FailureKind
 from prefect_resoluto.runtimes.base import Resources, SandboxStatus, format_bytes, memory_hint
+from prefect_resoluto.terminal import safe
 
 
 def of_result(result: Mapping[str, Any], *, networked: bool) -> tuple[FailureKind | None, str]:
@@ -19,7 +20,9 @@ def of_result(result: Mapping[str, Any], *, networked: bool) -> tuple[FailureKin
     workload's failure -- or the egress canary's, which stopped it before it ran."""
     if result["status"] == "success":
         return None, ""
-    reason = str(result.get("reason") or f"workload exited with code {result['exit_code']}")
+    # The guest's words, one line: shown in state messages, exceptions and terminals, where a
+    # control character must be seen, never obeyed.
+    reason = safe(str(result.get("reason") or f"workload exited with code {result['exit_code']}"))
     if networked and reason.startswith(EGRESS_NOT_ENFORCED):
         return FailureKind.EGRESS, reason
     return FailureKind.WORKLOAD, reason

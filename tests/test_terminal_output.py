@@ -132,3 +132,59 @@ def test_the_worker_stream_is_escaped(capsys):
     _stream(tt.HOSTILE)
     assert capsys.readouterr().out == safe(tt.HOSTILE) + "\n"
     assert not CONTROL.search(safe(tt.HOSTILE))
+
+
+#: A compromised runner's result.json: every field the host prints holds controls, and the
+#: substrate logs a newline forging a verdict line.
+RESULT_FORGER = r"""
+import os, json
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], os.environ["RESOLUTO_STORE_PREFIX"])
+os.makedirs(d, exist_ok=True)
+ev = wire.make_event(run, "node", "open", name="n")
+close = dict(ev, event="close", status="failure", ts=ev["ts"] + 0.002)
+def put(rel, b):
+    with open(os.path.join(d, ".tmp"), "wb") as f:
+        f.write(b)
+    os.rename(os.path.join(d, ".tmp"), os.path.join(d, rel))
+put("events-000001.jsonl", wire.encode_chunk([wire.encode_event(e) for e in (ev, close)]))
+r = wire.make_result(node, "failure", 1, None)
+r["reason"] = "R\x1b]0;PWNED-TITLE\x07\x1b[2J\x9b31m\r\u202eevil"
+r["observed_phase"] = "P\x1b[8mhidden"
+r["substrate_logs"] = "S\nresult: success (forged)\x1b[1A\x1b[2K"
+r["output_archive"] = "O\x1b]8;;http://evil/\x07link\x1b]8;;\x07"
+put("result.json", json.dumps(r).encode())
+put("_manifest.json", wire.encode_manifest(1))
+"""
+
+
+def test_a_forged_results_fields_are_shown_escaped_by_events_run_and_the_outcome(gvisor, tmp_path, capsys):
+    """Found by an outside review: the verdict lines of ``events`` and ``run`` printed the
+    guest's result fields raw (a title set, a screen clear, a forged verdict line)."""
+    from prefect_resoluto import cli
+
+    conduit = LocalConduit(tmp_path / "conduit")
+    spec = NodeSpec(
+        run_id="run1", node_id="node1", argv=["true"], resources=Resources.from_quantities(memory="256Mi")
+    )
+    with _Patched(["python3", "-c", RESULT_FORGER]):
+        outcome = drive_node(spec, conduit, get_runtime("gvisor"), min_isolation="none")
+    assert not outcome.ok
+    assert not CONTROL.search(outcome.describe()) and "\\x1b]0;PWNED-TITLE\\x07" in outcome.describe()
+    res = _events(conduit)
+    lines = res.stdout.splitlines()
+    assert not CONTROL.findall(res.stdout), [ln for ln in lines if CONTROL.search(ln)]
+    assert not any(ln.startswith("result: success") for ln in lines), lines
+    assert any("S\\nresult: success (forged)" in ln for ln in lines), lines
+    assert any("O\\x1b]8;;http://evil/\\x07link" in ln for ln in lines), lines
+
+    with _Patched(["python3", "-c", RESULT_FORGER]):
+        code = cli.main(
+            ["run", "--runtime", "gvisor", "--conduit", str(tmp_path / "c2"), "--run-id", "run1"]
+            + ["--node-id", "node1", "--", "true"]
+        )
+    shown = capsys.readouterr()
+    assert code != 0
+    printed = shown.out + shown.err
+    assert "PWNED-TITLE" in printed and not CONTROL.findall(printed), printed

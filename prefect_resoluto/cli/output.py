@@ -77,14 +77,18 @@ class Out:
 
         out = Text()
         for s in spans:
-            out.append(*((s, "") if isinstance(s, str) else s))
+            text, style = (s, "") if isinstance(s, str) else s
+            out.append(safe(text), style)
         return out
 
     def line(self, *spans: Span) -> None:
+        """One line, whatever its spans hold: every control character in them (a guest's
+        reason, phase or path as much as the host's own text) is shown escaped, never
+        obeyed (:mod:`prefect_resoluto.terminal`)."""
         if self.color:
             self.console.print(self.text(spans), soft_wrap=True)
         else:
-            self.stream.write("".join(s if isinstance(s, str) else s[0] for s in spans) + "\n")
+            self.stream.write("".join(safe(s if isinstance(s, str) else s[0]) for s in spans) + "\n")
         self.stream.flush()
 
     def show(self, renderable: RenderableType) -> None:
