@@ -249,10 +249,10 @@ def settle(path: Path, size: int | None, setting: str, *, host_bytes: int = 0) -
         return out
     staging = path.parent / f".{path.name}.settle-{uuid.uuid4().hex[:8]}"
     staging.mkdir(mode=0o700)
-    budget = [size + host_bytes if size is not None else 1 << 62]
     try:
         src = os.open(path, _O_DIR)
         dst = os.open(staging, _O_DIR)
+        budget = _Budget(size + host_bytes if size is not None else 1 << 62, os.fstatvfs(dst).f_frsize)
         try:
             _copy_tree(src, dst, "", out, budget)
         finally:
@@ -287,7 +287,28 @@ def _entries(fd: int) -> Iterator[tuple[str, os.stat_result]]:
             continue
 
 
-def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: list[int]) -> None:
+@dataclass
+class _Budget:
+    """What the durable copy may still take of the host's disk, counted as that filesystem
+    stores it: whole blocks, and a block for each directory (a tmpfs directory costs its
+    slot nothing, so thousands of empty ones must not become megabytes on the host)."""
+
+    left: int
+    block: int
+
+    def cost(self, size: int) -> int:
+        block = self.block or 4096
+        return max(block, -(-size // block) * block) if size else 0
+
+    def take(self, size: int, directory: bool = False) -> bool:
+        need = self.cost(size) if not directory else self.cost(1)
+        if need > self.left:
+            return False
+        self.left -= need
+        return True
+
+
+def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: _Budget) -> None:
     if rel.count("/") > MAX_DEPTH:
         out.problems.append(f"{rel!r}, directories nested deeper than {MAX_DEPTH}")
         return
@@ -298,6 +319,9 @@ def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: list[int]) ->
             out.problems.append(bad)
             continue
         if stat.S_ISDIR(st.st_mode):
+            if not budget.take(0, directory=True):
+                out.problems.append(f"{where!r}, a directory past the slot's capacity")
+                continue
             os.mkdir(name, 0o700, dir_fd=dst)
             s = os.open(name, _O_DIR, dir_fd=src)
             d = os.open(name, _O_DIR, dir_fd=dst)
@@ -307,13 +331,13 @@ def _copy_tree(src: int, dst: int, rel: str, out: Settled, budget: list[int]) ->
                 os.close(s)
                 os.close(d)
             continue
-        if st.st_size > budget[0]:
+        if not budget.take(st.st_size):
             out.problems.append(f"{where!r}, {st.st_size} bytes, more than the slot's capacity left")
             continue
-        _copy_file(src, dst, name, where, st.st_size, out, budget)
+        _copy_file(src, dst, name, where, st.st_size, out)
 
 
-def _copy_file(src: int, dst: int, name: str, where: str, size: int, out: Settled, budget: list[int]) -> None:
+def _copy_file(src: int, dst: int, name: str, where: str, size: int, out: Settled) -> None:
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the listing
@@ -330,7 +354,6 @@ def _copy_file(src: int, dst: int, name: str, where: str, size: int, out: Settle
                 left -= len(data)
         finally:
             os.close(wfd)
-        budget[0] -= size
         out.kept += size
     finally:
         os.close(fd)

@@ -204,6 +204,35 @@ def test_filling_the_slot_fails_the_node_and_the_host_keeps_at_most_the_allowanc
     assert not slot.mounted(conduit.root / "run/run1/nodes/node1")
 
 
+DIRS = r"""
+import os
+d = os.path.join(os.environ['RESOLUTO_STORE_ROOT'], os.environ['RESOLUTO_STORE_PREFIX'])
+os.makedirs(d, exist_ok=True)
+made = 0
+try:
+    while True:  # until the slot has no inode left: a directory costs a tmpfs no bytes
+        os.mkdir(os.path.join(d, 'd%06d' % made))
+        made += 1
+except OSError as e:
+    print('stopped after', made, 'directories:', e, flush=True)
+"""
+
+
+def test_empty_directories_do_not_outgrow_the_allowance_on_the_hosts_disk(rt, tmp_path):
+    """Found by an outside review: a 1 MiB slot held 4 095 empty directories (free on a
+    tmpfs), which settle kept as 16 MiB of directory blocks on the conduit's disk. The copy
+    now charges the host's blocks, a directory's included."""
+    conduit = LocalConduit(tmp_path / "conduit")
+    resources = Resources.from_quantities(memory="256Mi", cpus="1", disk="1Mi")
+    with _Patched([*_hostile(DIRS), "success"]):
+        outcome = drive_node(_spec(tmp_path, resources=resources), conduit, rt, min_isolation="none")
+    assert outcome.failure == "protocol", outcome.describe()
+    assert "a directory past the slot's capacity" in outcome.reason, outcome.reason
+    stored = sum(os.lstat(p).st_blocks * 512 for p in conduit.root.rglob("*"))
+    assert stored <= (1 << 20) + (64 << 10), stored
+    assert not slot.mounted(conduit.root / "run/run1/nodes/node1")
+
+
 def test_a_disk_setting_sizes_the_slot(tmp_path):
     """The slot's size is the node's ``disk`` (else its memory limit), mounted nosuid,
     nodev, noexec; settle keeps the files in the durable directory under it."""
