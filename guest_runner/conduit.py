@@ -71,9 +71,11 @@ class Conduit(ABC):
         :meth:`get`: when opening, or while reading (:class:`ConduitUnavailable`)."""
 
     @abstractmethod
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
         """Every key under ``prefix`` in lexicographic order, only those after
-        ``start_after`` when given (so a poller's cost stays flat as keys accumulate)."""
+        ``start_after`` when given (so a poller's cost stays flat as keys accumulate).
+        ``shallow``: only the keys with no ``/`` after ``prefix`` (S3's delimiter): a host
+        tailing a node reads its top level, never walks what the sandbox nested below."""
 
     @abstractmethod
     def delete_prefix(self, prefix: str) -> int:
@@ -216,7 +218,7 @@ class LocalConduit(Conduit):
             os.close(leaf)
             raise
 
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
         # A prefix is a key prefix, not necessarily a directory: "run/a/nodes/n/events-"
         # lists the chunks. Walk the deepest directory the prefix names.
         if prefix:
@@ -228,6 +230,8 @@ class LocalConduit(Conduit):
         keys: List[str] = []
         try:
             for dirpath, dirnames, filenames in os.walk(base):
+                if shallow:
+                    dirnames.clear()  # nothing nested is listed, so nothing nested is walked
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, self._real_root)
                 rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"

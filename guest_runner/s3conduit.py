@@ -222,12 +222,14 @@ class S3Conduit(Conduit):
         size = length if isinstance(length, int) and not isinstance(length, bool) else None
         return io.BufferedReader(_Body(self, full, resp["Body"], size), buffer_size=1 << 20)
 
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None) -> List[str]:
+    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
         if prefix:
             check_key(prefix)
         full_prefix = self._join(prefix)
         strip = len(self._base) + 1 if self._base else 0
         kwargs: Dict[str, Any] = {"Bucket": self._bucket, "Prefix": full_prefix}
+        if shallow:
+            kwargs["Delimiter"] = "/"  # what is nested comes back as CommonPrefixes, not read
         if start_after:
             kwargs["StartAfter"] = self._join(start_after)
 

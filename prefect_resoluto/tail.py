@@ -238,7 +238,9 @@ class ChunkTailer:
         for contract violations, after delivering every event that precedes the fault.
         """
         self.polls += 1
-        keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after)
+        # Shallow: the chunks, result and manifest are the node's top level; whatever the
+        # sandbox nested below it is never walked nor held here, poll after poll.
+        keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after, shallow=True)
         for key in keys:
             rel = key[len(self.prefix) + 1 :]
             idx = wire.chunk_index(rel) if "/" not in rel else None

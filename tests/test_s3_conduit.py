@@ -521,3 +521,17 @@ def test_get_stream_reads_an_object_in_pieces(
     assert s3_counter.snapshot(s3_bucket) == {"GET": 1}
     with pytest.raises(ObjectNotFound):
         s3_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")
+
+
+def test_a_shallow_listing_holds_only_the_top_level(make_conduit) -> None:
+    """What the host's tail asks for: the node's chunks, result and manifest, never the
+    keys a sandbox nested below (issue 30: ~30 000 deep keys held 85 MB per poll)."""
+    based = make_conduit(base_prefix="base")
+    node = "run/r/nodes/n/"
+    for k in ("events-000001.jsonl", "result.json", "outbox/o.tar.gz", "d1/d2/x", "z/y"):
+        based.put(node + k, b"x")
+    assert based.list_prefix(node, shallow=True) == [node + "events-000001.jsonl", node + "result.json"]
+    assert based.list_prefix(node, start_after=node + "events-000001.jsonl", shallow=True) == [
+        node + "result.json"
+    ]
+    assert len(based.list_prefix(node)) == 5

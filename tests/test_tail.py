@@ -32,9 +32,9 @@ class Counting(LocalConduit):
         super().__init__(root)
         self.calls: list[tuple[str, str]] = []
 
-    def list_prefix(self, prefix, start_after=None):
+    def list_prefix(self, prefix, start_after=None, shallow=False):
         self.calls.append(("LIST", start_after or ""))
-        return super().list_prefix(prefix, start_after)
+        return super().list_prefix(prefix, start_after, shallow)
 
     def get(self, key):
         self.calls.append(("GET", key))
