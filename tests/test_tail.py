@@ -181,3 +181,25 @@ def test_poll_cost_does_not_grow_with_chunks_already_read(tmp_path, already):
     c.calls.clear()
     drain(t)
     assert [k for k, _ in c.calls] == ["LIST", "GET"]
+
+
+def test_the_tail_never_lists_what_a_sandbox_nested_below_the_node(local_conduit):
+    """Found by an outside review: each poll walked the whole node directory and held every
+    key, ~30 000 deep ones taking 85 MB of the host's memory. The tail lists the top level."""
+    listed: list[str] = []
+    list_prefix = local_conduit.list_prefix
+
+    def recording(prefix, start_after=None, shallow=False):
+        keys = list_prefix(prefix, start_after, shallow)
+        listed.extend(keys)
+        return keys
+
+    local_conduit.list_prefix = recording
+    for i in range(50):
+        local_conduit.put(f"{P}/deep/{i:03d}/" + "x" * 200, b"")
+    put_chunk(local_conduit, 1, [1])
+    local_conduit.put(wire.result_key(P), wire.encode_result(wire.make_result("n", "success", 0)))
+    local_conduit.put(wire.manifest_key(P), wire.encode_manifest(1))
+    t = ChunkTailer(local_conduit, P)
+    assert drain(t) == ["1"] and t.finished
+    assert listed and not [k for k in listed if "/" in k[len(P) + 1 :]], listed[:5]
