@@ -385,7 +385,11 @@ def _drive(
             Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
         )
         try:
-            keys = [k for k in conduit.list_prefix(wire.outbox_prefix(rel_prefix)) if wire.is_archive_key(k)]
+            keys = [
+                k
+                for k in conduit.list_prefix(wire.outbox_prefix(rel_prefix), shallow=True)
+                if wire.is_archive_key(k)
+            ]
             limit, source = spec.output_allowance()
             # One budget and one all-or-nothing extraction for every archive of the node.
             for rel in archive.unpack_stream(
