@@ -41,7 +41,7 @@ def main() -> None:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from prefect_resoluto.task_runner import ResolutoTaskRunner
+    from prefect_resoluto.task_runner.runner import ResolutoTaskRunner
 
     logging.getLogger("prefect").setLevel(logging.WARNING)
     logging.getLogger("prefect.task_runs").setLevel(logging.INFO)  # forwarded sandbox lines pass
@@ -121,7 +121,7 @@ def api_latency(runner: object, bench_tasks: object, seconds: float, every: floa
     # thread): splits the latency into guest + tail (print -> here) and batching + API
     # (here -> stored row). The console and the loggers' other handlers run on another
     # thread since issue 24, so a handler here would time the console, not the API path.
-    from prefect_resoluto.logs import ApiLogBatcher
+    from prefect_resoluto.task_runner.logs import ApiLogBatcher
 
     arrived: dict[int, float] = {}
     add, init = ApiLogBatcher.add, ApiLogBatcher.__init__

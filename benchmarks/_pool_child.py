@@ -54,7 +54,7 @@ def main() -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from prefect_resoluto.runtimes import get_runtime
-    from prefect_resoluto.task_runner import ResolutoTaskRunner
+    from prefect_resoluto.task_runner.runner import ResolutoTaskRunner
 
     logging.getLogger("prefect").setLevel(logging.WARNING)
     out: dict[str, object] = {}

@@ -41,7 +41,7 @@ def main() -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect.variables import Variable
 
-    from prefect_resoluto.task_runner import ResolutoTaskRunner
+    from prefect_resoluto.task_runner.runner import ResolutoTaskRunner
 
     logging.getLogger("prefect").setLevel(logging.WARNING)
 

@@ -27,10 +27,11 @@ from typing import Any
 from common import Target, log, r3
 
 from guest_runner import wire
-from guest_runner.s3conduit import S3Conduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from guest_runner.conduit.s3 import S3Conduit
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.tail import ChunkTailer
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.tail import ChunkTailer
 
 HOST, GUEST = "bench-host", "bench-guest"
 STEADY_AFTER = 5.0

@@ -19,10 +19,10 @@ from typing import Any
 
 from common import TRIVIAL
 
-from prefect_resoluto.pool import LABEL_WARM
 from prefect_resoluto.runtimes import _cgroup
-from prefect_resoluto.runtimes._host import SandboxRecord, sandbox_dir
+from prefect_resoluto.runtimes._guest_layout import SandboxRecord, sandbox_dir
 from prefect_resoluto.runtimes.base import LaunchSpec, Resources
+from prefect_resoluto.warm.pool import LABEL_WARM
 
 #: (sandbox id, "cold" | "assigned" | "idle", CPU seconds), in destroy order.
 RECORDED: list[tuple[str, str, float]] = []

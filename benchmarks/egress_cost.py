@@ -24,7 +24,8 @@ from common import TRIVIAL, Target, log, median, r3, scratch
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
 from prefect_resoluto.egress import netns, proxy
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 MB = 1 << 20

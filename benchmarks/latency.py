@@ -22,7 +22,8 @@ from typing import Any
 from common import BENCH, Target, log, ms, percentile, prefect_child_env, scratch
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 TICKER = """

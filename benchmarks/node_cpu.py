@@ -28,10 +28,11 @@ from typing import Any
 from common import BENCH, Target, log, median, ms, scratch
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import pycall
-from prefect_resoluto.node import NodeSpec, drive_node
-from prefect_resoluto.pool import WarmPool, key_for
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import _cgroup, get_runtime
+from prefect_resoluto.task_runner import call_spec as pycall
+from prefect_resoluto.warm.pool import WarmPool, key_for
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 

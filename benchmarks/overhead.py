@@ -1,7 +1,7 @@
 """Figure 1, overhead: a trivial node through the node driver vs. the bare runtime.
 
 For each runtime available here, N trivial nodes (``python -c pass``) go through
-:func:`prefect_resoluto.node.drive_node` on a local conduit, interleaved with N bare
+:func:`prefect_resoluto.node.drive.drive_node` on a local conduit, interleaved with N bare
 launches of the same runtime running the same command without prefect-resoluto:
 
 * ``process``: a plain ``subprocess.run``;
@@ -25,7 +25,8 @@ from typing import Any
 from common import TRIVIAL, Target, log, median, ms, r3, scratch, timed
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import LaunchSpec, SandboxRuntime
 

@@ -29,8 +29,8 @@ from typing import Any
 from common import BENCH, Target, log, median, ms, percentile, prefect_child_env, scratch
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import pool as pool_mod
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.warm import pool as pool_mod
 
 
 def _children() -> dict[int, list[int]]:

@@ -26,7 +26,8 @@ from latency import TICKER
 from throughput import PRODUCER
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 

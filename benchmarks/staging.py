@@ -21,7 +21,8 @@ from common import TRIVIAL, Target, log, median, r3, scratch, timed
 
 from guest_runner import archive, wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 _WORDS = (

@@ -15,7 +15,8 @@ from typing import Any
 from common import Target, log, r3, scratch
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 PRODUCER = "import sys\nsys.stdout.write(''.join(f'line {{i:07d}}\\n' for i in range({n})))\n"

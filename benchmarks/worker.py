@@ -26,8 +26,8 @@ from typing import Any
 
 from common import BENCH, Target, log, median, prefect_child_env, r3, scratch
 
-from prefect_resoluto.flow_runs import egress_forwarding_supported
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.worker.plan import egress_forwarding_supported
 
 
 def run(quick: bool) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def demo() -> dict:
 
 
 if __name__ == "__main__":
-    from prefect_resoluto.config import cache_dir
+    from prefect_resoluto.settings.config import cache_dir
 
     result = demo()
     print("\n=== prefect-resoluto demo finished ===")

@@ -33,7 +33,7 @@ CALL_FILE = CALL_DIR + "/call.json"
 RETURN_FILE = CALL_DIR + "/return.json"
 ERROR_FILE = CALL_DIR + "/error.json"
 #: The installed packages the call imported (names only), so a warm pool can pre-import
-#: them for the module's next node (prefect_resoluto.pool.Learned).
+#: them for the module's next node (prefect_resoluto.warm.pool.Learned).
 IMPORTS_FILE = CALL_DIR + "/imports.json"
 #: At most this many names are reported: a bound on what a pool pre-imports.
 MAX_IMPORTS = 200

@@ -40,7 +40,7 @@ from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional
 # import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
 from guest_runner import privsep, wire
 from guest_runner.conduit import Conduit, ConduitError
-from guest_runner.conduits import conduit_from_env
+from guest_runner.conduit.registry import conduit_from_env
 from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
 

@@ -10,7 +10,7 @@ From there it is an ordinary node (``runner.main``). Nothing of the assignment t
 the conduit or a file: a warm sandbox that is never assigned (stdin closes, the host
 went away) exits without writing anything.
 
-With ``RESOLUTO_WARM_SNAPSHOT`` it is a *template* (prefect_resoluto/snapshots.py): it
+With ``RESOLUTO_WARM_SNAPSHOT`` it is a *template* (prefect_resoluto/warm/snapshots.py): it
 prints ``resoluto warm: snapshot-ready`` where it would print that it is ready, and the
 host checkpoints it there; every sandbox restored from that image wakes at the same
 point, reads one wake line (nothing of a node: ``{"wake": 1}``), renews what must not be

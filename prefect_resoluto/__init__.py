@@ -12,23 +12,23 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ResolutoTaskRunner": "prefect_resoluto.task_runner",
-    "sandbox_options": "prefect_resoluto.task_runner",
-    "output_files": "prefect_resoluto.task_runner",
-    "run_command": "prefect_resoluto.commands",
-    "CommandResult": "prefect_resoluto.commands",
-    "CommandFailed": "prefect_resoluto.commands",
+    "ResolutoTaskRunner": "prefect_resoluto.task_runner.runner",
+    "sandbox_options": "prefect_resoluto.task_runner.runner",
+    "output_files": "prefect_resoluto.task_runner.runner",
+    "run_command": "prefect_resoluto.task_runner.commands",
+    "CommandResult": "prefect_resoluto.task_runner.commands",
+    "CommandFailed": "prefect_resoluto.task_runner.commands",
     "SandboxBlock": "prefect_resoluto.blocks",
     "LocalConduitBlock": "prefect_resoluto.blocks",
     "S3ConduitBlock": "prefect_resoluto.blocks",
-    "SandboxConfig": "prefect_resoluto.config",
-    "NodeSpec": "prefect_resoluto.node",
-    "NodeOutcome": "prefect_resoluto.node",
-    "drive_node": "prefect_resoluto.node",
-    "InfrastructureError": "prefect_resoluto.node",
-    "WorkloadFailed": "prefect_resoluto.node",
-    "RemoteTaskError": "prefect_resoluto.pycall",
-    "NotSandboxable": "prefect_resoluto.pycall",
+    "SandboxConfig": "prefect_resoluto.settings.config",
+    "NodeSpec": "prefect_resoluto.node.spec",
+    "NodeOutcome": "prefect_resoluto.node.outcome",
+    "drive_node": "prefect_resoluto.node.drive",
+    "InfrastructureError": "prefect_resoluto.node.outcome",
+    "WorkloadFailed": "prefect_resoluto.node.outcome",
+    "RemoteTaskError": "prefect_resoluto.task_runner.call_spec",
+    "NotSandboxable": "prefect_resoluto.task_runner.call_spec",
 }
 
 __all__ = sorted(_EXPORTS)

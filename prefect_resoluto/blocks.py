@@ -20,8 +20,9 @@ from prefect.types import SecretDict
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from guest_runner.conduit import Conduit, LocalConduit
-from prefect_resoluto.config import SandboxConfig
-from prefect_resoluto.form_fields import (
+from prefect_resoluto.settings.config import SandboxConfig
+from prefect_resoluto.settings.fields import Surface, exposed
+from prefect_resoluto.settings.forms import (
     SurfaceType,
     model,
     plain_optional,
@@ -30,7 +31,6 @@ from prefect_resoluto.form_fields import (
     title_choices,
     to_settings,
 )
-from prefect_resoluto.settings import Surface, exposed
 
 # The conduit settings, once for the blocks and the sandbox block's nested models.
 _Path = Annotated[str, Field(title="Path", description="Absolute path of the conduit directory on the host.")]
@@ -91,7 +91,7 @@ def _s3(
     secret_access_key: SecretStr | None,
     session_token: SecretStr | None,
 ) -> Conduit:
-    from guest_runner.s3conduit import S3Conduit
+    from guest_runner.conduit.s3 import S3Conduit
 
     return S3Conduit(
         bucket,

@@ -6,6 +6,6 @@ start``); both register themselves on import.
 """
 
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
-from prefect_resoluto.worker import ResolutoWorker
+from prefect_resoluto.worker.worker import ResolutoWorker
 
 __all__ = ["LocalConduitBlock", "ResolutoWorker", "S3ConduitBlock", "SandboxBlock"]

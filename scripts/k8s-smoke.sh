@@ -98,8 +98,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from guest_runner.s3conduit import S3Conduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from guest_runner.conduit.s3 import S3Conduit
+from prefect_resoluto.node.drive import NodeSpec, drive_node
 from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 
 conduit = S3Conduit(os.environ["RESOLUTO_STORE_BUCKET"], base_prefix="resoluto-smoke",

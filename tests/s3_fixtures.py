@@ -530,7 +530,7 @@ def s3_bucket(moto_server: S3Endpoint) -> Iterator[str]:
 
 @pytest.fixture
 def s3_conduit(moto_server: S3Endpoint, s3_bucket: str) -> Iterator[Any]:
-    from guest_runner.s3conduit import S3Conduit
+    from guest_runner.conduit.s3 import S3Conduit
 
     conduit = S3Conduit(s3_bucket, base_prefix="base", endpoint_url=moto_server.endpoint_url)
     try:

@@ -30,7 +30,7 @@ from prefect_cli import api_http, prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
 if TYPE_CHECKING:
-    from prefect_resoluto.api_gateway import ApiGateway
+    from prefect_resoluto.worker.gateway import ApiGateway
 
 LOGGER_NAME = "prefect_resoluto.gateway"  # the gateway's lines in a run's logs
 
@@ -270,8 +270,8 @@ def _listening(port: int) -> bool:
 
 @contextlib.contextmanager
 def gateway_for(run: Any, **rules: Any) -> Iterator[ApiGateway]:
-    from prefect_resoluto.api_gateway import ApiGateway, Upstream
-    from prefect_resoluto.api_rules import RunRules
+    from prefect_resoluto.worker.gateway import ApiGateway, Upstream
+    from prefect_resoluto.worker.rules import RunRules
 
     with ApiGateway(str(run.id), Upstream.from_settings(), RunRules(flow_run_id=str(run.id), **rules)) as gw:
         yield gw
@@ -602,8 +602,8 @@ def test_a_bearer_key_is_sent_as_exactly_the_header_cloud_validates() -> None:
     from websockets.asyncio.client import connect
     from websockets.typing import Subprotocol
 
-    from prefect_resoluto.api_gateway import ApiGateway, Upstream
-    from prefect_resoluto.api_rules import RunRules
+    from prefect_resoluto.worker.gateway import ApiGateway, Upstream
+    from prefect_resoluto.worker.rules import RunRules
 
     key = "pnu_" + secrets.token_hex(16)
     run_id = str(uuid.uuid4())
@@ -649,7 +649,7 @@ def test_a_bearer_key_is_sent_as_exactly_the_header_cloud_validates() -> None:
 
 
 def test_the_pools_form_names_what_a_run_may_read() -> None:
-    from prefect_resoluto.worker import ResolutoJobConfiguration, ResolutoWorker
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration, ResolutoWorker
 
     template = ResolutoWorker.get_default_base_job_template()
     props = template["variables"]["properties"]
@@ -662,7 +662,7 @@ def test_the_pools_form_names_what_a_run_may_read() -> None:
 
 
 def test_doctors_probe_sees_a_gateway_refuse_forward_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefect_resoluto import api_gateway
+    from prefect_resoluto.worker import gateway as api_gateway
 
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", "x:y")
     report = api_gateway.probe()

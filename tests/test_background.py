@@ -13,8 +13,8 @@ import pytest
 from polling import scaled
 from prefect_cli import flow_child_env
 
-from prefect_resoluto.background import Background
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.task_runner.background import Background
 
 FLOWS = Path(__file__).parent / "flows"
 
@@ -132,7 +132,7 @@ def test_ctrl_c_with_a_pending_artifact_exits_and_the_artifact_is_published(tmp_
 
 @pytest.mark.usefixtures("prefect")
 def test_ctrl_c_with_an_artifact_that_never_publishes_does_not_hang(tmp_path):
-    from prefect_resoluto.task_runner import ARTIFACT_DRAIN_INTERRUPTED
+    from prefect_resoluto.task_runner.runner import ARTIFACT_DRAIN_INTERRUPTED
 
     out, _ = _interrupted_child("stuck", tmp_path)
     # Not a wall-clock margin on the whole exit (Prefect's own crash report and log drain

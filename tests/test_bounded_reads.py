@@ -20,8 +20,9 @@ from test_hostile_outputs import _Patched
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import bounded
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node import bounded
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import Resources
 
@@ -154,7 +155,7 @@ def test_an_oversized_object_is_refused_having_read_at_most_the_limit(
 
 
 def test_s3_refuses_from_content_length_without_reading_the_body(s3_conduit, monkeypatch):
-    from guest_runner import s3conduit
+    from guest_runner.conduit import s3 as s3conduit
 
     s3_conduit.put("run/r/nodes/n/events-000001.jsonl", b"z" * (1 << 20))
     reads: list[int | None] = []

@@ -230,7 +230,7 @@ def test_exit_code_propagates_and_outputs_still_come_back(cli: Cli, tmp_path: Pa
 
 
 def test_sandbox_killed_from_outside_is_an_infrastructure_failure(cli: Cli) -> None:
-    from prefect_resoluto.runtimes._host import records
+    from prefect_resoluto.runtimes._guest_layout import records
 
     rt = available("process")
     run_id, node_id = f"r-{uuid.uuid4().hex[:8]}", "n-killed"

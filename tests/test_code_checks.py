@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_resoluto.paths import cache_dir
+from prefect_resoluto.host.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

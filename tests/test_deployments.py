@@ -25,9 +25,9 @@ from pydantic import SecretStr
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
-from prefect_resoluto.node import LABEL_RUN
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.runtimes._host import records
+from prefect_resoluto.runtimes._guest_layout import records
+from prefect_resoluto.runtimes.labels import LABEL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect")
 FLOWS = Path(sf.__file__).parent

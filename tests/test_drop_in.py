@@ -27,7 +27,7 @@ from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, sandbox_options
-from prefect_resoluto.pycall import RemoteTaskError
+from prefect_resoluto.task_runner.call_spec import RemoteTaskError
 
 pytestmark = pytest.mark.usefixtures("prefect")
 
@@ -108,7 +108,7 @@ def test_the_host_redacts_again_what_a_guest_left_in_clear(tmp_path):
     """Prefect glue only: a guest that ignored redaction (an old or hostile one) still
     cannot get a secret into the exception, the state message or the outputs directory."""
     from guest_runner.redact import Redactor
-    from prefect_resoluto import pycall
+    from prefect_resoluto.task_runner import call_spec as pycall
 
     secret = "s3cr3t-value-123"
     err = tmp_path / ".resoluto" / "error.json"
@@ -371,7 +371,7 @@ def test_max_workers_follows_prefects_thread_pool_setting():
     """Prefect glue only: the setting is read as ThreadPoolTaskRunner reads it."""
     from prefect.settings import PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS, temporary_settings
 
-    from prefect_resoluto.task_runner import default_max_workers
+    from prefect_resoluto.task_runner.runner import default_max_workers
 
     assert ResolutoTaskRunner()._max_workers == default_max_workers()
     with temporary_settings({PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS: 3}):
@@ -543,7 +543,7 @@ def test_a_sandbox_gets_4gib_2_cpus_and_sized_scratch_by_default(gvisor, conduit
 
 
 def test_a_task_over_the_default_memory_limit_is_stopped_and_told_which_setting(gvisor, conduit, tmp_path):
-    from prefect_resoluto.node import SandboxKilled
+    from prefect_resoluto.node.outcome import SandboxKilled
 
     @flow(task_runner=runner(conduit, tmp_path, infrastructure_retries=0))
     def hungry():
@@ -563,9 +563,9 @@ def test_a_task_over_the_default_memory_limit_is_stopped_and_told_which_setting(
 
 def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     """Prefect glue and bundle only: the gVisor bundle carries the limits."""
-    from prefect_resoluto.config import SandboxConfig
-    from prefect_resoluto.node import NodeSpec, launch_spec
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
     from prefect_resoluto.runtimes.gvisor import GVisorRuntime
+    from prefect_resoluto.settings.config import SandboxConfig
 
     r = ResolutoTaskRunner(pids=64, disk="1Gi", memory="2Gi", cpus="1")
     cfg = SandboxConfig().replace(**r._options)
@@ -577,7 +577,7 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     spec = launch_spec(
         NodeSpec(run_id="r", node_id="n", argv=["true"], resources=res), LocalConduit(tmp_path / "c")
     )
-    from prefect_resoluto.runtimes._host import guest_layout
+    from prefect_resoluto.runtimes._guest_layout import guest_layout
 
     bundle = GVisorRuntime().bundle_config(spec, guest_layout(spec, python="python3"))
     assert bundle["linux"]["resources"]["pids"] == {"limit": 64}

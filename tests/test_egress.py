@@ -36,7 +36,9 @@ from prefect_resoluto.egress.policy import (
     parse_rules,
     refusal,
 )
-from prefect_resoluto.node import NodeOutcome, NodeSpec, NodeSpecError, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.outcome import NodeOutcome
+from prefect_resoluto.node.spec import NodeSpec, NodeSpecError
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import LaunchError, SandboxRuntime
 
@@ -584,7 +586,7 @@ def test_canary_fails_closed_before_the_workload(
     assert outcome.reason.startswith("egress is not enforced")
     assert "WORKLOAD-RAN" not in output(events)
     assert not [e for e in events if e["kind"] == "workload"]
-    from prefect_resoluto.node import EgressNotEnforced
+    from prefect_resoluto.node.outcome import EgressNotEnforced
 
     with pytest.raises(EgressNotEnforced, match="egress is not enforced"):
         outcome.raise_for_failure()
@@ -835,7 +837,8 @@ import os, sys, json
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.drive import drive_node
 from prefect_resoluto.runtimes import get_runtime
 spec = NodeSpec(run_id="run-kill", node_id="n1", argv=["sh", "-c", "curl -sS http://api.example.test/wait/{key}"],
                 egress=["api.example.test"], egress_resolve={resolve!r})
@@ -1171,7 +1174,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
 def test_settings_carry_the_allowlist_everywhere() -> None:
     from prefect_resoluto import ResolutoTaskRunner, sandbox_options
     from prefect_resoluto.blocks import SandboxBlock
-    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.settings.config import SandboxConfig
 
     block = SandboxBlock(
         runtime="gvisor",
@@ -1330,7 +1333,7 @@ def test_every_kind_of_decision_is_capped_and_summarised_the_same_way(
     # Refusals: the canary's probes were logged first, within the same cap.
     assert summaries["refused"]["dropped"] == sum(summaries["refused"]["dropped_by_reason"].values())
     assert len(egress_events) <= proxy.events_bound()
-    from prefect_resoluto.node import egress_events_key
+    from prefect_resoluto.node.drive import egress_events_key
 
     stored = LocalConduit(tmp_path / "conduit").get(egress_events_key("run-capped", "n1")).splitlines()
     assert len(stored) == len(egress_events)

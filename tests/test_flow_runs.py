@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from prefect_resoluto import flow_runs
-from prefect_resoluto.flow_runs import (
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.worker import plan as flow_runs
+from prefect_resoluto.worker.plan import (
     API_ALIAS,
     SandboxNetworkUnavailable,
     code_directories,
@@ -16,7 +17,6 @@ from prefect_resoluto.flow_runs import (
     sandbox_network,
     split_env,
 )
-from prefect_resoluto.runtimes import get_runtime
 
 
 @pytest.fixture
@@ -118,8 +118,8 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_gateway_an
     """The Kubernetes path, rendered by the real runtime (no cluster needed): the pod dials the
     run's gateway (on the worker host's address), which joins the NetworkPolicy; the real API
     does not, and no credential of the worker's is anywhere in the pod's documents."""
-    from guest_runner.s3conduit import S3Conduit
-    from prefect_resoluto.node import NodeSpec, launch_spec
+    from guest_runner.conduit.s3 import S3Conduit
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
     from prefect_resoluto.runtimes.kubernetes.render import render_documents
 

@@ -171,7 +171,7 @@ def test_the_pools_template_has_no_secret_outside_a_password_field_or_a_secret_b
 
 
 def test_the_pool_form_has_real_defaults_choices_and_the_blocks_descriptions():
-    from prefect_resoluto.worker import ResolutoWorker
+    from prefect_resoluto.worker.worker import ResolutoWorker
 
     variables = ResolutoWorker.get_default_base_job_template()["variables"]
     props = variables["properties"]
@@ -193,7 +193,7 @@ def test_the_pool_form_has_real_defaults_choices_and_the_blocks_descriptions():
 
 
 def test_a_sandbox_blocks_values_win_over_the_pools_defaults_not_over_what_the_pool_sets():
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     block = SandboxBlock(memory="1Gi", cpus="4", silence_window=120, min_isolation="namespace")
     at_defaults = ResolutoJobConfiguration(
@@ -210,7 +210,7 @@ def test_a_sandbox_blocks_values_win_over_the_pools_defaults_not_over_what_the_p
 def test_a_secret_env_job_variable_is_refused_with_where_secrets_go():
     from prefect.client.schemas.objects import FlowRun
 
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     run = FlowRun(flow_id=uuid.uuid4(), job_variables={"secret_env": {"TOKEN": "x"}})
     with pytest.raises(ValueError, match="secret_env_block"):

@@ -32,7 +32,7 @@ from test_api_gateway import (  # noqa: F401 - the module's server and worker, a
 )
 from test_worker import create_pool, deploy, final_run, run_logs, running_worker
 
-from prefect_resoluto import api_gateway
+from prefect_resoluto.worker import gateway as api_gateway
 
 PROCESS = {"runtime": "process", "min_isolation": "none"}
 
@@ -332,7 +332,7 @@ def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeou
     a deep or huge nesting is refused before it is parsed; a half-sent head or body is
     dropped; 300 unknown task-run ids are one refusal, 150 one upstream query; refusals on
     the worker's log are capped and their control characters escaped."""
-    caplog.set_level(logging.WARNING, logger="prefect_resoluto.api_gateway")
+    caplog.set_level(logging.WARNING, logger="prefect_resoluto.worker.gateway")
     own = parked_run()
     with gateway_for(own) as gw:
         auth = f"Authorization: Bearer {gw.token}\r\n".encode()
@@ -378,7 +378,7 @@ def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeou
 
         for _ in range(api_gateway.MAX_LOGGED_REFUSALS + 5):
             _get(f"http://{gw.address}/api/x%1b[31m%07", headers=_h(gw))
-        lines = [r.getMessage() for r in caplog.records if r.name == "prefect_resoluto.api_gateway"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "prefect_resoluto.worker.gateway"]
         assert len(lines) == api_gateway.MAX_LOGGED_REFUSALS + 1, len(lines)
         assert not any(re.search(r"[\x00-\x1f\x7f]", m) for m in lines)
         assert "\\x1b[31m\\x07" in lines[-2] and "the rest are counted" in lines[-1]
@@ -524,9 +524,9 @@ def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, t
 def test_a_sandbox_blocks_floor_does_not_lower_the_pools() -> None:
     """A deployment may choose a sandbox block; its min_isolation counts against the pool's floor too."""
     from prefect_resoluto.blocks import SandboxBlock
-    from prefect_resoluto.run_admission import RunRefused
     from prefect_resoluto.runtimes.base import IsolationLevel
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.worker.admission import RunRefused
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     cfg = ResolutoJobConfiguration(sandbox=SandboxBlock(runtime="process", min_isolation="none"))
     cfg._isolation_floor = IsolationLevel.USER_KERNEL

@@ -11,7 +11,7 @@ from conftest import ROOT, find_python, guest_env
 
 from guest_runner import archive, wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.tail import ChunkTailer
+from prefect_resoluto.node.tail import ChunkTailer
 
 PY = sys.executable
 

@@ -23,9 +23,9 @@ import pytest
 from test_hostile_outputs import HOSTILE_GUEST, _Patched, reg, snapshot, tar_gz
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import slot
-from prefect_resoluto.node import NodeSpec, drive_node
-from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.runtimes import get_runtime, slot
 from prefect_resoluto.runtimes.base import Resources
 
 PLANT = r"""

@@ -29,7 +29,8 @@ from prefect import flow
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes.base import Resources
 
 FLOWS = Path(df.__file__).parent
@@ -79,7 +80,7 @@ class _Patched:
         self.command = command
 
     def __enter__(self) -> None:
-        import prefect_resoluto.node as node
+        import prefect_resoluto.node.drive as node
 
         self.real = real = node.launch_spec
         command = self.command
@@ -92,7 +93,7 @@ class _Patched:
         node.launch_spec = patched
 
     def __exit__(self, *exc: object) -> None:
-        import prefect_resoluto.node as node
+        import prefect_resoluto.node.drive as node
 
         node.launch_spec = self.real
 
@@ -296,7 +297,7 @@ def test_a_planted_outbox_link_is_not_followed(gvisor, conduit, tmp_path, host):
     )
     with _Patched(["python3", "-c", script, base64.b64encode(tar_gz([reg("ok.txt")])).decode(), "success"]):
         outcome = drive_node(spec, conduit, gvisor)
-    # The node's slot (prefect_resoluto.slot) refuses the plant when the node ends: named, removed.
+    # The node's slot (prefect_resoluto.runtimes.slot) refuses the plant when the node ends: named, removed.
     assert not os.path.lexists(conduit.root / "run/run1/nodes/node1/outbox/a-planted.tar.gz")
     assert outcome.failure == "protocol", outcome.describe()
     assert "'outbox/a-planted.tar.gz', a symbolic link" in outcome.reason
@@ -396,7 +397,7 @@ def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvis
 
     with _Patched(hostile_command(outbox, status="failure")):
         raised = victim()
-    from prefect_resoluto.pycall import RemoteTaskError
+    from prefect_resoluto.task_runner.call_spec import RemoteTaskError
 
     assert module not in sys.modules, f"the host imported {module!r} because the sandbox named it"
     assert type(raised) is RemoteTaskError, type(raised)
@@ -410,8 +411,8 @@ def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
     from prefect_resoluto.blocks import SandboxBlock
     from prefect_resoluto.cli import build_parser
     from prefect_resoluto.cli.plan import plan_node
-    from prefect_resoluto.config import SandboxConfig
-    from prefect_resoluto.node import NodeSpecError, output_allowance
+    from prefect_resoluto.node.spec import NodeSpecError, output_allowance
+    from prefect_resoluto.settings.config import SandboxConfig
 
     cfg = SandboxConfig().replace(**ResolutoTaskRunner(output_limit="1Gi")._options)
     assert cfg.output_limit_bytes == 1 << 30

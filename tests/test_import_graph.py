@@ -117,7 +117,7 @@ def _describe(graph: dict[str, set[str]], comp: list[str]) -> str:
 
 def test_no_import_circle() -> None:
     graph = import_graph(ROOT)
-    assert "prefect_resoluto.task_runner" in graph and "guest_runner.runner" in graph
+    assert "prefect_resoluto.task_runner.runner" in graph and "guest_runner.runner" in graph
     found = cycles(graph)
     assert not found, "import circles (move the shared part into a leaf module):\n" + "\n\n".join(
         _describe(graph, c) for c in found

@@ -31,7 +31,7 @@ from k8s_fault_proxy import FaultProxy  # noqa: E402
 from k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
 from polling import wait_for  # noqa: E402
 
-from prefect_resoluto import guest_bundle  # noqa: E402
+from prefect_resoluto.runtimes import guest_bundle  # noqa: E402
 from prefect_resoluto.runtimes.base import IsolationLevel, LaunchError, LaunchSpec, Resources  # noqa: E402
 from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
     MANAGED_BY_LABEL,
@@ -872,7 +872,8 @@ def store_secret(cluster: Cluster, ns: str) -> None:
 def k8s_node(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, s3_conduit: Any, proxy: FaultProxy
 ) -> Any:
-    from prefect_resoluto.node import NodeSpec, drive_node
+    from prefect_resoluto.node.drive import drive_node
+    from prefect_resoluto.node.spec import NodeSpec
 
     rt = make_runtime(
         k8s_cluster,

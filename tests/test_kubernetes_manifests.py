@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from prefect_resoluto.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256
 from prefect_resoluto.runtimes._sts import session_policy
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec, Resources
+from prefect_resoluto.runtimes.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256
 from prefect_resoluto.runtimes.kubernetes.manifests import (
     NON_PUBLIC_V4,
     PodSettings,

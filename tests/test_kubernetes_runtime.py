@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # noqa: E402
 
 from guest_runner.conduit import LocalConduit  # noqa: E402
-from prefect_resoluto import guest_bundle  # noqa: E402
+from prefect_resoluto.runtimes import guest_bundle  # noqa: E402
 from prefect_resoluto.runtimes.base import (  # noqa: E402
     IsolationLevel,
     IsolationTooWeak,
@@ -559,7 +559,7 @@ def test_fake_label_selectors() -> None:
 
 
 def test_a_local_conduit_is_refused_for_kubernetes_before_any_pod(kube: FakeKube, tmp_path: Path) -> None:
-    from prefect_resoluto.config import SandboxConfig
+    from prefect_resoluto.settings.config import SandboxConfig
 
     rt = make_runtime(kube)
     cfg = SandboxConfig(runtime=rt, conduit=(tmp_path / "c").as_uri(), min_isolation="vm")

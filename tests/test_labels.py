@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from prefect_resoluto import labels, worker
-from prefect_resoluto.runtimes import kubernetes
+from prefect_resoluto.runtimes import kubernetes, labels
 from prefect_resoluto.runtimes.kubernetes.manifests import sanitise_labels
+from prefect_resoluto.worker import worker
 
 SAMPLES = [
     "",

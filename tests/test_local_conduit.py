@@ -14,7 +14,7 @@ from guest_runner.conduit import (
     LocalConduit,
     ObjectNotFound,
 )
-from guest_runner.conduits import conduit_from_env, conduit_from_url
+from guest_runner.conduit.registry import conduit_from_env, conduit_from_url
 
 
 def test_put_get_list_delete(local_conduit):

@@ -18,7 +18,7 @@ from prefect_readback import client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
-from prefect_resoluto.logs import SANDBOX_LOGGER
+from prefect_resoluto.task_runner.logs import SANDBOX_LOGGER
 
 pytestmark = pytest.mark.usefixtures("prefect")
 
@@ -151,7 +151,7 @@ def test_rows_are_the_rows_prefect_prepares():
     from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_LOGGING_TO_API_MAX_LOG_SIZE
 
-    from prefect_resoluto.logs import RowBuilder
+    from prefect_resoluto.task_runner.logs import RowBuilder
 
     api = APILogHandler()
     flow_run_id, task_run_id = uuid.uuid4(), uuid.uuid4()
@@ -175,7 +175,7 @@ def test_rows_are_the_rows_prefect_prepares():
 
 
 def test_handler_thread_runs_handlers_in_order_and_drains():
-    from prefect_resoluto.logs import HandlerThread
+    from prefect_resoluto.task_runner.logs import HandlerThread
 
     seen: list[str] = []
 
@@ -204,7 +204,7 @@ def test_handler_thread_holds_the_producer_back_when_its_handlers_are_slower():
 
     from polling import wait_for
 
-    from prefect_resoluto.logs import HandlerThread
+    from prefect_resoluto.task_runner.logs import HandlerThread
 
     pump = HandlerThread(max_queued=3)
     produced = threading.Event()

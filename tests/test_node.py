@@ -14,7 +14,9 @@ from polling import scaled
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, NodeSpecError, SandboxKilled, SandboxLost, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.outcome import SandboxKilled, SandboxLost
+from prefect_resoluto.node.spec import NodeSpec, NodeSpecError
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import IsolationTooWeak, LaunchError, Resources
 
@@ -152,7 +154,7 @@ def test_a_sandbox_that_exits_without_a_result_says_so_with_substrate_logs(gviso
 
 def _drive_with_command(s: NodeSpec, conduit, runtime, command: list[str]):
     """Replace the guest runner with ``command`` (the LaunchSpec escape hatch)."""
-    import prefect_resoluto.node as node
+    import prefect_resoluto.node.drive as node
 
     real = node.launch_spec
 

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeOutcome, NodeSpec, drive
-from prefect_resoluto.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.node.drive import drive
+from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.node.outcome import NodeOutcome
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import SandboxHandle
 

@@ -21,9 +21,10 @@ from test_wire_compat import OUTPUTS, WORKLOAD, _raw, _ref, _validate_node
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
-from prefect_resoluto.pool import WarmPool, WarmSandbox, key_for
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.warm.pool import WarmPool, WarmSandbox, key_for
 
 
 def _ready_pool(rt, conduit: LocalConduit, key, n: int = 1) -> WarmPool:
@@ -60,7 +61,7 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(
     local_runtime, local_conduit, tmp_path, monkeypatch
 ):
     rt = local_runtime
-    from prefect_resoluto import slot
+    from prefect_resoluto.runtimes import slot
 
     bound: list[str] = []
     real_bind = slot.bind
@@ -254,8 +255,8 @@ def test_archive_of_a_warm_node_is_unpacked_by_the_host(gvisor, local_conduit, t
 def test_warm_pool_setting_on_config_block_and_runner(tmp_path):
     from prefect_resoluto import ResolutoTaskRunner
     from prefect_resoluto.blocks import SandboxBlock
-    from prefect_resoluto.config import SandboxConfig
-    from prefect_resoluto.pool import default_size
+    from prefect_resoluto.settings.config import SandboxConfig
+    from prefect_resoluto.warm.pool import default_size
 
     with pytest.raises(ValueError, match="warm_pool"):
         SandboxConfig(warm_pool=-1)
@@ -266,7 +267,7 @@ def test_warm_pool_setting_on_config_block_and_runner(tmp_path):
 
 
 def test_real_prefect_is_learned_from_the_module_imports(tmp_path):
-    from prefect_resoluto.pool import needs_real_prefect
+    from prefect_resoluto.warm.pool import needs_real_prefect
 
     cases = {
         "from prefect import task, flow\nimport prefect\n": (),
@@ -300,8 +301,8 @@ def test_slot_conduit_holds_one_node_and_speaks_canonical_keys(tmp_path):
 
 
 def test_a_warm_sandbox_that_dies_booting_stops_the_pool_for_its_key(gvisor, local_conduit, caplog):
-    from prefect_resoluto.pool import PoolKey
     from prefect_resoluto.runtimes.base import Resources
+    from prefect_resoluto.warm.pool import PoolKey
 
     # 1 MiB cannot hold an interpreter: the guest dies before it is ready.
     key = PoolKey(resources=Resources(memory_bytes=1024 * 1024))
@@ -352,7 +353,7 @@ def _report(out: Path, names: list[object]) -> None:
 
 
 def test_learned_imports_are_verified_from_successful_calls_and_evicted(tmp_path):
-    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned
+    from prefect_resoluto.warm.pool import KEEP_CALLS, MAX_IMPORTS, Learned
 
     src = tmp_path / "mod.py"
     src.write_text("import prefect.variables\n")
@@ -386,7 +387,7 @@ def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
     KEEP_CALLS honest calls."""
     import importlib.metadata
 
-    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
+    from prefect_resoluto.warm.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
 
     src, out = tmp_path / "mod.py", tmp_path / "out"
     src.write_text("x = 1\n")
@@ -422,7 +423,7 @@ def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
                             "antigravity",
                             "yaml.__main__",
                             "guest_runner",
-                            "prefect_resoluto.pool",
+                            "prefect_resoluto.warm.pool",
                             "os",
                             "pytest",
                             "_pytest",
@@ -443,7 +444,7 @@ def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
 def test_learned_imports_property(tmp_path_factory, reports):
     """Whatever calls report: the list holds only installed, non-__main__, non-Prefect
     modules, at most MAX_IMPORTS, from successful calls among the last KEEP_CALLS."""
-    from prefect_resoluto.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
+    from prefect_resoluto.warm.pool import KEEP_CALLS, MAX_IMPORTS, Learned, installed_module
 
     src = tmp_path_factory.mktemp("m") / "mod.py"
     src.write_text("x = 1\n")
@@ -469,7 +470,7 @@ def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
     import os
     import time
 
-    from prefect_resoluto.pool import PoolKey
+    from prefect_resoluto.warm.pool import PoolKey
 
     rt = get_runtime("process")
     pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)

@@ -25,9 +25,9 @@ from test_task_runner import FLOWS, no_orphans, runner
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import sandbox_options
-from prefect_resoluto.pool import LABEL_WARM
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.runtimes._host import records
+from prefect_resoluto.runtimes._guest_layout import records
+from prefect_resoluto.warm.pool import LABEL_WARM
 
 pytestmark = pytest.mark.usefixtures("prefect")
 
@@ -155,7 +155,7 @@ def test_a_task_module_needing_real_prefect_gets_it_pre_imported(gvisor, conduit
     @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
     def real() -> list[str]:
         first = rp.has_variables.submit().result()  # teaches the pool: warm ones for this key
-        from prefect_resoluto import pool
+        from prefect_resoluto.warm import pool
 
         assert pool.needs_real_prefect(rp.__file__)
         wait_ready()

@@ -20,7 +20,7 @@ from _runtime_checks import (
 )
 
 from prefect_resoluto.runtimes import _cgroup
-from prefect_resoluto.runtimes._host import guest_layout, guest_runner_dir, python_paths, system_binds
+from prefect_resoluto.runtimes._guest_layout import guest_layout, guest_runner_dir, python_paths, system_binds
 from prefect_resoluto.runtimes.base import IsolationLevel, Resources
 from prefect_resoluto.runtimes.gvisor import LABEL_PREFIX, GVisorRuntime
 

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import egress, pool
-from prefect_resoluto.node import FailureKind, NodeFailure, NodeSpec, WorkloadFailed, launch_spec
+from prefect_resoluto import egress
+from prefect_resoluto.node.outcome import FailureKind, NodeFailure, WorkloadFailed
+from prefect_resoluto.node.spec import NodeSpec, launch_spec
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import (
     Availability,
@@ -17,6 +18,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     StoreLocation,
 )
+from prefect_resoluto.warm import pool
 
 
 def test_launch_spec_carries_the_node_ids_and_store(tmp_path: Path) -> None:

@@ -26,11 +26,11 @@ from guest_runner.conduit import (
     InvalidKey,
     ObjectNotFound,
 )
-from guest_runner.conduits import conduit_from_env, conduit_from_url
+from guest_runner.conduit.registry import conduit_from_env, conduit_from_url
 
 pytest.importorskip("boto3")
 
-from guest_runner.s3conduit import S3Conduit  # noqa: E402
+from guest_runner.conduit.s3 import S3Conduit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ def _python39() -> str | None:
 
 _PROBE = textwrap.dedent(
     """
-    import guest_runner.s3conduit as m
+    import guest_runner.conduit.s3 as m
     assert m.S3Conduit.kind == "s3"
     try:
         m.S3Conduit("bucket")

@@ -10,10 +10,11 @@ import sys
 from conftest import ROOT
 
 from guest_runner import archive, wire
-from guest_runner.s3conduit import S3Conduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from guest_runner.conduit.s3 import S3Conduit
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.tail import ChunkTailer
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.tail import ChunkTailer
 
 
 def guest_env_s3(endpoint: str, bucket: str, argv: list[str], **extra: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from prefect_resoluto.runtimes._host import RECORD_NAME, SandboxRecord
+from prefect_resoluto.runtimes._guest_layout import RECORD_NAME, SandboxRecord
 
 
 def test_concurrent_saves_of_one_record_never_fail_and_leave_one_whole_record(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from guest_runner import wire
 from guest_runner.conduit import LocalConduit
 from guest_runner.redact import MIN_SECRET_LEN
 from prefect_resoluto import ResolutoTaskRunner
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,15 +14,15 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables
 from pydantic import ValidationError
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import settings
 from prefect_resoluto.blocks import SandboxBlock
 from prefect_resoluto.cli import UsageError, build_parser
 from prefect_resoluto.cli.plan import check_flags
-from prefect_resoluto.config import SandboxConfig, check_conduit_fits
 from prefect_resoluto.runtimes import RUNTIMES
-from prefect_resoluto.settings import SETTINGS, Flag, Form, Omitted, Surface, exposed
-from prefect_resoluto.task_runner import ResolutoTaskRunner, sandbox_options
-from prefect_resoluto.worker import ResolutoJobConfiguration, ResolutoWorker, ResolutoWorkerVariables
+from prefect_resoluto.settings import fields as settings
+from prefect_resoluto.settings.config import SandboxConfig, check_conduit_fits
+from prefect_resoluto.settings.fields import SETTINGS, Flag, Form, Omitted, Surface, exposed
+from prefect_resoluto.task_runner.runner import ResolutoTaskRunner, sandbox_options
+from prefect_resoluto.worker.worker import ResolutoJobConfiguration, ResolutoWorker, ResolutoWorkerVariables
 
 #: The block's fields that are no sandbox setting: one per option of a runtime that has any
 #: (the declaration of runtime_options says so).

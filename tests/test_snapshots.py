@@ -17,9 +17,10 @@ from polling import wait_for
 from test_pool import _files_containing, _no_sandboxes, _ready_pool, _take
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import snapshots
-from prefect_resoluto.node import NodeSpec, drive_node
-from prefect_resoluto.pool import WarmPool, key_for
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.warm import snapshots
+from prefect_resoluto.warm.pool import WarmPool, key_for
 
 
 def _images(rt) -> list[Path]:

@@ -19,7 +19,9 @@ from solari_gateway import SolariGateway
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeOutcome, NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.outcome import NodeOutcome
+from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.solari import SolariRuntime
 
@@ -514,7 +516,7 @@ def test_sweep_kills_only_the_labelled_vms(tmp_path: Path, gw: SolariGateway):
 
 
 def test_create_request_is_the_seeds_shape_and_what_the_sdk_sends(tmp_path: Path, gw: SolariGateway):
-    from prefect_resoluto.node import launch_spec
+    from prefect_resoluto.node.spec import launch_spec
     from prefect_resoluto.runtimes.base import Resources
 
     conduit = LocalConduit(tmp_path / "conduit")

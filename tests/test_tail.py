@@ -6,7 +6,7 @@ import pytest
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.tail import ChunkTailer, MalformedChunk, ManifestMismatch, MissingChunk, TailError
+from prefect_resoluto.node.tail import ChunkTailer, MalformedChunk, ManifestMismatch, MissingChunk, TailError
 
 P = wire.node_prefix("r", "n")
 

@@ -27,9 +27,9 @@ from prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
-from prefect_resoluto.commands import CommandFailed, CommandResult
-from prefect_resoluto.pycall import NotSandboxable, RemoteTaskError
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.task_runner.call_spec import NotSandboxable, RemoteTaskError
+from prefect_resoluto.task_runner.commands import CommandFailed, CommandResult
 
 pytestmark = pytest.mark.usefixtures("prefect")
 
@@ -262,7 +262,7 @@ def test_infrastructure_failure_is_relaunched_without_spending_user_retries(cond
 
 def test_infrastructure_failures_exhausted_raise_a_distinct_error(conduit, tmp_path):
     """process runtime, as above."""
-    from prefect_resoluto.node import InfrastructureError
+    from prefect_resoluto.node.outcome import InfrastructureError
 
     @flow(
         task_runner=runner(

@@ -24,10 +24,11 @@ from test_hostile_outputs import _Patched
 from test_task_runner import logs_of, runner
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.node import NodeSpec, drive_node
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.terminal import safe
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes.base import Resources
-from prefect_resoluto.terminal import safe
 
 REPO = Path(__file__).resolve().parent.parent
 #: Any control character a terminal acts on, but the newline that ends a printed line.
@@ -127,7 +128,7 @@ def test_the_flow_process_prints_escaped_and_the_api_keeps_the_text(gvisor, tmp_
 
 
 def test_the_worker_stream_is_escaped(capsys):
-    from prefect_resoluto.worker import _stream
+    from prefect_resoluto.worker.worker import _stream
 
     _stream(tt.HOSTILE)
     assert capsys.readouterr().out == safe(tt.HOSTILE) + "\n"

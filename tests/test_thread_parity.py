@@ -22,8 +22,9 @@ from prefect_readback import client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.redact import Redactor
-from prefect_resoluto import ResolutoTaskRunner, remote_traceback, sandbox_options
-from prefect_resoluto.task_runner import output_files
+from prefect_resoluto import ResolutoTaskRunner, sandbox_options
+from prefect_resoluto.task_runner import remote_traceback
+from prefect_resoluto.task_runner.runner import output_files
 
 pytestmark = pytest.mark.usefixtures("prefect")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from prefect_resoluto import verdict
-from prefect_resoluto.live import LiveSandboxes
-from prefect_resoluto.outcome import EGRESS_NOT_ENFORCED, FailureKind
+from prefect_resoluto.node import verdict
+from prefect_resoluto.node.outcome import EGRESS_NOT_ENFORCED, FailureKind
 from prefect_resoluto.runtimes.base import Resources, SandboxHandle, SandboxStatus
+from prefect_resoluto.task_runner.live import LiveSandboxes
 
 
 def test_the_guests_word_on_its_workload() -> None:

@@ -28,7 +28,7 @@ from conftest import ROOT, guest_env
 
 from guest_runner import archive, wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.tail import ChunkTailer
+from prefect_resoluto.node.tail import ChunkTailer
 
 REF_PY = ROOT / ".venv-ref" / "bin" / "python"
 REF_TOOL = ROOT / "tests" / "reference_node.py"

@@ -28,10 +28,10 @@ from polling import wait_for
 from prefect_cli import cli_env, prefect_cli, prefect_server
 
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto.flow_runs import egress_forwarding_supported
-from prefect_resoluto.node import LABEL_RUN
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.runtimes._host import records
+from prefect_resoluto.runtimes._guest_layout import records
+from prefect_resoluto.runtimes.labels import LABEL_RUN
+from prefect_resoluto.worker.plan import egress_forwarding_supported
 
 pytestmark = pytest.mark.usefixtures("prefect")
 FLOWS = Path(worker_flows.__file__).parent
@@ -51,7 +51,7 @@ def create_pool(cli: bool = True, floor: str | None = "none") -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from prefect_resoluto.worker import ResolutoWorker
+    from prefect_resoluto.worker.worker import ResolutoWorker
 
     name = f"sandboxes-{uuid.uuid4().hex[:8]}"
     if cli:
@@ -264,7 +264,7 @@ def test_the_worker_type_is_found_through_the_entry_point():
 
     from prefect.workers.base import BaseWorker
 
-    from prefect_resoluto.worker import ResolutoWorker
+    from prefect_resoluto.worker.worker import ResolutoWorker
 
     eps = [ep for ep in entry_points(group="prefect.collections") if ep.name == "prefect_resoluto"]
     assert eps and eps[0].load().ResolutoWorker is ResolutoWorker
@@ -323,7 +323,7 @@ def test_work_pool_create_gives_the_sandbox_form_as_the_ui_receives_it():
 
 
 def test_job_variables_are_validated_with_the_reason(tmp_path):
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     with pytest.raises(ValueError, match="cannot parse quantity 'lots'"):
         ResolutoJobConfiguration(memory="lots")
@@ -348,7 +348,7 @@ def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
     from prefect.blocks.system import Secret
 
     from prefect_resoluto.blocks import SandboxBlock
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     block = SandboxBlock(
         runtime="gvisor",
@@ -828,8 +828,9 @@ def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewher
     import anyio
     from prefect.exceptions import InfrastructureNotFound
 
-    from prefect_resoluto.node import LABEL_RUN, NodeSpec, launch_spec
-    from prefect_resoluto.worker import ResolutoJobConfiguration, ResolutoWorker
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
+    from prefect_resoluto.runtimes.labels import LABEL_RUN
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration, ResolutoWorker
 
     monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
     rt = get_runtime("process")
@@ -850,8 +851,9 @@ def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewher
 def test_the_memory_job_variable_is_the_gvisor_sandboxs_memory(gvisor, tmp_path):
     """The job variable's path to gVisor's limit, without the API: configuration -> runtime ->
     the sandbox's own view of its memory."""
-    from prefect_resoluto.node import NodeSpec, drive_node
-    from prefect_resoluto.worker import ResolutoJobConfiguration
+    from prefect_resoluto.node.drive import drive_node
+    from prefect_resoluto.node.spec import NodeSpec
+    from prefect_resoluto.worker.worker import ResolutoJobConfiguration
 
     cfg = ResolutoJobConfiguration(runtime="gvisor", memory="700Mi").sandbox_config()
     rt = cfg.build_runtime()
@@ -877,9 +879,10 @@ def test_gvisor_sandbox_sees_the_deployment_code_read_only_and_imports_prefects_
     """What a gVisor flow run stands on before it talks to the API: the host's interpreter
     and virtualenv (Prefect's entry point importable) and the deployment's code directory
     bound read-only at its host path, where the pull step will chdir."""
-    from prefect_resoluto.config import SandboxConfig
-    from prefect_resoluto.flow_runs import code_directories, with_code_mounts
-    from prefect_resoluto.node import NodeSpec, drive_node
+    from prefect_resoluto.node.drive import drive_node
+    from prefect_resoluto.node.spec import NodeSpec
+    from prefect_resoluto.settings.config import SandboxConfig
+    from prefect_resoluto.worker.plan import code_directories, with_code_mounts
 
     steps = [{"prefect.deployments.steps.set_working_directory": {"directory": str(FLOWS)}}]
     dirs = code_directories(steps, None)

@@ -1,5 +1,5 @@
 """A worker's flow runs on gVisor restored from a snapshot of Prefect's imported engine
-(prefect_resoluto/flow_run_snapshots.py), end to end: a real `prefect worker start`
+(prefect_resoluto/warm/flow_run_images.py), end to end: a real `prefect worker start`
 process, deployments on its pool, evidence from the API, the conduit, the image on disk
 and the runtime's own listing.
 
@@ -197,7 +197,7 @@ def test_a_corrupt_engine_image_is_discarded_with_a_warning_the_run_boots_and_a_
 
 
 def _intact(image: Path) -> bool:
-    from prefect_resoluto.snapshots import _image_digest
+    from prefect_resoluto.warm.snapshots import _image_digest
 
     try:
         return json.loads((image / "meta.json").read_text())["sha256"] == _image_digest(image)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from guest_runner import archive
-from prefect_resoluto.workspace import RACY_NS, WorkspacePacker
+from prefect_resoluto.task_runner.workspace import RACY_NS, WorkspacePacker
 
 HOUR = 3600
 
@@ -43,7 +43,7 @@ def tree(tmp_path: Path) -> Path:
 def settled(packer: WorkspacePacker, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend the clock moved past the racy window (ctimes cannot be set back)."""
     real = time.time_ns
-    monkeypatch.setattr("prefect_resoluto.workspace.time.time_ns", lambda: real() + 2 * RACY_NS)
+    monkeypatch.setattr("prefect_resoluto.task_runner.workspace.time.time_ns", lambda: real() + 2 * RACY_NS)
 
 
 def test_an_unchanged_tree_is_packed_once_and_matches_a_fresh_pack(tree, monkeypatch):
@@ -121,7 +121,7 @@ def test_a_mapped_flow_packs_once_and_a_later_node_sees_the_edited_workspace(tmp
 
     monkeypatch.setattr(WorkspacePacker, "__init__", recording_init)
     real = time.time_ns
-    monkeypatch.setattr("prefect_resoluto.workspace.time.time_ns", lambda: real() + 2 * RACY_NS)
+    monkeypatch.setattr("prefect_resoluto.task_runner.workspace.time.time_ns", lambda: real() + 2 * RACY_NS)
 
     @task
     def edit() -> None:

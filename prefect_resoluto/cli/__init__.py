@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _node_options(p: argparse.ArgumentParser) -> None:
     # One flag per sandbox setting the CLI takes, as declared (settings.py), then the CLI's own.
-    from prefect_resoluto.settings import SETTINGS, Flag
+    from prefect_resoluto.settings.fields import SETTINGS, Flag
 
     for s in SETTINGS.values():
         if isinstance(s.cli, Flag):

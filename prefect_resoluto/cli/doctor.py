@@ -13,9 +13,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from prefect_resoluto.availability import Availability
 from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK
 from prefect_resoluto.cli.output import BAD, DIM, ISOLATION_STYLE, OK, STRONG, Out
+from prefect_resoluto.host.availability import Availability
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 def doctor_report() -> dict[str, Any]:
     """Every registered runtime (and the variants ``run`` considers), availability, picks."""
     from prefect_resoluto import runtimes
-    from prefect_resoluto.config import default_conduit_url
     from prefect_resoluto.runtimes.base import DEFAULT_MIN_ISOLATION, IsolationLevel
+    from prefect_resoluto.settings.config import default_conduit_url
 
     entries: list[tuple[str, dict[str, Any]]] = [(name, {}) for name in runtimes.RUNTIMES]
     defaults: dict[str, SandboxRuntime | None] = {}
@@ -94,7 +94,7 @@ def doctor_report() -> dict[str, Any]:
             }
         )
     default = next(p for p in picks if p["default"])
-    from prefect_resoluto import api_gateway
+    from prefect_resoluto.worker import gateway as api_gateway
 
     return {
         "api_gateway": api_gateway.probe(),

@@ -38,7 +38,7 @@ class Replay:
 def scan_node(conduit: Conduit, run_id: str, node_id: str) -> Replay:
     from guest_runner import wire
     from guest_runner.conduit import ObjectNotFound
-    from prefect_resoluto import bounded
+    from prefect_resoluto.node import bounded
 
     prefix = wire.node_prefix(run_id, node_id)
     keys = conduit.list_prefix(prefix + "/")
@@ -70,7 +70,7 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
     """Events in chunk order; raises ReplayError at the first fault, after yielding all
     that precede it."""
     from guest_runner import wire
-    from prefect_resoluto.tail import MalformedChunk, TailError, chunk_text_lines
+    from prefect_resoluto.node.tail import MalformedChunk, TailError, chunk_text_lines
 
     expected = 1
     for idx in rep.chunks:
@@ -103,7 +103,7 @@ def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict
     """The proxy's decisions for a node (written by the host, outside the node's prefix)."""
     from guest_runner import wire
     from guest_runner.conduit import ConduitError, ObjectNotFound
-    from prefect_resoluto.node import egress_events_key
+    from prefect_resoluto.node.drive import egress_events_key
 
     try:
         raw = conduit.get(egress_events_key(run_id, node_id))
@@ -121,7 +121,7 @@ def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict
 def read_result(conduit: Conduit, prefix: str) -> dict[str, Any] | None:
     from guest_runner import wire
     from guest_runner.conduit import ObjectNotFound
-    from prefect_resoluto import bounded
+    from prefect_resoluto.node import bounded
 
     try:
         raw = bounded.read(conduit, wire.result_key(prefix), wire.MAX_RESULT_BYTES, "a result")
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
 
     from guest_runner import wire
     from guest_runner.conduit import ConduitError
-    from guest_runner.conduits import conduit_from_url
+    from guest_runner.conduit.registry import conduit_from_url
 
     parsed = urlparse(args.conduit)
     local = (

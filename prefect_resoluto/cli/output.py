@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
 from prefect_resoluto.cli.common import PROG, one_line, show_argv
-from prefect_resoluto.terminal import safe
+from prefect_resoluto.node.terminal import safe
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -84,7 +84,7 @@ class Out:
     def line(self, *spans: Span) -> None:
         """One line, whatever its spans hold: every control character in them (a guest's
         reason, phase or path as much as the host's own text) is shown escaped, never
-        obeyed (:mod:`prefect_resoluto.terminal`)."""
+        obeyed (:mod:`prefect_resoluto.node.terminal`)."""
         if self.color:
             self.console.print(self.text(spans), soft_wrap=True)
         else:

@@ -26,7 +26,7 @@ from prefect_resoluto.cli.common import (
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
     from guest_runner.redact import Redactor
-    from prefect_resoluto.node import NodeSpec
+    from prefect_resoluto.node.spec import NodeSpec
     from prefect_resoluto.runtimes.base import IsolationLevel, SandboxRuntime
 
 LABEL_SOURCE = "resoluto.source"
@@ -105,7 +105,7 @@ def pick_local(args: argparse.Namespace, options: dict[str, Any]) -> SandboxRunt
 def check_flags(args: argparse.Namespace) -> None:
     """Each setting's flag checked as the setting checks its value (settings.py), so the CLI
     refuses what the task runner and the forms refuse, in the flag's words."""
-    from prefect_resoluto.settings import SETTINGS, Flag, check_value
+    from prefect_resoluto.settings.fields import SETTINGS, Flag, check_value
 
     for name, s in SETTINGS.items():
         flag = s.cli
@@ -135,12 +135,16 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     """
     from guest_runner import archive, wire
     from guest_runner.conduit import ConduitError
-    from guest_runner.conduits import conduit_from_url
+    from guest_runner.conduit.registry import conduit_from_url
     from guest_runner.redact import Redactor
-    from prefect_resoluto.config import check_conduit_fits, check_store_reachable, default_conduit_url
-    from prefect_resoluto.node import NodeSpec
+    from prefect_resoluto.node.spec import NodeSpec
+    from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
     from prefect_resoluto.runtimes.base import Resources, parse_quantity
-    from prefect_resoluto.tail import DEFAULT_SILENCE_WINDOW
+    from prefect_resoluto.settings.config import (
+        check_conduit_fits,
+        check_store_reachable,
+        default_conduit_url,
+    )
 
     argv = strip_dashdash(args.argv)
     if not argv or not argv[0]:

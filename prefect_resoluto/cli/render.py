@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
             f"render needs the kubernetes runtime's renderer (prefect_resoluto.runtimes.kubernetes.render), "
             f"which is not available here: {e}"
         ) from None
-    from prefect_resoluto.node import launch_spec
+    from prefect_resoluto.node.spec import launch_spec
 
     plan = plan_node(args, render_runtime, fresh=False)
     launch = launch_spec(plan.spec, plan.conduit)  # exactly what drive_node would launch
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _render_solari(args: argparse.Namespace) -> int:
     """The create request body and the guest command the Solari runtime would send, as JSON."""
-    from prefect_resoluto.node import launch_spec
+    from prefect_resoluto.node.spec import launch_spec
 
     plan = plan_node(args, render_runtime, fresh=False)
     launch = launch_spec(plan.spec, plan.conduit)

@@ -29,11 +29,11 @@ from prefect_resoluto.cli.common import (
     show_argv,
 )
 from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress, err
-from prefect_resoluto.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
-    from prefect_resoluto.node import NodeOutcome
+    from prefect_resoluto.node.outcome import NodeOutcome
     from prefect_resoluto.runtimes.base import SandboxHandle
 
 
@@ -77,7 +77,7 @@ class EventPrinter:
     def __call__(self, ev: dict[str, Any]) -> None:
         import logging
 
-        from prefect_resoluto.logs import describe_event
+        from prefect_resoluto.task_runner.logs import describe_event
 
         self.progress.events += 1
         self.progress.phase = "running"
@@ -154,9 +154,9 @@ def _interruptible() -> Iterator[None]:
 
 def main(args: argparse.Namespace) -> int:
     from prefect_resoluto.cli.plan import plan_node
-    from prefect_resoluto.labels import node_labels
-    from prefect_resoluto.node import drive
+    from prefect_resoluto.node.drive import drive
     from prefect_resoluto.runtimes.base import IsolationTooWeak
+    from prefect_resoluto.runtimes.labels import node_labels
 
     plan = plan_node(args)
     spec, rt, red = plan.spec, plan.runtime, plan.redactor

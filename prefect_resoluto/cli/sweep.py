@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
             report["reaped"][name] = picked.sweep(labels)
             if not labels and getattr(picked, "supports_snapshots", False):
                 # Warm-sandbox images hold no node, but are the runtime's state: a full sweep clears it.
-                from prefect_resoluto import snapshots
+                from prefect_resoluto.warm import snapshots
 
                 report["images"][name] = snapshots.remove_all(picked)
         except Exception as e:

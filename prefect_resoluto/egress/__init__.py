@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prefect_resoluto.availability import Availability
+from prefect_resoluto.host.availability import Availability
 
 from . import netns, proxy, registry
 from .policy import EgressPolicyError, NodePolicy, build_policy, is_ip, split_host_port

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prefect_resoluto.availability import Availability
-from prefect_resoluto.host_state import process_start_time, same_process, state_dir
+from prefect_resoluto.host.availability import Availability
+from prefect_resoluto.host.state import process_start_time, same_process, state_dir
 
 NETNS_DIR = Path("/run/netns")
 PROXY_PREFIX = "rsl-p-"

@@ -22,10 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar
 
-from prefect_resoluto import egress, slot
+from prefect_resoluto import egress
+from prefect_resoluto.runtimes import slot
 
 from . import _cgroup
-from ._host import (
+from ._guest_layout import (
     LOG_NAME,
     SandboxRecord,
     kill_group,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from guest_runner import wire
-from prefect_resoluto.availability import Availability as Availability
+from prefect_resoluto.host.availability import Availability as Availability
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -209,7 +209,7 @@ class LaunchSpec:
 
     ``run_id``, ``node_id`` and ``store`` (its :class:`NodeAddress`) are what runtimes read;
     ``env`` is what the guest gets. The node driver sets both
-    (:func:`prefect_resoluto.node.launch_spec`); a spec without an address (a runtime driven
+    (:func:`prefect_resoluto.node.spec.launch_spec`); a spec without an address (a runtime driven
     directly, a test) answers from its guest variables, here -- no runtime parses ``env`` or
     labels for them.
     """
@@ -224,7 +224,7 @@ class LaunchSpec:
     #: RESOLUTO_STORE_ROOT to where the root appears inside.
     conduit_root: Path | None = None
     conduit_subdir: str = ""
-    #: Mount that directory as a conduit slot of this many bytes (prefect_resoluto.slot)
+    #: Mount that directory as a conduit slot of this many bytes (prefect_resoluto.runtimes.slot)
     #: before the sandbox starts: a warm sandbox's, whose state directory the runtime makes.
     conduit_slot: int | None = None
     resources: Resources = field(default_factory=Resources)
@@ -236,7 +236,7 @@ class LaunchSpec:
     image: str | None = None
     #: Replaces the runtime's way of starting the guest runner (tests, foreign guests).
     command: list[str] | None = None
-    #: A warm sandbox (prefect_resoluto.pool): stdin stays an open pipe to the host, the
+    #: A warm sandbox (prefect_resoluto.warm.pool): stdin stays an open pipe to the host, the
     #: private channel its assignment arrives on (see ``assign``).
     hold_stdin: bool = False
     #: Which node this sandbox runs and where its objects live (None: as ``env`` says).

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ._host import (
+from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_PIDNS_ENV,
     WORKLOAD_USER,

@@ -33,9 +33,10 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_resoluto import egress, slot
+from prefect_resoluto import egress
+from prefect_resoluto.runtimes import slot
 
-from ._host import (
+from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_USER_ENV,
     add_network,

@@ -9,7 +9,7 @@ cgroup); labels become annotations, so ``runsc state`` shows them.
 
 ``runsc run`` is the child process we observe: its exit status is the guest's.
 A warm sandbox may instead be *restored* from a checkpoint image of a template sandbox
-(:meth:`GVisorRuntime.checkpoint`, :meth:`GVisorRuntime.restore`; prefect_resoluto/snapshots.py):
+(:meth:`GVisorRuntime.checkpoint`, :meth:`GVisorRuntime.restore`; prefect_resoluto/warm/snapshots.py):
 ``runsc restore`` takes the place of ``runsc run`` with a bundle of its own (same mounts,
 its own slot directory as the conduit mount's source) and is then the child we observe.
 
@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 from prefect_resoluto.egress import SandboxNetwork
 
 from . import _cgroup, _local
-from ._host import (
+from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_USER_ENV,
     GuestLayout,

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
-from ._host import WORKLOAD_USER_ENV, conduit_host_dir, guest_runner_dir, sandbox_env
+from ._guest_layout import WORKLOAD_USER_ENV, conduit_host_dir, guest_runner_dir, sandbox_env
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchSpec
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect_resoluto.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256, bootstrap_command
-from prefect_resoluto.labels import label_value as label_value
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
+from prefect_resoluto.runtimes.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256, bootstrap_command
+from prefect_resoluto.runtimes.labels import label_value as label_value
 
 logger = logging.getLogger(__name__)
 

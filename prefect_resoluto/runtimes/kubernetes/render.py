@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from prefect_resoluto.guest_bundle import ENV_BUNDLE_KEY
 from prefect_resoluto.runtimes.base import LaunchSpec
+from prefect_resoluto.runtimes.guest_bundle import ENV_BUNDLE_KEY
 from prefect_resoluto.runtimes.kubernetes.manifests import STORE_CREDENTIAL_VARS
 from prefect_resoluto.runtimes.kubernetes.runtime import KubernetesRuntime
 
@@ -84,7 +84,7 @@ def render_yaml(
         lines += [
             "# The pod starts the guest runner from the conduit object",
             f"#   {bundle}",
-            "# which a real run uploads first (prefect_resoluto.guest_bundle.build_guest_bundle);",
+            "# which a real run uploads first (prefect_resoluto.runtimes.guest_bundle.build_guest_bundle);",
             "# upload it yourself when applying by hand, or use an image with the runner",
             "# built in (images/Dockerfile) and guest_source='image'.",
         ]

@@ -31,7 +31,7 @@ with the pod. Long-lived store keys are never copied anywhere: they stay in the
 operator's own Secret (``store_credentials_secret``) which pods reference by name.
 
 The guest runner reaches the pod through the conduit: the host uploads a deterministic
-tarball of ``guest_runner`` once per run (:mod:`prefect_resoluto.guest_bundle`) and the
+tarball of ``guest_runner`` once per run (:mod:`prefect_resoluto.runtimes.guest_bundle`) and the
 container command is a short ``python3 -c`` bootstrap that fetches, verifies, unpacks
 and execs it. Any image with Python >= 3.9 and boto3 works; ``guest_source="image"``
 uses an image that already contains the runner (``images/Dockerfile``).

@@ -16,8 +16,8 @@ import threading
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from prefect_resoluto.guest_bundle import build_guest_bundle, guest_bundle_key, upload_guest_bundle
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
+from prefect_resoluto.runtimes.guest_bundle import build_guest_bundle, guest_bundle_key, upload_guest_bundle
 from prefect_resoluto.runtimes.kubernetes.manifests import IPNetwork, parse_network
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class GuestBundles:
         if not upload:
             sha, _ = build_guest_bundle()
             return guest_bundle_key(run_id, base, sha), sha
-        from guest_runner.s3conduit import S3Conduit
+        from guest_runner.conduit.s3 import S3Conduit
 
         with self._upload_lock:  # concurrent first launches of a run upload once
             with self._lock:

@@ -9,7 +9,7 @@ Two conduit modes:
 
 ``relay`` (default)
     The VM needs no network and holds no credentials. Through the files API the host
-    writes the guest runner (the files of :func:`~prefect_resoluto.guest_bundle.build_guest_bundle`)
+    writes the guest runner (the files of :func:`~prefect_resoluto.runtimes.guest_bundle.build_guest_bundle`)
     and the node's inbox into the VM, starts ``python3 -m guest_runner`` there against a
     local-filesystem store inside the VM, and mirrors every object the guest writes --
     event chunks in order, ``result.json``, ``outbox/*``, ``_manifest.json`` last, each
@@ -25,7 +25,7 @@ Two conduit modes:
 
 Liveness stays ours: the gateway session is kept alive (``set_timeout``) for as long as
 the host watches the node, and the SDK never gets a deadline that could kill a live
-node -- the silence watchdog in :mod:`prefect_resoluto.node` decides. A control channel
+node -- the silence watchdog in :mod:`prefect_resoluto.node.drive` decides. A control channel
 that drops is reconnected; a sandbox that is gone (404) or no longer running is *lost*,
 with the gateway's words as the reason. HTTP 429 (the organisation at its session cap)
 holds the node for admission -- it waits with backoff and says so in the task's logs --
@@ -296,7 +296,7 @@ class SolariRuntime(SandboxRuntime):
             return conduit
         # Not prepared (a caller other than drive_node): the conduit the node's env names.
         from guest_runner.conduit import LocalConduit
-        from guest_runner.conduits import conduit_from_env
+        from guest_runner.conduit.registry import conduit_from_env
 
         if spec.conduit_root is not None:
             return LocalConduit(spec.conduit_root)

@@ -217,7 +217,7 @@ class SessionDriver:
 
     async def _stage(self, s: Session) -> None:
         """Write the guest runner (and, relaying, the inbox) into the VM through the files API."""
-        from prefect_resoluto.guest_bundle import build_guest_bundle
+        from prefect_resoluto.runtimes.guest_bundle import build_guest_bundle
 
         files = s.sbx.files
         # SDK divergence 6: RPC params carry explicit nulls for unset fields; every fs.write here

@@ -1,0 +1,368 @@
+"""Host-side tail of a node's event chunks.
+
+Chunks are delivered in sequence order and only contiguously: chunk N+1 is never
+delivered before chunk N, however long N takes. The tail is finished once the
+manifest has been read and every chunk up to ``total_chunks`` delivered.
+
+Polling is adaptive (fast right after launch and after each arrival, backing off
+while nothing arrives) and lists only the keys after the last chunk seen, so the
+cost of a poll does not grow with the number of chunks already read. Liveness is a
+silence watchdog, armed by the driver once the sandbox runs: no chunk at all (not
+even a heartbeat) for ``silence_window`` seconds means the guest is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from guest_runner import wire
+from guest_runner.conduit import Conduit, LocalConduit, ObjectNotFound
+from prefect_resoluto.node import bounded
+
+Event = dict[str, Any]
+
+DEFAULT_SILENCE_WINDOW = 600.0
+MIN_POLL = 0.01
+# While silent, a poll at most every 1.5 s: on S3 that is ~40 LISTs plus a GET per
+# heartbeat chunk (6 at the guest's 10 s) per idle minute, under the budget of one
+# request a second. Doubling reaches the cap in 8 polls (~2.5 s) after the last arrival.
+# A local conduit is not bound by this: its directory watch wakes the driver at once.
+MAX_POLL = 1.5
+BACKOFF = 2.0
+# After the manifest, a chunk it promises may only be missing for this long.
+MISSING_CHUNK_GRACE = 2.0
+
+
+class TailError(RuntimeError):
+    """The node's event stream breaks the wire contract."""
+
+
+class MalformedChunk(TailError):
+    def __init__(self, key: str, line_no: int, why: str) -> None:
+        super().__init__(f"malformed event in {key} at line {line_no}: {why}")
+        self.key = key
+        self.line_no = line_no
+
+
+class MissingChunk(TailError):
+    pass
+
+
+class ManifestMismatch(TailError):
+    pass
+
+
+class DirWatch:
+    """Wakes a waiter as soon as an object lands in one local directory (Linux inotify).
+
+    A local conduit's writers publish by rename (temporary file, then ``os.replace``), so
+    ``IN_MOVED_TO`` marks every new object; ``IN_CLOSE_WRITE`` also catches writers that
+    write in place. Through ctypes, so nothing beyond the standard library is needed;
+    :meth:`open` returns None where inotify is unavailable and callers fall back to sleeping.
+    """
+
+    _IN_CLOSE_WRITE = 0x00000008
+    _IN_MOVED_TO = 0x00000080
+    _libc: Any = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls, path: str) -> DirWatch | None:
+        try:
+            if cls._libc is None:
+                cls._libc = ctypes.CDLL(None, use_errno=True)
+            libc = cls._libc
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        if libc.inotify_add_watch(fd, os.fsencode(path), cls._IN_MOVED_TO | cls._IN_CLOSE_WRITE) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; True when something landed (events drained)."""
+        if self.fd < 0:
+            time.sleep(max(0.0, timeout))
+            return False
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
+        if not ready:
+            return False
+        try:
+            while os.read(self.fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            _close_later(self.fd)
+            self.fd = -1
+
+
+# Closing an inotify instance waits for the kernel's SRCU grace period (5-40 ms here,
+# more under load), which would sit between a node's last event and its result: the
+# descriptor is closed on a daemon thread instead (at exit the process closes the rest).
+_to_close: queue.SimpleQueue[int] = queue.SimpleQueue()
+_closer_lock = threading.Lock()
+_closer: threading.Thread | None = None
+
+
+def _close_later(fd: int) -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():
+            _closer = threading.Thread(target=_close_loop, name="resoluto-inotify-close", daemon=True)
+            _closer.start()
+    _to_close.put(fd)
+
+
+def _close_loop() -> None:
+    while True:
+        fd = _to_close.get()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class ChunkTailer:
+    def __init__(
+        self,
+        conduit: Conduit,
+        prefix: str,
+        *,
+        silence_window: float = DEFAULT_SILENCE_WINDOW,
+        min_poll: float = MIN_POLL,
+        max_poll: float = MAX_POLL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conduit = conduit
+        self.prefix = prefix.rstrip("/")
+        self.silence_window = silence_window
+        self.min_poll = min_poll
+        self.max_poll = max_poll
+        self.clock = clock
+        self.delivered = 0  # highest chunk number delivered
+        self.events_delivered = 0
+        self.total: int | None = None
+        self.polls = 0
+        self._present: set[int] = set()
+        self._start_after: str | None = None
+        self._result_seen = False
+        self._armed_at: float | None = None
+        self._last_arrival = clock()
+        self._delay = min_poll
+        self._gap_since: float | None = None
+        self.first_event_at: float | None = None
+        self._watch: DirWatch | None = None
+        self._watch_tried = False
+
+    # -- liveness ---------------------------------------------------------------
+    def arm(self) -> None:
+        """Start the silence window (idempotent): call once the sandbox is running."""
+        if self._armed_at is None:
+            self._armed_at = self._last_arrival = self.clock()
+
+    @property
+    def armed(self) -> bool:
+        return self._armed_at is not None
+
+    @property
+    def silence(self) -> float:
+        return self.clock() - self._last_arrival
+
+    @property
+    def silent(self) -> bool:
+        """True when armed, unfinished and nothing arrived for the whole window."""
+        return self.armed and not self.finished and self.silence > self.silence_window
+
+    @property
+    def finished(self) -> bool:
+        return self.total is not None and self.delivered >= self.total
+
+    @property
+    def result_seen(self) -> bool:
+        return self._result_seen
+
+    def next_delay(self) -> float:
+        return self._delay
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds between polls. On a local conduit, wake as soon
+        as an object lands in the node's directory (True), so arrival is seen at once
+        without polling fast; elsewhere just sleep (False)."""
+        watch = self._watcher()
+        if watch is None:
+            time.sleep(max(0.0, timeout))
+            return False
+        return watch.wait(timeout)
+
+    def _watcher(self) -> DirWatch | None:
+        if self._watch is None and not self._watch_tried and isinstance(self.conduit, LocalConduit):
+            path = self.conduit.path_for(self.prefix)
+            if path.is_dir():  # else: not created yet, try again next time
+                self._watch_tried = True
+                self._watch = DirWatch.open(str(path))
+        return self._watch
+
+    def close(self) -> None:
+        """Release the directory watch (if any); the tailer still polls afterwards."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- polling ------------------------------------------------------------------
+    def poll(self, on_event: Callable[[Event], None]) -> int:
+        """One round: list new keys, deliver every newly contiguous chunk's events.
+
+        Returns the number of events delivered. Raises :class:`TailError` subclasses
+        for contract violations, after delivering every event that precedes the fault.
+        """
+        self.polls += 1
+        # Shallow: the chunks, result and manifest are the node's top level; whatever the
+        # sandbox nested below it is never walked nor held here, poll after poll.
+        keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after, shallow=True)
+        for key in keys:
+            rel = key[len(self.prefix) + 1 :]
+            idx = wire.chunk_index(rel) if "/" not in rel else None
+            if idx is not None:
+                self._present.add(idx)
+            elif rel == wire.RESULT:
+                self._result_seen = True
+            elif rel == wire.MANIFEST and self.total is None:
+                self._read_manifest()
+        if self._result_seen and self.total is None:
+            # _manifest.json sorts before events-*, so a start_after listing never shows
+            # it; result.json (written just before it) is the cue to look.
+            self.check_manifest()
+
+        n_events = 0
+        lively = False
+        while self.delivered + 1 in self._present and (self.total is None or self.delivered < self.total):
+            idx = self.delivered + 1
+            key = wire.chunk_key(self.prefix, idx)
+            n, heartbeat_only = self._deliver(key, on_event)
+            n_events += n
+            lively = lively or not heartbeat_only
+            self.delivered = idx
+            self._present.discard(idx)
+            self._start_after = key
+            self._last_arrival = self.clock()
+        self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
+        self._check_consistency()
+        return n_events
+
+    def check_manifest(self) -> bool:
+        """Fetch _manifest.json directly; True when it exists."""
+        if self.total is not None:
+            return True
+        try:
+            self._read_manifest()
+        except ObjectNotFound:
+            return False
+        return True
+
+    def _read_manifest(self) -> None:
+        key = wire.manifest_key(self.prefix)
+        try:
+            self.total = wire.decode_manifest(
+                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest")
+            )
+        except (wire.WireError, bounded.TooLarge) as e:
+            raise ManifestMismatch(f"{key}: {e}") from None
+        self._result_seen = True
+
+    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
+        n = 0
+        heartbeat_only = True
+        for line_no, line in chunk_text_lines(self.conduit, key):
+            if not line.strip():
+                continue
+            try:
+                ev = wire.decode_event(line)
+            except wire.WireError as e:
+                raise MalformedChunk(key, line_no, str(e)) from None
+            if ev["kind"] != "heartbeat":
+                heartbeat_only = False
+            if self.first_event_at is None:
+                self.first_event_at = time.monotonic()
+            on_event(ev)
+            n += 1
+            self.events_delivered += 1
+        return n, heartbeat_only
+
+    def _check_consistency(self) -> None:
+        if self.total is None:
+            return
+        extra = sorted(i for i in self._present if i > self.total)
+        if self.delivered >= self.total and extra:
+            raise ManifestMismatch(
+                f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but "
+                f"{wire.chunk_key(self.prefix, extra[0])} exists too"
+            )
+        if self.delivered < self.total:
+            now = self.clock()
+            if self._gap_since is None:
+                self._gap_since = now
+            elif now - self._gap_since > MISSING_CHUNK_GRACE:
+                missing = wire.chunk_key(self.prefix, self.delivered + 1)
+                raise MissingChunk(
+                    f"{missing} is missing: the manifest declares {self.total} chunk(s) and "
+                    f"{self.delivered} were read"
+                )
+        else:
+            self._gap_since = None
+
+    def follow(
+        self,
+        on_event: Callable[[Event], None],
+        *,
+        stop: Callable[[], bool] | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        """Poll until finished (or ``stop()``), waiting the adaptive delay in between
+        (:meth:`wait`, which wakes early on a local conduit, unless ``sleep`` is given)."""
+        while not self.finished:
+            self.poll(on_event)
+            if self.finished or (stop is not None and stop()):
+                return
+            if self.silent:
+                raise TailError(f"no events for {self.silence:.0f}s (silence window {self.silence_window}s)")
+            if sleep is not None:
+                sleep(self._delay)
+            else:
+                self.wait(self._delay)
+
+
+def chunk_text_lines(conduit: Conduit, key: str) -> Iterator[tuple[int, str]]:
+    """A chunk's lines as text, bounded (prefect_resoluto.node.bounded); TailError for a chunk
+    or a line the host does not read, or one that is not UTF-8."""
+    try:
+        for line_no, raw in bounded.chunk_lines(conduit, key):
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MalformedChunk(key, line_no, "not UTF-8") from None
+    except bounded.TooLarge as e:
+        raise TailError(
+            f"event chunk refused: {e} (a chunk holds at most {wire.MAX_CHUNK_BYTES} bytes, a line {wire.MAX_LINE_BYTES})"
+        ) from None

@@ -1,0 +1,3 @@
+"""Every sandbox setting, declared once (:mod:`.fields`), turned into a runtime and a conduit
+(:mod:`.config`) and shown as block and work-pool fields (:mod:`.forms`). Never imports Prefect.
+"""

@@ -1,0 +1,197 @@
+"""The Python-call path: a task's function called in a sandbox, its value or exception back.
+
+The call crosses as JSON (:mod:`prefect_resoluto.task_runner.call_spec`): the function's reference, its
+parameters and what it may read of its run (tags, ``prefect.runtime``); the node's outputs
+carry its return value or its exception. Prefect is imported only inside the calls (the
+task engine's context), as in the rest of the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from guest_runner.redact import Redactor
+from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
+from prefect_resoluto.node.spec import output_allowance
+from prefect_resoluto.runtimes.base import memory_hint
+from prefect_resoluto.settings.config import SandboxConfig
+from prefect_resoluto.task_runner import call_spec as pycall
+from prefect_resoluto.task_runner import reads as task_reads
+from prefect_resoluto.warm import pool as warm_pool_mod
+
+if TYPE_CHECKING:
+    from prefect_resoluto.warm.pool import WarmPool
+
+log = logging.getLogger("prefect_resoluto")
+
+
+class RunNode(Protocol):
+    """The runner's way to drive one node for the current task run (``ResolutoTaskRunner.run_node``)."""
+
+    def __call__(
+        self,
+        *,
+        task_name: str,
+        argv: list[str],
+        cfg: SandboxConfig,
+        extra_inbox: dict[str, bytes] | None = None,
+        extra_outputs: list[str] | None = None,
+        cancel: threading.Event | None = None,
+        log_prints: bool = True,
+        warm_prefect: tuple[str, ...] = (),
+    ) -> NodeOutcome: ...
+
+
+def call(
+    task: Any,
+    fn: Any,
+    cfg: SandboxConfig,
+    cancel: threading.Event | None,
+    *,
+    run_node: RunNode,
+    pool: WarmPool | None,
+    deployment_name: DeploymentNames,
+) -> Any:
+    """Run ``fn`` (the body of ``task``) in a sandbox for the current task run and return what
+    it returned there -- or raise what it raised, its remote traceback kept."""
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    if ctx is None or ctx.task_run is None:
+        raise RuntimeError("a sandboxed task must run inside Prefect's task engine")
+    reads = task_reads.secret_entries(cfg)  # the allowed variables and blocks, read here
+    if reads:
+        cfg = cfg.replace(secret_env={**cfg.secret_env, **reads})
+    ref = pycall.function_ref(fn, cfg.workspace or default_workspace())
+    params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
+    redactor = Redactor(cfg.secret_env.values())
+    task_module = getattr(fn, "__module__", None)
+    limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
+    outcome = run_node(
+        task_name=task.name,
+        argv=pycall.guest_argv(),
+        cfg=cfg,
+        extra_inbox={
+            pycall.CALL_ARCHIVE: pycall.call_archive(
+                ref, params, context=run_context(ctx, params, deployment_name)
+            )
+        },
+        extra_outputs=pycall.RESULT_PATHS,
+        cancel=cancel,
+        log_prints=bool(getattr(ctx, "log_prints", False)),
+        warm_prefect=warm_pool_mod.imports_for(pool, workspace_file(ref, cfg)),
+    )
+    warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir, succeeded=outcome.ok)
+    if outcome.failure == "workload":
+        # raises the task's own exception type (or RemoteTaskError), remote traceback kept
+        pycall.read_outcome(
+            outcome.output_dir,
+            redactor=redactor,
+            task_module=task_module,
+            memory_hint=memory_hint(cfg.resources),
+            limit=limit,
+            workspace=cfg.workspace or default_workspace(),
+        )
+        raise WorkloadFailed(outcome.describe(), outcome)
+    outcome.raise_for_failure()
+    found, value = pycall.read_outcome(
+        outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
+    )
+    if not found:
+        raise WorkloadFailed(
+            f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
+        )
+    return pycall.rebuild(value, pycall.return_annotation(fn))
+
+
+def run_context(ctx: Any, params: dict[str, Any], deployment_name: DeploymentNames) -> dict[str, Any]:
+    """What a task can read of its run, as JSON for the sandbox: the current tags and
+    prefect.runtime's task_run, flow_run and deployment."""
+    from prefect.context import FlowRunContext, TagsContext
+
+    tr = ctx.task_run
+    tags_ctx = TagsContext.get()
+    out: dict[str, Any] = {
+        "tags": sorted(tags_ctx.current_tags) if tags_ctx is not None else [],
+        "task_run": {
+            "id": str(tr.id),
+            "name": tr.name,
+            "task_name": ctx.task.name,
+            "run_count": tr.run_count,
+            "parameters": params,
+            "tags": list(tr.tags or []),
+        },
+    }
+    fr_ctx = FlowRunContext.get()
+    fr = fr_ctx.flow_run if fr_ctx is not None else None
+    if fr_ctx is not None and fr is not None:
+        out["flow_run"] = {
+            "id": str(fr.id),
+            "name": fr.name,
+            "flow_name": fr_ctx.flow.name if fr_ctx.flow is not None else None,
+            "tags": list(fr.tags or []),
+            "parameters": json_only(fr_ctx.parameters or {}),
+        }
+        dep = str(fr.deployment_id) if fr.deployment_id else None
+        out["deployment"] = {"id": dep, "name": deployment_name(dep) if dep else None}
+    return out
+
+
+class DeploymentNames:
+    """A deployment's name by id, read from the API once per runner (a convenience: the id is
+    the reference, so a failed read gives None)."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, str | None] = {}
+
+    def __call__(self, deployment_id: str) -> str | None:
+        if deployment_id not in self._names:
+            try:
+                from prefect.client.orchestration import get_client
+
+                with get_client(sync_client=True) as client:
+                    self._names[deployment_id] = client.read_deployment(deployment_id).name
+            except Exception as e:  # the name is a convenience; the id is the reference
+                log.debug("could not read deployment %s: %s", deployment_id, e)
+                self._names[deployment_id] = None
+        return self._names[deployment_id]
+
+
+def default_workspace() -> Path:
+    """The directory of the flow's source file (the workspace shipped to each node)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is not None and ctx.flow is not None:
+        import inspect
+
+        try:
+            src = inspect.getsourcefile(ctx.flow.fn)
+            if src:
+                return Path(src).resolve().parent
+        except TypeError:
+            pass
+    return Path.cwd()
+
+
+def json_only(values: dict[str, Any]) -> dict[str, Any]:
+    """The values that survive JSON encoding (the rest is left out, not stringified)."""
+    import json
+
+    from pydantic_core import to_jsonable_python
+
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        try:
+            out[str(k)] = to_jsonable_python(v)
+            json.dumps(out[str(k)])
+        except Exception:
+            out.pop(str(k), None)
+    return out
+
+
+def workspace_file(ref: dict[str, str], cfg: SandboxConfig) -> Path | None:
+    return (cfg.workspace or default_workspace()) / ref["file"] if ref.get("file") else None

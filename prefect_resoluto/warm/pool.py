@@ -1,0 +1,822 @@
+"""Warm sandboxes: started ahead of demand, each serving exactly one node, then destroyed.
+
+A warm sandbox boots with nothing of a node: no run or node id, no argv, no env, no
+secret. It runs ``python -m guest_runner.warm``, which imports the runner, pre-starts
+the call's interpreter, prints that it is ready and blocks on stdin. Assignment
+(:meth:`WarmSandbox.assign`) is one JSON line on that pipe, which only the host holds:
+the conduit and every file on disk stay free of it.
+
+On a local conduit the sandbox mounts a *slot*, a directory in its own state directory
+(never in the conduit). At assignment the host renames the slot to the node's canonical
+directory ``run/<run>/nodes/<node>/`` (the bind mount follows the directory), so the
+node's objects land at the canonical keys and nowhere else, and a sandbox that is never
+assigned leaves nothing in the conduit.
+
+On a runtime that can checkpoint (gVisor), each key's sandboxes are *restored* from one
+image of a template sandbox checkpointed at the point a warm guest waits for its
+assignment (:mod:`prefect_resoluto.warm.snapshots`), instead of booted; without a usable
+image they boot as before.
+
+Pools are keyed by everything fixed at launch (:class:`PoolKey`); a node whose key has
+no sandbox ready gets a cold one. Nodes with egress are always cold: their network
+namespace and proxy belong to the run, which a sandbox started ahead of demand cannot
+know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guest_runner.conduit import Conduit, LocalConduit
+from prefect_resoluto.runtimes import slot
+from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
+from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapshots
+from prefect_resoluto.warm.snapshots import enabled_by_env as snapshots_by_env
+
+if TYPE_CHECKING:
+    from prefect_resoluto.egress import NetworkRequest
+
+log = logging.getLogger("prefect_resoluto.warm.pool")
+
+LABEL_POOL = "resoluto.pool"
+LABEL_WARM = "resoluto.warm"
+#: Idle warm sandboxes per key when ``warm_pool`` is not set: the runner's concurrency, capped
+#: (an idle gVisor sandbox holds ~65 MiB of host memory).
+DEFAULT_CAP = 4
+#: Sandboxes booting at once: boots compete with running tasks for the same cores.
+MAX_BOOTING = 2
+#: Seconds a node that found no warm sandbox counts as demand for its key.
+MISS_WINDOW = 5.0
+READY = "resoluto warm: ready"
+SNAPSHOT_READY = "resoluto warm: snapshot-ready"
+WAKE = b'{"wake":1}\n'
+SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+#: Seconds a node waits at most for a sandbox being restored before it runs cold.
+RESTORE_WAIT = 1.0
+#: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
+TEMPLATE_TIMEOUT = 300.0
+#: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
+RESTORED_READY_TIMEOUT = 60.0
+SLOT = slot.SLOT_NAME
+GUEST_MODULE = "guest_runner.warm"
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What is fixed when a sandbox starts (the runtime and its mounts are the pool's own)."""
+
+    image: str | None = None
+    resources: Resources = field(default_factory=Resources)
+    egress: tuple[str, ...] = ()
+    #: Installed modules the call's interpreter pre-imports (:func:`imports_for`): the real
+    #: Prefect's the task module names, and what the module's earlier nodes imported.
+    imports: tuple[str, ...] = ()
+    #: A worker's flow run: the pre-started process imports Prefect's flow-run engine, and
+    #: the sandbox is laid out for the network it is restored into (:meth:`WarmPool.restore_for`).
+    engine: bool = False
+
+
+def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
+    """The pool key of a NodeSpec, or None when it must run cold."""
+    if spec.egress or spec.setup_egress or spec.egress_forward or spec.egress_resolve:
+        return None
+    return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), imports=imports)
+
+
+_PREFECT_IMPORT = re.compile(
+    r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)", re.MULTILINE
+)
+_FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
+#: What guest_runner.standin answers for ``from prefect import ...``.
+_STAND_INS = {"task", "flow", "get_run_logger"}
+_needs_prefect: dict[str, tuple[str, ...]] = {}
+
+
+def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+    """The real Prefect modules a task module imports beyond what the guest's stand-ins give
+    (``import prefect.variables``, ``from prefect.blocks.system import ...``): () when the
+    stand-ins do (``from prefect import task``, ``import prefect``), ("prefect",) for
+    ``from prefect import <anything else>``."""
+    if not source_file:
+        return ()
+    path = str(source_file)
+    if path not in _needs_prefect:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        found = {a or b for a, b in _PREFECT_IMPORT.findall(text)} - {"prefect"}
+        for names in _FROM_PREFECT.findall(text):
+            if {n.split(" as ")[0].strip() for n in names.strip("()").split(",") if n.strip()} - _STAND_INS:
+                found.add("prefect")
+        _needs_prefect[path] = tuple(sorted(found))
+    return _needs_prefect[path]
+
+
+#: A module name a call may report (``pkg`` or ``pkg.sub``): nothing else is pre-imported.
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?$")
+#: What one task module's warm sandboxes pre-import at most (guest_runner.call.MAX_IMPORTS).
+MAX_IMPORTS = 200
+#: A learned name not reported by any of this many later successful calls is forgotten.
+KEEP_CALLS = 8
+#: Never learned: the host alone decides real Prefect (needs_real_prefect, from the task's
+#: module), and its own packages are the guest's plumbing.
+_NEVER = frozenset({"prefect", "guest_runner", "prefect_resoluto"})
+
+
+@functools.cache
+def _top_levels() -> Mapping[str, list[str]]:
+    import importlib.metadata
+
+    return importlib.metadata.packages_distributions()
+
+
+_verified: dict[str, bool] = {}
+
+
+def installed_module(name: str) -> bool:
+    """Whether ``name`` is a module the host can vouch for: a top-level module of an installed
+    distribution, or a submodule its files list (``pkg/sub.py``, ``pkg/sub/__init__.py``, an
+    extension ``pkg/sub.*.so``); never a ``__main__`` (which runs a program), never Prefect
+    or the project's own packages. Read from distribution metadata: nothing is imported."""
+    if name in _verified:
+        return _verified[name]
+    ok = False
+    top, _, sub = name.partition(".")
+    if _MODULE_NAME.match(name) and top not in _NEVER and "__main__" not in (top, sub):
+        dists = _top_levels().get(top) or []
+        if dists and not sub:
+            ok = True
+        elif dists:
+            ok = any(_lists_submodule(d, top, sub) for d in dists)
+    _verified[name] = ok
+    return ok
+
+
+def _lists_submodule(dist: str, top: str, sub: str) -> bool:
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    wanted = (f"{top}/{sub}.py", f"{top}/{sub}/__init__.py")
+    ext = f"{top}/{sub}."
+    for f in files:
+        path = str(f)
+        if path in wanted or (path.startswith(ext) and path.endswith((".so", ".pyd"))):
+            return True
+    return False
+
+
+class Learned:
+    """The installed packages each task module's successful calls imported
+    (``.resoluto/imports.json``, names only), so the next warm sandboxes for that module
+    import them before their assignment. A call's report is the sandbox's word, so only
+    names the host can vouch for are kept (:func:`installed_module`: never the workspace's
+    modules, a ``__main__``, Prefect or anything not installed), only from calls that
+    succeeded, and a name no later call reports again is forgotten after KEEP_CALLS
+    successful calls (the most recently reported win at the MAX_IMPORTS cap): one hostile
+    call can neither add what is not installed nor hold the list for good."""
+
+    def __init__(self) -> None:
+        #: Per task module: name -> the number of the last successful call that reported it.
+        self._by_file: dict[str, dict[str, int]] = {}
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def imports_for(self, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+        parsed = needs_real_prefect(source_file)
+        with self._lock:
+            seen = self._by_file.get(str(source_file), {}) if source_file else {}
+            # Stable for a pool key, packages before their submodules (as the guest imports).
+            learned = tuple(sorted(seen, key=lambda n: ("." in n, n)))
+        return learned + tuple(m for m in parsed if m not in learned)
+
+    def learn(
+        self,
+        source_file: str | os.PathLike[str] | None,
+        output_dir: Path | None,
+        *,
+        succeeded: bool = True,
+    ) -> tuple[str, ...]:
+        """Take what a finished call of ``source_file``'s module reported; the new names."""
+        if not source_file or output_dir is None or not succeeded:
+            return ()
+        from prefect_resoluto.node import result_files
+
+        try:
+            raw = result_files.read(output_dir, IMPORTS_FILE, MAX_IMPORTS_BYTES)
+            reported = json.loads(raw).get("modules") if raw is not None else None
+        except (OSError, ValueError, AttributeError):  # ResultFileError is a ValueError
+            return ()
+        if not isinstance(reported, list):
+            return ()
+        names = list(
+            dict.fromkeys(
+                m for m in reported[: 4 * MAX_IMPORTS] if isinstance(m, str) and installed_module(m)
+            )
+        )[:MAX_IMPORTS]
+        key = str(source_file)
+        with self._lock:
+            call = self._calls[key] = self._calls.get(key, 0) + 1
+            seen = self._by_file.setdefault(key, {})
+            new = tuple(m for m in names if m not in seen)
+            for m in names:
+                seen[m] = call
+            for m in [m for m, at in seen.items() if call - at >= KEEP_CALLS]:
+                del seen[m]
+            if len(seen) > MAX_IMPORTS:
+                for m in sorted(seen, key=lambda n: seen[n])[: len(seen) - MAX_IMPORTS]:
+                    del seen[m]
+        if new:
+            log.debug(
+                "warm sandboxes for %s will pre-import %d more module(s): %s",
+                source_file,
+                len(new),
+                ", ".join(new[:10]),
+            )
+        return new
+
+
+#: Where guest_runner.call reports its imports, relative to the node's outputs.
+IMPORTS_FILE = ".resoluto/imports.json"
+#: The largest imports report read (names only, at most MAX_IMPORTS of them are kept).
+MAX_IMPORTS_BYTES = 1 << 20
+
+
+class WarmSandbox:
+    def __init__(
+        self,
+        pool: WarmPool,
+        key: PoolKey,
+        handle: SandboxHandle,
+        slot: Path | None,
+        restored: Path | None = None,
+    ) -> None:
+        self.pool, self.key, self.handle, self.slot = pool, key, handle, slot
+        #: The image it was restored from (None: booted).
+        self.restored = restored
+        self.started = time.monotonic()
+        self._ready = False
+
+    @property
+    def runtime(self) -> SandboxRuntime:
+        return self.pool.runtime
+
+    def ready(self) -> bool:
+        if not self._ready:
+            self._ready = READY in self.runtime.logs(self.handle, tail=5)
+        return self._ready
+
+    def alive(self) -> bool:
+        st = self.runtime.status(self.handle)
+        return not (st.terminal or st.gone)
+
+    def place(self, conduit: Conduit, rel_prefix: str) -> None:
+        """Move the slot to the node's canonical directory (before the inbox is put there)."""
+        if self.slot is None:
+            return
+        if not isinstance(conduit, LocalConduit):
+            raise OSError("a slotted warm sandbox needs the local conduit it was made for")
+        target = conduit.root / rel_prefix
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if slot.mounted(self.slot):
+            # A mount point cannot be renamed: the node's directory shows the same slot.
+            slot.bind(self.slot, target)  # fails if the node directory exists: never merge two nodes
+        else:
+            os.rename(self.slot, target)
+        self.slot = None
+
+    def assign(self, launch: LaunchSpec) -> SandboxHandle:
+        """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only (with the
+        variables of the network it was restored into: its process has its template's)."""
+        env = {**launch.env, **self.runtime.network_env(self.handle)}
+        payload = json.dumps({"env": env, "secret_env": launch.secret_env}, separators=(",", ":"))
+        self.runtime.assign(
+            self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"}
+        )
+        return self.handle
+
+    def discard(self) -> None:
+        """Destroy the sandbox (idempotent; after ``assign`` the node's driver does it)."""
+        try:
+            self.runtime.destroy(self.handle)
+        except Exception as e:
+            log.warning("could not destroy warm sandbox %s: %s", self.handle.id, e)
+        if self.slot is not None:
+            shutil.rmtree(self.slot, ignore_errors=True)
+
+
+class WarmPool:
+    """Idle warm sandboxes of one runtime and conduit, per key, refilled in the background."""
+
+    def __init__(
+        self,
+        runtime: SandboxRuntime,
+        conduit: Conduit,
+        *,
+        size: int,
+        labels: dict[str, str] | None = None,
+        snapshots: bool | None = None,
+    ) -> None:
+        """``snapshots``: restore warm sandboxes from per-key images where the runtime can
+        (default: on, unless ``RESOLUTO_WARM_SNAPSHOTS=0``)."""
+        self.runtime, self.conduit, self.size = runtime, conduit, max(0, size)
+        self.id = uuid.uuid4().hex[:12]
+        self.labels = {**(labels or {}), LABEL_POOL: self.id, LABEL_WARM: "idle"}
+        self._idle: dict[PoolKey, list[WarmSandbox]] = {}
+        self._wanted: list[PoolKey] = []
+        self._broken: set[PoolKey] = set()
+        # Demand per key: warm sandboxes handed out (alive = their node still runs) and the
+        # times nodes found none (cold ones), which together say how many run at once.
+        self._taken: dict[PoolKey, list[WarmSandbox]] = {}
+        self._misses: dict[PoolKey, list[float]] = {}
+        self._floor: dict[PoolKey, int] = {}
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
+        self.learned = Learned()
+        self.python = runtime.python or sys.executable
+        self.snapshots: Snapshots | None = None
+        if (
+            self.enabled
+            and runtime.supports_snapshots
+            and (snapshots if snapshots is not None else snapshots_by_env())
+        ):
+            seen = {
+                k: v for k, v in conduit.guest_env().items() if k != "RESOLUTO_STORE_ROOT"
+            }  # /conduit inside
+            slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
+            context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
+            self.snapshots = Snapshots(runtime, self.python, context)
+            self.snapshots.prune()
+        #: Keys whose image could not be made or restored: their sandboxes boot.
+        self._booting_only: set[PoolKey] = set()
+        #: Keys whose image is being made for restore_for, and the threads making them.
+        self._building: set[PoolKey] = set()
+        self._builders: list[threading.Thread] = []
+
+    @property
+    def enabled(self) -> bool:
+        return not self.why_not
+
+    # -- the host's side --------------------------------------------------------------
+    def want(self, key: PoolKey, idle: int = 0) -> None:
+        """Keep ``key`` warm from now on (the runner's defaults at start, every key in demand);
+        ``idle``: at least that many idle (up to ``size``) whatever the demand."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self._closed or key in self._broken:
+                return
+            self._floor[key] = max(self._floor.get(key, 0), min(idle, self.size))
+            if key not in self._wanted:
+                self._wanted.append(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._refill, name="resoluto-warm-pool", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def take(self, key: PoolKey | None, *, warm: bool = True) -> tuple[WarmSandbox | None, float]:
+        """A ready warm sandbox of ``key`` and the seconds spent getting it; (None, seconds)
+        when there is none: the node runs cold, and the key is warmed (``warm=False``: a
+        fallback look that neither warms the key nor counts as its demand). Never one still
+        booting: until the guest says it is ready, runsc may not have opened the slot it
+        mounts, and moving the slot then would fail the sandbox's start. One being
+        *restored* is waited for (RESTORE_WAIT at most): it is a fraction of a cold start away."""
+        t0 = time.monotonic()
+        if key is None or not self.enabled:
+            return None, 0.0
+        if warm:
+            self.want(key)
+        while True:
+            with self._lock:
+                idle = self._idle.get(key) or []
+                pick = next((w for w in idle if w.ready()), None)
+                if pick is None and warm and self._restoring_soon(idle, t0):
+                    self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+                    continue
+                if pick is None:
+                    if warm:
+                        self._misses.setdefault(key, []).append(time.monotonic())
+                    return None, time.monotonic() - t0
+                idle.remove(pick)
+                self._taken.setdefault(key, []).append(pick)
+                self._lock.notify_all()
+            if pick.alive():
+                return pick, time.monotonic() - t0
+            self._failed(pick)
+
+    @staticmethod
+    def _restoring_soon(idle: list[WarmSandbox], t0: float) -> bool:
+        """Whether a sandbox of ``idle`` is being restored and worth waiting for: a restore
+        reaches ready in ~0.3-0.5 s, a cold node costs a whole boot more. At most
+        RESTORE_WAIT seconds from ``t0``, and never for one booting (seconds away)."""
+        now = time.monotonic()
+        return now - t0 < RESTORE_WAIT and any(
+            w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle
+        )
+
+    def close(self) -> None:
+        """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
+        with self._lock:
+            self._closed = True
+            idle = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+            self._lock.notify_all()
+            thread = self._thread
+        for w in idle:
+            w.discard()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+        for builder in list(self._builders):  # a template being made sees _closed and stops
+            if builder is not threading.current_thread():
+                builder.join(timeout=30)
+        with self._lock:  # one launched while we joined
+            idle = [w for ws in self._idle.values() for w in ws]
+            self._idle.clear()
+        for w in idle:
+            w.discard()
+        try:  # any taken but never driven (the process is leaving): by the runtime's own listing
+            self.runtime.sweep({LABEL_POOL: self.id})
+        except Exception as e:
+            log.warning("sweeping the warm pool's sandboxes failed: %s", e)
+
+    def ready_count(self, key: PoolKey) -> int:
+        """Idle sandboxes of ``key`` that have said they are ready (tests, benchmarks)."""
+        with self._lock:
+            return sum(1 for w in self._idle.get(key) or [] if w.ready())
+
+    def idle_ids(self) -> list[str]:
+        with self._lock:
+            return [w.handle.id for ws in self._idle.values() for w in ws]
+
+    # -- the refill thread -----------------------------------------------------------------
+    def _refill(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                todo = self._next_key()
+                if todo is None:
+                    self._lock.wait(timeout=0.5)  # a boot finishing frees a slot: re-check
+                    continue
+            try:
+                w = self._launch(todo)
+            except Exception as e:
+                log.warning(
+                    "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
+                    self.runtime.name,
+                    e,
+                )
+                with self._lock:
+                    self._broken.add(todo)
+                    self._wanted.remove(todo)
+                continue
+            if w is None:  # the pool closed while the key's image was being made
+                continue
+            with self._lock:
+                if self._closed:
+                    closed = True
+                else:
+                    closed = False
+                    self._idle.setdefault(todo, []).append(w)
+            if closed:
+                w.discard()
+                return
+
+    def target(self, key: PoolKey) -> int:
+        """Idle sandboxes to keep for ``key``: one more than its nodes running now (warm ones
+        still alive, cold ones started in the last MISS_WINDOW seconds), at most ``size``."""
+        now = time.monotonic()
+        taken = self._taken.get(key) or []
+        taken[:] = [w for w in taken if w.alive()]
+        misses = self._misses.get(key) or []
+        misses[:] = [t for t in misses if now - t < MISS_WINDOW]
+        return max(self._floor.get(key, 0), min(self.size, 1 + len(taken) + len(misses)))
+
+    def _next_key(self) -> PoolKey | None:
+        # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
+        for ws in self._idle.values():
+            for w in [w for w in ws if not w.ready() and not w.alive()]:
+                ws.remove(w)
+                threading.Thread(target=self._failed, args=(w,), daemon=True).start()
+        booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
+        if booting >= MAX_BOOTING:
+            return None
+        # Saturated, only a restore is started ahead: it costs a third of the CPU of the
+        # cold boot it saves the next node (docs/performance.md, "cpu per node").
+        saturated = self._saturated()
+        for key in self._wanted:
+            if len(self._idle.get(key) or []) < self.target(key) and (not saturated or self._restorable(key)):
+                return key
+        return None
+
+    def _restorable(self, key: PoolKey) -> bool:
+        """Whether ``key``'s next sandbox would be restored from an image already made."""
+        return (
+            self.snapshots is not None and key not in self._booting_only and self.snapshots.path(key).is_dir()
+        )
+
+    def _saturated(self) -> bool:
+        """As many nodes in flight as the host has cores: no idle CPU to boot ahead in, and a
+        boot would only slow the running nodes (measured: a saturated gVisor map ran slower
+        with the pool booting replacements than without a pool)."""
+        for key in self._wanted:
+            self.target(key)  # prunes finished nodes and old misses
+        inflight = sum(len(ws) for ws in self._taken.values()) + sum(len(ts) for ts in self._misses.values())
+        return inflight >= (os.cpu_count() or 1)
+
+    def _failed(self, w: WarmSandbox) -> None:
+        why = self.runtime.status(w.handle).reason
+        logs = self.runtime.logs(w.handle, tail=5).strip()
+        w.discard()
+        if not w._ready and w.restored is not None and self.snapshots is not None:
+            if not w.restored.exists():  # discarded already (another restored from it failed first)
+                return
+            self.snapshots.discard(
+                w.key, f"a sandbox restored from it ended before it was ready ({why}): {logs[-400:]}"
+            )
+            with self._lock:
+                self._booting_only.add(w.key)
+            return
+        if not w._ready:
+            log.warning(
+                "a warm sandbox on %s ended before it was ready (%s): %s; nodes of this kind run cold",
+                self.runtime.name,
+                why,
+                logs[-400:],
+            )
+            with self._lock:
+                self._broken.add(w.key)
+                if w.key in self._wanted:
+                    self._wanted.remove(w.key)
+
+    def _launch(self, key: PoolKey) -> WarmSandbox | None:
+        """One warm sandbox of ``key``: restored from its image (made first if there is none
+        yet) where the pool has snapshots, else booted. None: the pool closed meanwhile."""
+        if self.snapshots is not None and key not in self._booting_only:
+            try:
+                image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
+                if image is None:
+                    image = self._make_image(key)
+            except (SnapshotError, OSError) as e:
+                self._no_image(key, None if isinstance(e, CorruptImage) else e)
+            else:
+                if image is not None:
+                    return self._start(key, image=image)
+                if self._closed:
+                    return None
+        return self._start(key)
+
+    def _start(
+        self,
+        key: PoolKey,
+        *,
+        image: Path | None = None,
+        template: bool = False,
+        network: NetworkRequest | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> WarmSandbox:
+        """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint;
+        ``network``: the network of the node it is restored for (restore_for)."""
+        sid = f"rsl-{uuid.uuid4().hex[:16]}"
+        slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
+        mode = "engine" if key.engine else ("import:" + ",".join(key.imports)) if key.imports else "1"
+        env = {"RESOLUTO_WARM_CALL": mode}
+        env.update(self.conduit.guest_env())
+        if image is not None or template:
+            env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
+        assert self.runtime.state is not None  # checked by usable()
+        state = Path(self.runtime.state)
+        spec = LaunchSpec(
+            sandbox_id=sid,
+            env=env,
+            resources=key.resources,
+            labels={**self.labels, **(labels or {})},
+            image=key.image,
+            command=[self.python, "-m", GUEST_MODULE],
+            hold_stdin=True,
+            network=network,
+            network_layout=key.engine,
+            conduit_root=(state / sid) if slotted else None,
+            conduit_subdir=SLOT if slotted else "",
+            conduit_slot=slot.capacity_of(key.resources.disk_bytes, key.resources.memory_bytes)[0]
+            if slotted
+            else None,
+        )
+        if slotted:
+            from prefect_resoluto.runtimes._guest_layout import guest_conduit_dir
+
+            env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
+        if image is not None:
+            handle = self.runtime.restore(spec, image, wake=WAKE)
+        else:
+            handle = self.runtime.launch(spec)
+        return WarmSandbox(self, key, handle, state / sid / SLOT if slotted else None, restored=image)
+
+    # -- restored on demand (a worker's flow runs) -----------------------------------------
+    def restore_for(
+        self, key: PoolKey, network: NetworkRequest | None, labels: dict[str, str]
+    ) -> tuple[WarmSandbox | None, str]:
+        """A sandbox of ``key`` restored now from the key's image into ``network`` (the node's
+        own, made for it: a network belongs to its run, so such a sandbox cannot wait ahead
+        of demand like the pool's), once it says it is ready; and the words for the log.
+        (None, why) when it cannot be: then the node boots. Without an image yet, the image
+        is made in the background meanwhile, for the key's next nodes."""
+        if self.snapshots is None or not self.enabled:
+            return None, f"booted (no snapshots: {self.why_not or 'turned off'})"
+        if key in self._booting_only:
+            return None, "booted (this kind's snapshot image could not be made or restored)"
+        try:
+            image = self.snapshots.usable(key)
+        except SnapshotError:  # corrupt: discarded with a warning; made again
+            image = None
+        if image is None:
+            self._build_in_background(key)
+            return None, "booted (its snapshot image is being made for the next ones)"
+        t0 = time.monotonic()
+        try:
+            w = self._start(key, image=image, network=network, labels=labels)
+        except Exception as e:
+            log.warning("could not restore a sandbox on %s: %s; booting one", self.runtime.name, e)
+            return None, f"booted (the restore failed: {e})"
+        deadline = t0 + RESTORED_READY_TIMEOUT
+        while not w.ready():
+            if not w.alive() or time.monotonic() > deadline or self._closed:
+                if w.alive():
+                    w.discard()
+                    return None, "booted (the restored sandbox was not ready in time)"
+                self._failed(w)  # an image whose sandboxes die before ready is discarded
+                return None, "booted (the restored sandbox ended before it was ready)"
+            with self._lock:
+                self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+        return w, f"restored sandbox {w.handle.id} from its snapshot in {time.monotonic() - t0:.2f} s"
+
+    def _build_in_background(self, key: PoolKey) -> None:
+        with self._lock:
+            if self._closed or key in self._building or key in self._booting_only:
+                return
+            self._building.add(key)
+            t = threading.Thread(target=self._build, args=(key,), name="resoluto-snapshot", daemon=True)
+            self._builders.append(t)
+        t.start()
+
+    def _build(self, key: PoolKey) -> None:
+        try:
+            self._make_image(key)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the key's sandboxes boot
+            self._no_image(key, e)
+        finally:
+            with self._lock:
+                self._building.discard(key)
+                self._builders = [t for t in self._builders if t is not threading.current_thread()]
+
+    def _no_image(self, key: PoolKey, e: BaseException | None) -> None:
+        """``key``'s image could not be made (``e``, warned here) or was corrupt (None: the
+        discard warned already): its sandboxes boot from now on."""
+        if e is not None:
+            log.warning(
+                "could not make a warm-sandbox image on %s: %s; sandboxes of this kind boot",
+                self.runtime.name,
+                e,
+            )
+        with self._lock:
+            self._booting_only.add(key)
+
+    def _make_image(self, key: PoolKey) -> Path | None:
+        """Boot ``key``'s template, checkpoint it where it waits for an assignment (no node
+        exists yet), destroy it, and commit the image. None when the pool closed meanwhile."""
+        assert self.snapshots is not None
+        t0 = time.monotonic()
+        w = self._start(key, template=True)
+        try:
+            deadline = t0 + TEMPLATE_TIMEOUT
+            while SNAPSHOT_READY not in self.runtime.logs(w.handle, tail=5):
+                with self._lock:
+                    if self._closed:
+                        return None
+                    if not w.alive():
+                        raise SnapshotError(
+                            "the template sandbox ended before its checkpoint: "
+                            + self.runtime.logs(w.handle, tail=5).strip()[-400:]
+                        )
+                    if time.monotonic() > deadline:
+                        raise SnapshotError(f"the template sandbox was not ready in {TEMPLATE_TIMEOUT:.0f} s")
+                    self._lock.wait(timeout=0.05)  # a log line has no event to wait on
+            booted = time.monotonic() - t0
+            tmp = self.snapshots.new_dir()
+            t1 = time.monotonic()
+            try:
+                self.runtime.checkpoint(w.handle, tmp)
+            except Exception as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SnapshotError(str(e)) from e
+            made = {"template_boot_s": round(booted, 3), "checkpoint_s": round(time.monotonic() - t1, 3)}
+        finally:
+            w.discard()
+        image = self.snapshots.commit(key, tmp, made)
+        log.debug("warm-sandbox image %s made in %.1f s", image, time.monotonic() - t0)
+        return image
+
+
+def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
+    """Whether ``runtime`` can keep sandboxes warm for ``conduit``, and if not why."""
+    if not runtime.supports_warm:
+        return Availability.refused(f"runtime {runtime.name!r} does not keep sandboxes warm")
+    state = runtime.state
+    if state is None:
+        return Availability.refused(
+            f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
+        )
+    if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
+        try:
+            if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
+                return Availability.refused(
+                    f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
+                    "different filesystems, so a warm sandbox's directory cannot be moved into place"
+                )
+        except OSError as e:
+            return Availability.refused(f"cannot check the conduit's filesystem: {e}")
+    return Availability(True)
+
+
+def default_size(warm_pool: int | None, max_workers: int) -> int:
+    if warm_pool is not None:
+        return max(0, warm_pool)
+    return min(DEFAULT_CAP, max(1, max_workers))
+
+
+def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: int) -> WarmPool | None:
+    """The task runner's pool (None when disabled or unsupported), already warming the
+    runner's own settings so the first task finds a sandbox ready."""
+    size = default_size(cfg.warm_pool, max_workers)
+    if size == 0:
+        return None
+    pool = WarmPool(runtime, conduit, size=size)
+    if not pool.enabled:
+        if cfg.warm_pool:  # asked for explicitly: say why it is not there
+            log.warning("warm_pool=%d ignored: %s", cfg.warm_pool, pool.why_not)
+        return None
+    if not (cfg.egress or cfg.setup_egress or cfg.egress_resolve):
+        pool.want(PoolKey(image=cfg.image, resources=cfg.resources))
+    return pool
+
+
+def imports_for(pool: WarmPool | None, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+    """What warm sandboxes for a task of ``source_file`` pre-import (() without a pool)."""
+    return pool.learned.imports_for(source_file) if pool is not None else ()
+
+
+def learn(
+    pool: WarmPool | None,
+    source_file: str | os.PathLike[str] | None,
+    output_dir: Path | None,
+    *,
+    succeeded: bool,
+) -> None:
+    """Record what a finished Python call of ``source_file`` imported, if it succeeded
+    (see :class:`Learned`)."""
+    if pool is not None:
+        pool.learned.learn(source_file, output_dir, succeeded=succeeded)
+
+
+def take_for(
+    pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ()
+) -> tuple[WarmSandbox | None, str]:
+    """A warm sandbox for ``spec`` if one is ready, and the words for the task's log. One
+    that pre-imported nothing serves when none with ``imports`` is ready: the call then
+    imports them itself, still without a sandbox boot."""
+    if pool is None:
+        return None, "cold sandbox (warm pool off)"
+    key = key_for(spec, imports=imports)
+    if key is None:
+        return None, "cold sandbox (nodes with egress are never pre-started)"
+    w, waited = pool.take(key)
+    plain = ""
+    if w is None and key.imports:
+        w, more = pool.take(dataclasses.replace(key, imports=()), warm=False)
+        waited += more
+        plain = ", without the module's imports pre-loaded"
+    if w is None:
+        return None, f"cold sandbox (no warm one of this kind ready; looked for {waited * 1000:.1f} ms)"
+    age = time.monotonic() - w.started
+    return w, (
+        f"warm sandbox {w.handle.id} (waited {waited * 1000:.1f} ms for it; started {age:.1f} s ahead{plain})"
+    )

@@ -1,0 +1,679 @@
+"""One flow run's gateway to the Prefect API: the only credential a sandboxed run holds is its token.
+
+The ``resoluto`` worker starts one :class:`ApiGateway` per flow run, on the host, before
+the sandbox. The gateway holds the worker's own credential (:class:`Upstream`: an auth
+string as HTTP basic auth, or an API key as a bearer token) and forwards to the real API
+what :class:`~prefect_resoluto.worker.rules.RunRules` admits for that one run; the sandbox
+gets the gateway's address and a random token for that run only, and the gateway (its
+listener, its token) is gone when the run's sandbox is.
+
+HTTP requests are read whole (bounded), judged, and forwarded with the worker's
+credential in place of the token. The events websocket (``/api/events/in``, where
+Prefect's engine sends task-run states) is terminated here: the gateway speaks Prefect's
+websocket protocol to the sandbox (the ``prefect`` subprotocol's auth message carries the
+token) and its own connection upstream, and relays one judged event at a time. A refusal
+is an HTTP 403 (or a dropped event) and a WARNING line in the flow run's own logs, written
+with the worker's credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import datetime
+import hmac
+import json
+import logging
+import secrets
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from prefect_resoluto.worker.bodies import body_cap, parse_bounded
+from prefect_resoluto.worker.rules import Rebuilt, Refusal, RunRules
+
+logger = logging.getLogger("prefect_resoluto.worker.gateway")
+
+#: The largest message the gateway takes from the API's event stream (a sandbox's bodies: api_bodies).
+MAX_BODY = 16 * 1024 * 1024
+#: The largest websocket message a sandbox may send (Prefect's own bound on an event is
+#: 1.5 MB, PREFECT_EVENTS_MAXIMUM_SIZE_BYTES).
+MAX_EVENT = 2 * 1024 * 1024
+#: Refusals written to the run's logs (and to the worker's); after that one line says that
+#: more were not, and they are only counted.
+MAX_LOGGED_REFUSALS = 100
+#: Seconds a request's body may take to arrive, once its head has (a sandbox that sends
+#: half a body holds no slot for ever).
+BODY_TIMEOUT = 30.0
+#: Seconds a connection may take to send a whole request head.
+HEAD_TIMEOUT = 15.0
+#: Requests of one run the gateway works on at once; more wait their turn.
+MAX_CONCURRENT = 8
+#: The logger name of the gateway's lines in the flow run's logs.
+LOGGER_NAME = "prefect_resoluto.gateway"
+# Headers of the sandbox's request that are the gateway's business, not the API's.
+_DROP_REQUEST = frozenset(
+    {
+        "host",
+        "authorization",
+        "cookie",
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "accept-encoding",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "set-cookie"}
+)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The real API and the worker's credential for it (never shown: ``repr`` hides it)."""
+
+    api_url: str
+    auth_string: str | None = None
+    api_key: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Upstream({self.api_url!r}, {self.scheme})"
+
+    @property
+    def scheme(self) -> str:
+        """Which header the gateway adds (Prefect's own client's choice: the auth string wins)."""
+        return "basic" if self.auth_string else "bearer" if self.api_key else "none"
+
+    def headers(self) -> dict[str, str]:
+        if self.auth_string:
+            token = base64.b64encode(self.auth_string.encode()).decode()
+            return {"Authorization": f"Basic {token}"}
+        if self.api_key:
+            return {"Authorization": f"Bearer {self.api_key}"}
+        return {}
+
+    @property
+    def cloud_websocket(self) -> bool:
+        """Prefect Cloud authenticates its websockets by the bearer header alone; a
+        self-hosted server by the ``prefect`` subprotocol's auth message."""
+        return bool(self.api_key) and not self.auth_string
+
+    @classmethod
+    def from_settings(cls, api_url: str | None = None) -> Upstream:
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
+
+        url = api_url or str(PREFECT_API_URL.value() or "")
+        if not url:
+            raise ValueError(
+                "PREFECT_API_URL is not set for the worker: the sandboxed flow run could not report"
+            )
+        auth = PREFECT_API_AUTH_STRING.value()
+        key = PREFECT_API_KEY.value()
+        return cls(
+            api_url=url.rstrip("/"),
+            auth_string=_plain(auth),
+            api_key=_plain(key),
+        )
+
+
+def _plain(value: Any) -> str | None:
+    if value is None:
+        return None
+    raw = value.get_secret_value() if hasattr(value, "get_secret_value") else str(value)
+    return raw or None
+
+
+class ApiGateway:
+    """One flow run's gateway: a listener on ``host``, a token, the run's rules."""
+
+    def __init__(
+        self,
+        flow_run_id: str,
+        upstream: Upstream,
+        rules: RunRules,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        announce: bool = True,
+    ) -> None:
+        self.flow_run_id = flow_run_id
+        self.upstream = upstream
+        self.rules = rules
+        self.token = secrets.token_urlsafe(32)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        self.refused = 0
+        self.subscriptions = 0  # event subscriptions relayed (narrowed to the run)
+        self._announce = announce  # refusals on the worker's own log too (doctor's probe: not)
+        self._logged = 0
+        self._announced = 0
+        self._busy: asyncio.Semaphore | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: Any = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def start(self) -> ApiGateway:
+        import uvicorn
+
+        config = uvicorn.Config(
+            self._app(),
+            log_config=None,  # the worker's logging stays as it is
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ws="websockets-sansio",
+            http=_head_timed_protocol(),
+            limit_concurrency=4 * MAX_CONCURRENT + 16,  # connections: more are answered 503
+            ws_max_size=MAX_EVENT,
+            timeout_graceful_shutdown=2,
+            server_header=False,
+            date_header=False,
+        )
+        self._server = uvicorn.Server(config)
+
+        def serve() -> None:
+            try:
+                asyncio.run(self._serve())
+            except BaseException as e:  # noqa: BLE001 - reported by start()
+                self._failure = e
+                self._started.set()
+
+        self._thread = threading.Thread(
+            target=serve, name=f"resoluto-gateway-{self.flow_run_id}", daemon=True
+        )
+        self._thread.start()
+        self._started.wait(timeout=30)
+        if self._failure is not None or not self._started.is_set():
+            self.close()
+            raise RuntimeError(f"the API gateway could not start: {self._failure}")
+        return self
+
+    async def _serve(self) -> None:
+        import httpx
+
+        self._loop = asyncio.get_running_loop()
+        self._busy = asyncio.Semaphore(MAX_CONCURRENT)
+        async with httpx.AsyncClient(
+            base_url=self.upstream.api_url,
+            headers=self.upstream.headers(),
+            timeout=httpx.Timeout(60.0, connect=15.0),
+            follow_redirects=False,
+        ) as client:
+            self._client = client
+            self._loop.call_soon(self._started.set)
+            await self._server.serve(sockets=[self._sock])
+
+    def close(self) -> None:
+        """Stop listening and drop every connection: the token dies with the listener."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True
+                self._thread.join(timeout=15)
+        self._sock.close()
+
+    def __enter__(self) -> ApiGateway:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the app
+
+    def _app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.routing import Route, WebSocketRoute
+
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+        return Starlette(
+            routes=[
+                WebSocketRoute("/{path:path}", self._websocket),
+                Route("/{path:path}", self._http, methods=methods),
+            ]
+        )
+
+    def _authorized(self, header: str | None) -> bool:
+        """The run's token, as Prefect's client sends it: ``Basic b64(token)`` (the token as
+        the run's auth string) or ``Bearer token`` (as an API key)."""
+        if not header:
+            return False
+        scheme, _, value = header.strip().partition(" ")
+        value = value.strip()
+        if scheme.lower() == "bearer":
+            return hmac.compare_digest(value.encode(), self.token.encode())
+        if scheme.lower() == "basic":
+            try:
+                decoded = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                return False
+            return hmac.compare_digest(decoded, self.token.encode())
+        return False
+
+    async def _http(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        if not self._authorized(request.headers.get("authorization")):
+            return JSONResponse(
+                {
+                    "detail": "resoluto gateway: this flow run's token is required (it is valid for one run only)"
+                },
+                status_code=401,
+            )
+        path = request.url.path
+        if path != "/api" and not path.startswith("/api/"):
+            return await self._refuse(
+                Refusal("api-only", f"{request.method} {path}: only the Prefect API under /api is forwarded")
+            )
+        rel = path[len("/api") :] or "/"
+        assert self._busy is not None
+        async with self._busy:  # one run's requests share a few slots: the rest wait
+            return await self._judged(request, rel)
+
+    async def _judged(self, request: Any, rel: str) -> Any:
+        from starlette.responses import JSONResponse, Response
+
+        cap = body_cap(request.method, rel)
+        declared = request.headers.get("content-length")
+        too_big = JSONResponse({"detail": f"resoluto gateway: request body over {cap} bytes"}, 413)
+        if declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return too_big  # refused before a byte of the body is read
+        buf = bytearray()
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT):
+                async for chunk in request.stream():
+                    buf += chunk
+                    if len(buf) > cap:
+                        return too_big
+        except TimeoutError:
+            return JSONResponse(
+                {"detail": f"resoluto gateway: body not sent within {BODY_TIMEOUT:.0f} s"}, 408
+            )
+        body = bytes(buf)
+        parsed = parse_bounded(body)
+        verdict = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
+        if isinstance(verdict, Refusal):
+            return await self._refuse(verdict)
+        if isinstance(verdict, Rebuilt):
+            body = json.dumps(verdict.body).encode()  # what the gateway built, never what it received
+            parsed = verdict.body
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        if isinstance(verdict, Rebuilt):
+            headers["content-type"] = "application/json"
+        upstream_rel = rel.lstrip("/")
+        try:
+            resp = await self._client.request(
+                request.method,
+                upstream_rel,
+                params=request.url.query or None,
+                content=body or None,
+                headers=headers,
+            )
+        except Exception as e:  # the API is away: the engine retries as it would without us
+            return JSONResponse({"detail": f"resoluto gateway: the Prefect API is unreachable: {e}"}, 502)
+        content = resp.content
+        reply = _json(content)
+        self.rules.note_response(request.method, rel, parsed, resp.status_code, reply)
+        stripped = self.rules.strip_response(rel, reply)
+        if stripped is not reply:
+            content = json.dumps(stripped).encode()
+        out = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
+        return Response(content, status_code=resp.status_code, headers=out)
+
+    async def _websocket(self, ws: Any) -> None:
+        path = ws.url.path
+        if path not in ("/api/events/in", "/api/events/out"):
+            refusal = Refusal(
+                "websocket",
+                f"websocket {path}: only /api/events/in and /api/events/out (this run's events) are open",
+            )
+            await self._note_refusal(refusal)
+            await _close(ws, 1008, refusal.rule)
+            return
+        wanted = [p.strip() for h in ws.headers.getlist("sec-websocket-protocol") for p in h.split(",")]
+        if "prefect" in wanted:
+            await ws.accept(subprotocol="prefect")
+            try:
+                message = json.loads(await ws.receive_text())
+            except Exception:
+                await _close(ws, 1008, "Expected 'auth' message")
+                return
+            token = message.get("token") if isinstance(message, dict) else None
+            ok = isinstance(message, dict) and message.get("type") == "auth" and isinstance(token, str)
+            ok = ok and hmac.compare_digest(str(token).encode(), self.token.encode())
+            if not ok and not self._authorized(ws.headers.get("authorization")):
+                await _close(ws, 1008, "Invalid token")
+                return
+        else:  # a client without Prefect's subprotocol: the token must be in the upgrade
+            if not self._authorized(ws.headers.get("authorization")):
+                await _close(ws, 1008, "'prefect' subprotocol required")
+                return
+            await ws.accept()
+        stream = path.rsplit("/", 1)[1]
+        try:
+            upstream = await self._open_events_upstream(stream)
+        except Exception as e:
+            logger.warning("flow run %s: the events websocket upstream failed: %s", self.flow_run_id, e)
+            await _close(ws, 1011, "the Prefect API's event stream is unreachable")
+            return
+        try:
+            if "prefect" in wanted:
+                await ws.send_text(json.dumps({"type": "auth_success"}))
+            if stream == "in":
+                await self._relay_events(ws, upstream)
+            else:
+                await self._relay_subscription(ws, upstream)
+        finally:
+            await upstream.close()
+
+    async def _open_events_upstream(self, stream: str) -> Any:
+        from websockets.asyncio.client import connect
+        from websockets.typing import Subprotocol
+
+        url = (
+            self.upstream.api_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+            + f"/events/{stream}"
+        )
+        if self.upstream.cloud_websocket:
+            return await connect(url, additional_headers=self.upstream.headers(), max_size=MAX_BODY)
+        up = await connect(
+            url,
+            subprotocols=[Subprotocol("prefect")],
+            additional_headers=self.upstream.headers(),
+            max_size=MAX_BODY,
+        )
+        await up.send(json.dumps({"type": "auth", "token": self.upstream.auth_string}))
+        reply = json.loads(await up.recv())
+        if reply.get("type") != "auth_success":
+            await up.close()
+            raise RuntimeError(f"the API refused the worker's credential on its event stream: {reply}")
+        return up
+
+    async def _relay_events(self, ws: Any, upstream: Any) -> None:
+        from starlette.websockets import WebSocketDisconnect
+
+        while True:
+            try:
+                text = await ws.receive_text()
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            event = parse_bounded(text.encode())  # bounded before parsed, as an HTTP body
+            refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
+            if refusal is not None:
+                await self._note_refusal(refusal)
+                continue  # the engine cannot be told about one event: it is dropped and logged
+            await upstream.send(text)
+
+    async def _relay_subscription(self, ws: Any, upstream: Any) -> None:
+        """The engine's subscription (its own Suspended events), narrowed to this run."""
+        from starlette.websockets import WebSocketDisconnect
+
+        try:
+            first = await ws.receive_text()
+        except (WebSocketDisconnect, RuntimeError):
+            return
+        flt = parse_bounded(first.encode())
+        narrowed, refusal = (None, flt) if isinstance(flt, Refusal) else self.rules.events_out_filter(flt)
+        if refusal is not None:
+            await self._note_refusal(refusal)
+            await _close(ws, 1008, refusal.rule)
+            return
+        await upstream.send(json.dumps(narrowed))
+        self.subscriptions += 1
+
+        async def from_sandbox() -> None:  # nothing is expected after the filter: wait for the close
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                while True:
+                    await ws.receive_text()
+
+        closed = asyncio.ensure_future(from_sandbox())
+        try:
+            while not closed.done():
+                recv = asyncio.ensure_future(upstream.recv())
+                await asyncio.wait({recv, closed}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    recv.cancel()
+                    return
+                text = recv.result()
+                if self.rules.admits_outgoing(_json(text.encode() if isinstance(text, str) else text)):
+                    await ws.send_text(text if isinstance(text, str) else text.decode())
+        except Exception:  # the upstream closed: so does the sandbox's side
+            return
+        finally:
+            closed.cancel()
+
+    # ------------------------------------------------------------------ refusals
+
+    async def _refuse(self, refusal: Refusal) -> Any:
+        from starlette.responses import JSONResponse
+
+        await self._note_refusal(refusal)
+        return JSONResponse(
+            {"detail": f"refused by the resoluto gateway (rule {refusal.rule}): {refusal.why}"},
+            status_code=403,
+        )
+
+    async def _note_refusal(self, refusal: Refusal) -> None:
+        self.refused += 1
+        why = escape_controls(refusal.why)
+        if self._announce and self._announced <= MAX_LOGGED_REFUSALS:
+            self._announced += 1
+            if self._announced > MAX_LOGGED_REFUSALS:
+                logger.warning(
+                    "flow run %s: more than %d refusals; the rest are counted, not logged",
+                    self.flow_run_id,
+                    MAX_LOGGED_REFUSALS,
+                )
+            else:
+                logger.warning("flow run %s: refused (rule %s): %s", self.flow_run_id, refusal.rule, why)
+        if self._logged > MAX_LOGGED_REFUSALS:
+            return
+        self._logged += 1
+        if self._logged > MAX_LOGGED_REFUSALS:
+            message = (
+                f"resoluto gateway: more than {MAX_LOGGED_REFUSALS} refusals; the rest are not logged here"
+            )
+        else:
+            message = f"resoluto gateway refused (rule {refusal.rule}): {why}"
+        await self.write_log(message, level=logging.WARNING)
+
+    async def write_log(self, message: str, *, level: int = logging.INFO) -> None:
+        """A line in the flow run's own logs, sent with the worker's credential."""
+        now = datetime.datetime.now(datetime.UTC).isoformat()
+        entry = {
+            "name": LOGGER_NAME,
+            "level": level,
+            "message": message,
+            "timestamp": now,
+            "flow_run_id": self.flow_run_id,
+            "task_run_id": None,
+        }
+        try:
+            await self._client.post("logs/", json=[entry])
+        except Exception as e:  # the refusal itself stands; only its log line is lost
+            logger.debug("could not log a refusal for flow run %s: %s", self.flow_run_id, e)
+
+    async def upstream_get(self, rel: str) -> tuple[int, Any]:
+        """A read with the worker's credential (the rules' ownership checks)."""
+        resp = await self._client.get(rel.lstrip("/"))
+        return resp.status_code, _json(resp.content)
+
+    async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]:
+        """A filtered read with the worker's credential (many ids' ownership in one query)."""
+        resp = await self._client.post(rel.lstrip("/"), json=body)
+        return resp.status_code, _json(resp.content)
+
+    def sandbox_url(self, host: str | None = None, port: int | None = None) -> str:
+        """The API URL the sandbox dials (``host:port`` as the sandbox sees the gateway)."""
+        return f"http://{host or self.host}:{port or self.port}/api"
+
+
+def probe() -> dict[str, Any]:
+    """``doctor``'s check of the gateway, without Prefect or an API: one gateway on loopback
+    must refuse a request without its token (401) and one off its rules (403 naming the
+    rule), forward one with it, and leave no listener once closed."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    def status(url: str, token: str | None) -> tuple[int, str]:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    env = os.environ
+    credential = (
+        "PREFECT_API_AUTH_STRING (basic auth)"
+        if env.get("PREFECT_API_AUTH_STRING")
+        else "PREFECT_API_KEY (bearer)"
+        if env.get("PREFECT_API_KEY")
+        else "none in this environment (a worker reads its profile too)"
+    )
+    out: dict[str, Any] = {"ok": False, "credential": credential, "why": ""}
+    try:
+        rules = RunRules(flow_run_id=str(uuid.uuid4()))
+        with ApiGateway(rules.flow_run_id, Upstream("http://127.0.0.1:9/api"), rules, announce=False) as gw:
+            base = f"http://{gw.address}/api"
+            no_token = status(f"{base}/flow_runs/{rules.flow_run_id}", None)[0]
+            refused, body = status(f"{base}/work_pools/", gw.token)
+            forwarded = status(f"{base}/flow_runs/{rules.flow_run_id}", gw.token)[0]
+            port = gw.port
+        left = loopback_listeners(port)
+    except Exception as e:  # a probe never takes doctor down
+        out["why"] = f"{type(e).__name__}: {e}"
+        return out
+    ok = no_token == 401 and refused == 403 and "rule not-this-run" in body and forwarded == 502 and not left
+    out.update(
+        ok=ok,
+        detail=(
+            "one per flow run on 127.0.0.1 (kubernetes: the `api_gateway_address` job variable): "
+            "refuses a request without the run's token (401) and one off the run's rules (403), "
+            "forwards the run's own with the worker's credential, closes with the run"
+        ),
+        why=""
+        if ok
+        else f"no token -> {no_token}, off the rules -> {refused}, own run -> {forwarded}, "
+        f"listener left after close: {left}",
+    )
+    return out
+
+
+def gateway_summary(gateway: ApiGateway) -> str:
+    """The flow run's first log line: where its API is, and what it may read."""
+    rules = gateway.rules
+    blocks = ", ".join(sorted(rules.allowed_blocks)) or "none"
+    variables = ", ".join(sorted(rules.allowed_variables)) or "none"
+    credential = {"basic": "the worker's auth string", "bearer": "the worker's API key"}.get(
+        gateway.upstream.scheme
+    )
+    upstream = (
+        f"which adds {credential} to what it passes on" if credential else "the API takes no credential"
+    )
+    return (
+        f"This flow run reaches the Prefect API only through its resoluto gateway ({gateway.address}, "
+        f"{upstream}): it holds a token valid for this run only and no "
+        "credential of the worker's. It may act on itself and its task runs (states, logs, artifacts, "
+        f"events) and read its deployment and flow; blocks it may read: {blocks}; variables: {variables}. "
+        "Anything else is refused (HTTP 403) and logged here."
+    )
+
+
+async def _close(ws: Any, code: int, reason: str) -> None:
+    with contextlib.suppress(Exception):  # the sandbox may be gone already
+        await ws.close(code=code, reason=reason)
+
+
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with its control characters (a terminal's escapes among them) as ``\\xNN``:
+    a refused path or field is the sandbox's text, and the worker's log is a terminal's."""
+    return text.translate(_CONTROLS)
+
+
+def _head_timed_protocol() -> type:
+    """uvicorn's h11 protocol, closing a connection whose request head is not complete
+    within HEAD_TIMEOUT (uvicorn itself waits for ever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimed(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_late)
+
+        def _head_late(self) -> None:
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()  # no complete head since the last response
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._head_timer is not None:
+                self._head_timer.cancel()  # a head arrived: the body has its own timeout
+                self._head_timer = None
+
+        def handle_websocket_upgrade(self, event: Any) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()  # the websocket protocol owns the connection now
+                self._head_timer = None
+            super().handle_websocket_upgrade(event)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._head_timer is None and not self.transport.is_closing():
+                self._arm()  # keep-alive: the next head is timed too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadTimed
+
+
+def _json(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def loopback_listeners(port: int) -> bool:
+    """Whether anything still accepts connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
