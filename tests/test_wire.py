@@ -173,4 +173,17 @@ def test_warm_lines_round_trip_and_keep_their_bytes():
     assert wire.warm_call_mode(False, ("numpy", "prefect.variables")) == "import:numpy,prefect.variables"
     assert wire.warm_call_mode(True, ("numpy",)) == "engine"
     assert wire.WARM_WAKE == b'{"wake":1}\n'
-    assert (wire.WARM_READY, wire.WARM_SNAPSHOT_READY) == ("resoluto warm: ready", "resoluto warm: snapshot-ready")
+    assert (wire.WARM_READY, wire.WARM_SNAPSHOT_READY) == (
+        "resoluto warm: ready",
+        "resoluto warm: snapshot-ready",
+    )
+
+
+def test_the_sandbox_bootstrap_reads_only_the_wire_names():
+    """The Kubernetes bootstrap is a program of its own text (it shows in the pod spec):
+    the variables it reads are the wire's."""
+    from prefect_resoluto.runtimes.guest_bundle import bootstrap_command
+
+    used = set(re.findall(r"RESOLUTO_[A-Z0-9_]+", bootstrap_command()[-1]))
+    assert {wire.ENV_GUEST_BUNDLE_KEY, wire.ENV_GUEST_BUNDLE_SHA256, wire.ENV_STORE_BUCKET} <= used
+    assert used <= set(_protocol_names().values())
