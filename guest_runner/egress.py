@@ -13,6 +13,8 @@ import json
 import socket
 from typing import List, Mapping, Optional, Tuple
 
+from guest_runner.wire import ENV_EGRESS_CANARY, ENV_EGRESS_PROXY
+
 NOT_ENFORCED = "egress is not enforced"
 _TIMEOUT = 3.0
 
@@ -60,11 +62,11 @@ def _proxy_admits(proxy: Tuple[str, int], host: str, port: int) -> bool:
 
 
 def proxy_address(env: Mapping[str, str]) -> Optional[Tuple[str, int]]:
-    host, _, port = (env.get("RESOLUTO_EGRESS_PROXY") or "").rpartition(":")
+    host, _, port = (env.get(ENV_EGRESS_PROXY) or "").rpartition(":")
     return (host, int(port)) if host and port.isdigit() else None
 
 
-def canary(env: Mapping[str, str], name: str = "RESOLUTO_EGRESS_CANARY") -> Tuple[Optional[str], int]:
+def canary(env: Mapping[str, str], name: str = ENV_EGRESS_CANARY) -> Tuple[Optional[str], int]:
     """(why egress is not enforced, or None; how many targets were checked)."""
     proxy = proxy_address(env)
     targets = _targets(env, name)

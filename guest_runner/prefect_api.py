@@ -26,7 +26,7 @@ import uuid
 from importlib.machinery import ModuleSpec, PathFinder
 from typing import Any, Callable, Dict, Optional
 
-from guest_runner.wire import ARTIFACT_MARKER, MAX_ARTIFACT_BYTES
+from guest_runner.wire import ARTIFACT_MARKER, ENV_PREFECT_READS, MAX_ARTIFACT_BYTES
 
 #: The API URL Prefect's settings name inside a sandbox: never resolved, never contacted.
 UNAVAILABLE_URL = "http://prefect-api.not-available-in-a-sandbox.invalid/api"
@@ -168,7 +168,7 @@ def _patch_artifacts(module: types.ModuleType) -> None:
 #: The node's environment variable (a declared secret: delivered at assignment, redacted)
 #: holding {"variables": {name: value}, "blocks": {"slug/name": {...}}}: what the host read
 #: of the runner's allowed_variables / allowed_blocks when the task started.
-READS_ENV = "RESOLUTO_PREFECT_READS"
+READS_ENV = ENV_PREFECT_READS
 _reads: Optional[Dict[str, Any]] = None
 
 

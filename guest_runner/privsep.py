@@ -38,8 +38,10 @@ import subprocess
 import sys
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-USER_ENV = "RESOLUTO_WORKLOAD_USER"
-PIDNS_ENV = "RESOLUTO_WORKLOAD_PIDNS"
+from guest_runner.wire import ENV_WORKLOAD_PIDNS, ENV_WORKLOAD_USER
+
+USER_ENV = ENV_WORKLOAD_USER
+PIDNS_ENV = ENV_WORKLOAD_PIDNS
 #: The conventional unprivileged account (``nobody``/``nogroup`` in the host's /etc/passwd).
 DEFAULT_USER = (65534, 65534)
 

@@ -30,6 +30,8 @@ import json
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
 
+from guest_runner.wire import ENV_NAME_PREFIX, ENV_SECRET_ENV
+
 # base64 and urllib.parse are imported only to compute a secret's shapes: a node without
 # secrets never needs them, and every import costs syscalls through gVisor.
 
@@ -163,7 +165,7 @@ class Redactor:
     @classmethod
     def from_env(cls, env: Mapping[str, str], extra: Iterable[str] = ()) -> "Redactor":
         declared: "set[str]" = set()
-        raw = env.get("RESOLUTO_SECRET_ENV", "")
+        raw = env.get(ENV_SECRET_ENV, "")
         if raw:
             try:
                 names = json.loads(raw)
@@ -175,7 +177,7 @@ class Redactor:
         values = [
             v
             for k, v in env.items()
-            if k in declared or (name_looks_secret(k) and not k.startswith("RESOLUTO_"))
+            if k in declared or (name_looks_secret(k) and not k.startswith(ENV_NAME_PREFIX))
         ]
         return cls(list(values) + list(extra))
 

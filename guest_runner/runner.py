@@ -49,7 +49,7 @@ _RUNNER_ONLY_ENV = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
-    "RESOLUTO_STORE_WRITE_TOKEN",
+    wire.ENV_STORE_WRITE_TOKEN,
 )
 
 
@@ -59,20 +59,20 @@ class ConfigError(ValueError):
 
 class NodeConfig:
     def __init__(self, env: Mapping[str, str]) -> None:
-        self.run_id = env.get("RESOLUTO_RUN_ID", "")
-        self.node_id = env.get("RESOLUTO_NODE_ID", "")
+        self.run_id = env.get(wire.ENV_RUN_ID, "")
+        self.node_id = env.get(wire.ENV_NODE_ID, "")
         if not self.run_id or not self.node_id:
-            raise ConfigError("RESOLUTO_RUN_ID and RESOLUTO_NODE_ID must both be set")
-        self.prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(self.run_id, self.node_id)
-        self.argv = _argv(env, "RESOLUTO_WORKLOAD_ARGV", required=True) or []
-        self.setup_argv = _argv(env, "RESOLUTO_SETUP_ARGV")
-        self.cleanup_argv = _argv(env, "RESOLUTO_CLEANUP_ARGV")
-        self.workspace = env.get("RESOLUTO_WORKSPACE_DIR") or None
-        self.output_paths = _str_list(env, "RESOLUTO_OUTPUT_PATHS") or []
-        user_env = _str_list(env, "RESOLUTO_USER_ENV") or []
+            raise ConfigError(f"{wire.ENV_RUN_ID} and {wire.ENV_NODE_ID} must both be set")
+        self.prefix = env.get(wire.ENV_STORE_PREFIX) or wire.node_prefix(self.run_id, self.node_id)
+        self.argv = _argv(env, wire.ENV_WORKLOAD_ARGV, required=True) or []
+        self.setup_argv = _argv(env, wire.ENV_SETUP_ARGV)
+        self.cleanup_argv = _argv(env, wire.ENV_CLEANUP_ARGV)
+        self.workspace = env.get(wire.ENV_WORKSPACE_DIR) or None
+        self.output_paths = _str_list(env, wire.ENV_OUTPUT_PATHS) or []
+        user_env = _str_list(env, wire.ENV_USER_ENV) or []
         self.child_env = {k: v for k, v in env.items() if k not in _RUNNER_ONLY_ENV or k in user_env}
-        self.egress = bool(env.get("RESOLUTO_EGRESS_PROXY"))
-        self.egress_phases = _str_list(env, "RESOLUTO_EGRESS_PHASES") or ["workload"]
+        self.egress = bool(env.get(wire.ENV_EGRESS_PROXY))
+        self.egress_phases = _str_list(env, wire.ENV_EGRESS_PHASES) or ["workload"]
         self.env = dict(env)
         # Python children flush line by line, so a print() reaches the conduit at once.
         self.child_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -230,9 +230,7 @@ def _exec_streamed(
     return rc
 
 
-def run_node(
-    cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter = _popen
-) -> Dict[str, object]:
+def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter = _popen) -> wire.NodeResult:
     """Run one node and return its result (not yet written)."""
     result = wire.make_result(cfg.node_id)
     if cfg.workspace:
@@ -257,7 +255,7 @@ def run_node(
             ok = True
             phased = cfg.egress and "setup" in cfg.egress_phases
             if cfg.egress:
-                ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY")
+                ok = _egress_check(node, result, cfg.env, wire.ENV_EGRESS_CANARY)
             if ok and cfg.setup_argv:
                 with shipper.span(node.span_id, "setup", "setup", {"argv": cfg.setup_argv}) as sp:
                     src = _exec_streamed(
@@ -269,9 +267,11 @@ def run_node(
                 if src != 0:
                     ok = False
                     result.update(
-                        status="failure",
-                        exit_code=src,
-                        reason=f"setup command exited {src}; workload skipped",
+                        {
+                            "status": "failure",
+                            "exit_code": src,
+                            "reason": f"setup command exited {src}; workload skipped",
+                        }
                     )
                     node.log(f"setup failed (exit {src}); skipping workload")
             if ok and phased:
@@ -280,11 +280,11 @@ def run_node(
                 why = egress.switch_to_workload(cfg.env)
                 if why:
                     ok = False
-                    result.update(status="failure", exit_code=None, reason=why)
+                    result.update({"status": "failure", "exit_code": None, "reason": why})
                     node.log(why, level="ERROR")
                 else:
                     node.log("egress: switched to the workload allowlist")
-                    ok = _egress_check(node, result, cfg.env, "RESOLUTO_EGRESS_CANARY_WORKLOAD")
+                    ok = _egress_check(node, result, cfg.env, wire.ENV_EGRESS_CANARY_WORKLOAD)
             if ok:
                 with shipper.span(node.span_id, "workload", cfg.node_id, {"argv": cfg.argv}) as sp:
                     rc = _exec_streamed(shipper, sp, cfg.argv, workspace, cfg.child_env, start=start)
@@ -324,13 +324,13 @@ def run_node(
     return result
 
 
-def _egress_check(node: Span, result: Dict[str, object], env: Mapping[str, str], name: str) -> bool:
+def _egress_check(node: Span, result: wire.NodeResult, env: Mapping[str, str], name: str) -> bool:
     """The fail-closed canary; False (and the result filled in) when egress is open."""
     from guest_runner import egress
 
     why, checked = egress.canary(env, name)
     if why:
-        result.update(status="failure", exit_code=None, reason=why)
+        result.update({"status": "failure", "exit_code": None, "reason": why})
         node.log(f"{why}; the workload was not run", level="ERROR")
         return False
     if checked:
@@ -343,7 +343,7 @@ def _is_archive_error(e: BaseException) -> bool:
     return archive is not None and isinstance(e, archive.ArchiveError)
 
 
-def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseException) -> Dict[str, object]:
+def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseException) -> wire.NodeResult:
     """The runner itself broke: still leave a verdict behind."""
     import traceback
 
@@ -366,7 +366,7 @@ def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseExceptio
     )
 
 
-def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: Dict[str, object]) -> None:
+def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: wire.NodeResult) -> None:
     shipper.close()
     conduit.put(wire.result_key(prefix), wire.encode_result(result))
     shipper.write_manifest()
@@ -407,16 +407,16 @@ def main(
     except Exception as e:
         print(f"resoluto guest: cannot open the conduit: {redactor.text(str(e))}", file=sys.stderr)
         return 3
-    run_id = env.get("RESOLUTO_RUN_ID", "")
-    node_id = env.get("RESOLUTO_NODE_ID", "")
+    run_id = env.get(wire.ENV_RUN_ID, "")
+    node_id = env.get(wire.ENV_NODE_ID, "")
     try:
-        prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(run_id, node_id)
+        prefix = env.get(wire.ENV_STORE_PREFIX) or wire.node_prefix(run_id, node_id)
     except wire.WireError as e:
         print(f"resoluto guest: {e}", file=sys.stderr)
         return 3
     try:
         # A shorter heartbeat lets a host run with a tight silence window.
-        heartbeat = float(env.get("RESOLUTO_HEARTBEAT_INTERVAL") or DEFAULT_HEARTBEAT_INTERVAL)
+        heartbeat = float(env.get(wire.ENV_HEARTBEAT_INTERVAL) or DEFAULT_HEARTBEAT_INTERVAL)
     except ValueError:
         heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     shipper = Shipper(

@@ -69,7 +69,7 @@ class Shipper:
         return "%016x" % (next(self._span_ids) & 0xFFFFFFFFFFFFFFFF)
 
     # -- emitting -------------------------------------------------------------
-    def emit(self, event: Dict[str, Any]) -> None:
+    def emit(self, event: wire.SpanEvent) -> None:
         line = wire.encode_event(event)
         with self._lock:
             self._buf.append(line)
@@ -81,7 +81,7 @@ class Shipper:
         if full:
             self.flush()
 
-    def event(self, kind: str, event: str, **kw: Any) -> Dict[str, Any]:
+    def event(self, kind: str, event: str, **kw: Any) -> wire.SpanEvent:
         if "data" in kw and kw["data"]:
             kw["data"] = self.redactor.data(kw["data"])
         kw.setdefault("span_id", self.new_span_id())

@@ -37,27 +37,24 @@ from typing import IO, BinaryIO, Dict, List, Optional, Union
 from guest_runner import privsep, reseed, runner, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
 
-SLOT_ENV = "RESOLUTO_WARM_SLOT"
+SLOT_ENV = wire.ENV_WARM_SLOT
 #: "1": pre-start the call interpreter; "import:<module>,...": and import those installed
 #: modules in it (what the task's module imports, or what its earlier nodes did);
 #: "engine": pre-start Prefect's flow-run engine instead (a worker's flow run).
-CALL_ENV = "RESOLUTO_WARM_CALL"
+CALL_ENV = wire.ENV_WARM_CALL
 CALL_MODULE = "guest_runner.call"
-ENGINE_MODE = "engine"
+ENGINE_MODE = wire.WARM_CALL_ENGINE
 #: Set for the pre-started process in engine mode (read by guest_runner.warmcall, which
 #: this module does not import: the call's interpreter never needs the runner's modules).
-ENGINE_ENV = "RESOLUTO_WARM_ENGINE"
-ENGINE_MODULE = "prefect.engine"
-#: Printed (stdout: the sandbox's log) once everything is imported and started.
-READY = "resoluto warm: ready"
+ENGINE_ENV = wire.ENV_WARM_ENGINE
+ENGINE_MODULE = wire.WARM_ENGINE_MODULE
+READY = wire.WARM_READY
 #: "1": a snapshot template (see the module's doc).
-SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
-#: Printed by a template at the point the host checkpoints it.
-SNAPSHOT_READY = "resoluto warm: snapshot-ready"
-#: The one line a restored sandbox reads before it says it is ready.
-WAKE = b'{"wake":1}\n'
+SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
+SNAPSHOT_READY = wire.WARM_SNAPSHOT_READY
+WAKE = wire.WARM_WAKE
 #: The runtime's own view of the sandbox, kept over the assignment's.
-RUNTIME_OWNED = ("RESOLUTO_WORKSPACE_DIR", "RESOLUTO_STORE_ROOT")
+RUNTIME_OWNED = (wire.ENV_WORKSPACE_DIR, wire.ENV_STORE_ROOT)
 
 
 class SlotConduit(LocalConduit):
@@ -107,8 +104,8 @@ class _Prestarted:
 
     def __init__(self, mode: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # as the runner gives every child
-        if mode.startswith("import:"):
-            env["RESOLUTO_WARM_IMPORTS"] = mode[len("import:") :]
+        if mode.startswith(wire.WARM_CALL_IMPORTS):
+            env[wire.ENV_WARM_IMPORTS] = mode[len(wire.WARM_CALL_IMPORTS) :]
         self.engine = mode == ENGINE_MODE
         if self.engine:
             env[ENGINE_ENV] = "1"
@@ -118,7 +115,7 @@ class _Prestarted:
             # gVisor); but a forked child importing a large package there costs more CPU
             # than a fresh interpreter does (~+1.5 s for the real Prefect, measured), so a
             # call that pre-imports gets its own interpreter.
-            own = "RESOLUTO_WARM_IMPORTS" in env or self.engine
+            own = wire.ENV_WARM_IMPORTS in env or self.engine
             self.proc = _exec_call(env) if own else _fork_call(env)
         except OSError:
             return  # no pre-started call: the workload starts as on a cold node
@@ -278,15 +275,6 @@ def _max_fd() -> int:
         return 1024
 
 
-def _assignment(line: str) -> Dict[str, str]:
-    a = json.loads(line)
-    if not isinstance(a, dict) or not isinstance(a.get("env"), dict):
-        raise ValueError("the assignment must be a JSON object with an 'env' object")
-    env = {str(k): str(v) for k, v in a["env"].items()}
-    env.update({str(k): str(v) for k, v in (a.get("secret_env") or {}).items()})
-    return env
-
-
 def main() -> int:
     mode = os.environ.get(CALL_ENV, "")
     try:
@@ -310,7 +298,7 @@ def main() -> int:
         if not line.strip():
             return 0  # never assigned: nothing was written anywhere
         try:
-            assigned = _assignment(line)
+            assigned = wire.decode_assignment(line)
         except ValueError as e:
             print(f"resoluto warm guest: bad assignment: {e}", file=sys.stderr)
             return 3
@@ -325,8 +313,8 @@ def main() -> int:
         slot = os.environ.get(SLOT_ENV)
         if slot:
             try:
-                prefix = env.get("RESOLUTO_STORE_PREFIX") or wire.node_prefix(
-                    env.get("RESOLUTO_RUN_ID", ""), env.get("RESOLUTO_NODE_ID", "")
+                prefix = env.get(wire.ENV_STORE_PREFIX) or wire.node_prefix(
+                    env.get(wire.ENV_RUN_ID, ""), env.get(wire.ENV_NODE_ID, "")
                 )
             except wire.WireError as e:
                 print(f"resoluto warm guest: {e}", file=sys.stderr)

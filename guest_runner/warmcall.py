@@ -21,11 +21,11 @@ import json
 import os
 import sys
 
-from guest_runner import call, reseed, standin
+from guest_runner import call, reseed, standin, wire
 
-IMPORTS_ENV = "RESOLUTO_WARM_IMPORTS"
-ENGINE_ENV = "RESOLUTO_WARM_ENGINE"
-ENGINE_MODULE = "prefect.engine"
+IMPORTS_ENV = wire.ENV_WARM_IMPORTS
+ENGINE_ENV = wire.ENV_WARM_ENGINE
+ENGINE_MODULE = wire.WARM_ENGINE_MODULE
 #: What ``python -m prefect.engine`` imports on its way to a flow run's first request, beyond
 #: ``prefect.main`` (measured from its ``sys.modules``): the flow engine, the client, the
 #: deployment pull steps and runner storage, the task runners and results, the events client.
@@ -126,7 +126,7 @@ def main() -> int:
         preimport_engine()
     elif modules:
         preimport(modules)
-    print("resoluto warm: ready", flush=True)
+    print(wire.WARM_READY, flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return 0

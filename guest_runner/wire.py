@@ -1,9 +1,10 @@
-"""The wire contract shared by host and guest: key layout, chunk naming, object shapes.
+"""The wire contract shared by host and guest: key layout, chunk naming, object shapes,
+the guest's ``RESOLUTO_*`` environment and the warm guest's lines.
 
-Nothing else in either package spells a conduit key or serialises a wire object.
-Encodings match the reference implementation byte for byte: compact JSON in the
-field order of its models for events and results, ``{"total_chunks": N}`` for the
-manifest, and chunks of newline-terminated JSON lines.
+Nothing else in either package spells a conduit key, serialises a wire object or names
+a variable of the guest's environment. Encodings match the reference implementation
+byte for byte: compact JSON in the field order of its models for events and results,
+``{"total_chunks": N}`` for the manifest, and chunks of newline-terminated JSON lines.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import json
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TypedDict, cast
+
+#: The protocol this code speaks: spec/PROTOCOL.md and the schemas of the reference
+#: implementation as released in resoluto-sandbox 0.1.0 (the schemas' copy here:
+#: prefect_resoluto/schemas/). No object of that contract has a version field, so nothing
+#: on the wire carries it; tests/test_wire_compat.py checks it against the reference it
+#: runs both directions with, and scripts/setup.sh installs that release.
+WIRE_VERSION = "0.1.0"
 
 INBOX = "inbox"
 OUTBOX = "outbox"
@@ -49,6 +57,68 @@ ARTIFACT_MARKER = "\x1eresoluto-artifact:"
 #: At most this many bytes of one relayed artifact's JSON (its data, key, description).
 MAX_ARTIFACT_BYTES = 1 << 20
 
+# -- the guest's environment --------------------------------------------------------------
+# A host configures a guest (guest_runner.runner) with these variables, as the reference's
+# runner is (its spec names RESOLUTO_WORKLOAD_ARGV, RESOLUTO_WORKSPACE_DIR and
+# RESOLUTO_OUTPUT_PATHS; the store's and the ids' are its runner's too); the rest are ours.
+#: Every variable of the guest's own (its redactor never takes one for a secret by its name).
+ENV_NAME_PREFIX = "RESOLUTO_"
+#: Where the node's objects live (guest_runner.conduit.registry reads them).
+ENV_STORE_NAME_PREFIX = "RESOLUTO_STORE_"
+ENV_STORE_KIND = "RESOLUTO_STORE_KIND"
+ENV_STORE_ROOT = "RESOLUTO_STORE_ROOT"
+ENV_STORE_BUCKET = "RESOLUTO_STORE_BUCKET"
+ENV_STORE_ENDPOINT = "RESOLUTO_STORE_ENDPOINT"
+ENV_STORE_REGION = "RESOLUTO_STORE_REGION"
+ENV_STORE_PREFIX = "RESOLUTO_STORE_PREFIX"
+ENV_STORE_WRITE_TOKEN = "RESOLUTO_STORE_WRITE_TOKEN"
+ENV_RUN_ID = "RESOLUTO_RUN_ID"
+ENV_NODE_ID = "RESOLUTO_NODE_ID"
+ENV_WORKLOAD_ARGV = "RESOLUTO_WORKLOAD_ARGV"
+ENV_WORKSPACE_DIR = "RESOLUTO_WORKSPACE_DIR"
+ENV_OUTPUT_PATHS = "RESOLUTO_OUTPUT_PATHS"
+ENV_SETUP_ARGV = "RESOLUTO_SETUP_ARGV"
+ENV_CLEANUP_ARGV = "RESOLUTO_CLEANUP_ARGV"
+ENV_SECRET_ENV = "RESOLUTO_SECRET_ENV"
+ENV_USER_ENV = "RESOLUTO_USER_ENV"
+ENV_HEARTBEAT_INTERVAL = "RESOLUTO_HEARTBEAT_INTERVAL"
+ENV_EGRESS_PROXY = "RESOLUTO_EGRESS_PROXY"
+ENV_EGRESS_CANARY = "RESOLUTO_EGRESS_CANARY"
+ENV_EGRESS_PHASES = "RESOLUTO_EGRESS_PHASES"
+ENV_EGRESS_CANARY_WORKLOAD = "RESOLUTO_EGRESS_CANARY_WORKLOAD"
+ENV_WORKLOAD_USER = "RESOLUTO_WORKLOAD_USER"
+ENV_WORKLOAD_PIDNS = "RESOLUTO_WORKLOAD_PIDNS"
+#: What the host read of the runner's allowed Prefect variables and blocks
+#: (guest_runner.prefect_api), and the declared secrets naming each value it holds.
+ENV_PREFECT_READS = "RESOLUTO_PREFECT_READS"
+ENV_PREFECT_READ_NAME_PREFIX = "RESOLUTO_PREFECT_READ_"
+#: Where a sandbox's bootstrap fetches the guest runner from the conduit, and its digest.
+ENV_GUEST_BUNDLE_KEY = "RESOLUTO_GUEST_BUNDLE_KEY"
+ENV_GUEST_BUNDLE_SHA256 = "RESOLUTO_GUEST_BUNDLE_SHA256"
+
+# -- the warm guest's protocol (guest_runner.warm and the host's prefect_resoluto.warm) -----
+#: The node's conduit directory's fixed path in a slotted warm sandbox.
+ENV_WARM_SLOT = "RESOLUTO_WARM_SLOT"
+#: What the warm guest pre-starts for the call (:func:`warm_call_mode`).
+ENV_WARM_CALL = "RESOLUTO_WARM_CALL"
+#: "1": a snapshot template.
+ENV_WARM_SNAPSHOT = "RESOLUTO_WARM_SNAPSHOT"
+#: Set by a warm guest for its pre-started call process (guest_runner.warmcall).
+ENV_WARM_ENGINE = "RESOLUTO_WARM_ENGINE"
+ENV_WARM_IMPORTS = "RESOLUTO_WARM_IMPORTS"
+#: ENV_WARM_CALL's values: the call's interpreter; it pre-importing these modules; or
+#: Prefect's flow-run engine (a worker's flow run), whose module the command must run.
+WARM_CALL_PLAIN = "1"
+WARM_CALL_IMPORTS = "import:"
+WARM_CALL_ENGINE = "engine"
+WARM_ENGINE_MODULE = "prefect.engine"
+#: Printed (stdout: the sandbox's log) once everything is imported and started.
+WARM_READY = "resoluto warm: ready"
+#: Printed by a template at the point the host checkpoints it.
+WARM_SNAPSHOT_READY = "resoluto warm: snapshot-ready"
+#: The one line a restored sandbox reads before it says it is ready.
+WARM_WAKE = b'{"wake":1}\n'
+
 EVENT_FIELDS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "ts", "status", "data")
 RESULT_FIELDS = (
     "node_id",
@@ -64,6 +134,43 @@ EVENT_KINDS = ("open", "close", "log")
 _CHUNK_RE = re.compile(r"(?:^|/)events-(\d{6,})\.jsonl$")
 # Identifiers become path segments of conduit keys, so they are held to a safe alphabet.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class SpanEvent(TypedDict):
+    """One line of an ``events-*.jsonl`` chunk, as :func:`make_event` builds it and
+    :func:`decode_event` returns it (the reference model's defaults filled in).
+
+    A static shape only: a decoded event from a sandbox is untrusted, and
+    :func:`decode_event` checks only the required fields, ``ts`` and ``data``; a host
+    reads the rest defensively."""
+
+    run_id: str
+    span_id: str
+    parent_span_id: str
+    kind: str
+    name: str
+    event: str
+    ts: float
+    status: str
+    data: Dict[str, Any]
+
+
+class NodeResult(TypedDict):
+    """``result.json``: the guest's verdict and, appended by a host, what it observed."""
+
+    node_id: str
+    status: str
+    exit_code: Optional[int]
+    output_archive: Optional[str]
+    observed_phase: str
+    reason: str
+    substrate_logs: str
+
+
+class Manifest(TypedDict):
+    """``_manifest.json``: written last, the EOF marker of a node's event stream."""
+
+    total_chunks: int
 
 
 class WireError(ValueError):
@@ -168,7 +275,7 @@ def make_event(
     status: str = "",
     data: Optional[Dict[str, Any]] = None,
     ts: Optional[float] = None,
-) -> Dict[str, Any]:
+) -> SpanEvent:
     if event not in EVENT_KINDS:
         raise WireError(f"event must be one of {EVENT_KINDS}, got {event!r}")
     return {
@@ -184,11 +291,12 @@ def make_event(
     }
 
 
-def encode_event(ev: Dict[str, Any]) -> str:
-    return _dumps({k: ev[k] for k in EVENT_FIELDS})
+def encode_event(ev: SpanEvent) -> str:
+    fields: Mapping[str, object] = ev
+    return _dumps({k: fields[k] for k in EVENT_FIELDS})
 
 
-def decode_event(line: str) -> Dict[str, Any]:
+def decode_event(line: str) -> SpanEvent:
     """Parse one JSONL line into an event, filling the reference model's defaults."""
     try:
         obj = json.loads(line)
@@ -209,7 +317,7 @@ def decode_event(line: str) -> Dict[str, Any]:
     obj.setdefault("data", {})
     if not isinstance(obj["data"], dict):
         raise WireError("event field 'data' must be an object")
-    return obj
+    return cast(SpanEvent, obj)
 
 
 def encode_chunk(lines: List[str]) -> bytes:
@@ -224,7 +332,7 @@ def make_result(
     observed_phase: str = "",
     reason: str = "",
     substrate_logs: str = "",
-) -> Dict[str, Any]:
+) -> NodeResult:
     if status not in ("success", "failure"):
         raise WireError(f"result status must be 'success' or 'failure', got {status!r}")
     return {
@@ -238,11 +346,12 @@ def make_result(
     }
 
 
-def encode_result(result: Dict[str, Any]) -> bytes:
-    return _dumps({k: result[k] for k in RESULT_FIELDS}).encode("utf-8")
+def encode_result(result: NodeResult) -> bytes:
+    fields: Mapping[str, object] = result
+    return _dumps({k: fields[k] for k in RESULT_FIELDS}).encode("utf-8")
 
 
-def decode_result(raw: bytes) -> Dict[str, Any]:
+def decode_result(raw: bytes) -> NodeResult:
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
@@ -256,13 +365,15 @@ def decode_result(raw: bytes) -> Dict[str, Any]:
     if exit_code is not None and (not isinstance(exit_code, int) or isinstance(exit_code, bool)):
         raise WireError("result.json field 'exit_code' must be an integer or null")
     out = make_result(str(obj.get("node_id", "")), status, exit_code, obj.get("output_archive"))
-    for k in ("observed_phase", "reason", "substrate_logs"):
-        out[k] = str(obj.get(k, "") or "")
+    out["observed_phase"] = str(obj.get("observed_phase", "") or "")
+    out["reason"] = str(obj.get("reason", "") or "")
+    out["substrate_logs"] = str(obj.get("substrate_logs", "") or "")
     return out
 
 
 def encode_manifest(total_chunks: int) -> bytes:
-    return json.dumps({"total_chunks": int(total_chunks)}).encode("utf-8")
+    manifest: Manifest = {"total_chunks": int(total_chunks)}
+    return json.dumps(manifest).encode("utf-8")
 
 
 def decode_manifest(raw: bytes) -> int:
@@ -274,3 +385,25 @@ def decode_manifest(raw: bytes) -> int:
     if not isinstance(total, int) or isinstance(total, bool) or total < 0:
         raise WireError(f'_manifest.json must be {{"total_chunks": <int >= 0>}}, got {obj!r}')
     return total
+
+
+def warm_call_mode(engine: bool, imports: Sequence[str]) -> str:
+    """ENV_WARM_CALL's value for a warm sandbox."""
+    if engine:
+        return WARM_CALL_ENGINE
+    return WARM_CALL_IMPORTS + ",".join(imports) if imports else WARM_CALL_PLAIN
+
+
+def encode_assignment(env: Dict[str, str], secret_env: Dict[str, str]) -> bytes:
+    """A warm guest's assignment: one JSON line on its stdin, never in the conduit."""
+    return json.dumps({"env": env, "secret_env": secret_env}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode_assignment(line: str) -> Dict[str, str]:
+    """The environment an assignment gives (its secrets included)."""
+    a = json.loads(line)
+    if not isinstance(a, dict) or not isinstance(a.get("env"), dict):
+        raise ValueError("the assignment must be a JSON object with an 'env' object")
+    env = {str(k): str(v) for k, v in a["env"].items()}
+    env.update({str(k): str(v) for k, v in (a.get("secret_env") or {}).items()})
+    return env

@@ -148,6 +148,17 @@ def run_reference_guest(conduit: LocalConduit, tmp: Path, node: str, code: int) 
     return prefix
 
 
+def test_the_reference_is_the_release_our_wire_version_names():
+    """What the tests below prove compatible with is the protocol wire.WIRE_VERSION names."""
+    res = subprocess.run(
+        [str(REF_PY), "-c", "import importlib.metadata as m; print(m.version('resoluto-sandbox'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert res.stdout.strip() == wire.WIRE_VERSION
+
+
 @pytest.mark.parametrize("code", [0, 3])
 def test_reference_host_reads_our_guest(local_conduit, tmp_path, validate, code):
     prefix = run_our_guest(local_conduit, tmp_path, "ours", code)

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Dict, List, Optional
 
+from guest_runner import wire
 from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, ObjectNotFound, check_key
 
 _TMP_MARK = ".resoluto-tmp-"
@@ -43,7 +44,7 @@ class LocalConduit(Conduit):
         return self.root.as_uri()
 
     def guest_env(self) -> Dict[str, str]:
-        return {"RESOLUTO_STORE_KIND": "localfs", "RESOLUTO_STORE_ROOT": str(self.root)}
+        return {wire.ENV_STORE_KIND: "localfs", wire.ENV_STORE_ROOT: str(self.root)}
 
     def path_for(self, key: str) -> Path:
         """The file backing ``key``; refuses keys that resolve outside the root."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
+from guest_runner import wire
 from guest_runner.conduit.base import Conduit
 from guest_runner.conduit.local import LocalConduit
 
@@ -52,22 +53,22 @@ def conduit_from_url(url: str) -> Conduit:
 def conduit_from_env(env: Optional[Mapping[str, str]] = None) -> Conduit:
     """Build the guest's conduit from RESOLUTO_STORE_* (the reference runner's variables)."""
     env = os.environ if env is None else env
-    kind = env.get("RESOLUTO_STORE_KIND", "")
+    kind = env.get(wire.ENV_STORE_KIND, "")
     if kind == "localfs":
-        root = env.get("RESOLUTO_STORE_ROOT")
+        root = env.get(wire.ENV_STORE_ROOT)
         if not root:
-            raise ValueError("RESOLUTO_STORE_KIND=localfs needs RESOLUTO_STORE_ROOT")
+            raise ValueError(f"{wire.ENV_STORE_KIND}=localfs needs {wire.ENV_STORE_ROOT}")
         # The guest's side: no fsync per put (see LocalConduit).
         return LocalConduit(root, sync=False)
     if kind == "s3":
         from guest_runner.conduit.s3 import S3Conduit  # boto3 only when S3 is named
 
-        bucket = env.get("RESOLUTO_STORE_BUCKET")
+        bucket = env.get(wire.ENV_STORE_BUCKET)
         if not bucket:
-            raise ValueError("RESOLUTO_STORE_KIND=s3 needs RESOLUTO_STORE_BUCKET")
+            raise ValueError(f"{wire.ENV_STORE_KIND}=s3 needs {wire.ENV_STORE_BUCKET}")
         return S3Conduit(
             bucket,
-            endpoint_url=env.get("RESOLUTO_STORE_ENDPOINT") or None,
-            region=env.get("RESOLUTO_STORE_REGION") or None,
+            endpoint_url=env.get(wire.ENV_STORE_ENDPOINT) or None,
+            region=env.get(wire.ENV_STORE_REGION) or None,
         )
-    raise ValueError(f"RESOLUTO_STORE_KIND must be 'localfs' or 's3', got {kind!r}")
+    raise ValueError(f"{wire.ENV_STORE_KIND} must be 'localfs' or 's3', got {kind!r}")

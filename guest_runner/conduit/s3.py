@@ -18,6 +18,7 @@ import os
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, TypeVar
 from urllib.parse import quote, urlencode
 
+from guest_runner import wire
 from guest_runner.conduit.base import (
     Conduit,
     ConduitUnavailable,
@@ -170,10 +171,10 @@ class S3Conduit(Conduit):
         return url
 
     def guest_env(self) -> Dict[str, str]:
-        env = {"RESOLUTO_STORE_KIND": "s3", "RESOLUTO_STORE_BUCKET": self._bucket}
+        env = {wire.ENV_STORE_KIND: "s3", wire.ENV_STORE_BUCKET: self._bucket}
         if self._endpoint_url:
-            env["RESOLUTO_STORE_ENDPOINT"] = self._endpoint_url
-        env["RESOLUTO_STORE_REGION"] = self._region
+            env[wire.ENV_STORE_ENDPOINT] = self._endpoint_url
+        env[wire.ENV_STORE_REGION] = self._region
         return env
 
     def guest_credentials(self) -> Dict[str, str]:

@@ -13,13 +13,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prefect_resoluto.cli.common import EXIT_FAILED, EXIT_OK, UsageError
 from prefect_resoluto.cli.output import BAD, DIM, STATUS_STYLE, STRONG, WARN, Out, TreePrinter, err
 
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
+    from guest_runner.wire import NodeResult, SpanEvent
 
 
 class ReplayError(Exception):
@@ -66,7 +67,7 @@ def scan_node(conduit: Conduit, run_id: str, node_id: str) -> Replay:
     return rep
 
 
-def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
+def iter_events(conduit: Conduit, rep: Replay) -> Iterator[SpanEvent]:
     """Events in chunk order; raises ReplayError at the first fault, after yielding all
     that precede it."""
     from guest_runner import wire
@@ -99,7 +100,7 @@ def iter_events(conduit: Conduit, rep: Replay) -> Iterator[dict[str, Any]]:
         )
 
 
-def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict[str, Any]]:
+def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[SpanEvent]:
     """The proxy's decisions for a node (written by the host, outside the node's prefix)."""
     from guest_runner import wire
     from guest_runner.conduit import ConduitError, ObjectNotFound
@@ -118,7 +119,7 @@ def read_egress_events(conduit: Conduit, run_id: str, node_id: str) -> list[dict
     return out
 
 
-def read_result(conduit: Conduit, prefix: str) -> dict[str, Any] | None:
+def read_result(conduit: Conduit, prefix: str) -> NodeResult | None:
     from guest_runner import wire
     from guest_runner.conduit import ObjectNotFound
     from prefect_resoluto.node import bounded
@@ -166,11 +167,11 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
 
     out = Out(sys.stdout)
-    events: list[dict[str, Any]] = []
+    events: list[SpanEvent] = []
     printer = TreePrinter(out, heartbeats=args.heartbeats)
     error = ""
     rep: Replay | None = None
-    result: dict[str, Any] | None = None
+    result: NodeResult | None = None
     try:
         rep = scan_node(conduit, args.run_id, args.node_id)
         if not args.json:
@@ -221,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _print_verdict(out: Out, rep: Replay, result: dict[str, Any] | None, printer: TreePrinter) -> None:
+def _print_verdict(out: Out, rep: Replay, result: NodeResult | None, printer: TreePrinter) -> None:
     c = printer.counts
     state = (
         f"manifest: {rep.total_chunks} chunk(s)"

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from prefect_resoluto.cli.common import PROG, one_line, show_argv
 from prefect_resoluto.node.terminal import safe
@@ -22,6 +22,8 @@ from prefect_resoluto.node.terminal import safe
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.text import Text
+
+    from guest_runner.wire import SpanEvent
 
 Span = str | tuple[str, str]  # plain text, or (text, rich style)
 
@@ -190,7 +192,7 @@ class TreePrinter:
         self.opened: dict[str, float] = {}
         self.counts = {"events": 0, "heartbeats": 0, "logs": 0}
 
-    def __call__(self, ev: dict[str, Any]) -> None:
+    def __call__(self, ev: SpanEvent) -> None:
         self.counts["events"] += 1
         ts = float(ev["ts"])
         if self.t0 is None:

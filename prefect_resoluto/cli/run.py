@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from prefect_resoluto.cli.common import (
     EXIT_FAILED,
@@ -33,6 +33,7 @@ from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
+    from guest_runner.wire import SpanEvent
     from prefect_resoluto.node.outcome import NodeOutcome
     from prefect_resoluto.runtimes.base import SandboxHandle
 
@@ -74,7 +75,7 @@ class EventPrinter:
             self.progress.clear_locked()
             self.notes.line(("resoluto: ", DIM), (self.redactor.text(text), style))
 
-    def __call__(self, ev: dict[str, Any]) -> None:
+    def __call__(self, ev: SpanEvent) -> None:
         import logging
 
         from prefect_resoluto.task_runner.logs import describe_event
@@ -110,7 +111,7 @@ class CliNode(NodeObserver):
         self.sandbox_launched = True
         self.progress.launched()
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: SpanEvent) -> None:
         self.printer(ev)
 
 

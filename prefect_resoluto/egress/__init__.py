@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from guest_runner import wire
 from prefect_resoluto.host.availability import Availability
 
 from . import netns, proxy, registry
@@ -48,7 +49,7 @@ proxy_for = proxy.proxy_for
 events_bound = proxy.events_bound
 
 #: Host-side override of the canary targets (comma separated ``host:port``).
-CANARY_ENV = "RESOLUTO_EGRESS_CANARY"
+CANARY_ENV = wire.ENV_EGRESS_CANARY
 #: Targets outside any sane allowlist. With enforcement working a connection to them
 #: never leaves the sandbox (no route; the proxy refuses the name without resolving it).
 DEFAULT_CANARY = ("1.1.1.1:443", "example.com:443")
@@ -146,15 +147,15 @@ def attach(req: NetworkRequest, sandbox_id: str) -> SandboxNetwork:
         "http_proxy": url,
         "NO_PROXY": no_proxy,
         "no_proxy": no_proxy,
-        "RESOLUTO_EGRESS_PROXY": f"{att.gateway}:{proxy.PROXY_PORT}",
-        "RESOLUTO_EGRESS_CANARY": json.dumps(list(req.canary)),
-        "RESOLUTO_EGRESS_PHASES": json.dumps(
+        wire.ENV_EGRESS_PROXY: f"{att.gateway}:{proxy.PROXY_PORT}",
+        wire.ENV_EGRESS_CANARY: json.dumps(list(req.canary)),
+        wire.ENV_EGRESS_PHASES: json.dumps(
             ["setup", "workload"] if req.policy.phases.has_setup else ["workload"]
         ),
     }
     setup_only = _setup_only(req.policy)
     if setup_only:
-        env["RESOLUTO_EGRESS_CANARY_WORKLOAD"] = json.dumps(setup_only)
+        env[wire.ENV_EGRESS_CANARY_WORKLOAD] = json.dumps(setup_only)
     resolv = f"nameserver {att.gateway}\noptions timeout:2 attempts:2\n"
     return SandboxNetwork(att.netns, att.gateway, att.address, env, resolv)
 

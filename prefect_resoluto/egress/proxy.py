@@ -49,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from guest_runner import wire
+
 from . import netns, parse, registry
 from .names import printable
 from .policy import NodePolicy, is_ip, refusal
@@ -86,7 +88,7 @@ def events_bound() -> int:
     return len(DECISIONS) * MAX_DECISIONS + 8
 
 
-Sink = Callable[[dict[str, Any]], None]
+Sink = Callable[[wire.SpanEvent], None]
 
 
 @dataclass
@@ -658,7 +660,7 @@ class RunProxy:
                     self._count(att, kind, data)
                     return
                 att.logged[kind] = n + 1
-        ev = {
+        ev: wire.SpanEvent = {
             "run_id": self.run_id,
             "span_id": uuid.uuid4().hex[:16],
             "parent_span_id": "",

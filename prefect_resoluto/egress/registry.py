@@ -12,7 +12,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-Sink = Callable[[dict[str, Any]], None]
+from guest_runner import wire
+
+Sink = Callable[[wire.SpanEvent], None]
 
 
 class Stoppable(Protocol):
@@ -72,7 +74,7 @@ def unlisten(run_id: str, node_id: str) -> None:
         _SINKS.pop((run_id, node_id), None)
 
 
-def publish(run_id: str, node_id: str, ev: dict[str, Any]) -> None:
+def publish(run_id: str, node_id: str, ev: wire.SpanEvent) -> None:
     """Hand ``ev`` to the node's sink, if one listens (outside the lock: a sink may block)."""
     with _LOCK:
         sink = _SINKS.get((run_id, node_id))

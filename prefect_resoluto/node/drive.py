@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
@@ -89,7 +89,7 @@ def drive_node(
     conduit: Conduit,
     runtime: SandboxRuntime,
     *,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[wire.SpanEvent], None] | None = None,
     min_isolation: IsolationLevel | str | None = None,
     silence_window: float | None = None,
     on_launch: Callable[[SandboxHandle], None] | None = None,
@@ -189,8 +189,8 @@ def _drive(
     tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
     events = 0
     # The proxy's decisions arrive on its threads; they are delivered from this one.
-    egress_queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-    egress_events: list[dict[str, Any]] = []
+    egress_queue: queue.SimpleQueue[wire.SpanEvent] = queue.SimpleQueue()
+    egress_events: list[wire.SpanEvent] = []
     egress_bound = 0
     if launch.network is not None:
         from prefect_resoluto import egress as _egress
@@ -199,7 +199,7 @@ def _drive(
         egress_bound = _egress.events_bound()
         _egress.listen(spec.run_id, spec.node_id, egress_queue.put)
 
-    def deliver(ev: dict[str, Any]) -> None:
+    def deliver(ev: wire.SpanEvent) -> None:
         nonlocal events
         events += 1
         if redactor.count:
@@ -409,7 +409,7 @@ def egress_events_key(run_id: str, node_id: str) -> str:
     return f"run/{run_id}/egress/{node_id}.jsonl"
 
 
-def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, Any]]) -> None:
+def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[wire.SpanEvent]) -> None:
     try:
         conduit.put(
             egress_events_key(spec.run_id, spec.node_id),
@@ -420,7 +420,7 @@ def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[dict[str, An
 
 
 def _drain_after_exit(
-    tailer: ChunkTailer, deliver: Callable[[dict[str, Any]], None], st: SandboxStatus
+    tailer: ChunkTailer, deliver: Callable[[wire.SpanEvent], None], st: SandboxStatus
 ) -> tuple[FailureKind | None, str]:
     """The sandbox has exited: read what it left, then judge."""
     try:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from guest_runner import archive
 
 if TYPE_CHECKING:
+    from guest_runner.wire import SpanEvent
     from prefect_resoluto.node.outcome import NodeOutcome
     from prefect_resoluto.runtimes.base import SandboxHandle
 
@@ -27,7 +28,7 @@ class NodeObserver:
     def launched(self, handle: SandboxHandle) -> None:
         """The sandbox exists (launched, or a warm one assigned): from now on it can be reaped."""
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: SpanEvent) -> None:
         """One event of the node's, in order, its secrets already redacted (untrusted data)."""
 
     def finished(self, outcome: NodeOutcome) -> None:
@@ -54,7 +55,7 @@ class Callbacks(NodeObserver):
     def __init__(
         self,
         *,
-        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[SpanEvent], None] | None = None,
         on_launch: Callable[[SandboxHandle], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
         reap: Callable[[SandboxHandle], None] | None = None,
@@ -70,7 +71,7 @@ class Callbacks(NodeObserver):
         if self._on_launch is not None:
             self._on_launch(handle)
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: SpanEvent) -> None:
         if self._on_event is not None:
             self._on_event(ev)
 
@@ -95,7 +96,7 @@ class WorkloadOutput:
     def __init__(self) -> None:
         self._spans: set[str] = set()
 
-    def line(self, ev: dict[str, Any]) -> str | None:
+    def line(self, ev: SpanEvent) -> str | None:
         """The line ``ev`` carries when it is workload output, else None (feed every event)."""
         kind, event = ev.get("kind", ""), ev.get("event", "")
         if event == "open":

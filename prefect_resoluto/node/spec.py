@@ -140,23 +140,23 @@ def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, 
     env.update(conduit.guest_env())
     env.update(
         {
-            "RESOLUTO_RUN_ID": spec.run_id,
-            "RESOLUTO_NODE_ID": spec.node_id,
-            "RESOLUTO_STORE_PREFIX": store_prefix,
-            "RESOLUTO_WORKLOAD_ARGV": _json(spec.argv),
-            "RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE,
-            "RESOLUTO_OUTPUT_PATHS": _json(spec.output_paths),
+            wire.ENV_RUN_ID: spec.run_id,
+            wire.ENV_NODE_ID: spec.node_id,
+            wire.ENV_STORE_PREFIX: store_prefix,
+            wire.ENV_WORKLOAD_ARGV: _json(spec.argv),
+            wire.ENV_WORKSPACE_DIR: GUEST_WORKSPACE,
+            wire.ENV_OUTPUT_PATHS: _json(spec.output_paths),
         }
     )
     if spec.setup_argv:
-        env["RESOLUTO_SETUP_ARGV"] = _json(spec.setup_argv)
+        env[wire.ENV_SETUP_ARGV] = _json(spec.setup_argv)
     if spec.cleanup_argv:
-        env["RESOLUTO_CLEANUP_ARGV"] = _json(spec.cleanup_argv)
+        env[wire.ENV_CLEANUP_ARGV] = _json(spec.cleanup_argv)
     if spec.secret_env:
-        env["RESOLUTO_SECRET_ENV"] = _json(sorted(spec.secret_env))
+        env[wire.ENV_SECRET_ENV] = _json(sorted(spec.secret_env))
     user = sorted(set(spec.env) | set(spec.secret_env))
     if user:
-        env["RESOLUTO_USER_ENV"] = _json(user)
+        env[wire.ENV_USER_ENV] = _json(user)
     return env
 
 

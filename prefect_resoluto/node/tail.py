@@ -26,7 +26,7 @@ from guest_runner import wire
 from guest_runner.conduit import Conduit, LocalConduit, ObjectNotFound
 from prefect_resoluto.node import bounded
 
-Event = dict[str, Any]
+Event = wire.SpanEvent
 
 DEFAULT_SILENCE_WINDOW = 600.0
 MIN_POLL = 0.01

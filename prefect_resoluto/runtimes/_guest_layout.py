@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from guest_runner import wire
 from prefect_resoluto.host.state import RECORD_NAME as RECORD_NAME
 from prefect_resoluto.host.state import STATE_ENV as STATE_ENV
 from prefect_resoluto.host.state import SandboxRecord as SandboxRecord
@@ -65,8 +66,8 @@ _BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 # runs as inside a sandbox, and the capabilities the runner keeps to get it there (in
 # the sandbox's own kernel or user namespace, never over the host's resources).
 WORKLOAD_USER = "65534:65534"
-WORKLOAD_USER_ENV = "RESOLUTO_WORKLOAD_USER"
-WORKLOAD_PIDNS_ENV = "RESOLUTO_WORKLOAD_PIDNS"
+WORKLOAD_USER_ENV = wire.ENV_WORKLOAD_USER
+WORKLOAD_PIDNS_ENV = wire.ENV_WORKLOAD_PIDNS
 RUNNER_CAPS = ("CAP_CHOWN", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID")
 _RUNNER_MODULES = ("guest_runner", "guest_runner.warm")
 
@@ -210,7 +211,7 @@ def guest_layout(
     else:
         tmpfs.append(GUEST_WORKSPACE)
 
-    overrides = {"RESOLUTO_WORKSPACE_DIR": GUEST_WORKSPACE}
+    overrides = {wire.ENV_WORKSPACE_DIR: GUEST_WORKSPACE}
     argv = list(spec.command) if spec.command else [python, "-m", "guest_runner"]
     if runs_guest_runner(argv):
         # Every sandbox built from this layout is its own PID namespace.
@@ -218,7 +219,7 @@ def guest_layout(
     conduit = conduit_host_dir(spec)
     if conduit is not None:
         rw.append((str(conduit), guest_conduit_dir(spec)))
-        overrides["RESOLUTO_STORE_ROOT"] = GUEST_CONDUIT_ROOT
+        overrides[wire.ENV_STORE_ROOT] = GUEST_CONDUIT_ROOT
     env = sandbox_env(spec, home="/tmp", path=path, pythonpath=GUEST_RUNNER_ROOT, overrides=overrides)
     return GuestLayout(argv=argv, env=env, ro_binds=ro, rw_binds=rw, symlinks=links, tmpfs=tmpfs)
 

@@ -186,11 +186,11 @@ class StoreLocation:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> StoreLocation:
         return cls(
-            kind=env.get("RESOLUTO_STORE_KIND", ""),
-            bucket=env.get("RESOLUTO_STORE_BUCKET", ""),
-            prefix=env.get("RESOLUTO_STORE_PREFIX", ""),
-            endpoint=env.get("RESOLUTO_STORE_ENDPOINT", ""),
-            region=env.get("RESOLUTO_STORE_REGION", ""),
+            kind=env.get(wire.ENV_STORE_KIND, ""),
+            bucket=env.get(wire.ENV_STORE_BUCKET, ""),
+            prefix=env.get(wire.ENV_STORE_PREFIX, ""),
+            endpoint=env.get(wire.ENV_STORE_ENDPOINT, ""),
+            region=env.get(wire.ENV_STORE_REGION, ""),
         )
 
 
@@ -248,11 +248,11 @@ class LaunchSpec:
     @property
     def run_id(self) -> str:
         """The node's run id ("" for a warm sandbox, which has no node until assigned)."""
-        return self.address.run_id if self.address is not None else self.env.get("RESOLUTO_RUN_ID", "")
+        return self.address.run_id if self.address is not None else self.env.get(wire.ENV_RUN_ID, "")
 
     @property
     def node_id(self) -> str:
-        return self.address.node_id if self.address is not None else self.env.get("RESOLUTO_NODE_ID", "")
+        return self.address.node_id if self.address is not None else self.env.get(wire.ENV_NODE_ID, "")
 
     @property
     def store(self) -> StoreLocation:

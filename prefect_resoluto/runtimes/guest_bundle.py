@@ -32,8 +32,8 @@ GUEST_DIR = "_guest"
 PACKAGE = "guest_runner"
 
 #: Environment variables the bootstrap reads (besides the RESOLUTO_STORE_* of the conduit).
-ENV_BUNDLE_KEY = "RESOLUTO_GUEST_BUNDLE_KEY"
-ENV_BUNDLE_SHA256 = "RESOLUTO_GUEST_BUNDLE_SHA256"
+ENV_BUNDLE_KEY = wire.ENV_GUEST_BUNDLE_KEY
+ENV_BUNDLE_SHA256 = wire.ENV_GUEST_BUNDLE_SHA256
 
 
 def _package_files() -> list[tuple[str, Path]]:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+from guest_runner import wire
+
 from ._guest_layout import WORKLOAD_USER_ENV, conduit_host_dir, guest_runner_dir, sandbox_env
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchSpec
@@ -65,7 +67,7 @@ class ProcessRuntime(LocalChildRuntime):
             home=str(home),
             path=f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin",
             pythonpath=str(guest_runner_dir().parent),
-            overrides={"RESOLUTO_WORKSPACE_DIR": str(workspace)},
+            overrides={wire.ENV_WORKSPACE_DIR: str(workspace)},
         )
         if self.workload_user is not None:
             uid, gid = self.workload_user

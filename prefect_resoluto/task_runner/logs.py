@@ -35,6 +35,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from guest_runner import wire
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import terminal
 
@@ -53,7 +54,7 @@ _LEVELS = {
 }
 
 
-def describe_event(ev: dict[str, Any]) -> tuple[int, str] | None:
+def describe_event(ev: wire.SpanEvent) -> tuple[int, str] | None:
     """(level, message) for one event, or None for events that are liveness only."""
     kind, event, data = ev.get("kind", ""), ev.get("event", ""), ev.get("data") or {}
     if kind == "heartbeat":
@@ -493,7 +494,7 @@ class EventLogForwarder:
         batcher: ApiLogBatcher | None = None,
         run_fields: dict[str, Any] | None = None,
         log_prints: bool = True,
-        artifacts: Callable[[dict[str, Any]], None] | None = None,
+        artifacts: Callable[[wire.SpanEvent], None] | None = None,
     ) -> None:
         """``run_fields``: what Prefect's run logger attaches to a record (task_run_name,
         flow_run_name ...: the console's format names the run with them); ``log_prints``:
@@ -568,7 +569,7 @@ class EventLogForwarder:
             out.write(terminal.safe(self.redactor.text(line)) + "\n")
             out.flush()
 
-    def __call__(self, ev: dict[str, Any]) -> None:
+    def __call__(self, ev: wire.SpanEvent) -> None:
         kind, event, data = ev.get("kind", ""), ev.get("event", ""), ev.get("data") or {}
         if kind == "artifact" and event == "log":
             if self.artifacts is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from guest_runner import wire
 from guest_runner.prefect_api import READS_ENV
 from guest_runner.redact import MIN_SECRET_LEN
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from prefect_resoluto.settings.config import SandboxConfig
 
 #: Declared secrets naming each redacted value: RESOLUTO_PREFECT_READ_0, _1, ...
-VALUE_ENV_PREFIX = "RESOLUTO_PREFECT_READ_"
+VALUE_ENV_PREFIX = wire.ENV_PREFECT_READ_NAME_PREFIX
 
 
 def secret_entries(cfg: SandboxConfig) -> dict[str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from guest_runner.prefect_api import ARTIFACT_TYPES, MAX_ARTIFACTS
 from guest_runner.redact import Redactor
-from guest_runner.wire import MAX_ARTIFACT_BYTES
+from guest_runner.wire import MAX_ARTIFACT_BYTES, SpanEvent
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -42,7 +42,7 @@ class ArtifactRelay:
         self._ids: dict[str, Any] = {}  # the sandbox's id of an artifact -> the API's
         self._told_count = False
 
-    def __call__(self, ev: dict[str, Any]) -> None:
+    def __call__(self, ev: SpanEvent) -> None:
         data = ev.get("data")
         rec = data.get("artifact") if isinstance(data, dict) else None
         if not isinstance(rec, dict):

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from guest_runner import wire
 from guest_runner.conduit import Conduit
 from guest_runner.redact import Redactor
 from prefect_resoluto.node.drive import drive
@@ -576,7 +577,7 @@ class TaskRunNode(NodeObserver):
         self.sandboxes.append(handle)
         self.runner._live.add(handle)
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: wire.SpanEvent) -> None:
         self.forward(ev)
         if self.line_sink is not None:
             line = self.output.line(ev)

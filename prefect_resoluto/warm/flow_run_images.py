@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import threading
 
+from guest_runner import wire
 from guest_runner.conduit import Conduit
 from prefect_resoluto.node.spec import NodeSpec, launch_spec
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.warm.pool import PoolKey, WarmPool, WarmSandbox
 from prefect_resoluto.warm.snapshots import enabled_by_env
 
-ENGINE_ARGS = ["-m", "prefect.engine"]
+ENGINE_ARGS = ["-m", wire.WARM_ENGINE_MODULE]
 
 
 class FlowRunSnapshots:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guest_runner import wire
 from guest_runner.conduit import Conduit, LocalConduit
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
@@ -61,10 +62,10 @@ DEFAULT_CAP = 4
 MAX_BOOTING = 2
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
-READY = "resoluto warm: ready"
-SNAPSHOT_READY = "resoluto warm: snapshot-ready"
-WAKE = b'{"wake":1}\n'
-SNAPSHOT_ENV = "RESOLUTO_WARM_SNAPSHOT"
+READY = wire.WARM_READY
+SNAPSHOT_READY = wire.WARM_SNAPSHOT_READY
+WAKE = wire.WARM_WAKE
+SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 #: Seconds a node waits at most for a sandbox being restored before it runs cold.
 RESTORE_WAIT = 1.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
@@ -306,9 +307,10 @@ class WarmSandbox:
         """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only (with the
         variables of the network it was restored into: its process has its template's)."""
         env = {**launch.env, **self.runtime.network_env(self.handle)}
-        payload = json.dumps({"env": env, "secret_env": launch.secret_env}, separators=(",", ":"))
         self.runtime.assign(
-            self.handle, payload.encode() + b"\n", labels={**launch.labels, LABEL_WARM: "assigned"}
+            self.handle,
+            wire.encode_assignment(env, launch.secret_env),
+            labels={**launch.labels, LABEL_WARM: "assigned"},
         )
         return self.handle
 
@@ -360,7 +362,7 @@ class WarmPool:
             and (snapshots if snapshots is not None else snapshots_by_env())
         ):
             seen = {
-                k: v for k, v in conduit.guest_env().items() if k != "RESOLUTO_STORE_ROOT"
+                k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT
             }  # /conduit inside
             slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
             context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
@@ -598,8 +600,7 @@ class WarmPool:
         ``network``: the network of the node it is restored for (restore_for)."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
         slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
-        mode = "engine" if key.engine else ("import:" + ",".join(key.imports)) if key.imports else "1"
-        env = {"RESOLUTO_WARM_CALL": mode}
+        env = {wire.ENV_WARM_CALL: wire.warm_call_mode(key.engine, key.imports)}
         env.update(self.conduit.guest_env())
         if image is not None or template:
             env[SNAPSHOT_ENV] = "1"  # identical in the template and every sandbox restored from it
@@ -624,7 +625,7 @@ class WarmPool:
         if slotted:
             from prefect_resoluto.runtimes._guest_layout import guest_conduit_dir
 
-            env["RESOLUTO_WARM_SLOT"] = guest_conduit_dir(spec)
+            env[wire.ENV_WARM_SLOT] = guest_conduit_dir(spec)
         if image is not None:
             handle = self.runtime.restore(spec, image, wake=WAKE)
         else:

@@ -844,7 +844,7 @@ class FlowRunNode(NodeObserver):
         )
         self.on_launched()
 
-    def event(self, ev: dict[str, Any]) -> None:
+    def event(self, ev: wire.SpanEvent) -> None:
         if ev.get("kind") == "heartbeat":
             return
         if ev.get("event") == "log":

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from guest_runner import wire
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
 from prefect_resoluto.runtimes.guest_bundle import ENV_BUNDLE_KEY, ENV_BUNDLE_SHA256, bootstrap_command
 from prefect_resoluto.runtimes.labels import label_value as label_value
@@ -347,9 +348,9 @@ def build_manifests(
         command = bootstrap_command()
     env_literal.setdefault("HOME", "/tmp")
     env_literal.setdefault("PYTHONUNBUFFERED", "1")
-    redact = set(json.loads(env_literal.get("RESOLUTO_SECRET_ENV") or "[]")) | set(secret_data)
+    redact = set(json.loads(env_literal.get(wire.ENV_SECRET_ENV) or "[]")) | set(secret_data)
     if redact:
-        env_literal["RESOLUTO_SECRET_ENV"] = json.dumps(sorted(redact))
+        env_literal[wire.ENV_SECRET_ENV] = json.dumps(sorted(redact))
 
     env: list[dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in sorted(env_literal.items())]
     for var in sorted(secret_data):
@@ -372,7 +373,7 @@ def build_manifests(
     scratch: dict[str, Any] = {"sizeLimit": str(int(res.disk_bytes))} if res.disk_bytes else {}
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": dict(scratch)}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    workspace = spec.env.get("RESOLUTO_WORKSPACE_DIR", "")
+    workspace = spec.env.get(wire.ENV_WORKSPACE_DIR, "")
     if workspace and workspace.startswith("/") and not (workspace + "/").startswith("/tmp/"):
         volumes.append({"name": "workspace", "emptyDir": dict(scratch)})
         mounts.append({"name": "workspace", "mountPath": workspace.rstrip("/") or "/workspace"})

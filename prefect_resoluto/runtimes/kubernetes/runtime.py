@@ -47,6 +47,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from guest_runner import wire
+
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
 
@@ -309,12 +311,12 @@ class KubernetesRuntime(SandboxRuntime):
             raise LaunchError(self._local_conduit_message("local (filesystem)"))
         if kind != "s3":
             raise LaunchError(
-                f"the kubernetes runtime needs RESOLUTO_STORE_KIND=s3 in the node's environment, got {kind!r}"
+                f"the kubernetes runtime needs {wire.ENV_STORE_KIND}=s3 in the node's environment, got {kind!r}"
             )
         for var, value in (
-            ("RESOLUTO_STORE_BUCKET", spec.store.bucket),
-            ("RESOLUTO_RUN_ID", spec.run_id),
-            ("RESOLUTO_NODE_ID", spec.node_id),
+            (wire.ENV_STORE_BUCKET, spec.store.bucket),
+            (wire.ENV_RUN_ID, spec.run_id),
+            (wire.ENV_NODE_ID, spec.node_id),
         ):
             if not value:
                 raise LaunchError(f"the node's environment lacks {var}")

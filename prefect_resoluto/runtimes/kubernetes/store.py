@@ -16,6 +16,7 @@ import threading
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from guest_runner import wire
 from prefect_resoluto.runtimes.base import LaunchError, LaunchSpec
 from prefect_resoluto.runtimes.guest_bundle import build_guest_bundle, guest_bundle_key, upload_guest_bundle
 from prefect_resoluto.runtimes.kubernetes.manifests import IPNetwork, parse_network
@@ -44,7 +45,7 @@ def store_egress(
     if parsed is None or not parsed.hostname:
         raise LaunchError(
             "cannot derive the object store's address for the pod's NetworkPolicy: no "
-            "RESOLUTO_STORE_ENDPOINT (plain AWS S3 has no fixed address). Set store_egress_cidr "
+            f"{wire.ENV_STORE_ENDPOINT} (plain AWS S3 has no fixed address). Set store_egress_cidr "
             "(or RESOLUTO_STORE_EGRESS_CIDR), e.g. the CIDR of your S3 VPC endpoint, or allow "
             "'public_https' egress for the node."
         )
@@ -80,7 +81,9 @@ def store_base(spec: LaunchSpec) -> str:
         return ""
     if prefix.endswith("/" + suffix):
         return prefix[: -len(suffix) - 1]
-    raise LaunchError(f"RESOLUTO_STORE_PREFIX {prefix!r} does not end with the node's key prefix {suffix!r}")
+    raise LaunchError(
+        f"{wire.ENV_STORE_PREFIX} {prefix!r} does not end with the node's key prefix {suffix!r}"
+    )
 
 
 class GuestBundles:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from guest_runner import wire
 from prefect_resoluto.runtimes.base import LaunchSpec
 
 MANAGED_BY_KEY = "resoluto.managed-by"
@@ -112,25 +113,25 @@ def guest_command(
     rel = spec.rel_prefix
     env = {k: str(v) for k, v in spec.env.items()}
     if relay:
-        for k in [k for k in env if k.startswith("RESOLUTO_STORE_")]:
+        for k in [k for k in env if k.startswith(wire.ENV_STORE_NAME_PREFIX)]:
             del env[k]
         env.update(
             {
-                "RESOLUTO_STORE_KIND": "localfs",
-                "RESOLUTO_STORE_ROOT": layout.store_root,
-                "RESOLUTO_STORE_PREFIX": rel,
+                wire.ENV_STORE_KIND: "localfs",
+                wire.ENV_STORE_ROOT: layout.store_root,
+                wire.ENV_STORE_PREFIX: rel,
             }
         )
-    env["RESOLUTO_WORKSPACE_DIR"] = layout.workspace
+    env[wire.ENV_WORKSPACE_DIR] = layout.workspace
     env["PYTHONPATH"] = layout.lib_dir + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HOME", layout.guest_dir)
     env.update(secret_env if secret_env is not None else spec.secret_env)
     # Secrets of the store (relay: none reach the VM) are redacted like the task's own.
-    redact = set(json.loads(env.get("RESOLUTO_SECRET_ENV") or "[]"))
+    redact = set(json.loads(env.get(wire.ENV_SECRET_ENV) or "[]"))
     redact |= {k for k in (secret_env if secret_env is not None else spec.secret_env)}
     if redact:
-        env["RESOLUTO_SECRET_ENV"] = json.dumps(sorted(redact), separators=(",", ":"))
+        env[wire.ENV_SECRET_ENV] = json.dumps(sorted(redact), separators=(",", ":"))
     return {"cmd": python, "args": ["-m", "guest_runner"], "cwd": layout.guest_dir, "env": env}
 
 
@@ -146,7 +147,7 @@ def guest_secrets(
     if relay:
         # drive_node hands a local-conduit runtime the host's store credentials; the relay keeps
         # them on the host: the VM holds no credentials at all.
-        user = set(json.loads(spec.env.get("RESOLUTO_USER_ENV") or "[]"))
+        user = set(json.loads(spec.env.get(wire.ENV_USER_ENV) or "[]"))
         for k in STORE_CREDENTIAL_VARS:
             if k not in user:
                 secrets.pop(k, None)

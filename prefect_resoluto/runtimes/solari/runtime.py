@@ -52,6 +52,8 @@ import threading
 from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from guest_runner import wire
+
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
 
@@ -344,7 +346,7 @@ class SolariRuntime(SandboxRuntime):
 
     def _check(self, spec: LaunchSpec) -> None:
         self.check_spec(spec)
-        for var, value in (("RESOLUTO_RUN_ID", spec.run_id), ("RESOLUTO_NODE_ID", spec.node_id)):
+        for var, value in ((wire.ENV_RUN_ID, spec.run_id), (wire.ENV_NODE_ID, spec.node_id)):
             if not value:
                 raise LaunchError(f"the node's environment lacks {var}")
 
