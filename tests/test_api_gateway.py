@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from polling import wait_for
-from prefect_cli import api_http, prefect_server
+from support.polling import wait_for
+from support.prefect_cli import api_http, prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from flows import sample_flows as sf
-from polling import scaled, wait_for
 from prefect import flow
-from prefect_cli import cli_env
 from pydantic import SecretStr
+from support.polling import scaled, wait_for
+from support.prefect_cli import cli_env
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner

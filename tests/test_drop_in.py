@@ -23,7 +23,7 @@ from flows import real_prefect_flows as rf
 from flows import sample_flows as sf
 from prefect import flow, tags
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, sandbox_options
@@ -442,7 +442,7 @@ def test_a_task_shows_one_short_runner_line_and_the_flow_one_runner_line(gvisor,
 
 def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
     """Guest side only: the guest runner's own line counts declared outputs."""
-    from conftest import PY, guest_env
+    from support.guest import PY, guest_env
 
     ws = tmp_path / "ws"
     ws.mkdir()

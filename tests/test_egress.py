@@ -1,7 +1,7 @@
 """Egress allowlists on local sandboxes, end to end, against test hosts in namespaces.
 
 Every packet stays on this machine: the test hosts live in network namespaces created
-here (tests/egress_net.py), the proxy dials from the test's uplink namespace
+here (tests/support/egress_net.py), the proxy dials from the test's uplink namespace
 (RESOLUTO_EGRESS_UPLINK_NETNS) and the canary targets are test hosts.
 """
 
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import egress_net
-import phase_leftovers
 import pytest
-from polling import scaled, wait_for
+from support import egress_net, phase_leftovers
+from support.polling import scaled, wait_for
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
@@ -949,7 +948,7 @@ def test_process_runtime_still_refuses_an_allowlist() -> None:
 
 def test_kubernetes_refuses_per_name_features(local_conduit: LocalConduit) -> None:
     pytest.importorskip("kubernetes")
-    from k8s_fake import FakeKube
+    from support.k8s_fake import FakeKube
 
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 

@@ -17,8 +17,8 @@ import uuid
 from typing import Any
 
 import pytest
-from prefect_cli import api_http, api_url, prefect_cli
 from pydantic import SecretStr
+from support.prefect_cli import api_http, api_url, prefect_cli
 
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
 

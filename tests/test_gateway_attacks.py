@@ -20,8 +20,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from polling import scaled, wait_for
-from prefect_cli import api_http
+from support.polling import scaled, wait_for
+from support.prefect_cli import api_http
 from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
     GVISOR,
     auth_server,

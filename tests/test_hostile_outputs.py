@@ -351,7 +351,7 @@ def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor
     environ = Path("/proc/self/environ").read_bytes().split(b"\0")
     leaked = [v for v in environ if len(v) > 12 and v.decode(errors="replace") in shown]
     assert not leaked, "the host's environment reached the task's exception"
-    from prefect_readback import task_runs
+    from support.prefect_readback import task_runs
 
     (tr,) = task_runs(state.state_details.flow_run_id)
     assert not [v for v in environ if len(v) > 12 and v.decode(errors="replace") in (tr.state.message or "")]

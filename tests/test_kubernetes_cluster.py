@@ -1,9 +1,9 @@
 """The Kubernetes runtime against a genuine kube-apiserver, controller-manager and scheduler,
-with tests/k8s_node_agent.py in the kubelet's place (pods run in gVisor sandboxes here).
+with tests/support/k8s_node_agent.py in the kubelet's place (pods run in gVisor sandboxes here).
 
 Everything listens on 127.0.0.1. Each test has its own namespace; the control plane and
-the node are started once per session (tests/k8s_cluster.py). Faults are injected by a
-loopback proxy in front of the real apiserver (tests/k8s_fault_proxy.py). Waiting is polling
+the node are started once per session (tests/support/k8s_cluster.py). Faults are injected by a
+loopback proxy in front of the real apiserver (tests/support/k8s_fault_proxy.py). Waiting is polling
 with a deadline on what the API reports.
 """
 
@@ -25,11 +25,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from k8s_cluster import *  # noqa: E402,F401,F403
-from k8s_cluster import CONTEXT, Cluster  # noqa: E402
-from k8s_fault_proxy import FaultProxy  # noqa: E402
-from k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
-from polling import wait_for  # noqa: E402
+from support.k8s_cluster import CONTEXT, Cluster  # noqa: E402
+from support.k8s_fault_proxy import FaultProxy  # noqa: E402
+from support.k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
+from support.polling import wait_for  # noqa: E402
 
 from prefect_resoluto.runtimes import guest_bundle  # noqa: E402
 from prefect_resoluto.runtimes.base import IsolationLevel, LaunchError, LaunchSpec, Resources  # noqa: E402
@@ -939,7 +938,7 @@ def test_a_setup_steps_leftovers_end_with_it_in_a_real_pod(
     """Issue 33, finding 5 on Kubernetes: the guest runner is the pod's PID namespace's init,
     so at the end of the setup it kills every other process there; a child that left the
     setup's session and process group does not run into the workload."""
-    import phase_leftovers
+    from support import phase_leftovers
 
     store_secret(k8s_cluster, k8s_ns)
     rt, run = k8s_node

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conduit_contract import check_shallow_listing
+from support.conduit_contract import check_shallow_listing
 
 from guest_runner.conduit import (
     ConduitError,

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import scaled
+from support.polling import scaled
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit

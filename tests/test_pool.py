@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from polling import scaled, wait_for
+from support.polling import scaled, wait_for
 from test_wire_compat import _WHY as REF_WHY
 from test_wire_compat import OUTPUTS, WORKLOAD, _raw, _ref, _validate_node
 

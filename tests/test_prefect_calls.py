@@ -13,7 +13,7 @@ import pytest
 from flows import prefect_call_flows as pcf
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.prefect_api import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
+from support.runtime_contract import (
     check_confinement,
     check_destroy_idempotent,
     check_failure,

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
+from support.runtime_contract import (
     check_destroy_idempotent,
     check_egress_refused,
     check_failure,

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conduit_contract import check_shallow_listing
-from s3_fixtures import Faults, RequestCounter, S3Endpoint, free_port
+from support.conduit_contract import check_shallow_listing
+from support.s3_fixtures import Faults, RequestCounter, S3Endpoint, free_port
 
 from guest_runner.conduit import (
     ConduitError,

@@ -19,7 +19,7 @@ from urllib.parse import quote, quote_plus
 import pytest
 from flows import hostile_tasks as ht
 from prefect import flow
-from prefect_readback import task_runs
+from support.prefect_readback import task_runs
 from test_pool_runner import sandbox_line, wait_ready
 from test_task_runner import FLOWS, logs_of, runner
 
@@ -233,7 +233,7 @@ def test_a_warm_call_process_is_the_unprivileged_user_from_before_its_assignment
 def test_a_runner_that_cannot_switch_users_fails_the_node_before_the_workload_runs(tmp_path):
     """Fail closed: asked for a workload user it cannot become (root without CAP_SETUID,
     as in a sandbox that took every capability away), the runner runs nothing."""
-    from conftest import guest_env
+    from support.guest import guest_env
 
     if shutil.which("setpriv") is None or os.geteuid() != 0:
         pytest.skip("needs setpriv and root to start a runner that is root without capabilities")

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from support.polling import wait_for
 from test_pool import _files_containing, _no_sandboxes, _ready_pool, _take
 
 from guest_runner.conduit import LocalConduit
@@ -188,7 +188,7 @@ def test_python_calls_in_restored_sandboxes_draw_fresh_random_numbers(prefect, g
     state = draws(return_state=True)
     assert state.is_completed(), state
     got = state.result()
-    from prefect_readback import task_runs
+    from support.prefect_readback import task_runs
 
     lines = [sandbox_line(r.id) for r in task_runs(state.state_details.flow_run_id)]
     assert all("warm sandbox rsl-" in line for line in lines), lines

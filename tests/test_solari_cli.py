@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from solari_gateway import SolariGateway, _check_create
+from support.solari_gateway import SolariGateway, _check_create
 from test_cli import Cli, last_json
 from test_cli import cli as _cli_fixture
 

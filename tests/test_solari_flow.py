@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from flows import sample_flows as sf
 from prefect import flow
-from prefect_readback import task_runs
-from solari_gateway import SolariGateway
+from support.prefect_readback import task_runs
+from support.solari_gateway import SolariGateway
 from test_task_runner import logs_of
 
 from guest_runner.conduit import LocalConduit

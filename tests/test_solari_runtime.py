@@ -1,4 +1,4 @@
-"""The Solari runtime against the loopback gateway stand-in (tests/solari_gateway.py).
+"""The Solari runtime against the loopback gateway stand-in (tests/support/solari_gateway.py).
 
 Whole nodes run through the official SDK: the stand-in enforces the gateway's wire
 contract and runs each sandbox's commands for real -- in gVisor where the test is about
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from solari_gateway import SolariGateway
+from support.solari_gateway import SolariGateway
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit

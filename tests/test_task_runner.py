@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from flows import sample_flows as sf
-from polling import scaled, wait_for
 from prefect import flow, task
-from prefect_cli import flow_child_env
-from prefect_readback import artifacts_of, client, task_runs
+from support.polling import scaled, wait_for
+from support.prefect_cli import flow_child_env
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options

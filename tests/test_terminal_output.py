@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from flows import terminal_tasks as tt
 from prefect import flow
-from prefect_readback import task_runs
+from support.prefect_readback import task_runs
 from test_hostile_outputs import _Patched
 from test_task_runner import logs_of, runner
 

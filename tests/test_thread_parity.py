@@ -18,7 +18,7 @@ from flows import parity_flows as pf
 from flows import parity_real_flows as prf
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import client, task_runs
+from support.prefect_readback import client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.redact import Redactor

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from flows import worker_flows
-from polling import wait_for
-from prefect_cli import cli_env, prefect_cli, prefect_server
+from support.polling import wait_for
+from support.prefect_cli import cli_env, prefect_cli, prefect_server
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.runtimes import get_runtime

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from polling import wait_for
+from support.polling import wait_for
 from test_worker import (
     Worker,
     create_pool,

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from polling import wait_for  # noqa: F401  (re-exported to the runtime tests)
 
 from prefect_resoluto.runtimes.base import (
     LaunchError,
@@ -27,8 +26,9 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from support.polling import wait_for  # noqa: F401  (re-exported to the runtime tests)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBDIR = "run/r1/nodes/n1"
 
 

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "k8s-local-cluster.sh"
 
 _build: subprocess.Popen[bytes] | None = None
