@@ -29,7 +29,7 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes._guest_layout import records
 from prefect_resoluto.runtimes.labels import LABEL_RUN
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(sf.__file__).parent
 ROOT = FLOWS.parents[1]
 

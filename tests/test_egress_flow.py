@@ -15,6 +15,8 @@ from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.egress import CANARY_ENV, netns, proxy
 
 pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.sandbox,
     pytest.mark.usefixtures("prefect"),
     pytest.mark.skipif(not netns.available().ok, reason=f"egress needs namespaces: {netns.available().why}"),
 ]

@@ -367,11 +367,11 @@ def test_label_sanitising() -> None:
 @pytest.mark.parametrize(
     "rc,level",
     [
-        ("kata", IsolationLevel.VM),
+        pytest.param("kata", IsolationLevel.VM, marks=pytest.mark.sandbox),
         ("kata-qemu", IsolationLevel.VM),
         ("kata-clh", IsolationLevel.VM),
-        ("gvisor", IsolationLevel.USER_KERNEL),
-        ("runsc", IsolationLevel.USER_KERNEL),
+        pytest.param("gvisor", IsolationLevel.USER_KERNEL, marks=pytest.mark.sandbox),
+        pytest.param("runsc", IsolationLevel.USER_KERNEL, marks=pytest.mark.sandbox),
     ],
 )
 def test_runtime_class_isolation(rc: str, level: IsolationLevel) -> None:

@@ -29,7 +29,7 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes._guest_layout import records
 from prefect_resoluto.warm.pool import LABEL_WARM
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect")]
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.warm import snapshots
 from prefect_resoluto.warm.pool import WarmPool, key_for
 
+pytestmark = pytest.mark.sandbox
+
 
 def _images(rt) -> list[Path]:
     root = Path(rt.state) / snapshots.DIR_NAME
@@ -167,6 +169,7 @@ def test_snapshots_off_boots_every_warm_sandbox(gvisor, local_conduit, monkeypat
     _no_sandboxes(gvisor)
 
 
+@pytest.mark.prefect
 def test_python_calls_in_restored_sandboxes_draw_fresh_random_numbers(prefect, gvisor, tmp_path):
     """The call's process (a zygote forked before the checkpoint) is reseeded after restore:
     two tasks restored from one image draw different numbers from ``random``."""

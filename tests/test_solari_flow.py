@@ -21,7 +21,11 @@ from test_task_runner import logs_of
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
 
-pytestmark = [pytest.mark.usefixtures("prefect"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.usefixtures("prefect"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FLOWS = Path(sf.__file__).parent
@@ -31,6 +35,7 @@ def options(gw: SolariGateway, **kw) -> dict:
     return {"base_url": gw.base_url, "api_key": gw.api_key, "template": "python", **kw}
 
 
+@pytest.mark.sandbox
 def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path: Path, gvisor):
     sys.path.insert(0, str(EXAMPLES))
     try:

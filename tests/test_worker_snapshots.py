@@ -37,7 +37,7 @@ from test_worker import (
 
 from prefect_resoluto.egress import netns
 
-pytestmark = [pytest.mark.usefixtures("prefect"), needs_egress]
+pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect"), needs_egress]
 GVISOR = {"runtime": "gvisor", "min_isolation": "user-kernel", "memory": "1Gi"}
 SECRET = "restored-secret-4410"
 
