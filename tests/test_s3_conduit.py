@@ -1,6 +1,6 @@
 """S3Conduit against a real S3 HTTP endpoint (moto's server behind the counting proxy).
 
-Fixtures come from ``s3_fixtures`` (through the conftest). Everything talks to
+Fixtures come from ``support.s3_fixtures`` (a plugin). Everything talks to
 127.0.0.1 only; faults are injected on the HTTP path, boto3 is never patched.
 """
 

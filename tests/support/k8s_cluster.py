@@ -94,7 +94,7 @@ class Cluster:
 
 
 def _why_no_cluster() -> str:
-    # The session started the build at collection (conftest); wait for it to exit, not a timer.
+    # The session started the build at collection (support.scheduling); wait for it to exit, not a timer.
     failed = k8s_build.wait()
     if failed:
         return failed
