@@ -106,11 +106,11 @@ def main() -> None:
 def api_latency(runner: object, bench_tasks: object, seconds: float, every: float) -> dict[str, Any]:
     """Latency of each ``tick`` line at the API, and the ``POST /logs/`` requests the whole
     flow run cost (every log of the run: the sandbox's lines and the engine's own)."""
-    from api_requests import counting_api_requests
     from prefect import flow, get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.logging.handlers import APILogHandler
+    from support.api_requests import counting_api_requests
 
     # log_prints: the ticker's lines are prints, logged as Prefect logs a thread's prints then
     @flow(task_runner=runner, name="bench-latency", persist_result=False, log_prints=True)

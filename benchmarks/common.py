@@ -97,7 +97,7 @@ def find_python(version: str) -> str | None:
     """An interpreter for ``version`` (e.g. "3.12") that actually runs, or None.
 
     The pyenv shim on PATH fails unless PYENV_VERSION selects it, so the pyenv
-    installs are tried directly too (same logic as tests/conftest.py).
+    installs are tried directly too (same logic as tests/support/guest.py).
     """
     candidates = [shutil.which(f"python{version}") or ""]
     candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}*/bin/python{version}")))

@@ -1,7 +1,7 @@
 """Figure 5, conduit cost: S3 requests of a quiet node, counted at the endpoint.
 
 moto's S3 server runs on 127.0.0.1 behind the tests' counting proxy
-(``tests/s3_fixtures.py``), which counts every request that reaches it by type and by
+(``tests/support/s3_fixtures.py``), which counts every request that reaches it by type and by
 the access key id that signed it. The host's conduit signs as ``bench-host``, the
 guest's as ``bench-guest``, so host and guest requests are told apart at the endpoint,
 not estimated.
@@ -42,7 +42,7 @@ SECRET = "bench-secret"
 def s3_endpoint():  # type: ignore[no-untyped-def]
     import logging
 
-    from s3_fixtures import serve_s3
+    from support.s3_fixtures import serve_s3
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log per request
     with serve_s3() as served:

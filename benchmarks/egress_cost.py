@@ -7,7 +7,7 @@
   uplink namespace (no proxy: the ceiling), (b) from a sandbox namespace through the
   run's proxy (CONNECT), (c) from inside a gVisor sandbox through the proxy.
 
-Test hosts live in namespaces built here (tests/egress_net.py): nothing leaves the machine.
+Test hosts live in namespaces built here (tests/support/egress_net.py): nothing leaves the machine.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 import time
 from typing import Any
 
-import egress_net
 from common import TRIVIAL, Target, log, median, r3, scratch
+from support import egress_net
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress

@@ -7,7 +7,7 @@ before the sandbox is attached and while the tunnels are held: the difference is
 the sandbox holds outside its own memory limit. Then 100 MB through one tunnel against
 the same download straight from the uplink namespace (the relay must stay fast).
 
-Test hosts live in namespaces built here (tests/egress_net.py): nothing leaves the machine.
+Test hosts live in namespaces built here (tests/support/egress_net.py): nothing leaves the machine.
 Run as root: ``PYTHONPATH=tests python benchmarks/egress_memory.py [tunnels]``.
 """
 
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from typing import Any
 
-import egress_net
 from common import log, scratch
+from support import egress_net
 
 from prefect_resoluto import egress
 from prefect_resoluto.egress import proxy

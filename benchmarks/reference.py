@@ -2,7 +2,7 @@
 
 The reference needs Python >= 3.12, so it runs in ``.venv-ref`` (``scripts/setup.sh``
 makes it when a 3.12 interpreter exists): its ``drive_node`` with its ``LocalConduit``
-and a minimal subprocess runtime (``tests/reference_node.py``), the reference guest
+and a minimal subprocess runtime (``tests/support/reference_node.py``), the reference guest
 without its network canary. Next to it, N nodes of ours on the ``process`` runtime.
 Both run the same workload (this interpreter, ``-c pass``).
 """
@@ -32,7 +32,7 @@ def run(quick: bool) -> dict[str, Any]:
         res = subprocess.run(
             [
                 str(py),
-                str(ROOT / "tests" / "reference_node.py"),
+                str(ROOT / "tests" / "support" / "reference_node.py"),
                 "bench",
                 str(work / "ref"),
                 str(n),

@@ -2,7 +2,7 @@
 
 The same two workloads run side by side in one run, (a) on the process runtime straight
 into a local conduit and (b) on the Solari runtime through the loopback gateway stand-in
-(tests/solari_gateway.py: REST + control WebSocket on 127.0.0.1, every framing hazard on,
+(tests/support/solari_gateway.py: REST + control WebSocket on 127.0.0.1, every framing hazard on,
 commands run as host processes), relayed into a local conduit:
 
 - latency: a guest prints a wall-clock-stamped line every 10 ms; arrival at the tail
@@ -94,7 +94,7 @@ def _throughput(rt: Any, n: int, tag: str) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from solari_gateway import SolariGateway
+    from support.solari_gateway import SolariGateway
 
     seconds = 2.0 if quick else 5.0
     n = 50_000 if quick else 200_000

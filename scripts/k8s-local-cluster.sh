@@ -16,7 +16,7 @@
 # Source: Debian bookworm's `kubernetes` source package (the full upstream v1.20.2 tree with
 # vendor/), built offline with Debian's Go 1.19 after one vendored library (reflect2, which crashes
 # the apiserver under Go >= 1.18) is swapped for Debian's newer copy. etcd is Debian's etcd-server,
-# unpacked (its postinst would start a system service). No kubelet: tests/k8s_node_agent.py plays it.
+# unpacked (its postinst would start a system service). No kubelet: tests/support/k8s_node_agent.py plays it.
 set -euo pipefail
 
 PKG_VERSION="1.20.5+really1.20.2-1.1+deb12u1"

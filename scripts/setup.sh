@@ -48,7 +48,7 @@ fi
 # The genuine Kubernetes control plane for the kubernetes runtime's tests is NOT built here:
 # the demo does not need it, and a cold build is 5-15 minutes on 2 cores. The test session
 # builds it (cached under ~/.cache, flock'ed) in the background while the other tests run,
-# and runs the tests against it last (tests/k8s_build.py). To build it ahead by hand:
+# and runs the tests against it last (tests/support/k8s_build.py). To build it ahead by hand:
 # `bash scripts/k8s-local-cluster.sh build`.
 
 PY=${PYTHON:-python3}

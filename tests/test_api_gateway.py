@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from polling import wait_for
-from prefect_cli import api_http, prefect_server
+from support.polling import wait_for
+from support.prefect_cli import api_http, prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ def gateway_port(run_id: Any) -> int:
 # --------------------------------------------------------------------------- through the worker, on gVisor
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path: Path) -> None:
     """A hostile flow is refused every attempt, each logged, the objects it aimed at
     unchanged; an ordinary one (tasks, a retry, a tagged task, logs, an artifact, a result,
@@ -277,6 +279,7 @@ def gateway_for(run: Any, **rules: Any) -> Iterator[ApiGateway]:
         yield gw
 
 
+@pytest.mark.prefect
 def test_a_token_is_for_its_own_run_and_dies_with_its_gateway(server: AuthServer) -> None:
     a, b = parked_run(), parked_run()
     with gateway_for(a) as ga, gateway_for(b) as gb:
@@ -301,6 +304,7 @@ def test_a_token_is_for_its_own_run_and_dies_with_its_gateway(server: AuthServer
         httpx.get(url, headers=basic)
 
 
+@pytest.mark.prefect
 def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: AuthServer) -> None:
     """The requests a flow holding the worker's credential could make, one per rule, sent
     with the run's token straight to its gateway (the real server behind it)."""
@@ -424,6 +428,7 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
         assert (after.type if after else None) == task_state
 
 
+@pytest.mark.prefect
 def test_the_events_websocket_admits_the_runs_own_events_only(server: AuthServer) -> None:
     """Task-run states travel as events: the run's own pass (under the server's auth string
     upstream), an event about another run is dropped and logged."""
@@ -485,6 +490,7 @@ def test_the_events_websocket_admits_the_runs_own_events_only(server: AuthServer
     assert all("(rule own-events)" in m for m in warnings), warnings
 
 
+@pytest.mark.prefect
 def test_the_events_subscription_is_narrowed_to_the_run(server: AuthServer) -> None:
     """The engine's suspension observer subscribes to every run's Suspended events: through
     the gateway it follows its own run only; one naming another run is closed and logged."""

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from flows import sample_flows as sf
 from prefect import flow
-from prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(sf.__file__).parent
 SECRET = "art-secret-5521"
 

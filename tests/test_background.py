@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import scaled
-from prefect_cli import flow_child_env
+from support.polling import scaled
+from support.prefect_cli import flow_child_env
 
 from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.task_runner.background import Background
@@ -118,9 +118,10 @@ def _interrupted_child(mode: str, tmp_path: Path) -> tuple[str, float]:
     return task_run_id + "\n" + "".join(lines), took
 
 
+@pytest.mark.prefect
 @pytest.mark.usefixtures("prefect")
 def test_ctrl_c_with_a_pending_artifact_exits_and_the_artifact_is_published(tmp_path):
-    from prefect_readback import artifacts_of
+    from support.prefect_readback import artifacts_of
 
     out, _ = _interrupted_child("pending", tmp_path)
     task_run_id = out.split("\n", 1)[0]
@@ -130,6 +131,7 @@ def test_ctrl_c_with_a_pending_artifact_exits_and_the_artifact_is_published(tmp_
     assert get_runtime("process", state_dir=tmp_path / "state").list_ids() == []  # reaped too
 
 
+@pytest.mark.prefect
 @pytest.mark.usefixtures("prefect")
 def test_ctrl_c_with_an_artifact_that_never_publishes_does_not_hang(tmp_path):
     from prefect_resoluto.task_runner.runner import ARTIFACT_DRAIN_INTERRUPTED

@@ -117,6 +117,7 @@ def rt(request: pytest.FixtureRequest) -> Any:
     return r
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize(
     "what,said,limit,suffix",
     [

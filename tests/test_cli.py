@@ -142,10 +142,14 @@ WORKLOAD = (
 )
 
 RUNTIME_CASES = [
-    pytest.param("gvisor", {}, [], id="gvisor"),
-    pytest.param("bubblewrap", {}, ["--min-isolation", "namespace"], id="bubblewrap"),
+    pytest.param("gvisor", {}, [], id="gvisor", marks=pytest.mark.sandbox),
+    pytest.param(
+        "bubblewrap", {}, ["--min-isolation", "namespace"], id="bubblewrap", marks=pytest.mark.sandbox
+    ),
     pytest.param("process", {}, ["--min-isolation", "none"], id="process"),
-    pytest.param("container", {"oci_runtime": "runsc"}, [], id="container-podman-runsc"),
+    pytest.param(
+        "container", {"oci_runtime": "runsc"}, [], id="container-podman-runsc", marks=pytest.mark.sandbox
+    ),
 ]
 
 
@@ -580,6 +584,7 @@ def _sleeper(rt: SandboxRuntime, labels: dict[str, str]) -> str:
     return sid
 
 
+@pytest.mark.sandbox
 def test_sweep_reaps_matching_sandboxes_and_leaves_others(cli: Cli) -> None:
     tag = uuid.uuid4().hex[:8]
     rts = [get_runtime("process")]

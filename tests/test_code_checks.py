@@ -23,7 +23,7 @@ _STARTED: dict[tuple[str, ...], subprocess.Popen[str]] = {}
 
 
 def start(*argv: str) -> None:
-    """Start `python -m <argv>` now; its test collects the result. conftest starts the
+    """Start `python -m <argv>` now; its test collects the result. support/scheduling.py starts the
     strict mypy run as soon as collection ends: cold, it takes a minute of CPU (it reads
     Prefect's typed sources), which then overlaps the tests that mostly wait on sandboxes."""
     if argv not in _STARTED:

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from flows import sample_flows as sf
-from polling import scaled, wait_for
 from prefect import flow
-from prefect_cli import cli_env
 from pydantic import SecretStr
+from support.polling import scaled, wait_for
+from support.prefect_cli import cli_env
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
@@ -29,7 +29,7 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes._guest_layout import records
 from prefect_resoluto.runtimes.labels import LABEL_RUN
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(sf.__file__).parent
 ROOT = FLOWS.parents[1]
 

@@ -23,13 +23,13 @@ from flows import real_prefect_flows as rf
 from flows import sample_flows as sf
 from prefect import flow, tags
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, sandbox_options
 from prefect_resoluto.task_runner.call_spec import RemoteTaskError
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 FLOWS = Path(df.__file__).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +70,7 @@ def raised(future) -> BaseException:
 
 
 # -- 1: no secret leaks through an exception ---------------------------------------------------
+@pytest.mark.sandbox
 def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and_artifacts(
     gvisor, conduit, tmp_path
 ):
@@ -389,6 +390,7 @@ def test_max_workers_follows_prefects_thread_pool_setting():
 RUNNER_LINE = re.compile(r"ran in a (warm|cold) gVisor sandbox in \d+\.\d s")
 
 
+@pytest.mark.sandbox
 def test_a_failure_shows_a_threads_records_with_the_sandboxs_frames(gvisor, conduit, tmp_path):
     """On gVisor, where the task's file is /workspace/... in the sandbox: the records are a
     thread's, record for record, the traceback naming the host's copy of the file."""
@@ -414,6 +416,7 @@ def test_a_failure_shows_a_threads_records_with_the_sandboxs_frames(gvisor, cond
     assert "/workspace" not in err and "guest_runner" not in err and "task_runner.py" not in err
 
 
+@pytest.mark.sandbox
 def test_a_task_shows_one_short_runner_line_and_the_flow_one_runner_line(gvisor, conduit, tmp_path):
     r = runner(conduit, tmp_path, max_workers=3)
 
@@ -442,7 +445,7 @@ def test_a_task_shows_one_short_runner_line_and_the_flow_one_runner_line(gvisor,
 
 def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
     """Guest side only: the guest runner's own line counts declared outputs."""
-    from conftest import PY, guest_env
+    from support.guest import PY, guest_env
 
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -527,6 +530,7 @@ def test_the_registered_block_schema_offers_choices_with_readable_names():
 
 
 # -- 13: sane defaults -----------------------------------------------------------------------------
+@pytest.mark.sandbox
 def test_a_sandbox_gets_4gib_2_cpus_and_sized_scratch_by_default(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     def limits():
@@ -542,6 +546,7 @@ def test_a_sandbox_gets_4gib_2_cpus_and_sized_scratch_by_default(gvisor, conduit
     assert small["mem_total_kib"] < default["mem_total_kib"] <= 4 * gib // 1024
 
 
+@pytest.mark.sandbox
 def test_a_task_over_the_default_memory_limit_is_stopped_and_told_which_setting(gvisor, conduit, tmp_path):
     from prefect_resoluto.node.outcome import SandboxKilled
 

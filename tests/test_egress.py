@@ -1,7 +1,7 @@
 """Egress allowlists on local sandboxes, end to end, against test hosts in namespaces.
 
 Every packet stays on this machine: the test hosts live in network namespaces created
-here (tests/egress_net.py), the proxy dials from the test's uplink namespace
+here (tests/support/egress_net.py), the proxy dials from the test's uplink namespace
 (RESOLUTO_EGRESS_UPLINK_NETNS) and the canary targets are test hosts.
 """
 
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import egress_net
-import phase_leftovers
 import pytest
-from polling import scaled, wait_for
+from support import egress_net, phase_leftovers
+from support.polling import scaled, wait_for
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
@@ -283,6 +282,7 @@ def transparent(name, port=443, path="/t"):
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.sandbox
 def test_allowlisted_name_from_python_proxy_and_transparent(
     rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -308,6 +308,7 @@ def test_allowlisted_name_from_python_proxy_and_transparent(
         assert d["bytes_up"] > 0 and d["bytes_down"] > 0 and d["duration"] >= 0
 
 
+@pytest.mark.sandbox
 def test_curl_proxy_aware_and_transparent(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -324,6 +325,7 @@ def test_curl_proxy_aware_and_transparent(
     assert sorted(vias) == ["CONNECT", "HTTP proxy", "transparent HTTP", "transparent TLS"]
 
 
+@pytest.mark.sandbox
 def test_name_not_on_the_list_is_refused_in_the_logs(
     rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -348,6 +350,7 @@ def test_name_not_on_the_list_is_refused_in_the_logs(
     assert len(testnet.hits.to(egress_net.HOST2)) == before
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize(
     "name, address, why",
     [
@@ -376,6 +379,7 @@ def test_allowlisted_name_resolving_inward_is_refused_without_connecting(
     assert testnet.hits.to(address) == [] and testnet.loop_hits.seen == []
 
 
+@pytest.mark.sandbox
 def test_direct_ip_raw_udp_and_host_listeners_unreachable(
     rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -424,6 +428,7 @@ def test_direct_ip_raw_udp_and_host_listeners_unreachable(
     assert len(testnet.udp_hits.seen) == udp_before and len(testnet.hits.to(egress_net.HOST)) == tcp_before
 
 
+@pytest.mark.sandbox
 def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> None:
     """Stronger than root inside a sandbox: full root (all capabilities) in the sandbox's
     own namespace adds a default route and still reaches nothing but the proxy."""
@@ -454,6 +459,7 @@ def test_root_in_the_namespace_cannot_widen_it(testnet: egress_net.TestNet) -> N
     assert testnet.hits.seen == hits_before  # no connection reached any test host
 
 
+@pytest.mark.sandbox
 def test_an_address_the_dialling_namespace_gains_after_start_is_refused(testnet: egress_net.TestNet) -> None:
     """Issue 33, finding 2: the proxy took the host's addresses once, at start. An address
     gained later (DHCP, a VPN, an IPv6 privacy address) was dialled for an allowlisted name
@@ -503,6 +509,7 @@ def test_an_address_the_dialling_namespace_gains_after_start_is_refused(testnet:
     ), refused
 
 
+@pytest.mark.sandbox
 def test_a_connection_that_reached_its_own_namespace_relays_nothing(testnet: egress_net.TestNet) -> None:
     """Where the dialling namespace binds any address (``ip_nonlocal_bind``), the bind test
     cannot tell a local address; the connected socket still does (the kernel made the
@@ -541,6 +548,7 @@ def test_a_connection_that_reached_its_own_namespace_relays_nothing(testnet: egr
     ]
 
 
+@pytest.mark.sandbox
 def test_guest_root_cannot_rewrite_its_dns_or_routes(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -572,6 +580,7 @@ def test_guest_root_cannot_rewrite_its_dns_or_routes(
 # --------------------------------------------------------------------------- canary, phases, forwards
 
 
+@pytest.mark.sandbox
 def test_canary_fails_closed_before_the_workload(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -592,6 +601,7 @@ def test_canary_fails_closed_before_the_workload(
         outcome.raise_for_failure()
 
 
+@pytest.mark.sandbox
 def test_canary_passes_and_says_so(gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
     echo_before = [h for h in testnet.hits.to(egress_net.HOST2) if h[1] == 7]
     outcome, events = run_node(gv, tmp_path, testnet, ["true"], egress=["api.example.test"])
@@ -611,6 +621,7 @@ def test_canary_passes_and_says_so(gv: SandboxRuntime, tmp_path: Path, testnet: 
     assert [h for h in testnet.hits.to(egress_net.HOST2) if h[1] == 7] == echo_before
 
 
+@pytest.mark.sandbox
 def test_setup_phase_has_its_own_allowlist_switched_without_restart(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -646,6 +657,7 @@ def test_setup_phase_has_its_own_allowlist_switched_without_restart(
     assert any(d["host"] == "setup.example.test" and d["phase"] == "workload" for d in refused)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("phased", [True, False], ids=["setup-egress", "no-network"])
 def test_nothing_the_setup_started_runs_into_the_workload(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, phased: bool
@@ -668,6 +680,7 @@ def test_nothing_the_setup_started_runs_into_the_workload(
     assert "IN WORKLOAD GONE" in out, out
 
 
+@pytest.mark.sandbox
 def test_phase_switch_is_one_way(testnet: egress_net.TestNet) -> None:
     req = egress.network_request(
         "run-phase",
@@ -749,6 +762,7 @@ class _LoopbackAPI:
         self.server.server_close()
 
 
+@pytest.mark.sandbox
 def test_forward_reaches_one_loopback_destination_only(
     rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -813,6 +827,7 @@ def _mine(snapshot: dict[str, Any], state: Path) -> list[str]:
     return [n for n in snapshot["netns"] if n in recorded]
 
 
+@pytest.mark.sandbox
 def test_teardown_leaves_nothing(rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet) -> None:
     before = _snapshot()
     outcome, events = run_node(
@@ -846,6 +861,7 @@ drive_node(spec, LocalConduit({conduit!r}), get_runtime({runtime!r}), min_isolat
 """
 
 
+@pytest.mark.sandbox
 def test_sigkill_of_the_host_then_sweep_leaves_nothing(
     rt: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -892,6 +908,7 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
     assert after["nft"] == before["nft"] and after["iptables"] == before["iptables"]
 
 
+@pytest.mark.sandbox
 def test_concurrent_nodes_share_one_proxy_and_runs_are_apart(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -949,7 +966,7 @@ def test_process_runtime_still_refuses_an_allowlist() -> None:
 
 def test_kubernetes_refuses_per_name_features(local_conduit: LocalConduit) -> None:
     pytest.importorskip("kubernetes")
-    from k8s_fake import FakeKube
+    from support.k8s_fake import FakeKube
 
     from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 
@@ -990,6 +1007,7 @@ def _cli(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProc
     )
 
 
+@pytest.mark.sandbox
 def test_cli_run_with_egress_then_events_shows_the_decisions(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -1037,6 +1055,7 @@ def test_cli_run_with_egress_then_events_shows_the_decisions(
     assert {e["data"]["decision"] for e in js["egress"] if "decision" in e["data"]} == {"allowed", "refused"}
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -1103,6 +1122,7 @@ def test_doctor_says_per_runtime_whether_allowlists_are_enforced(tmp_path: Path)
     assert "egress allowlists (--egress), per runtime:" in text
 
 
+@pytest.mark.sandbox
 def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
     """nerdctl + Kata cannot run here (no KVM, no dedicated containerd): its argv only.
     podman + runsc runs for real in the ``rt``-parametrized tests above."""
@@ -1137,6 +1157,7 @@ def test_container_argv_joins_the_prepared_namespace(tmp_path: Path) -> None:
     assert "nsenter --net=/run/netns/rsl-s-rsl-argv" in wrapper.read_text()
 
 
+@pytest.mark.sandbox
 def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egress_net.TestNet) -> None:
     """A kept-alive connection cannot name a second host after the first request."""
     req = egress.network_request(
@@ -1171,6 +1192,7 @@ def test_plain_http_through_the_proxy_is_one_request_per_connection(testnet: egr
     assert testnet.hits.to(egress_net.HOST2) == other_before
 
 
+@pytest.mark.sandbox
 def test_settings_carry_the_allowlist_everywhere() -> None:
     from prefect_resoluto import ResolutoTaskRunner, sandbox_options
     from prefect_resoluto.blocks import SandboxBlock
@@ -1204,6 +1226,7 @@ def test_settings_carry_the_allowlist_everywhere() -> None:
             pass
 
 
+@pytest.mark.sandbox
 def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_path: Path) -> None:
     conduit = LocalConduit(tmp_path / "conduit")
     spec = NodeSpec(run_id="r-bad", node_id="n1", argv=["true"], egress=["169.254.169.254"])
@@ -1212,6 +1235,7 @@ def test_bad_allowlist_fails_before_anything_is_written(gv: SandboxRuntime, tmp_
     assert conduit.list_prefix("run/") == [] and gv.list_ids() == []
 
 
+@pytest.mark.sandbox
 def test_a_connection_or_dns_flood_is_bounded_and_cannot_hide_an_admitted_connection(
     testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1299,6 +1323,7 @@ print("CODES", dict(sorted(codes.items())))
 """
 
 
+@pytest.mark.sandbox
 def test_every_kind_of_decision_is_capped_and_summarised_the_same_way(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1363,6 +1388,7 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.sandbox
 def test_a_sandbox_cannot_bloat_the_proxy_with_idle_tunnels(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet
 ) -> None:
@@ -1400,6 +1426,7 @@ def test_a_sandbox_cannot_bloat_the_proxy_with_idle_tunnels(
     assert held - before < 24, f"{tunnels} idle tunnels: +{held - before:.1f} MiB"
 
 
+@pytest.mark.sandbox
 def test_an_idle_tunnel_is_closed(
     gv: SandboxRuntime, tmp_path: Path, testnet: egress_net.TestNet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1555,6 +1582,7 @@ def hostile(testnet: egress_net.TestNet, tmp_path_factory: pytest.TempPathFactor
     return Hostile(res, events, egress_net.REQUESTS[before:])
 
 
+@pytest.mark.sandbox
 def test_a_name_is_validated_whole_from_every_source(hostile: Hostile) -> None:
     """Finding 3: a NUL (or any byte outside LDH) in a name under an allowlisted wildcard
     is refused as not a host name, from CONNECT, an absolute URI, Host, SNI and DNS; the
@@ -1575,6 +1603,7 @@ def test_a_name_is_validated_whole_from_every_source(hostile: Hostile) -> None:
     hostile.refusal("DNS", "a label holds a '.'")
 
 
+@pytest.mark.sandbox
 def test_the_request_is_for_the_admitted_host_and_one_per_connection(hostile: Hostile) -> None:
     """Finding 4: a Host header naming another host than the absolute URI is refused; a
     pipelined second request (through the proxy, and transparently) is refused, not relayed."""
@@ -1595,6 +1624,7 @@ def test_the_request_is_for_the_admitted_host_and_one_per_connection(hostile: Ho
     assert not [r for r in hostile.answered if "other" in r[1] or r[2] in ("/two", "/two-t", "/front")]
 
 
+@pytest.mark.sandbox
 def test_ipv6_forms_of_an_inward_ipv4_address_are_refused(
     hostile: Hostile, testnet: egress_net.TestNet
 ) -> None:
@@ -1615,6 +1645,7 @@ def test_ipv6_forms_of_an_inward_ipv4_address_are_refused(
     assert testnet.hits.to(egress_net.PRIVATE) == []
 
 
+@pytest.mark.sandbox
 def test_the_audit_trail_cannot_be_silenced_or_forged(hostile: Hostile) -> None:
     """Finding 6: names with a newline are logged escaped (no forged line); 2 100 refused
     DNS queries do not hide the admitted connection after them; what the cap did not log

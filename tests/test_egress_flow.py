@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import egress_net
 import pytest
 from prefect import flow
+from support import egress_net
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.egress import CANARY_ENV, netns, proxy
 
 pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.sandbox,
     pytest.mark.usefixtures("prefect"),
     pytest.mark.skipif(not netns.available().ok, reason=f"egress needs namespaces: {netns.available().why}"),
 ]
@@ -33,7 +35,7 @@ def testnet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[egress_
 
 def test_flow_task_fetches_an_allowlisted_page_and_nothing_else(gvisor, testnet, tmp_path: Path) -> None:
     from flows.egress_flows import fetch
-    from prefect_readback import task_runs
+    from support.prefect_readback import task_runs
     from test_task_runner import logs_of
 
     certs = tmp_path / "certs"

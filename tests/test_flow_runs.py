@@ -33,6 +33,7 @@ def test_host_network_keeps_the_url_and_forwards_nothing():
     )
 
 
+@pytest.mark.sandbox
 def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
     rt = get_runtime("gvisor")
     for url, target in (
@@ -46,6 +47,7 @@ def test_a_loopback_api_is_forwarded_as_one_destination(with_forwarding):
         assert net.egress == ["pypi.example.test:443"]  # the loopback is never an allowlist entry
 
 
+@pytest.mark.sandbox
 def test_a_remote_api_joins_the_allowlist(with_forwarding):
     net = sandbox_network(get_runtime("gvisor"), "https://prefect.example.test/api", ["a.example.test"])
     assert net.env == {"PREFECT_API_URL": "https://prefect.example.test/api"} and net.egress_forward == {}
@@ -60,6 +62,7 @@ def test_a_pod_cannot_reach_the_workers_loopback():
     assert net.egress == ["10.0.0.0/8:5432", "10.20.30.40:4200"] and net.egress_forward == {}
 
 
+@pytest.mark.sandbox
 def test_without_the_egress_proxy_a_local_sandbox_refuses_with_the_way_out(monkeypatch):
     monkeypatch.setattr(flow_runs, "egress_forwarding_supported", lambda: False)
     with pytest.raises(SandboxNetworkUnavailable, match="no egress proxy.*runtime 'process'"):
@@ -104,6 +107,7 @@ def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
     assert code_directories(steps[:1], str(code)) == []  # pull steps win over the path
 
 
+@pytest.mark.sandbox
 def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
     assert engine_argv(None, get_runtime("gvisor"), None) == [sys.executable, "-m", "prefect.engine"]
     assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "prefect.engine"]

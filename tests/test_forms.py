@@ -17,12 +17,12 @@ import uuid
 from typing import Any
 
 import pytest
-from prefect_cli import api_http, api_url, prefect_cli
 from pydantic import SecretStr
+from support.prefect_cli import api_http, api_url, prefect_cli
 
 from prefect_resoluto.blocks import LocalConduitBlock, S3ConduitBlock, SandboxBlock
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 
 def _api(method: str, path: str, **kw: Any) -> Any:
@@ -55,6 +55,7 @@ def ui_save(block_document_id: str, ui: str) -> None:
     _api("PATCH", f"/block_documents/{block_document_id}", json={"data": data, "merge_existing_data": False})
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("ui", ["v1", "v2"])
 def test_a_sandbox_block_with_a_nested_conduit_survives_the_edit_forms_save(ui):
     name = f"form-{ui}-{uuid.uuid4().hex[:6]}"

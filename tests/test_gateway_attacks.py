@@ -20,8 +20,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from polling import scaled, wait_for
-from prefect_cli import api_http
+from support.polling import scaled, wait_for
+from support.prefect_cli import api_http
 from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
     GVISOR,
     auth_server,
@@ -60,6 +60,8 @@ def _task_run(flow_run_id: Any, tags: list[str] | None = None) -> Any:
 # --------------------------------------------------------------------------- from inside gVisor
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 def test_a_hostile_run_in_gvisor_plants_lists_claims_and_takes_slots_in_vain(gvisor, server, tmp_path):  # noqa: F811
     """Findings 1-5 from inside the sandbox: planting a run on the pool (with a host command,
     with a templated Secret), listing every run, claiming another by its idempotency key,
@@ -128,6 +130,7 @@ def test_a_hostile_run_in_gvisor_plants_lists_claims_and_takes_slots_in_vain(gvi
 # --------------------------------------------------------------------------- planted on the pool
 
 
+@pytest.mark.prefect
 def test_the_worker_refuses_a_run_without_a_deployment_before_launching_anything(server, tmp_path):  # noqa: F811
     """Finding 1 at the worker: a run planted on the pool with a host command in its job
     variables (by anyone who can create a run) is Crashed with the reason, nothing launched."""
@@ -163,6 +166,7 @@ def test_the_worker_refuses_a_run_without_a_deployment_before_launching_anything
     assert not any(m.exists() for m in markers.values())
 
 
+@pytest.mark.prefect
 def test_a_runs_own_job_variables_set_only_what_the_pool_lets_it(server, tmp_path):  # noqa: F811
     """Finding 2 at the worker: a run of a deployment (run_deployment, a custom run) may set
     the pool's run_overridable keys only, never a template the worker would resolve with its
@@ -194,6 +198,7 @@ def test_a_runs_own_job_variables_set_only_what_the_pool_lets_it(server, tmp_pat
     assert final_run(allowed.id, server.worker).state.is_completed()
 
 
+@pytest.mark.prefect
 def test_the_pools_floor_is_not_lowered_by_a_deployment(tmp_path, server):  # noqa: F811
     pool = create_pool(cli=False, floor=None)  # the built-in floor: user-kernel
     with running_worker(pool, tmp_path) as worker:
@@ -223,6 +228,7 @@ def _h(gw: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {gw.token}"}
 
 
+@pytest.mark.prefect
 def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # noqa: F811
     own, other = parked_run(), parked_run()
     with gateway_for(own) as gw:
@@ -244,6 +250,7 @@ def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # no
         assert r.status_code == 200 and [fr["id"] for fr in r.json()] == [str(own.id)], r.text
 
 
+@pytest.mark.prefect
 def test_a_sub_flow_is_pending_in_no_pool_and_only_a_201_is_claimed(server):  # noqa: F811
     """Finding 4 and the sub-flow's body: the run's own sub-flow is created from the body the
     gateway built (no pool, queue, job variables; Pending), and claimed from its 201; an
@@ -283,6 +290,7 @@ def test_a_sub_flow_is_pending_in_no_pool_and_only_a_201_is_claimed(server):  # 
     assert fr.job_variables in ({}, None) and fr.idempotency_key is None and fr.deployment_id is None
 
 
+@pytest.mark.prefect
 def test_a_runs_slots_are_its_own_task_runs_tags_only(server):  # noqa: F811
     from prefect.client.orchestration import get_client
 
@@ -327,6 +335,7 @@ def _answer(s: socket.socket) -> bytes:
     return out
 
 
+@pytest.mark.prefect
 def test_the_gateway_bounds_what_one_sandbox_can_make_it_do(server, quick_timeouts, caplog):  # noqa: F811
     """Finding 6: a declared size over the endpoint's cap is refused before the body is read;
     a deep or huge nesting is refused before it is parsed; a half-sent head or body is
@@ -407,6 +416,7 @@ def hypothesis_target(auth_server: Any) -> Iterator[tuple[Any, Any, Any, Any]]: 
         yield own, parent, gw, victim
 
 
+@pytest.mark.prefect
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     data=st.data(),
@@ -459,6 +469,7 @@ def server_pool_name() -> str:
         return next(p.name for p in c.read_work_pools() if p.type == "resoluto")
 
 
+@pytest.mark.prefect
 def test_a_process_pools_worker_never_receives_a_run_a_sandbox_created(server, tmp_path):  # noqa: F811
     """An ordinary `process` pool with Prefect's own process worker on the same server: a run's
     gateway refuses to create a flow run in it (or any queue, or Scheduled), and the sub-flow
@@ -536,6 +547,7 @@ def test_a_sandbox_blocks_floor_does_not_lower_the_pools() -> None:
     assert cfg.sandbox_config().min_isolation.label == "none"
 
 
+@pytest.mark.prefect
 def test_a_deeply_nested_event_is_dropped_not_a_recursion_error(server):  # noqa: F811
     import asyncio
 
@@ -568,6 +580,7 @@ def test_a_deeply_nested_event_is_dropped_not_a_recursion_error(server):  # noqa
 _RUN_CHOICE = st.sampled_from(["own", "other", "random", "junk"])
 
 
+@pytest.mark.prefect
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), which=st.lists(_RUN_CHOICE, min_size=1, max_size=3), extra=_JSON)
 def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, data, which, extra):
@@ -619,6 +632,7 @@ def test_no_log_artifact_or_task_run_lands_outside_the_run(hypothesis_target, da
         )
 
 
+@pytest.mark.prefect
 def test_one_runs_stalled_requests_hold_only_its_own_few_slots(server, monkeypatch):  # noqa: F811
     """Concurrency per run: bodies that never finish occupy at most MAX_CONCURRENT slots of
     that run's gateway, each freed by the body timeout (408); a request behind them is then
@@ -644,6 +658,7 @@ def test_one_runs_stalled_requests_hold_only_its_own_few_slots(server, monkeypat
             s.close()
 
 
+@pytest.mark.prefect
 def test_every_admitted_write_is_rebuilt_from_the_engines_fields(server):  # noqa: F811
     """A field Prefect's client does not send to an endpoint is refused, naming it; what the
     engine sends passes (its own run's state, a log line, a task run)."""

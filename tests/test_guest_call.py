@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support.guest import ROOT
 
 
 def run_call(

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, find_python, guest_env
+from support.guest import ROOT, find_python, guest_env
 
 from guest_runner import archive, wire
 from guest_runner.conduit import LocalConduit

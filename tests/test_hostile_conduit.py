@@ -145,6 +145,7 @@ def _run_as_nobody(path: Path) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
+@pytest.mark.sandbox
 def test_nothing_a_compromised_runner_leaves_carries_privilege(rt, tmp_path):
     conduit = LocalConduit(tmp_path / "conduit")
     # Another node of the run, already finished: its files must not change.
@@ -178,6 +179,7 @@ def test_nothing_a_compromised_runner_leaves_carries_privilege(rt, tmp_path):
             assert "uid=0" not in out, (p, out)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("disk", [None, "64Mi"])
 def test_filling_the_slot_fails_the_node_and_the_host_keeps_at_most_the_allowance(rt, tmp_path, disk):
     """600 MiB written by a 256 Mi sandbox. The slot is memory charged to the sandbox (as
@@ -218,6 +220,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.sandbox
 def test_empty_directories_do_not_outgrow_the_allowance_on_the_hosts_disk(rt, tmp_path):
     """Found by an outside review: a 1 MiB slot held 4 095 empty directories (free on a
     tmpfs), which settle kept as 16 MiB of directory blocks on the conduit's disk. The copy

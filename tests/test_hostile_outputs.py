@@ -191,6 +191,7 @@ def assert_nothing_kept(tmp_path: Path, host: Path, before: dict[str, tuple[obje
     assert left == [], f"the refused archive left {left}"
 
 
+@pytest.mark.sandbox
 def test_a_symlink_through_an_earlier_symlink_is_refused(gvisor, conduit, tmp_path, host):
     """``out/a -> ..`` then ``out/b -> a/../host/secret.txt``: each text stays inside, the
     second goes through the first to a host file. Today's host makes both links."""
@@ -207,6 +208,7 @@ def test_a_symlink_through_an_earlier_symlink_is_refused(gvisor, conduit, tmp_pa
     assert gvisor.list_ids() == []
 
 
+@pytest.mark.sandbox
 def test_a_hard_link_through_a_directory_symlink_to_a_never_extracted_member_is_refused(
     gvisor, conduit, tmp_path, host
 ):
@@ -231,6 +233,7 @@ def test_a_hard_link_through_a_directory_symlink_to_a_never_extracted_member_is_
     assert_nothing_kept(tmp_path, host, before)
 
 
+@pytest.mark.sandbox
 def test_a_gzip_bomb_stops_at_the_nodes_own_allowance(gvisor, tmp_path, host):
     """512 MiB of zeros in a 0.5 MB archive, from a sandbox with 256 MiB of memory: refused
     from the member's header at the node's allowance (its memory limit), streamed, never
@@ -255,6 +258,7 @@ def test_a_gzip_bomb_stops_at_the_nodes_own_allowance(gvisor, tmp_path, host):
     assert_nothing_kept(tmp_path, host, before)
 
 
+@pytest.mark.sandbox
 def test_many_small_files_stop_at_the_output_limit_while_streaming(gvisor, conduit, tmp_path, host):
     """64 files of 1 MiB against output_limit=4 MiB: the fifth is refused before it is
     written, the four before it are removed, and the error names the setting."""
@@ -275,6 +279,7 @@ def test_many_small_files_stop_at_the_output_limit_while_streaming(gvisor, condu
     assert_nothing_kept(tmp_path, host, before)
 
 
+@pytest.mark.sandbox
 def test_a_planted_outbox_link_is_not_followed(gvisor, conduit, tmp_path, host):
     """The guest writes its conduit directory: an outbox "archive" that is a link to a host
     file. The host does not read through it (today: an unhandled InvalidKey out of the node
@@ -315,6 +320,8 @@ def _climb_to_root(at: str, depth: int = 30) -> list[tuple[tarfile.TarInfo, None
     ]
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor, conduit, tmp_path, host):
     """``.resoluto/error.json`` -> (through the chain) ``/proc/self/environ``: today the
@@ -351,7 +358,7 @@ def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor
     environ = Path("/proc/self/environ").read_bytes().split(b"\0")
     leaked = [v for v in environ if len(v) > 12 and v.decode(errors="replace") in shown]
     assert not leaked, "the host's environment reached the task's exception"
-    from prefect_readback import task_runs
+    from support.prefect_readback import task_runs
 
     (tr,) = task_runs(state.state_details.flow_run_id)
     assert not [v for v in environ if len(v) > 12 and v.decode(errors="replace") in (tr.state.message or "")]
@@ -363,6 +370,8 @@ def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor
 _UNIMPORTED = {"wave": "Error", "tabnanny": "NannyNag", "poplib": "error_proto", "ftplib": "Error"}
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvisor, conduit, tmp_path):
     """Finding 8: the sandbox's word (error.json's ``module``) never makes the host import

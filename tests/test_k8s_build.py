@@ -1,4 +1,4 @@
-"""The test session's background build of the Kubernetes control plane (tests/k8s_build.py):
+"""The test session's background build of the Kubernetes control plane (tests/support/k8s_build.py):
 waited on as a process, its failure reported with the build's own words. A stand-in script
 plays ``k8s-local-cluster.sh`` (the real build is 5-15 minutes; the real script's cached
 path runs in every session that selects a cluster test)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import k8s_build
 import pytest
+from support import k8s_build
 
 STANDIN = """#!/usr/bin/env bash
 case "$1" in

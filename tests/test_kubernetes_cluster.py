@@ -1,9 +1,9 @@
 """The Kubernetes runtime against a genuine kube-apiserver, controller-manager and scheduler,
-with tests/k8s_node_agent.py in the kubelet's place (pods run in gVisor sandboxes here).
+with tests/support/k8s_node_agent.py in the kubelet's place (pods run in gVisor sandboxes here).
 
 Everything listens on 127.0.0.1. Each test has its own namespace; the control plane and
-the node are started once per session (tests/k8s_cluster.py). Faults are injected by a
-loopback proxy in front of the real apiserver (tests/k8s_fault_proxy.py). Waiting is polling
+the node are started once per session (tests/support/k8s_cluster.py). Faults are injected by a
+loopback proxy in front of the real apiserver (tests/support/k8s_fault_proxy.py). Waiting is polling
 with a deadline on what the API reports.
 """
 
@@ -25,11 +25,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from k8s_cluster import *  # noqa: E402,F401,F403
-from k8s_cluster import CONTEXT, Cluster  # noqa: E402
-from k8s_fault_proxy import FaultProxy  # noqa: E402
-from k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
-from polling import wait_for  # noqa: E402
+from support.k8s_cluster import CONTEXT, Cluster  # noqa: E402
+from support.k8s_fault_proxy import FaultProxy  # noqa: E402
+from support.k8s_node_agent import EMULATED_CONDITION, NodeAgent  # noqa: E402
+from support.polling import wait_for  # noqa: E402
 
 from prefect_resoluto.runtimes import guest_bundle  # noqa: E402
 from prefect_resoluto.runtimes.base import IsolationLevel, LaunchError, LaunchSpec, Resources  # noqa: E402
@@ -38,6 +37,8 @@ from prefect_resoluto.runtimes.kubernetes import (  # noqa: E402
     KubernetesApiError,
     KubernetesRuntime,
 )
+
+pytestmark = pytest.mark.k8s
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_SECRET = "resoluto-store"
@@ -150,6 +151,7 @@ def gone(cluster: Cluster, ns: str, resource: str, name: str, timeout: float = 6
 # -- launch, ownership, the real garbage collector -------------------------------------------------
 
 
+@pytest.mark.sandbox
 def test_launch_creates_policy_secret_pod_in_order_owned_by_the_pod(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy
 ) -> None:
@@ -394,6 +396,7 @@ def least_privilege(k8s_cluster: Cluster, k8s_ns: str) -> Any:
     return tok, without
 
 
+@pytest.mark.sandbox
 def test_published_role_suffices_for_every_operation(
     k8s_cluster: Cluster,
     k8s_ns: str,
@@ -551,6 +554,7 @@ def test_the_scripts_kubeconfig_pins_its_context(k8s_cluster: Cluster, k8s_ns: s
 # -- status mapping from what the node really reports ------------------------------------------------------
 
 
+@pytest.mark.sandbox
 def test_exit_codes_and_logs(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     ok = rt.launch(
@@ -569,6 +573,7 @@ def test_exit_codes_and_logs(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeA
         rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_kata_is_emulated_and_says_so(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns, runtime_class="kata")
     assert rt.isolation == IsolationLevel.VM
@@ -580,6 +585,7 @@ def test_kata_is_emulated_and_says_so(k8s_cluster: Cluster, k8s_ns: str, k8s_age
     rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_unpullable_image_is_unstartable(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(image="registry.invalid/nope:1"))
@@ -603,6 +609,7 @@ def test_unpullable_image_is_unstartable(k8s_cluster: Cluster, k8s_ns: str, k8s_
     rt.destroy(h2)
 
 
+@pytest.mark.sandbox
 def test_missing_store_secret_is_create_container_config_error(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
 ) -> None:
@@ -616,6 +623,7 @@ def test_missing_store_secret_is_create_container_config_error(
     rt.destroy(h)
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("how", ["selector", "capacity"])
 def test_unschedulable_then_unstartable_after_patience(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, how: str
@@ -648,6 +656,7 @@ def test_unschedulable_then_unstartable_after_patience(
     rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_oom_killed_is_infrastructure_with_the_limit(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
 ) -> None:
@@ -664,6 +673,7 @@ def test_oom_killed_is_infrastructure_with_the_limit(
     rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_eviction_is_infrastructure(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(command=py("import time; print('up', flush=True); time.sleep(600)")))
@@ -675,6 +685,7 @@ def test_eviction_is_infrastructure(k8s_cluster: Cluster, k8s_ns: str, k8s_agent
     rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_deleted_from_outside_while_running(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(command=py("import time; print('up', flush=True); time.sleep(600)")))
@@ -689,6 +700,7 @@ def test_deleted_from_outside_while_running(k8s_cluster: Cluster, k8s_ns: str, k
     assert all(s.infrastructure or not s.terminal for s in seen)
 
 
+@pytest.mark.sandbox
 def test_verdict_kept_after_the_pod_is_deleted(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent
 ) -> None:
@@ -701,6 +713,7 @@ def test_verdict_kept_after_the_pod_is_deleted(
     assert st.gone and st.phase == "succeeded" and st.exit_code == 0
 
 
+@pytest.mark.sandbox
 def test_destroy_stops_a_running_sandbox(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent) -> None:
     rt = make_runtime(k8s_cluster, k8s_ns)
     h = rt.launch(make_spec(command=py("import time; print('up', flush=True); time.sleep(600)")))
@@ -898,6 +911,7 @@ def k8s_node(
     return rt, run
 
 
+@pytest.mark.sandbox
 def test_node_end_to_end_through_a_real_pod(
     k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str, s3_conduit: Any, proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -933,13 +947,14 @@ def test_node_end_to_end_through_a_real_pod(
     assert proxy.calls("create", "pods") == [201]
 
 
+@pytest.mark.sandbox
 def test_a_setup_steps_leftovers_end_with_it_in_a_real_pod(
     k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str
 ) -> None:
     """Issue 33, finding 5 on Kubernetes: the guest runner is the pod's PID namespace's init,
     so at the end of the setup it kills every other process there; a child that left the
     setup's session and process group does not run into the workload."""
-    import phase_leftovers
+    from support import phase_leftovers
 
     store_secret(k8s_cluster, k8s_ns)
     rt, run = k8s_node
@@ -953,6 +968,7 @@ def test_a_setup_steps_leftovers_end_with_it_in_a_real_pod(
     assert phase_leftovers.ESCAPED in text and "IN WORKLOAD GONE" in text, text
 
 
+@pytest.mark.sandbox
 def test_node_workload_failure_through_a_real_pod(k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str) -> None:
     store_secret(k8s_cluster, k8s_ns)
     rt, run = k8s_node
@@ -960,6 +976,7 @@ def test_node_workload_failure_through_a_real_pod(k8s_node: Any, k8s_cluster: Cl
     assert not outcome.ok and outcome.failure == "workload" and outcome.exit_code == 3
 
 
+@pytest.mark.sandbox
 def test_node_without_store_credentials_is_unstartable(
     k8s_node: Any, k8s_cluster: Cluster, k8s_ns: str
 ) -> None:
@@ -973,6 +990,8 @@ def test_node_without_store_credentials_is_unstartable(
     wait_for(lambda: names(k8s_cluster, k8s_ns, "pods") == [], timeout=60, what="pod reaped")
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_flow_through_the_task_runner_on_a_real_cluster(
     k8s_cluster: Cluster,
@@ -1025,6 +1044,8 @@ def test_flow_through_the_task_runner_on_a_real_cluster(
         )
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 def test_flow_through_a_sandbox_block_with_the_pinned_context(
     k8s_cluster: Cluster,
     k8s_ns: str,
@@ -1108,6 +1129,7 @@ def test_availability_against_the_real_server(k8s_cluster: Cluster, k8s_ns: str)
     assert not missing.ok and "kubectl create namespace rsl-absent-namespace" in missing.why
 
 
+@pytest.mark.sandbox
 def test_a_pod_stored_with_weaker_security_is_deleted_at_once(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy
 ) -> None:

@@ -3,7 +3,7 @@
 Everything the real API machinery does -- validation, admission, RBAC, owner references and
 garbage collection, 409s, label selectors, the pod lifecycle a node reports, faults on the
 wire -- is tested against a genuine kube-apiserver in tests/test_kubernetes_cluster.py.
-tests/k8s_fake.py is used here only for pod states that neither Kubernetes 1.20 nor our node
+tests/support/k8s_fake.py is used here only for pod states that neither Kubernetes 1.20 nor our node
 agent produce: kubelet waiting reasons the agent never reaches (InvalidImageName,
 CreateContainerError, RunContainerError, CrashLoopBackOff), a pod going from Unschedulable to
 scheduled, and node loss as newer control planes report it (DeletionByPodGC, NodeLost), plus
@@ -24,7 +24,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # noqa: E402
+from support.k8s_fake import FakeKube, decode_model, parse_selector, unknown_fields  # noqa: E402
 
 from guest_runner.conduit import LocalConduit  # noqa: E402
 from prefect_resoluto.runtimes import guest_bundle  # noqa: E402
@@ -367,11 +367,11 @@ def test_label_sanitising() -> None:
 @pytest.mark.parametrize(
     "rc,level",
     [
-        ("kata", IsolationLevel.VM),
+        pytest.param("kata", IsolationLevel.VM, marks=pytest.mark.sandbox),
         ("kata-qemu", IsolationLevel.VM),
         ("kata-clh", IsolationLevel.VM),
-        ("gvisor", IsolationLevel.USER_KERNEL),
-        ("runsc", IsolationLevel.USER_KERNEL),
+        pytest.param("gvisor", IsolationLevel.USER_KERNEL, marks=pytest.mark.sandbox),
+        pytest.param("runsc", IsolationLevel.USER_KERNEL, marks=pytest.mark.sandbox),
     ],
 )
 def test_runtime_class_isolation(rc: str, level: IsolationLevel) -> None:
@@ -551,7 +551,7 @@ def test_fake_label_selectors() -> None:
     assert match("app=x,tier==db") and not match("app!=x") and match("env in (prod, dev)")
     assert match("env notin (dev)") and match("tier") and match("!missing") and not match("!app")
     assert match("")
-    from k8s_fake import ApiError
+    from support.k8s_fake import ApiError
 
     for bad in ("app=x,", "a b", "in in ()", "app=not valid"):
         with pytest.raises(ApiError):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conduit_contract import check_shallow_listing
+from support.conduit_contract import ConduitContract
 
 from guest_runner.conduit import (
+    Conduit,
     ConduitError,
     ConduitUnavailable,
     InvalidKey,
@@ -148,7 +149,7 @@ def test_get_stream_reads_in_pieces_and_never_follows_a_planted_link_or_fifo(loc
         local_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")
 
 
-def test_a_shallow_listing_holds_only_the_top_level(local_conduit):
-    """What the host's tail asks for: a node's top level, never the keys a sandbox nested
-    below it (issue 30: ~31 000 deep keys grew the host by 117 MiB per poll)."""
-    check_shallow_listing(local_conduit)
+class TestLocalConduitContract(ConduitContract):
+    @pytest.fixture
+    def conduit(self, local_conduit: LocalConduit) -> Conduit:
+        return local_conduit

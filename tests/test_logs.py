@@ -11,16 +11,16 @@ import logging
 from pathlib import Path
 
 import pytest
-from api_requests import counting_api_requests
 from flows import burst_tasks as bt
 from prefect import flow
-from prefect_readback import client, task_runs
+from support.api_requests import counting_api_requests
+from support.prefect_readback import client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.task_runner.logs import SANDBOX_LOGGER
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 FLOWS = Path(bt.__file__).parent
 
@@ -202,7 +202,7 @@ def test_handler_thread_runs_handlers_in_order_and_drains():
 def test_handler_thread_holds_the_producer_back_when_its_handlers_are_slower():
     import threading
 
-    from polling import wait_for
+    from support.polling import wait_for
 
     from prefect_resoluto.task_runner.logs import HandlerThread
 

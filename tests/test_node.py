@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from polling import scaled
+from support.polling import scaled
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
@@ -32,6 +32,7 @@ def spec(tmp_path: Path, argv: list[str], **kw) -> NodeSpec:
     )
 
 
+@pytest.mark.sandbox
 def test_happy_path_on_gvisor(gvisor, conduit, tmp_path, validate):
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -67,6 +68,7 @@ def test_happy_path_on_gvisor(gvisor, conduit, tmp_path, validate):
     assert gvisor.list_ids() == []
 
 
+@pytest.mark.sandbox
 def test_sandbox_killed_from_outside_mid_run_is_detected_classified_and_reaped(gvisor, conduit, tmp_path):
     launched = []
     killer_started = []
@@ -141,6 +143,7 @@ def test_guest_heartbeat_keeps_a_quiet_node_alive(conduit, tmp_path):
     assert sum(1 for e in chunks if e["kind"] == "heartbeat") >= 2
 
 
+@pytest.mark.sandbox
 def test_a_sandbox_that_exits_without_a_result_says_so_with_substrate_logs(gvisor, conduit, tmp_path):
     s = spec(tmp_path, ["true"])
     outcome = _drive_with_command(
@@ -170,6 +173,7 @@ def _drive_with_command(s: NodeSpec, conduit, runtime, command: list[str]):
         node.launch_spec = real
 
 
+@pytest.mark.sandbox
 def test_an_unstartable_sandbox_fails_fast(conduit, tmp_path):
     rt = get_runtime("container", image="localhost/resoluto-no-such-image:never")
     avail = rt.availability()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from polling import scaled, wait_for
+from support.polling import scaled, wait_for
 from test_wire_compat import _WHY as REF_WHY
 from test_wire_compat import OUTPUTS, WORKLOAD, _raw, _ref, _validate_node
 
@@ -49,7 +49,13 @@ def _no_sandboxes(rt) -> None:
         assert rt.containers() == []
 
 
-@pytest.fixture(params=["gvisor", "bubblewrap", "process"])
+@pytest.fixture(
+    params=[
+        pytest.param("gvisor", marks=pytest.mark.sandbox),
+        pytest.param("bubblewrap", marks=pytest.mark.sandbox),
+        "process",
+    ]
+)
 def local_runtime(request):
     rt = get_runtime(request.param)
     if not rt.availability().ok:
@@ -110,6 +116,7 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(
         assert not any(os.path.ismount(local_conduit.root / f"run/run-w/nodes/{n}") for n in ("n1", "n2"))
 
 
+@pytest.mark.sandbox
 @pytest.mark.skipif(bool(REF_WHY), reason=REF_WHY or "reference available")
 def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path, validate):
     src = tmp_path / "src"
@@ -160,6 +167,7 @@ def _files_containing(roots: list[Path], needle: bytes) -> list[str]:
     return hits
 
 
+@pytest.mark.sandbox
 def test_assignment_secrets_never_reach_the_conduit_or_a_spec_file(gvisor, local_conduit, tmp_path):
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     spec = NodeSpec(
@@ -188,6 +196,7 @@ def test_assignment_secrets_never_reach_the_conduit_or_a_spec_file(gvisor, local
     assert _files_containing([state, local_conduit.root], secret.encode()) == []
 
 
+@pytest.mark.sandbox
 def test_a_never_assigned_sandbox_is_destroyed_and_leaves_nothing(gvisor, local_conduit):
     key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
     pool = _ready_pool(gvisor, local_conduit, key, n=2)
@@ -198,6 +207,7 @@ def test_a_never_assigned_sandbox_is_destroyed_and_leaves_nothing(gvisor, local_
     assert list(local_conduit.root.iterdir()) == []
 
 
+@pytest.mark.sandbox
 def test_sweep_reaps_warm_sandboxes_of_a_host_that_lost_them(gvisor, local_conduit):
     key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
     pool = _ready_pool(gvisor, local_conduit, key)
@@ -210,6 +220,7 @@ def test_sweep_reaps_warm_sandboxes_of_a_host_that_lost_them(gvisor, local_condu
     assert list(local_conduit.root.iterdir()) == []
 
 
+@pytest.mark.sandbox
 def test_a_key_mismatch_gets_its_own_limits(gvisor, local_conduit):
     from prefect_resoluto.runtimes.base import Resources
 
@@ -234,6 +245,7 @@ def test_a_key_mismatch_gets_its_own_limits(gvisor, local_conduit):
     _no_sandboxes(gvisor)
 
 
+@pytest.mark.sandbox
 def test_archive_of_a_warm_node_is_unpacked_by_the_host(gvisor, local_conduit, tmp_path):
     spec = NodeSpec(
         run_id="run-o",
@@ -300,6 +312,7 @@ def test_slot_conduit_holds_one_node_and_speaks_canonical_keys(tmp_path):
     assert c.delete_prefix("run/r/nodes/n/") == 1
 
 
+@pytest.mark.sandbox
 def test_a_warm_sandbox_that_dies_booting_stops_the_pool_for_its_key(gvisor, local_conduit, caplog):
     from prefect_resoluto.runtimes.base import Resources
     from prefect_resoluto.warm.pool import PoolKey

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from flows import pool_tasks as pt
 from flows import real_prefect_tasks as rp
-from polling import scaled, wait_for
 from prefect import flow, task
-from prefect_cli import flow_child_env
-from prefect_readback import client, task_runs
+from support.polling import scaled, wait_for
+from support.prefect_cli import flow_child_env
+from support.prefect_readback import client, task_runs
 from test_task_runner import FLOWS, no_orphans, runner
 
 from guest_runner.conduit import LocalConduit
@@ -29,7 +29,7 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.runtimes._guest_layout import records
 from prefect_resoluto.warm.pool import LABEL_WARM
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect")]
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ import pytest
 from flows import prefect_call_flows as pcf
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.prefect_api import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS
 from prefect_resoluto import ResolutoTaskRunner
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(pcf.__file__).parent
 SECRET = "relay-secret-8817"
 
@@ -35,7 +35,7 @@ def sandboxed(tmp_path: Path, runtime: str, **kw) -> ResolutoTaskRunner:
     )
 
 
-@pytest.fixture(params=["process", "gvisor"])
+@pytest.fixture(params=["process", pytest.param("gvisor", marks=pytest.mark.sandbox)])
 def runtime(request) -> str:
     if request.param == "gvisor":
         request.getfixturevalue("gvisor")

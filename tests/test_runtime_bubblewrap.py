@@ -6,18 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
-    check_confinement,
-    check_destroy_idempotent,
-    check_failure,
-    check_killed_from_outside,
-    check_success,
-    check_sweep,
-    check_unavailable,
-    require,
-    spec,
-    wait_terminal,
-)
+from support.runtime_contract import ConfinedRuntimeContract, require, spec, wait_terminal
 
 from prefect_resoluto.runtimes import _cgroup
 from prefect_resoluto.runtimes.base import IsolationLevel, Resources
@@ -30,41 +19,23 @@ def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> BubblewrapRuntime:
     return require(BubblewrapRuntime())  # type: ignore[return-value]
 
 
+class TestBubblewrapContract(ConfinedRuntimeContract):
+    launch_marks = (pytest.mark.sandbox,)
+
+    def unavailable(self) -> BubblewrapRuntime:
+        return BubblewrapRuntime(bwrap="/nonexistent/bin/bwrap")
+
+    def after_sweep(self, rt: BubblewrapRuntime) -> None:
+        assert rt.list_ids() == []
+
+
+@pytest.mark.sandbox
 def test_isolation_is_namespace(rt: BubblewrapRuntime) -> None:
     assert rt.isolation == IsolationLevel.NAMESPACE and rt.name == "bubblewrap"
     assert "bubblewrap" in rt.availability().detail
 
 
-def test_success_writes_conduit_and_logs(rt: BubblewrapRuntime, tmp_path: Path) -> None:
-    check_success(rt, tmp_path)
-
-
-def test_failure_exit_code(rt: BubblewrapRuntime) -> None:
-    check_failure(rt)
-
-
-def test_killed_from_outside(rt: BubblewrapRuntime) -> None:
-    check_killed_from_outside(rt, lambda h: h.data["pid"])
-
-
-def test_destroy_idempotent(rt: BubblewrapRuntime) -> None:
-    check_destroy_idempotent(rt, rt.list_ids)
-
-
-def test_sweep_by_labels(rt: BubblewrapRuntime) -> None:
-    check_sweep(rt, rt.list_ids)
-    assert rt.list_ids() == []
-
-
-def test_unavailable_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
-    check_unavailable(BubblewrapRuntime(bwrap="/nonexistent/bin/bwrap"))
-
-
-def test_only_loopback_and_host_hidden(rt: BubblewrapRuntime) -> None:
-    check_confinement(rt)
-
-
+@pytest.mark.sandbox
 def test_guest_view(rt: BubblewrapRuntime, tmp_path: Path) -> None:
     """Env is exactly what the runtime gives, no capabilities, read-only system dirs."""
     code = (
@@ -98,6 +69,7 @@ def test_guest_view(rt: BubblewrapRuntime, tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.sandbox
 def test_argv_binds(rt: BubblewrapRuntime, tmp_path: Path) -> None:
     s = spec(
         "print(1)",
@@ -119,6 +91,7 @@ def test_argv_binds(rt: BubblewrapRuntime, tmp_path: Path) -> None:
     assert "--chdir /workspace" in joined and "/home" not in argv
 
 
+@pytest.mark.sandbox
 def test_memory_limit_oom_is_infrastructure(rt: BubblewrapRuntime) -> None:
     if _cgroup.detect() is None:
         pytest.skip("no writable cgroup hierarchy here: memory limits fall back to RLIMIT_DATA")
@@ -131,6 +104,7 @@ def test_memory_limit_oom_is_infrastructure(rt: BubblewrapRuntime) -> None:
         rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_pids_limit(rt: BubblewrapRuntime) -> None:
     if _cgroup.detect() is None:
         pytest.skip("no writable cgroup hierarchy here: no per-sandbox pids limit")

@@ -6,20 +6,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
-    check_confinement,
-    check_destroy_idempotent,
-    check_failure,
-    check_killed_from_outside,
-    check_success,
-    check_sweep,
-    check_unavailable,
-    require,
-    spec,
-    wait_terminal,
-)
+from support.runtime_contract import ConfinedRuntimeContract, require, spec, wait_terminal
 
-from prefect_resoluto.runtimes.base import IsolationLevel, LaunchSpec, Resources
+from prefect_resoluto.runtimes.base import IsolationLevel, LaunchSpec, Resources, SandboxHandle
 from prefect_resoluto.runtimes.container import (
     MARKER_LABEL,
     SKELETON_IMAGE,
@@ -47,40 +36,23 @@ def _pid(rt: ContainerRuntime, h: object) -> int:
 # ----------------------------------------------------------------------------- real podman
 
 
+class TestContainerContract(ConfinedRuntimeContract):
+    launch_marks = (pytest.mark.sandbox,)
+
+    def unavailable(self) -> ContainerRuntime:
+        return ContainerRuntime(engine_path="/nonexistent/bin/podman")
+
+    def pid_of(self, rt: ContainerRuntime, h: SandboxHandle) -> int:
+        return _pid(rt, h)
+
+
+@pytest.mark.sandbox
 def test_isolation_follows_oci_runtime(rt: ContainerRuntime) -> None:
     assert rt.isolation == IsolationLevel.USER_KERNEL  # podman + runsc by default
     print("container:", rt.availability().detail)
 
 
-def test_success_writes_conduit_and_logs(rt: ContainerRuntime, tmp_path: Path) -> None:
-    check_success(rt, tmp_path)
-
-
-def test_failure_exit_code(rt: ContainerRuntime) -> None:
-    check_failure(rt)
-
-
-def test_killed_from_outside(rt: ContainerRuntime) -> None:
-    check_killed_from_outside(rt, lambda h: _pid(rt, h))
-
-
-def test_destroy_idempotent(rt: ContainerRuntime) -> None:
-    check_destroy_idempotent(rt, rt.list_ids)
-
-
-def test_sweep_by_labels(rt: ContainerRuntime) -> None:
-    check_sweep(rt, rt.list_ids)
-
-
-def test_unavailable_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
-    check_unavailable(ContainerRuntime(engine_path="/nonexistent/bin/podman"))
-
-
-def test_only_loopback_and_host_hidden(rt: ContainerRuntime) -> None:
-    check_confinement(rt)
-
-
+@pytest.mark.sandbox
 def test_image_python3_and_secret_env_file(rt: ContainerRuntime, tmp_path: Path) -> None:
     """The image's own python3 runs guest_runner from /opt/resoluto; secrets via env-file."""
     rt.ensure_skeleton_image()
@@ -107,6 +79,7 @@ def test_image_python3_and_secret_env_file(rt: ContainerRuntime, tmp_path: Path)
         img.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_default_command_is_guest_runner(rt: ContainerRuntime) -> None:
     s = LaunchSpec(sandbox_id="x", env={})
     argv = rt.build_run_argv(s, "img:1", None, host_python=False)
@@ -175,6 +148,7 @@ def test_nerdctl_unavailable_without_socket(tmp_path: Path) -> None:
     assert not avail.ok and "socket" in avail.why
 
 
+@pytest.mark.sandbox
 def test_podman_runsc_and_runc_argv(tmp_path: Path) -> None:
     s = LaunchSpec(sandbox_id="p1", env={}, labels={"a": "b"})
     runsc = ContainerRuntime(engine_path="/usr/bin/podman", oci_runtime="runsc").build_run_argv(
@@ -192,10 +166,10 @@ def test_podman_runsc_and_runc_argv(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "level"),
     [
-        ("kata", IsolationLevel.VM),
+        pytest.param("kata", IsolationLevel.VM, marks=pytest.mark.sandbox),
         ("io.containerd.kata.v2", IsolationLevel.VM),
         ("/usr/bin/kata-runtime", IsolationLevel.VM),
-        ("runsc", IsolationLevel.USER_KERNEL),
+        pytest.param("runsc", IsolationLevel.USER_KERNEL, marks=pytest.mark.sandbox),
         ("io.containerd.runsc.v1", IsolationLevel.USER_KERNEL),
         ("runc", IsolationLevel.NAMESPACE),
         ("crun", IsolationLevel.NAMESPACE),
@@ -238,6 +212,7 @@ def test_skeleton_tar_is_mount_points_only() -> None:
     assert len(skeleton_tar()) < 64 * 1024
 
 
+@pytest.mark.sandbox
 def test_duplicate_name_refused_without_harm(rt: ContainerRuntime) -> None:
     """A second launch under a live name is refused by the engine, not silently merged."""
     sid = f"dup-{uuid.uuid4().hex[:8]}"

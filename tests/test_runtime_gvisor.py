@@ -6,18 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
-    check_confinement,
-    check_destroy_idempotent,
-    check_failure,
-    check_killed_from_outside,
-    check_success,
-    check_sweep,
-    check_unavailable,
-    require,
-    spec,
-    wait_terminal,
-)
+from support.runtime_contract import ConfinedRuntimeContract, require, spec, wait_terminal
 
 from prefect_resoluto.runtimes import _cgroup
 from prefect_resoluto.runtimes._guest_layout import guest_layout, guest_runner_dir, python_paths, system_binds
@@ -35,6 +24,20 @@ def _ids(rt: GVisorRuntime) -> list[str]:
     return sorted(set(rt.list_ids()) | {c["id"] for c in rt.containers()})
 
 
+class TestGVisorContract(ConfinedRuntimeContract):
+    launch_marks = (pytest.mark.sandbox,)
+
+    def unavailable(self) -> GVisorRuntime:
+        return GVisorRuntime(runsc="/nonexistent/bin/runsc")
+
+    def list_ids(self, rt: GVisorRuntime) -> list[str]:
+        return _ids(rt)
+
+    def after_sweep(self, rt: GVisorRuntime) -> None:
+        assert rt.containers() == [] and rt.list_ids() == []
+
+
+@pytest.mark.sandbox
 def test_isolation_and_platform(rt: GVisorRuntime) -> None:
     assert rt.isolation == IsolationLevel.USER_KERNEL and rt.name == "gvisor"
     detail = rt.availability().detail
@@ -42,36 +45,7 @@ def test_isolation_and_platform(rt: GVisorRuntime) -> None:
     print("gvisor:", detail)
 
 
-def test_success_writes_conduit_and_logs(rt: GVisorRuntime, tmp_path: Path) -> None:
-    check_success(rt, tmp_path)
-
-
-def test_failure_exit_code(rt: GVisorRuntime) -> None:
-    check_failure(rt)
-
-
-def test_killed_from_outside(rt: GVisorRuntime) -> None:
-    check_killed_from_outside(rt, lambda h: h.data["pid"])  # the `runsc run` process
-
-
-def test_destroy_idempotent(rt: GVisorRuntime) -> None:
-    check_destroy_idempotent(rt, lambda: _ids(rt))
-
-
-def test_sweep_by_labels(rt: GVisorRuntime) -> None:
-    check_sweep(rt, lambda: _ids(rt))
-    assert rt.containers() == [] and rt.list_ids() == []
-
-
-def test_unavailable_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
-    check_unavailable(GVisorRuntime(runsc="/nonexistent/bin/runsc"))
-
-
-def test_only_loopback_and_host_hidden(rt: GVisorRuntime) -> None:
-    check_confinement(rt)
-
-
+@pytest.mark.sandbox
 def test_bundle_config(rt: GVisorRuntime, tmp_path: Path) -> None:
     s = spec(
         "print(1)",
@@ -101,6 +75,7 @@ def test_bundle_config(rt: GVisorRuntime, tmp_path: Path) -> None:
     assert "RSL_SECRET" not in json.dumps(cfg)  # secrets travel through stdin, not the spec file
 
 
+@pytest.mark.sandbox
 def test_secret_env_reaches_guest_but_no_file(rt: GVisorRuntime) -> None:
     secret = "s3 cr'et $(touch /tmp/pwned)"
     h = rt.launch(
@@ -125,6 +100,7 @@ def test_secret_env_reaches_guest_but_no_file(rt: GVisorRuntime) -> None:
         rt.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_memory_limit_oom_is_infrastructure(rt: GVisorRuntime) -> None:
     if _cgroup.detect() is None:
         pytest.skip("no writable cgroup hierarchy: gVisor runs with --ignore-cgroups, no memory limit")
@@ -138,6 +114,7 @@ def test_memory_limit_oom_is_infrastructure(rt: GVisorRuntime) -> None:
     assert _cgroup.existing(f"gvisor-{h.id}") is None
 
 
+@pytest.mark.sandbox
 def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
     """runsc refusing the bundle (here: a bind source that vanished) is infrastructure."""
     gone = tmp_path / "vanishing"
@@ -160,6 +137,7 @@ def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
         bad.destroy(h)
 
 
+@pytest.mark.sandbox
 def test_debug_logs_only_when_asked(rt: GVisorRuntime) -> None:
     h = rt.launch(spec("print('quiet')"))
     assert wait_terminal(rt, h).phase == "succeeded"

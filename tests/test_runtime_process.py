@@ -7,19 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from _runtime_checks import (
-    check_destroy_idempotent,
-    check_egress_refused,
-    check_failure,
-    check_killed_from_outside,
-    check_success,
-    check_sweep,
-    check_unavailable,
-    require,
-    spec,
-    wait_for,
-    wait_terminal,
-)
+from support.polling import wait_for
+from support.runtime_contract import RuntimeContract, check_egress_refused, require, spec, wait_terminal
 
 from prefect_resoluto.runtimes import _cgroup
 from prefect_resoluto.runtimes.base import IsolationLevel, Resources
@@ -32,34 +21,16 @@ def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ProcessRuntime:
     return require(ProcessRuntime())  # type: ignore[return-value]
 
 
+class TestProcessContract(RuntimeContract):
+    def unavailable(self) -> ProcessRuntime:
+        return ProcessRuntime(python="/nonexistent/bin/python3")
+
+    def after_sweep(self, rt: ProcessRuntime) -> None:
+        assert rt.list_ids() == []
+
+
 def test_isolation_is_none(rt: ProcessRuntime) -> None:
     assert rt.isolation == IsolationLevel.NONE and rt.name == "process"
-
-
-def test_success_writes_conduit_and_logs(rt: ProcessRuntime, tmp_path: Path) -> None:
-    check_success(rt, tmp_path)
-
-
-def test_failure_exit_code(rt: ProcessRuntime) -> None:
-    check_failure(rt)
-
-
-def test_killed_from_outside(rt: ProcessRuntime) -> None:
-    check_killed_from_outside(rt, lambda h: h.data["pid"])
-
-
-def test_destroy_idempotent(rt: ProcessRuntime) -> None:
-    check_destroy_idempotent(rt, rt.list_ids)
-
-
-def test_sweep_by_labels(rt: ProcessRuntime) -> None:
-    check_sweep(rt, rt.list_ids)
-    assert rt.list_ids() == []
-
-
-def test_unavailable_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
-    check_unavailable(ProcessRuntime(python="/nonexistent/bin/python3"))
 
 
 def test_egress_refused(rt: ProcessRuntime) -> None:

@@ -25,6 +25,7 @@ def test_registry_names_and_classes() -> None:
         assert issubclass(cls, SandboxRuntime) and cls.name == name
 
 
+@pytest.mark.sandbox
 def test_get_runtime_with_options() -> None:
     rt = get_runtime("bubblewrap", bwrap="/nonexistent/bwrap")
     assert rt.name == "bubblewrap" and not rt.availability().ok
@@ -73,6 +74,7 @@ def test_best_available_respects_floor() -> None:
             assert "no sandbox runtime" in why_unavailable(level)
 
 
+@pytest.mark.sandbox
 def test_best_available_prefers_gvisor_over_podman_runsc() -> None:
     gv = get_runtime("gvisor")
     if not gv.availability().ok:

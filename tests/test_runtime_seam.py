@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import egress
 from prefect_resoluto.node.outcome import FailureKind, NodeFailure, WorkloadFailed
@@ -52,6 +54,7 @@ def test_a_spec_without_an_address_answers_from_its_guest_variables() -> None:
     assert (warm.run_id, warm.node_id, warm.store) == ("", "", StoreLocation())
 
 
+@pytest.mark.sandbox
 def test_capabilities_are_declared_on_the_interface() -> None:
     for name in ("supports_warm", "egress_by_name", "remote", "supports_local_conduit", "mounts_conduit"):
         assert isinstance(getattr(SandboxRuntime, name), bool), name

@@ -1,6 +1,6 @@
 """S3Conduit against a real S3 HTTP endpoint (moto's server behind the counting proxy).
 
-Fixtures come from ``s3_fixtures`` (through the conftest). Everything talks to
+Fixtures come from ``support.s3_fixtures`` (a plugin). Everything talks to
 127.0.0.1 only; faults are injected on the HTTP path, boto3 is never patched.
 """
 
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conduit_contract import check_shallow_listing
-from s3_fixtures import Faults, RequestCounter, S3Endpoint, free_port
+from support.conduit_contract import ConduitContract
+from support.s3_fixtures import Faults, RequestCounter, S3Endpoint, free_port
 
 from guest_runner.conduit import (
     ConduitError,
@@ -524,7 +524,7 @@ def test_get_stream_reads_an_object_in_pieces(
         s3_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")
 
 
-def test_a_shallow_listing_holds_only_the_top_level(make_conduit) -> None:
-    """What the host's tail asks for: a node's top level, never the keys a sandbox nested
-    below it (issue 30: ~31 000 deep keys grew the host by 117 MiB per poll)."""
-    check_shallow_listing(make_conduit(base_prefix="base"))
+class TestS3ConduitContract(ConduitContract):
+    @pytest.fixture
+    def conduit(self, s3_conduit: S3Conduit) -> S3Conduit:
+        return s3_conduit  # under base_prefix="base": keys come back relative to it

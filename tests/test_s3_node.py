@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from support.guest import ROOT
 
 from guest_runner import archive, wire
 from guest_runner.conduit.s3 import S3Conduit

@@ -19,7 +19,7 @@ from urllib.parse import quote, quote_plus
 import pytest
 from flows import hostile_tasks as ht
 from prefect import flow
-from prefect_readback import task_runs
+from support.prefect_readback import task_runs
 from test_pool_runner import sandbox_line, wait_ready
 from test_task_runner import FLOWS, logs_of, runner
 
@@ -64,6 +64,8 @@ def _conduit_bytes(root: Path) -> list[tuple[str, bytes]]:
 # -- finding 7: the shapes of a secret ----------------------------------------------------------
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_every_shape_of_a_multi_line_secret_is_redacted_from_prefect_logs_and_the_conduit(gvisor, tmp_path):
     key = _pem()
@@ -178,7 +180,15 @@ def _assert_confined(report: dict, secrets: list[str]) -> None:
     assert report["no_new_privs"] in ("", "1"), report  # gVisor's status has no such line
 
 
-@pytest.mark.parametrize("runtime", ["gvisor", "bubblewrap", "container", "process-as-nobody"])
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        pytest.param("gvisor", marks=pytest.mark.sandbox),
+        pytest.param("bubblewrap", marks=pytest.mark.sandbox),
+        pytest.param("container", marks=pytest.mark.sandbox),
+        "process-as-nobody",
+    ],
+)
 def test_a_hostile_workload_cannot_read_the_runners_credentials_or_write_its_conduit(runtime, tmp_path):
     rt = _runtime(runtime, tmp_path)
     token, key = f"write-token-{uuid.uuid4().hex}", f"aws-{uuid.uuid4().hex}"
@@ -212,6 +222,8 @@ def test_a_hostile_workload_cannot_read_the_runners_credentials_or_write_its_con
     assert leaked == []
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_a_warm_call_process_is_the_unprivileged_user_from_before_its_assignment(gvisor, tmp_path):
     conduit = LocalConduit(tmp_path / "conduit")
@@ -233,7 +245,7 @@ def test_a_warm_call_process_is_the_unprivileged_user_from_before_its_assignment
 def test_a_runner_that_cannot_switch_users_fails_the_node_before_the_workload_runs(tmp_path):
     """Fail closed: asked for a workload user it cannot become (root without CAP_SETUID,
     as in a sandbox that took every capability away), the runner runs nothing."""
-    from conftest import guest_env
+    from support.guest import guest_env
 
     if shutil.which("setpriv") is None or os.geteuid() != 0:
         pytest.skip("needs setpriv and root to start a runner that is root without capabilities")

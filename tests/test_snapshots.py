@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+from support.polling import wait_for
 from test_pool import _files_containing, _no_sandboxes, _ready_pool, _take
 
 from guest_runner.conduit import LocalConduit
@@ -21,6 +21,8 @@ from prefect_resoluto.node.drive import drive_node
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.warm import snapshots
 from prefect_resoluto.warm.pool import WarmPool, key_for
+
+pytestmark = pytest.mark.sandbox
 
 
 def _images(rt) -> list[Path]:
@@ -167,6 +169,7 @@ def test_snapshots_off_boots_every_warm_sandbox(gvisor, local_conduit, monkeypat
     _no_sandboxes(gvisor)
 
 
+@pytest.mark.prefect
 def test_python_calls_in_restored_sandboxes_draw_fresh_random_numbers(prefect, gvisor, tmp_path):
     """The call's process (a zygote forked before the checkpoint) is reseeded after restore:
     two tasks restored from one image draw different numbers from ``random``."""
@@ -188,7 +191,7 @@ def test_python_calls_in_restored_sandboxes_draw_fresh_random_numbers(prefect, g
     state = draws(return_state=True)
     assert state.is_completed(), state
     got = state.result()
-    from prefect_readback import task_runs
+    from support.prefect_readback import task_runs
 
     lines = [sandbox_line(r.id) for r in task_runs(state.state_details.flow_run_id)]
     assert all("warm sandbox rsl-" in line for line in lines), lines

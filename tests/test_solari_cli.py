@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from solari_gateway import SolariGateway, _check_create
+from support.solari_gateway import SolariGateway, _check_create
 from test_cli import Cli, last_json
 from test_cli import cli as _cli_fixture
 
@@ -26,6 +26,7 @@ def solari_row(report: dict) -> dict:
     return next(r for r in report["runtimes"] if r["name"] == "solari")
 
 
+@pytest.mark.slow
 def test_doctor_reports_sdk_configuration_and_a_read_only_gateway_probe(cli: Cli, gw: SolariGateway) -> None:
     env = {k: v for k, v in cli.env.items() if not k.startswith("SOLARI_")}
     row = solari_row(json.loads(cli.run("doctor", "--json", env=env).stdout))
@@ -107,6 +108,7 @@ def test_render_refuses_an_unknown_solari_option(cli: Cli) -> None:
     assert res.returncode != 0 and "conduit_mode" in res.stderr
 
 
+@pytest.mark.slow
 def test_run_on_solari_through_the_cli(cli: Cli, gw: SolariGateway, tmp_path: Path) -> None:
     env = {**cli.env, "SOLARI_API_KEY": gw.api_key, "SOLARI_BASE_URL": gw.base_url}
     res = cli.run(
@@ -135,6 +137,7 @@ def test_run_on_solari_through_the_cli(cli: Cli, gw: SolariGateway, tmp_path: Pa
     assert "hi from ***" in rep.stdout and "tok-123" not in rep.stdout
 
 
+@pytest.mark.slow
 def test_sweep_reaches_the_gateway_only_when_named(cli: Cli, gw: SolariGateway) -> None:
     from solari_sandbox import SyncSandboxClient
 

@@ -14,14 +14,18 @@ from pathlib import Path
 import pytest
 from flows import sample_flows as sf
 from prefect import flow
-from prefect_readback import task_runs
-from solari_gateway import SolariGateway
+from support.prefect_readback import task_runs
+from support.solari_gateway import SolariGateway
 from test_task_runner import logs_of
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
 
-pytestmark = [pytest.mark.usefixtures("prefect"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.usefixtures("prefect"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FLOWS = Path(sf.__file__).parent
@@ -31,6 +35,7 @@ def options(gw: SolariGateway, **kw) -> dict:
     return {"base_url": gw.base_url, "api_key": gw.api_key, "template": "python", **kw}
 
 
+@pytest.mark.sandbox
 def test_the_demos_tasks_run_in_solari_vms_relayed_into_a_local_conduit(tmp_path: Path, gvisor):
     sys.path.insert(0, str(EXAMPLES))
     try:

@@ -1,4 +1,4 @@
-"""The Solari runtime against the loopback gateway stand-in (tests/solari_gateway.py).
+"""The Solari runtime against the loopback gateway stand-in (tests/support/solari_gateway.py).
 
 Whole nodes run through the official SDK: the stand-in enforces the gateway's wire
 contract and runs each sandbox's commands for real -- in gVisor where the test is about
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from solari_gateway import SolariGateway
+from support.solari_gateway import SolariGateway
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
@@ -97,6 +97,7 @@ def test_the_official_sdk_is_installed_at_the_version_the_notes_describe():
     assert metadata.version("solari-core").startswith("0.7.")
 
 
+@pytest.mark.slow
 def test_stand_in_refuses_requests_without_the_bearer_key_on_rest_and_on_the_upgrade(gw: SolariGateway):
     import asyncio
 
@@ -141,6 +142,7 @@ def test_stand_in_refuses_requests_without_the_bearer_key_on_rest_and_on_the_upg
 # -- whole nodes ----------------------------------------------------------------------------------
 
 
+@pytest.mark.sandbox
 def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_runtime(
     tmp_path: Path, gw_gvisor: SolariGateway, gvisor
 ):
@@ -183,6 +185,7 @@ def test_node_relayed_from_a_gvisor_backed_vm_leaves_the_same_objects_as_any_run
     assert gw_gvisor.live() == []
 
 
+@pytest.mark.slow
 def test_relay_mirrors_each_object_once_chunks_in_order_manifest_last(tmp_path: Path, gw: SolariGateway):
     from prefect_resoluto.runtimes import solari as solari_mod
 
@@ -210,6 +213,7 @@ def test_relay_mirrors_each_object_once_chunks_in_order_manifest_last(tmp_path: 
         assert gw.hazard_counts[hazard] > 0, hazard
 
 
+@pytest.mark.slow
 def test_the_runtime_works_from_inside_a_running_event_loop(tmp_path: Path, gw: SolariGateway):
     # A Prefect async task calls the runtime from a thread that runs an event loop, where the
     # SDK's own sync client refuses to work; the runtime's calls go to a loop of its own.
@@ -225,6 +229,7 @@ def test_the_runtime_works_from_inside_a_running_event_loop(tmp_path: Path, gw: 
     assert workload_lines(events) == ["from a loop"]
 
 
+@pytest.mark.slow
 def test_a_failing_task_is_a_workload_failure_with_its_exit_code(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     spec = node(tmp_path, "import sys; print('about to fail'); sys.exit(3)")
@@ -234,6 +239,7 @@ def test_a_failing_task_is_a_workload_failure_with_its_exit_code(tmp_path: Path,
     assert gw.live() == []
 
 
+@pytest.mark.slow
 def test_a_quick_command_whose_exit_beats_the_start_reply_still_runs_to_its_result(
     tmp_path: Path, gw: SolariGateway
 ):
@@ -243,6 +249,7 @@ def test_a_quick_command_whose_exit_beats_the_start_reply_still_runs_to_its_resu
     assert gw.hazard_counts["exit_before_reply"] >= 0  # recorded when the race is won; never an error
 
 
+@pytest.mark.slow
 def test_429_holds_the_node_for_admission_until_a_slot_frees(tmp_path: Path, gw: SolariGateway, caplog):
     from solari_sandbox import SyncSandboxClient
 
@@ -281,6 +288,7 @@ def test_429_holds_the_node_for_admission_until_a_slot_frees(tmp_path: Path, gw:
     blocker_client.close()
 
 
+@pytest.mark.slow
 def test_503_and_500_are_retried_with_the_same_idempotency_key(tmp_path: Path, gw: SolariGateway):
     gw.fail("create", 503, times=2)
     gw.fail("create", 500, times=1)
@@ -293,6 +301,7 @@ def test_503_and_500_are_retried_with_the_same_idempotency_key(tmp_path: Path, g
     assert gw.answers[("create", 503)] == 2 and gw.answers[("create", 500)] == 1
 
 
+@pytest.mark.slow
 def test_a_429_of_another_code_also_waits_for_admission(tmp_path: Path, gw: SolariGateway):
     gw.fail("create", 429, times=2, body={"code": "TooManyRequests", "message": "slow down"})
     out, events = run(
@@ -302,6 +311,7 @@ def test_a_429_of_another_code_also_waits_for_admission(tmp_path: Path, gw: Sola
     assert gw.answers[("create", 429)] == 2
 
 
+@pytest.mark.slow
 def test_no_capacity_that_outlasts_every_retry_is_unstartable_with_the_gateways_words(
     tmp_path: Path, gw: SolariGateway
 ):
@@ -315,6 +325,7 @@ def test_no_capacity_that_outlasts_every_retry_is_unstartable_with_the_gateways_
     assert len({r.headers["idempotency-key"] for r in gw.requests if r.method == "POST"}) == 1
 
 
+@pytest.mark.slow
 def test_401_is_unstartable_at_once_naming_the_setting(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     rt = get_runtime("solari", base_url=gw.base_url, api_key="sk-wrong-key-123")
@@ -325,6 +336,7 @@ def test_401_is_unstartable_at_once_naming_the_setting(tmp_path: Path, gw: Solar
     assert [r.status for r in gw.requests] == [401]  # refused once, never retried
 
 
+@pytest.mark.slow
 def test_a_refused_websocket_upgrade_is_unstartable_and_the_vm_is_reaped(tmp_path: Path, gw: SolariGateway):
     gw.refuse_upgrades = True
     conduit = LocalConduit(tmp_path / "conduit")
@@ -334,6 +346,7 @@ def test_a_refused_websocket_upgrade_is_unstartable_and_the_vm_is_reaped(tmp_pat
     assert gw.ws_upgrades and gw.live() == []  # created, refused on the channel, killed
 
 
+@pytest.mark.slow
 def test_availability_probes_by_id_when_the_gateway_has_no_list_route(gw: SolariGateway):
     gw.list_route = False
     avail = solari(gw).availability()
@@ -341,6 +354,7 @@ def test_availability_probes_by_id_when_the_gateway_has_no_list_route(gw: Solari
     assert [r.method for r in gw.requests] == ["GET", "GET"] and gw.sandboxes == {}
 
 
+@pytest.mark.slow
 def test_402_plan_is_unstartable_naming_the_plan(tmp_path: Path, gw: SolariGateway):
     gw.fail("create", 402, body={"code": "plan_cpu_limit", "message": "plan allows 2 vCPUs"})
     conduit = LocalConduit(tmp_path / "conduit")
@@ -348,6 +362,7 @@ def test_402_plan_is_unstartable_naming_the_plan(tmp_path: Path, gw: SolariGatew
     assert out.failure == "unstartable" and "plan" in out.reason and "2 vCPUs" in out.reason, out.describe()
 
 
+@pytest.mark.slow
 def test_vm_killed_from_outside_mid_run_is_lost_with_the_gateways_words(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     code = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.05)"
@@ -376,6 +391,7 @@ def test_vm_killed_from_outside_mid_run_is_lost_with_the_gateways_words(tmp_path
     assert gw.live() == [] and gw.sandboxes == {}
 
 
+@pytest.mark.slow
 def test_socket_drops_are_reconnected_with_no_event_lost_or_duplicated(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     code = "import time\nfor i in range(300):\n    print('n', i, flush=True)\n    time.sleep(0.004)"
@@ -399,7 +415,7 @@ def test_socket_drops_are_reconnected_with_no_event_lost_or_duplicated(tmp_path:
     assert len({u["sandbox"] for u in upgrades}) == 1
 
 
-@pytest.mark.parametrize("executor", ["process", "gvisor"])
+@pytest.mark.parametrize("executor", ["process", pytest.param("gvisor", marks=pytest.mark.sandbox)])
 def test_a_20000_line_node_is_relayed_complete_and_in_order(tmp_path: Path, executor: str, request):
     if executor == "gvisor":
         request.getfixturevalue("gvisor")  # skips, saying why, where gVisor is missing
@@ -414,6 +430,7 @@ def test_a_20000_line_node_is_relayed_complete_and_in_order(tmp_path: Path, exec
     assert len(got) == 20000 and got == [f"line-{i:05d}" for i in range(20000)]
 
 
+@pytest.mark.slow
 def test_the_session_timeout_is_extended_while_the_node_runs(tmp_path: Path, gw: SolariGateway):
     conduit = LocalConduit(tmp_path / "conduit")
     code = "import time\nfor i in range(6):\n    print(i, flush=True)\n    time.sleep(0.5)"
@@ -422,6 +439,7 @@ def test_the_session_timeout_is_extended_while_the_node_runs(tmp_path: Path, gw:
     assert gw.answers[("timeout", 200)] >= 3
 
 
+@pytest.mark.slow
 def test_secrets_reach_only_the_guest_commands_env(tmp_path: Path, gw: SolariGateway, s3_conduit):
     # The run's conduit is S3 with credentials; relaying, none of them reach the VM.
     secret = "sec-ret-value-77"
@@ -446,6 +464,7 @@ def test_secrets_reach_only_the_guest_commands_env(tmp_path: Path, gw: SolariGat
     assert "_manifest.json" in node_keys(s3_conduit, "run-solari", "n1")
 
 
+@pytest.mark.slow
 def test_direct_mode_the_guest_writes_to_s3_itself(tmp_path: Path, gw: SolariGateway, s3_conduit):
     spec = node(tmp_path, "open('o.txt','w').write('direct'); print('direct ok')", output_paths=["o.txt"])
     out, events = run(spec, s3_conduit, solari(gw, conduit_mode="direct"))
@@ -458,6 +477,7 @@ def test_direct_mode_the_guest_writes_to_s3_itself(tmp_path: Path, gw: SolariGat
     assert start["params"]["env"]["RESOLUTO_STORE_KIND"] == "s3"
 
 
+@pytest.mark.slow
 def test_direct_mode_mints_scoped_store_credentials_per_node(
     tmp_path: Path, gw: SolariGateway, s3_conduit, moto_server
 ):
@@ -478,6 +498,7 @@ def test_direct_mode_mints_scoped_store_credentials_per_node(
     )
 
 
+@pytest.mark.slow
 def test_direct_mode_refuses_a_local_conduit(tmp_path: Path, gw: SolariGateway):
     from prefect_resoluto.runtimes.base import LaunchError
 
@@ -488,6 +509,7 @@ def test_direct_mode_refuses_a_local_conduit(tmp_path: Path, gw: SolariGateway):
     assert conduit.list_prefix("run/") == []  # refused before anything was put
 
 
+@pytest.mark.slow
 def test_an_egress_allowlist_is_refused_before_anything_is_sent(tmp_path: Path, gw: SolariGateway):
     from prefect_resoluto.runtimes.base import LaunchError
 
@@ -496,6 +518,7 @@ def test_an_egress_allowlist_is_refused_before_anything_is_sent(tmp_path: Path, 
     assert gw.requests == []
 
 
+@pytest.mark.slow
 def test_sweep_kills_only_the_labelled_vms(tmp_path: Path, gw: SolariGateway):
     from solari_sandbox import SyncSandboxClient
 
@@ -515,6 +538,7 @@ def test_sweep_kills_only_the_labelled_vms(tmp_path: Path, gw: SolariGateway):
     client.close()
 
 
+@pytest.mark.slow
 def test_create_request_is_the_seeds_shape_and_what_the_sdk_sends(tmp_path: Path, gw: SolariGateway):
     from prefect_resoluto.node.spec import launch_spec
     from prefect_resoluto.runtimes.base import Resources

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from flows import sample_flows as sf
-from polling import scaled, wait_for
 from prefect import flow, task
-from prefect_cli import flow_child_env
-from prefect_readback import artifacts_of, client, task_runs
+from support.polling import scaled, wait_for
+from support.prefect_cli import flow_child_env
+from support.prefect_readback import artifacts_of, client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
@@ -31,7 +31,7 @@ from prefect_resoluto.runtimes import get_runtime
 from prefect_resoluto.task_runner.call_spec import NotSandboxable, RemoteTaskError
 from prefect_resoluto.task_runner.commands import CommandFailed, CommandResult
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 FLOWS = Path(sf.__file__).parent
 
@@ -125,6 +125,7 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
     no_orphans("process")
 
 
+@pytest.mark.sandbox
 def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path), log_prints=True)
     def logging_flow():
@@ -150,6 +151,7 @@ def test_guest_logs_arrive_in_order_with_levels_and_guest_timestamps(gvisor, con
     assert not artifacts_of(tr.id), "a successful node's details are in its flow run's table only"
 
 
+@pytest.mark.sandbox
 def test_a_line_is_visible_in_the_api_while_the_task_still_runs(gvisor, conduit, tmp_path):
     seen: dict[str, object] = {}
 
@@ -202,6 +204,7 @@ def test_pydantic_and_dataclass_parameters_and_returns_are_rebuilt(conduit, tmp_
     assert b == sf.Box(4, 6) and isinstance(b, sf.Box)
 
 
+@pytest.mark.sandbox
 def test_remote_exception_fails_the_task_with_its_traceback(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     def failing():
@@ -277,6 +280,7 @@ def test_infrastructure_failures_exhausted_raise_a_distinct_error(conduit, tmp_p
     assert "was killed by the sandbox substrate" in text and "SIGKILL" in text
 
 
+@pytest.mark.sandbox
 def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
     slow = sf.sleeper.with_options(timeout_seconds=3)
 
@@ -294,6 +298,7 @@ def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
     no_orphans()
 
 
+@pytest.mark.sandbox
 def test_a_failure_elsewhere_in_the_flow_reaps_running_sandboxes(gvisor, conduit, tmp_path):
     @task
     def host_side_failure():
@@ -358,6 +363,7 @@ def test_unserialisable_return_is_a_clear_failure(conduit, tmp_path):
     assert "ResultNotSerializable: the task returned a builtins.object" in text and "return its path" in text
 
 
+@pytest.mark.sandbox
 def test_outputs_come_back_and_output_files_points_at_them(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path, output_paths=["out/*.txt"]))
     def reports():
@@ -373,6 +379,7 @@ def test_outputs_come_back_and_output_files_points_at_them(gvisor, conduit, tmp_
     assert not (path.parent / "ignored.tmp").exists()
 
 
+@pytest.mark.sandbox
 def test_run_command_returns_exit_code_output_and_files(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path))
     def commands():
@@ -413,6 +420,7 @@ def test_sandbox_options_override_one_submission(conduit, tmp_path):
             pass
 
 
+@pytest.mark.sandbox
 def test_secret_env_reaches_the_task_but_never_the_logs_or_conduit(gvisor, conduit, tmp_path):
     secret = f"tok-{uuid.uuid4().hex}"
 
@@ -469,6 +477,7 @@ def test_async_flow_with_async_tasks(conduit, tmp_path):
     assert asyncio.run(async_flow()) == [10, 11, 12]
 
 
+@pytest.mark.sandbox
 def test_ctrl_c_on_the_host_destroys_every_sandbox(gvisor, tmp_path):
     import signal
     import subprocess

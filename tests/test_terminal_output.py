@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from flows import terminal_tasks as tt
 from prefect import flow
-from prefect_readback import task_runs
+from support.prefect_readback import task_runs
 from test_hostile_outputs import _Patched
 from test_task_runner import logs_of, runner
 
@@ -84,6 +84,7 @@ def _events(conduit: LocalConduit, *args: str) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.mark.sandbox
 def test_the_events_cli_prints_a_forged_event_escaped(rt, tmp_path):
     conduit = LocalConduit(tmp_path / "conduit")
     spec = NodeSpec(
@@ -104,6 +105,8 @@ def test_the_events_cli_prints_a_forged_event_escaped(rt, tmp_path):
     assert any(e["data"].get("line", "").startswith("real\n+") for e in obj["events"])
 
 
+@pytest.mark.prefect
+@pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_the_flow_process_prints_escaped_and_the_api_keeps_the_text(gvisor, tmp_path, capfd):
     conduit = LocalConduit(tmp_path / "conduit")
@@ -160,6 +163,7 @@ put("_manifest.json", wire.encode_manifest(1))
 """
 
 
+@pytest.mark.sandbox
 def test_a_forged_results_fields_are_shown_escaped_by_events_run_and_the_outcome(gvisor, tmp_path, capsys):
     """Found by an outside review: the verdict lines of ``events`` and ``run`` printed the
     guest's result fields raw (a title set, a screen clear, a forged verdict line)."""

@@ -18,7 +18,7 @@ from flows import parity_flows as pf
 from flows import parity_real_flows as prf
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_readback import client, task_runs
+from support.prefect_readback import client, task_runs
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.redact import Redactor
@@ -26,7 +26,7 @@ from prefect_resoluto import ResolutoTaskRunner, sandbox_options
 from prefect_resoluto.task_runner import remote_traceback
 from prefect_resoluto.task_runner.runner import output_files
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 FLOWS = Path(pf.__file__).parent
 RUNNER_LINE = re.compile(r"ran in a (warm|cold) process sandbox in \d+\.\d s")

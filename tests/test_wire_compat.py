@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, guest_env
+from support.guest import ROOT, guest_env
 
 from guest_runner import archive, wire
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node.tail import ChunkTailer
 
 REF_PY = ROOT / ".venv-ref" / "bin" / "python"
-REF_TOOL = ROOT / "tests" / "reference_node.py"
+REF_TOOL = ROOT / "tests" / "support" / "reference_node.py"
 
 
 def _reference_usable() -> str:

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from flows import worker_flows
-from polling import wait_for
-from prefect_cli import cli_env, prefect_cli, prefect_server
+from support.polling import wait_for
+from support.prefect_cli import cli_env, prefect_cli, prefect_server
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.runtimes import get_runtime
@@ -33,7 +33,7 @@ from prefect_resoluto.runtimes._guest_layout import records
 from prefect_resoluto.runtimes.labels import LABEL_RUN
 from prefect_resoluto.worker.plan import egress_forwarding_supported
 
-pytestmark = pytest.mark.usefixtures("prefect")
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(worker_flows.__file__).parent
 ROOT = FLOWS.parents[1]
 NO_EGRESS = "egress forwarding (issue 10) not on this branch"
@@ -344,6 +344,7 @@ def test_job_variables_are_validated_with_the_reason(tmp_path):
     assert "s3cr3t-value" not in repr(cfg) and "s3cr3t-value" not in cfg.model_dump_json()
 
 
+@pytest.mark.sandbox
 def test_a_sandbox_block_is_the_base_and_job_variables_override_it():
     from prefect.blocks.system import Secret
 
@@ -503,7 +504,7 @@ def test_job_variable_overrides_apply_memory(tmp_path, worker):
     assert limit not in [plain_facts[k] for k in seen], plain_facts
 
 
-RUNTIMES = ["process", pytest.param("gvisor", marks=needs_egress)]
+RUNTIMES = ["process", pytest.param("gvisor", marks=[pytest.mark.sandbox, needs_egress])]
 
 
 def on_runtime(request: pytest.FixtureRequest, runtime: str) -> dict[str, Any]:
@@ -760,6 +761,7 @@ def listener() -> Iterator[int]:
         srv.close()
 
 
+@pytest.mark.sandbox
 @needs_egress
 def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor, tmp_path, worker):
     conduit = tmp_path / "conduit"
@@ -786,6 +788,7 @@ def test_gvisor_flow_run_sees_only_its_own_interfaces_and_reaches_the_api(gvisor
     )
 
 
+@pytest.mark.sandbox
 @needs_egress
 def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor, tmp_path, worker):
     with listener() as port:
@@ -804,6 +807,7 @@ def test_gvisor_flow_run_cannot_reach_a_host_listener_other_than_the_api(gvisor,
         assert not any("DIAL REACHED" in m for m in logs), logs
 
 
+@pytest.mark.sandbox
 @needs_egress
 def test_gvisor_flow_run_off_its_allowlist_fails_with_the_refusal_logged(gvisor, tmp_path, worker):
     with listener() as port:
@@ -848,6 +852,7 @@ def test_kill_infrastructure_destroys_the_sandbox_of_a_flow_run_started_elsewher
         anyio.run(worker.kill_infrastructure, f"process:{run_id}", cfg)
 
 
+@pytest.mark.sandbox
 def test_the_memory_job_variable_is_the_gvisor_sandboxs_memory(gvisor, tmp_path):
     """The job variable's path to gVisor's limit, without the API: configuration -> runtime ->
     the sandbox's own view of its memory."""
@@ -875,6 +880,7 @@ def test_the_memory_job_variable_is_the_gvisor_sandboxs_memory(gvisor, tmp_path)
     assert totals == [700 * 1024], lines
 
 
+@pytest.mark.sandbox
 def test_gvisor_sandbox_sees_the_deployment_code_read_only_and_imports_prefects_engine(gvisor, tmp_path):
     """What a gVisor flow run stands on before it talks to the API: the host's interpreter
     and virtualenv (Prefect's entry point importable) and the deployment's code directory

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from polling import wait_for
+from support.polling import wait_for
 from test_worker import (
     Worker,
     create_pool,
@@ -37,7 +37,7 @@ from test_worker import (
 
 from prefect_resoluto.egress import netns
 
-pytestmark = [pytest.mark.usefixtures("prefect"), needs_egress]
+pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect"), needs_egress]
 GVISOR = {"runtime": "gvisor", "min_isolation": "user-kernel", "memory": "1Gi"}
 SECRET = "restored-secret-4410"
 

@@ -94,6 +94,7 @@ def test_a_tree_changed_within_the_racy_window_is_never_cached(tree):
     assert packer.packs == 2
 
 
+@pytest.mark.prefect
 @pytest.mark.usefixtures("prefect")
 def test_a_mapped_flow_packs_once_and_a_later_node_sees_the_edited_workspace(tmp_path, monkeypatch):
     from prefect import flow, task

@@ -15,7 +15,7 @@ IPv4 address inside an IPv6 one are judged by what they lead to:
 
 One exemption, in one place: :data:`PINNED_ONLY`, RFC 2544's benchmarking range, is
 refused like the others *unless* the address came from the node's own ``egress_resolve``
-pin. The flow author wrote that pin; the tests' hosts live there (tests/egress_net.py).
+pin. The flow author wrote that pin; the tests' hosts live there (tests/support/egress_net.py).
 
 Pure functions; nothing here opens a socket.
 """

@@ -1,4 +1,15 @@
-"""Checks shared by the real-sandbox runtime tests (process, bubblewrap, gvisor, container).
+"""What every local runtime does with a sandbox: one test class, run per runtime, and the
+helpers its checks and the runtimes' own tests share.
+
+A runtime's test module (process, bubblewrap, gvisor, container) subclasses
+:class:`RuntimeContract`, or :class:`ConfinedRuntimeContract` for a runtime that isolates,
+once, and gives it (docs/testing.md):
+
+- a module-level ``rt`` fixture: the runtime, or a skip saying why this machine has none
+  (:func:`require`); the runtime's own tests use it too;
+- :meth:`~RuntimeContract.unavailable`: the runtime with its binary missing;
+- ``launch_marks``: the tier of the checks that launch, ``(pytest.mark.sandbox,)`` where
+  ``rt`` is a real sandbox.
 
 Every check launches real sandboxes on this machine and synchronises by polling a
 condition against a deadline, never by sleeping a fixed time.
@@ -11,12 +22,13 @@ import os
 import signal
 import socket
 import sys
+import types
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
-from polling import wait_for  # noqa: F401  (re-exported to the runtime tests)
 
 from prefect_resoluto.runtimes.base import (
     LaunchError,
@@ -27,8 +39,9 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from support.polling import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SUBDIR = "run/r1/nodes/n1"
 
 
@@ -220,3 +233,85 @@ def check_confinement(rt: SandboxRuntime) -> None:
         hidden = set(os.listdir(d)) - allowed
         assert not hidden & set(names), f"host entries of {d} visible inside: {sorted(hidden & set(names))}"
     assert not (repo / "pyproject.toml").exists() or "pyproject.toml" not in (probe["seen"][str(repo)] or [])
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+# The contract's checks that launch a sandbox: they take the subclass's ``launch_marks``.
+_LAUNCHING = (
+    "test_success_writes_conduit_and_logs",
+    "test_failure_exit_code",
+    "test_killed_from_outside",
+    "test_destroy_idempotent",
+    "test_sweep_by_labels",
+    "test_only_loopback_and_host_hidden",
+)
+
+
+class RuntimeContract:
+    """The checks every local runtime passes; not collected itself (no ``Test`` prefix)."""
+
+    #: Marks for the checks that launch (not for :meth:`test_unavailable_binary`, which does not).
+    launch_marks: ClassVar[tuple[pytest.MarkDecorator, ...]] = ()
+
+    def unavailable(self) -> SandboxRuntime:
+        """This runtime with what it runs missing (a binary, an interpreter)."""
+        raise NotImplementedError
+
+    def pid_of(self, rt: Any, h: SandboxHandle) -> int:
+        """The host process whose death ends the sandbox."""
+        return int(h.data["pid"])
+
+    def list_ids(self, rt: Any) -> list[str]:
+        """Every sandbox of this runtime the host can still see."""
+        return list(rt.list_ids())
+
+    def after_sweep(self, rt: Any) -> None:
+        """What must be gone once :meth:`test_sweep_by_labels` has swept its sandboxes."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        marks = cls.__dict__.get("launch_marks", ())
+        for name in _LAUNCHING:
+            if marks and hasattr(cls, name):
+                setattr(cls, name, _marked(getattr(cls, name), marks))
+
+    def test_success_writes_conduit_and_logs(self, rt: SandboxRuntime, tmp_path: Path) -> None:
+        check_success(rt, tmp_path)
+
+    def test_failure_exit_code(self, rt: SandboxRuntime) -> None:
+        check_failure(rt)
+
+    def test_killed_from_outside(self, rt: SandboxRuntime) -> None:
+        check_killed_from_outside(rt, lambda h: self.pid_of(rt, h))
+
+    def test_destroy_idempotent(self, rt: SandboxRuntime) -> None:
+        check_destroy_idempotent(rt, lambda: self.list_ids(rt))
+
+    def test_sweep_by_labels(self, rt: SandboxRuntime) -> None:
+        check_sweep(rt, lambda: self.list_ids(rt))
+        self.after_sweep(rt)
+
+    def test_unavailable_binary(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+        check_unavailable(self.unavailable())
+
+
+class ConfinedRuntimeContract(RuntimeContract):
+    """The contract of a runtime that isolates: the process runtime confines nothing."""
+
+    def test_only_loopback_and_host_hidden(self, rt: SandboxRuntime) -> None:
+        check_confinement(rt)
+
+
+def _marked(fn: Any, marks: tuple[pytest.MarkDecorator, ...]) -> Any:
+    """A copy of the contract's check ``fn`` carrying ``marks``: marking ``fn`` itself would
+    mark it for every runtime (the process runtime's checks are no sandbox)."""
+    fn = getattr(fn, "__contract_check__", fn)
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    copy.__contract_check__ = fn  # type: ignore[attr-defined]
+    for mark in marks:
+        copy = mark(copy)
+    return copy

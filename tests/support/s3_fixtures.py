@@ -11,7 +11,7 @@ The proxy is a stdlib ``ThreadingHTTPServer`` that forwards each request verbati
 (``LIST``/``GET``/``PUT``/``DELETE``/``HEAD``/...), and can inject faults on the real
 HTTP path: error statuses, dropped connections, hung requests, or a refused port.
 
-Fixtures (``from s3_fixtures import *`` in a conftest or test module):
+Fixtures (a plugin: tests/conftest.py lists it in ``pytest_plugins``):
 
 - ``moto_server`` (session): an :class:`S3Endpoint` with ``.endpoint_url`` (the proxy,
   counted), ``.moto_endpoint_url`` (moto directly, uncounted), ``.counter``, ``.faults``,

@@ -14,8 +14,9 @@ def task_runs(flow_run_id) -> list:
     the events its engine emits (the server's task-run recorder, asynchronously), so right
     after a flow returns the API may still show a task run Running: for a Completed flow run
     this waits until every task run's recorded state is final (a state, not a delay)."""
-    from polling import wait_for
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from support.polling import wait_for
 
     def read() -> list:
         with client() as c:

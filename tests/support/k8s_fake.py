@@ -26,7 +26,7 @@ Tests script the rest: per-pod phase transitions (:meth:`FakeKube.schedule`,
 (:meth:`~FakeKube.fail`: any status on any verb/resource, N times).
 
 Everything a genuine kube-apiserver can show is tested against one instead
-(tests/test_kubernetes_cluster.py, with tests/k8s_node_agent.py running the pods); this
+(tests/test_kubernetes_cluster.py, with tests/support/k8s_node_agent.py running the pods); this
 stand-in stays for pod states neither Kubernetes 1.20 nor the agent produce.
 """
 
@@ -672,7 +672,7 @@ class FakeKube:
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
         """Poll ``predicate`` until truthy (returns it) or fail after ``timeout`` seconds."""
-        from polling import wait_for
+        from support.polling import wait_for
 
         return wait_for(predicate, timeout, what, first_delay=0.005, max_delay=0.1, growth=2)
 

@@ -2,7 +2,7 @@
 
 ``scripts/setup.sh`` no longer builds it (the demo does not need it, and a cold build is
 5-15 minutes on 2 cores). When the session has collected a test that needs the genuine
-apiserver and the build is not cached, conftest starts ``k8s-local-cluster.sh build`` here,
+apiserver and the build is not cached, ``support.scheduling`` starts ``k8s-local-cluster.sh build`` here,
 at the lowest CPU priority, and moves those tests to the end of the run: a fresh machine
 pays max(build, the rest of the suite), not the sum. The ``k8s_cluster`` fixture then waits
 for that process to exit -- an event, not a timer. The script itself is cached and
@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "k8s-local-cluster.sh"
 
 _build: subprocess.Popen[bytes] | None = None

@@ -1,12 +1,12 @@
 """Session fixtures: a genuine Kubernetes control plane on 127.0.0.1 and a node agent.
 
-``scripts/k8s-local-cluster.sh`` (built by the test session itself, ``tests/k8s_build.py``) provides kube-apiserver,
+``scripts/k8s-local-cluster.sh`` (built by the test session itself, ``tests/support/k8s_build.py``) provides kube-apiserver,
 kube-controller-manager, kube-scheduler and etcd; the session starts them once on free loopback
-ports (``up``) and stops exactly what it started (``down``). ``tests/k8s_node_agent.py`` is the
+ports (``up``) and stops exactly what it started (``down``). ``tests/support/k8s_node_agent.py`` is the
 node. Without the build (not Debian bookworm, build failed) the tests that need it skip, saying why;
 on CI (``CI`` set, bookworm) they fail instead.
 
-Fixtures (``from k8s_cluster import *``):
+Fixtures (a plugin: tests/conftest.py lists it in ``pytest_plugins``):
 
 - ``k8s_cluster`` (session): a :class:`Cluster` -- kubeconfig with the pinned context
   ``resoluto-local``, the admin token, an admin ``ApiClient``; RuntimeClasses ``gvisor`` and
@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import k8s_build
 import pytest
-from polling import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import k8s_build
+from support.polling import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "k8s-local-cluster.sh"
 CONTEXT = "resoluto-local"
 
@@ -93,7 +94,7 @@ class Cluster:
 
 
 def _why_no_cluster() -> str:
-    # The session started the build at collection (conftest); wait for it to exit, not a timer.
+    # The session started the build at collection (support.scheduling); wait for it to exit, not a timer.
     failed = k8s_build.wait()
     if failed:
         return failed
@@ -188,7 +189,7 @@ def _has_default_sa(core: Any, ns: str) -> bool:
 
 @pytest.fixture(scope="session")
 def k8s_agent(k8s_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from k8s_node_agent import NodeAgent
+    from support.k8s_node_agent import NodeAgent
 
     agent = NodeAgent(k8s_cluster.api_client(), work_dir=Path("/tmp") / f"rsl-agent-{uuid.uuid4().hex[:8]}")
     agent.start()

@@ -54,7 +54,7 @@ from urllib.parse import parse_qs, urlparse
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MERGE = "application/merge-patch+json"
 EMULATED_CONDITION = "resoluto.io/EmulatedRuntime"
 GVISOR_HANDLERS = {"runsc", "gvisor"}

@@ -53,7 +53,7 @@ def flow_child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return cli_env(
         RESOLUTO_STATE_DIR=str(tmp_path / "state"),
         RESOLUTO_TEST_CONDUIT=(tmp_path / "conduit").as_uri(),
-        PYTHONPATH=str(Path(__file__).resolve().parent / "flows"),
+        PYTHONPATH=str(Path(__file__).resolve().parents[1] / "flows"),
         **extra,
     )
 
@@ -71,8 +71,9 @@ def prefect_server(tmp_path: Path, auth_string: str | None = None, **settings: s
     requires it (PREFECT_SERVER_API_AUTH_STRING) and this process's client sends it."""
     import urllib.request
 
-    from polling import wait_for
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from support.polling import wait_for
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
