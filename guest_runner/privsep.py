@@ -309,7 +309,7 @@ def _only_this_process() -> bool:
 
 
 def _kill_all_as_user() -> None:
-    # A shell's kill builtin: a few ms, where an interpreter start costs ~70 ms in gVisor.
+    # A shell's kill builtin: far cheaper than an interpreter start in gVisor.
     argv = (
         ["/bin/sh", "-c", "kill -9 -1 2>/dev/null; exit 0"]
         if os.path.exists("/bin/sh")

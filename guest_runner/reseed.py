@@ -13,7 +13,7 @@ def reseed() -> None:
     """``random`` and numpy's global generator reseeded from the kernel, tempfile's name
     sequence dropped (rebuilt from ``random`` on next use). os.urandom, uuid4 and secrets
     read the kernel on every call and need nothing. The str hash seed is fixed at
-    interpreter start and cannot change (docs/architecture.md, "Warm sandboxes")."""
+    interpreter start and cannot change (docs/decisions/0009-restored-warm-sandboxes.md)."""
     import random
     import tempfile
 

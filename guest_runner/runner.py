@@ -375,7 +375,7 @@ def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: wire.NodeRe
 def exit_now(code: int) -> "NoReturn":
     """End the guest runner's process once its node is written (the manifest is the last
     object): its own output flushed, without the interpreter's teardown, which frees every
-    module and object one by one (~20 ms of a trivial node's CPU in gVisor) for a sandbox
+    module and object one by one, for a sandbox
     that is destroyed next. Nothing is left to run: the shipper's thread is joined and the
     conduit closed before ``main`` returns."""
     for stream in (sys.stdout, sys.stderr):

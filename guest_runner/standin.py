@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from importlib.abc import MetaPathFinder as _FinderBase
 else:
     # importlib.abc pulls in importlib.resources (tempfile, shutil, bz2, lzma, random ...):
-    # ~30 ms of a call's start in gVisor for two base classes the import system never needs.
+    # a cost on every call's start in gVisor, for two base classes the import system never needs.
     _LoaderBase = _FinderBase = object
 
 

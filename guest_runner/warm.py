@@ -111,10 +111,9 @@ class _Prestarted:
             env[ENGINE_ENV] = "1"
         self.proc: "Optional[_Call]" = None
         try:
-            # A fork saves an interpreter start (~70 ms of CPU and ~45 ms to the result in
-            # gVisor); but a forked child importing a large package there costs more CPU
-            # than a fresh interpreter does (~+1.5 s for the real Prefect, measured), so a
-            # call that pre-imports gets its own interpreter.
+            # A fork saves an interpreter start; but a forked child importing a large package
+            # costs more CPU than a fresh interpreter does (the real Prefect: see
+            # docs/performance.md), so a call that pre-imports gets its own interpreter.
             own = wire.ENV_WARM_IMPORTS in env or self.engine
             self.proc = _exec_call(env) if own else _fork_call(env)
         except OSError:

@@ -57,8 +57,8 @@ def preimport(modules: "list[str]") -> None:
         if any(m == "prefect" or m.startswith("prefect.") for m in modules):
             standin.use_real_prefect()
             # `from prefect import task` loads prefect.main, whose import sets up Prefect's
-            # logging from its settings: ~0.25 s on the host, ~4x that in gVisor, and the
-            # largest part of a warm real-Prefect call that had not been paid ahead.
+            # logging from its settings: the largest part of a warm real-Prefect call that
+            # had not been paid ahead.
             importlib.import_module("prefect.main")
         else:
             standin.install()  # what a cold call's imports find: the stand-ins for `from prefect import task`
@@ -149,8 +149,8 @@ def main() -> int:
 def exit_now(code: "int | None") -> None:
     """Exit as the interpreter would, minus its finalization: the task's non-daemon threads
     are joined and its atexit handlers run, then stdio is flushed and the process ends.
-    Tearing down every module and object of a pre-imported Prefect (~110 000 objects)
-    took ~0.45 s in gVisor, after the call's result was already written."""
+    Tearing down every module and object of a pre-imported Prefect would cost the sandbox
+    CPU after the call's result is already written (docs/performance.md)."""
     import atexit
     import threading
 
