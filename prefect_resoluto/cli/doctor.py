@@ -46,7 +46,7 @@ def doctor_report() -> dict[str, Any]:
         }
         try:
             cls = runtimes.RUNTIMES[name]
-            r["local"] = bool(cls.supports_local_conduit)
+            r["local"] = cls.capabilities.local_conduit
             rt = cls(**options)
         except Exception as e:  # e.g. kubernetes without a usable configuration
             r["why"] = f"cannot be configured: {type(e).__name__}: {e}"

@@ -122,9 +122,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def takes_image(runtime: SandboxRuntime) -> bool:
-    import inspect
-
-    return "image" in inspect.signature(type(runtime).__init__).parameters
+    return runtime.capabilities.takes_image
 
 
 def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fresh: bool = True) -> RunPlan:

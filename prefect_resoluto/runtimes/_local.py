@@ -20,7 +20,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING
 
 from prefect_resoluto import egress
 from prefect_resoluto.runtimes import slot
@@ -243,8 +243,6 @@ class LocalChildRuntime(SandboxRuntime):
             data={"pid": proc.pid, "start_time": rec.start_time, "dir": str(d), **prep.extra},
         )
 
-    supports_warm: ClassVar[bool] = True
-
     def network_env(self, handle: SandboxHandle) -> dict[str, str]:
         egress = handle.data.get("egress")
         env = egress.get("env") if isinstance(egress, dict) else None
@@ -412,7 +410,7 @@ class LocalChildRuntime(SandboxRuntime):
             if labels_match(rec.labels, labels):
                 self._destroy(rec.id)
                 n += 1
-        if self.supports_egress_allowlist:
+        if self.capabilities.egress_allowlist:
             egress.sweep()  # namespaces of hosts that died before they could destroy
         slot.sweep_orphans()  # conduit slots of hosts that died mid-node
         return n

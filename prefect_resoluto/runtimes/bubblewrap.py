@@ -30,6 +30,7 @@ from ._guest_layout import (
 )
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchError, LaunchSpec
+from .capabilities import Capabilities
 
 if TYPE_CHECKING:
     from prefect_resoluto.egress import SandboxNetwork
@@ -96,8 +97,12 @@ def workload_userns() -> int:
 
 class BubblewrapRuntime(LocalChildRuntime):
     name: ClassVar[str] = "bubblewrap"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        warm=True,
+        options=frozenset({"bwrap", "python", "state_dir", "limits", "extra_ro_paths"}),
+    )
 
     def __init__(
         self,

@@ -55,6 +55,7 @@ from .base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from .capabilities import Capabilities
 
 MARKER_LABEL = "io.resoluto.sandbox"
 SKELETON_IMAGE = "localhost/resoluto-skeleton:1"
@@ -105,8 +106,26 @@ def skeleton_tar() -> bytes:
 
 class ContainerRuntime(SandboxRuntime):
     name: ClassVar[str] = "container"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        options=frozenset(
+            {
+                "engine",
+                "engine_path",
+                "oci_runtime",
+                "image",
+                "host_python",
+                "python",
+                "address",
+                "namespace",
+                "read_only",
+                "runtime_flags",
+                "extra_run_args",
+                "state_dir",
+            }
+        ),
+    )
 
     def __init__(
         self,

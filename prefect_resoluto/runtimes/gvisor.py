@@ -54,6 +54,7 @@ from .base import (
     SandboxHandle,
     SandboxStatus,
 )
+from .capabilities import Capabilities
 
 LABEL_PREFIX = "io.resoluto.label/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -163,8 +164,24 @@ def _probe_run(exe: str, flags: tuple[str, ...], netns: str | None = None) -> st
 
 class GVisorRuntime(LocalChildRuntime):
     name: ClassVar[str] = "gvisor"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        warm=True,
+        snapshots=True,
+        options=frozenset(
+            {
+                "runsc",
+                "platform",
+                "python",
+                "state_dir",
+                "ignore_cgroups",
+                "debug",
+                "extra_ro_paths",
+                "runsc_flags",
+            }
+        ),
+    )
 
     def __init__(
         self,
@@ -417,8 +434,6 @@ class GVisorRuntime(LocalChildRuntime):
             raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
 
     # ----------------------------------------------------------------- snapshots
-
-    supports_snapshots: ClassVar[bool] = True
 
     def snapshot_fingerprint(self) -> str:
         """What an image depends on besides the guest: this runsc, its platform, flags and mounts."""

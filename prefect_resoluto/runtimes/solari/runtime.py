@@ -66,6 +66,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from prefect_resoluto.runtimes.capabilities import Capabilities
 from prefect_resoluto.runtimes.solari.errors import gateway_status, gateway_words
 from prefect_resoluto.runtimes.solari.request import (
     MANAGED_BY,
@@ -104,10 +105,40 @@ class SolariRuntime(SandboxRuntime):
     """One Solari micro-VM per node, created through the official SDK."""
 
     name: ClassVar[str] = "solari"
-    #: The relay mode serves a local conduit: the host mirrors objects into it.
-    supports_local_conduit: ClassVar[bool] = True
-    #: The VM is on someone else's machine: sweep is a gateway call, it has its own network.
-    remote: ClassVar[bool] = True
+    # The relay mode serves a local conduit: the host mirrors objects into it. The VM is on
+    # someone else's machine: sweep is a gateway call, it has its own network. The host_*
+    # answers are those of the one flag they once shared (supports_local_conduit).
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        on_host=False,
+        options=frozenset(
+            {
+                "base_url",
+                "api_key",
+                "template",
+                "conduit_mode",
+                "session_timeout_s",
+                "lifecycle",
+                "metadata",
+                "envs",
+                "cpu",
+                "mem_mb",
+                "disk_gb",
+                "guest_dir",
+                "python",
+                "admission_backoff_max_s",
+                "admission_patience_s",
+                "capacity_retries",
+                "reconnect_patience_s",
+                "relay_poll_min_s",
+                "relay_poll_max_s",
+                "view_interval_s",
+                "store_role_arn",
+                "store_sts_endpoint",
+                "store_credentials_ttl_s",
+                "rpc_timeout_s",
+            }
+        ),
+    )
     # status() reads what the session's own loop observed (exit frame, gateway view, relay):
     # no request per check, so as often as a local runtime.
     status_interval: ClassVar[float] = 0.2
