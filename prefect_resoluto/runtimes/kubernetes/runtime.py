@@ -343,7 +343,7 @@ class KubernetesRuntime(SandboxRuntime):
         self._check(spec)
         api = self._api
         try:
-            core, net = api.core(), api.net()
+            api.net()  # connects first (core, then networking): a bad configuration refuses the launch
         except KubernetesConfigError as e:
             raise LaunchError(str(e)) from e
         token = uuid.uuid4().hex
@@ -352,7 +352,7 @@ class KubernetesRuntime(SandboxRuntime):
         if self.options.store_role_arn:
             secret_values = {**spec.secret_env, **self._mint_store_credentials(spec, name)}
         m = self.manifests(spec, name=name, token=token, secret_values=secret_values, upload_bundle=True)
-        ns, t = self.namespace, api.timeout()
+        ns = self.namespace
         handle = SandboxHandle(
             id=f"{ns}/{name}",
             runtime=self.name,
@@ -369,44 +369,7 @@ class KubernetesRuntime(SandboxRuntime):
         )
         created: list[str] = []
         try:
-            api.call(
-                "create",
-                "networkpolicies",
-                name,
-                lambda: net.create_namespaced_network_policy(
-                    ns, m.network_policy, field_validation="Strict", _request_timeout=t
-                ),
-                on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token),
-            )
-            created.append("networkpolicies")
-            if m.secret is not None:
-                api.call(
-                    "create",
-                    "secrets",
-                    name,
-                    lambda: core.create_namespaced_secret(
-                        ns, m.secret, field_validation="Strict", _request_timeout=t
-                    ),
-                    on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token),
-                )
-                created.append("secrets")
-            pod = api.call(
-                "create",
-                "pods",
-                name,
-                lambda: core.create_namespaced_pod(ns, m.pod, field_validation="Strict", _request_timeout=t),
-                on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token),
-            )
-            created.append("pods")
-            lost = weakened(pod, self.options.runtime_class, self.options.read_only_root_filesystem)
-            if lost:
-                raise LaunchError(
-                    f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
-                    f"({'; '.join(lost)}); the pod was deleted at once. Servers before "
-                    "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
-                    "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
-                    "upgrade the cluster or exempt the namespace from that webhook"
-                )
+            pod = self._create(m, created)
         except KubernetesApiError as e:
             if e.resource == "pods" and (e.status is None or e.status >= 500):
                 created.append("pods")  # an earlier attempt may have landed despite the errors
@@ -420,6 +383,51 @@ class KubernetesRuntime(SandboxRuntime):
         self._adopt(name, pod.metadata.uid, created)
         logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.options.runtime_class)
         return handle
+
+    def _create(self, m: Manifests, created: list[str]) -> Any:
+        """Create the node's NetworkPolicy, Secret and Pod in that order, noting each in ``created``;
+        the pod as stored, refused when it lost a security setting on its way in."""
+        api, ns, name, token = self._api, m.namespace, m.name, m.token
+        core, net, t = api.core(), api.net(), api.timeout()
+        api.call(
+            "create",
+            "networkpolicies",
+            name,
+            lambda: net.create_namespaced_network_policy(
+                ns, m.network_policy, field_validation="Strict", _request_timeout=t
+            ),
+            on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token),
+        )
+        created.append("networkpolicies")
+        if m.secret is not None:
+            api.call(
+                "create",
+                "secrets",
+                name,
+                lambda: core.create_namespaced_secret(
+                    ns, m.secret, field_validation="Strict", _request_timeout=t
+                ),
+                on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token),
+            )
+            created.append("secrets")
+        pod = api.call(
+            "create",
+            "pods",
+            name,
+            lambda: core.create_namespaced_pod(ns, m.pod, field_validation="Strict", _request_timeout=t),
+            on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token),
+        )
+        created.append("pods")
+        lost = weakened(pod, self.options.runtime_class, self.options.read_only_root_filesystem)
+        if lost:
+            raise LaunchError(
+                f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
+                f"({'; '.join(lost)}); the pod was deleted at once. Servers before "
+                "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
+                "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
+                "upgrade the cluster or exempt the namespace from that webhook"
+            )
+        return pod
 
     @staticmethod
     def _mine(read: Callable[[], Any], token: str) -> Any:
