@@ -39,6 +39,7 @@ from prefect_resoluto.runtimes import slot
 from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_USER_ENV,
+    GuestLayout,
     add_network,
     guest_layout,
     remove_tree,
@@ -51,6 +52,7 @@ from .base import (
     IsolationLevel,
     LaunchError,
     LaunchSpec,
+    Resources,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
@@ -307,13 +309,7 @@ class ContainerRuntime(SandboxRuntime):
             argv += ["--security-opt", "no-new-privileges"]
         if self.read_only:
             argv.append("--read-only")
-        r = spec.resources
-        if r.memory_bytes:
-            argv += ["--memory", str(r.memory_bytes), "--memory-swap", str(r.memory_bytes)]
-        if r.cpus:
-            argv += ["--cpus", f"{r.cpus:g}"]
-        if r.pids:
-            argv += ["--pids-limit", str(r.pids)]
+        argv += _resource_args(spec.resources)
         argv += ["--label", f"{MARKER_LABEL}=true"]
         for k, v in spec.labels.items():
             argv += ["--label", f"{k}={v}"]
@@ -322,19 +318,7 @@ class ContainerRuntime(SandboxRuntime):
                 argv += ["-e", f"{k}={v}"]
         if env_file:
             argv += ["--env-file", env_file]
-        for src, dst in lay.ro_binds:
-            argv += ["-v", f"{src}:{dst}:ro"]
-        for src, dst in lay.rw_binds:
-            argv += ["-v", f"{src}:{dst}:rw"]
-        for _link, dst in lay.symlinks:
-            if dst.startswith("/etc/"):
-                # The skeleton has no /etc entries; bind what the link points at instead.
-                target = os.path.realpath(dst)
-                if os.path.exists(target):
-                    argv += ["-v", f"{target}:{dst}:ro"]
-        for dst in lay.tmpfs:
-            size = f",size={r.tmpfs_bytes}" if r.tmpfs_bytes else ""
-            argv += ["--tmpfs", f"{dst}:rw,mode=1777{size}"]
+        argv += _mount_args(lay, spec.resources)
         argv += [*self.extra_run_args, image, *lay.argv]
         return argv
 
@@ -570,3 +554,33 @@ def status_from_state(state: dict[str, Any]) -> SandboxStatus:
     if phase == "removing":
         return SandboxStatus("failed", reason="container is being removed", gone=True)
     return SandboxStatus("unknown", reason=f"container state {phase!r}")
+
+
+def _resource_args(r: Resources) -> list[str]:
+    argv: list[str] = []
+    if r.memory_bytes:
+        argv += ["--memory", str(r.memory_bytes), "--memory-swap", str(r.memory_bytes)]
+    if r.cpus:
+        argv += ["--cpus", f"{r.cpus:g}"]
+    if r.pids:
+        argv += ["--pids-limit", str(r.pids)]
+    return argv
+
+
+def _mount_args(lay: GuestLayout, r: Resources) -> list[str]:
+    """The layout's binds and scratch mounts as ``run`` options."""
+    argv: list[str] = []
+    for src, dst in lay.ro_binds:
+        argv += ["-v", f"{src}:{dst}:ro"]
+    for src, dst in lay.rw_binds:
+        argv += ["-v", f"{src}:{dst}:rw"]
+    for _link, dst in lay.symlinks:
+        if dst.startswith("/etc/"):
+            # The skeleton has no /etc entries; bind what the link points at instead.
+            target = os.path.realpath(dst)
+            if os.path.exists(target):
+                argv += ["-v", f"{target}:{dst}:ro"]
+    for dst in lay.tmpfs:
+        size = f",size={r.tmpfs_bytes}" if r.tmpfs_bytes else ""
+        argv += ["--tmpfs", f"{dst}:rw,mode=1777{size}"]
+    return argv
