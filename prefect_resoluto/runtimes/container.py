@@ -302,13 +302,7 @@ class ContainerRuntime(SandboxRuntime):
         ]
         if self.engine == "podman":
             argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--pull", "never"]
-        if WORKLOAD_USER_ENV in lay.env:
-            # The guest runner keeps only what it needs to start the workload as another
-            # user (guest_runner/privsep.py); nothing started in here gains a privilege.
-            argv += ["--cap-drop", "all", "--cap-add", ",".join(RUNNER_CAPS)]
-            argv += ["--security-opt", "no-new-privileges"]
-        if self.read_only:
-            argv.append("--read-only")
+        argv += self._privilege_args(lay)
         argv += _resource_args(spec.resources)
         argv += ["--label", f"{MARKER_LABEL}=true"]
         for k, v in spec.labels.items():
@@ -320,6 +314,17 @@ class ContainerRuntime(SandboxRuntime):
             argv += ["--env-file", env_file]
         argv += _mount_args(lay, spec.resources)
         argv += [*self.extra_run_args, image, *lay.argv]
+        return argv
+
+    def _privilege_args(self, lay: GuestLayout) -> list[str]:
+        argv: list[str] = []
+        if WORKLOAD_USER_ENV in lay.env:
+            # The guest runner keeps only what it needs to start the workload as another
+            # user (guest_runner/privsep.py); nothing started in here gains a privilege.
+            argv += ["--cap-drop", "all", "--cap-add", ",".join(RUNNER_CAPS)]
+            argv += ["--security-opt", "no-new-privileges"]
+        if self.read_only:
+            argv.append("--read-only")
         return argv
 
     def _net_dir(self, sandbox_id: str) -> Path:
