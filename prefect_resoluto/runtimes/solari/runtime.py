@@ -97,6 +97,15 @@ CONDUIT_MODES = ("relay", "direct")
 DEFAULT_GUEST_DIR = "/tmp/resoluto"
 
 
+def _check_options(conduit_mode: str, session_timeout_s: float, guest_dir: str) -> None:
+    if conduit_mode not in CONDUIT_MODES:
+        raise ValueError(f"conduit_mode must be one of {CONDUIT_MODES}, got {conduit_mode!r}")
+    if session_timeout_s <= 0:
+        raise ValueError("session_timeout_s must be positive (seconds)")
+    if not str(guest_dir).startswith("/"):
+        raise ValueError(f"guest_dir must be an absolute path inside the VM, got {guest_dir!r}")
+
+
 class SolariConfigError(LaunchError):
     """The runtime is not configured well enough to talk to a gateway."""
 
@@ -171,12 +180,7 @@ class SolariRuntime(SandboxRuntime):
         store_credentials_ttl_s: int = 3600,
         rpc_timeout_s: float = 120.0,
     ) -> None:
-        if conduit_mode not in CONDUIT_MODES:
-            raise ValueError(f"conduit_mode must be one of {CONDUIT_MODES}, got {conduit_mode!r}")
-        if session_timeout_s <= 0:
-            raise ValueError("session_timeout_s must be positive (seconds)")
-        if not str(guest_dir).startswith("/"):
-            raise ValueError(f"guest_dir must be an absolute path inside the VM, got {guest_dir!r}")
+        _check_options(conduit_mode, session_timeout_s, guest_dir)
         self.base_url = (base_url or os.environ.get("SOLARI_BASE_URL") or "").rstrip("/") or None
         secret = api_key.get_secret_value() if hasattr(api_key, "get_secret_value") else api_key
         self._api_key: str | None = secret or os.environ.get("SOLARI_API_KEY") or None
