@@ -393,7 +393,7 @@ class SandboxRuntime(ABC):
         """The name with what decides its isolation, for notes and ``doctor`` (``container(kata)``)."""
         return self.name
 
-    # The warm pool's optional half of the seam (capabilities.WarmRuntime, SnapshotRuntime):
+    # The warm pool's optional half of the seam (runtimes.optional: WarmRuntime, SnapshotRuntime):
     # the answers of a runtime that declares neither.
 
     def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
