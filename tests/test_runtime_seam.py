@@ -101,3 +101,39 @@ def test_failure_kinds_keep_their_strings_and_wordings() -> None:
     assert FailureKind.KILLED.crash_how == "was killed"
     assert FailureKind.NO_RESULT.crash_how == "ended without reporting"
     assert FailureKind.EGRESS.crash_how == "failed"
+
+
+def test_declared_options_are_the_constructors_keywords() -> None:
+    """``capabilities.options`` is what best_available's common options may set: it must
+    name exactly the keywords each registered runtime's constructor takes."""
+    import inspect
+
+    from prefect_resoluto.runtimes import RUNTIMES
+
+    for name in RUNTIMES:
+        cls = RUNTIMES[name]
+        params = inspect.signature(cls.__init__).parameters.values()
+        named = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):  # kubernetes: its options' fields
+            from prefect_resoluto.runtimes.kubernetes import KubernetesOptions
+
+            named |= set(KubernetesOptions.__dataclass_fields__)
+        assert cls.capabilities.options == frozenset(named), name
+
+
+def test_old_capability_flags_fold_into_the_declaration() -> None:
+    """A runtime class written against the flags that came before ``capabilities``
+    (``supports_local_conduit = False``) is answered the same through either spelling."""
+
+    class Remote(type(get_runtime("process"))):  # type: ignore[misc]
+        supports_local_conduit = False
+
+    caps = Remote.capabilities
+    assert not (caps.local_conduit or caps.host_credentials or caps.host_loopback or caps.host_python)
+    assert not caps.on_host and caps.warm and Remote.supports_local_conduit is False
+    k8s = get_runtime("kubernetes", image="x")
+    assert (k8s.supports_local_conduit, k8s.remote, k8s.capabilities.on_host) == (False, False, False)
+    from prefect_resoluto.runtimes import RUNTIMES
+
+    solari = RUNTIMES["solari"]
+    assert (solari.supports_local_conduit, solari.remote, solari.capabilities.on_host) == (True, True, False)

@@ -46,7 +46,7 @@ def doctor_report() -> dict[str, Any]:
         }
         try:
             cls = runtimes.RUNTIMES[name]
-            r["local"] = bool(cls.supports_local_conduit)
+            r["local"] = cls.capabilities.local_conduit
             rt = cls(**options)
         except Exception as e:  # e.g. kubernetes without a usable configuration
             r["why"] = f"cannot be configured: {type(e).__name__}: {e}"
@@ -116,7 +116,7 @@ def _egress_row(rt: SandboxRuntime) -> dict[str, Any]:
         support = Availability.refused(f"probe failed: {type(e).__name__}: {e}")
     if not support.ok:
         return {"enforced": False, "why": support.why}
-    if rt.egress_by_name:
+    if rt.capabilities.egress_by_name:
         how = "by name: per-run proxy (CONNECT + SNI/Host + DNS), host-side; IMDS and private ranges refused"
         detail = f"{how}; {support.detail}" if support.detail else how
     else:

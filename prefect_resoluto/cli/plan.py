@@ -122,9 +122,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def takes_image(runtime: SandboxRuntime) -> bool:
-    import inspect
-
-    return "image" in inspect.signature(type(runtime).__init__).parameters
+    return runtime.capabilities.takes_image
 
 
 def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fresh: bool = True) -> RunPlan:
@@ -133,22 +131,10 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     ``fresh``: refuse a node id that already has objects in the conduit (``run``; a
     ``render`` puts nothing there).
     """
-    from guest_runner import archive, wire
-    from guest_runner.conduit import ConduitError
-    from guest_runner.conduit.registry import conduit_from_url
     from guest_runner.redact import Redactor
-    from prefect_resoluto.node.spec import NodeSpec
-    from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
-    from prefect_resoluto.runtimes.base import Resources, parse_quantity
-    from prefect_resoluto.settings.config import (
-        check_conduit_fits,
-        check_store_reachable,
-        default_conduit_url,
-    )
+    from prefect_resoluto.runtimes.base import parse_quantity
 
-    argv = strip_dashdash(args.argv)
-    if not argv or not argv[0]:
-        raise UsageError(f"no command given: put it after '--', e.g. {PROG} run -- python3 -c 'print(1)'")
+    argv = _command(args)
     env = parse_pairs(args.env, "--env")
     secret_env = parse_secret_env(args.secret_env)
     labels = parse_pairs(args.label, "--label")
@@ -156,21 +142,66 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
     check_flags(args)
     level = floor(args.min_isolation)
     output_limit = parse_quantity(args.output_limit) if args.output_limit else None
+    workspace = _workspace(args)
+    outputs = _output_patterns(args)
+    run_id, node_id = _ids(args)
+    outputs_dir = Path(args.outputs_dir).expanduser() if args.outputs_dir else Path(DEFAULT_OUTPUTS) / node_id
+    outputs_dir = outputs_dir.absolute()  # relative to the cwd the user ran us in
+    conduit = _conduit(args)
+    runtime = _runtime(args, pick, options, conduit)
+    spec = _node_spec(
+        args,
+        _NodeInputs(
+            run_id, node_id, argv, workspace, outputs, env, secret_env, labels, outputs_dir, output_limit
+        ),
+        level,
+    )
+    _check_spec(spec, runtime)
+    if fresh:
+        _check_fresh(conduit, run_id, node_id)
+    return RunPlan(
+        spec=spec,
+        conduit=conduit,
+        runtime=runtime,
+        floor=level,
+        silence_window=spec.silence_window,
+        redactor=Redactor(secret_env.values()),
+        labels=labels,
+    )
 
-    workspace: Path | None = None
-    if args.workspace is not None:
-        workspace = Path(args.workspace).expanduser()
-        if not workspace.exists():
-            raise UsageError(f"workspace directory {str(workspace)!r} does not exist")
-        if not workspace.is_dir():
-            raise UsageError(f"workspace {str(workspace)!r} is not a directory")
-        workspace = workspace.resolve()
+
+def _command(args: argparse.Namespace) -> list[str]:
+    argv = strip_dashdash(args.argv)
+    if not argv or not argv[0]:
+        raise UsageError(f"no command given: put it after '--', e.g. {PROG} run -- python3 -c 'print(1)'")
+    return argv
+
+
+def _workspace(args: argparse.Namespace) -> Path | None:
+    if args.workspace is None:
+        return None
+    workspace = Path(args.workspace).expanduser()
+    if not workspace.exists():
+        raise UsageError(f"workspace directory {str(workspace)!r} does not exist")
+    if not workspace.is_dir():
+        raise UsageError(f"workspace {str(workspace)!r} is not a directory")
+    return workspace.resolve()
+
+
+def _output_patterns(args: argparse.Namespace) -> list[str]:
+    from guest_runner import archive
+
     outputs = list(args.output or [])
     for pattern in outputs:
         try:
             archive.check_pattern(pattern)
         except ValueError as e:
             raise UsageError(f"--output: {e}") from None
+    return outputs
+
+
+def _ids(args: argparse.Namespace) -> tuple[str, str]:
+    from guest_runner import wire
 
     run_id = args.run_id or uuid.uuid4().hex
     node_id = args.node_id or f"cli-{uuid.uuid4().hex[:12]}"
@@ -179,14 +210,26 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
             wire.check_id(value, what)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    outputs_dir = Path(args.outputs_dir).expanduser() if args.outputs_dir else Path(DEFAULT_OUTPUTS) / node_id
-    outputs_dir = outputs_dir.absolute()  # relative to the cwd the user ran us in
+    return run_id, node_id
 
-    conduit_url = args.conduit or default_conduit_url()
+
+def _conduit(args: argparse.Namespace) -> Conduit:
+    from guest_runner.conduit import ConduitError
+    from guest_runner.conduit.registry import conduit_from_url
+    from prefect_resoluto.settings.config import default_conduit_url
+
+    url = args.conduit or default_conduit_url()
     try:
-        conduit = conduit_from_url(conduit_url)
+        return conduit_from_url(url)
     except (ValueError, ImportError, ConduitError) as e:
         raise UsageError(f"--conduit: {e}") from None
+
+
+def _runtime(
+    args: argparse.Namespace, pick: RuntimePicker, options: dict[str, Any], conduit: Conduit
+) -> SandboxRuntime:
+    """The picked runtime, refused when the conduit or ``--image`` does not fit it."""
+    from prefect_resoluto.settings.config import check_conduit_fits, check_store_reachable
 
     runtime = pick(args, options)
     try:
@@ -199,52 +242,74 @@ def plan_node(args: argparse.Namespace, pick: RuntimePicker = pick_local, *, fre
             f"runtime {runtime.name!r} does not run images (it uses the host's /usr); "
             "--image applies to the container and kubernetes runtimes"
         )
+    return runtime
 
-    spec = NodeSpec(
-        run_id=run_id,
-        node_id=node_id,
-        argv=argv,
-        workspace=workspace,
-        output_paths=outputs,
-        env=env,
-        secret_env=secret_env,
+
+@dataclass(frozen=True)
+class _NodeInputs:
+    """What :func:`plan_node` parsed and checked before the spec is built."""
+
+    run_id: str
+    node_id: str
+    argv: list[str]
+    workspace: Path | None
+    outputs: list[str]
+    env: dict[str, str]
+    secret_env: dict[str, str]
+    labels: dict[str, str]
+    outputs_dir: Path
+    output_limit: int | None
+
+
+def _node_spec(args: argparse.Namespace, i: _NodeInputs, level: IsolationLevel) -> NodeSpec:
+    from prefect_resoluto.node.spec import NodeSpec
+    from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
+    from prefect_resoluto.runtimes.base import Resources
+
+    return NodeSpec(
+        run_id=i.run_id,
+        node_id=i.node_id,
+        argv=i.argv,
+        workspace=i.workspace,
+        output_paths=i.outputs,
+        env=i.env,
+        secret_env=i.secret_env,
         resources=Resources.from_quantities(
             memory=args.memory, cpus=args.cpus, disk=args.disk, pids=args.pids
         ),
-        labels={**labels, LABEL_SOURCE: "cli"},
+        labels={**i.labels, LABEL_SOURCE: "cli"},
         image=args.image,
-        outputs_dir=outputs_dir,
+        outputs_dir=i.outputs_dir,
         egress=list(args.egress or []),
         egress_resolve=parse_pairs(args.egress_resolve, "--egress-resolve"),
         setup_egress=list(args.setup_egress) if args.setup_egress is not None else None,
         setup_argv=["sh", "-c", args.setup] if args.setup else None,
-        output_limit=output_limit,
+        output_limit=i.output_limit,
         min_isolation=level,
         silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
     )
+
+
+def _check_spec(spec: NodeSpec, runtime: SandboxRuntime) -> None:
     try:
         spec.validate()
-        if runtime.egress_by_name:
+        if runtime.capabilities.egress_by_name:
             spec.network_request()
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
-    if fresh:
-        # Conduit objects are immutable evidence: never run a second node into the same place.
-        try:
-            taken = conduit.list_prefix(wire.node_prefix(run_id, node_id) + "/")
-        except ConduitError as e:
-            raise UsageError(f"conduit {conduit.url} is not usable: {e}") from None
-        if taken:
-            raise UsageError(
-                f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
-                "pick another --node-id (or --run-id)"
-            )
-    return RunPlan(
-        spec=spec,
-        conduit=conduit,
-        runtime=runtime,
-        floor=level,
-        silence_window=spec.silence_window,
-        redactor=Redactor(secret_env.values()),
-        labels=labels,
-    )
+
+
+def _check_fresh(conduit: Conduit, run_id: str, node_id: str) -> None:
+    """Conduit objects are immutable evidence: never run a second node into the same place."""
+    from guest_runner import wire
+    from guest_runner.conduit import ConduitError
+
+    try:
+        taken = conduit.list_prefix(wire.node_prefix(run_id, node_id) + "/")
+    except ConduitError as e:
+        raise UsageError(f"conduit {conduit.url} is not usable: {e}") from None
+    if taken:
+        raise UsageError(
+            f"node {node_id!r} of run {run_id!r} already has objects in {conduit.url}; "
+            "pick another --node-id (or --run-id)"
+        )

@@ -24,11 +24,7 @@ def main(args: argparse.Namespace) -> int:
         if name not in runtimes.RUNTIMES:
             raise UsageError(f"unknown runtime {name!r}; known runtimes: {', '.join(known_runtimes())}")
     if not explicit:  # remote runtimes (kubernetes) only when named: their sweep is a cluster call
-        names = [
-            n
-            for n in runtimes.RUNTIMES
-            if runtimes.RUNTIMES[n].supports_local_conduit and not runtimes.RUNTIMES[n].remote
-        ]
+        names = [n for n in runtimes.RUNTIMES if runtimes.RUNTIMES[n].capabilities.on_host]
     chosen: list[tuple[str, SandboxRuntime | None, str]] = []
     for name in names:
         try:
@@ -48,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
             continue
         try:
             report["reaped"][name] = picked.sweep(labels)
-            if not labels and getattr(picked, "supports_snapshots", False):
+            if not labels and picked.capabilities.snapshots:
                 # Warm-sandbox images hold no node, but are the runtime's state: a full sweep clears it.
                 from prefect_resoluto.warm import snapshots
 

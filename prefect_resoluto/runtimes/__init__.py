@@ -7,7 +7,6 @@ Kubernetes one pulls in a client library), so adding one is a line in ``_PATHS``
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from .base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from .capabilities import Capabilities
 
 _PATHS: dict[str, str] = {
     "process": "prefect_resoluto.runtimes.process:ProcessRuntime",
@@ -83,7 +83,8 @@ def best_available(
 ) -> SandboxRuntime | None:
     """The strongest local runtime available here at or above ``min_level``, or None.
 
-    ``common`` options (e.g. ``state_dir``) go to every candidate that accepts them.
+    ``common`` options (e.g. ``state_dir``) go to every candidate that declares them
+    (``capabilities.options``).
     :func:`why_unavailable` explains a None.
     """
     return _pick(IsolationLevel.parse(min_level), common)[0]
@@ -102,7 +103,7 @@ def _pick(floor: IsolationLevel, common: dict[str, Any]) -> tuple[SandboxRuntime
     reasons: list[str] = []
     for name, options in _PREFERENCE:
         cls = RUNTIMES[name]
-        rt = cls(**options, **_accepted(cls, common))
+        rt = cls(**options, **cls.capabilities.accepted(common))
         label = f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})" if options else name
         if rt.isolation < floor:
             reasons.append(f"{label}: isolation {rt.isolation.label} is below {floor.label}")
@@ -114,14 +115,10 @@ def _pick(floor: IsolationLevel, common: dict[str, Any]) -> tuple[SandboxRuntime
     return None, reasons
 
 
-def _accepted(cls: type[Any], options: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in options.items() if k in params}
-
-
 __all__ = [
     "RUNTIMES",
     "Availability",
+    "Capabilities",
     "IsolationLevel",
     "LaunchError",
     "LaunchSpec",

@@ -20,7 +20,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING
 
 from prefect_resoluto import egress
 from prefect_resoluto.runtimes import slot
@@ -175,18 +175,8 @@ class LocalChildRuntime(SandboxRuntime):
         except FileExistsError:
             raise LaunchError(f"a sandbox named {spec.sandbox_id!r} already exists in {self.state}") from None
         key = (self.name, spec.sandbox_id)
-        request = network_request_of(spec)
-        net: SandboxNetwork | None = None
         try:
-            if request is not None:
-                try:
-                    net = egress.attach(request, spec.sandbox_id)
-                except (egress.netns.NetnsError, OSError) as e:
-                    raise LaunchError(
-                        f"{self.name}: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}"
-                    ) from e
-                with _LOCK:
-                    _NETWORKS[key] = request.run_id
+            request, net = self._attach_network(spec)
             prep = self._prepare(spec, d, net)
             if net is not None:
                 prep.extra["egress"] = {
@@ -206,25 +196,7 @@ class LocalChildRuntime(SandboxRuntime):
             )
             rec.save()  # before the child exists, so a crash right after launch is still sweepable
             self._before_start(spec)
-            with open_log(d / LOG_NAME) as log, _closing(prep.pass_fds):
-                proc = subprocess.Popen(
-                    argv,
-                    env=prep.env,
-                    cwd=prep.cwd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.PIPE
-                    if spec.hold_stdin or prep.stdin_data is not None
-                    else subprocess.DEVNULL,
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=prep.pass_fds,
-                )
-            if proc.stdin is not None and spec.hold_stdin:
-                with _LOCK:
-                    _STDIN[key] = proc.stdin
-            elif proc.stdin is not None:
-                _feed(proc.stdin, prep.stdin_data or b"")
+            proc = self._start(spec, d, prep, argv)
         except (OSError, ValueError, LaunchError) as e:
             self._cleanup_failed_launch(spec.sandbox_id, d)
             if isinstance(e, LaunchError):
@@ -243,7 +215,43 @@ class LocalChildRuntime(SandboxRuntime):
             data={"pid": proc.pid, "start_time": rec.start_time, "dir": str(d), **prep.extra},
         )
 
-    supports_warm: ClassVar[bool] = True
+    def _attach_network(self, spec: LaunchSpec) -> tuple[egress.NetworkRequest | None, SandboxNetwork | None]:
+        """The node's egress network, attached (None without a request)."""
+        request = network_request_of(spec)
+        if request is None:
+            return None, None
+        try:
+            net = egress.attach(request, spec.sandbox_id)
+        except (egress.netns.NetnsError, OSError) as e:
+            raise LaunchError(
+                f"{self.name}: cannot give sandbox {spec.sandbox_id!r} its egress network: {e}"
+            ) from e
+        with _LOCK:
+            _NETWORKS[(self.name, spec.sandbox_id)] = request.run_id
+        return request, net
+
+    def _start(self, spec: LaunchSpec, d: Path, prep: Prepared, argv: list[str]) -> subprocess.Popen[bytes]:
+        """The sandbox's child process, its stdin held open (a warm sandbox) or fed and closed."""
+        with open_log(d / LOG_NAME) as log, _closing(prep.pass_fds):
+            proc = subprocess.Popen(
+                argv,
+                env=prep.env,
+                cwd=prep.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE
+                if spec.hold_stdin or prep.stdin_data is not None
+                else subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=prep.pass_fds,
+            )
+        if proc.stdin is not None and spec.hold_stdin:
+            with _LOCK:
+                _STDIN[(self.name, spec.sandbox_id)] = proc.stdin
+        elif proc.stdin is not None:
+            _feed(proc.stdin, prep.stdin_data or b"")
+        return proc
 
     def network_env(self, handle: SandboxHandle) -> dict[str, str]:
         egress = handle.data.get("egress")
@@ -412,7 +420,7 @@ class LocalChildRuntime(SandboxRuntime):
             if labels_match(rec.labels, labels):
                 self._destroy(rec.id)
                 n += 1
-        if self.supports_egress_allowlist:
+        if self.capabilities.egress_allowlist:
             egress.sweep()  # namespaces of hosts that died before they could destroy
         slot.sweep_orphans()  # conduit slots of hosts that died mid-node
         return n

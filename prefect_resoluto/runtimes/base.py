@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from guest_runner import wire
 from prefect_resoluto.host.availability import Availability as Availability
+from prefect_resoluto.runtimes.capabilities import LEGACY_FLAGS, Capabilities, fold_legacy, legacy_flags
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -323,8 +324,8 @@ def check_isolation(runtime: SandboxRuntime, minimum: IsolationLevel | str) -> N
 
 
 class SandboxRuntime(ABC):
-    """One kind of sandbox. Every capability the host asks about is declared here, with
-    the answer of a runtime that lacks it; a runtime overrides what it has."""
+    """One kind of sandbox. What it can do is its ``capabilities``, declared by its class;
+    the warm pool's optional methods below answer as a runtime that declares none."""
 
     name: ClassVar[str] = ""
     #: The interpreter its sandboxes start the guest runner with (None: the host's own).
@@ -356,25 +357,30 @@ class SandboxRuntime(ABC):
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
         """The last ``tail`` lines the substrate saw (forensics; untrusted)."""
 
-    #: Whether the sandbox can reach a local conduit directory (False for remote pods).
-    supports_local_conduit: ClassVar[bool] = True
+    #: What this runtime can do (:mod:`prefect_resoluto.runtimes.capabilities`); each runtime
+    #: class declares its own.
+    capabilities: ClassVar[Capabilities] = Capabilities()
     #: Seconds between status checks while a node runs. Cheap for a local child process;
     #: an API call per sandbox on a cluster, where the conduit carries the fast path.
     status_interval: ClassVar[float] = 0.2
-    #: The sandbox runs on another machine (a hosted gateway): ``sweep`` is a network call made
-    #: only when the runtime is named, and the sandbox has a network of its own.
-    remote: ClassVar[bool] = False
-    #: Whether the runtime can enforce a non-empty egress allowlist.
-    supports_egress_allowlist: ClassVar[bool] = False
-    #: Whether that allowlist is by name through the host's per-run proxy (local runtimes),
-    #: rather than by CIDR (Kubernetes NetworkPolicy).
-    egress_by_name: ClassVar[bool] = False
 
-    #: Whether the pool may keep sandboxes of this runtime warm (``assign`` works).
-    supports_warm: ClassVar[bool] = False
-    #: Whether a local conduit reaches the sandbox through a bind mount that follows its
-    #: directory when the host renames it (False: the guest sees host paths as they are).
-    mounts_conduit: ClassVar[bool] = True
+    # The flags runtimes declared before ``capabilities``, published from it (and folded into
+    # it when a runtime class still sets one itself): see ``capabilities.LEGACY_FLAGS``.
+    supports_local_conduit: ClassVar[bool]
+    remote: ClassVar[bool]
+    mounts_conduit: ClassVar[bool]
+    supports_egress_allowlist: ClassVar[bool]
+    egress_by_name: ClassVar[bool]
+    supports_warm: ClassVar[bool]
+    supports_snapshots: ClassVar[bool]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = {k: v for k, v in vars(cls).items() if k in LEGACY_FLAGS}
+        inherited = legacy_flags(cls.capabilities)
+        cls.capabilities = fold_legacy(cls.capabilities, own, inherited)
+        for k, v in legacy_flags(cls.capabilities).items():
+            setattr(cls, k, v)
 
     @property
     def state(self) -> Path | None:
@@ -387,13 +393,12 @@ class SandboxRuntime(ABC):
         """The name with what decides its isolation, for notes and ``doctor`` (``container(kata)``)."""
         return self.name
 
+    # The warm pool's optional half of the seam (runtimes.optional: WarmRuntime, SnapshotRuntime):
+    # the answers of a runtime that declares neither.
+
     def assign(self, handle: SandboxHandle, data: bytes, labels: dict[str, str] | None = None) -> None:
         """Deliver a warm sandbox's assignment on its private channel, once."""
         raise LaunchError(f"runtime {self.name!r} cannot keep sandboxes warm")
-
-    #: Whether a warm sandbox can be checkpointed and others restored from its image
-    #: (``checkpoint``, ``restore``, ``snapshot_fingerprint``; the pool's snapshots).
-    supports_snapshots: ClassVar[bool] = False
 
     def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:
         """Write ``handle``'s checkpoint into the new directory ``image``; the sandbox stops."""
@@ -425,24 +430,28 @@ class SandboxRuntime(ABC):
     def egress_support(self) -> Availability:
         """Whether this runtime can enforce an allowlist here (for ``doctor``); ``detail``
         adds what the runtime's own network stack reports, when it has one to report."""
-        if not self.supports_egress_allowlist:
+        if not self.capabilities.egress_allowlist:
             return Availability.refused(
                 f"runtime {self.name!r} cannot enforce an egress allowlist (its sandboxes get no network)"
             )
-        if self.egress_by_name:
+        if self.capabilities.egress_by_name:
             from prefect_resoluto import egress
 
             return egress.available()
         return Availability(True)
 
     def check_spec(self, spec: LaunchSpec) -> None:
-        if (spec.egress or spec.network is not None) and not self.supports_egress_allowlist:
+        if (spec.egress or spec.network is not None) and not self.capabilities.egress_allowlist:
             raise LaunchError(
                 f"runtime {self.name!r} cannot enforce an egress allowlist; refusing to run "
                 f"with egress={spec.egress!r} (sandboxes here get no network at all)"
             )
-        if spec.network is not None and not self.egress_by_name:
+        if spec.network is not None and not self.capabilities.egress_by_name:
             raise LaunchError(
                 f"runtime {self.name!r} enforces egress by address (CIDR), not by name: per-name "
                 "allowlists, setup_egress and egress_forward need a local runtime"
             )
+
+
+for _flag, _value in legacy_flags(SandboxRuntime.capabilities).items():
+    setattr(SandboxRuntime, _flag, _value)

@@ -24,12 +24,14 @@ from ._guest_layout import (
     WORKLOAD_PIDNS_ENV,
     WORKLOAD_USER,
     WORKLOAD_USER_ENV,
+    GuestLayout,
     add_network,
     guest_layout,
     runs_guest_runner,
 )
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchError, LaunchSpec
+from .capabilities import Capabilities
 
 if TYPE_CHECKING:
     from prefect_resoluto.egress import SandboxNetwork
@@ -94,10 +96,38 @@ def workload_userns() -> int:
         holder.wait()
 
 
+def _mount_args(lay: GuestLayout, tmpfs_bytes: int | None) -> list[str]:
+    """The layout's scratch mounts, binds and links as bwrap options, in the order they must go."""
+    argv: list[str] = []
+    # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
+    # host tree that lives under /tmp (a checkout or virtualenv there).
+    for dst in lay.tmpfs:
+        argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
+        if tmpfs_bytes:
+            argv += ["--size", str(tmpfs_bytes)]
+        argv += ["--tmpfs", dst]
+    # bwrap makes a bind's missing parents 0700: traversable by root only, and the
+    # workload's user must reach the interpreter bound below them.
+    parents = {str(p) for _, dst in lay.ro_binds + lay.rw_binds for p in Path(dst).parents}
+    for d in sorted(parents - {"/"}, key=lambda p: (p.count("/"), p)):
+        argv += ["--perms", "0755", "--dir", d]
+    for src, dst in lay.ro_binds:
+        argv += ["--ro-bind", src, dst]
+    for target, dst in lay.symlinks:
+        argv += ["--symlink", target, dst]
+    for src, dst in lay.rw_binds:
+        argv += ["--bind", src, dst]
+    return argv
+
+
 class BubblewrapRuntime(LocalChildRuntime):
     name: ClassVar[str] = "bubblewrap"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        warm=True,
+        options=frozenset({"bwrap", "python", "state_dir", "limits", "extra_ro_paths"}),
+    )
 
     def __init__(
         self,
@@ -201,24 +231,7 @@ class BubblewrapRuntime(LocalChildRuntime):
             "--dev",
             "/dev",
         ]
-        # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
-        # host tree that lives under /tmp (a checkout or virtualenv there).
-        for dst in lay.tmpfs:
-            argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
-            if spec.resources.tmpfs_bytes:
-                argv += ["--size", str(spec.resources.tmpfs_bytes)]
-            argv += ["--tmpfs", dst]
-        # bwrap makes a bind's missing parents 0700: traversable by root only, and the
-        # workload's user must reach the interpreter bound below them.
-        parents = {str(p) for _, dst in lay.ro_binds + lay.rw_binds for p in Path(dst).parents}
-        for d in sorted(parents - {"/"}, key=lambda p: (p.count("/"), p)):
-            argv += ["--perms", "0755", "--dir", d]
-        for src, dst in lay.ro_binds:
-            argv += ["--ro-bind", src, dst]
-        for target, dst in lay.symlinks:
-            argv += ["--symlink", target, dst]
-        for src, dst in lay.rw_binds:
-            argv += ["--bind", src, dst]
+        argv += _mount_args(lay, spec.resources.tmpfs_bytes)
         # The environment is bwrap's own (set exactly by Popen), not --clearenv/--setenv:
         # secrets on an argv would be readable by every host user in /proc/<pid>/cmdline.
         # PWD is pinned because the cgroup wrapper's shell exports its own.

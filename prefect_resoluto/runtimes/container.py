@@ -39,6 +39,7 @@ from prefect_resoluto.runtimes import slot
 from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_USER_ENV,
+    GuestLayout,
     add_network,
     guest_layout,
     remove_tree,
@@ -51,10 +52,12 @@ from .base import (
     IsolationLevel,
     LaunchError,
     LaunchSpec,
+    Resources,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
 )
+from .capabilities import Capabilities
 
 MARKER_LABEL = "io.resoluto.sandbox"
 SKELETON_IMAGE = "localhost/resoluto-skeleton:1"
@@ -105,8 +108,26 @@ def skeleton_tar() -> bytes:
 
 class ContainerRuntime(SandboxRuntime):
     name: ClassVar[str] = "container"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        options=frozenset(
+            {
+                "engine",
+                "engine_path",
+                "oci_runtime",
+                "image",
+                "host_python",
+                "python",
+                "address",
+                "namespace",
+                "read_only",
+                "runtime_flags",
+                "extra_run_args",
+                "state_dir",
+            }
+        ),
+    )
 
     def __init__(
         self,
@@ -281,20 +302,8 @@ class ContainerRuntime(SandboxRuntime):
         ]
         if self.engine == "podman":
             argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096", "--pull", "never"]
-        if WORKLOAD_USER_ENV in lay.env:
-            # The guest runner keeps only what it needs to start the workload as another
-            # user (guest_runner/privsep.py); nothing started in here gains a privilege.
-            argv += ["--cap-drop", "all", "--cap-add", ",".join(RUNNER_CAPS)]
-            argv += ["--security-opt", "no-new-privileges"]
-        if self.read_only:
-            argv.append("--read-only")
-        r = spec.resources
-        if r.memory_bytes:
-            argv += ["--memory", str(r.memory_bytes), "--memory-swap", str(r.memory_bytes)]
-        if r.cpus:
-            argv += ["--cpus", f"{r.cpus:g}"]
-        if r.pids:
-            argv += ["--pids-limit", str(r.pids)]
+        argv += self._privilege_args(lay)
+        argv += _resource_args(spec.resources)
         argv += ["--label", f"{MARKER_LABEL}=true"]
         for k, v in spec.labels.items():
             argv += ["--label", f"{k}={v}"]
@@ -303,20 +312,19 @@ class ContainerRuntime(SandboxRuntime):
                 argv += ["-e", f"{k}={v}"]
         if env_file:
             argv += ["--env-file", env_file]
-        for src, dst in lay.ro_binds:
-            argv += ["-v", f"{src}:{dst}:ro"]
-        for src, dst in lay.rw_binds:
-            argv += ["-v", f"{src}:{dst}:rw"]
-        for _link, dst in lay.symlinks:
-            if dst.startswith("/etc/"):
-                # The skeleton has no /etc entries; bind what the link points at instead.
-                target = os.path.realpath(dst)
-                if os.path.exists(target):
-                    argv += ["-v", f"{target}:{dst}:ro"]
-        for dst in lay.tmpfs:
-            size = f",size={r.tmpfs_bytes}" if r.tmpfs_bytes else ""
-            argv += ["--tmpfs", f"{dst}:rw,mode=1777{size}"]
+        argv += _mount_args(lay, spec.resources)
         argv += [*self.extra_run_args, image, *lay.argv]
+        return argv
+
+    def _privilege_args(self, lay: GuestLayout) -> list[str]:
+        argv: list[str] = []
+        if WORKLOAD_USER_ENV in lay.env:
+            # The guest runner keeps only what it needs to start the workload as another
+            # user (guest_runner/privsep.py); nothing started in here gains a privilege.
+            argv += ["--cap-drop", "all", "--cap-add", ",".join(RUNNER_CAPS)]
+            argv += ["--security-opt", "no-new-privileges"]
+        if self.read_only:
+            argv.append("--read-only")
         return argv
 
     def _net_dir(self, sandbox_id: str) -> Path:
@@ -551,3 +559,33 @@ def status_from_state(state: dict[str, Any]) -> SandboxStatus:
     if phase == "removing":
         return SandboxStatus("failed", reason="container is being removed", gone=True)
     return SandboxStatus("unknown", reason=f"container state {phase!r}")
+
+
+def _resource_args(r: Resources) -> list[str]:
+    argv: list[str] = []
+    if r.memory_bytes:
+        argv += ["--memory", str(r.memory_bytes), "--memory-swap", str(r.memory_bytes)]
+    if r.cpus:
+        argv += ["--cpus", f"{r.cpus:g}"]
+    if r.pids:
+        argv += ["--pids-limit", str(r.pids)]
+    return argv
+
+
+def _mount_args(lay: GuestLayout, r: Resources) -> list[str]:
+    """The layout's binds and scratch mounts as ``run`` options."""
+    argv: list[str] = []
+    for src, dst in lay.ro_binds:
+        argv += ["-v", f"{src}:{dst}:ro"]
+    for src, dst in lay.rw_binds:
+        argv += ["-v", f"{src}:{dst}:rw"]
+    for _link, dst in lay.symlinks:
+        if dst.startswith("/etc/"):
+            # The skeleton has no /etc entries; bind what the link points at instead.
+            target = os.path.realpath(dst)
+            if os.path.exists(target):
+                argv += ["-v", f"{target}:{dst}:ro"]
+    for dst in lay.tmpfs:
+        size = f",size={r.tmpfs_bytes}" if r.tmpfs_bytes else ""
+        argv += ["--tmpfs", f"{dst}:rw,mode=1777{size}"]
+    return argv

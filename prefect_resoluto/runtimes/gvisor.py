@@ -51,9 +51,11 @@ from .base import (
     IsolationLevel,
     LaunchError,
     LaunchSpec,
+    Resources,
     SandboxHandle,
     SandboxStatus,
 )
+from .capabilities import Capabilities
 
 LABEL_PREFIX = "io.resoluto.label/"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -161,10 +163,60 @@ def _probe_run(exe: str, flags: tuple[str, ...], netns: str | None = None) -> st
         return "" if res.returncode == 0 else (res.stderr.strip() or f"exit code {res.returncode}")[-400:]
 
 
+def _oci_mounts(lay: GuestLayout, r: Resources) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"],
+        },
+    ]
+    for dst in lay.tmpfs:
+        opts = ["nosuid", "nodev", "mode=1777"]
+        if r.tmpfs_bytes:  # gVisor's tmpfs is sandbox memory: never larger than the limit
+            opts.append(f"size={r.tmpfs_bytes}")
+        mounts.append({"destination": dst, "type": "tmpfs", "source": "tmpfs", "options": opts})
+    for src, dst in lay.ro_binds:
+        mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro"]})
+    for src, dst in lay.rw_binds:
+        mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "rw"]})
+    return mounts
+
+
+def _oci_resources(r: Resources) -> dict[str, Any]:
+    resources: dict[str, Any] = {}
+    if r.memory_bytes:
+        resources["memory"] = {"limit": r.memory_bytes, "swap": r.memory_bytes}
+    if r.pids:
+        resources["pids"] = {"limit": r.pids}
+    if r.cpus:
+        resources["cpu"] = {"quota": int(r.cpus * 100_000), "period": 100_000}
+    return resources
+
+
 class GVisorRuntime(LocalChildRuntime):
     name: ClassVar[str] = "gvisor"
-    supports_egress_allowlist: ClassVar[bool] = True
-    egress_by_name: ClassVar[bool] = True
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        egress_allowlist=True,
+        egress_by_name=True,
+        warm=True,
+        snapshots=True,
+        options=frozenset(
+            {
+                "runsc",
+                "platform",
+                "python",
+                "state_dir",
+                "ignore_cgroups",
+                "debug",
+                "extra_ro_paths",
+                "runsc_flags",
+            }
+        ),
+    )
 
     def __init__(
         self,
@@ -284,33 +336,8 @@ class GVisorRuntime(LocalChildRuntime):
     def bundle_config(self, spec: LaunchSpec, lay: GuestLayout, netns: str | None = None) -> dict[str, Any]:
         """The OCI config.json for ``spec`` (public for tests). With ``netns`` the sandbox
         joins that prepared namespace; without, runsc makes an empty one."""
-        r = spec.resources
-        mounts: list[dict[str, Any]] = [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-            {
-                "destination": "/sys",
-                "type": "sysfs",
-                "source": "sysfs",
-                "options": ["nosuid", "noexec", "nodev", "ro"],
-            },
-        ]
-        for dst in lay.tmpfs:
-            opts = ["nosuid", "nodev", "mode=1777"]
-            if r.tmpfs_bytes:  # gVisor's tmpfs is sandbox memory: never larger than the limit
-                opts.append(f"size={r.tmpfs_bytes}")
-            mounts.append({"destination": dst, "type": "tmpfs", "source": "tmpfs", "options": opts})
-        for src, dst in lay.ro_binds:
-            mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro"]})
-        for src, dst in lay.rw_binds:
-            mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rbind", "rw"]})
-        resources: dict[str, Any] = {}
-        if r.memory_bytes:
-            resources["memory"] = {"limit": r.memory_bytes, "swap": r.memory_bytes}
-        if r.pids:
-            resources["pids"] = {"limit": r.pids}
-        if r.cpus:
-            resources["cpu"] = {"quota": int(r.cpus * 100_000), "period": 100_000}
+        mounts = _oci_mounts(lay, spec.resources)
+        resources = _oci_resources(spec.resources)
         env = {k: v for k, v in lay.env.items() if k not in spec.secret_env}
         argv = lay.argv
         # The guest runner keeps the few capabilities it needs to start the workload as
@@ -417,8 +444,6 @@ class GVisorRuntime(LocalChildRuntime):
             raise LaunchError(f"cannot create a cgroup for sandbox {spec.sandbox_id!r}: {e}") from e
 
     # ----------------------------------------------------------------- snapshots
-
-    supports_snapshots: ClassVar[bool] = True
 
     def snapshot_fingerprint(self) -> str:
         """What an image depends on besides the guest: this runsc, its platform, flags and mounts."""

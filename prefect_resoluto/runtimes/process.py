@@ -24,11 +24,14 @@ from guest_runner import wire
 from ._guest_layout import WORKLOAD_USER_ENV, conduit_host_dir, guest_runner_dir, sandbox_env
 from ._local import LocalChildRuntime, Prepared
 from .base import Availability, IsolationLevel, LaunchSpec
+from .capabilities import Capabilities
 
 
 class ProcessRuntime(LocalChildRuntime):
     name: ClassVar[str] = "process"
-    mounts_conduit: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        mounts_conduit=False, warm=True, options=frozenset({"python", "state_dir", "limits", "workload_user"})
+    )
 
     def __init__(
         self,

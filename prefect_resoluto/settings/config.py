@@ -75,7 +75,7 @@ class SandboxConfig(SandboxSettings):
 
 def check_conduit_fits(runtime: SandboxRuntime, conduit: Conduit) -> None:
     """Which conduit fits which runtime: the one rule the task runner, the worker and the CLI apply."""
-    if isinstance(conduit, LocalConduit) and not runtime.supports_local_conduit:
+    if isinstance(conduit, LocalConduit) and not runtime.capabilities.local_conduit:
         raise ValueError(
             f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the local "
             f"conduit directory {conduit.root}; configure an S3 conduit (s3://bucket/prefix)"
@@ -90,8 +90,7 @@ def check_store_reachable(runtime: SandboxRuntime, conduit: Conduit) -> None:
     worker's always have a network (the API gateway), so neither can decide it up front."""
     if (
         not isinstance(conduit, LocalConduit)
-        and runtime.supports_local_conduit
-        and not runtime.remote
+        and runtime.capabilities.on_host
         and runtime.isolation > IsolationLevel.NONE
     ):
         raise ValueError(

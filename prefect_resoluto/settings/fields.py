@@ -609,11 +609,11 @@ def check_value(name: str, value: Any) -> None:
         s.check(value)
 
 
-def keyword_signature(fn: Callable[..., Any], *, keep: tuple[str, ...] = ("self",)) -> inspect.Signature:
+def with_setting_keywords(fn: Callable[..., Any], *, keep: tuple[str, ...] = ("self",)) -> inspect.Signature:
     """``fn``'s signature with its ``**options`` spelt out as one keyword per setting of
     :attr:`Surface.RUNNER` (default None: the block's or the built-in value), for help(),
     IDEs and ``inspect``; the parameters named in ``keep`` stay as ``fn`` declares them."""
-    own = inspect.signature(fn)
+    own = inspect.Signature.from_callable(fn)
     kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     first = [p for p in kept if p.name in keep]
     rest = [p for p in kept if p.name not in keep]

@@ -32,7 +32,7 @@ from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.runtimes.labels import LABEL_FLOW_RUN, label_value, task_run_labels
 from prefect_resoluto.settings.config import SandboxConfig, default_outputs_root
-from prefect_resoluto.settings.fields import keyword_signature, unknown_keywords
+from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
 from prefect_resoluto.task_runner import call_spec as pycall
 from prefect_resoluto.task_runner import python_calls as python_tasks
 from prefect_resoluto.task_runner import remote_traceback
@@ -98,7 +98,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         super().__init__(max_workers=max_workers)
         self._reset_state()
 
-    setattr(__init__, "__signature__", keyword_signature(__init__, keep=("self", "sandbox")))  # noqa: B010
+    setattr(__init__, "__signature__", with_setting_keywords(__init__, keep=("self", "sandbox")))  # noqa: B010
 
     def _reset_state(self) -> None:
         self._config: SandboxConfig | None = None

@@ -10,7 +10,6 @@ network decision (how the sandbox reaches the Prefect API, and nothing else) is
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import ipaddress
 import re
 import socket
@@ -194,8 +193,7 @@ def with_code_mounts(cfg: SandboxConfig, runtime_name: str, directories: list[st
         return cfg
     from prefect_resoluto.runtimes import RUNTIMES
 
-    cls = RUNTIMES[runtime_name]
-    if "extra_ro_paths" not in inspect.signature(cls.__init__).parameters:
+    if not RUNTIMES[runtime_name].capabilities.takes_extra_ro_paths:
         return cfg  # process sees host paths as they are; images and pods bring their own code
     have = list(cfg.runtime_options.get("extra_ro_paths") or [])
     return cfg.replace(runtime_options={"extra_ro_paths": list(dict.fromkeys(have + directories))})

@@ -6,6 +6,7 @@ One job per module:
 * :mod:`.status` -- what a pod's phase, container reasons and conditions mean for the node (pure);
 * :mod:`.api` -- the pinned cluster connection, retries and error messages;
 * :mod:`.store` -- the store's address for the NetworkPolicy, the guest bundle uploaded once per run;
+* :mod:`.options` -- :class:`KubernetesOptions`, the runtime's settings as one frozen value;
 * :mod:`.runtime` -- :class:`KubernetesRuntime` (launch/status/destroy/sweep/logs), composing them;
 * :mod:`.render` -- the same objects as YAML for ``prefect-resoluto render`` (imports PyYAML).
 
@@ -35,11 +36,12 @@ from prefect_resoluto.runtimes.kubernetes.manifests import (
     pod_name,
     sanitise_labels,
 )
-from prefect_resoluto.runtimes.kubernetes.runtime import (
+from prefect_resoluto.runtimes.kubernetes.options import (
     DEFAULT_NAMESPACE,
-    KubernetesRuntime,
+    KubernetesOptions,
     isolation_of_runtime_class,
 )
+from prefect_resoluto.runtimes.kubernetes.runtime import KubernetesRuntime
 from prefect_resoluto.runtimes.kubernetes.status import FATAL_WAITING_REASONS, INFRA_POD_REASONS
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "TOKEN_ANNOTATION",
     "KubernetesApiError",
     "KubernetesConfigError",
+    "KubernetesOptions",
     "KubernetesRuntime",
     "Manifests",
     "dns_name",

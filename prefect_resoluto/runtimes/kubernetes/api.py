@@ -138,6 +138,31 @@ class KubernetesApi:
                 f"no kubeconfig found at {kubeconfig} and not running inside a cluster; point "
                 "KUBECONFIG (or kubeconfig=) at one and pin its context with RESOLUTO_SANDBOX_KUBECONTEXT"
             )
+        context = self._context(kubeconfig)
+        cfg = self._configuration()
+        try:
+            config.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False
+            )  # type: ignore[no-untyped-call]
+        except (ConfigException, OSError, ValueError) as e:
+            raise KubernetesConfigError(f"kube context {context!r} unusable: {e}") from e
+        pinned = "pinned" if self.context else "AMBIENT (RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT=1)"
+        self.target = f"kube context {context!r} ({pinned}) at {cfg.host}"
+        if self.context:
+            logger.info("kubernetes runtime: %s, namespace %s", self.target, self.namespace)
+        else:
+            logger.warning(
+                "kubernetes runtime: %s -- an unpinned context can launch pods on the wrong cluster",
+                self.target,
+            )
+        return client.ApiClient(configuration=cfg)
+
+    def _context(self, kubeconfig: str) -> str | None:
+        """The kube context to use: the pinned one if it exists, the current one only when the
+        ambient context is explicitly allowed."""
+        from kubernetes import config
+        from kubernetes.config.config_exception import ConfigException
+
         try:
             contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
         except (ConfigException, OSError, ValueError) as e:
@@ -160,23 +185,7 @@ class KubernetesApi:
             raise KubernetesConfigError(
                 f"kube context {context!r} is not in {kubeconfig}; available: {', '.join(names) or '(none)'}"
             )
-        cfg = self._configuration()
-        try:
-            config.load_kube_config(
-                config_file=kubeconfig, context=context, client_configuration=cfg, persist_config=False
-            )  # type: ignore[no-untyped-call]
-        except (ConfigException, OSError, ValueError) as e:
-            raise KubernetesConfigError(f"kube context {context!r} unusable: {e}") from e
-        pinned = "pinned" if self.context else "AMBIENT (RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT=1)"
-        self.target = f"kube context {context!r} ({pinned}) at {cfg.host}"
-        if self.context:
-            logger.info("kubernetes runtime: %s, namespace %s", self.target, self.namespace)
-        else:
-            logger.warning(
-                "kubernetes runtime: %s -- an unpinned context can launch pods on the wrong cluster",
-                self.target,
-            )
-        return client.ApiClient(configuration=cfg)
+        return context
 
     @staticmethod
     def _configuration() -> Any:

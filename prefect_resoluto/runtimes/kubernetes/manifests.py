@@ -306,6 +306,34 @@ def build_manifests(
     placeholders; a launch that minted store credentials passes them here).
     """
     ns = settings.namespace
+    labels, annotations = _identity(spec, name, token)
+    env = _PodEnv.of(spec, settings, bundle, secret_values)
+    volumes, mounts = _scratch(spec)
+    container_security, pod_security = _security(settings)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "env": env.entries(name),
+        "securityContext": container_security,
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if env.command:
+        container["command"] = env.command
+    qty = _quantities(spec)
+    if qty:
+        container["resources"] = {"requests": dict(qty), "limits": dict(qty)}
+    meta = {"name": name, "namespace": ns, "labels": labels, "annotations": annotations}
+    pod_spec = _pod_spec(settings, container, pod_security, volumes)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    policy = _network_policy(spec, settings, name, token, labels, store_nets, store_port)
+    secret = _secret(ns, name, token, labels, env.secret_data, env.minted) if env.secret_data else None
+    return Manifests(name=name, namespace=ns, token=token, network_policy=policy, pod=pod, secret=secret)
+
+
+def _identity(spec: LaunchSpec, name: str, token: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels every object of the node carries, and the pod's annotations."""
     own = {MANAGED_BY_LABEL: MANAGED_BY, SANDBOX_LABEL: name}
     labels = {
         **sanitise_labels(spec.labels),
@@ -318,49 +346,86 @@ def build_manifests(
         SANDBOX_ID_ANNOTATION: spec.sandbox_id,
         LABELS_ANNOTATION: json.dumps(spec.labels, sort_keys=True),
     }
+    return labels, annotations
 
-    # Environment: literal values for the non-secret RESOLUTO_* configuration only.
-    env_literal = {k: v for k, v in spec.env.items() if k not in STORE_CREDENTIAL_VARS}
-    secret_data = {k: v for k, v in spec.secret_env.items() if k not in STORE_CREDENTIAL_VARS}
-    withheld = sorted(k for k in STORE_CREDENTIAL_VARS if k in spec.env or k in spec.secret_env)
-    if withheld:
-        logger.debug(
-            "kubernetes runtime: %s withheld from the pod; store credentials come from "
-            "store_credentials_secret / store_role_arn",
-            ", ".join(withheld),
+
+@dataclass
+class _PodEnv:
+    """The container's environment: literal values for the non-secret configuration only;
+    secrets by reference to the node's Secret or the operator's store-credentials Secret."""
+
+    literal: dict[str, str]
+    secret_data: dict[str, str]
+    #: Variable -> (Secret name, key, optional) in the operator's Secret.
+    store_refs: dict[str, tuple[str, str, bool]]
+    minted: bool
+    command: list[str] | None
+
+    @classmethod
+    def of(
+        cls,
+        spec: LaunchSpec,
+        settings: PodSettings,
+        bundle: tuple[str, str] | None,
+        secret_values: Mapping[str, str] | None,
+    ) -> _PodEnv:
+        env = cls(
+            literal={k: v for k, v in spec.env.items() if k not in STORE_CREDENTIAL_VARS},
+            secret_data={k: v for k, v in spec.secret_env.items() if k not in STORE_CREDENTIAL_VARS},
+            store_refs={},
+            minted=False,
+            command=list(spec.command) if spec.command else None,
         )
-    if secret_values is not None:
-        secret_data = {k: secret_values.get(k, "") for k in secret_data}
-    store_refs: dict[str, tuple[str, str, bool]] = {}
-    minted = False
-    if settings.minted_store_credentials:
-        minted = True
-        for var in STORE_CREDENTIAL_VARS:
-            secret_data[var] = (secret_values or {}).get(var, "")
-    elif settings.store_credentials_secret:
-        for var in STORE_CREDENTIAL_VARS:
-            store_refs[var] = (settings.store_credentials_secret, var, var == "AWS_SESSION_TOKEN")
-    command = list(spec.command) if spec.command else None
-    if command is None and bundle is not None:
-        key, sha = bundle
-        env_literal[ENV_BUNDLE_KEY] = key
-        env_literal[ENV_BUNDLE_SHA256] = sha
-        command = bootstrap_command()
-    env_literal.setdefault("HOME", "/tmp")
-    env_literal.setdefault("PYTHONUNBUFFERED", "1")
-    redact = set(json.loads(env_literal.get(wire.ENV_SECRET_ENV) or "[]")) | set(secret_data)
-    if redact:
-        env_literal[wire.ENV_SECRET_ENV] = json.dumps(sorted(redact))
+        withheld = sorted(k for k in STORE_CREDENTIAL_VARS if k in spec.env or k in spec.secret_env)
+        if withheld:
+            logger.debug(
+                "kubernetes runtime: %s withheld from the pod; store credentials come from "
+                "store_credentials_secret / store_role_arn",
+                ", ".join(withheld),
+            )
+        if secret_values is not None:
+            env.secret_data = {k: secret_values.get(k, "") for k in env.secret_data}
+        env._store_credentials(settings, secret_values)
+        env._guest(bundle)
+        return env
 
-    env: list[dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in sorted(env_literal.items())]
-    for var in sorted(secret_data):
-        env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": var}}})
-    for var, (sname, skey, optional) in sorted(store_refs.items()):
-        ref: dict[str, Any] = {"name": sname, "key": skey}
-        if optional:
-            ref["optional"] = True
-        env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
+    def _store_credentials(self, settings: PodSettings, secret_values: Mapping[str, str] | None) -> None:
+        if settings.minted_store_credentials:
+            self.minted = True
+            for var in STORE_CREDENTIAL_VARS:
+                self.secret_data[var] = (secret_values or {}).get(var, "")
+        elif settings.store_credentials_secret:
+            for var in STORE_CREDENTIAL_VARS:
+                self.store_refs[var] = (settings.store_credentials_secret, var, var == "AWS_SESSION_TOKEN")
 
+    def _guest(self, bundle: tuple[str, str] | None) -> None:
+        literal = self.literal
+        if self.command is None and bundle is not None:
+            key, sha = bundle
+            literal[ENV_BUNDLE_KEY] = key
+            literal[ENV_BUNDLE_SHA256] = sha
+            self.command = bootstrap_command()
+        literal.setdefault("HOME", "/tmp")
+        literal.setdefault("PYTHONUNBUFFERED", "1")
+        redact = set(json.loads(literal.get(wire.ENV_SECRET_ENV) or "[]")) | set(self.secret_data)
+        if redact:
+            literal[wire.ENV_SECRET_ENV] = json.dumps(sorted(redact))
+
+    def entries(self, secret_name: str) -> list[dict[str, Any]]:
+        """The container's ``env`` list: literals, then the node's secrets, then the store's."""
+        env: list[dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in sorted(self.literal.items())]
+        for var in sorted(self.secret_data):
+            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": var}}})
+        for var, (sname, skey, optional) in sorted(self.store_refs.items()):
+            ref: dict[str, Any] = {"name": sname, "key": skey}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": var, "valueFrom": {"secretKeyRef": ref}})
+        return env
+
+
+def _quantities(spec: LaunchSpec) -> dict[str, str]:
+    """Requests = limits, from the node's resources."""
     res = spec.resources
     qty: dict[str, str] = {}
     if res.cpus:
@@ -369,15 +434,24 @@ def build_manifests(
         qty["memory"] = str(int(res.memory_bytes))
     if res.disk_bytes:
         qty["ephemeral-storage"] = str(int(res.disk_bytes))
+    return qty
 
-    scratch: dict[str, Any] = {"sizeLimit": str(int(res.disk_bytes))} if res.disk_bytes else {}
+
+def _scratch(spec: LaunchSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's writable places (/tmp, the workspace) as emptyDir volumes, and their mounts."""
+    disk = spec.resources.disk_bytes
+    scratch: dict[str, Any] = {"sizeLimit": str(int(disk))} if disk else {}
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": dict(scratch)}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     workspace = spec.env.get(wire.ENV_WORKSPACE_DIR, "")
     if workspace and workspace.startswith("/") and not (workspace + "/").startswith("/tmp/"):
         volumes.append({"name": "workspace", "emptyDir": dict(scratch)})
         mounts.append({"name": "workspace", "mountPath": workspace.rstrip("/") or "/workspace"})
+    return volumes, mounts
 
+
+def _security(settings: PodSettings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The container's and the pod's securityContext."""
     container_security: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
         "privileged": False,
@@ -395,21 +469,12 @@ def build_manifests(
             d["runAsUser"] = settings.run_as_user
             d["runAsGroup"] = settings.run_as_user
         pod_security["fsGroup"] = settings.run_as_user
+    return container_security, pod_security
 
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": image,
-        "imagePullPolicy": settings.image_pull_policy,
-        "env": env,
-        "securityContext": container_security,
-        "volumeMounts": mounts,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if command:
-        container["command"] = command
-    if qty:
-        container["resources"] = {"requests": dict(qty), "limits": dict(qty)}
 
+def _pod_spec(
+    settings: PodSettings, container: dict[str, Any], security: dict[str, Any], volumes: list[dict[str, Any]]
+) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "runtimeClassName": settings.runtime_class,
         "restartPolicy": "Never",
@@ -419,7 +484,7 @@ def build_manifests(
         "hostPID": False,
         "hostIPC": False,
         "terminationGracePeriodSeconds": settings.termination_grace_s,
-        "securityContext": pod_security,
+        "securityContext": security,
         "containers": [container],
         "volumes": volumes,
     }
@@ -431,15 +496,24 @@ def build_manifests(
         pod_spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
+    return pod_spec
 
-    meta = {"name": name, "namespace": ns, "labels": labels, "annotations": annotations}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
-    policy = {
+
+def _network_policy(
+    spec: LaunchSpec,
+    settings: PodSettings,
+    name: str,
+    token: str,
+    labels: dict[str, str],
+    store_nets: Sequence[IPNetwork],
+    store_port: int,
+) -> dict[str, Any]:
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {
             "name": name,
-            "namespace": ns,
+            "namespace": settings.namespace,
             "labels": dict(labels),
             "annotations": {TOKEN_ANNOTATION: token},
         },
@@ -450,25 +524,27 @@ def build_manifests(
             "egress": egress_rules(spec.egress, store_nets, store_port, settings.dns_cidr),
         },
     }
-    secret = None
-    if secret_data:
-        secret = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "type": "Opaque",
-            "immutable": True,
-            "metadata": {
-                "name": name,
-                "namespace": ns,
-                "labels": dict(labels),
-                "annotations": {
-                    TOKEN_ANNOTATION: token,
-                    "resoluto.io/minted-store-credentials": str(minted).lower(),
-                },
+
+
+def _secret(
+    ns: str, name: str, token: str, labels: dict[str, str], data: dict[str, str], minted: bool
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "immutable": True,
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": dict(labels),
+            "annotations": {
+                TOKEN_ANNOTATION: token,
+                "resoluto.io/minted-store-credentials": str(minted).lower(),
             },
-            "data": {k: base64.b64encode(str(v).encode()).decode() for k, v in sorted(secret_data.items())},
-        }
-    return Manifests(name=name, namespace=ns, token=token, network_policy=policy, pod=pod, secret=secret)
+        },
+        "data": {k: base64.b64encode(str(v).encode()).decode() for k, v in sorted(data.items())},
+    }
 
 
 def weakened(pod: Any, runtime_class: str, read_only_root_filesystem: bool) -> list[str]:

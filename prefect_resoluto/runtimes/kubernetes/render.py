@@ -44,7 +44,7 @@ def render_documents(
     """
     rt = runtime if runtime is not None else KubernetesRuntime(**options)
     placeholders = {k: f"{SECRET_PLACEHOLDER} ({k})" for k in spec.secret_env}
-    if rt.store_role_arn:
+    if rt.options.store_role_arn:
         for var in STORE_CREDENTIAL_VARS:
             placeholders[var] = f"{SECRET_PLACEHOLDER} (short-lived credentials minted at launch)"
     m = rt.manifests(spec, name=name, secret_values=placeholders, upload_bundle=False)

@@ -40,11 +40,10 @@ uses an image that already contains the runner (``images/Dockerfile``).
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from guest_runner import wire
@@ -57,18 +56,16 @@ from prefect_resoluto.runtimes._sts import mint_node_credentials
 from prefect_resoluto.runtimes.base import (
     Availability,
     IsolationLevel,
-    IsolationTooWeak,
     LaunchError,
     LaunchSpec,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
 )
+from prefect_resoluto.runtimes.capabilities import Capabilities
 from prefect_resoluto.runtimes.kubernetes.api import KubernetesApi, KubernetesApiError, KubernetesConfigError
 from prefect_resoluto.runtimes.kubernetes.manifests import (
     CONTAINER_NAME,
-    DEFAULT_RUN_AS_USER,
-    DNS_LABEL,
     ENV_NAME,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -80,139 +77,45 @@ from prefect_resoluto.runtimes.kubernetes.manifests import (
     build_manifests,
     check_name,
     egress_rules,
-    parse_dns_cidrs,
     pod_name,
     sanitise_labels,
     weakened,
+)
+from prefect_resoluto.runtimes.kubernetes.options import (
+    DEFAULT_NAMESPACE,
+    KubernetesOptions,
+    isolation_of_runtime_class,
 )
 from prefect_resoluto.runtimes.kubernetes.status import gone_status, pod_status, remember_terminal
 from prefect_resoluto.runtimes.kubernetes.store import GuestBundles, store_egress
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE = "resoluto-sandboxes"
-
-_VM_CLASSES = re.compile(r"^kata([-_.].*)?$")
-_USER_KERNEL_CLASSES = re.compile(r"^(gvisor|runsc)([-_.].*)?$")
-
-
-def isolation_of_runtime_class(runtime_class: str | None, declared: str | None = None) -> IsolationLevel:
-    """The isolation a RuntimeClass gives, or :class:`IsolationTooWeak` when it is not a sandbox.
-
-    ``kata`` and ``kata-*`` (kata-qemu, kata-clh, kata-fc ...) are hardware VMs; ``gvisor``,
-    ``runsc`` (and ``gvisor-*``) a user-space kernel. Other names must declare their level.
-    """
-    name = (runtime_class or "").strip()
-    if declared:
-        level = IsolationLevel.parse(declared)
-    elif _VM_CLASSES.match(name):
-        level = IsolationLevel.VM
-    elif _USER_KERNEL_CLASSES.match(name):
-        level = IsolationLevel.USER_KERNEL
-    else:
-        raise IsolationTooWeak(
-            f"RuntimeClass {name or '(none)'!r} is not a sandbox this runtime knows: without Kata "
-            "(runtime_class='kata', isolation 'vm') or gVisor (runtime_class='gvisor' or 'runsc', "
-            "isolation 'user-kernel') a pod shares the node's kernel with every other pod. Use one of "
-            "those, or if your cluster names its Kata/gVisor class differently, say which it is with "
-            "runtime_class_isolation='vm' or 'user-kernel'."
-        )
-    if not name:
-        raise IsolationTooWeak("runtime_class must name the cluster's Kata or gVisor RuntimeClass")
-    if level < IsolationLevel.USER_KERNEL:
-        raise IsolationTooWeak(
-            f"RuntimeClass {name!r} declared as isolation {level.label!r}: pods without Kata or gVisor "
-            "share the node's kernel, which this runtime does not offer as a sandbox; use a Kata "
-            "('vm') or gVisor ('user-kernel') RuntimeClass"
-        )
-    return level
-
 
 class KubernetesRuntime(SandboxRuntime):
     """One pod per node on a Kubernetes cluster, under a Kata (or gVisor) RuntimeClass."""
 
     name: ClassVar[str] = "kubernetes"
-    supports_local_conduit: ClassVar[bool] = False
-    supports_egress_allowlist: ClassVar[bool] = True
+    # Pods run on cluster nodes: nothing of this host is theirs; the allowlist is by CIDR.
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        local_conduit=False,
+        host_credentials=False,
+        host_loopback=False,
+        host_python=False,
+        on_host=False,
+        egress_allowlist=True,
+        options=frozenset({f.name for f in fields(KubernetesOptions)} | {"api_client"}),
+    )
     # A pod's status is an API request: ask every 2 s and let the conduit carry the fast path.
     status_interval: ClassVar[float] = 2.0
 
     def __init__(
-        self,
-        *,
-        namespace: str | None = None,
-        context: str | None = None,
-        kubeconfig: str | None = None,
-        allow_ambient_context: bool | None = None,
-        in_cluster: bool | None = None,
-        runtime_class: str = "kata",
-        runtime_class_isolation: str | None = None,
-        image: str | None = None,
-        image_pull_policy: str = "IfNotPresent",
-        guest_source: str = "bundle",
-        service_account: str | None = None,
-        priority_class: str | None = None,
-        node_selector: Mapping[str, str] | None = None,
-        tolerations: Sequence[Mapping[str, Any]] | None = None,
-        store_egress_cidr: str | None = None,
-        store_egress_port: int | None = None,
-        store_credentials_secret: str | None = None,
-        store_role_arn: str | None = None,
-        store_sts_endpoint: str | None = None,
-        store_credentials_ttl_s: int = 3600,
-        dns_cidr: str | Sequence[str] | None = None,
-        run_as_user: int | None = DEFAULT_RUN_AS_USER,
-        read_only_root_filesystem: bool = True,
-        unschedulable_patience_s: float = 300.0,
-        delete_grace_s: int = 5,
-        api_retries: int = 5,
-        api_retry_base_s: float = 0.25,
-        request_timeout_s: float = 30.0,
-        api_client: Any = None,
+        self, options: KubernetesOptions | None = None, /, *, api_client: Any = None, **keywords: Any
     ) -> None:
-        env = os.environ
-        self.namespace = namespace or env.get("RESOLUTO_SANDBOX_NAMESPACE") or DEFAULT_NAMESPACE
-        if not DNS_LABEL.match(self.namespace) or len(self.namespace) > 63:
-            raise ValueError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace name")
-        self.context = context if context is not None else (env.get("RESOLUTO_SANDBOX_KUBECONTEXT") or None)
-        self.kubeconfig = kubeconfig
-        self.allow_ambient_context = (
-            allow_ambient_context
-            if allow_ambient_context is not None
-            else env.get("RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT") == "1"
-        )
-        self.in_cluster = in_cluster
-        self.runtime_class = runtime_class
-        self.runtime_class_isolation = runtime_class_isolation
-        self._isolation = isolation_of_runtime_class(runtime_class, runtime_class_isolation)
-        self.image = image or env.get("RESOLUTO_SANDBOX_IMAGE") or None
-        if image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            raise ValueError("image_pull_policy must be Always, IfNotPresent or Never")
-        self.image_pull_policy = image_pull_policy
-        if guest_source not in ("bundle", "image"):
-            raise ValueError("guest_source must be 'bundle' (ship guest_runner via the conduit) or 'image'")
-        self.guest_source = guest_source
-        self.service_account = service_account
-        self.priority_class = priority_class
-        self.node_selector = dict(node_selector or {})
-        self.tolerations = [dict(t) for t in (tolerations or [])]
-        self.store_egress_cidr = store_egress_cidr
-        self.store_egress_port = store_egress_port
-        self.store_credentials_secret = store_credentials_secret
-        self.store_role_arn = store_role_arn
-        self.store_sts_endpoint = store_sts_endpoint
-        if store_credentials_ttl_s < 900:
-            raise ValueError("store_credentials_ttl_s must be at least 900 (the STS minimum)")
-        self.store_credentials_ttl_s = int(store_credentials_ttl_s)
-        # None: port 53 to the cluster's resolver pods only (manifests.dns_rule).
-        self.dns_cidr = ",".join(str(n) for n in parse_dns_cidrs(dns_cidr)) or None
-        self.run_as_user = run_as_user
-        self.read_only_root_filesystem = read_only_root_filesystem
-        self.unschedulable_patience_s = float(unschedulable_patience_s)
-        self.delete_grace_s = int(delete_grace_s)
-        self.api_retries = max(1, int(api_retries))
-        self.api_retry_base_s = float(api_retry_base_s)
-        self.request_timeout_s = float(request_timeout_s)
+        """``options``, or its fields as keywords (``KubernetesRuntime(namespace=..., image=...)``);
+        ``api_client``: a ready Kubernetes API client (tests), instead of the configured context."""
+        o = self.options = KubernetesOptions.of(options, **keywords).resolved()
+        self._isolation = isolation_of_runtime_class(o.runtime_class, o.runtime_class_isolation)
         self._bundle_cache = GuestBundles()
         self._bundles = self._bundle_cache.known  # run id -> (key, sha256); tests pre-fill it
         # Seams for tests: monotonic clock and the back-off sleep.
@@ -220,19 +123,45 @@ class KubernetesRuntime(SandboxRuntime):
         self._sleep: Callable[[float], None] = time.sleep
         self._api = KubernetesApi(
             namespace=self.namespace,
-            context=self.context,
-            kubeconfig=kubeconfig,
-            allow_ambient_context=self.allow_ambient_context,
-            in_cluster=in_cluster,
-            runtime_class=runtime_class,
-            retries=self.api_retries,
-            retry_base_s=self.api_retry_base_s,
-            request_timeout_s=self.request_timeout_s,
+            context=o.context,
+            kubeconfig=o.kubeconfig,
+            allow_ambient_context=bool(o.allow_ambient_context),
+            in_cluster=o.in_cluster,
+            runtime_class=o.runtime_class,
+            retries=o.api_retries,
+            retry_base_s=o.api_retry_base_s,
+            request_timeout_s=o.request_timeout_s,
             api_client=api_client,
             sleep=lambda seconds: self._sleep(seconds),
         )
 
     # -- interface basics ----------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self.options.namespace or DEFAULT_NAMESPACE
+
+    @property
+    def context(self) -> str | None:
+        return self.options.context
+
+    @property
+    def allow_ambient_context(self) -> bool:
+        return bool(self.options.allow_ambient_context)
+
+    @property
+    def image(self) -> str | None:
+        return self.options.image
+
+    @property
+    def runtime_class(self) -> str:
+        return self.options.runtime_class
+
+    @property
+    def _dns_cidr(self) -> str | None:
+        """The resolver blocks, normalised to one comma-separated string by ``resolved``."""
+        d = self.options.dns_cidr
+        return d if d is None or isinstance(d, str) else ",".join(d)
 
     @property
     def isolation(self) -> IsolationLevel:
@@ -273,7 +202,8 @@ class KubernetesRuntime(SandboxRuntime):
         except Exception as e:  # anything else: report, never raise from a probe
             return Availability(False, f"{type(e).__name__}: {e}")
         return Availability(
-            True, detail=f"{api.target}, namespace {self.namespace!r}, RuntimeClass {self.runtime_class!r}"
+            True,
+            detail=f"{api.target}, namespace {self.namespace!r}, RuntimeClass {self.options.runtime_class!r}",
         )
 
     def _core(self) -> Any:
@@ -291,7 +221,7 @@ class KubernetesRuntime(SandboxRuntime):
         kind = conduit.kind
         if kind != "s3":
             raise LaunchError(self._local_conduit_message(kind or type(conduit).__name__))
-        if self.guest_source == "bundle":
+        if self.options.guest_source == "bundle":
             self._bundle_cache.prepare(conduit, run_id)
 
     # -- spec checks ----------------------------------------------------------------------
@@ -327,28 +257,28 @@ class KubernetesRuntime(SandboxRuntime):
     # -- what the pod is made of --------------------------------------------------------------
 
     def _store_egress(self, spec: LaunchSpec) -> tuple[list[IPNetwork], int]:
-        return store_egress(spec, cidr=self.store_egress_cidr, port=self.store_egress_port)
+        return store_egress(spec, cidr=self.options.store_egress_cidr, port=self.options.store_egress_port)
 
     def egress_rules(self, spec: LaunchSpec) -> list[dict[str, Any]]:
         store_nets, store_port = self._store_egress(spec)
-        return egress_rules(spec.egress, store_nets, store_port, self.dns_cidr)
+        return egress_rules(spec.egress, store_nets, store_port, self._dns_cidr)
 
     def pod_settings(self) -> PodSettings:
         """This runtime's options as :func:`~.manifests.build_manifests` takes them."""
         return PodSettings(
             namespace=self.namespace,
-            runtime_class=self.runtime_class,
-            image_pull_policy=self.image_pull_policy,
-            service_account=self.service_account,
-            priority_class=self.priority_class,
-            node_selector=dict(self.node_selector),
-            tolerations=[dict(t) for t in self.tolerations],
-            run_as_user=self.run_as_user,
-            read_only_root_filesystem=self.read_only_root_filesystem,
-            termination_grace_s=self.delete_grace_s,
-            dns_cidr=self.dns_cidr,
-            store_credentials_secret=self.store_credentials_secret,
-            minted_store_credentials=bool(self.store_role_arn),
+            runtime_class=self.options.runtime_class,
+            image_pull_policy=self.options.image_pull_policy,
+            service_account=self.options.service_account,
+            priority_class=self.options.priority_class,
+            node_selector=dict(self.options.node_selector),
+            tolerations=[dict(t) for t in self.options.tolerations],
+            run_as_user=self.options.run_as_user,
+            read_only_root_filesystem=self.options.read_only_root_filesystem,
+            termination_grace_s=self.options.delete_grace_s,
+            dns_cidr=self._dns_cidr,
+            store_credentials_secret=self.options.store_credentials_secret,
+            minted_store_credentials=bool(self.options.store_role_arn),
         )
 
     def manifests(
@@ -369,14 +299,14 @@ class KubernetesRuntime(SandboxRuntime):
         if name is None:
             name = pod_name(spec.sandbox_id, token)
         check_name(name)
-        image = spec.image or self.image
+        image = spec.image or self.options.image
         if not image:
             raise LaunchError(
                 "no image for the sandbox pod: set image= on the runtime (or RESOLUTO_SANDBOX_IMAGE) to any "
                 "image with python3 >= 3.9 and boto3, e.g. one built from images/Dockerfile"
             )
         bundle = None
-        if not spec.command and self.guest_source == "bundle":
+        if not spec.command and self.options.guest_source == "bundle":
             bundle = self._bundle_cache.for_spec(spec, upload=upload_bundle)
         store_nets, store_port = self._store_egress(spec)
         return build_manifests(
@@ -395,16 +325,16 @@ class KubernetesRuntime(SandboxRuntime):
         bucket = spec.store.bucket
         prefix = spec.store.prefix or spec.rel_prefix
         read_only = []
-        if self.guest_source == "bundle" and not spec.command:
+        if self.options.guest_source == "bundle" and not spec.command:
             key, _ = self._bundle_cache.for_spec(spec, upload=False)
             read_only.append(key)
         return mint_node_credentials(
-            role_arn=self.store_role_arn,
+            role_arn=self.options.store_role_arn,
             bucket=bucket,
             prefix=prefix.strip("/"),
             session_name=name,
-            ttl_s=self.store_credentials_ttl_s,
-            sts_endpoint=self.store_sts_endpoint,
+            ttl_s=self.options.store_credentials_ttl_s,
+            sts_endpoint=self.options.store_sts_endpoint,
             region=spec.store.region or None,
             read_only_keys=read_only,
         )
@@ -415,16 +345,16 @@ class KubernetesRuntime(SandboxRuntime):
         self._check(spec)
         api = self._api
         try:
-            core, net = api.core(), api.net()
+            api.net()  # connects first (core, then networking): a bad configuration refuses the launch
         except KubernetesConfigError as e:
             raise LaunchError(str(e)) from e
         token = uuid.uuid4().hex
         name = pod_name(spec.sandbox_id, token)
         secret_values: dict[str, str] | None = None
-        if self.store_role_arn:
+        if self.options.store_role_arn:
             secret_values = {**spec.secret_env, **self._mint_store_credentials(spec, name)}
         m = self.manifests(spec, name=name, token=token, secret_values=secret_values, upload_bundle=True)
-        ns, t = self.namespace, api.timeout()
+        ns = self.namespace
         handle = SandboxHandle(
             id=f"{ns}/{name}",
             runtime=self.name,
@@ -441,44 +371,7 @@ class KubernetesRuntime(SandboxRuntime):
         )
         created: list[str] = []
         try:
-            api.call(
-                "create",
-                "networkpolicies",
-                name,
-                lambda: net.create_namespaced_network_policy(
-                    ns, m.network_policy, field_validation="Strict", _request_timeout=t
-                ),
-                on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token),
-            )
-            created.append("networkpolicies")
-            if m.secret is not None:
-                api.call(
-                    "create",
-                    "secrets",
-                    name,
-                    lambda: core.create_namespaced_secret(
-                        ns, m.secret, field_validation="Strict", _request_timeout=t
-                    ),
-                    on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token),
-                )
-                created.append("secrets")
-            pod = api.call(
-                "create",
-                "pods",
-                name,
-                lambda: core.create_namespaced_pod(ns, m.pod, field_validation="Strict", _request_timeout=t),
-                on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token),
-            )
-            created.append("pods")
-            lost = weakened(pod, self.runtime_class, self.read_only_root_filesystem)
-            if lost:
-                raise LaunchError(
-                    f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
-                    f"({'; '.join(lost)}); the pod was deleted at once. Servers before "
-                    "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
-                    "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
-                    "upgrade the cluster or exempt the namespace from that webhook"
-                )
+            pod = self._create(m, created)
         except KubernetesApiError as e:
             if e.resource == "pods" and (e.status is None or e.status >= 500):
                 created.append("pods")  # an earlier attempt may have landed despite the errors
@@ -490,8 +383,53 @@ class KubernetesRuntime(SandboxRuntime):
         handle.data["uid"] = pod.metadata.uid
         handle.data["launched_at"] = self._clock()
         self._adopt(name, pod.metadata.uid, created)
-        logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.runtime_class)
+        logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.options.runtime_class)
         return handle
+
+    def _create(self, m: Manifests, created: list[str]) -> Any:
+        """Create the node's NetworkPolicy, Secret and Pod in that order, noting each in ``created``;
+        the pod as stored, refused when it lost a security setting on its way in."""
+        api, ns, name, token = self._api, m.namespace, m.name, m.token
+        core, net, t = api.core(), api.net(), api.timeout()
+        api.call(
+            "create",
+            "networkpolicies",
+            name,
+            lambda: net.create_namespaced_network_policy(
+                ns, m.network_policy, field_validation="Strict", _request_timeout=t
+            ),
+            on_conflict=lambda: self._mine(lambda: net.read_namespaced_network_policy(name, ns), token),
+        )
+        created.append("networkpolicies")
+        if m.secret is not None:
+            api.call(
+                "create",
+                "secrets",
+                name,
+                lambda: core.create_namespaced_secret(
+                    ns, m.secret, field_validation="Strict", _request_timeout=t
+                ),
+                on_conflict=lambda: self._mine(lambda: core.read_namespaced_secret(name, ns), token),
+            )
+            created.append("secrets")
+        pod = api.call(
+            "create",
+            "pods",
+            name,
+            lambda: core.create_namespaced_pod(ns, m.pod, field_validation="Strict", _request_timeout=t),
+            on_conflict=lambda: self._mine(lambda: core.read_namespaced_pod(name, ns), token),
+        )
+        created.append("pods")
+        lost = weakened(pod, self.options.runtime_class, self.options.read_only_root_filesystem)
+        if lost:
+            raise LaunchError(
+                f"the API server did not keep the sandbox's security settings for pod {ns}/{name} "
+                f"({'; '.join(lost)}); the pod was deleted at once. Servers before "
+                "Kubernetes 1.25 ignore strict field validation and silently drop fields they do not "
+                "know (seccompProfile needs >= 1.19), and a mutating admission webhook can rewrite pods: "
+                "upgrade the cluster or exempt the namespace from that webhook"
+            )
+        return pod
 
     @staticmethod
     def _mine(read: Callable[[], Any], token: str) -> Any:
@@ -553,7 +491,7 @@ class KubernetesRuntime(SandboxRuntime):
     def _cleanup(self, name: str, created: list[str]) -> None:
         for resource in reversed(created):
             try:
-                self._api.delete(resource, name, grace_s=self.delete_grace_s)
+                self._api.delete(resource, name, grace_s=self.options.delete_grace_s)
             except Exception as e:  # best effort: the original error matters more
                 logger.warning(
                     "kubernetes runtime: could not remove %s/%s after a failed launch: %s", resource, name, e
@@ -582,9 +520,9 @@ class KubernetesRuntime(SandboxRuntime):
             pod,
             handle.data,
             clock=self._clock,
-            unschedulable_patience_s=self.unschedulable_patience_s,
-            runtime_class=self.runtime_class,
-            store_credentials_secret=self.store_credentials_secret,
+            unschedulable_patience_s=self.options.unschedulable_patience_s,
+            runtime_class=self.options.runtime_class,
+            store_credentials_secret=self.options.store_credentials_secret,
         )
         remember_terminal(handle.data, st)
         return st
@@ -605,7 +543,7 @@ class KubernetesRuntime(SandboxRuntime):
         api.core()
         handle.data["destroyed"] = True
         for resource in ("pods", "networkpolicies", "secrets"):
-            api.delete(resource, name, ns, grace_s=self.delete_grace_s)
+            api.delete(resource, name, ns, grace_s=self.options.delete_grace_s)
 
     def sweep(self, labels: dict[str, str]) -> int:
         """Delete every pod (and its policy and Secret) of this runtime carrying all ``labels``.
@@ -631,7 +569,7 @@ class KubernetesRuntime(SandboxRuntime):
             for obj in api.call("list", resource, "", lister).items:
                 if resource == "pods":
                     pods.add(obj.metadata.name)
-                api.delete(resource, obj.metadata.name, grace_s=self.delete_grace_s)
+                api.delete(resource, obj.metadata.name, grace_s=self.options.delete_grace_s)
         if pods:
             logger.info("kubernetes runtime: swept %d pod(s) matching %s", len(pods), selector)
         return len(pods)

@@ -8,6 +8,7 @@ unschedulable); the only thing it writes is that last note.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from prefect_resoluto.runtimes.base import SandboxStatus
@@ -51,6 +52,32 @@ INFRA_POD_REASONS = frozenset(
 _IMAGE_PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull")
 
 
+@dataclass(frozen=True)
+class _Pod:
+    """What :func:`pod_status` decides from: the pod's facts and the runtime's context."""
+
+    phase: str
+    pod_reason: str
+    pod_message: str
+    waiting_reason: str
+    waiting_message: str
+    terminated_reason: str
+    terminated_message: str
+    exit_code: int | None
+    deleted_outside: bool
+    disruption: Any
+    status: Any  # the pod's own V1PodStatus (its conditions)
+    notes: MutableMapping[str, Any]
+    clock: Callable[[], float]
+    unschedulable_patience_s: float
+    runtime_class: str
+    store_credentials_secret: str | None
+
+    @property
+    def failed(self) -> bool:
+        return self.phase == "Failed"
+
+
 def pod_status(
     pod: Any,
     notes: MutableMapping[str, Any],
@@ -60,11 +87,22 @@ def pod_status(
     runtime_class: str,
     store_credentials_secret: str | None = None,
 ) -> SandboxStatus:
-    """The node's view of ``pod``; ``notes`` is the handle's data (read, and the unschedulable clock)."""
+    """The node's view of ``pod``; ``notes`` is the handle's data (read, and the unschedulable clock).
+
+    The first row of :data:`_TABLE` whose condition holds gives the verdict."""
+    p = _read(pod, notes, clock, unschedulable_patience_s, runtime_class, store_credentials_secret)
+    return next(verdict(p) for _, when, verdict in _TABLE if when(p))
+
+
+def _read(
+    pod: Any,
+    notes: MutableMapping[str, Any],
+    clock: Callable[[], float],
+    unschedulable_patience_s: float,
+    runtime_class: str,
+    store_credentials_secret: str | None,
+) -> _Pod:
     ps = pod.status
-    phase = (ps.phase if ps else None) or "Pending"
-    pod_reason = (ps.reason if ps else None) or ""
-    pod_message = (ps.message if ps else None) or ""
     cs = None
     for c in (ps.container_statuses or []) if ps else []:
         if c.name == CONTAINER_NAME:
@@ -72,107 +110,164 @@ def pod_status(
     state = cs.state if cs is not None else None
     waiting = state.waiting if state is not None else None
     terminated = state.terminated if state is not None else None
-    exit_code = terminated.exit_code if terminated is not None else None
-    deleted_outside = bool(pod.metadata and pod.metadata.deletion_timestamp) and not notes.get("destroyed")
     disruption = None
     for cond in (ps.conditions or []) if ps else []:
         if cond.type == "DisruptionTarget" and cond.status == "True":
             disruption = cond
+    return _Pod(
+        phase=(ps.phase if ps else None) or "Pending",
+        pod_reason=(ps.reason if ps else None) or "",
+        pod_message=(ps.message if ps else None) or "",
+        waiting_reason=(waiting.reason if waiting is not None else "") or "",
+        waiting_message=(waiting.message if waiting is not None else "") or "",
+        terminated_reason=(terminated.reason if terminated is not None else "") or "",
+        terminated_message=(terminated.message if terminated is not None else "") or "",
+        exit_code=terminated.exit_code if terminated is not None else None,
+        deleted_outside=bool(pod.metadata and pod.metadata.deletion_timestamp) and not notes.get("destroyed"),
+        disruption=disruption,
+        status=ps,
+        notes=notes,
+        clock=clock,
+        unschedulable_patience_s=unschedulable_patience_s,
+        runtime_class=runtime_class,
+        store_credentials_secret=store_credentials_secret,
+    )
 
-    # Never going to start. The pod is still Pending: the phase says so, the flag says
-    # it will stay that way (callers confirm over a few observations, then give up).
-    if waiting is not None and (waiting.reason or "") in FATAL_WAITING_REASONS:
-        msg = waiting.message or ""
-        return SandboxStatus(
-            "running" if phase == "Running" else "pending",
-            unstartable=True,
-            reason=f"{waiting.reason}: {msg}".rstrip(": ")
-            + waiting_hint(waiting.reason or "", store_credentials_secret),
-        )
 
-    if phase == "Pending":
-        if _scheduled(ps):
-            notes.pop("unschedulable_since", None)
-        unsched = _unschedulable(ps)
-        if unsched is not None:
-            since = notes.setdefault("unschedulable_since", clock())
-            waited = clock() - since
-            reason = f"Unschedulable: {unsched}"
-            if waited >= unschedulable_patience_s:
-                return SandboxStatus(
-                    "pending",
-                    unstartable=True,
-                    reason=f"{reason} (no node accepted the pod for {waited:.0f}s, patience "
-                    f"{unschedulable_patience_s:.0f}s: check the RuntimeClass "
-                    f"{runtime_class!r} exists on some node, node selectors/taints and "
-                    "free capacity)",
-                )
-            return SandboxStatus("pending", reason=reason)
-        why = (waiting.reason if waiting is not None else "") or pod_reason or "Pending"
-        return SandboxStatus("pending", reason=why)
+# -- the verdicts, one per row of the table ----------------------------------------------------
 
-    if phase == "Running":
-        reason = "Running"
-        if deleted_outside:
-            reason = "the pod is being deleted from outside prefect-resoluto"
-        return SandboxStatus("running", reason=reason)
 
-    if phase == "Succeeded":
-        return SandboxStatus(
-            "succeeded", reason="Completed", exit_code=exit_code if exit_code is not None else 0
-        )
+def _never_starts(p: _Pod) -> SandboxStatus:
+    # The pod is still Pending: the phase says so, the flag says it will stay that way
+    # (callers confirm over a few observations, then give up).
+    return SandboxStatus(
+        "running" if p.phase == "Running" else "pending",
+        unstartable=True,
+        reason=f"{p.waiting_reason}: {p.waiting_message}".rstrip(": ")
+        + waiting_hint(p.waiting_reason, p.store_credentials_secret),
+    )
 
-    if phase == "Failed":
-        t_reason = (terminated.reason if terminated is not None else "") or ""
-        t_message = (terminated.message if terminated is not None else "") or ""
-        if pod_reason in INFRA_POD_REASONS or disruption is not None:
-            why = pod_reason or (disruption.reason if disruption is not None else "")
-            msg = pod_message or (disruption.message if disruption is not None else "") or ""
-            return SandboxStatus(
-                "failed", reason=f"{why}: {msg}".rstrip(": "), exit_code=exit_code, infrastructure=True
-            )
-        if t_reason == "OOMKilled":
-            limit = notes.get("memory_limit")
-            lim = f" of {limit} bytes" if limit else ""
-            return SandboxStatus(
-                "failed",
-                exit_code=exit_code,
-                infrastructure=True,
-                reason=f"OOMKilled: the container exceeded its memory limit{lim} and was killed "
-                f"(exit code {exit_code}); give the task more memory",
-            )
-        if t_reason in ("ContainerStatusUnknown", "NodeLost"):
-            return SandboxStatus(
-                "failed",
-                exit_code=exit_code,
-                infrastructure=True,
-                reason=f"{t_reason}: {t_message or 'the node running the pod was lost'}",
-            )
-        if deleted_outside:
-            return SandboxStatus(
-                "failed",
-                exit_code=exit_code,
-                infrastructure=True,
-                reason="the pod was deleted from outside prefect-resoluto while running "
-                f"(exit code {exit_code})",
-            )
-        if exit_code is None:
-            return SandboxStatus(
-                "failed",
-                infrastructure=True,
-                reason=f"{pod_reason or 'Failed'}: {pod_message or 'the pod failed without a container exit code'}",
-            )
-        return SandboxStatus(
-            "failed",
-            exit_code=exit_code,
-            reason=f"the guest exited with code {exit_code}"
-            + (f" ({t_reason})" if t_reason and t_reason != "Error" else ""),
-        )
 
-    # Unknown: the node stopped reporting.
-    if pod_reason == "NodeLost":
-        return SandboxStatus("failed", infrastructure=True, reason=f"NodeLost: {pod_message}".rstrip(": "))
-    return SandboxStatus("unknown", reason=pod_reason or "the pod's node is not reporting its state")
+def _pending(p: _Pod) -> SandboxStatus:
+    if _scheduled(p.status):
+        p.notes.pop("unschedulable_since", None)
+    unsched = _unschedulable(p.status)
+    if unsched is None:
+        return SandboxStatus("pending", reason=p.waiting_reason or p.pod_reason or "Pending")
+    since = p.notes.setdefault("unschedulable_since", p.clock())
+    waited = p.clock() - since
+    reason = f"Unschedulable: {unsched}"
+    if waited < p.unschedulable_patience_s:
+        return SandboxStatus("pending", reason=reason)
+    return SandboxStatus(
+        "pending",
+        unstartable=True,
+        reason=f"{reason} (no node accepted the pod for {waited:.0f}s, patience "
+        f"{p.unschedulable_patience_s:.0f}s: check the RuntimeClass "
+        f"{p.runtime_class!r} exists on some node, node selectors/taints and "
+        "free capacity)",
+    )
+
+
+def _running(p: _Pod) -> SandboxStatus:
+    reason = "the pod is being deleted from outside prefect-resoluto" if p.deleted_outside else "Running"
+    return SandboxStatus("running", reason=reason)
+
+
+def _succeeded(p: _Pod) -> SandboxStatus:
+    return SandboxStatus(
+        "succeeded", reason="Completed", exit_code=p.exit_code if p.exit_code is not None else 0
+    )
+
+
+def _node_failed_it(p: _Pod) -> SandboxStatus:
+    d = p.disruption
+    why = p.pod_reason or (d.reason if d is not None else "")
+    msg = p.pod_message or (d.message if d is not None else "") or ""
+    return SandboxStatus(
+        "failed", reason=f"{why}: {msg}".rstrip(": "), exit_code=p.exit_code, infrastructure=True
+    )
+
+
+def _out_of_memory(p: _Pod) -> SandboxStatus:
+    limit = p.notes.get("memory_limit")
+    lim = f" of {limit} bytes" if limit else ""
+    return SandboxStatus(
+        "failed",
+        exit_code=p.exit_code,
+        infrastructure=True,
+        reason=f"OOMKilled: the container exceeded its memory limit{lim} and was killed "
+        f"(exit code {p.exit_code}); give the task more memory",
+    )
+
+
+def _container_lost(p: _Pod) -> SandboxStatus:
+    return SandboxStatus(
+        "failed",
+        exit_code=p.exit_code,
+        infrastructure=True,
+        reason=f"{p.terminated_reason}: {p.terminated_message or 'the node running the pod was lost'}",
+    )
+
+
+def _deleted_while_running(p: _Pod) -> SandboxStatus:
+    return SandboxStatus(
+        "failed",
+        exit_code=p.exit_code,
+        infrastructure=True,
+        reason=f"the pod was deleted from outside prefect-resoluto while running (exit code {p.exit_code})",
+    )
+
+
+def _no_exit_code(p: _Pod) -> SandboxStatus:
+    return SandboxStatus(
+        "failed",
+        infrastructure=True,
+        reason=f"{p.pod_reason or 'Failed'}: {p.pod_message or 'the pod failed without a container exit code'}",
+    )
+
+
+def _guest_exited(p: _Pod) -> SandboxStatus:
+    t_reason = p.terminated_reason
+    return SandboxStatus(
+        "failed",
+        exit_code=p.exit_code,
+        reason=f"the guest exited with code {p.exit_code}"
+        + (f" ({t_reason})" if t_reason and t_reason != "Error" else ""),
+    )
+
+
+def _node_lost(p: _Pod) -> SandboxStatus:
+    return SandboxStatus("failed", infrastructure=True, reason=f"NodeLost: {p.pod_message}".rstrip(": "))
+
+
+def _not_reporting(p: _Pod) -> SandboxStatus:
+    return SandboxStatus("unknown", reason=p.pod_reason or "the pod's node is not reporting its state")
+
+
+#: (what the row means, when it applies, the verdict): the first row that applies decides.
+_TABLE: tuple[tuple[str, Callable[[_Pod], bool], Callable[[_Pod], SandboxStatus]], ...] = (
+    ("a container will never start", lambda p: p.waiting_reason in FATAL_WAITING_REASONS, _never_starts),
+    ("pending (scheduling, pulling)", lambda p: p.phase == "Pending", _pending),
+    ("running", lambda p: p.phase == "Running", _running),
+    ("succeeded", lambda p: p.phase == "Succeeded", _succeeded),
+    (
+        "failed: the node's doing (eviction, shutdown, disruption)",
+        lambda p: p.failed and (p.pod_reason in INFRA_POD_REASONS or p.disruption is not None),
+        _node_failed_it,
+    ),
+    ("failed: out of memory", lambda p: p.failed and p.terminated_reason == "OOMKilled", _out_of_memory),
+    (
+        "failed: the container's node was lost",
+        lambda p: p.failed and p.terminated_reason in ("ContainerStatusUnknown", "NodeLost"),
+        _container_lost,
+    ),
+    ("failed: deleted from outside", lambda p: p.failed and p.deleted_outside, _deleted_while_running),
+    ("failed without an exit code", lambda p: p.failed and p.exit_code is None, _no_exit_code),
+    ("failed: the guest's own exit", lambda p: p.failed, _guest_exited),
+    ("unknown: the node was lost", lambda p: p.pod_reason == "NodeLost", _node_lost),
+    ("unknown: the node is not reporting", lambda p: True, _not_reporting),
+)
 
 
 def remember_terminal(notes: MutableMapping[str, Any], st: SandboxStatus) -> None:

@@ -68,6 +68,7 @@ from prefect_resoluto.runtimes.base import (
     SandboxRuntime,
     SandboxStatus,
 )
+from prefect_resoluto.runtimes.capabilities import Capabilities
 from prefect_resoluto.runtimes.solari.errors import gateway_status, gateway_words
 from prefect_resoluto.runtimes.solari.request import (
     MANAGED_BY,
@@ -98,6 +99,15 @@ CONDUIT_MODES = ("relay", "direct")
 DEFAULT_GUEST_DIR = "/tmp/resoluto"
 
 
+def _check_options(conduit_mode: str, session_timeout_s: float, guest_dir: str) -> None:
+    if conduit_mode not in CONDUIT_MODES:
+        raise ValueError(f"conduit_mode must be one of {CONDUIT_MODES}, got {conduit_mode!r}")
+    if session_timeout_s <= 0:
+        raise ValueError("session_timeout_s must be positive (seconds)")
+    if not str(guest_dir).startswith("/"):
+        raise ValueError(f"guest_dir must be an absolute path inside the VM, got {guest_dir!r}")
+
+
 class SolariConfigError(LaunchError):
     """The runtime is not configured well enough to talk to a gateway."""
 
@@ -106,10 +116,40 @@ class SolariRuntime(SandboxRuntime):
     """One Solari micro-VM per node, created through the official SDK."""
 
     name: ClassVar[str] = "solari"
-    #: The relay mode serves a local conduit: the host mirrors objects into it.
-    supports_local_conduit: ClassVar[bool] = True
-    #: The VM is on someone else's machine: sweep is a gateway call, it has its own network.
-    remote: ClassVar[bool] = True
+    # The relay mode serves a local conduit: the host mirrors objects into it. The VM is on
+    # someone else's machine: sweep is a gateway call, it has its own network. The host_*
+    # answers are those of the one flag they once shared (supports_local_conduit).
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        on_host=False,
+        options=frozenset(
+            {
+                "base_url",
+                "api_key",
+                "template",
+                "conduit_mode",
+                "session_timeout_s",
+                "lifecycle",
+                "metadata",
+                "envs",
+                "cpu",
+                "mem_mb",
+                "disk_gb",
+                "guest_dir",
+                "python",
+                "admission_backoff_max_s",
+                "admission_patience_s",
+                "capacity_retries",
+                "reconnect_patience_s",
+                "relay_poll_min_s",
+                "relay_poll_max_s",
+                "view_interval_s",
+                "store_role_arn",
+                "store_sts_endpoint",
+                "store_credentials_ttl_s",
+                "rpc_timeout_s",
+            }
+        ),
+    )
     # status() reads what the session's own loop observed (exit frame, gateway view, relay):
     # no request per check, so as often as a local runtime.
     status_interval: ClassVar[float] = 0.2
@@ -142,12 +182,7 @@ class SolariRuntime(SandboxRuntime):
         store_credentials_ttl_s: int = 3600,
         rpc_timeout_s: float = 120.0,
     ) -> None:
-        if conduit_mode not in CONDUIT_MODES:
-            raise ValueError(f"conduit_mode must be one of {CONDUIT_MODES}, got {conduit_mode!r}")
-        if session_timeout_s <= 0:
-            raise ValueError("session_timeout_s must be positive (seconds)")
-        if not str(guest_dir).startswith("/"):
-            raise ValueError(f"guest_dir must be an absolute path inside the VM, got {guest_dir!r}")
+        _check_options(conduit_mode, session_timeout_s, guest_dir)
         self.base_url = (base_url or os.environ.get("SOLARI_BASE_URL") or "").rstrip("/") or None
         secret = api_key.get_secret_value() if hasattr(api_key, "get_secret_value") else api_key
         self._api_key: str | None = secret or os.environ.get("SOLARI_API_KEY") or None
