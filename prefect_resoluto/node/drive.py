@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, wire
-from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
+from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import bounded, verdict
 from prefect_resoluto.node.observer import Callbacks, NodeObserver
@@ -161,8 +161,9 @@ def _drive(
     # -- the slot: the node's directory as a filesystem of its own (prefect_resoluto.runtimes.slot)
     node_dir: Path | None = None
     slot_size, slot_setting = slot.capacity_of(spec.resources.disk_bytes, spec.resources.memory_bytes)
-    if isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and runtime.mounts_conduit:
-        node_dir = conduit.root / rel_prefix
+    root = conduit.local_root
+    if root is not None and runtime.supports_local_conduit and runtime.mounts_conduit:
+        node_dir = root / rel_prefix
         node_dir.parent.mkdir(parents=True, exist_ok=True)
         node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
         if warm is None:
@@ -177,8 +178,8 @@ def _drive(
         )
     for name, data in spec.extra_inbox.items():
         _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
-    if isinstance(conduit, LocalConduit):
-        (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
+    if root is not None:
+        (root / rel_prefix).mkdir(parents=True, exist_ok=True)
     inbox_bytes = 0
     if node_dir is not None:
         inbox_bytes = slot.used(node_dir)
@@ -396,11 +397,8 @@ class _Stop(Exception):
 
 
 def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:
-    # The inbox matters only while this host drives the node: on the local disk, no fsync.
-    if isinstance(conduit, LocalConduit):
-        conduit.put(key, data, sync=False)
-    else:
-        conduit.put(key, data)
+    # The inbox matters only while this host drives the node: a backend may skip its durability.
+    conduit.put_transient(key, data)
 
 
 def egress_events_key(run_id: str, node_id: str) -> str:
@@ -445,7 +443,7 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     ws = Path(spec.workspace).resolve()
     nested = []
     candidates = [
-        conduit.root if isinstance(conduit, LocalConduit) else None,
+        conduit.local_root,
         spec.outputs_dir,
         *spec.workspace_skip,
     ]

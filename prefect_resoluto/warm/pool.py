@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduit import Conduit
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapshots
@@ -291,9 +291,10 @@ class WarmSandbox:
         """Move the slot to the node's canonical directory (before the inbox is put there)."""
         if self.slot is None:
             return
-        if not isinstance(conduit, LocalConduit):
+        root = conduit.local_root
+        if root is None:
             raise OSError("a slotted warm sandbox needs the local conduit it was made for")
-        target = conduit.root / rel_prefix
+        target = root / rel_prefix
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if slot.mounted(self.slot):
             # A mount point cannot be renamed: the node's directory shows the same slot.
@@ -362,7 +363,7 @@ class WarmPool:
             seen = {
                 k: v for k, v in conduit.guest_env().items() if k != "RESOLUTO_STORE_ROOT"
             }  # /conduit inside
-            slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
+            slotted = conduit.local_root is not None and runtime.mounts_conduit
             context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
             self.snapshots = Snapshots(runtime, self.python, context)
             self.snapshots.prune()
@@ -597,7 +598,7 @@ class WarmPool:
         """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint;
         ``network``: the network of the node it is restored for (restore_for)."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
-        slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
+        slotted = self.conduit.local_root is not None and self.runtime.mounts_conduit
         mode = "engine" if key.engine else ("import:" + ",".join(key.imports)) if key.imports else "1"
         env = {"RESOLUTO_WARM_CALL": mode}
         env.update(self.conduit.guest_env())
@@ -745,11 +746,12 @@ def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
         return Availability.refused(
             f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
         )
-    if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
+    root = conduit.local_root
+    if root is not None and runtime.mounts_conduit:
         try:
-            if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
+            if os.stat(state).st_dev != os.stat(root).st_dev:
                 return Availability.refused(
-                    f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
+                    f"the local conduit {root} and the runtime's state directory {state} are on "
                     "different filesystems, so a warm sandbox's directory cannot be moved into place"
                 )
         except OSError as e:
