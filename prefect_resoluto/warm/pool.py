@@ -25,6 +25,7 @@ know.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -97,10 +98,6 @@ def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
     return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), imports=imports)
 
 
-_PREFECT_IMPORT = re.compile(
-    r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)", re.MULTILINE
-)
-_FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
 #: What guest_runner.standin answers for ``from prefect import ...``.
 _STAND_INS = {"task", "flow", "get_run_logger"}
 _needs_prefect: dict[str, tuple[str, ...]] = {}
@@ -115,16 +112,27 @@ def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str,
         return ()
     path = str(source_file)
     if path not in _needs_prefect:
-        try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            text = ""
-        found = {a or b for a, b in _PREFECT_IMPORT.findall(text)} - {"prefect"}
-        for names in _FROM_PREFECT.findall(text):
-            if {n.split(" as ")[0].strip() for n in names.strip("()").split(",") if n.strip()} - _STAND_INS:
-                found.add("prefect")
-        _needs_prefect[path] = tuple(sorted(found))
+        _needs_prefect[path] = _prefect_imports(path)
     return _needs_prefect[path]
+
+
+def _prefect_imports(path: str) -> tuple[str, ...]:
+    # The module's import statements as Python parses them, wherever they are (a task's body
+    # imports inside its function): never a comment or a string that looks like one.
+    try:
+        tree = ast.parse(Path(path).read_bytes(), filename=path)
+    except (OSError, SyntaxError, ValueError):  # ValueError: a null byte (before 3.12)
+        return ()
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("prefect."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("prefect."):
+                found.add(node.module)
+            elif node.module == "prefect" and {a.name for a in node.names} - _STAND_INS:
+                found.add("prefect")
+    return tuple(sorted(found))
 
 
 #: A module name a call may report (``pkg`` or ``pkg.sub``): nothing else is pre-imported.
