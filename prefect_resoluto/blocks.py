@@ -211,6 +211,11 @@ CONDUIT_CHOICES = {
     "S3BucketConduit": "S3 bucket",
 }
 CONDUIT_DEFAULT_TITLE = "Default (a local directory under the user's cache)"
+#: Each conduit block and the settings model the sandbox block keeps it as (same fields).
+_CONDUIT_SETTINGS: tuple[tuple[type[Block], type[BaseModel]], ...] = (
+    (LocalConduitBlock, LocalDirectoryConduit),
+    (S3ConduitBlock, S3BucketConduit),
+)
 
 
 def _conduit_choices(schema: dict[str, Any]) -> None:
@@ -316,10 +321,9 @@ def my_flow(): ...
     @classmethod
     def _conduit_model(cls, v: Any) -> Any:
         # A conduit block (README: conduit=S3ConduitBlock(...)) is kept as its settings.
-        if isinstance(v, LocalConduitBlock):
-            return LocalDirectoryConduit(path=v.path)
-        if isinstance(v, S3ConduitBlock):
-            return S3BucketConduit(**{name: getattr(v, name) for name in S3BucketConduit.model_fields})
+        for block, settings in _CONDUIT_SETTINGS:
+            if isinstance(v, block):
+                return settings(**{name: getattr(v, name) for name in settings.model_fields})
         return v
 
     def to_config(self) -> SandboxConfig:

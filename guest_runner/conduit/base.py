@@ -14,7 +14,10 @@ backends; no backend imports it back.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import BinaryIO, Dict, List, Optional
+from typing import TYPE_CHECKING, BinaryIO, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # tempfile and urllib.parse are not imported here: the guest runner imports this module
 # in every sandbox, where each import costs (see runner.py).
@@ -57,6 +60,11 @@ class Conduit(ABC):
     @abstractmethod
     def put(self, key: str, data: bytes) -> None: ...
 
+    def put_transient(self, key: str, data: bytes) -> None:
+        """Put an object only the host driving the node needs while it runs (a node's inbox,
+        put again by the next attempt): a backend may skip making it durable."""
+        self.put(key, data)
+
     @abstractmethod
     def get(self, key: str) -> bytes: ...
 
@@ -81,6 +89,12 @@ class Conduit(ABC):
     @abstractmethod
     def url(self) -> str:
         """A URL that :func:`conduit_from_url` turns back into an equivalent conduit."""
+
+    @property
+    def local_root(self) -> Optional[Path]:
+        """The directory holding this conduit's keys when this machine can see the store as
+        one (``<local_root>/<key>`` is the object's file), else None."""
+        return None
 
     @property
     def base_prefix(self) -> str:

@@ -40,6 +40,10 @@ class LocalConduit(Conduit):
         self._real_root = self.root.resolve()
 
     @property
+    def local_root(self) -> Path:
+        return self.root
+
+    @property
     def url(self) -> str:
         return self.root.as_uri()
 
@@ -80,6 +84,9 @@ class LocalConduit(Conduit):
                 raise
         except OSError as e:
             raise ConduitUnavailable(f"local conduit write of {key!r} failed: {e}") from e
+
+    def put_transient(self, key: str, data: bytes) -> None:
+        self.put(key, data, sync=False)
 
     def get(self, key: str) -> bytes:
         with LocalConduit.get_stream(self, key) as f:  # not an override's: key is already ours

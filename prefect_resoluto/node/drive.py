@@ -1,5 +1,11 @@
 """Drive one node: pack + put the inbox, launch, tail, judge, fetch outputs, reap.
 
+:func:`_drive` reads as its phases, which share one :class:`_Node`: prepare (refuse bad
+input, make the launch spec), place a warm sandbox, claim the slot, put the inbox, start the
+sandbox, watch it (tail, status, silence, cancellation), finish it (on every path: hand it
+over or destroy it, keep the egress decisions, settle the slot), then the outcome (the
+guest's result, the outputs, the verdict).
+
 The verdict comes from two places that are kept apart: ``result.json`` is the guest's
 word on its own workload; the observed phase, reason and substrate logs are what the
 host saw from outside (runtime status, silence, missing objects) and are never taken
@@ -15,11 +21,12 @@ import queue
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from guest_runner import archive, wire
-from guest_runner.conduit import Conduit, ConduitError, LocalConduit, ObjectNotFound
+from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import bounded, verdict
 from prefect_resoluto.node.observer import Callbacks, NodeObserver
@@ -36,6 +43,7 @@ from prefect_resoluto.node.tail import ChunkTailer, TailError
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,
+    LaunchSpec,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
@@ -117,6 +125,94 @@ def drive_node(
     return drive(spec, conduit, runtime, observer, warm=warm)
 
 
+@dataclass
+class _Node:
+    """One node being driven: what its phases share, filled in as they run."""
+
+    spec: NodeSpec
+    conduit: Conduit
+    runtime: SandboxRuntime
+    observer: NodeObserver
+    launch: LaunchSpec
+    rel_prefix: str
+    tailer: ChunkTailer
+    events: _Events
+    t0: float
+    warm: WarmSandbox | None = None
+    slot: _Slot | None = None
+    handle: SandboxHandle | None = None
+    st: SandboxStatus = field(default_factory=lambda: SandboxStatus(phase="pending"))
+    failure: FailureKind | None = None
+    reason: str = ""
+    substrate_logs: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, failure: FailureKind, reason: str) -> None:
+        self.failure, self.reason = failure, reason
+
+
+@dataclass
+class _Slot:
+    """The node's directory as a filesystem of its own (:mod:`prefect_resoluto.runtimes.slot`)."""
+
+    dir: Path
+    size: int
+    setting: str
+    #: What the host itself put there (the inbox): not counted against the guest.
+    host_bytes: int = 0
+
+
+class _Events:
+    """The node's events as its observer gets them: counted and redacted; with a network, the
+    egress proxy's decisions too, which arrive on the proxy's threads and are delivered from
+    the driver's."""
+
+    def __init__(self, observer: NodeObserver, redactor: Redactor) -> None:
+        self.observer, self.redactor = observer, redactor
+        self.count = 0
+        self._egress_queue: queue.SimpleQueue[wire.SpanEvent] = queue.SimpleQueue()
+        self._egress: list[wire.SpanEvent] = []
+        self._egress_bound = 0
+        self._listening = False
+
+    def deliver(self, ev: wire.SpanEvent) -> None:
+        self.count += 1
+        if self.redactor.count:
+            ev["data"] = self.redactor.data(ev.get("data") or {})
+        self.observer.event(ev)
+
+    def listen_egress(self, run_id: str, node_id: str) -> None:
+        from prefect_resoluto import egress
+
+        # The proxy caps each kind of decision per sandbox; the list kept holds no more than that.
+        self._egress_bound = egress.events_bound()
+        egress.listen(run_id, node_id, self._egress_queue.put)
+        self._listening = True
+
+    def deliver_egress(self) -> None:
+        while True:
+            try:
+                ev = self._egress_queue.get_nowait()
+            except queue.Empty:
+                return
+            if len(self._egress) >= self._egress_bound:
+                continue
+            if self.redactor.count:
+                ev["data"] = self.redactor.data(ev.get("data") or {})
+            self._egress.append(ev)
+            self.deliver(ev)
+
+    def stop_egress(self, conduit: Conduit, spec: NodeSpec) -> None:
+        """Stop listening, deliver the last decisions and keep them all in the conduit."""
+        if not self._listening:
+            return
+        from prefect_resoluto import egress
+
+        egress.unlisten(spec.run_id, spec.node_id)
+        self.deliver_egress()
+        _save_egress_events(conduit, spec, self._egress)
+
+
 def _drive(
     spec: NodeSpec,
     conduit: Conduit,
@@ -124,283 +220,340 @@ def _drive(
     observer: NodeObserver,
     warm: WarmSandbox | None,
 ) -> NodeOutcome:
+    node = _prepare(spec, conduit, runtime, observer)
+    node.warm = _place_warm(node, warm)
+    node.slot = _claim_slot(node)
+    _put_inbox(node)
+    runtime.prepare(conduit, spec.run_id)
+    if node.launch.network is not None:
+        node.events.listen_egress(spec.run_id, spec.node_id)
+    try:
+        handle = _start_sandbox(node)
+        if handle is not None:
+            _watch(node, handle)
+    finally:
+        _finish_sandbox(node)
+    return _outcome(node)
+
+
+def _prepare(spec: NodeSpec, conduit: Conduit, runtime: SandboxRuntime, observer: NodeObserver) -> _Node:
+    """Refuse what cannot run, before anything is put or launched, and say what to launch."""
     spec.validate()
     check_isolation(runtime, spec.min_isolation)
     t0 = time.monotonic()
-    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
-    store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
-    redactor = Redactor(spec.secret_env.values())
-
     launch = launch_spec(spec, conduit)
-    if runtime.egress_by_name:
+    if runtime.capabilities.egress_by_name:
         launch.network = spec.network_request()
     elif spec.setup_egress or spec.egress_forward or spec.egress_resolve:
         raise NodeSpecError(
             f"runtime {runtime.name!r} enforces egress by address (CIDR), not by name: setup_egress, "
             "egress_forward and egress_resolve need a local runtime (gvisor, bubblewrap, container)"
         )
-    if runtime.supports_local_conduit:
+    if runtime.capabilities.host_credentials:
         # A sandbox on this host reaches the store with the host's own credentials; the
         # guest runner keeps them from the workload. Remote runtimes mint their own.
         launch.secret_env = {**conduit.guest_credentials(), **launch.secret_env}
     runtime.check_spec(launch)  # refusals (egress, local conduit on a remote runtime) before any put
-    if warm is not None:
-        try:
-            warm.place(conduit, rel_prefix)  # the slot becomes the node's directory, before any put
-            launch.sandbox_id = warm.handle.id
-        except OSError as e:
-            log.warning(
-                "warm sandbox %s cannot take node %s (%s); launching a cold one",
-                warm.handle.id,
-                spec.node_id,
-                e,
-            )
-            warm.discard()
-            warm = None
+    rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
+    return _Node(
+        spec=spec,
+        conduit=conduit,
+        runtime=runtime,
+        observer=observer,
+        launch=launch,
+        rel_prefix=rel_prefix,
+        tailer=ChunkTailer(conduit, rel_prefix, silence_window=spec.silence_window),
+        events=_Events(observer, Redactor(spec.secret_env.values())),
+        t0=t0,
+    )
 
-    # -- the slot: the node's directory as a filesystem of its own (prefect_resoluto.runtimes.slot)
-    node_dir: Path | None = None
-    slot_size, slot_setting = slot.capacity_of(spec.resources.disk_bytes, spec.resources.memory_bytes)
-    if isinstance(conduit, LocalConduit) and runtime.supports_local_conduit and runtime.mounts_conduit:
-        node_dir = conduit.root / rel_prefix
-        node_dir.parent.mkdir(parents=True, exist_ok=True)
-        node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
-        if warm is None:
-            slot.mount(node_dir, slot_size)
 
-    # -- inbox ---------------------------------------------------------------------
+def _place_warm(node: _Node, warm: WarmSandbox | None) -> WarmSandbox | None:
+    """The warm sandbox's slot becomes the node's directory, before any put; one that cannot
+    take the node is discarded (None: the node launches a cold one)."""
+    if warm is None:
+        return None
+    try:
+        warm.place(node.conduit, node.rel_prefix)
+        node.launch.sandbox_id = warm.handle.id
+    except OSError as e:
+        log.warning(
+            "warm sandbox %s cannot take node %s (%s); launching a cold one",
+            warm.handle.id,
+            node.spec.node_id,
+            e,
+        )
+        warm.discard()
+        return None
+    return warm
+
+
+def _claim_slot(node: _Node) -> _Slot | None:
+    """The node's directory in a local conduit the sandbox mounts, made its slot (a warm
+    sandbox's is mounted already); None when the sandbox mounts no directory of this host."""
+    root, runtime = node.conduit.local_root, node.runtime
+    if root is None or not (runtime.capabilities.local_conduit and runtime.capabilities.mounts_conduit):
+        return None
+    size, setting = slot.capacity_of(node.spec.resources.disk_bytes, node.spec.resources.memory_bytes)
+    node_dir = root / node.rel_prefix
+    node_dir.parent.mkdir(parents=True, exist_ok=True)
+    node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
+    if node.warm is None:
+        slot.mount(node_dir, size)
+    return _Slot(node_dir, size, setting)
+
+
+def _put_inbox(node: _Node) -> None:
+    """The workspace archive and the spec's extra inbox objects; the slot then grows by what
+    they took (the inbox is the host's, not the guest's)."""
+    spec, conduit = node.spec, node.conduit
+    # The inbox matters only while this host drives the node: a backend may skip its durability.
     if spec.workspace is not None:
-        _put_inbox(
-            conduit,
-            wire.inbox_key(rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
-            observer.pack_workspace(Path(spec.workspace), _nested_dirs(spec, conduit)),
+        conduit.put_transient(
+            wire.inbox_key(node.rel_prefix, wire.WORKSPACE_ARCHIVE_NAME),
+            node.observer.pack_workspace(Path(spec.workspace), _nested_dirs(spec, conduit)),
         )
     for name, data in spec.extra_inbox.items():
-        _put_inbox(conduit, wire.inbox_key(rel_prefix, name), data)
-    if isinstance(conduit, LocalConduit):
-        (conduit.root / rel_prefix).mkdir(parents=True, exist_ok=True)
-    inbox_bytes = 0
-    if node_dir is not None:
-        inbox_bytes = slot.used(node_dir)
-        slot.grow(node_dir, slot_size + inbox_bytes)  # the inbox is the host's, not the guest's
-    runtime.prepare(conduit, spec.run_id)
+        conduit.put_transient(wire.inbox_key(node.rel_prefix, name), data)
+    root = conduit.local_root
+    if root is not None:
+        (root / node.rel_prefix).mkdir(parents=True, exist_ok=True)
+    if node.slot is not None:
+        node.slot.host_bytes = slot.used(node.slot.dir)
+        slot.grow(node.slot.dir, node.slot.size + node.slot.host_bytes)
 
-    silence_window = spec.silence_window
-    tailer = ChunkTailer(conduit, rel_prefix, silence_window=silence_window)
-    events = 0
-    # The proxy's decisions arrive on its threads; they are delivered from this one.
-    egress_queue: queue.SimpleQueue[wire.SpanEvent] = queue.SimpleQueue()
-    egress_events: list[wire.SpanEvent] = []
-    egress_bound = 0
-    if launch.network is not None:
-        from prefect_resoluto import egress as _egress
 
-        # The proxy caps each kind of decision per sandbox; this list holds no more than that.
-        egress_bound = _egress.events_bound()
-        _egress.listen(spec.run_id, spec.node_id, egress_queue.put)
-
-    def deliver(ev: wire.SpanEvent) -> None:
-        nonlocal events
-        events += 1
-        if redactor.count:
-            ev["data"] = redactor.data(ev.get("data") or {})
-        observer.event(ev)
-
-    def deliver_egress() -> None:
-        while True:
-            try:
-                ev = egress_queue.get_nowait()
-            except queue.Empty:
-                return
-            if len(egress_events) >= egress_bound:
-                continue
-            if redactor.count:
-                ev["data"] = redactor.data(ev.get("data") or {})
-            egress_events.append(ev)
-            deliver(ev)
-
-    failure: FailureKind | None = None
-    reason = ""
-    substrate_logs = ""
-    st = SandboxStatus(phase="pending")
-    handle: SandboxHandle | None = None
-    timings: dict[str, float] = {}
+def _start_sandbox(node: _Node) -> SandboxHandle | None:
+    """Launch the node's sandbox, or assign the warm one its node. None: it did not start
+    (``unstartable``; a warm one stays in ``node.handle``, to be destroyed with the node)."""
     try:
-        try:
-            if warm is not None:
-                handle = warm.assign(launch)
-            else:
-                handle = runtime.launch(launch)
-        except Exception as e:
-            if warm is not None:
-                handle = warm.handle  # reaped below like any other
-            failure, reason = FailureKind.UNSTARTABLE, f"launch failed: {e}"
-            raise _Stop() from None
-        timings["launch"] = time.monotonic() - t0
-        observer.launched(handle)
-        unstartable_seen = gone_seen = 0
-        # Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a
-        # paid request), the runtime's status every runtime.status_interval; a local conduit also
-        # wakes the loop the moment an object lands.
-        next_poll = next_status = time.monotonic()
-        while True:
-            if time.monotonic() >= next_poll:
-                try:
-                    tailer.poll(deliver)
-                except TailError as e:
-                    failure, reason = FailureKind.PROTOCOL, str(e)
-                    break
-                except ConduitError as e:
-                    failure, reason = FailureKind.LOST, f"conduit unavailable while tailing: {e}"
-                    break
-                if tailer.finished:
-                    break
-                next_poll = time.monotonic() + tailer.next_delay()
-            if observer.cancelled():
-                failure, reason = FailureKind.LOST, "cancelled by the host"
-                break
-            now = time.monotonic()
-            if now >= next_status or tailer.result_seen:
-                next_status = now + runtime.status_interval
-                st = runtime.status(handle)
-                if st.phase == "running":
-                    tailer.arm()
-                if st.terminal:
-                    failure, reason = _drain_after_exit(tailer, deliver, st)
-                    break
-                unstartable_seen = unstartable_seen + 1 if st.unstartable else 0
-                if unstartable_seen >= CONFIRMATIONS:
-                    failure, reason = FailureKind.UNSTARTABLE, st.reason or "the sandbox cannot start"
-                    break
-                gone_seen = gone_seen + 1 if st.gone else 0
-                if gone_seen >= CONFIRMATIONS:
-                    failure = FailureKind.LOST
-                    reason = st.reason or "the sandbox disappeared"
-                    if not tailer.armed:
-                        reason += " (before it ever ran)"
-                    break
-            if tailer.silent:
-                failure = FailureKind.LOST
-                reason = (
-                    f"no event for {tailer.silence:.0f}s (silence window {silence_window:.0f}s); "
-                    "the sandbox is presumed dead"
-                )
-                break
-            deliver_egress()
-            if tailer.wait(min(next_poll, next_status) - time.monotonic()):
-                next_poll = 0.0  # something landed: read it now
-        if failure is not None and failure != FailureKind.WORKLOAD and handle is not None:
-            substrate_logs = _logs(runtime, handle)
-    except _Stop:
-        pass
-    finally:
-        tailer.close()
-        if handle is not None and failure is None and not st.terminal:
-            # A failed workload may have died at the memory limit, which only the
-            # substrate's view of the exited sandbox tells: wait longer for it.
-            said = _result_status(conduit, rel_prefix)
-            failed = said is not None and said != "success"
-            if said == "success" and tailer.finished and launch.network is None and observer.reap(handle):
-                handle = None  # everything is in the conduit: the exit and teardown need not be waited for
-            else:
-                st = _settle(runtime, handle, st, 5.0 if failed else 0.5)
-        if handle is not None:
-            try:
-                runtime.destroy(handle)
-            except Exception as e:  # reaping must not hide the real outcome
-                log.warning("could not destroy sandbox %s: %s", handle.id, e)
-        if launch.network is not None:
-            _egress.unlisten(spec.run_id, spec.node_id)
-            deliver_egress()
-            _save_egress_events(conduit, spec, egress_events)
-        if node_dir is not None:
-            try:
-                problems = slot.settle(node_dir, slot_size, slot_setting, host_bytes=inbox_bytes).reason()
-            except OSError as e:
-                problems = f"the node's conduit slot could not be kept: {e}"
-            if problems and failure is not FailureKind.UNSTARTABLE:
-                failure, reason = FailureKind.PROTOCOL, problems
-    timings["finish"] = time.monotonic() - t0
-    if tailer.first_event_at is not None:
-        timings["first_event"] = tailer.first_event_at - t0
+        if node.warm is not None:
+            node.handle = node.warm.assign(node.launch)
+        else:
+            node.handle = node.runtime.launch(node.launch)
+    except Exception as e:
+        if node.warm is not None:
+            node.handle = node.warm.handle
+        node.fail(FailureKind.UNSTARTABLE, f"launch failed: {e}")
+        return None
+    node.timings["launch"] = time.monotonic() - node.t0
+    node.observer.launched(node.handle)
+    return node.handle
 
-    status, exit_code = "failure", st.exit_code
-    output_dir: Path | None = None
-    output_files: dict[str, Path] = {}
-    archives: list[str] = []
-    if failure is None:
+
+@dataclass
+class _Sightings:
+    """Consecutive statuses saying "unstartable" or "gone": believed at CONFIRMATIONS."""
+
+    unstartable: int = 0
+    gone: int = 0
+
+
+def _watch(node: _Node, handle: SandboxHandle) -> None:
+    """Deliver the node's events until its tail finishes, or it exits, fails to start, is
+    gone, falls silent, or the host cancels it (``node.failure`` says which).
+
+    Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a paid
+    request), the runtime's status every ``runtime.status_interval``; a local conduit also
+    wakes the loop the moment an object lands."""
+    tailer, seen = node.tailer, _Sightings()
+    next_poll = next_status = time.monotonic()
+    while True:
+        if time.monotonic() >= next_poll:
+            if not _poll(node) or tailer.finished:
+                break
+            next_poll = time.monotonic() + tailer.next_delay()
+        if node.observer.cancelled():
+            node.fail(FailureKind.LOST, "cancelled by the host")
+            break
+        now = time.monotonic()
+        if now >= next_status or tailer.result_seen:
+            next_status = now + node.runtime.status_interval
+            if _check_status(node, handle, seen):
+                break
+        if tailer.silent:
+            node.fail(
+                FailureKind.LOST,
+                f"no event for {tailer.silence:.0f}s (silence window {node.spec.silence_window:.0f}s); "
+                "the sandbox is presumed dead",
+            )
+            break
+        node.events.deliver_egress()
+        if tailer.wait(min(next_poll, next_status) - time.monotonic()):
+            next_poll = 0.0  # something landed: read it now
+    if node.failure is not None and node.failure != FailureKind.WORKLOAD:
+        node.substrate_logs = _logs(node.runtime, handle)
+
+
+def _poll(node: _Node) -> bool:
+    """Deliver the events that landed since the last poll; False when the tail broke."""
+    try:
+        node.tailer.poll(node.events.deliver)
+    except TailError as e:
+        node.fail(FailureKind.PROTOCOL, str(e))
+        return False
+    except ConduitError as e:
+        node.fail(FailureKind.LOST, f"conduit unavailable while tailing: {e}")
+        return False
+    return True
+
+
+def _check_status(node: _Node, handle: SandboxHandle, seen: _Sightings) -> bool:
+    """One look at the runtime's status; True when it ends the watch (an exit, judged once
+    what the sandbox left is read; or a confirmed failure to start, or disappearance)."""
+    st = node.st = node.runtime.status(handle)
+    if st.phase == "running":
+        node.tailer.arm()
+    if st.terminal:
+        node.failure, node.reason = _drain_after_exit(node.tailer, node.events.deliver, st)
+        return True
+    seen.unstartable = seen.unstartable + 1 if st.unstartable else 0
+    if seen.unstartable >= CONFIRMATIONS:
+        node.fail(FailureKind.UNSTARTABLE, st.reason or "the sandbox cannot start")
+        return True
+    seen.gone = seen.gone + 1 if st.gone else 0
+    if seen.gone >= CONFIRMATIONS:
+        reason = st.reason or "the sandbox disappeared"
+        node.fail(FailureKind.LOST, reason if node.tailer.armed else reason + " (before it ever ran)")
+        return True
+    return False
+
+
+def _finish_sandbox(node: _Node) -> None:
+    """On every path, whatever happened: stop tailing, see the sandbox exit (or hand it to the
+    host's reaper), destroy it, keep the egress decisions, settle the slot."""
+    node.tailer.close()
+    if node.handle is not None and node.failure is None and not node.st.terminal:
+        _exit_or_hand_over(node, node.handle)
+    if node.handle is not None:
         try:
-            result = wire.decode_result(_read_result(conduit, rel_prefix))
-            status, exit_code = result["status"], result["exit_code"]
-            failure, reason = verdict.of_result(result, networked=launch.network is not None)
-        except ObjectNotFound:
-            failure, reason = FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json"
-        except (wire.WireError, bounded.TooLarge) as e:
-            failure, reason = FailureKind.PROTOCOL, str(e)
-    if failure in (None, FailureKind.WORKLOAD) and spec.output_paths:
-        output_dir = (
-            Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
-        )
-        try:
-            keys = [
-                k
-                for k in conduit.list_prefix(wire.outbox_prefix(rel_prefix), shallow=True)
-                if wire.is_archive_key(k)
-            ]
-            limit, source = spec.output_allowance()
-            # One budget and one all-or-nothing extraction for every archive of the node.
-            for rel in archive.unpack_stream(
-                [(k, functools.partial(conduit.get_stream, k)) for k in keys],
-                output_dir,
-                patterns=spec.output_paths,
-                limits=archive.Limits(limit),
-            ):
-                output_files[rel] = output_dir / rel
-            archives.extend(keys)
-        except archive.LimitExceeded as e:
-            failure, status = FailureKind.PROTOCOL, "failure"
-            reason = f"outbox rejected: {e}; nothing of it was kept. {verdict.limit_hint(limit, source)}"
-        except (archive.ArchiveError, ConduitError) as e:
-            failure, status = FailureKind.PROTOCOL, "failure"
-            reason = f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)"
-    if failure is not None:
+            node.runtime.destroy(node.handle)
+        except Exception as e:  # reaping must not hide the real outcome
+            log.warning("could not destroy sandbox %s: %s", node.handle.id, e)
+    node.events.stop_egress(node.conduit, node.spec)
+    if node.slot is not None:
+        _settle_slot(node, node.slot)
+
+
+def _exit_or_hand_over(node: _Node, handle: SandboxHandle) -> None:
+    """A node the host saw nothing wrong with: a success whose objects are all in the conduit
+    may be handed to ``observer.reap`` (``node.handle`` None: the exit and teardown are not
+    waited for); otherwise observe the exit. A failed workload may have died at the memory
+    limit, which only the substrate's view of the exited sandbox tells: wait longer for it."""
+    said = _result_status(node.conduit, node.rel_prefix)
+    failed = said is not None and said != "success"
+    if (
+        said == "success"
+        and node.tailer.finished
+        and node.launch.network is None
+        and node.observer.reap(handle)
+    ):
+        node.handle = None
+    else:
+        node.st = _settle(node.runtime, handle, node.st, 5.0 if failed else 0.5)
+
+
+def _settle_slot(node: _Node, s: _Slot) -> None:
+    try:
+        problems = slot.settle(s.dir, s.size, s.setting, host_bytes=s.host_bytes).reason()
+    except OSError as e:
+        problems = f"the node's conduit slot could not be kept: {e}"
+    if problems and node.failure is not FailureKind.UNSTARTABLE:
+        node.fail(FailureKind.PROTOCOL, problems)
+
+
+def _outcome(node: _Node) -> NodeOutcome:
+    """Judge the node from what the host saw, the guest's result and its outputs."""
+    spec, t0 = node.spec, node.t0
+    node.timings["finish"] = time.monotonic() - t0
+    if node.tailer.first_event_at is not None:
+        node.timings["first_event"] = node.tailer.first_event_at - t0
+    status, exit_code = _judge_result(node)
+    output_dir, output_files, archives = _collect_outputs(node)
+    if node.failure is not None:
         status = "failure"
-    failure, reason = verdict.with_memory(failure, reason, st, spec.resources)
+    failure, reason = verdict.with_memory(node.failure, node.reason, node.st, spec.resources)
+    redactor = node.events.redactor
     outcome = NodeOutcome(
         run_id=spec.run_id,
         node_id=spec.node_id,
         status=status,
         exit_code=exit_code,
         reason=redactor.text(reason),
-        observed_phase=st.phase,
+        observed_phase=node.st.phase,
         failure=failure,
-        substrate_logs=redactor.text(substrate_logs),
+        substrate_logs=redactor.text(node.substrate_logs),
         output_dir=output_dir,
         output_files=output_files,
         output_archives=archives,
-        conduit_prefix=store_prefix,
-        conduit_url=conduit.url,
-        runtime=runtime.name,
-        isolation=runtime.isolation.label,
-        sandbox_id=launch.sandbox_id,
-        events=events,
-        timings=timings,
-        warm=warm is not None,
+        conduit_prefix=wire.node_prefix(spec.run_id, spec.node_id, base=node.conduit.base_prefix),
+        conduit_url=node.conduit.url,
+        runtime=node.runtime.name,
+        isolation=node.runtime.isolation.label,
+        sandbox_id=node.launch.sandbox_id,
+        events=node.events.count,
+        timings=node.timings,
+        warm=node.warm is not None,
     )
-    observer.finished(outcome)
+    node.observer.finished(outcome)
     return outcome
 
 
-class _Stop(Exception):
-    pass
+def _judge_result(node: _Node) -> tuple[str, int | None]:
+    """The status and exit code the guest reports in ``result.json``, read only when the host
+    saw nothing wrong (then ``node.failure`` becomes the guest's verdict)."""
+    if node.failure is not None:
+        return "failure", node.st.exit_code
+    try:
+        result = wire.decode_result(_read_result(node.conduit, node.rel_prefix))
+    except ObjectNotFound:
+        node.fail(FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json")
+        return "failure", node.st.exit_code
+    except (wire.WireError, bounded.TooLarge) as e:
+        node.fail(FailureKind.PROTOCOL, str(e))
+        return "failure", node.st.exit_code
+    status, exit_code = result["status"], result["exit_code"]
+    node.failure, node.reason = verdict.of_result(result, networked=node.launch.network is not None)
+    return status, exit_code
 
 
-def _put_inbox(conduit: Conduit, key: str, data: bytes) -> None:
-    # The inbox matters only while this host drives the node: on the local disk, no fsync.
-    if isinstance(conduit, LocalConduit):
-        conduit.put(key, data, sync=False)
-    else:
-        conduit.put(key, data)
+def _collect_outputs(node: _Node) -> tuple[Path | None, dict[str, Path], list[str]]:
+    """The outputs the spec asks for, from every outbox archive: one budget and one
+    all-or-nothing extraction for them all; a rejected outbox fails the node."""
+    spec, conduit = node.spec, node.conduit
+    files: dict[str, Path] = {}
+    archives: list[str] = []
+    if node.failure not in (None, FailureKind.WORKLOAD) or not spec.output_paths:
+        return None, files, archives
+    output_dir = (
+        Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
+    )
+    try:
+        keys = [
+            k
+            for k in conduit.list_prefix(wire.outbox_prefix(node.rel_prefix), shallow=True)
+            if wire.is_archive_key(k)
+        ]
+        limit, source = spec.output_allowance()
+        for rel in archive.unpack_stream(
+            [(k, functools.partial(conduit.get_stream, k)) for k in keys],
+            output_dir,
+            patterns=spec.output_paths,
+            limits=archive.Limits(limit),
+        ):
+            files[rel] = output_dir / rel
+        archives.extend(keys)
+    except archive.LimitExceeded as e:
+        node.fail(
+            FailureKind.PROTOCOL,
+            f"outbox rejected: {e}; nothing of it was kept. {verdict.limit_hint(limit, source)}",
+        )
+    except (archive.ArchiveError, ConduitError) as e:
+        node.fail(
+            FailureKind.PROTOCOL,
+            f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)",
+        )
+    return output_dir, files, archives
 
 
 def egress_events_key(run_id: str, node_id: str) -> str:
@@ -445,7 +598,7 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     ws = Path(spec.workspace).resolve()
     nested = []
     candidates = [
-        conduit.root if isinstance(conduit, LocalConduit) else None,
+        conduit.local_root,
         spec.outputs_dir,
         *spec.workspace_skip,
     ]

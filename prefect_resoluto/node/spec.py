@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, redact, wire
-from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduit import Conduit
 from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
 from prefect_resoluto.runtimes import labels
 from prefect_resoluto.runtimes.base import (
@@ -170,15 +170,15 @@ def launch_spec(spec: NodeSpec, conduit: Conduit) -> LaunchSpec:
     """What the runtime is asked to start for ``spec`` (also used to render manifests)."""
     rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
     store_prefix = wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)
-    local = isinstance(conduit, LocalConduit)
+    root = conduit.local_root
     env = guest_env(spec, conduit, store_prefix)
     return LaunchSpec(
         sandbox_id=new_sandbox_id(),
         address=NodeAddress(spec.run_id, spec.node_id, StoreLocation.from_env(env)),
         env=env,
         secret_env=dict(spec.secret_env),
-        conduit_root=conduit.root if isinstance(conduit, LocalConduit) else None,
-        conduit_subdir=rel_prefix if local else "",
+        conduit_root=root,
+        conduit_subdir=rel_prefix if root is not None else "",
         resources=spec.resources,
         labels={**spec.labels, **labels.node_labels(spec.run_id, spec.node_id)},
         egress=list(spec.egress),

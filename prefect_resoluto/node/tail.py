@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from guest_runner import wire
-from guest_runner.conduit import Conduit, LocalConduit, ObjectNotFound
+from guest_runner.conduit import Conduit, ObjectNotFound
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
@@ -211,8 +211,9 @@ class ChunkTailer:
         return watch.wait(timeout)
 
     def _watcher(self) -> DirWatch | None:
-        if self._watch is None and not self._watch_tried and isinstance(self.conduit, LocalConduit):
-            path = self.conduit.path_for(self.prefix)
+        root = self.conduit.local_root
+        if self._watch is None and not self._watch_tried and root is not None:
+            path = root / self.prefix
             if path.is_dir():  # else: not created yet, try again next time
                 self._watch_tried = True
                 self._watch = DirWatch.open(str(path))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduit import Conduit
 from guest_runner.conduit.registry import conduit_from_url
 from prefect_resoluto.host.paths import cache_dir
 from prefect_resoluto.runtimes.base import (
@@ -75,10 +75,11 @@ class SandboxConfig(SandboxSettings):
 
 def check_conduit_fits(runtime: SandboxRuntime, conduit: Conduit) -> None:
     """Which conduit fits which runtime: the one rule the task runner, the worker and the CLI apply."""
-    if isinstance(conduit, LocalConduit) and not runtime.capabilities.local_conduit:
+    root = conduit.local_root
+    if root is not None and not runtime.capabilities.local_conduit:
         raise ValueError(
             f"runtime {runtime.name!r} runs sandboxes on other machines, which cannot see the local "
-            f"conduit directory {conduit.root}; configure an S3 conduit (s3://bucket/prefix)"
+            f"conduit directory {root}; configure an S3 conduit (s3://bucket/prefix)"
         )
 
 
@@ -89,7 +90,7 @@ def check_store_reachable(runtime: SandboxRuntime, conduit: Conduit) -> None:
     may be given egress per task (``sandbox_options``) after the runner's start, and a
     worker's always have a network (the API gateway), so neither can decide it up front."""
     if (
-        not isinstance(conduit, LocalConduit)
+        conduit.local_root is None
         and runtime.capabilities.on_host
         and runtime.isolation > IsolationLevel.NONE
     ):

@@ -45,7 +45,7 @@ class FlowRunSnapshots:
         self, spec: NodeSpec, runtime: SandboxRuntime, conduit: Conduit
     ) -> tuple[WarmSandbox | None, str]:
         """A sandbox restored for ``spec`` (ready for its assignment), or (None, why)."""
-        if not runtime.supports_snapshots:
+        if not runtime.capabilities.snapshots:
             return None, ""
         if not enabled_by_env():
             return None, "booted (RESOLUTO_WARM_SNAPSHOTS=0)"

@@ -25,6 +25,7 @@ know.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guest_runner import wire
-from guest_runner.conduit import Conduit, LocalConduit
+from guest_runner.conduit import Conduit
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapshots
@@ -98,10 +99,6 @@ def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
     return PoolKey(image=spec.image, resources=spec.resources, egress=tuple(spec.egress), imports=imports)
 
 
-_PREFECT_IMPORT = re.compile(
-    r"^[ \t]*(?:import[ \t]+(prefect(?:\.\w+)*)|from[ \t]+(prefect(?:\.\w+)+)[ \t]+import\b)", re.MULTILINE
-)
-_FROM_PREFECT = re.compile(r"^[ \t]*from[ \t]+prefect[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.MULTILINE)
 #: What guest_runner.standin answers for ``from prefect import ...``.
 _STAND_INS = {"task", "flow", "get_run_logger"}
 _needs_prefect: dict[str, tuple[str, ...]] = {}
@@ -116,16 +113,27 @@ def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str,
         return ()
     path = str(source_file)
     if path not in _needs_prefect:
-        try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            text = ""
-        found = {a or b for a, b in _PREFECT_IMPORT.findall(text)} - {"prefect"}
-        for names in _FROM_PREFECT.findall(text):
-            if {n.split(" as ")[0].strip() for n in names.strip("()").split(",") if n.strip()} - _STAND_INS:
-                found.add("prefect")
-        _needs_prefect[path] = tuple(sorted(found))
+        _needs_prefect[path] = _prefect_imports(path)
     return _needs_prefect[path]
+
+
+def _prefect_imports(path: str) -> tuple[str, ...]:
+    # The module's import statements as Python parses them, wherever they are (a task's body
+    # imports inside its function): never a comment or a string that looks like one.
+    try:
+        tree = ast.parse(Path(path).read_bytes(), filename=path)
+    except (OSError, SyntaxError, ValueError):  # ValueError: a null byte (before 3.12)
+        return ()
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("prefect."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("prefect."):
+                found.add(node.module)
+            elif node.module == "prefect" and {a.name for a in node.names} - _STAND_INS:
+                found.add("prefect")
+    return tuple(sorted(found))
 
 
 #: A module name a call may report (``pkg`` or ``pkg.sub``): nothing else is pre-imported.
@@ -292,9 +300,10 @@ class WarmSandbox:
         """Move the slot to the node's canonical directory (before the inbox is put there)."""
         if self.slot is None:
             return
-        if not isinstance(conduit, LocalConduit):
+        root = conduit.local_root
+        if root is None:
             raise OSError("a slotted warm sandbox needs the local conduit it was made for")
-        target = conduit.root / rel_prefix
+        target = root / rel_prefix
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if slot.mounted(self.slot):
             # A mount point cannot be renamed: the node's directory shows the same slot.
@@ -358,13 +367,13 @@ class WarmPool:
         self.snapshots: Snapshots | None = None
         if (
             self.enabled
-            and runtime.supports_snapshots
+            and runtime.capabilities.snapshots
             and (snapshots if snapshots is not None else snapshots_by_env())
         ):
             seen = {
                 k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT
             }  # /conduit inside
-            slotted = isinstance(conduit, LocalConduit) and runtime.mounts_conduit
+            slotted = conduit.local_root is not None and runtime.capabilities.mounts_conduit
             context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
             self.snapshots = Snapshots(runtime, self.python, context)
             self.snapshots.prune()
@@ -599,7 +608,7 @@ class WarmPool:
         """Boot (or, with ``image``, restore) one warm sandbox; ``template``: one to checkpoint;
         ``network``: the network of the node it is restored for (restore_for)."""
         sid = f"rsl-{uuid.uuid4().hex[:16]}"
-        slotted = isinstance(self.conduit, LocalConduit) and self.runtime.mounts_conduit
+        slotted = self.conduit.local_root is not None and self.runtime.capabilities.mounts_conduit
         env = {wire.ENV_WARM_CALL: wire.warm_call_mode(key.engine, key.imports)}
         env.update(self.conduit.guest_env())
         if image is not None or template:
@@ -739,18 +748,19 @@ class WarmPool:
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
     """Whether ``runtime`` can keep sandboxes warm for ``conduit``, and if not why."""
-    if not runtime.supports_warm:
+    if not runtime.capabilities.warm:
         return Availability.refused(f"runtime {runtime.name!r} does not keep sandboxes warm")
     state = runtime.state
     if state is None:
         return Availability.refused(
             f"runtime {runtime.name!r} has no state directory for warm sandboxes' slots"
         )
-    if isinstance(conduit, LocalConduit) and runtime.mounts_conduit:
+    root = conduit.local_root
+    if root is not None and runtime.capabilities.mounts_conduit:
         try:
-            if os.stat(state).st_dev != os.stat(conduit.root).st_dev:
+            if os.stat(state).st_dev != os.stat(root).st_dev:
                 return Availability.refused(
-                    f"the local conduit {conduit.root} and the runtime's state directory {state} are on "
+                    f"the local conduit {root} and the runtime's state directory {state} are on "
                     "different filesystems, so a warm sandbox's directory cannot be moved into place"
                 )
         except OSError as e:

@@ -76,3 +76,14 @@ class ConduitContract:
         with pytest.raises(InvalidKey):
             conduit.get(key)
         assert conduit.list_prefix("") == []
+
+    def test_local_root_is_the_directory_of_every_key_or_none(self, conduit: Conduit) -> None:
+        """``local_root``: the directory holding every key as a file for a local conduit, None
+        for a store this machine cannot see as a directory (the host asks this, never the class)."""
+        key = "run/r/nodes/n/outbox/o.tar.gz"
+        conduit.put(key, b"x")
+        root = conduit.local_root
+        assert (root is not None) == (conduit.kind == "localfs")
+        if root is not None:
+            assert root.is_dir()
+            assert (root / key).read_bytes() == b"x"
