@@ -1,7 +1,7 @@
 """Prefect's API as a task inside a sandbox meets it: nothing starts one, nothing waits on one.
 
 There is no Prefect API in a sandbox. Left alone, Prefect's client, finding no
-``PREFECT_API_URL``, starts an ephemeral server of its own in the sandbox and waits ~45 s
+``PREFECT_API_URL``, starts an ephemeral server of its own in the sandbox and waits
 for it. Once the real package is loaded in a call (:func:`patch`):
 
 - the settings name an API URL that is never contacted, and every request Prefect's HTTP

@@ -25,7 +25,7 @@ class LocalConduit(Conduit):
     put (the rename still publishes each object whole): a guest's conduit, whose objects
     only matter to the driver on the same host while the sandbox runs (a host crash ends
     both; nothing reads a node's objects after one). In gVisor each fsync is a round trip
-    through the gofer to the host's disk: ~16 ms of a trivial node's CPU for its five puts.
+    through the gofer to the host's disk.
     """
 
     kind = "localfs"

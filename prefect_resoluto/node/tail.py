@@ -112,8 +112,8 @@ class DirWatch:
             self.fd = -1
 
 
-# Closing an inotify instance waits for the kernel's SRCU grace period (5-40 ms here,
-# more under load), which would sit between a node's last event and its result: the
+# Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
+# between a node's last event and its result: the
 # descriptor is closed on a daemon thread instead (at exit the process closes the rest).
 _to_close: queue.SimpleQueue[int] = queue.SimpleQueue()
 _closer_lock = threading.Lock()

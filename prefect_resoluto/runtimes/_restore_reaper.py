@@ -3,7 +3,7 @@
 Runs ``runsc restore`` and then deletes its container, as ``runsc run`` does by itself.
 ``runsc restore`` leaves the container (and its gofer process) behind when it exits, and
 ``runsc delete`` then waits, polling, until the orphaned gofer's zombie is reaped by PID 1:
-~2 s on machines whose init reaps lazily. So this process is the *child subreaper* of
+seconds on machines whose init reaps lazily. So this process is the *child subreaper* of
 what it starts: the gofer becomes its child and is reaped the moment it dies, and delete
 takes milliseconds. SIGTERM: kill the container (``runsc kill``), then the same path.
 Exits with ``runsc restore``'s status. Host side only; standard library only.

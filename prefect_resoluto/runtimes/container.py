@@ -433,7 +433,7 @@ class ContainerRuntime(SandboxRuntime):
 
     def _start_waiter(self, name: str) -> None:
         # One `<engine> wait` per sandbox: while it runs, the container does too, and
-        # status() answers without spawning a full `inspect` (~50 ms of CPU) every poll.
+        # status() answers without spawning a full `inspect` (an engine process) every poll.
         # podman's wait polls (default every 250 ms, which would be the exit latency);
         # nerdctl's listens for containerd's exit event.
         interval = ["--interval", "50ms"] if self.engine == "podman" else []

@@ -57,7 +57,7 @@ log = logging.getLogger("prefect_resoluto.warm.pool")
 LABEL_POOL = "resoluto.pool"
 LABEL_WARM = "resoluto.warm"
 #: Idle warm sandboxes per key when ``warm_pool`` is not set: the runner's concurrency, capped
-#: (an idle gVisor sandbox holds ~65 MiB of host memory).
+#: (each idle sandbox holds host memory: docs/performance.md, the pool's memory).
 DEFAULT_CAP = 4
 #: Sandboxes booting at once: boots compete with running tasks for the same cores.
 MAX_BOOTING = 2
@@ -547,8 +547,8 @@ class WarmPool:
 
     def _saturated(self) -> bool:
         """As many nodes in flight as the host has cores: no idle CPU to boot ahead in, and a
-        boot would only slow the running nodes (measured: a saturated gVisor map ran slower
-        with the pool booting replacements than without a pool)."""
+        boot would only slow the running nodes (a saturated map runs slower with the pool
+        booting replacements than without one)."""
         for key in self._wanted:
             self.target(key)  # prunes finished nodes and old misses
         inflight = sum(len(ws) for ws in self._taken.values()) + sum(len(ts) for ts in self._misses.values())
