@@ -98,7 +98,7 @@ class EventPrinter:
             self.note(message, BAD if level >= logging.ERROR else WARN if level >= logging.WARNING else "")
 
 
-class CliNode(NodeObserver):
+class CliObserver(NodeObserver):
     """One node as ``run`` sees it: the progress line learns of the launch, the printer gets
     every event."""
 
@@ -174,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
             f"node {spec.node_id} of run {spec.run_id} on {rt.display_name} "
             f"({rt.isolation.label}), conduit {plan.conduit.url}"
         )
-    node = CliNode(printer, progress)
+    node = CliObserver(printer, progress)
 
     with _interruptible():
         progress.start()

@@ -1,10 +1,12 @@
 """The Prefect task runner: ``@flow(task_runner=ResolutoTaskRunner(...))``.
 
 :mod:`.runner` is the runner itself (enter, exit, submit, wrap); the rest is what it hands
-work to: the Python-call crossing (:mod:`.call_spec`, :mod:`.python_calls`,
-:mod:`.remote_traceback`), the task's Prefect reads (:mod:`.reads`), logs and artifacts
-(:mod:`.logs`, :mod:`.artifacts`, :mod:`.relayed_artifacts`), the live sandboxes
-(:mod:`.live`), deferred work (:mod:`.background`), the workspace archive
+work to: a task run's node (:mod:`.task_node`: its spec, its observer, its re-launches),
+the runner's sandboxes as a node reaches them (:mod:`.sandboxes`, over :mod:`.live`), the
+flow runs it serves (:mod:`.flow_runs`), the Python-call crossing (:mod:`.call_spec`,
+:mod:`.python_calls`, :mod:`.remote_traceback`), the task's Prefect reads (:mod:`.reads`),
+logs and artifacts (:mod:`.logs`, :mod:`.artifacts`, :mod:`.node_artifacts`,
+:mod:`.relayed_artifacts`), deferred work (:mod:`.background`), the workspace archive
 (:mod:`.workspace`) and the ready-made command task (:mod:`.commands`).
 """
 

@@ -4,6 +4,10 @@ The runner is a ThreadPoolTaskRunner whose submissions carry a copy of the task 
 only ``fn`` replaced. States, retries, hooks, caching, result persistence, timeouts
 and lineage all stay Prefect's own; the replacement ``fn`` sends the call across the
 conduit, blocks for the verdict and returns (or raises) what the sandbox produced.
+
+The runner itself enters, exits, submits and wraps; a task run's node is driven by
+:mod:`.task_node`, its artifacts published by :mod:`.node_artifacts`, the runner's
+sandboxes reached through :mod:`.sandboxes`, its flow runs kept by :mod:`.flow_runs`.
 """
 
 from __future__ import annotations
@@ -13,39 +17,41 @@ import contextlib
 import contextvars
 import copy
 import functools
-import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from types import CoroutineType
+from typing import TYPE_CHECKING, Any, overload
 
 from prefect.task_runners import ThreadPoolTaskRunner
+from typing_extensions import ParamSpec, TypeVar
 
-from guest_runner import wire
 from guest_runner.conduit import Conduit
-from guest_runner.redact import Redactor
-from prefect_resoluto.node.drive import drive
-from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 from prefect_resoluto.node.outcome import NodeOutcome
-from prefect_resoluto.node.spec import NodeSpec
-from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
-from prefect_resoluto.runtimes.labels import LABEL_FLOW_RUN, label_value, task_run_labels
-from prefect_resoluto.settings.config import SandboxConfig, default_outputs_root
+from prefect_resoluto.runtimes.base import SandboxRuntime
+from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
 from prefect_resoluto.task_runner import call_spec as pycall
 from prefect_resoluto.task_runner import python_calls as python_tasks
 from prefect_resoluto.task_runner import remote_traceback
-from prefect_resoluto.task_runner.artifacts import NodeTable, flow_run_key, publish_tables
-from prefect_resoluto.task_runner.artifacts import publish_node_artifact as _publish_artifact
 from prefect_resoluto.task_runner.background import Background
+from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
-from prefect_resoluto.task_runner.logs import ApiLogBatcher, EventLogForwarder
-from prefect_resoluto.task_runner.relayed_artifacts import ArtifactRelay
+from prefect_resoluto.task_runner.logs import ApiLogBatcher
+from prefect_resoluto.task_runner.node_artifacts import NodeArtifacts
+from prefect_resoluto.task_runner.sandboxes import RunnerSandboxes, sweep
+from prefect_resoluto.task_runner.task_node import NodeRequest, TaskNodes
 from prefect_resoluto.task_runner.workspace import WorkspacePacker
 from prefect_resoluto.warm import pool as warm_pool_mod
 
-log = logging.getLogger("prefect_resoluto")
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import RunInput
+    from prefect.futures import PrefectConcurrentFuture, PrefectFuture
+    from prefect.tasks import Task
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Seconds the runner's exit waits for queued artifacts (normal exit / interrupted or failed
 #: flow) and for sandboxes being reaped; a daemon thread never holds the process beyond them.
@@ -105,21 +111,16 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._runtime: SandboxRuntime | None = None
         self._conduit: Conduit | None = None
         self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
-        self._live_lock = threading.Lock()  # what the runner keeps per flow run and per task run
-        self._flow_runs: set[str] = set()
-        self._flow_run_objs: dict[str, Any] = {}  # the engine's own FlowRun objects, state kept current
+        self._flow_runs = FlowRuns()
         self._cancelled = threading.Event()
-        self._pacer: ApiLogBatcher | None = None
-        self._announced: set[str] = set()
         self._deployment_names = python_tasks.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
-        self._artifacts: Background | None = None
-        self._reaper: Background | None = None
         self._packer: WorkspacePacker | None = None
-        # Artifacts of task runs whose future is not done yet: published once it is, so the
-        # API call never competes with the task's own Completed-state call.
-        self._held: dict[str, list[Callable[[], None]]] = {}
-        self._node_tables: dict[str, NodeTable] = {}  # per flow run: its keyed artifact
+        # While entered: the node's view of the runner's sandboxes, the artifacts' queue,
+        # and what driving a task run's node needs.
+        self._sandboxes: RunnerSandboxes | None = None
+        self._artifacts: NodeArtifacts | None = None
+        self._nodes: TaskNodes | None = None
         #: What the runner holds while entered, released in reverse order by __exit__.
         self._resources: contextlib.ExitStack | None = None
 
@@ -128,19 +129,14 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_runtime",
         "_conduit",
         "_live",
-        "_live_lock",
         "_flow_runs",
-        "_flow_run_objs",
         "_cancelled",
-        "_pacer",
-        "_announced",
         "_deployment_names",
         "_pool",
-        "_artifacts",
-        "_reaper",
         "_packer",
-        "_held",
-        "_node_tables",
+        "_sandboxes",
+        "_artifacts",
+        "_nodes",
         "_resources",
     )
 
@@ -199,35 +195,39 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         # (the pool, the reaper, the sweep, held artifacts, the artifacts' drain, the log
         # pacer, the conduit), and a failure half-way through entering releases what was taken.
         with contextlib.ExitStack() as stack:
-            self._config = self._resolve_config()
-            self._runtime = self._config.build_runtime()
-            self._conduit = self._config.build_conduit()
+            config = self._config = self._resolve_config()
+            runtime = self._runtime = config.build_runtime()
+            conduit = self._conduit = config.build_conduit()
             stack.callback(self._drop_packer)
-            stack.callback(self._conduit.close)
-            self._config.check_conduit_fits(self._runtime, self._conduit)
-            self._pacer = ApiLogBatcher()
-            self._pacer.start()
-            stack.callback(self._pacer.stop)
+            stack.callback(conduit.close)
+            config.check_conduit_fits(runtime, conduit)
+            pacer = ApiLogBatcher()
+            pacer.start()
+            stack.callback(pacer.stop)
+            queue = Background("resoluto-artifacts")
+            artifacts = self._artifacts = NodeArtifacts(queue)
             # After the queue below is drained: every node's row is in its table by then.
-            stack.callback(self._publish_tables)
-            self._artifacts = stack.enter_context(_Draining(Background("resoluto-artifacts")))
-            stack.callback(self._flush_held)
-            stack.callback(self._sweep)
-            self._reaper = Background("resoluto-reaper")
-            stack.callback(self._reaper.close, REAP_DRAIN)
+            stack.callback(artifacts.publish_tables)
+            stack.enter_context(_Draining(queue))
+            stack.callback(artifacts.flush_held)
+            stack.callback(sweep, runtime, self._flow_runs.with_nodes)
+            reaper = Background("resoluto-reaper")
+            stack.callback(reaper.close, REAP_DRAIN)
             self._packer = WorkspacePacker()
+            self._sandboxes = RunnerSandboxes(runtime, self._live, self._cancelled, reaper, self._packer)
             super().__enter__()
-            self._pool = warm_pool_mod.start_for(
-                self._config, self._runtime, self._conduit, self._max_workers
-            )
+            self._pool = warm_pool_mod.start_for(config, runtime, conduit, self._max_workers)
             if self._pool is not None:
                 stack.callback(self._pool.close)
+            self._nodes = TaskNodes(
+                runtime, conduit, pacer, self._pool, self._live, self._sandboxes, artifacts, self._flow_runs
+            )
             self._resources = stack.pop_all()
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
-            if exc_type is not None or self._flow_failed():
+            if exc_type is not None or self._flow_runs.any_failed():
                 # The flow is over and not completed: nothing may keep running for it.
                 self.cancel_all()
             elif self._executor is not None:
@@ -241,104 +241,52 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
     def _drop_packer(self) -> None:
         self._packer = None  # its archives go with the runner
-
-    def _flush_held(self) -> None:
-        """Queue the artifacts of task runs whose future never completed (cancelled, interrupted)."""
-        with self._live_lock:
-            held = [job for jobs in self._held.values() for job in jobs]
-            self._held.clear()
-        for job in held:
-            self._queue_artifact(job)
-
-    def _publish_tables(self) -> None:
-        with self._live_lock:
-            tables = list(self._node_tables.values())
-        publish_tables(tables)
-
-    def _flow_failed(self) -> bool:
-        # The flow engine handles the flow's exception before leaving the runner's context,
-        # so a failed flow exits here "cleanly": its final state tells.
-        for fr in self._flow_run_objs.values():
-            state = getattr(fr, "state", None)
-            if state is not None and state.is_final() and not state.is_completed():
-                return True
-        return False
+        if self._sandboxes is not None:
+            self._sandboxes.packer = None
 
     def cancel_all(self) -> None:
         self._cancelled.set()
         if self._pool is not None:
             self._pool.close()
-        for handle in self._live.handles():
-            self._destroy(handle)
+        if self._sandboxes is not None:
+            self._sandboxes.destroy_all()
         super().cancel_all()
 
-    def _reap(self, handle: SandboxHandle) -> None:
-        self._destroy(handle)
-        self._live.drop(handle.id)
-
-    def _publish(self, outcome: NodeOutcome, attempt: int, redactor: Redactor, sandbox: str = "") -> None:
-        """The node's artifacts (artifacts.py), off the task's critical path (API round trips):
-        queued when the task run's future is done, in the API before the runner's exit
-        returns, so before the flow call does."""
-        from prefect.context import FlowRunContext, TaskRunContext
-
-        ctx = TaskRunContext.get()
-        fr_ctx = FlowRunContext.get()
-        task_run_name = ctx.task_run.name if ctx is not None and ctx.task_run is not None else outcome.node_id
-        table = None
-        if fr_ctx is not None and fr_ctx.flow_run is not None:
-            fr_id = str(fr_ctx.flow_run.id)
-            with self._live_lock:
-                table = self._node_tables.get(fr_id)
-                if table is None:
-                    name = fr_ctx.flow_run.name or fr_id
-                    table = self._node_tables[fr_id] = NodeTable(fr_id, flow_run_key(name, fr_id), name)
-        publish = functools.partial(
-            _publish_artifact, outcome, task_run_name, attempt, redactor, table, sandbox
-        )
-        job = functools.partial(contextvars.copy_context().run, publish)  # the task run's context
-        if ctx is None or ctx.task_run is None or self._artifacts is None:
-            job()
-            return
-        with self._live_lock:
-            self._held.setdefault(str(ctx.task_run.id), []).append(job)
-
-    def _queue_artifact(self, job: Callable[[], None]) -> None:
-        if self._artifacts is None:
-            job()
-        else:
-            self._artifacts.submit(job, "node artifact")
-
-    def _destroy(self, handle: SandboxHandle) -> None:
-        try:
-            if self._runtime is not None:
-                self._runtime.destroy(handle)
-        except Exception as e:
-            log.warning("could not destroy sandbox %s: %s", handle.id, e)
-
-    def _sweep(self) -> None:
-        if self._runtime is None:
-            return
-        for fr in self._flow_runs:
-            try:
-                n = self._runtime.sweep({LABEL_FLOW_RUN: label_value(fr)})
-                if n:
-                    log.warning("reaped %d leftover sandbox(es) of flow run %s", n, fr)
-            except Exception as e:
-                log.warning("sweeping sandboxes of flow run %s failed: %s", fr, e)
-
     # -- submission -----------------------------------------------------------------
+    @overload
     def submit(
-        self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None
-    ) -> Any:
+        self,
+        task: Task[P, CoroutineType[Any, Any, R]],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectConcurrentFuture[R]: ...
+
+    @overload
+    def submit(
+        self,
+        task: Task[Any, R],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectConcurrentFuture[R]: ...
+
+    def submit(
+        self,
+        task: Task[Any, Any],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[RunInput]] | None = None,
+    ) -> PrefectConcurrentFuture[Any]:
+        """Prefect's submission of a copy of ``task`` whose ``fn`` runs in a sandbox."""
         if self._config is None:
             raise RuntimeError("Task runner is not started")
         from prefect.context import FlowRunContext
 
         fr_ctx = FlowRunContext.get()
-        if fr_ctx is not None and fr_ctx.flow_run is not None:
-            self._flow_run_objs[str(fr_ctx.flow_run.id)] = fr_ctx.flow_run
-            self._announce(fr_ctx)
+        if fr_ctx is not None and fr_ctx.flow_run is not None and self._flow_runs.submitted(fr_ctx.flow_run):
+            assert self._runtime is not None and self._conduit is not None
+            announce(fr_ctx, self._runtime, self._conduit, self._max_workers, self.config.resources)
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
@@ -346,37 +294,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         future.add_done_callback(self._task_done)
         return future
 
-    def _task_done(self, future: Any) -> None:
-        with self._live_lock:
-            held = self._held.pop(str(future.task_run_id), [])
-        for job in held:
-            self._queue_artifact(job)
+    def _task_done(self, future: PrefectFuture[Any]) -> None:
+        if self._artifacts is not None:
+            self._artifacts.task_done(str(future.task_run_id))
 
-    def _announce(self, fr_ctx: Any) -> None:
-        """One line in the flow run's logs saying where its tasks will run. The flow engine
-        enters the runner before its run context exists, so this waits for the first
-        submission of each flow run."""
-        key = str(fr_ctx.flow_run.id)
-        with self._live_lock:
-            if key in self._announced:
-                return
-            self._announced.add(key)
-        from prefect.logging.loggers import flow_run_logger
-
-        rt, conduit = self._runtime, self._conduit
-        assert rt is not None and conduit is not None
-        r = self.config.resources
-        flow_run_logger(fr_ctx.flow_run, fr_ctx.flow).info(
-            "ResolutoTaskRunner: each task runs in its own sandbox; runtime %s, isolation %s, conduit %s, "
-            "max_workers %d, per sandbox %s",
-            rt.name,
-            rt.isolation.label,
-            conduit.url,
-            self._max_workers,
-            r.describe(),
-        )
-
-    def _wrap(self, task: Any, overrides: dict[str, Any]) -> Any:
+    def _wrap(self, task: Task[Any, Any], overrides: dict[str, Any]) -> Callable[..., Any]:
         fn = task.fn
         command = getattr(fn, "__resoluto_command__", False)
 
@@ -419,9 +341,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
         return sandboxed_sync
 
-    # -- one Python task ------------------------------------------------------------
     def _run_python(
-        self, task: Any, fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
+        self, task: Task[Any, Any], fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
     ) -> Any:
         return python_tasks.call(
             task,
@@ -446,97 +367,23 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         log_prints: bool = True,
         warm_prefect: tuple[str, ...] = (),
     ) -> NodeOutcome:
-        """Drive one node for the current task run, re-launching on infrastructure failure.
-
-        ``line_sink`` receives the workload's merged output lines, in order; ``log_prints``
-        whether those lines become log records (Prefect's own decision for the task run:
-        else they go to this process's stdout only, as a thread's prints do);
-        ``warm_prefect`` the installed modules a warm sandbox pre-imports for it
-        (prefect_resoluto.warm.pool.imports_for)."""
-        from prefect.context import TaskRunContext
-        from prefect.logging import get_run_logger
-
-        ctx = TaskRunContext.get()
-        assert ctx is not None and ctx.task_run is not None
-        tr = ctx.task_run
-        run_id = str(tr.flow_run_id or tr.id)
-        self._flow_runs.add(run_id)
-        logger = get_run_logger()
-        runtime, conduit = self._runtime, self._conduit
-        assert runtime is not None and conduit is not None
-        workspace = cfg.workspace or python_tasks.default_workspace()
-        outcome: NodeOutcome | None = None
-        for infra_try in range(cfg.infrastructure_retries + 1):
-            key = str(tr.id)
-            attempt = self._live.next_attempt(key)
-            node_id = key if attempt == 1 else f"{key}.{attempt}"
-            spec = NodeSpec(
-                run_id=run_id,
-                node_id=node_id,
+        """Drive one node for the current task run (:class:`~.task_node.NodeRequest` says
+        what each keyword is), re-launching on infrastructure failure."""
+        if self._nodes is None:
+            raise RuntimeError("the task runner is not started")
+        return self._nodes.run(
+            NodeRequest(
+                task_name=task_name,
                 argv=argv,
-                workspace=workspace,
-                output_paths=list(cfg.output_paths) + list(extra_outputs or []),
-                env=dict(cfg.env),
-                secret_env=dict(cfg.secret_env),
-                resources=cfg.resources,
-                labels=task_run_labels(run_id, key, task_name, attempt),
-                egress=list(cfg.egress),
-                setup_egress=cfg.setup_egress,
-                setup_argv=cfg.setup_argv,
-                egress_resolve=dict(cfg.egress_resolve),
-                image=cfg.image,
-                extra_inbox=dict(extra_inbox or {}),
-                outputs_dir=(cfg.outputs_dir or default_outputs_root()) / run_id / node_id,
-                workspace_skip=[cfg.outputs_dir or default_outputs_root()],
-                output_limit=cfg.output_limit_bytes,
-                min_isolation=cfg.min_isolation,
-                silence_window=cfg.silence_window,
-            )
-            redactor = Redactor(cfg.secret_env.values())
-            forward = EventLogForwarder(
-                task_run_id=tr.id,
-                flow_run_id=tr.flow_run_id,
-                node_id=node_id,
-                redactor=redactor,
-                batcher=self._pacer,
-                run_fields=dict(getattr(logger, "extra", None) or {}),
+                cfg=cfg,
+                extra_inbox=extra_inbox,
+                extra_outputs=extra_outputs,
+                cancel=cancel,
+                line_sink=line_sink,
                 log_prints=log_prints,
+                warm_prefect=warm_prefect,
             )
-            forward.artifacts = ArtifactRelay(tr.id, tr.flow_run_id, forward.emit, redactor)
-            warm, how = warm_pool_mod.take_for(self._pool, spec, imports=warm_prefect)
-            forward.emit(
-                logging.DEBUG,
-                f"sandbox node {node_id} on {runtime.name} "
-                f"({runtime.isolation.label} isolation), conduit {conduit.url}; {how}",
-            )
-            node = TaskRunNode(self, forward, line_sink, cancel)
-            try:
-                outcome = drive(spec, conduit, runtime, node, warm=warm)
-            finally:
-                node.release()
-            if outcome.ok:
-                self._live.set_outputs(
-                    key, {k: v for k, v in outcome.output_files.items() if not k.startswith(".resoluto/")}
-                )
-            self._publish(outcome, attempt, redactor, how)
-            if (
-                outcome.infrastructure_failure
-                and infra_try < cfg.infrastructure_retries
-                and not self._cancelled.is_set()
-                and not (cancel is not None and cancel.is_set())
-            ):
-                logger.warning(
-                    "infrastructure failure (%s): %s; re-launching (%d of %d), the task's own retries are "
-                    "not spent",
-                    outcome.failure,
-                    outcome.reason,
-                    infra_try + 1,
-                    cfg.infrastructure_retries,
-                )
-                continue
-            break
-        assert outcome is not None
-        return outcome
+        )
 
 
 class _Draining:
@@ -553,66 +400,6 @@ class _Draining:
         self.background.close(ARTIFACT_DRAIN if exc_type is None else ARTIFACT_DRAIN_INTERRUPTED)
 
 
-class TaskRunNode(NodeObserver):
-    """One node of a task run, as the runner sees it: its events become the task run's logs
-    (and, for a command task, its output lines), its sandbox is live -- reached by
-    ``cancel_all`` -- from launch until destroyed, here or by the runner's reaper."""
-
-    def __init__(
-        self,
-        runner: ResolutoTaskRunner,
-        forward: EventLogForwarder,
-        line_sink: Callable[[str], None] | None,
-        cancel: threading.Event | None,
-    ) -> None:
-        self.runner = runner
-        self.forward = forward
-        self.line_sink = line_sink
-        self.cancel = cancel
-        self.output = WorkloadOutput()
-        self.sandboxes: list[SandboxHandle] = []
-        self.reaping: set[str] = set()
-
-    def launched(self, handle: SandboxHandle) -> None:
-        self.sandboxes.append(handle)
-        self.runner._live.add(handle)
-
-    def event(self, ev: wire.SpanEvent) -> None:
-        self.forward(ev)
-        if self.line_sink is not None:
-            line = self.output.line(ev)
-            if line is not None:
-                self.line_sink(line)
-
-    def cancelled(self) -> bool:
-        return self.runner._cancelled.is_set() or (self.cancel is not None and self.cancel.is_set())
-
-    def reap(self, handle: SandboxHandle) -> bool:
-        reaper = self.runner._reaper
-        if reaper is None:
-            return False
-        # Stays live until destroyed, so cancel_all still reaches it.
-        self.reaping.add(handle.id)
-        reaper.submit(functools.partial(self.runner._reap, handle), f"reaping sandbox {handle.id}")
-        return True
-
-    def pack_workspace(self, root: Path, skip: list[str]) -> bytes:
-        packer = self.runner._packer
-        return packer(root, skip) if packer is not None else super().pack_workspace(root, skip)
-
-    def finished(self, outcome: NodeOutcome) -> None:
-        # One short line per node at INFO (a failure is told by the task's exception, as
-        # on threads); the details at DEBUG, in the artifact and in the node's events.
-        self.forward.emit(logging.DEBUG, _summary(outcome))
-        self.forward.emit(logging.INFO, runner_line(outcome))
-
-    def release(self) -> None:
-        """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
-        for h in self.sandboxes:
-            if h.id not in self.reaping:
-                self.runner._live.drop(h.id)
-
-
 _active_runner: contextvars.ContextVar[tuple[ResolutoTaskRunner, dict[str, Any]] | None] = (
     contextvars.ContextVar("resoluto_active_runner", default=None)
 )
@@ -624,42 +411,6 @@ def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
 
 def default_max_workers() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
-
-
-_RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}
-
-
-def runner_line(o: NodeOutcome) -> str:
-    """The one line a node adds to its task run's logs at INFO."""
-    took = o.timings.get("finish")
-    kind = "warm" if o.warm else "cold"
-    line = f"ran in a {kind} {_RUNTIME_NAMES.get(o.runtime, o.runtime)} sandbox"
-    if took is not None:
-        line += f" in {took:.1f} s"
-    if o.infrastructure_failure:
-        line += f" (infrastructure failure: {o.failure})"
-    return line
-
-
-def _summary(o: NodeOutcome) -> str:
-    """The node's details, at DEBUG: where it ran, the conduit, its exit."""
-    took = o.timings.get("finish")
-    parts = [
-        f"node {o.node_id}: {o.status}",
-        f"exit code {o.exit_code}",
-        f"runtime {o.runtime}",
-        f"isolation {o.isolation}",
-        f"conduit {o.conduit_url} prefix {o.conduit_prefix}",
-    ]
-    if took is not None:
-        parts.append(f"{took:.2f}s")
-    declared = [k for k in o.output_files if not k.startswith(".resoluto/")]
-    if declared:
-        parts.append(f"{len(declared)} output file(s) in {o.output_dir}")
-    msg = "; ".join(parts)
-    if not o.ok:
-        msg += f"\n{o.describe()}"
-    return msg
 
 
 def _drop_plumbing(e: BaseException) -> None:

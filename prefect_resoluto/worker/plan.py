@@ -2,7 +2,8 @@
 
 Nothing here is async or talks to the Prefect API: the worker (``worker.py``) hands in
 the prepared environment and the deployment's code locations, and gets back a
-:class:`~prefect_resoluto.node.spec.NodeSpec` plus the runtime to drive it on. The one
+:class:`FlowRunPlan`: the :class:`~prefect_resoluto.node.spec.NodeSpec` plus the runtime to
+drive it on, the conduit and the run's API gateway. The one
 network decision (how the sandbox reaches the Prefect API, and nothing else) is
 :func:`sandbox_network`.
 """
@@ -17,12 +18,16 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
+
+if TYPE_CHECKING:
+    from guest_runner.conduit import Conduit
+    from prefect_resoluto.worker.gateway import ApiGateway
 
 #: The name a sandbox dials for the Prefect API on the worker's own loopback; the egress
 #: proxy forwards exactly this name:port to 127.0.0.1:<port> and nothing else of loopback.
@@ -50,6 +55,20 @@ class SandboxNetwork:
     env: dict[str, str] = field(default_factory=dict)
     egress: list[str] = field(default_factory=list)
     egress_forward: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FlowRunPlan:
+    """Everything the worker decided about a flow run before its launch."""
+
+    spec: NodeSpec
+    runtime: SandboxRuntime
+    #: Open: the worker closes it once the node is over.
+    conduit: Conduit
+    config: SandboxConfig
+    #: The run's API gateway, serving until the run is over; None when the worker lets its
+    #: runs dial the API themselves (the benchmarks' baseline).
+    gateway: ApiGateway | None
 
 
 def egress_forwarding_supported() -> bool:
@@ -83,7 +102,7 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
         raise SandboxNetworkUnavailable(f"PREFECT_API_URL {api_url!r} is not an http(s) URL")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     loopback = _is_loopback(host)
-    if not runtime.supports_local_conduit:
+    if not runtime.capabilities.host_loopback:
         if loopback:
             raise SandboxNetworkUnavailable(
                 f"the flow run's API gateway {api_url} is on the worker's loopback, which a {runtime.name} "
@@ -208,7 +227,7 @@ def engine_argv(command: str | None, runtime: SandboxRuntime, image: str | None)
 
     if command:
         return shlex.split(command)
-    python = sys.executable if runtime.supports_local_conduit and not image else "python"
+    python = sys.executable if runtime.capabilities.host_python and not image else "python"
     return [python, "-m", "prefect.engine"]
 
 

@@ -31,7 +31,7 @@ from prefect_resoluto.worker.bodies import (
     subflow_run,
 )
 
-__all__ = ["FLOW_RUN_FIELDS", "Rebuilt", "Refusal", "RunRules", "Upstream"]
+__all__ = ["FLOW_RUN_FIELDS", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
 
 _UUID = r"[0-9a-fA-F-]{36}"
 
@@ -41,11 +41,19 @@ _UUID = r"[0-9a-fA-F-]{36}"
 FLOW_RUN_FIELDS = frozenset({"flow_version", "empirical_policy", "name"})
 
 
-class Upstream(Protocol):
+class ApiReader(Protocol):
+    """The API as the rules read it to judge a request (with the worker's credential, through
+    the run's gateway): whose task runs and tags are whose."""
+
     async def upstream_get(self, rel: str) -> tuple[int, Any]: ...
 
     async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]: ...
 
+
+#: Reads any flow run may make: the server's, not a run's.
+_OPEN_READS = frozenset({"/admin/version", "/health", "/hello", "/csrf-token", "/admin/storage"})
+#: Objects a run may read one of by id (or, a work pool, by name): its own.
+_OWN_OBJECTS = ("flows", "deployments", "work_queues", "work_pools")
 
 #: Seconds a tagged task's slot request waits for its task run's tags (they travel as an
 #: event on the websocket, which may come after the HTTP request).
@@ -89,7 +97,7 @@ class RunRules:
     # ------------------------------------------------------------------ HTTP
 
     async def check_http(
-        self, method: str, path: str, query: dict[str, str], body: Any, api: Upstream
+        self, method: str, path: str, query: dict[str, str], body: Any, api: ApiReader
     ) -> Refusal | Rebuilt | None:
         """None: forward as sent; Rebuilt: forward the body built here; Refusal: 403."""
         if isinstance(body, Refusal):  # the body's shape (api_bodies.parse_bounded)
@@ -104,19 +112,13 @@ class RunRules:
             self.record.append((method, path, seen))
         return verdict
 
-    async def _judge(self, method: str, path: str, body: Any, api: Upstream) -> Refusal | Rebuilt | None:
+    async def _judge(self, method: str, path: str, body: Any, api: ApiReader) -> Refusal | Rebuilt | None:
         parts = path.strip("/").split("/")
         what = f"{method} /api{path}"
         if any(p in ("", ".", "..") for p in parts) and path != "/":
             # What is judged is what is forwarded: no segment a URL library would fold away.
             return Refusal("path", f"{what}: empty, '.' and '..' path segments are refused")
-        if method == "GET" and path in (
-            "/admin/version",
-            "/health",
-            "/hello",
-            "/csrf-token",
-            "/admin/storage",
-        ):
+        if method == "GET" and path in _OPEN_READS:
             return None
         if parts[0] == "flow_runs":
             return await self._flow_run(method, parts, body, what, api)
@@ -124,29 +126,36 @@ class RunRules:
             return await self._task_run(method, parts, body, what, api)
         if parts == ["flows"] and method == "POST":
             return None  # a sub-flow's flow, by name (an upsert: what ``@flow`` registers)
-        if method == "GET" and len(parts) == 2 and parts[0] == "flows":
-            if parts[1] in self.flows:
-                return None
-            return Refusal("own-flows", f"{what}: this flow run may read only its own flows")
-        if method == "GET" and len(parts) == 2:
-            mine = {
-                "deployments": self.deployment_id,
-                "work_queues": self.work_queue_id,
-                "work_pools": self.work_pool_name,
-            }
-            if parts[0] in mine:
-                if mine[parts[0]] is not None and parts[1] == mine[parts[0]]:
-                    return None
-                return Refusal(
-                    f"own-{parts[0]}",
-                    f"{what}: this flow run may read only its own {parts[0][:-1].replace('_', ' ')}",
-                )
+        if method == "GET" and len(parts) == 2 and parts[0] in _OWN_OBJECTS:
+            return self._own_object(parts, what)
         if parts[:2] == ["v2", "concurrency_limits"]:
             return await self._task_concurrency(method, parts[2:], body, what, api)
         if parts[0] == "logs" and len(parts) == 1 and method == "POST":
             return await self._logs(body, what, api)
         if parts[0] == "artifacts":
             return await self._artifact(method, parts, body, what, api)
+        return self._named_read(method, parts, what)
+
+    def _own_object(self, parts: list[str], what: str) -> Refusal | None:
+        """A read of one flow, deployment, work queue or work pool: the run's own only."""
+        kind, ident = parts
+        if kind == "flows":
+            if ident in self.flows:
+                return None
+            return Refusal("own-flows", f"{what}: this flow run may read only its own flows")
+        mine = {
+            "deployments": self.deployment_id,
+            "work_queues": self.work_queue_id,
+            "work_pools": self.work_pool_name,
+        }[kind]
+        if mine is not None and ident == mine:
+            return None
+        return Refusal(
+            f"own-{kind}", f"{what}: this flow run may read only its own {kind[:-1].replace('_', ' ')}"
+        )
+
+    def _named_read(self, method: str, parts: list[str], what: str) -> Refusal | None:
+        """A block or a variable, read by name: only those the run's allow lists name."""
         if (
             parts[:2] == ["block_types", "slug"]
             and len(parts) == 6
@@ -176,7 +185,7 @@ class RunRules:
         return Refusal("not-this-run", f"{what}: not a request about this flow run")
 
     async def _flow_run(
-        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+        self, method: str, parts: list[str], body: Any, what: str, api: ApiReader
     ) -> Refusal | Rebuilt | None:
         own = self.flow_run_id
         if parts[1:] == ["filter"] and method == "POST":
@@ -224,7 +233,7 @@ class RunRules:
         return Refusal("own-flow-run", f"{what}: not one of the requests a flow run makes about itself")
 
     async def _task_run(
-        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+        self, method: str, parts: list[str], body: Any, what: str, api: ApiReader
     ) -> Refusal | None:
         if parts[1:] == [] and method == "POST":
             if isinstance(body, dict) and str(body.get("flow_run_id")) in self.flow_runs:
@@ -240,7 +249,7 @@ class RunRules:
         return Refusal("own-task-runs", f"{what}: only this flow run's own task runs")
 
     async def _task_concurrency(
-        self, method: str, rest: list[str], body: Any, what: str, api: Upstream
+        self, method: str, rest: list[str], body: Any, what: str, api: ApiReader
     ) -> Refusal | None:
         """A tagged task takes a slot of each tag's limit around its run (Prefect's engine
         asks even when no limit exists): its own task runs' slots of ``tag:`` limits only."""
@@ -275,7 +284,7 @@ class RunRules:
             return None
         return refusal
 
-    async def _logs(self, body: Any, what: str, api: Upstream) -> Refusal | None:
+    async def _logs(self, body: Any, what: str, api: ApiReader) -> Refusal | None:
         if not isinstance(body, list):
             return Refusal("own-logs", f"{what}: logs are a list")
         task_runs: set[str] = set()
@@ -293,7 +302,7 @@ class RunRules:
         return None
 
     async def _artifact(
-        self, method: str, parts: list[str], body: Any, what: str, api: Upstream
+        self, method: str, parts: list[str], body: Any, what: str, api: ApiReader
     ) -> Refusal | None:
         if parts[1:] == [] and method == "POST" and isinstance(body, dict):
             if str(body.get("flow_run_id")) not in self.flow_runs:
@@ -352,10 +361,10 @@ class RunRules:
             return {**reply, "base_job_template": {}}
         return reply
 
-    async def _owns_task_run(self, task_run_id: str, api: Upstream) -> bool:
+    async def _owns_task_run(self, task_run_id: str, api: ApiReader) -> bool:
         return not await self._foreign_task_runs({task_run_id}, api)
 
-    async def _foreign_task_runs(self, ids: set[str], api: Upstream) -> set[str]:
+    async def _foreign_task_runs(self, ids: set[str], api: ApiReader) -> set[str]:
         """Which of ``ids`` are not the run's. Ours if made through this gateway, or if the API
         says it is this run's; an id the API does not know yet (its creation is on its way
         as an event) is claimed. The unknown ones are asked in one filtered query."""
@@ -387,7 +396,7 @@ class RunRules:
             if self._tags_seen is not None:
                 self._tags_seen.set()
 
-    async def _tags_of(self, task_run_id: str, api: Upstream) -> frozenset[str] | None:
+    async def _tags_of(self, task_run_id: str, api: ApiReader) -> frozenset[str] | None:
         """The task run's tags, once its creation (or the API) says them."""
         deadline = time.monotonic() + TAGS_WAIT_SECONDS
         while task_run_id not in self.task_tags:
@@ -408,14 +417,14 @@ class RunRules:
 
     # ------------------------------------------------------------------ events
 
-    async def check_event(self, event: Any, api: Upstream) -> Refusal | None:
+    async def check_event(self, event: Any, api: ApiReader) -> Refusal | None:
         verdict = await self._judge_event(event, api)
         if self.record is not None:
             name = str(event.get("event")) if isinstance(event, dict) else "?"
             self.record.append(("EVENT", name, "admitted" if verdict is None else f"refused: {verdict.rule}"))
         return verdict
 
-    async def _judge_event(self, event: Any, api: Upstream) -> Refusal | None:
+    async def _judge_event(self, event: Any, api: ApiReader) -> Refusal | None:
         if not isinstance(event, dict) or not isinstance(event.get("resource"), dict):
             return Refusal("own-events", "an event that is not a Prefect event")
         name = str(event.get("event", ""))
@@ -458,7 +467,7 @@ class RunRules:
             "own-events", f"{what}: events are admitted only about this flow run and its task runs"
         )
 
-    async def _own_resource(self, ref: str, api: Upstream, *, related: bool) -> bool:
+    async def _own_resource(self, ref: str, api: ApiReader, *, related: bool) -> bool:
         kind, _, ident = ref.removeprefix("prefect.").partition(".")
         if kind == "tag":
             return related

@@ -71,6 +71,8 @@ from prefect_resoluto.worker.plan import (
     LABEL_WORK_POOL,
     LABEL_WORKER,
     LABEL_WORKER_INSTANCE,
+    FlowRunPlan,
+    SandboxNetwork,
     code_directories,
     engine_argv,
     gateway_env,
@@ -87,6 +89,8 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import FlowRun, WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
+
+    from guest_runner.conduit import Conduit
 
 ConduitBlock = Union[LocalConduitBlock, S3ConduitBlock]  # noqa: UP007 - pydantic union of blocks
 if TYPE_CHECKING:
@@ -232,9 +236,47 @@ def _job_field(annotation: Any, info: Any) -> tuple[Any, Any]:
     return optional(annotation), Field(default=None, **bounds)
 
 
+class _TypedJobFields:
+    """The job configuration's own fields as the worker reads them: one per variable of the
+    pool, in its order, each the value the template put there.
+
+    Pydantic's fields are built from the variables (:func:`_job_field`, so the settings stay
+    declared once); these annotations are what a type checker sees, and the import checks
+    that they name the same fields in the same order (:func:`_check_typed`)."""
+
+    runtime: str | None
+    min_isolation: str | None
+    memory: str | None
+    cpus: str | None
+    image: str | None
+    conduit: ConduitBlock | None
+    allowed_variables: list[str]
+    allowed_blocks: list[str]
+    egress: list[str]
+    silence_window: float | None
+    secret_env_block: _SecretBlock | None
+    sandbox: SandboxBlock | None
+    working_dir: Path | None
+    stream_output: bool
+    run_overridable: list[str] | None
+    api_gateway_address: str | None
+
+
+def _check_typed(job_fields: type[BaseJobConfiguration]) -> None:
+    built = [name for name in job_fields.model_fields if name not in BaseJobConfiguration.model_fields]
+    typed = list(_TypedJobFields.__annotations__)
+    if built != typed:
+        raise TypeError(
+            f"the pool's variables make the job fields {built}, but _TypedJobFields declares {typed}: "
+            "a variable added to the pool needs its typed field there"
+        )
+
+
 if TYPE_CHECKING:
     _VariableFields = BaseVariables
-    _JobFields = BaseJobConfiguration
+
+    class _JobFields(BaseJobConfiguration, _TypedJobFields): ...
+
 else:
     _VariableFields = model(
         "_VariableFields", BaseVariables, {**_SETTINGS, **_WORKER_FIELDS}, _VALIDATORS, __name__
@@ -246,16 +288,13 @@ else:
         _VALIDATORS,
         __name__,
     )
+    _check_typed(_JobFields)
 
 
 class ResolutoWorkerVariables(_VariableFields):
     """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
     stored and shown in clear."""
-
-    if TYPE_CHECKING:  # fields: the pool's settings and the worker's own (above)
-
-        def __getattr__(self, name: str) -> Any: ...
 
 
 class ResolutoJobConfiguration(_JobFields):
@@ -266,10 +305,6 @@ class ResolutoJobConfiguration(_JobFields):
     _deployment_path: Optional[str] = PrivateAttr(default=None)
     # The pool's floor, set when the worker resolves a run (nothing known: no floor of its own).
     _isolation_floor: IsolationLevel = PrivateAttr(default=IsolationLevel.NONE)
-
-    if TYPE_CHECKING:  # fields: one per variable of the pool (above)
-
-        def __getattr__(self, name: str) -> Any: ...
 
     @classmethod
     async def resolve_for_flow_run(
@@ -318,6 +353,10 @@ class ResolutoJobConfiguration(_JobFields):
         if deployment is not None:
             self._pull_steps = list(deployment.pull_steps or [])
             self._deployment_path = deployment.path
+
+    def code_directories(self) -> list[str]:
+        """Host directories holding the deployment's code, as its pull steps will look for it."""
+        return code_directories(self._pull_steps, self._deployment_path)
 
     def _over_block(self, name: str) -> Any:
         """A field's value, or None where a sandbox block is chosen and the field is at the
@@ -418,7 +457,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         # Every sandbox of this worker process carries this label: its exit sweeps by it.
         self._instance = uuid.uuid4().hex[:16]
         self._live: dict[str, _Live] = {}
-        self._runtimes: dict[str, Any] = {}  # one per runtime name: what the exit sweeps
+        self._runtimes: dict[str, SandboxRuntime] = {}  # one per runtime name: what the exit sweeps
         self._snapshots = FlowRunSnapshots({LABEL_WORKER_INSTANCE: self._instance})
 
     async def run(
@@ -432,10 +471,9 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             task_status = anyio.TASK_STATUS_IGNORED
         logger = self.get_flow_run_logger(flow_run)
         plan = await anyio.to_thread.run_sync(self._plan, flow_run, configuration)
-        spec, runtime, conduit, cfg, gateway = plan
         try:
-            if gateway is not None:
-                logger.info(gateway_summary(gateway))
+            if plan.gateway is not None:
+                logger.info(gateway_summary(plan.gateway))
             else:
                 logger.warning(
                     "%s is set on this worker: this flow run holds the worker's own API credential "
@@ -444,9 +482,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 )
             return await self._run_planned(flow_run, configuration, task_status, logger, plan)
         finally:
-            if gateway is not None:
+            if plan.gateway is not None:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(gateway.close)  # its listener and token die with the run
+                    # its listener and token die with the run
+                    await anyio.to_thread.run_sync(plan.gateway.close)
 
     async def _run_planned(
         self,
@@ -454,18 +493,17 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         configuration: ResolutoJobConfiguration,
         task_status: anyio.abc.TaskStatus[str],
         logger: Any,
-        plan: tuple[Any, ...],
+        plan: FlowRunPlan,
     ) -> ResolutoWorkerResult:
-        spec, runtime, conduit, cfg, _gateway = plan
         fr_id = str(flow_run.id)
         live = self._live[fr_id] = _Live(flow_run)
         loop = asyncio.get_running_loop()
         launched = asyncio.Event()
-        node = FlowRunNode(
+        observer = FlowRunObserver(
             flow_run_name=str(flow_run.name),
-            where=f"conduit {conduit.url} "
-            f"{wire.node_prefix(spec.run_id, spec.node_id, base=conduit.base_prefix)}",
-            runtime=runtime,
+            where=f"conduit {plan.conduit.url} "
+            f"{wire.node_prefix(plan.spec.run_id, plan.spec.node_id, base=plan.conduit.base_prefix)}",
+            runtime=plan.runtime,
             logger=logger,
             worker_logger=self._logger,
             on_launched=lambda: loop.call_soon_threadsafe(launched.set),
@@ -475,39 +513,46 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
 
         def run_node() -> NodeOutcome:
             try:
-                warm, how = self._snapshots.take(spec, runtime, conduit)
+                warm, how = self._snapshots.take(plan.spec, plan.runtime, plan.conduit)
                 if how:
                     logger.info("flow run sandbox: %s", how)
-                return drive(spec, conduit, runtime, node, warm=warm)
+                return drive(plan.spec, plan.conduit, plan.runtime, observer, warm=warm)
             finally:
-                conduit.close()
+                plan.conduit.close()
 
         outcome_future = live.outcome = _in_own_thread(loop, run_node, name=f"resoluto-flow-run-{fr_id}")
         try:
             try:
                 outcome = await self._until_done(
-                    outcome_future, launched, flow_run, live, task_status, f"{runtime.name}:{fr_id}"
+                    outcome_future, launched, flow_run, live, task_status, f"{plan.runtime.name}:{fr_id}"
                 )
             except Exception:
                 raise  # refused before launch (spec, isolation, egress): the base worker reports it
             except BaseException:
-                # The worker is stopping (or this task was cancelled): the sandbox goes with it,
-                # unless the run is already over and only flushing its last logs.
-                with anyio.CancelScope(shield=True):
-                    if await self._run_is_final(flow_run):
-                        await asyncio.wait({outcome_future}, timeout=FINISHING_GRACE_SECONDS)
-                    live.stop(WORKER_STOPPED)
-                    with contextlib.suppress(Exception):
-                        outcome = await outcome_future
-                        if not outcome.ok:
-                            await self._propose_crashed_state(flow_run, _stopped_message(outcome))
+                await self._stop_with_worker(flow_run, live, outcome_future)
                 raise
         finally:
             self._live.pop(fr_id, None)
 
-        if not node.handle_ids:  # never started: the base worker reports the run Crashed with this
+        if not observer.handle_ids:  # never started: the base worker reports the run Crashed with this
             raise RuntimeError(f"the sandbox could not start: {outcome.reason}")
-        return await self._report(flow_run, outcome, live, list(node.evidence), logger, cfg.memory)
+        return await self._report(
+            flow_run, outcome, live, list(observer.evidence), logger, plan.config.memory
+        )
+
+    async def _stop_with_worker(
+        self, flow_run: FlowRun, live: _Live, outcome_future: asyncio.Future[NodeOutcome]
+    ) -> None:
+        """The worker is stopping (or this task was cancelled): the sandbox goes with it,
+        unless the run is already over and only flushing its last logs."""
+        with anyio.CancelScope(shield=True):
+            if await self._run_is_final(flow_run):
+                await asyncio.wait({outcome_future}, timeout=FINISHING_GRACE_SECONDS)
+            live.stop(WORKER_STOPPED)
+            with contextlib.suppress(Exception):
+                outcome = await outcome_future
+                if not outcome.ok:
+                    await self._propose_crashed_state(flow_run, _stopped_message(outcome))
 
     async def _until_done(
         self,
@@ -585,21 +630,36 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             logger.info(msg)
             return ResolutoWorkerResult(status_code=0, identifier=ident)
         if outcome.ok or outcome.failure == "workload":
-            if not outcome.ok and evidence:
-                logger.info(
-                    "sandbox output (last %d lines, from the conduit %s %s):\n%s",
-                    len(evidence),
-                    outcome.conduit_url,
-                    outcome.conduit_prefix,
-                    "\n".join(evidence),
-                )
-            if not outcome.ok and not await self._run_is_final(flow_run):
-                # The engine died before it could report (killed, out of memory, a crash at
-                # import): say what the sandbox saw, before the base worker's generic message.
-                await self._propose_crashed_state(flow_run, _died_message(outcome, memory))
+            await self._report_workload(flow_run, outcome, evidence, logger, memory)
             return ResolutoWorkerResult(status_code=outcome.exit_code or 0, identifier=ident)
-        # The sandbox itself failed: killed, OOM, lost, unstartable. Say so with its reason
-        # before the base worker's generic non-zero exit message can.
+        await self._report_sandbox_failure(flow_run, outcome, evidence, logger)
+        code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
+        return ResolutoWorkerResult(status_code=code, identifier=ident)
+
+    async def _report_workload(
+        self, flow_run: FlowRun, outcome: NodeOutcome, evidence: list[str], logger: Any, memory: str | None
+    ) -> None:
+        """The flow run itself ran (and its engine reported, unless it died first)."""
+        if outcome.ok:
+            return
+        if evidence:
+            logger.info(
+                "sandbox output (last %d lines, from the conduit %s %s):\n%s",
+                len(evidence),
+                outcome.conduit_url,
+                outcome.conduit_prefix,
+                "\n".join(evidence),
+            )
+        if not await self._run_is_final(flow_run):
+            # The engine died before it could report (killed, out of memory, a crash at
+            # import): say what the sandbox saw, before the base worker's generic message.
+            await self._propose_crashed_state(flow_run, _died_message(outcome, memory))
+
+    async def _report_sandbox_failure(
+        self, flow_run: FlowRun, outcome: NodeOutcome, evidence: list[str], logger: Any
+    ) -> None:
+        """The sandbox itself failed: killed, OOM, lost, unstartable. Say so with its reason
+        before the base worker's generic non-zero exit message can."""
         logger.error(
             "sandbox %s on %s (%s): %s\nsandbox output (last %d lines, from the conduit %s %s):\n%s",
             outcome.sandbox_id,
@@ -617,16 +677,12 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             f"{outcome.failure.crash_how if outcome.failure else 'failed'}: "
             f"{outcome.reason}",
         )
-        code = outcome.exit_code or -1  # None (no exit seen) or 0 from a failed sandbox: -1
-        return ResolutoWorkerResult(status_code=code, identifier=ident)
 
-    def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> tuple[Any, ...]:
+    def _plan(self, flow_run: FlowRun, configuration: ResolutoJobConfiguration) -> FlowRunPlan:
         """Everything decided before launch (may raise: the base worker marks the run Crashed)."""
         cfg = configuration.sandbox_config()
         runtime = cfg.build_runtime()  # which runtime, and whether it can run here
-        mounted = with_code_mounts(
-            cfg, runtime.name, code_directories(configuration._pull_steps, configuration._deployment_path)
-        )
+        mounted = with_code_mounts(cfg, runtime.name, configuration.code_directories())
         if mounted.runtime_options != cfg.runtime_options:
             cfg = mounted.replace(runtime=runtime.name)
             runtime = cfg.build_runtime()
@@ -639,7 +695,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             upstream = Upstream.from_settings()
             api_url, credential = upstream.api_url, _direct_credential(upstream)
         else:
-            gateway = self._gateway(flow_run, configuration, remote=not runtime.supports_local_conduit)
+            gateway = self._gateway(flow_run, configuration, remote=not runtime.capabilities.host_loopback)
             api_url, credential = gateway.sandbox_url(), gateway_env(gateway.token)
         try:
             net = sandbox_network(runtime, api_url, cfg.egress)
@@ -654,7 +710,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                 gateway.close()
             raise
         self._runtimes[runtime.name] = runtime
-        return spec, runtime, conduit, cfg, gateway
+        return FlowRunPlan(spec=spec, runtime=runtime, conduit=conduit, config=cfg, gateway=gateway)
 
     def _gateway(
         self, flow_run: FlowRun, configuration: ResolutoJobConfiguration, *, remote: bool
@@ -681,11 +737,11 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         flow_run: FlowRun,
         configuration: ResolutoJobConfiguration,
         cfg: SandboxConfig,
-        runtime: Any,
+        runtime: SandboxRuntime,
         env: dict[str, str],
         secret_env: dict[str, str],
-        net: Any,
-    ) -> tuple[NodeSpec, Any]:
+        net: SandboxNetwork,
+    ) -> tuple[NodeSpec, Conduit]:
         labels = {
             LABEL_FLOW_RUN: label_value(str(flow_run.id)),
             LABEL_WORKER: label_value(self.name),
@@ -805,7 +861,7 @@ def _stopped_message(outcome: NodeOutcome) -> str:
     return f"The resoluto worker stopped; sandbox {outcome.sandbox_id} on {outcome.runtime} was destroyed."
 
 
-class FlowRunNode(NodeObserver):
+class FlowRunObserver(NodeObserver):
     """A flow run's node as the worker sees it: the launch goes to the flow run's logs (and
     wakes the worker's wait), each log line is kept as evidence for a crash report (and echoed
     with ``stream_output``), other events go to the worker's own log at DEBUG."""

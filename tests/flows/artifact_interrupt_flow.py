@@ -19,7 +19,7 @@ import sample_flows as sf  # the workspace module, next to this file
 from prefect import flow
 
 from prefect_resoluto import ResolutoTaskRunner
-from prefect_resoluto.task_runner import runner as trm
+from prefect_resoluto.task_runner import node_artifacts as trm
 
 MODE = sys.argv[1]
 interrupted = threading.Event()
