@@ -7,6 +7,7 @@ machine (``MYPY_CACHE``), so a warm run only re-checks what changed.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,40 @@ def test_guest_runner_uses_only_the_python_3_9_standard_library() -> None:
     (`tomllib`, `datetime.UTC`, `itertools.pairwise`, `zip(strict=...)`, `dataclass(slots=...)`),
     and so is `X | Y` evaluated at run time (an alias, a `cast`)."""
     check("mypy", "--cache-dir", str(MYPY_CACHE), "--python-version", "3.9", "guest_runner")
+
+
+#: The paths a node, a warm sandbox and a flow run take: every function on them reads at once.
+SHORT_FUNCTION_PACKAGES = (
+    "prefect_resoluto/node",
+    "prefect_resoluto/warm",
+    "prefect_resoluto/worker",
+    "prefect_resoluto/runtimes",
+    "prefect_resoluto/task_runner",
+)
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path, packages: tuple[str, ...], limit: int) -> list[str]:
+    """``path:line name (n lines)`` for every function or method over ``limit`` lines."""
+    found = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > limit:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_functions_on_the_node_warm_worker_and_runtime_paths_are_short() -> None:
+    found = long_functions(ROOT, SHORT_FUNCTION_PACKAGES, MAX_FUNCTION_LINES)
+    assert not found, f"over {MAX_FUNCTION_LINES} lines (split into named steps):\n" + "\n".join(found)
+
+
+def test_the_length_check_sees_nested_and_async_functions(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    body = "\n".join(f"        x{i} = {i}" for i in range(8))
+    (pkg / "m.py").write_text(f"class C:\n    async def long(self):\n{body}\n\n\ndef short():\n    pass\n")
+    assert long_functions(tmp_path, ("pkg",), 5) == ["pkg/m.py:2 long (9 lines)"]
