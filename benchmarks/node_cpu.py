@@ -31,7 +31,7 @@ from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node.drive import drive_node
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import _cgroup, get_runtime
-from prefect_resoluto.task_runner import call_spec as pycall
+from prefect_resoluto.task_runner import call_spec
 from prefect_resoluto.warm.pool import WarmPool, key_for
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
@@ -94,10 +94,10 @@ def _call_spec(ws: Path, node_id: str, env: dict[str, str] | None = None) -> Nod
     return NodeSpec(
         run_id="bench-node-cpu",
         node_id=node_id,
-        argv=pycall.guest_argv(sys.executable),
+        argv=call_spec.guest_argv(sys.executable),
         workspace=ws,
-        output_paths=list(pycall.RESULT_PATHS),
-        extra_inbox={pycall.CALL_ARCHIVE: pycall.call_archive(ref, {"x": 1})},
+        output_paths=list(call_spec.RESULT_PATHS),
+        extra_inbox={call_spec.CALL_ARCHIVE: call_spec.call_archive(ref, {"x": 1})},
         env=dict(env or {}),
     )
 

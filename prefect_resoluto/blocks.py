@@ -232,7 +232,7 @@ def _solari(title: str, description: str) -> Any:
     return Field(None, title=f"Solari: {title}", description=description, json_schema_extra=plain_optional)
 
 
-# Every setting the block shows, built from its one declaration (settings.py): a plain model
+# Every setting the block shows, built from its one declaration (settings/fields.py): a plain model
 # the block inherits its fields from, in declaration order, before the runtimes' own below.
 if TYPE_CHECKING:
     _BlockSettings = BaseModel
@@ -258,7 +258,7 @@ else:
 class SandboxBlock(Block, _BlockSettings):
     """Everything ResolutoTaskRunner needs to place task runs in sandboxes."""
 
-    if TYPE_CHECKING:  # the settings' fields are built from their declaration (settings.py)
+    if TYPE_CHECKING:  # the settings' fields are built from their declaration (settings/fields.py)
 
         def __getattr__(self, name: str) -> Any: ...
 

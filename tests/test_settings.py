@@ -1,4 +1,4 @@
-"""One declaration per setting (settings.py), and every surface agreeing with it: the task
+"""One declaration per setting (settings/fields.py), and every surface agreeing with it: the task
 runner's keywords and sandbox_options, the sandbox block, the pool's variables and job
 configuration, the CLI's flags. A surface that forgets a setting, shows one it declares
 it leaves out, or words it differently fails here."""

@@ -26,7 +26,7 @@ was killed by the substrate, left no result, or broke the wire protocol); 130/14
 interrupted by SIGINT/SIGTERM (the sandbox is reaped first).
 
 The CLI never imports Prefect, and a command's module (and rich) is imported only when
-that command runs: ``--help`` costs argparse and the settings' declaration (settings.py).
+that command runs: ``--help`` costs argparse and the settings' declaration (settings/fields.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
-    # One flag per sandbox setting the CLI takes, as declared (settings.py), then the CLI's own.
+    # One flag per sandbox setting the CLI takes, as declared (settings/fields.py), then the CLI's own.
     from prefect_resoluto.settings.fields import SETTINGS, Flag
 
     for s in SETTINGS.values():

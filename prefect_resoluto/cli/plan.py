@@ -103,7 +103,7 @@ def pick_local(args: argparse.Namespace, options: dict[str, Any]) -> SandboxRunt
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Each setting's flag checked as the setting checks its value (settings.py), so the CLI
+    """Each setting's flag checked as the setting checks its value (settings/fields.py), so the CLI
     refuses what the task runner and the forms refuse, in the flag's words."""
     from prefect_resoluto.settings.fields import SETTINGS, Flag, check_value
 

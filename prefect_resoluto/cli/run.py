@@ -78,7 +78,7 @@ class EventPrinter:
     def __call__(self, ev: SpanEvent) -> None:
         import logging
 
-        from prefect_resoluto.task_runner.logs import describe_event
+        from prefect_resoluto.node.describe import describe_event
 
         self.progress.events += 1
         self.progress.phase = "running"

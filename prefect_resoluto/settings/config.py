@@ -1,6 +1,6 @@
 """Sandbox settings as one plain value: what the task runner, the CLI and the blocks share.
 
-Nothing here imports Prefect. The settings themselves are declared in ``settings.py``;
+Nothing here imports Prefect. The settings themselves are declared in ``fields.py``;
 a :class:`SandboxConfig` is those settings turning into a runtime and a conduit, and
 which conduit fits which runtime is decided here, once.
 """
@@ -35,7 +35,7 @@ class NoRuntimeAvailable(RuntimeError):
 
 
 class SandboxConfig(SandboxSettings):
-    """The settings (declared in settings.py) and what they turn into: a runtime, a conduit."""
+    """The settings (declared in settings/fields.py) and what they turn into: a runtime, a conduit."""
 
     @property
     def resources(self) -> Resources:

@@ -4,8 +4,8 @@ Each field of :class:`SandboxSettings` is one setting: its name, type and defaul
 field's; its title, description, validation and the surfaces that expose it are the
 field's :class:`Setting` (``setting(...)``). Every surface is derived from this one class:
 
-- ``ResolutoTaskRunner(...)`` keywords and ``sandbox_options(...)`` (task_runner.py),
-- the Resoluto Sandbox block's fields (blocks.py, through form_fields.py),
+- ``ResolutoTaskRunner(...)`` keywords and ``sandbox_options(...)`` (task_runner/runner.py),
+- the Resoluto Sandbox block's fields (blocks.py, through settings/forms.py),
 - a ``resoluto`` work pool's variables and job configuration (worker.py, the same way),
 - the flags of ``prefect-resoluto run`` / ``render`` (cli/__init__.py, checked in cli/plan.py).
 

@@ -1,5 +1,5 @@
 """The sandbox block's and the ``resoluto`` pool's fields, built from the settings' one
-declaration (settings.py), and how their JSON schemas are shaped so Prefect's UIs render
+declaration (settings/fields.py), and how their JSON schemas are shaped so Prefect's UIs render
 plain inputs.
 
 A setting reads the same wherever it is edited: its title and description are its
@@ -19,7 +19,7 @@ from prefect_resoluto.settings.fields import OWN, SETTINGS, Form, SandboxSetting
 
 class SurfaceType(NamedTuple):
     """A field type a surface supplies for a setting whose :class:`~settings.Form` names it:
-    a Prefect or pydantic type settings.py does not import."""
+    a Prefect or pydantic type fields.py does not import."""
 
     annotation: Any
     factory: Callable[[], Any] | None = None

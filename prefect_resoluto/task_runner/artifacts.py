@@ -44,9 +44,9 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
         return ""
     text = o.reason
     if o.failure == "workload" and o.output_dir is not None:
-        from prefect_resoluto.task_runner import call_spec as pycall
+        from prefect_resoluto.task_runner import call_spec
 
-        e = pycall.read_error(o.output_dir, redactor, limit=ERROR_FILE_LIMIT)  # no link followed
+        e = call_spec.read_error(o.output_dir, redactor, limit=ERROR_FILE_LIMIT)  # no link followed
         if e is not None:
             kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
             text = f"{kind}: {message}" if message else kind

@@ -1,7 +1,7 @@
 """Work a task need not wait for: done in order on one daemon thread per runner, drained at exit.
 
 The task runner hands two kinds of work here so a task's result is not held up by it:
-publishing the node's table artifact (an API round trip, 20-300 ms) and reaping a sandbox
+publishing the node's table artifact (an API round trip) and reaping a sandbox
 whose guest has already written a complete, successful manifest (its interpreter exit,
 the runtime's teardown). Each item runs in the ``contextvars`` context of the thread that
 queued it, so a Prefect call sees the same settings and task run as it would have there.

@@ -9,15 +9,15 @@ logs prints (``log_prints``), else written to this process's stdout only. The gu
 runner's own events are DEBUG. Every event stays in the node's event chunks
 (``prefect-resoluto events``). Prefect's log worker sends
 every 2 s; a sandbox's output goes to the API through the runner's ``ApiLogBatcher``
-instead, which sends a line within ~10–100 ms and coalesces a heavy stream into at most
+instead, which sends a line promptly and coalesces a heavy stream into at most
 one request per 0.6 s.
 
 With a batcher, a line's API row is built on the tail's thread and handed to the batcher
-first; the logger's handlers (Prefect's console, which renders each line with rich at
-~0.2–0.3 ms, and any other) run on the batcher's handler thread, in order, so a chatty
+first; the logger's handlers (Prefect's console, which renders each line with rich, and
+any other) run on the batcher's handler thread, in order, so a chatty
 task's console cannot hold its lines back from the API. The row is the dict Prefect's
 ``APILogHandler.prepare`` makes, built directly (its pydantic model and pendulum
-timestamp cost ~0.1–0.4 ms a line) once the first row of each forwarder has been checked
+timestamp are the slow part of a line) once the first row of each forwarder has been checked
 equal to Prefect's own; any difference and every row is Prefect's again.
 """
 
@@ -38,53 +38,12 @@ from typing import Any
 from guest_runner import wire
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import terminal
+from prefect_resoluto.node.describe import describe_event
 
 #: The logger a sandbox's records go out under: Prefect's own for task runs.
 SANDBOX_LOGGER = "prefect.task_runs"
 #: Spans whose output lines are the task's own (its prints, its setup command's output).
 OUTPUT_SPANS = frozenset({"workload", "setup"})
-RUNNER_SPANS = frozenset({"node", "setup", "workload", "cleanup"})
-_LEVELS = {
-    "DEBUG": logging.DEBUG,
-    "INFO": logging.INFO,
-    "WARNING": logging.WARNING,
-    "WARN": logging.WARNING,
-    "ERROR": logging.ERROR,
-    "CRITICAL": logging.CRITICAL,
-}
-
-
-def describe_event(ev: wire.SpanEvent) -> tuple[int, str] | None:
-    """(level, message) for one event, or None for events that are liveness only."""
-    kind, event, data = ev.get("kind", ""), ev.get("event", ""), ev.get("data") or {}
-    if kind == "heartbeat":
-        return None
-    if event == "log":
-        level = _LEVELS.get(
-            str(data.get("level", "")).upper(), logging.ERROR if kind == "error" else logging.INFO
-        )
-        line = str(data.get("line", ""))
-        logger = data.get("logger")
-        if logger and logger not in ("prefect.task_runs", "prefect.flow_runs"):
-            line = f"[{logger}] {line}"
-        return level, line
-    name = ev.get("name", "")
-    # The guest runner's own spans are bookkeeping: the host's start and outcome lines say
-    # what a user needs (an outcome line carries the failure), so these stay at DEBUG.
-    own = kind in RUNNER_SPANS
-    if event == "open":
-        argv = data.get("argv")
-        extra = f" {' '.join(map(str, argv))}" if isinstance(argv, list) and kind in RUNNER_SPANS else ""
-        return logging.DEBUG if own else logging.INFO, f"> {kind} {name}{extra}".rstrip()
-    if event == "close":
-        status = ev.get("status") or "done"
-        code = data.get("exit_code")
-        tail = f" (exit code {code})" if code is not None else ""
-        level = logging.DEBUG if own else logging.ERROR if status == "failure" else logging.INFO
-        return level, f"< {kind} {name}: {status}{tail}"
-    return logging.INFO, str(ev)
-
-
 # A batch leaves once its oldest line has waited COALESCE (the lines of one chunk, and of
 # chunks of other nodes landing together, share a request), the previous request started
 # at least WINDOW ago and returned at least MIN_WINDOW ago. WINDOW grows with the square
@@ -92,9 +51,8 @@ def describe_event(ev: wire.SpanEvent) -> tuple[int, str] | None:
 # 0.4 s at 200, 0.6 s from ~245 on. A lone line goes out within ~10 ms and a stream a
 # person can read within ~0.1 s; a heavy one costs one request per 0.6 s (with the first
 # line's and Prefect's own, ~2 a second for the flow run) and a line of it waits half
-# that plus the round trip: at 1 000 lines/s a 2 s window had the stored rows ~2.8 s late
-# (p50), each request a 2 000-row insert taking 1-3 s under load. (0.5 s measured ~20 %
-# lower latency and one request more in 5 s: 2.2 a second.) One request at a time: an API
+# that plus the round trip (the window's choice and its figures: docs/performance.md,
+# "The log stream at 1 000 lines/s"). One request at a time: an API
 # slower than WINDOW sets the pace (fewer, larger requests), as Prefect's own worker does,
 # without WINDOW added on top of its round trip. A stream's rate is read on the guest's
 # clock: a host that lags behind a fast stream still treats it as fast.

@@ -18,8 +18,7 @@ from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
 from prefect_resoluto.node.spec import output_allowance
 from prefect_resoluto.runtimes.base import memory_hint
 from prefect_resoluto.settings.config import SandboxConfig
-from prefect_resoluto.task_runner import call_spec as pycall
-from prefect_resoluto.task_runner import reads as task_reads
+from prefect_resoluto.task_runner import call_spec, reads
 from prefect_resoluto.warm import pool as warm_pool_mod
 
 if TYPE_CHECKING:
@@ -62,24 +61,24 @@ def call(
     ctx = TaskRunContext.get()
     if ctx is None or ctx.task_run is None:
         raise RuntimeError("a sandboxed task must run inside Prefect's task engine")
-    reads = task_reads.secret_entries(cfg)  # the allowed variables and blocks, read here
-    if reads:
-        cfg = cfg.replace(secret_env={**cfg.secret_env, **reads})
-    ref = pycall.function_ref(fn, cfg.workspace or default_workspace())
-    params = pycall.encode_parameters(task.name, dict(ctx.parameters or {}))
+    allowed_reads = reads.secret_entries(cfg)  # the allowed variables and blocks, read here
+    if allowed_reads:
+        cfg = cfg.replace(secret_env={**cfg.secret_env, **allowed_reads})
+    ref = call_spec.function_ref(fn, cfg.workspace or default_workspace())
+    params = call_spec.encode_parameters(task.name, dict(ctx.parameters or {}))
     redactor = Redactor(cfg.secret_env.values())
     task_module = getattr(fn, "__module__", None)
     limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
     outcome = run_node(
         task_name=task.name,
-        argv=pycall.guest_argv(),
+        argv=call_spec.guest_argv(),
         cfg=cfg,
         extra_inbox={
-            pycall.CALL_ARCHIVE: pycall.call_archive(
+            call_spec.CALL_ARCHIVE: call_spec.call_archive(
                 ref, params, context=run_context(ctx, params, deployment_name)
             )
         },
-        extra_outputs=pycall.RESULT_PATHS,
+        extra_outputs=call_spec.RESULT_PATHS,
         cancel=cancel,
         log_prints=bool(getattr(ctx, "log_prints", False)),
         warm_prefect=warm_pool_mod.imports_for(pool, workspace_file(ref, cfg)),
@@ -87,7 +86,7 @@ def call(
     warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir, succeeded=outcome.ok)
     if outcome.failure == "workload":
         # raises the task's own exception type (or RemoteTaskError), remote traceback kept
-        pycall.read_outcome(
+        call_spec.read_outcome(
             outcome.output_dir,
             redactor=redactor,
             task_module=task_module,
@@ -97,14 +96,14 @@ def call(
         )
         raise WorkloadFailed(outcome.describe(), outcome)
     outcome.raise_for_failure()
-    found, value = pycall.read_outcome(
+    found, value = call_spec.read_outcome(
         outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
     )
     if not found:
         raise WorkloadFailed(
-            f"node {outcome.node_id} succeeded but left no {pycall.call.RETURN_FILE}", outcome
+            f"node {outcome.node_id} succeeded but left no {call_spec.call.RETURN_FILE}", outcome
         )
-    return pycall.rebuild(value, pycall.return_annotation(fn))
+    return call_spec.rebuild(value, call_spec.return_annotation(fn))
 
 
 def run_context(ctx: Any, params: dict[str, Any], deployment_name: DeploymentNames) -> dict[str, Any]:

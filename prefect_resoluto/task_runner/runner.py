@@ -32,9 +32,7 @@ from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
-from prefect_resoluto.task_runner import call_spec as pycall
-from prefect_resoluto.task_runner import python_calls as python_tasks
-from prefect_resoluto.task_runner import remote_traceback
+from prefect_resoluto.task_runner import call_spec, python_calls, remote_traceback
 from prefect_resoluto.task_runner.background import Background
 from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
@@ -68,7 +66,7 @@ _overrides: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 def sandbox_options(**options: Any) -> Iterator[None]:
     """Per-submission overrides: ``with sandbox_options(memory="4Gi"): big.submit(x)``.
 
-    Any sandbox setting (settings.py: memory, cpus, output_paths, env, secret_env, image,
+    Any sandbox setting (settings/fields.py: memory, cpus, output_paths, env, secret_env, image,
     silence_window ...); env dicts are merged.
     """
     probe = SandboxConfig()
@@ -90,7 +88,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
     def __init__(self, *, sandbox: Any = None, max_workers: int | None = None, **options: Any) -> None:
         # Runs at import time (@flow(task_runner=...)): record, validate cheaply, load nothing.
-        # ``options``: one keyword per sandbox setting (settings.py; the signature spells them out).
+        # ``options``: one keyword per sandbox setting (settings/fields.py; the signature spells them out).
         unknown_keywords("ResolutoTaskRunner()", options)
         self._options: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
         SandboxConfig().replace(**{k: v for k, v in self._options.items() if k != "conduit"})
@@ -113,7 +111,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
         self._flow_runs = FlowRuns()
         self._cancelled = threading.Event()
-        self._deployment_names = python_tasks.DeploymentNames()
+        self._deployment_names = python_calls.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
         self._packer: WorkspacePacker | None = None
         # While entered: the node's view of the runner's sandboxes, the artifacts' queue,
@@ -344,7 +342,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
     def _run_python(
         self, task: Task[Any, Any], fn: Any, overrides: dict[str, Any], cancel: threading.Event | None
     ) -> Any:
-        return python_tasks.call(
+        return python_calls.call(
             task,
             fn,
             self.config.replace(**overrides),
@@ -419,7 +417,7 @@ def _drop_plumbing(e: BaseException) -> None:
     message tells). Anything else (a bug here) keeps its whole traceback."""
     from prefect_resoluto.node.outcome import NodeFailure
 
-    if isinstance(e, (pycall.RemoteError, NodeFailure, pycall.NotSandboxable)):
+    if isinstance(e, (call_spec.RemoteError, NodeFailure, call_spec.NotSandboxable)):
         e.__traceback__ = remote_traceback.from_the_task(e.__traceback__)
 
 

@@ -38,7 +38,7 @@ from prefect_resoluto.worker.rules import Rebuilt, Refusal, RunRules
 
 logger = logging.getLogger("prefect_resoluto.worker.gateway")
 
-#: The largest message the gateway takes from the API's event stream (a sandbox's bodies: api_bodies).
+#: The largest message the gateway takes from the API's event stream (a sandbox's bodies: bodies.py).
 MAX_BODY = 16 * 1024 * 1024
 #: The largest websocket message a sandbox may send (Prefect's own bound on an event is
 #: 1.5 MB, PREFECT_EVENTS_MAXIMUM_SIZE_BYTES).

@@ -84,7 +84,7 @@ def host_network(runtime: SandboxRuntime) -> bool:
 
 
 def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) -> SandboxNetwork:
-    """The API (the run's gateway, see api_gateway.py), reachable from the sandbox as the only
+    """The API (the run's gateway, see gateway.py), reachable from the sandbox as the only
     extra destination.
 
     * host network (``process``): the URL as it is; the job's allowlist cannot be enforced

@@ -8,7 +8,7 @@ API says so (read with the worker's credential, many ids in one filtered query),
 a ``201 Created`` answered the run's own request through this gateway; ids the run names
 that the API does not know yet (task runs, whose creation travels as events) are claimed
 for the run on first sight. An admitted body is forwarded as the gateway rebuilt it
-(``api_bodies``): a sub-flow's creation and a listing from the engine's fields only, every
+(``bodies``): a sub-flow's creation and a listing from the engine's fields only, every
 other write without a field the engine does not send.
 """
 
@@ -100,7 +100,7 @@ class RunRules:
         self, method: str, path: str, query: dict[str, str], body: Any, api: ApiReader
     ) -> Refusal | Rebuilt | None:
         """None: forward as sent; Rebuilt: forward the body built here; Refusal: 403."""
-        if isinstance(body, Refusal):  # the body's shape (api_bodies.parse_bounded)
+        if isinstance(body, Refusal):  # the body's shape (bodies.parse_bounded)
             verdict: Refusal | Rebuilt | None = body
         else:
             rel = path.rstrip("/") or "/"

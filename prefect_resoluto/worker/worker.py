@@ -40,6 +40,7 @@ from prefect_resoluto.blocks import (
     S3ConduitBlock,
     SandboxBlock,
 )
+from prefect_resoluto.node.describe import describe_event
 from prefect_resoluto.node.drive import drive
 from prefect_resoluto.node.observer import NodeObserver
 from prefect_resoluto.node.outcome import NodeOutcome
@@ -57,7 +58,6 @@ from prefect_resoluto.settings.forms import (
     setting_validators,
     title_choices,
 )
-from prefect_resoluto.task_runner.logs import describe_event
 from prefect_resoluto.warm.flow_run_images import FlowRunSnapshots
 from prefect_resoluto.worker.admission import (
     DEFAULT_RUN_OVERRIDABLE,
@@ -116,7 +116,7 @@ EVIDENCE_LINES = 40
 
 # --------------------------------------------------------------------------- the pool's form
 
-# The pool's variables are the settings a pool shows (declared once, in settings.py: there
+# The pool's variables are the settings a pool shows (declared once, in settings/fields.py: there
 # each setting the pool leaves out says why), then the worker's own below. The job
 # configuration is derived from the variables: the same names, unset unless templated.
 _SECRET_BLOCK = (
@@ -198,8 +198,8 @@ _WORKER_FIELDS: dict[str, tuple[Any, Any]] = {
         ),
     ),
     "stream_output": (bool, Field(default=True, title="Stream output", description=_STREAM)),
-    # What the run's API gateway (api_gateway.py) lets the flow run read besides itself:
-    # allowed_blocks / allowed_variables, declared with the runner's in settings.py.
+    # What the run's API gateway (gateway.py) lets the flow run read besides itself:
+    # allowed_blocks / allowed_variables, declared with the runner's in settings/fields.py.
     "run_overridable": (
         list[str],
         Field(

@@ -38,3 +38,18 @@ def find_python(version: str) -> str | None:
         if c and subprocess.run([c, "-S", "-c", "pass"], capture_output=True).returncode == 0:
             return c
     return None
+
+
+#: The host's own code as a traceback names it: a task's traceback shows none of these
+#: (its frames are the task's, as on a thread), whatever the modules are called.
+HOST_PLUMBING = (
+    str(ROOT / "prefect_resoluto") + os.sep,
+    str(ROOT / "guest_runner") + os.sep,
+    "guest_runner",
+    "<sandbox",
+)
+
+
+def plumbing_in(traceback_text: str) -> list[str]:
+    """The host-plumbing marks ``traceback_text`` holds (empty: none)."""
+    return [mark for mark in HOST_PLUMBING if mark in traceback_text]
