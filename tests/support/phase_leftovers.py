@@ -5,9 +5,11 @@ relative to the node's workspace, their working directory on every runtime."""
 #: The setup: a double-forked child in a session of its own, holding nothing of the
 #: setup's (its output is /dev/null), blocked for ever; its pid goes to ``daemon.pid``.
 DAEMON = """
-import os, sys
+import os, signal, sys
 r, w = os.pipe()
 if os.fork() == 0:
+    # As a real daemon does: the session leader's exit below must not hang it up.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     os.setsid()   # a session (and process group) of its own: out of the setup's group
     if os.fork():
         os._exit(0)   # and orphaned: its parent is gone
