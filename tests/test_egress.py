@@ -196,12 +196,9 @@ def rt(request: pytest.FixtureRequest) -> SandboxRuntime:
 
 
 @pytest.fixture
-def gv() -> SandboxRuntime:
-    runtime = get_runtime("gvisor")
-    avail = runtime.availability()
-    if not avail.ok:
-        pytest.skip(f"gVisor is not available here: {avail.why}")
-    return runtime
+def gv(gvisor: SandboxRuntime) -> SandboxRuntime:
+    """The session plugin's gVisor runtime (or its skip), under this module's short name."""
+    return gvisor
 
 
 def _workspace(tmp_path: Path, net: egress_net.TestNet, files: dict[str, str] | None = None) -> Path:
