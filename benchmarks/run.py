@@ -44,6 +44,7 @@ FIGURES = (
     "pool",
     "node_cpu",
     "prefect_calls",
+    "scale",
 )
 
 
@@ -93,6 +94,7 @@ def main() -> int:
     import pool_cost
     import prefect_calls
     import reference
+    import scale
     import solari_relay
     import staging
     import throughput
@@ -112,6 +114,7 @@ def main() -> int:
         "pool": pool_cost,
         "node_cpu": node_cpu,
         "prefect_calls": prefect_calls,
+        "scale": scale,
     }
     started = time.monotonic()
     results: dict[str, Any] = {}
