@@ -356,7 +356,7 @@ def test_poll_cost_does_not_grow_with_chunks_already_read(tmp_path, already):
     assert c.calls == [("GET", wire.chunk_key(P, already + 1)), ("GET", wire.chunk_key(P, already + 2))]
 
 
-def test_an_idle_poll_on_s3_is_one_get_of_the_next_key(store):
+def test_an_idle_poll_is_one_get_of_the_next_key(store):
     c = store.conduit
     put_chunk(c, 1, [1])
     t = ChunkTailer(c, P, clock=FakeClock())
