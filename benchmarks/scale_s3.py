@@ -8,12 +8,13 @@ as ``bench-host``, the guests' as ``bench-guest``.
 * **Before** is the tail of ``BEFORE`` (main before issue #32's S3 part), read from git
   history into a module of its own and put in the driver's place for the "before" runs;
   **after** is this tree's tail. Nothing else differs.
-* **Idle**: ``NODES`` nodes at once on the process runtime, each sleeping ``QUIET`` s (the
-  guest's heartbeat at its production 10 s). Requests are counted over the steady window,
+* **Idle**: 10 nodes at once on the process runtime (``--quick``: 4), each sleeping 90 s
+  (``--quick``: 30 s), the guest's heartbeat at its production 10 s. Requests are counted over the steady window,
   from ``STEADY_AFTER`` s after the last workload opened to the first workload close, and
   divided by node-minutes: requests per idle node-minute, by type, host and guest apart.
-* **Per node**: ``NODES`` short nodes at once (300 lines of output and one declared output
-  file, as a Python task has): the host's requests per node over its whole life, by type.
+* **Per node**: as many short nodes at once (300 lines of output and one declared output
+  file, as a Python task has): the host's requests per node over its whole life, by type,
+  and the median time from launch to outcome (the node's end is seen from the manifest).
 * **Dollars per 1 000 idle node-hours** at S3 Standard's list prices (us-east-1):
   PUT/COPY/POST/LIST $0.005 per 1 000, GET/HEAD and the rest $0.0004 per 1 000.
 """
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from common import ROOT, Target, log, r3
+from common import ROOT, Target, log, median, r3
 from conduit_cost import GUEST, HOST, SECRET, _conduit, s3_endpoint
 
 from prefect_resoluto.node import drive
@@ -100,7 +101,7 @@ def _per(counts: dict[str, int], by: float) -> dict[str, float]:
     return {k: round(v / by, 2) for k, v in counts.items()}
 
 
-def _drive_all(proxy: Any, bucket: str, specs: list[NodeSpec], on_event: Any = None) -> None:
+def _drive_all(proxy: Any, bucket: str, specs: list[NodeSpec], on_event: Any = None) -> list[Any]:
     conduit = _conduit(bucket, proxy.endpoint_url, HOST)
     try:
         with ThreadPoolExecutor(max_workers=len(specs)) as pool:
@@ -121,6 +122,7 @@ def _drive_all(proxy: Any, bucket: str, specs: list[NodeSpec], on_event: Any = N
     bad = [o.describe() for o in outs if not o.ok]
     if bad:
         raise RuntimeError(bad[0])
+    return outs
 
 
 def idle(proxy: Any, bucket: str, variant: str, nodes: int, quiet_s: float) -> dict[str, Any]:
@@ -180,9 +182,10 @@ def short(proxy: Any, bucket: str, variant: str, nodes: int) -> dict[str, Any]:
     specs = [_spec(f"short-{variant}-{tag}-{i}", code, ["out.txt"]) for i in range(nodes)]
     proxy.counter.reset()
     with tail_of(variant):
-        _drive_all(proxy, bucket, specs)
+        outs = _drive_all(proxy, bucket, specs)
     return {
         "nodes": nodes,
+        "node_s_median": r3(median(o.timings["finish"] for o in outs)),
         "host_per_node": _per(proxy.counter.snapshot(client=HOST), nodes),
         "guest_per_node": _per(proxy.counter.snapshot(client=GUEST), nodes),
     }
@@ -261,4 +264,11 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{_kinds(b[f'{side}_per_node'])} -> {_kinds(a[f'{side}_per_node'])}",
             )
         )
+    b, a = res["before"]["short"], res["after"]["short"]
+    out.append(
+        (
+            "scale s3: short node, launch to outcome (median)",
+            f"{b['node_s_median']} s -> {a['node_s_median']} s ({a['nodes']} at once)",
+        )
+    )
     return out
