@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from typing import Any
 
 from support.guest import ROOT
 
@@ -156,3 +158,89 @@ def test_driver_runs_a_whole_node_over_s3(moto_server, s3_bucket, s3_conduit, tm
     assert outcome.ok, outcome.describe()
     assert outcome.output_files["x.out"].read_text() == "21"
     assert outcome.conduit_url.startswith(f"s3://{s3_bucket}/base")
+
+
+def _counted_node(moto_server: Any, bucket: str, node_id: str, code: str, **env: str) -> tuple[Any, NodeSpec]:
+    """A host conduit and a node whose guest signs with another access key, so the counting
+    proxy tells the host's requests from the guest's at the endpoint."""
+    host = S3Conduit(
+        bucket,
+        base_prefix="base",
+        endpoint_url=moto_server.endpoint_url,
+        access_key_id=HOST_KEY,
+        secret_access_key="tail-secret",
+    )
+    spec = NodeSpec(
+        run_id="r4",
+        node_id=node_id,
+        argv=[sys.executable, "-c", code],
+        env=env,
+        secret_env={"AWS_ACCESS_KEY_ID": "tail-guest", "AWS_SECRET_ACCESS_KEY": "tail-secret"},
+    )
+    return host, spec
+
+
+HOST_KEY = "tail-host"
+
+
+def test_an_idle_node_on_s3_costs_the_host_no_list_in_the_steady_state(moto_server, s3_bucket, s3_counter):
+    """Counted at the endpoint over a window of the guest's own clock: from the 3rd to the
+    13th heartbeat chunk after the workload went quiet, the host's tail only GETs."""
+    host, spec = _counted_node(
+        moto_server,
+        s3_bucket,
+        "idle",
+        "print('quiet from now on', flush=True); import time; time.sleep(600)",
+        RESOLUTO_HEARTBEAT_INTERVAL="0.2",
+    )
+    quiet = threading.Event()
+    beats = 0
+    marks: list[dict[str, int]] = []
+
+    def on_event(ev: dict) -> None:
+        nonlocal beats
+        if ev["data"].get("line") == "quiet from now on":
+            quiet.set()
+        elif ev["kind"] == "heartbeat" and quiet.is_set():
+            beats += 1
+            if beats in (3, 13):
+                marks.append(s3_counter.snapshot(client=HOST_KEY))
+
+    try:
+        outcome = drive_node(
+            spec,
+            host,
+            get_runtime("process"),
+            min_isolation="none",
+            on_event=on_event,
+            should_cancel=lambda: len(marks) == 2,
+        )
+    finally:
+        host.close()
+    assert outcome.reason == "cancelled by the host", outcome.describe()
+    before, after = marks
+    window = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    assert window.get("LIST", 0) == 0, window
+    assert window.get("GET", 0) >= 10, window  # each heartbeat chunk was fetched by its key
+    assert get_runtime("process").list_ids() == []
+
+
+def test_a_whole_node_on_s3_costs_the_host_one_list(moto_server, s3_bucket, s3_counter):
+    """The one listing is at the end (chunks beyond the manifest's count); the tail of a node
+    that prints and exits otherwise only GETs its chunks, result and manifest by key."""
+    host, spec = _counted_node(moto_server, s3_bucket, "short", "[print(i) for i in range(300)]")
+    lines: list[str] = []
+    try:
+        outcome = drive_node(
+            spec,
+            host,
+            get_runtime("process"),
+            min_isolation="none",
+            on_event=lambda ev: lines.append(ev["data"].get("line", "")),
+        )
+    finally:
+        host.close()
+    assert outcome.ok, outcome.describe()
+    assert [x for x in lines if x.isdigit()] == [str(i) for i in range(300)]
+    host_requests = s3_counter.snapshot(client=HOST_KEY)
+    assert host_requests.get("LIST") == 1, host_requests

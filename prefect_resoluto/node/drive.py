@@ -146,6 +146,8 @@ class _Node:
     reason: str = ""
     substrate_logs: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    #: result.json as read (bounded), once: a paid GET on S3, and one verdict from one read.
+    result_raw: bytes | None = None
 
     def fail(self, failure: FailureKind, reason: str) -> None:
         self.failure, self.reason = failure, reason
@@ -440,7 +442,7 @@ def _exit_or_hand_over(node: _Node, handle: SandboxHandle) -> None:
     may be handed to ``observer.reap`` (``node.handle`` None: the exit and teardown are not
     waited for); otherwise observe the exit. A failed workload may have died at the memory
     limit, which only the substrate's view of the exited sandbox tells: wait longer for it."""
-    said = _result_status(node.conduit, node.rel_prefix)
+    said = _result_status(node)
     failed = said is not None and said != "success"
     if (
         said == "success"
@@ -505,7 +507,7 @@ def _judge_result(node: _Node) -> tuple[str, int | None]:
     if node.failure is not None:
         return "failure", node.st.exit_code
     try:
-        result = wire.decode_result(_read_result(node.conduit, node.rel_prefix))
+        result = wire.decode_result(_read_result(node))
     except ObjectNotFound:
         node.fail(FailureKind.NO_RESULT, "the sandbox wrote a manifest but no result.json")
         return "failure", node.st.exit_code
@@ -633,16 +635,20 @@ def _settle(
     return st
 
 
-def _result_status(conduit: Conduit, rel_prefix: str) -> str | None:
+def _result_status(node: _Node) -> str | None:
     """result.json's status, None when there is no valid one (judged later, in full)."""
     try:
-        return str(wire.decode_result(_read_result(conduit, rel_prefix)).get("status"))
+        return str(wire.decode_result(_read_result(node)).get("status"))
     except Exception:
         return None
 
 
-def _read_result(conduit: Conduit, rel_prefix: str) -> bytes:
-    return bounded.read(conduit, wire.result_key(rel_prefix), wire.MAX_RESULT_BYTES, "a result")
+def _read_result(node: _Node) -> bytes:
+    if node.result_raw is None:
+        node.result_raw = bounded.read(
+            node.conduit, wire.result_key(node.rel_prefix), wire.MAX_RESULT_BYTES, "a result"
+        )
+    return node.result_raw
 
 
 def _logs(runtime: SandboxRuntime, handle: SandboxHandle) -> str:

@@ -5,10 +5,17 @@ delivered before chunk N, however long N takes. The tail is finished once the
 manifest has been read and every chunk up to ``total_chunks`` delivered.
 
 Polling is adaptive (fast right after launch and after each arrival, backing off
-while nothing arrives) and lists only the keys after the last chunk seen, so the
-cost of a poll does not grow with the number of chunks already read. Liveness is a
-silence watchdog, armed by the driver once the sandbox runs: no chunk at all (not
-even a heartbeat) for ``silence_window`` seconds means the guest is gone.
+while nothing arrives) and never lists in the steady state: a poll GETs the next
+expected chunk key (a "no such key" means nothing new), so its cost is one GET
+whatever the number of chunks already read, and a tail started late (a restart, an
+adoption) reads from chunk 1 in order. The manifest is fetched on a cadence of its own,
+backed off while nothing ends (at once when a root span closes, when a local conduit's
+directory watch wakes the tail, or when the driver sees the sandbox exit). A listing is
+only for recovery: once at the end (chunks beyond the manifest's count), and, backed
+off, after a long stretch with nothing new while the sandbox runs (a gap: a later chunk
+there while the next one never comes). Liveness is a silence watchdog, armed by the
+driver once the sandbox runs: no chunk at all (not even a heartbeat) for
+``silence_window`` seconds means the guest is gone.
 """
 
 from __future__ import annotations
@@ -30,13 +37,27 @@ Event = wire.SpanEvent
 
 DEFAULT_SILENCE_WINDOW = 600.0
 MIN_POLL = 0.01
-# While silent, a poll at most every 1.5 s: on S3 that is ~40 LISTs plus a GET per
-# heartbeat chunk (6 at the guest's 10 s) per idle minute, under the budget of one
-# request a second. Doubling reaches the cap in 8 polls (~2.5 s) after the last arrival.
-# A local conduit is not bound by this: its directory watch wakes the driver at once.
+# While silent, a poll at most every 1.5 s: on S3 that is ~40 GETs of the next chunk
+# key (answered "no such key"), a GET more per heartbeat chunk (6 at the guest's 10 s)
+# and a manifest GET or two per idle minute; no LIST. Doubling reaches the cap in 8 polls
+# (~2.5 s) after the last arrival. A local conduit is not bound by this: its directory
+# watch wakes the driver at once.
 MAX_POLL = 1.5
 BACKOFF = 2.0
-# After the manifest, a chunk it promises may only be missing for this long.
+# The manifest's own cadence: due at once when the tail starts (a node found finished),
+# then MANIFEST_START later, doubling to MANIFEST_MAX while nothing ends (2 GETs an idle
+# minute). A root span's close (the guest's last events, moments before its manifest) makes
+# it due at once and restarts the doubling from MANIFEST_MIN: a node's end is seen within
+# a fraction of a second without waiting for the runtime to report the exit.
+MANIFEST_START = 2.0
+MANIFEST_MIN = 0.05
+MANIFEST_MAX = 30.0
+# A recovery listing while the sandbox runs: after this long with no chunk at all (three
+# of the guest's heartbeats missed), doubling after each, so a live node never lists and
+# a stalled one lists a handful of times before its silence window ends it.
+GAP_PROBE_AFTER = 30.0
+# A chunk the manifest promises, or one a later chunk shows was written, may only be
+# missing for this long.
 MISSING_CHUNK_GRACE = 2.0
 
 
@@ -159,12 +180,16 @@ class ChunkTailer:
         self.events_delivered = 0
         self.total: int | None = None
         self.polls = 0
-        self._present: set[int] = set()
-        self._start_after: str | None = None
+        self.listings = 0  # recovery listings made (none in the steady state)
         self._result_seen = False
         self._armed_at: float | None = None
         self._last_arrival = clock()
         self._delay = min_poll
+        self._manifest_at = self._last_arrival  # due at once: a node may be finished already
+        self._manifest_gap = MANIFEST_START
+        self._probe_after = GAP_PROBE_AFTER
+        self._later: str | None = None  # a chunk after the missing next one, seen by a listing
+        self._end_checked = False
         self._gap_since: float | None = None
         self.first_event_at: float | None = None
         self._watch: DirWatch | None = None
@@ -195,6 +220,7 @@ class ChunkTailer:
 
     @property
     def result_seen(self) -> bool:
+        """The guest has finished writing: its manifest was read."""
         return self._result_seen
 
     def next_delay(self) -> float:
@@ -203,12 +229,16 @@ class ChunkTailer:
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds between polls. On a local conduit, wake as soon
         as an object lands in the node's directory (True), so arrival is seen at once
-        without polling fast; elsewhere just sleep (False)."""
+        without polling fast (the manifest, which may be what landed, is then due too);
+        elsewhere just sleep (False)."""
         watch = self._watcher()
         if watch is None:
             time.sleep(max(0.0, timeout))
             return False
-        return watch.wait(timeout)
+        woke = watch.wait(timeout)
+        if woke:
+            self._manifest_at = self.clock()
+        return woke
 
     def _watcher(self) -> DirWatch | None:
         root = self.conduit.local_root
@@ -233,53 +263,45 @@ class ChunkTailer:
 
     # -- polling ------------------------------------------------------------------
     def poll(self, on_event: Callable[[Event], None]) -> int:
-        """One round: list new keys, deliver every newly contiguous chunk's events.
+        """One round: the manifest when it is due, then every chunk from the next expected
+        one on, each fetched by its key, until one is not there yet.
 
         Returns the number of events delivered. Raises :class:`TailError` subclasses
         for contract violations, after delivering every event that precedes the fault.
         """
         self.polls += 1
-        # Shallow: the chunks, result and manifest are the node's top level; whatever the
-        # sandbox nested below it is never walked nor held here, poll after poll.
-        keys = self.conduit.list_prefix(self.prefix + "/", start_after=self._start_after, shallow=True)
-        for key in keys:
-            rel = key[len(self.prefix) + 1 :]
-            idx = wire.chunk_index(rel) if "/" not in rel else None
-            if idx is not None:
-                self._present.add(idx)
-            elif rel == wire.RESULT:
-                self._result_seen = True
-            elif rel == wire.MANIFEST and self.total is None:
-                self._read_manifest()
-        if self._result_seen and self.total is None:
-            # _manifest.json sorts before events-*, so a start_after listing never shows
-            # it; result.json (written just before it) is the cue to look.
-            self.check_manifest()
-
+        if self.total is None and self.clock() >= self._manifest_at:
+            if not self.check_manifest():
+                self._manifest_at = self.clock() + self._manifest_gap
+                self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
         n_events = 0
         lively = False
-        while self.delivered + 1 in self._present and (self.total is None or self.delivered < self.total):
-            idx = self.delivered + 1
-            key = wire.chunk_key(self.prefix, idx)
-            n, heartbeat_only = self._deliver(key, on_event)
+        while self.total is None or self.delivered < self.total:
+            key = wire.chunk_key(self.prefix, self.delivered + 1)
+            try:
+                n, heartbeat_only = self._deliver(key, on_event)
+            except ObjectNotFound:  # not there (yet): nothing new
+                break
             n_events += n
             lively = lively or not heartbeat_only
-            self.delivered = idx
-            self._present.discard(idx)
-            self._start_after = key
+            self.delivered += 1
             self._last_arrival = self.clock()
+            self._later = self._gap_since = None
         self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
+        self._probe_for_gap()
         self._check_consistency()
         return n_events
 
     def check_manifest(self) -> bool:
-        """Fetch _manifest.json directly; True when it exists."""
+        """Fetch _manifest.json directly; True when it exists (then checked against what was
+        read: a tail it finishes makes its one listing for chunks beyond its count)."""
         if self.total is not None:
             return True
         try:
             self._read_manifest()
         except ObjectNotFound:
             return False
+        self._check_consistency()
         return True
 
     def _read_manifest(self) -> None:
@@ -304,6 +326,9 @@ class ChunkTailer:
                 raise MalformedChunk(key, line_no, str(e)) from None
             if ev["kind"] != "heartbeat":
                 heartbeat_only = False
+            if ev["event"] == "close" and not ev["parent_span_id"]:
+                # A root span closed: the guest's manifest is likely moments away.
+                self._manifest_at, self._manifest_gap = self.clock(), MANIFEST_MIN
             if self.first_event_at is None:
                 self.first_event_at = time.monotonic()
             on_event(ev)
@@ -311,27 +336,61 @@ class ChunkTailer:
             self.events_delivered += 1
         return n, heartbeat_only
 
-    def _check_consistency(self) -> None:
-        if self.total is None:
+    def _chunks_after(self, after: int) -> list[int]:
+        """A recovery listing: the numbers of the chunks after chunk ``after`` (the node's top
+        level only, chunk names only)."""
+        self.listings += 1
+        start = wire.chunk_key(self.prefix, after) if after else None
+        keys = self.conduit.list_prefix(f"{self.prefix}/{wire.CHUNK_PREFIX}", start_after=start, shallow=True)
+        found = (wire.chunk_index(k[len(self.prefix) + 1 :]) for k in keys)
+        return sorted(i for i in found if i is not None and i > after)
+
+    def _probe_for_gap(self) -> None:
+        """While the sandbox runs and nothing came for a long while, list once (backed off)
+        for a chunk after the next one: that one is then a gap, not a quiet guest."""
+        if self.total is not None or not self.armed or self._later is not None:
             return
-        extra = sorted(i for i in self._present if i > self.total)
-        if self.delivered >= self.total and extra:
+        if self.silence < self._probe_after:
+            return
+        self._probe_after *= BACKOFF
+        later = self._chunks_after(self.delivered)
+        if later:
+            self._later = wire.chunk_key(self.prefix, later[0])
+            self._gap_since = self.clock()
+
+    def _check_consistency(self) -> None:
+        if self.total is not None and self.delivered > self.total:
+            raise ManifestMismatch(
+                f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but "
+                f"{wire.chunk_key(self.prefix, self.total + 1)} exists too"
+            )
+        if self.finished:
+            self._check_nothing_beyond()
+            return
+        if self.total is None and self._later is None:
+            return
+        now = self.clock()
+        if self._gap_since is None:
+            self._gap_since = now
+        elif now - self._gap_since > MISSING_CHUNK_GRACE:
+            missing = wire.chunk_key(self.prefix, self.delivered + 1)
+            if self.total is not None:
+                why = f"the manifest declares {self.total} chunk(s) and {self.delivered} were read"
+            else:
+                why = f"{self._later} exists, so it was written, and {self.delivered} were read"
+            raise MissingChunk(f"{missing} is missing: {why}")
+
+    def _check_nothing_beyond(self) -> None:
+        """Once, when the manifest's last chunk is read: one listing for chunks beyond it."""
+        if self._end_checked or self.total is None:
+            return
+        self._end_checked = True
+        extra = self._chunks_after(self.total)
+        if extra:
             raise ManifestMismatch(
                 f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but "
                 f"{wire.chunk_key(self.prefix, extra[0])} exists too"
             )
-        if self.delivered < self.total:
-            now = self.clock()
-            if self._gap_since is None:
-                self._gap_since = now
-            elif now - self._gap_since > MISSING_CHUNK_GRACE:
-                missing = wire.chunk_key(self.prefix, self.delivered + 1)
-                raise MissingChunk(
-                    f"{missing} is missing: the manifest declares {self.total} chunk(s) and "
-                    f"{self.delivered} were read"
-                )
-        else:
-            self._gap_since = None
 
     def follow(
         self,
