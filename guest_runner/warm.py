@@ -78,10 +78,12 @@ class SlotConduit(LocalConduit):
     def get_stream(self, key: str) -> BinaryIO:
         return super().get_stream(self._rel(key))
 
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
+    def list_prefix(
+        self, prefix: str, start_after: Optional[str] = None, shallow: bool = False, limit: Optional[int] = None
+    ) -> List[str]:
         rel = self._rel(prefix)
         after = self._rel(start_after) if start_after is not None else None
-        return [self.prefix + k for k in super().list_prefix(rel, after, shallow)]
+        return [self.prefix + k for k in super().list_prefix(rel, after, shallow, limit)]
 
     def delete_prefix(self, prefix: str) -> int:
         n = 0

@@ -131,7 +131,7 @@ RESULT_FIELDS = (
 )
 EVENT_KINDS = ("open", "close", "log")
 
-_CHUNK_RE = re.compile(r"(?:^|/)events-(\d{6,})\.jsonl$")
+_CHUNK_RE = re.compile(r"(?:^|/)events-([0-9]{6,})\.jsonl$")
 # Identifiers become path segments of conduit keys, so they are held to a safe alphabet.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -296,10 +296,19 @@ def encode_event(ev: SpanEvent) -> str:
     return _dumps({k: fields[k] for k in EVENT_FIELDS})
 
 
+def _loads(text: str) -> Any:
+    """json.loads for text a sandbox wrote: nesting past the parser's recursion limit is
+    malformed input (ValueError), not a RecursionError escaping into the host."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def decode_event(line: str) -> SpanEvent:
     """Parse one JSONL line into an event, filling the reference model's defaults."""
     try:
-        obj = json.loads(line)
+        obj = _loads(line)
     except ValueError as e:
         raise WireError(f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
@@ -353,7 +362,7 @@ def encode_result(result: NodeResult) -> bytes:
 
 def decode_result(raw: bytes) -> NodeResult:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = _loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise WireError(f"result.json is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
@@ -378,7 +387,7 @@ def encode_manifest(total_chunks: int) -> bytes:
 
 def decode_manifest(raw: bytes) -> int:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = _loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise WireError(f"_manifest.json is not valid JSON ({e})") from None
     total = obj.get("total_chunks") if isinstance(obj, dict) else None

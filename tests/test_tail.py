@@ -37,9 +37,9 @@ class Counting(LocalConduit):
         super().__init__(root)
         self.calls: list[tuple[str, str]] = []
 
-    def list_prefix(self, prefix, start_after=None, shallow=False):
+    def list_prefix(self, prefix, start_after=None, shallow=False, limit=None):
         self.calls.append(("LIST", start_after or ""))
-        return super().list_prefix(prefix, start_after, shallow)
+        return super().list_prefix(prefix, start_after, shallow, limit)
 
     def get(self, key):
         self.calls.append(("GET", key))
@@ -48,6 +48,19 @@ class Counting(LocalConduit):
     def get_stream(self, key):  # how the tail reads a chunk: streamed, bounded
         self.calls.append(("GET", key))
         return super().get_stream(key)
+
+
+def test_a_poll_reads_a_bounded_number_of_chunks_then_asks_to_be_called_again(local_conduit):
+    """However fast a guest writes, the driver regains control between polls (status,
+    cancellation, silence): a poll reads at most CHUNKS_PER_POLL chunks, then asks for
+    the shortest delay."""
+    n = tail.CHUNKS_PER_POLL * 2 + 1
+    for i in range(1, n + 1):
+        put_chunk(local_conduit, i, [i])
+    t = ChunkTailer(local_conduit, P, clock=FakeClock(), min_poll=0.0)
+    assert len(drain(t)) == tail.CHUNKS_PER_POLL and t.next_delay() == 0.0
+    assert len(drain(t)) == tail.CHUNKS_PER_POLL
+    assert drain(t) == [str(n)]
 
 
 def drain(t: ChunkTailer) -> list[str]:
@@ -345,7 +358,8 @@ def test_poll_cost_does_not_grow_with_chunks_already_read(tmp_path, already):
     for i in range(1, already + 1):
         put_chunk(c, i, [i])
     t = ChunkTailer(c, P, clock=FakeClock())  # held still: the manifest is not due again
-    drain(t)
+    while drain(t):  # a poll reads at most tail.CHUNKS_PER_POLL chunks
+        pass
     assert t.delivered == already
     c.calls.clear()
     drain(t)  # an idle poll: one GET of the next chunk's key, no LIST
@@ -373,8 +387,8 @@ def test_the_tail_never_lists_what_a_sandbox_nested_below_the_node(local_conduit
     listed: list[str] = []
     list_prefix = local_conduit.list_prefix
 
-    def recording(prefix, start_after=None, shallow=False):
-        keys = list_prefix(prefix, start_after, shallow)
+    def recording(prefix, start_after=None, shallow=False, limit=None):
+        keys = list_prefix(prefix, start_after, shallow, limit)
         listed.extend(keys)
         return keys
 

@@ -75,11 +75,19 @@ class Conduit(ABC):
         :meth:`get`: when opening, or while reading (:class:`ConduitUnavailable`)."""
 
     @abstractmethod
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
+    def list_prefix(
+        self,
+        prefix: str,
+        start_after: Optional[str] = None,
+        shallow: bool = False,
+        limit: Optional[int] = None,
+    ) -> List[str]:
         """Every key under ``prefix`` in lexicographic order, only those after
         ``start_after`` when given (so a poller's cost stays flat as keys accumulate).
         ``shallow``: only the keys with no ``/`` after ``prefix`` (S3's delimiter): a host
-        tailing a node reads its top level, never walks what the sandbox nested below."""
+        tailing a node reads its top level, never walks what the sandbox nested below.
+        ``limit``: at most that many keys, the first in order (one page on S3, and memory
+        for that many names however many a sandbox wrote)."""
 
     @abstractmethod
     def delete_prefix(self, prefix: str) -> int:

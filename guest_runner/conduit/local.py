@@ -6,10 +6,11 @@ never sees a half-written object.
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Dict, List, Optional
+from typing import BinaryIO, Dict, Iterator, List, Optional
 
 from guest_runner import wire
 from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, ObjectNotFound, check_key
@@ -129,7 +130,13 @@ class LocalConduit(Conduit):
             os.close(leaf)
             raise
 
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
+    def list_prefix(
+        self,
+        prefix: str,
+        start_after: Optional[str] = None,
+        shallow: bool = False,
+        limit: Optional[int] = None,
+    ) -> List[str]:
         # A prefix is a key prefix, not necessarily a directory: "run/a/nodes/n/events-"
         # lists the chunks. Walk the deepest directory the prefix names.
         if prefix:
@@ -138,24 +145,34 @@ class LocalConduit(Conduit):
         base = self.path_for(dir_part) if dir_part else self._real_root
         if not base.is_dir():
             return []
-        keys: List[str] = []
+        keys = (
+            k
+            for k in self._walk(base, shallow)
+            if k.startswith(prefix) and (start_after is None or k > start_after)
+        )
         try:
-            for dirpath, dirnames, filenames in os.walk(base):
-                if shallow:
-                    dirnames.clear()  # nothing nested is listed, so nothing nested is walked
-                dirnames.sort()
-                rel_dir = os.path.relpath(dirpath, self._real_root)
-                rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-                for name in filenames:
-                    if name.startswith(_TMP_MARK):
-                        continue
-                    key = rel_dir + name
-                    if key.startswith(prefix) and (start_after is None or key > start_after):
-                        keys.append(key)
+            # A directory has no order: the first ``limit`` keys are kept as it is read, so
+            # memory is that many names however many files a sandbox left there.
+            return sorted(keys) if limit is None else heapq.nsmallest(max(0, limit), keys)
         except OSError as e:
             raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
-        keys.sort()
-        return keys
+
+    def _walk(self, base: Path, shallow: bool) -> Iterator[str]:
+        if shallow:  # nothing nested is listed, so nothing nested is walked
+            rel_dir = os.path.relpath(base, self._real_root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            with os.scandir(base) as entries:
+                for entry in entries:
+                    if not entry.name.startswith(_TMP_MARK) and not entry.is_dir():  # as os.walk sorts them
+                        yield rel_dir + entry.name
+            return
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self._real_root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            for name in filenames:
+                if not name.startswith(_TMP_MARK):
+                    yield rel_dir + name
 
     def delete_prefix(self, prefix: str) -> int:
         n = 0

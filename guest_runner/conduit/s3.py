@@ -223,7 +223,13 @@ class S3Conduit(Conduit):
         size = length if isinstance(length, int) and not isinstance(length, bool) else None
         return io.BufferedReader(_Body(self, full, resp["Body"], size), buffer_size=1 << 20)
 
-    def list_prefix(self, prefix: str, start_after: Optional[str] = None, shallow: bool = False) -> List[str]:
+    def list_prefix(
+        self,
+        prefix: str,
+        start_after: Optional[str] = None,
+        shallow: bool = False,
+        limit: Optional[int] = None,
+    ) -> List[str]:
         if prefix:
             check_key(prefix)
         full_prefix = self._join(prefix)
@@ -233,6 +239,8 @@ class S3Conduit(Conduit):
             kwargs["Delimiter"] = "/"  # what is nested comes back as CommonPrefixes, not read
         if start_after:
             kwargs["StartAfter"] = self._join(start_after)
+        if limit is not None:
+            kwargs["MaxKeys"] = max(1, min(limit, 1000))
 
         def collect() -> List[str]:
             keys: List[str] = []
@@ -247,10 +255,12 @@ class S3Conduit(Conduit):
                 token = resp.get("NextContinuationToken")
                 if not resp.get("IsTruncated") or not token:
                     return keys
+                if limit is not None and len(keys) >= limit:
+                    return keys[:limit]
 
         keys = self._call("listing", full_prefix, collect)
         keys.sort()
-        return keys
+        return keys if limit is None else keys[:limit]
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list_prefix(prefix)

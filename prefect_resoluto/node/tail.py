@@ -56,6 +56,15 @@ MANIFEST_MAX = 30.0
 # of the guest's heartbeats missed), doubling after each, so a live node never lists and
 # a stalled one lists a handful of times before its silence window ends it.
 GAP_PROBE_AFTER = 30.0
+# A recovery listing reads a page of names at a time and gives up on a page of names that
+# are not chunks: what a sandbox writes never sets how much the host holds or requests.
+LIST_PAGE = 1000
+# A poll reads at most this many chunks, so the driver looks at status, cancellation and
+# silence between them however fast a guest writes.
+CHUNKS_PER_POLL = 16
+# Encoders write none; a few are forgiven, a chunk of them is refused rather than read line
+# by line (32 MiB of newlines is 33 M reads).
+MAX_BLANK_LINES = 1024
 # A chunk the manifest promises, or one a later chunk shows was written, may only be
 # missing for this long.
 MISSING_CHUNK_GRACE = 2.0
@@ -276,7 +285,9 @@ class ChunkTailer:
                 self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
         n_events = 0
         lively = False
-        while self.total is None or self.delivered < self.total:
+        for _ in range(CHUNKS_PER_POLL):
+            if self.total is not None and self.delivered >= self.total:
+                break
             key = wire.chunk_key(self.prefix, self.delivered + 1)
             try:
                 n, heartbeat_only = self._deliver(key, on_event)
@@ -287,6 +298,8 @@ class ChunkTailer:
             self.delivered += 1
             self._last_arrival = self.clock()
             self._later = self._gap_since = None
+        else:
+            lively = True  # the budget ran out, not the chunks: more are likely there
         self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
         self._probe_for_gap()
         self._check_consistency()
@@ -315,10 +328,13 @@ class ChunkTailer:
         self._result_seen = True
 
     def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
-        n = 0
+        n = blank = 0
         heartbeat_only = True
         for line_no, line in chunk_text_lines(self.conduit, key):
             if not line.strip():
+                blank += 1
+                if blank > MAX_BLANK_LINES:
+                    raise MalformedChunk(key, line_no, f"more than {MAX_BLANK_LINES} blank lines")
                 continue
             try:
                 ev = wire.decode_event(line)
@@ -336,14 +352,29 @@ class ChunkTailer:
             self.events_delivered += 1
         return n, heartbeat_only
 
-    def _chunks_after(self, after: int) -> list[int]:
-        """A recovery listing: the numbers of the chunks after chunk ``after`` (the node's top
-        level only, chunk names only)."""
-        self.listings += 1
-        start = wire.chunk_key(self.prefix, after) if after else None
-        keys = self.conduit.list_prefix(f"{self.prefix}/{wire.CHUNK_PREFIX}", start_after=start, shallow=True)
-        found = (wire.chunk_index(k[len(self.prefix) + 1 :]) for k in keys)
-        return sorted(i for i in found if i is not None and i > after)
+    def _chunk_after(self, after: int) -> str | None:
+        """A recovery listing: the key of the first chunk numbered after ``after`` (the node's
+        top level, chunk names only), or None. Page by page, one page's names held at a time."""
+        # Names of 7+ digits sort among the 6-digit ones ("events-1000000" just after
+        # "events-100000"): past 99 999 the listing starts where they can begin, and passes
+        # the node's own chunks on its way.
+        start = wire.chunk_key(self.prefix, min(after, 99_999)) if after else None
+        strays = 0
+        while True:
+            self.listings += 1
+            keys = self.conduit.list_prefix(
+                f"{self.prefix}/{wire.CHUNK_PREFIX}", start_after=start, shallow=True, limit=LIST_PAGE
+            )
+            for key in keys:
+                idx = wire.chunk_index(key[len(self.prefix) + 1 :])
+                if idx is not None and idx > after:
+                    return key
+                strays += idx is None
+            # A page's worth of names that are not chunks ends the search: a chunk hidden
+            # behind them is one the host never reads, and the stray names are not paged.
+            if strays >= LIST_PAGE or len(keys) < LIST_PAGE:
+                return None
+            start = keys[-1]
 
     def _probe_for_gap(self) -> None:
         """While the sandbox runs and nothing came for a long while, list once (backed off)
@@ -353,9 +384,9 @@ class ChunkTailer:
         if self.silence < self._probe_after:
             return
         self._probe_after *= BACKOFF
-        later = self._chunks_after(self.delivered)
-        if later:
-            self._later = wire.chunk_key(self.prefix, later[0])
+        later = self._chunk_after(self.delivered)
+        if later is not None:
+            self._later = later
             self._gap_since = self.clock()
 
     def _check_consistency(self) -> None:
@@ -385,11 +416,10 @@ class ChunkTailer:
         if self._end_checked or self.total is None:
             return
         self._end_checked = True
-        extra = self._chunks_after(self.total)
-        if extra:
+        extra = self._chunk_after(self.total)
+        if extra is not None:
             raise ManifestMismatch(
-                f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but "
-                f"{wire.chunk_key(self.prefix, extra[0])} exists too"
+                f"{wire.manifest_key(self.prefix)} declares {self.total} chunk(s) but {extra} exists too"
             )
 
     def follow(

@@ -264,8 +264,8 @@ def read_outcome(
         if raw is not None:
             try:
                 return True, json.loads(raw)["value"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err}") from None
+            except (ValueError, KeyError, TypeError, RecursionError) as err:
+                raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}") from None
     return False, None
 
 
@@ -284,7 +284,7 @@ def read_error(
     raw = data.decode("utf-8", errors="replace")
     try:
         e: object = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         e = {
             "type": "Exception",
             "message": f"{call.ERROR_FILE} from the sandbox is malformed",

@@ -231,7 +231,7 @@ class Learned:
         try:
             raw = result_files.read(output_dir, IMPORTS_FILE, MAX_IMPORTS_BYTES)
             reported = json.loads(raw).get("modules") if raw is not None else None
-        except (OSError, ValueError, AttributeError):  # ResultFileError is a ValueError
+        except (OSError, ValueError, AttributeError, RecursionError):  # ResultFileError is a ValueError
             return ()
         if not isinstance(reported, list):
             return ()

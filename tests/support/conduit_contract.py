@@ -35,6 +35,25 @@ class ConduitContract:
         assert conduit.list_prefix(node + "events-", shallow=True) == [node + "events-000001.jsonl"]
         assert len(conduit.list_prefix(node)) == 5
 
+    def test_a_limited_listing_is_the_first_keys_in_order(self, conduit: Conduit) -> None:
+        """``limit`` keeps the first keys in key order, whatever order the store holds them
+        in: the tail's recovery listings read a page, never every name a sandbox wrote."""
+        node = "run/r/nodes/n/"
+        for i in (7, 3, 9, 1, 5):
+            conduit.put(f"{node}events-{i:06d}.jsonl", b"x")
+        conduit.put(node + "deep/events-000000.jsonl", b"x")
+        assert conduit.list_prefix(node + "events-", shallow=True, limit=2) == [
+            f"{node}events-000001.jsonl",
+            f"{node}events-000003.jsonl",
+        ]
+        after = f"{node}events-000003.jsonl"
+        assert conduit.list_prefix(node + "events-", start_after=after, shallow=True, limit=2) == [
+            f"{node}events-000005.jsonl",
+            f"{node}events-000007.jsonl",
+        ]
+        assert conduit.list_prefix(node, limit=1) == [node + "deep/events-000000.jsonl"]
+        assert len(conduit.list_prefix(node + "events-", limit=100)) == 5
+
     def test_objects_round_trip_and_list_in_key_order(self, conduit: Conduit) -> None:
         blobs = {
             "run/r/nodes/n/events-000002.jsonl": b"2",
