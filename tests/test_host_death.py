@@ -1,0 +1,231 @@
+"""A host that dies leaves nothing running for long: the host's heartbeat and the guest's watch.
+
+The per-runtime checks (a host killed with SIGKILL mid-node, its sandbox gone within the
+bound) are the runtime contract's ``test_host_death_ends_the_sandbox`` (process,
+bubblewrap, gVisor, container) and the Kubernetes and Solari tests in their modules. Here:
+the guest's side as a program (``python -m guest_runner``, never in this process: its kill
+reaches every process below it) and the host's writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from support.guest import PY, ROOT, guest_env
+from support.polling import wait_for
+
+from guest_runner import hostwatch, wire
+from guest_runner.conduit import ConduitUnavailable, LocalConduit
+from prefect_resoluto.node import heartbeat
+
+KEY = wire.host_beat_key("h-test")
+NODE = "run/r1/nodes/n1"
+
+#: A workload that starts a child, says both pids, then waits for a file (or ten minutes).
+WORK = (
+    "import os, subprocess, sys, time\n"
+    "child = subprocess.Popen(['sleep', '600'])\n"
+    "print('pids', os.getpid(), child.pid, flush=True)\n"
+    "deadline = time.monotonic() + 600\n"
+    "while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\n"
+    "child.kill()\n"
+)
+
+
+def _guest(root: Path, release: Path, **extra: str) -> subprocess.Popen[bytes]:
+    env = guest_env(root, "r1", "n1", [PY, "-c", WORK, str(release)], **extra)
+    return subprocess.Popen([PY, "-m", "guest_runner"], env=env, cwd=str(ROOT), stderr=subprocess.PIPE)
+
+
+def _pids(root: Path) -> list[int]:
+    """The workload's and its child's pids, once its first line reached the conduit."""
+    for chunk in sorted((root / NODE).glob("events-*.jsonl")):
+        for line in chunk.read_text().splitlines():
+            msg = str(json.loads(line).get("data", {}).get("line", ""))
+            if msg.startswith("pids "):
+                return [int(p) for p in msg.split()[1:]]
+    return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z"
+
+
+def _result(root: Path) -> dict[str, object]:
+    return json.loads((root / NODE / wire.RESULT).read_text())  # type: ignore[no-any-return]
+
+
+def test_a_guest_whose_host_stops_beating_kills_its_work_and_exits(tmp_path: Path) -> None:
+    root = tmp_path / "conduit"
+    LocalConduit(root).put(KEY, b"1 100\n")  # one beat, then the host "dies"
+    guest = _guest(root, tmp_path / "never", **{wire.ENV_HOST_BEAT_KEY: KEY, wire.ENV_HOST_LOST_AFTER: "1"})
+    try:
+        pids = wait_for(lambda: _pids(root), 30, "the workload to start")
+        rc = guest.wait(timeout=60)
+    finally:
+        if guest.poll() is None:
+            guest.kill()
+    stderr = guest.stderr.read().decode() if guest.stderr else ""
+    assert rc != 0, stderr
+    assert "host stopped driving this node" in stderr
+    result = _result(root)
+    assert result["status"] == "failure"
+    assert "host stopped driving this node" in str(result["reason"])
+    assert (root / NODE / wire.MANIFEST).exists()  # the node's record is complete
+    wait_for(lambda: not any(_alive(p) for p in pids), 10, "the workload and its child to be gone")
+
+
+def test_a_slow_host_within_the_bound_keeps_its_nodes(tmp_path: Path) -> None:
+    """Beats late by 40% of the bound (a busy host) for over twice the bound: the node lives."""
+    root, release = tmp_path / "conduit", tmp_path / "release"
+    conduit = LocalConduit(root)
+    conduit.put(KEY, b"0\n")
+    stop = threading.Event()
+
+    def slow_host() -> None:
+        n = 0
+        while not stop.wait(0.8):  # the host's own (late) rhythm, not a synchronisation
+            n += 1
+            conduit.put(KEY, f"{n}\n".encode())
+            if n == 6:  # 4.8 s without a kill, the bound being 2 s: let the workload finish
+                release.touch()
+
+    beats = threading.Thread(target=slow_host, daemon=True)
+    beats.start()
+    guest = _guest(root, release, **{wire.ENV_HOST_BEAT_KEY: KEY, wire.ENV_HOST_LOST_AFTER: "2"})
+    try:
+        rc = guest.wait(timeout=120)
+    finally:
+        stop.set()
+        if guest.poll() is None:
+            guest.kill()
+    assert rc == 0, guest.stderr.read().decode() if guest.stderr else ""
+    assert _result(root)["status"] == "success"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # a reference host (resoluto-sandbox 0.1.0): no heartbeat at all
+        {wire.ENV_HOST_LOST_AFTER: "0.3"},  # a bound but no key: nothing to watch
+        {wire.ENV_HOST_BEAT_KEY: KEY},  # a key but no bound
+    ],
+    ids=["nothing", "no-key", "no-bound"],
+)
+def test_without_a_heartbeat_to_watch_the_guest_never_gives_up(tmp_path: Path, extra: dict[str, str]) -> None:
+    root = tmp_path / "conduit"
+    # A workload of five times the bound, with no heartbeat anywhere.
+    env = guest_env(root, "r1", "n1", [PY, "-c", "import time; time.sleep(1.5)"], **extra)
+    guest = subprocess.run(
+        [PY, "-m", "guest_runner"], env=env, cwd=str(ROOT), capture_output=True, timeout=120
+    )
+    assert guest.returncode == 0, guest.stderr.decode()
+    assert _result(root)["status"] == "success"
+
+
+# ----------------------------------------------------------------------------- the watch
+
+
+class _Store(LocalConduit):
+    """A local conduit that counts reads and may be made unreachable."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.down = False
+
+    def get_stream(self, key: str):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise ConduitUnavailable("the store is unreachable")
+        return super().get_stream(key)
+
+
+def test_the_watch_reads_a_bounded_prefix_of_the_object(tmp_path: Path) -> None:
+    store = _Store(tmp_path)
+    store.put(KEY, b"x" * (1 << 20))
+    watch = hostwatch.HostWatch(store, KEY, 1.0, lambda idle: None)
+    assert watch.read() == b"x" * (wire.MAX_HOST_BEAT_BYTES + 1)
+
+
+def test_a_beat_that_keeps_changing_is_never_lost(tmp_path: Path) -> None:
+    store = _Store(tmp_path)
+    lost: list[float] = []
+    watch = hostwatch.HostWatch(store, KEY, 0.6, lost.append)
+    changer = threading.Event()
+
+    def host() -> None:
+        n = 0
+        while not changer.wait(0.05):
+            n += 1
+            store.put(KEY, str(n).encode())
+
+    threading.Thread(target=host, daemon=True).start()
+    watch.start()
+    try:
+        wait_for(lambda: watch.reads >= 24, 30, "four bounds' worth of reads")  # poll = bound / 6
+        assert lost == []
+    finally:
+        changer.set()
+        watch.stop()
+
+
+def test_an_unreachable_store_is_no_news_and_the_bound_holds(tmp_path: Path) -> None:
+    store = _Store(tmp_path)
+    store.put(KEY, b"1")
+    lost: list[float] = []
+    watch = hostwatch.HostWatch(store, KEY, 0.5, lost.append)
+    store.down = True
+    watch.start()
+    wait_for(lambda: lost, 30, "the watch to give its host up")
+    assert lost[0] >= 0.5
+
+
+def test_settings_come_from_the_environment_only_when_both_are_set() -> None:
+    assert hostwatch.settings({}) is None
+    assert hostwatch.settings({wire.ENV_HOST_BEAT_KEY: KEY}) is None
+    assert hostwatch.settings({wire.ENV_HOST_BEAT_KEY: KEY, wire.ENV_HOST_LOST_AFTER: "0"}) is None
+    assert hostwatch.settings({wire.ENV_HOST_BEAT_KEY: KEY, wire.ENV_HOST_LOST_AFTER: "x"}) is None
+    assert hostwatch.settings({wire.ENV_HOST_BEAT_KEY: KEY, wire.ENV_HOST_LOST_AFTER: "60"}) == (KEY, 60.0)
+
+
+# ----------------------------------------------------------------------------- the host's writer
+
+
+def test_one_writer_per_process_beats_until_its_last_lease_is_released(tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "conduit")
+    first = heartbeat.lease(conduit, 0.05, 0.3)
+    second = heartbeat.lease(conduit, 0.05, 0.3)
+    assert first.writer is second.writer and first.env == second.env
+    key = first.writer.key
+    assert key.startswith(wire.HOSTS + "/") and not key.startswith("run/")  # no node's, no run's
+    assert first.env[wire.ENV_HOST_BEAT_KEY] == key and first.env[wire.ENV_HOST_LOST_AFTER] == "0.3"
+    assert first.local_dir == conduit.local_root / wire.host_beat_dir(first.writer.writer_id)  # type: ignore[operator]
+    seen = {conduit.get(key)}  # written before the lease was returned
+    wait_for(lambda: seen.add(conduit.get(key)) or len(seen) >= 3, 30, "the beat to change")
+    first.release()
+    first.release()  # idempotent: one lease, one release
+    beats = first.writer.beats
+    wait_for(lambda: first.writer.beats > beats + 2, 30, "beats while a lease is held")
+    second.release()
+    wait_for(lambda: not (conduit.local_root / key).exists(), 30, "the beat to be deleted")  # type: ignore[operator]
+
+
+def test_a_bound_of_fewer_than_three_beats_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 3x"):
+        heartbeat.check(5.0, 10.0)
+    heartbeat.check(5.0, 15.0)
+    heartbeat.check(5.0, 0)  # no heartbeat at all
+
+
+def test_the_writer_id_is_a_valid_key_segment() -> None:
+    wid = heartbeat._writer_id()
+    assert wire.check_id(wid, "writer") == wid and str(os.getpid()) in wid
