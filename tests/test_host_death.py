@@ -14,6 +14,7 @@ import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.guest import PY, ROOT, guest_env
@@ -229,3 +230,165 @@ def test_a_bound_of_fewer_than_three_beats_is_refused() -> None:
 def test_the_writer_id_is_a_valid_key_segment() -> None:
     wid = heartbeat._writer_id()
     assert wire.check_id(wid, "writer") == wid and str(os.getpid()) in wid
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+#: A host driving one node in a pod of the genuine apiserver's cluster (its node agent runs
+#: pods in gVisor), through the moto S3 store; argv: namespace, conduit URL, node id, bound.
+#: The cluster's address and token arrive in its environment.
+K8S_HOST = """
+import os, sys
+from kubernetes.client import ApiClient, Configuration
+from guest_runner.conduit.registry import conduit_from_url
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+
+ns, url, node, bound = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+cfg = Configuration(host=os.environ["K8S_SERVER"])
+cfg.ssl_ca_cert = os.environ["K8S_CA"]
+cfg.api_key["BearerToken"] = os.environ["K8S_TOKEN"]
+cfg.api_key_prefix["BearerToken"] = "Bearer"
+rt = KubernetesRuntime(
+    namespace=ns, image="python:3.12-slim", runtime_class="gvisor", guest_source="bundle",
+    store_credentials_secret="resoluto-store", api_client=ApiClient(cfg), delete_grace_s=2,
+)
+work = "import time; print('working', flush=True); time.sleep(600)"
+spec = NodeSpec(
+    run_id="run-death", node_id=node, argv=["python3", "-c", work],
+    host_lost_after=bound, host_heartbeat_interval=bound / 4,
+)
+def event(ev):
+    if "working" in str(ev.get("data")):
+        print("WORKING", flush=True)
+drive_node(
+    spec, conduit_from_url(url), rt, min_isolation="user-kernel", on_event=event, silence_window=120,
+    on_launch=lambda h: print("LAUNCHED", h.data["name"], flush=True),
+)
+"""
+
+
+def _pod_phase(cluster: Any, ns: str, name: str) -> str:
+    from kubernetes.client import CoreV1Api
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return str(CoreV1Api(cluster.api_client()).read_namespaced_pod(name, ns).status.phase)
+    except ApiException as e:
+        if e.status == 404:
+            return "Deleted"
+        raise
+
+
+@pytest.mark.k8s
+@pytest.mark.sandbox
+def test_a_pod_whose_host_was_killed_ends_within_the_bound(
+    k8s_cluster: Any, k8s_ns: str, k8s_agent: Any, s3_conduit: Any
+) -> None:
+    """SIGKILL of the host while its pod works: the pod's guest sees the heartbeat stop and
+    ends, and the pod with it (nobody deletes it: the host is dead)."""
+    from kubernetes.client import CoreV1Api
+
+    CoreV1Api(k8s_cluster.api_client()).create_namespaced_secret(
+        k8s_ns,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "resoluto-store"},
+            "stringData": {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+        },
+    )
+    bound = 3.0
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "K8S_SERVER": k8s_cluster.server,
+        "K8S_CA": k8s_cluster.ca,
+        "K8S_TOKEN": k8s_cluster.token,
+    }
+    host = subprocess.Popen(
+        [PY, "-c", K8S_HOST, k8s_ns, s3_conduit.url, "n-death", str(bound)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(host.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    try:
+        wait_for(lambda: "WORKING\n" in lines or host.poll() is not None, 180, "the pod's workload to run")
+        assert host.poll() is None, "".join(lines)
+        pod = next(ln.split()[1] for ln in lines if ln.startswith("LAUNCHED "))
+        assert _pod_phase(k8s_cluster, k8s_ns, pod) == "Running"
+        host.kill()
+        host.wait(30)
+        wait_for(
+            lambda: _pod_phase(k8s_cluster, k8s_ns, pod) in ("Succeeded", "Failed"),
+            15 * bound + 60,
+            "the pod to end after its host died",
+        )
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+    result = json.loads(s3_conduit.get(wire.result_key(wire.node_prefix("run-death", "n-death"))))
+    assert "host stopped driving this node" in result["reason"]
+
+
+# ----------------------------------------------------------------------------- Solari
+
+#: A host driving one node in a Solari VM of the loopback gateway; argv: gateway URL, key,
+#: conduit dir, the session timeout (the VM's bound: the gateway enforces it).
+SOLARI_HOST = """
+import sys
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.runtimes import get_runtime
+
+url, key, conduit, bound = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+rt = get_runtime("solari", base_url=url, api_key=key, template="base", session_timeout_s=bound)
+work = "import time; print('working', flush=True); time.sleep(600)"
+spec = NodeSpec(run_id="run-death", node_id="n-death", argv=[sys.executable, "-c", work])
+def event(ev):
+    if "working" in str(ev.get("data")):
+        print("WORKING", flush=True)
+drive_node(spec, LocalConduit(conduit), rt, min_isolation="vm", on_event=event, silence_window=120)
+"""
+
+
+@pytest.mark.slow
+def test_a_solari_vm_whose_host_was_killed_ends_with_its_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The VM's bound is its session's timeout: only the host's keep-alive renews it, and the
+    gateway destroys the VM when it lapses (the relayed VM sees no store to read a heartbeat in)."""
+    from support.solari_gateway import SolariGateway
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    gateway = SolariGateway(tmp_path / "gateway", executor="process").start()
+    bound = 3.0
+    host = subprocess.Popen(
+        [PY, "-c", SOLARI_HOST, gateway.base_url, gateway.api_key, str(tmp_path / "conduit"), str(bound)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(host.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    try:
+        wait_for(lambda: "WORKING\n" in lines or host.poll() is not None, 120, "the VM's workload to run")
+        assert host.poll() is None, "".join(lines)
+        assert len(gateway.live()) == 1
+        host.kill()
+        host.wait(30)
+        wait_for(lambda: not gateway.live(), 15 * bound + 30, "the VM to end after its host died")
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+        gateway.stop()
