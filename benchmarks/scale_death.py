@@ -278,9 +278,13 @@ def _solari(bound: float, n: int) -> dict[str, Any]:
 @contextmanager
 def _cluster(d: Path) -> Iterator[tuple[Any, Any]]:
     """The genuine control plane, its node agent and moto S3, as the tests' fixtures make them."""
+    import logging
+
     from support import k8s_cluster
     from support.k8s_node_agent import NodeAgent
     from support.s3_fixtures import serve_s3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log per request
 
     script = k8s_cluster.SCRIPT
     if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode != 0:

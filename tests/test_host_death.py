@@ -392,3 +392,104 @@ def test_a_solari_vm_whose_host_was_killed_ends_with_its_session(
             host.kill()
             host.wait(30)
         gateway.stop()
+
+
+def test_a_process_that_ends_deletes_its_beat_at_once(tmp_path: Path) -> None:
+    conduit = LocalConduit(tmp_path / "conduit")
+    lease = heartbeat.lease(conduit, 0.05, 600)
+    path = conduit.local_root / lease.writer.key  # type: ignore[operator]
+    assert path.exists()
+    heartbeat._close_all()  # what atexit runs
+    assert not path.exists()
+    lease.release()
+
+
+# ----------------------------------------------------------------------------- warm sandboxes
+
+#: A host with a warm pool of two: one sandbox assigned a node that sleeps, the other idle;
+#: argv: runtime, conduit dir, bound.
+WARM_HOST = """
+import sys
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.warm.pool import WarmPool, key_for
+
+name, root, bound = sys.argv[1], sys.argv[2], float(sys.argv[3])
+rt, conduit = get_runtime(name), LocalConduit(root)
+work = "import time; print('working', flush=True); time.sleep(600)"
+spec = NodeSpec(
+    run_id="run-warm-death", node_id="n1", argv=["python3", "-c", work],
+    host_lost_after=bound, host_heartbeat_interval=bound / 4,
+)
+key = key_for(spec)
+pool = WarmPool(rt, conduit, size=2)
+assert pool.enabled, pool.why_not
+pool.want(key, idle=2)
+while pool.ready_count(key) < 2:
+    pool._lock.acquire(); pool._lock.wait(0.05); pool._lock.release()
+warm, _ = pool.take(key)
+assert warm is not None
+print("IDS", *pool.idle_ids(), warm.handle.id, flush=True)
+def event(ev):
+    if "working" in str(ev.get("data")):
+        print("WORKING", flush=True)
+drive_node(spec, conduit, rt, min_isolation="none", on_event=event, warm=warm)
+"""
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize("runtime", ["gvisor", "bubblewrap", pytest.param("process", marks=())])
+def test_warm_sandboxes_of_a_killed_host_end_idle_or_assigned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    """An assigned warm sandbox reads the heartbeat through the directory bound at its boot
+    (outside its slot); an idle one ends when its stdin, a pipe only the host held, closes."""
+    from support.runtime_contract import _group_alive
+
+    from prefect_resoluto.runtimes import get_runtime
+
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    rt = get_runtime(runtime)
+    if not rt.availability().ok:
+        pytest.skip(f"{runtime} is not available here: {rt.availability().why}")
+    bound = 2.0
+    host = subprocess.Popen(
+        [PY, "-c", WARM_HOST, runtime, str(tmp_path / "conduit"), str(bound)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(host.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    from prefect_resoluto.host.state import SandboxRecord, sandbox_dir
+
+    def running() -> list[str]:
+        listed = (
+            {c["id"] for c in rt.containers() if c.get("status") == "running"}
+            if runtime == "gvisor"
+            else set()
+        )
+        out = []
+        for sid in rt.list_ids():  # type: ignore[attr-defined]
+            rec = SandboxRecord.load(sandbox_dir(rt.state, sid))  # type: ignore[attr-defined]
+            if sid in listed or (rec is not None and rec.pid is not None and _group_alive(rec.pid)):
+                out.append(sid)
+        return out
+
+    try:
+        wait_for(lambda: "WORKING\n" in lines or host.poll() is not None, 180, "the warm node's workload")
+        assert host.poll() is None, "".join(lines)
+        ids = next(ln.split()[1:] for ln in lines if ln.startswith("IDS "))
+        assert len(ids) >= 2 and set(ids) <= set(running()), (ids, running())
+        host.kill()
+        host.wait(30)
+        wait_for(lambda: not running(), 15 * bound + 30, "every warm sandbox to end after its host died")
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+        rt.sweep({})

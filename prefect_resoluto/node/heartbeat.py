@@ -18,6 +18,7 @@ part of the conduit outside the node's own directory a local sandbox sees.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -132,11 +133,23 @@ class _Writer:
             with self._cond:
                 self._cond.wait(self.interval)
                 idle = self._idle_since
+                if self._thread is not threading.current_thread():
+                    return  # closed: the object is deleted already
                 if idle is not None and time.monotonic() - idle >= self.linger:
                     self._thread = None
                     self._stop_beating()  # under the lock: a new first beat comes after it
                     return
             self._beat()  # outside it: a slow store never holds up a node's start
+
+    def close(self) -> None:
+        """Stop beating and delete the object at once (this process is ending)."""
+        with self._cond:
+            if self._thread is None:
+                return
+            self._thread = None
+            self._idle_since, self.linger = 0.0, 0.0
+            self._cond.notify_all()
+            self._stop_beating()
 
     def _stop_beating(self) -> None:
         try:
@@ -173,3 +186,12 @@ def writer_for(conduit: Conduit) -> _Writer:
         if writer is None:
             writer = _WRITERS[f"{wid} {conduit.url}"] = _Writer(conduit, wid, DEFAULT_INTERVAL)
         return writer
+
+
+@atexit.register
+def _close_all() -> None:
+    """A process that ends cleanly leaves no heartbeat behind (its sandboxes are swept or done)."""
+    with _LOCK:
+        writers = list(_WRITERS.values())
+    for writer in writers:
+        writer.close()
