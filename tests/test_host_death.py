@@ -493,3 +493,6 @@ def test_warm_sandboxes_of_a_killed_host_end_idle_or_assigned(
             host.kill()
             host.wait(30)
         rt.sweep({})
+    if runtime != "bubblewrap":  # bwrap's --die-with-parent ends it before its guest can say why
+        result = tmp_path / "conduit" / wire.node_prefix("run-warm-death", "n1") / wire.RESULT
+        assert "host stopped driving this node" in json.loads(result.read_text())["reason"]
