@@ -246,8 +246,6 @@ def _exec_streamed(
     with _WORK.lock:
         _WORK.proc = None
     if own_group:
-        import signal
-
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # what it left running must not outlive its phase
         except OSError:
