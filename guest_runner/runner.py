@@ -22,23 +22,29 @@ RESOLUTO_EGRESS_PHASES     JSON list: ``["setup", "workload"]`` when setup has i
 RESOLUTO_EGRESS_CANARY_WORKLOAD  JSON list: setup-only names, refused after the switch
 RESOLUTO_WORKLOAD_USER     ``uid:gid``: setup, workload and cleanup run as that user (privsep)
 RESOLUTO_WORKLOAD_PIDNS    ``1``: the sandbox is its own PID namespace (privsep)
+RESOLUTO_HOST_BEAT_KEY     the host's heartbeat object (guest_runner.hostwatch)
+RESOLUTO_HOST_LOST_AFTER   seconds it may stay unchanged before the node's work is killed
 =========================  ==================================================
 
-Exit status is 0 exactly when the workload succeeded.
+Exit status is 0 exactly when the workload succeeded. A guest whose host stopped driving
+it (its heartbeat unchanged for RESOLUTO_HOST_LOST_AFTER seconds) kills its work, writes a
+failed result saying so when it can, and exits (HOST_LOST_EXIT when that takes too long).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional
+import threading
+from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
 # import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
-from guest_runner import privsep, wire
+from guest_runner import hostwatch, privsep, wire
 from guest_runner.conduit import Conduit, ConduitError
 from guest_runner.conduit.registry import conduit_from_env
 from guest_runner.redact import Redactor
@@ -51,6 +57,25 @@ _RUNNER_ONLY_ENV = (
     "AWS_SESSION_TOKEN",
     wire.ENV_STORE_WRITE_TOKEN,
 )
+
+
+#: The guest's exit status when its host is gone and writing the verdict took too long.
+HOST_LOST_EXIT = 75
+#: Seconds the runner may take to write its verdict once its work is killed for a lost host.
+HOST_LOST_GRACE = 10.0
+
+
+class _Work:
+    """The phase process running now, and whether the host was lost (guest_runner.hostwatch)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: "Optional[subprocess.Popen[bytes]]" = None
+        self.own_group = False
+        self.lost = ""  # why the host is taken for gone; "" while it drives the node
+
+
+_WORK = _Work()
 
 
 class ConfigError(ValueError):
@@ -185,6 +210,10 @@ def _exec_streamed(
         span.outputs["exit_code"] = 126
         span.status = "failure"
         return 126
+    with _WORK.lock:
+        _WORK.proc, _WORK.own_group = proc, own_group
+    if _WORK.lost:
+        _kill_work()
     out = proc.stdout
     assert out is not None
     with out:
@@ -214,9 +243,9 @@ def _exec_streamed(
                     continue
             span.log(line)
     rc = proc.wait()
+    with _WORK.lock:
+        _WORK.proc = None
     if own_group:
-        import signal
-
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # what it left running must not outlive its phase
         except OSError:
@@ -315,7 +344,7 @@ def run_node(cfg: NodeConfig, conduit: Conduit, shipper: Shipper, start: Starter
             if result["status"] != "success":
                 node.status = "failure"
     finally:
-        if cfg.cleanup_argv:
+        if cfg.cleanup_argv and not _WORK.lost:
             try:
                 with shipper.span("", "cleanup", "cleanup", {"argv": cfg.cleanup_argv}) as sp:
                     _exec_streamed(shipper, sp, cfg.cleanup_argv, workspace, cfg.child_env)
@@ -366,6 +395,104 @@ def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseExceptio
     )
 
 
+def _processes() -> Dict[int, Tuple[int, int]]:
+    """Every live process's (parent, process group), from /proc (empty without it)."""
+    found: Dict[int, Tuple[int, int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read(4096)
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if fields[0] != b"Z":
+                found[int(name)] = (int(fields[1]), int(fields[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _descendants(root: int) -> List[int]:
+    """Every process below ``root``."""
+    procs = _processes()
+    found: List[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, (ppid, _) in procs.items() if ppid == parent and pid not in found]
+        found.extend(kids)
+        frontier.extend(kids)
+    return found
+
+
+def _group_members(pgid: int) -> List[int]:
+    """Every other process of the process group ``pgid`` (orphans of the node included)."""
+    return [pid for pid, (_, grp) in _processes().items() if grp == pgid and pid != os.getpid()]
+
+
+def _kill_work() -> None:
+    """Kill the running phase, everything below the runner, and what the node left
+    elsewhere in its sandbox (privsep.kill_leftovers); never the runner itself."""
+    with _WORK.lock:
+        proc, own_group = _WORK.proc, _WORK.own_group
+    if proc is not None and own_group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for _ in range(3):  # a process forking while the first pass runs
+        # The whole tree is read before anything dies: an orphan is no descendant any more.
+        pids = _descendants(os.getpid())
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    if os.getpgrp() == os.getpid():  # the sandbox's group (the process runtime): its orphans too
+        for pid in _group_members(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    try:
+        privsep.kill_leftovers()
+    except privsep.PrivsepError:
+        pass
+
+
+def _watch_host(env: Mapping[str, str], conduit: Conduit, shipper: Shipper) -> Optional[hostwatch.HostWatch]:
+    """Start the watch on the host's heartbeat, when the host keeps one."""
+    found = hostwatch.settings(env)
+    if found is None:
+        return None
+    key, bound = found
+
+    def lost(idle: float) -> None:
+        why = f"the host stopped driving this node (its heartbeat unchanged for {idle:.0f}s)"
+        with _WORK.lock:
+            _WORK.lost = why
+        print(f"resoluto guest: {why}: killing the node's work and exiting", file=sys.stderr, flush=True)
+        try:
+            shipper.log("", why, kind="error")
+        except Exception:  # noqa: BLE001 - the store may be what is gone
+            pass
+        _kill_work()
+        # The verdict is written on the main thread; nothing may keep the sandbox alive
+        # if the store hangs.
+        timer = threading.Timer(HOST_LOST_GRACE, exit_now, args=(HOST_LOST_EXIT,))
+        timer.daemon = True
+        timer.start()
+
+    return hostwatch.HostWatch(conduit, key, bound, lost).start()
+
+
 def _finish(conduit: Conduit, shipper: Shipper, prefix: str, result: wire.NodeResult) -> None:
     shipper.close()
     conduit.put(wire.result_key(prefix), wire.encode_result(result))
@@ -388,11 +515,16 @@ def exit_now(code: int) -> "NoReturn":
 
 
 def main(
-    env: Optional[Mapping[str, str]] = None, conduit: Optional[Conduit] = None, start: Starter = _popen
+    env: Optional[Mapping[str, str]] = None,
+    conduit: Optional[Conduit] = None,
+    start: Starter = _popen,
+    beat_conduit: Optional[Conduit] = None,
 ) -> int:
     """``conduit`` and ``start``: a warm guest's (its node directory mounted elsewhere, its
-    call interpreter already started); by default both come from the environment."""
+    call interpreter already started); by default both come from the environment.
+    ``beat_conduit``: where the host's heartbeat is read (default: ``conduit``)."""
     env = dict(os.environ if env is None else env)
+    _WORK.lost = ""
     # First, before any thread exists: the runner's own process hardened, its
     # credentials out of what the workload's user could read (guest_runner/privsep.py).
     try:
@@ -422,6 +554,7 @@ def main(
     shipper = Shipper(
         conduit, prefix, run_id, redactor=redactor, heartbeat_interval=max(heartbeat, 0.1)
     ).start()
+    watch = _watch_host(env, beat_conduit or conduit, shipper)
     try:
         cfg = NodeConfig(env)
         if unisolated:
@@ -439,6 +572,10 @@ def main(
             result = wire.make_result(node_id, "failure", None, None, reason=f"inbox rejected: {e}")
         else:
             result = _crashed(shipper, redactor, node_id, e)
+    if watch is not None:
+        watch.stop()
+    if _WORK.lost:
+        result.update({"status": "failure", "reason": _WORK.lost})
     result["reason"] = redactor.text(str(result.get("reason") or ""))
     try:
         _finish(conduit, shipper, prefix, result)

@@ -54,7 +54,7 @@ SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 SNAPSHOT_READY = wire.WARM_SNAPSHOT_READY
 WAKE = wire.WARM_WAKE
 #: The runtime's own view of the sandbox, kept over the assignment's.
-RUNTIME_OWNED = (wire.ENV_WORKSPACE_DIR, wire.ENV_STORE_ROOT)
+RUNTIME_OWNED = (wire.ENV_WORKSPACE_DIR, wire.ENV_STORE_ROOT, wire.ENV_HOST_BEAT_KEY)
 
 
 class SlotConduit(LocalConduit):
@@ -323,7 +323,16 @@ def main() -> int:
             conduit = SlotConduit(slot, prefix)
         os.environ.clear()
         os.environ.update(env)
-        return runner.main(env, conduit=conduit, start=call.starter if call else runner._popen)
+        return runner.main(
+            env,
+            conduit=conduit,
+            start=call.starter if call else runner._popen,
+            # The host's heartbeat is outside the slot: read through the conduit's root,
+            # where the runtime binds its directory read-only.
+            beat_conduit=LocalConduit(env[wire.ENV_STORE_ROOT], sync=False)
+            if slot and env.get(wire.ENV_STORE_ROOT)
+            else None,
+        )
     finally:
         if call is not None:
             call.close()

@@ -92,6 +92,11 @@ ENV_WORKLOAD_PIDNS = "RESOLUTO_WORKLOAD_PIDNS"
 #: (guest_runner.prefect_api), and the declared secrets naming each value it holds.
 ENV_PREFECT_READS = "RESOLUTO_PREFECT_READS"
 ENV_PREFECT_READ_NAME_PREFIX = "RESOLUTO_PREFECT_READ_"
+#: The host's heartbeat (guest_runner.hostwatch): the store key of an object its host
+#: rewrites every few seconds, and the seconds it may stay unchanged before the guest
+#: takes its host for gone, kills its work and exits. Unset (a reference host): no check.
+ENV_HOST_BEAT_KEY = "RESOLUTO_HOST_BEAT_KEY"
+ENV_HOST_LOST_AFTER = "RESOLUTO_HOST_LOST_AFTER"
 #: Where a sandbox's bootstrap fetches the guest runner from the conduit, and its digest.
 ENV_GUEST_BUNDLE_KEY = "RESOLUTO_GUEST_BUNDLE_KEY"
 ENV_GUEST_BUNDLE_SHA256 = "RESOLUTO_GUEST_BUNDLE_SHA256"
@@ -202,6 +207,30 @@ def run_prefix(run_id: str, base: str = "") -> str:
 def _join(prefix: str, rel: str) -> str:
     prefix = prefix.rstrip("/")
     return f"{prefix}/{rel}" if prefix else rel
+
+
+#: The hosts' heartbeats live under ``[<base>/]hosts/<writer>/``: outside ``run/``, so no
+#: reader of a run's or a node's keys (ours, the reference's) ever meets one.
+HOSTS = "hosts"
+HOST_BEAT = "beat"
+#: The most a guest reads of a heartbeat object (a counter and a tick: a few dozen bytes).
+MAX_HOST_BEAT_BYTES = 256
+
+
+def host_beat_dir(writer: str, base: str = "") -> str:
+    """``[<base>/]hosts/<writer>``: the directory of one host writer's heartbeat."""
+    key = f"{HOSTS}/{check_id(writer, 'heartbeat writer')}"
+    base = base.strip("/")
+    return f"{base}/{key}" if base else key
+
+
+def host_beat_key(writer: str, base: str = "") -> str:
+    return _join(host_beat_dir(writer, base), HOST_BEAT)
+
+
+def host_beat_poll(lost_after: float) -> float:
+    """How often a guest reads its host's heartbeat: six reads within the bound."""
+    return max(0.05, lost_after / 6.0)
 
 
 def chunk_key(prefix: str, index: int) -> str:

@@ -43,6 +43,11 @@ def _take(pool: WarmPool, key) -> WarmSandbox:
     return w
 
 
+def _sandboxes_wrote(root: Path) -> list[Path]:
+    """What is in the conduit but the host's own heartbeat directory (decision 0017)."""
+    return [p for p in root.iterdir() if p.name != wire.HOSTS]
+
+
 def _no_sandboxes(rt) -> None:
     assert rt.list_ids() == []
     if hasattr(rt, "containers"):
@@ -104,9 +109,12 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(
     finally:
         pool.close()
     _no_sandboxes(rt)
-    # Everything in the conduit is under the two nodes' canonical prefixes.
+    # Everything in the conduit is under the two nodes' canonical prefixes (but the host's
+    # own heartbeat, decision 0017: bound read-only into the sandboxes, never theirs).
     files = sorted(
-        p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file()
+        p.relative_to(local_conduit.root).as_posix()
+        for p in local_conduit.root.rglob("*")
+        if p.is_file() and not p.relative_to(local_conduit.root).as_posix().startswith(wire.HOSTS + "/")
     )
     assert files and all(f.startswith(("run/run-w/nodes/n1/", "run/run-w/nodes/n2/")) for f in files), files
     if rt.mounts_conduit:  # each warm slot was bound at its node's directory and settled there
@@ -204,7 +212,7 @@ def test_a_never_assigned_sandbox_is_destroyed_and_leaves_nothing(gvisor, local_
     assert len(ids) == 2 and set(ids) <= {c["id"] for c in gvisor.containers()}
     pool.close()
     _no_sandboxes(gvisor)
-    assert list(local_conduit.root.iterdir()) == []
+    assert _sandboxes_wrote(local_conduit.root) == []
 
 
 @pytest.mark.sandbox
@@ -217,7 +225,7 @@ def test_sweep_reaps_warm_sandboxes_of_a_host_that_lost_them(gvisor, local_condu
         _no_sandboxes(gvisor)
     finally:
         pool.close()
-    assert list(local_conduit.root.iterdir()) == []
+    assert _sandboxes_wrote(local_conduit.root) == []
 
 
 @pytest.mark.sandbox

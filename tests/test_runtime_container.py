@@ -45,6 +45,10 @@ class TestContainerContract(ConfinedRuntimeContract):
     def pid_of(self, rt: ContainerRuntime, h: SandboxHandle) -> int:
         return _pid(rt, h)
 
+    def running(self, rt: ContainerRuntime, sandbox_id: str) -> bool:
+        info = rt.inspect(sandbox_id)  # the engine's view: its container runs detached
+        return bool(info and info.get("State", {}).get("Running"))
+
 
 @pytest.mark.sandbox
 def test_isolation_follows_oci_runtime(rt: ContainerRuntime) -> None:

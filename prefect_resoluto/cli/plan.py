@@ -262,6 +262,7 @@ class _NodeInputs:
 
 
 def _node_spec(args: argparse.Namespace, i: _NodeInputs, level: IsolationLevel) -> NodeSpec:
+    from prefect_resoluto.node import heartbeat
     from prefect_resoluto.node.spec import NodeSpec
     from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
     from prefect_resoluto.runtimes.base import Resources
@@ -287,6 +288,10 @@ def _node_spec(args: argparse.Namespace, i: _NodeInputs, level: IsolationLevel) 
         output_limit=i.output_limit,
         min_isolation=level,
         silence_window=args.silence_window or DEFAULT_SILENCE_WINDOW,
+        host_lost_after=heartbeat.DEFAULT_LOST_AFTER
+        if args.host_lost_after is None
+        else args.host_lost_after,
+        host_heartbeat_interval=args.host_heartbeat_interval or heartbeat.DEFAULT_INTERVAL,
     )
 
 

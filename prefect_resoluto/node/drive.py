@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
 from guest_runner.redact import Redactor
-from prefect_resoluto.node import bounded, verdict
+from prefect_resoluto.node import bounded, heartbeat, verdict
 from prefect_resoluto.node.observer import Callbacks, NodeObserver
 from prefect_resoluto.node.outcome import (
     FailureKind,
@@ -148,6 +148,8 @@ class _Node:
     timings: dict[str, float] = field(default_factory=dict)
     #: result.json as read (bounded), once: a paid GET on S3, and one verdict from one read.
     result_raw: bytes | None = None
+    #: The node's hold on its host's heartbeat (None: the spec asks for none).
+    beat: heartbeat.Lease | None = None
 
     def fail(self, failure: FailureKind, reason: str) -> None:
         self.failure, self.reason = failure, reason
@@ -223,18 +225,22 @@ def _drive(
     warm: WarmSandbox | None,
 ) -> NodeOutcome:
     node = _prepare(spec, conduit, runtime, observer)
-    node.warm = _place_warm(node, warm)
-    node.slot = _claim_slot(node)
-    _put_inbox(node)
-    runtime.prepare(conduit, spec.run_id)
-    if node.launch.network is not None:
-        node.events.listen_egress(spec.run_id, spec.node_id)
     try:
-        handle = _start_sandbox(node)
-        if handle is not None:
-            _watch(node, handle)
+        node.warm = _place_warm(node, warm)
+        node.slot = _claim_slot(node)
+        _put_inbox(node)
+        runtime.prepare(conduit, spec.run_id)
+        if node.launch.network is not None:
+            node.events.listen_egress(spec.run_id, spec.node_id)
+        try:
+            handle = _start_sandbox(node)
+            if handle is not None:
+                _watch(node, handle)
+        finally:
+            _finish_sandbox(node)
     finally:
-        _finish_sandbox(node)
+        if node.beat is not None:
+            node.beat.release()
     return _outcome(node)
 
 
@@ -257,7 +263,17 @@ def _prepare(spec: NodeSpec, conduit: Conduit, runtime: SandboxRuntime, observer
         launch.secret_env = {**conduit.guest_credentials(), **launch.secret_env}
     runtime.check_spec(launch)  # refusals (egress, local conduit on a remote runtime) before any put
     rel_prefix = wire.node_prefix(spec.run_id, spec.node_id)
+    beat = None
+    if spec.host_lost_after:  # last: nothing below raises, so the lease is always released
+        beat = heartbeat.lease(conduit, spec.host_heartbeat_interval, spec.host_lost_after)
+        try:
+            launch.host_beat_dir = beat.local_dir
+        except BaseException:
+            beat.release()
+            raise
+        launch.env.update(beat.env)
     return _Node(
+        beat=beat,
         spec=spec,
         conduit=conduit,
         runtime=runtime,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, redact, wire
 from guest_runner.conduit import Conduit
+from prefect_resoluto.node import heartbeat
 from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
 from prefect_resoluto.runtimes import labels
 from prefect_resoluto.runtimes.base import (
@@ -74,6 +75,12 @@ class NodeSpec:
     min_isolation: IsolationLevel | str = DEFAULT_MIN_ISOLATION
     #: Seconds without any event (heartbeats included) after which the sandbox is presumed dead.
     silence_window: float = DEFAULT_SILENCE_WINDOW
+    #: Seconds the host's heartbeat may stay unchanged before the node's sandbox ends itself
+    #: (prefect_resoluto.node.heartbeat); 0: no heartbeat, only ``sweep`` clears what a dead
+    #: host left.
+    host_lost_after: float = heartbeat.DEFAULT_LOST_AFTER
+    #: Seconds between two of the host's heartbeats.
+    host_heartbeat_interval: float = heartbeat.DEFAULT_INTERVAL
 
     def output_allowance(self) -> tuple[int | None, str]:
         """The outbox limit in bytes (None: unlimited) and where it comes from."""
@@ -99,6 +106,10 @@ class NodeSpec:
         for k in list(self.env) + list(self.secret_env):
             if not k or "=" in k or "\x00" in k:
                 raise NodeSpecError(f"invalid environment variable name {k!r}")
+        try:
+            heartbeat.check(self.host_heartbeat_interval, self.host_lost_after)
+        except ValueError as e:
+            raise NodeSpecError(str(e)) from None
         short = redact.too_short(self.secret_env)
         if short:
             raise NodeSpecError(redact.too_short_message(short))

@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 #: Where the conduit root appears inside a sandbox (RESOLUTO_STORE_ROOT is rewritten to it).
 GUEST_CONDUIT_ROOT = "/conduit"
+#: The host's heartbeat directory inside a sandbox, under GUEST_CONDUIT_ROOT: one fixed
+#: path whatever process writes it (a sandbox restored from a snapshot keeps its mounts'
+#: destinations), RESOLUTO_HOST_BEAT_KEY rewritten to it.
+GUEST_HOST_BEAT_WRITER = "host"
+GUEST_HOST_BEAT_DIR = wire.host_beat_dir(GUEST_HOST_BEAT_WRITER)
 #: The guest's working directory and default RESOLUTO_WORKSPACE_DIR inside a sandbox.
 GUEST_WORKSPACE = "/workspace"
 #: Where the guest_runner package is mounted inside a sandbox (PYTHONPATH points here).
@@ -220,6 +225,9 @@ def guest_layout(
     if conduit is not None:
         rw.append((str(conduit), guest_conduit_dir(spec)))
         overrides[wire.ENV_STORE_ROOT] = GUEST_CONDUIT_ROOT
+        if spec.host_beat_dir is not None:  # the host's heartbeat: read, never written, in here
+            ro.append((str(spec.host_beat_dir), f"{GUEST_CONDUIT_ROOT}/{GUEST_HOST_BEAT_DIR}"))
+            overrides[wire.ENV_HOST_BEAT_KEY] = wire.host_beat_key(GUEST_HOST_BEAT_WRITER)
     env = sandbox_env(spec, home="/tmp", path=path, pythonpath=GUEST_RUNNER_ROOT, overrides=overrides)
     return GuestLayout(argv=argv, env=env, ro_binds=ro, rw_binds=rw, symlinks=links, tmpfs=tmpfs)
 

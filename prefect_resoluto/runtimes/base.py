@@ -228,6 +228,10 @@ class LaunchSpec:
     #: Mount that directory as a conduit slot of this many bytes (prefect_resoluto.runtimes.slot)
     #: before the sandbox starts: a warm sandbox's, whose state directory the runtime makes.
     conduit_slot: int | None = None
+    #: The host's heartbeat directory on a local conduit (prefect_resoluto.node.heartbeat). A
+    #: runtime that mounts the conduit binds it read-only at one fixed path under where the
+    #: root appears inside, and rewrites RESOLUTO_HOST_BEAT_KEY to match.
+    host_beat_dir: Path | None = None
     resources: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     egress: list[str] = field(default_factory=list)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Self
 
 from guest_runner import redact
+from prefect_resoluto.node import heartbeat
 from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
 from prefect_resoluto.runtimes import RUNTIMES
 from prefect_resoluto.runtimes.base import (
@@ -177,6 +178,16 @@ def _check_warm_pool(v: int | None) -> None:
 def _check_silence(v: float) -> None:
     if v <= 0:
         raise ValueError("silence_window must be positive (seconds)")
+
+
+def _check_beat_interval(v: float) -> None:
+    if not v > 0:
+        raise ValueError("host_heartbeat_interval must be positive (seconds)")
+
+
+def _check_lost_after(v: float) -> None:
+    if v < 0:
+        raise ValueError("host_lost_after must be 0 (no heartbeat) or positive (seconds)")
 
 
 def _level_label(v: str | IsolationLevel) -> str:
@@ -518,6 +529,42 @@ class SandboxSettings:
             "S",
             "seconds without any event (not even a heartbeat) before the sandbox is presumed dead "
             f"(default {DEFAULT_SILENCE_WINDOW:g})",
+            type=float,
+        ),
+    )
+    host_lost_after: float = setting(
+        heartbeat.DEFAULT_LOST_AFTER,
+        title="Host lost after (s)",
+        description=(
+            "Seconds the host's heartbeat may stay unchanged before a sandbox takes its host for "
+            "gone (killed, its machine lost), kills its work and ends; 0: no heartbeat (only a "
+            f"sweep clears what a dead host left). Default: {heartbeat.DEFAULT_LOST_AFTER:g}."
+        ),
+        check=_check_lost_after,
+        block=Form(ge=0),
+        pool=Form(ge=0),
+        cli=Flag(
+            "--host-lost-after",
+            "S",
+            "seconds without the host's heartbeat before the sandbox ends itself; 0: none "
+            f"(default {heartbeat.DEFAULT_LOST_AFTER:g})",
+            type=float,
+        ),
+    )
+    host_heartbeat_interval: float = setting(
+        heartbeat.DEFAULT_INTERVAL,
+        title="Host heartbeat interval (s)",
+        description=(
+            "Seconds between two of the host's heartbeats (one object per host process, "
+            f"whatever the number of sandboxes). Default: {heartbeat.DEFAULT_INTERVAL:g}."
+        ),
+        check=_check_beat_interval,
+        block=Form(gt=0),
+        pool=Form(gt=0),
+        cli=Flag(
+            "--host-heartbeat-interval",
+            "S",
+            f"seconds between two of the host's heartbeats (default {heartbeat.DEFAULT_INTERVAL:g})",
             type=float,
         ),
     )

@@ -180,6 +180,8 @@ def node_spec(
         output_limit=cfg.output_limit_bytes,
         min_isolation=cfg.min_isolation,
         silence_window=cfg.silence_window,
+        host_lost_after=cfg.host_lost_after,
+        host_heartbeat_interval=cfg.host_heartbeat_interval,
     )
 
 

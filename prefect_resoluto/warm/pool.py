@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit
+from prefect_resoluto.node import heartbeat
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapshots
@@ -630,6 +631,9 @@ class WarmPool:
             conduit_slot=slot.capacity_of(key.resources.disk_bytes, key.resources.memory_bytes)[0]
             if slotted
             else None,
+            # Bound now, read after the assignment: the heartbeat of the node's driver, this
+            # process (prefect_resoluto.node.heartbeat), lies outside the slot.
+            host_beat_dir=heartbeat.writer_for(self.conduit).local_dir() if slotted else None,
         )
         if slotted:
             from prefect_resoluto.runtimes._guest_layout import guest_conduit_dir

@@ -254,6 +254,8 @@ class _TypedJobFields:
     allowed_blocks: list[str]
     egress: list[str]
     silence_window: float | None
+    host_lost_after: float | None
+    host_heartbeat_interval: float | None
     secret_env_block: _SecretBlock | None
     sandbox: SandboxBlock | None
     working_dir: Path | None
@@ -762,6 +764,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             image=cfg.image,
             min_isolation=cfg.min_isolation,
             silence_window=cfg.silence_window,
+            host_lost_after=cfg.host_lost_after,
+            host_heartbeat_interval=cfg.host_heartbeat_interval,
             **extra,
         )
         spec.validate()

@@ -21,7 +21,10 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
 import types
 import uuid
 from collections.abc import Callable
@@ -235,6 +238,80 @@ def check_confinement(rt: SandboxRuntime) -> None:
     assert not (repo / "pyproject.toml").exists() or "pyproject.toml" not in (probe["seen"][str(repo)] or [])
 
 
+#: A host that drives one node whose workload (and a child of it) sleeps for ten minutes, and
+#: says when the sandbox runs it; argv: conduit dir, node id, labels' tag, the bound.
+DEATH_HOST = """
+import sys
+from {module} import {cls} as Runtime
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node.drive import drive_node
+from prefect_resoluto.node.spec import NodeSpec
+
+conduit, node, tag, bound = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+work = "import subprocess, time; subprocess.Popen(['sleep', '600']); print('working', flush=True); time.sleep(600)"
+spec = NodeSpec(
+    run_id="run-death", node_id=node, argv=["python3", "-c", work], labels={{"death": tag}},
+    host_lost_after=bound, host_heartbeat_interval=bound / 4,
+)
+def event(ev):
+    if "working" in str(ev.get("data")):
+        print("WORKING", flush=True)
+drive_node(
+    spec, LocalConduit(conduit), Runtime(), min_isolation="none", on_event=event,
+    on_launch=lambda h: print("LAUNCHED", h.id, flush=True),
+)
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any process (not a zombie) of the process group ``pgid`` left on this host."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] != b"Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def check_host_death(rt: SandboxRuntime, tmp_path: Path, running: Callable[[str], bool]) -> float:
+    """A host killed with SIGKILL while its node works: the sandbox ends by itself within the
+    bound (no sweep, no destroy: nobody is left to call them). Returns the seconds it took."""
+    bound, tag = 2.0, uuid.uuid4().hex[:8]
+    code = DEATH_HOST.format(module=type(rt).__module__, cls=type(rt).__name__)
+    host = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "conduit"), new_id("n"), tag, str(bound)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(host.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for(lambda: "WORKING\n" in lines or host.poll() is not None, 120, "the node's workload to run")
+        assert host.poll() is None, "".join(lines)
+        sid = next(ln.split()[1] for ln in lines if ln.startswith("LAUNCHED "))
+        assert running(sid), "".join(lines)
+        host.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        host.wait(30)
+        # A hang detector far above the bound: without the heartbeat it would be ten minutes.
+        wait_for(lambda: not running(sid), 15 * bound + 30, f"sandbox {sid} to end after its host died")
+        return time.monotonic() - killed
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(30)
+        rt.sweep({"death": tag})
+
+
 # ----------------------------------------------------------------------------- the contract
 
 
@@ -246,6 +323,7 @@ _LAUNCHING = (
     "test_destroy_idempotent",
     "test_sweep_by_labels",
     "test_only_loopback_and_host_hidden",
+    "test_host_death_ends_the_sandbox",
 )
 
 
@@ -270,6 +348,15 @@ class RuntimeContract:
     def after_sweep(self, rt: Any) -> None:
         """What must be gone once :meth:`test_sweep_by_labels` has swept its sandboxes."""
 
+    def running(self, rt: Any, sandbox_id: str) -> bool:
+        """Whether anything of the sandbox still runs on this host, seen from another process
+        than the one that launched it: its child's process group (the runtimes start it in a
+        session of its own)."""
+        from prefect_resoluto.host.state import SandboxRecord, sandbox_dir
+
+        rec = SandboxRecord.load(sandbox_dir(rt.state, sandbox_id))
+        return rec is not None and rec.pid is not None and _group_alive(rec.pid)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         marks = cls.__dict__.get("launch_marks", ())
@@ -292,6 +379,9 @@ class RuntimeContract:
     def test_sweep_by_labels(self, rt: SandboxRuntime) -> None:
         check_sweep(rt, lambda: self.list_ids(rt))
         self.after_sweep(rt)
+
+    def test_host_death_ends_the_sandbox(self, rt: SandboxRuntime, tmp_path: Path) -> None:
+        check_host_death(rt, tmp_path, lambda sid: self.running(rt, sid))
 
     def test_unavailable_binary(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))

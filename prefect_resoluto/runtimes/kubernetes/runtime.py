@@ -328,6 +328,8 @@ class KubernetesRuntime(SandboxRuntime):
         if self.options.guest_source == "bundle" and not spec.command:
             key, _ = self._bundle_cache.for_spec(spec, upload=False)
             read_only.append(key)
+        if spec.env.get(wire.ENV_HOST_BEAT_KEY):  # the host's heartbeat, outside the prefix
+            read_only.append(spec.env[wire.ENV_HOST_BEAT_KEY])
         return mint_node_credentials(
             role_arn=self.options.store_role_arn,
             bucket=bucket,

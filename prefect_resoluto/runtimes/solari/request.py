@@ -113,8 +113,13 @@ def guest_command(
     rel = spec.rel_prefix
     env = {k: str(v) for k, v in spec.env.items()}
     if relay:
-        for k in [k for k in env if k.startswith(wire.ENV_STORE_NAME_PREFIX)]:
-            del env[k]
+        # The VM sees no heartbeat of the host's store: its bound is the session's timeout,
+        # which the gateway enforces and only the host's keep-alive renews.
+        for k in [k for k in env if k.startswith(wire.ENV_STORE_NAME_PREFIX)] + [
+            wire.ENV_HOST_BEAT_KEY,
+            wire.ENV_HOST_LOST_AFTER,
+        ]:
+            env.pop(k, None)
         env.update(
             {
                 wire.ENV_STORE_KIND: "localfs",

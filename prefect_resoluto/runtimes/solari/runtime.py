@@ -403,6 +403,8 @@ class SolariRuntime(SandboxRuntime):
             ttl_s=self.store_credentials_ttl_s,
             sts_endpoint=self.store_sts_endpoint,
             region=spec.store.region or None,
+            # The host's heartbeat (prefect_resoluto.node.heartbeat) lies outside the prefix.
+            read_only_keys=[k for k in [spec.env.get(wire.ENV_HOST_BEAT_KEY, "")] if k],
         )
 
     # -- launch ---------------------------------------------------------------------------
