@@ -91,13 +91,13 @@ class DirWatch:
             return None
         return cls(fd)
 
-    def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds; True when something landed (events drained)."""
+    def wait(self, timeout: float, also: int | None = None) -> bool:
+        """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
+        landed (events drained)."""
         if self.fd < 0:
-            time.sleep(max(0.0, timeout))
-            return False
-        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
-        if not ready:
+            return _wait_fd(also, timeout)
+        ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
+        if self.fd not in ready:
             return False
         try:
             while os.read(self.fd, 65536):
@@ -110,6 +110,15 @@ class DirWatch:
         if self.fd >= 0:
             _close_later(self.fd)
             self.fd = -1
+
+
+def _wait_fd(fd: int | None, timeout: float) -> bool:
+    """Sleep up to ``timeout`` seconds, or until ``fd`` (if any) is readable; False."""
+    if fd is None:
+        time.sleep(max(0.0, timeout))
+    else:
+        select.select([fd], [], [], max(0.0, timeout))
+    return False
 
 
 # Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
@@ -200,15 +209,23 @@ class ChunkTailer:
     def next_delay(self) -> float:
         return self._delay
 
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to ``timeout`` seconds between polls. On a local conduit, wake as soon
-        as an object lands in the node's directory (True), so arrival is seen at once
-        without polling fast; elsewhere just sleep (False)."""
-        watch = self._watcher()
+    def wait(self, timeout: float, also: int | None = None) -> bool:
+        """Sleep up to ``timeout`` seconds between polls, or until the descriptor ``also``
+        is readable. On a local conduit, wake as soon as an object lands in the node's
+        directory (True), so arrival is seen at once without polling fast; elsewhere just
+        sleep (False). The call that opens the watch returns True at once: what landed
+        before it was open is read by the next poll."""
+        if self._watch is None and not self._watch_tried and self._watcher() is not None:
+            return True
+        watch = self._watch
         if watch is None:
-            time.sleep(max(0.0, timeout))
-            return False
-        return watch.wait(timeout)
+            return _wait_fd(also, timeout)
+        return watch.wait(timeout, also)
+
+    @property
+    def watching(self) -> bool:
+        """Whether a directory watch wakes :meth:`wait` on every arrival (a local conduit)."""
+        return self._watch is not None
 
     def _watcher(self) -> DirWatch | None:
         root = self.conduit.local_root

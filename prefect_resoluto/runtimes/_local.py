@@ -287,6 +287,23 @@ class LocalChildRuntime(SandboxRuntime):
         slot.release(d / slot.SLOT_NAME)
         remove_tree(d)
 
+    def exit_fd(self, handle: SandboxHandle) -> int | None:
+        """A pidfd of the sandbox's child (its exit is the sandbox's); None when this process
+        did not start it, it has been reaped already, or the kernel has no pidfds."""
+        with _LOCK:
+            proc = _CHILDREN.get((self.name, handle.id))
+        # An unreaped child's pid cannot be reused: the pidfd names this very child.
+        if proc is None or proc.returncode is not None or not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:
+            return None
+        if proc.returncode is not None:  # reaped meanwhile (a destroy): the pid is not pinned
+            os.close(fd)
+            return None
+        return fd
+
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         key = (self.name, handle.id)
         with _LOCK:
@@ -300,16 +317,16 @@ class LocalChildRuntime(SandboxRuntime):
             if final is not None:
                 return dataclasses.replace(final, gone=True)
             return SandboxStatus("failed", reason="sandbox was destroyed before it finished", gone=True)
-        d = sandbox_dir(self.state, handle.id)
         if proc is not None:
             code = _poll_and_kill_stragglers(proc)
             if code is None:
                 return SandboxStatus("running")
             st = self._exit_status(handle, code)
-            self._remember_exit(d, code)
+            self._remember_exit(sandbox_dir(self.state, handle.id), code)
             with _LOCK:
                 _TERMINAL[key] = st
             return st
+        d = sandbox_dir(self.state, handle.id)
         rec = SandboxRecord.load(d)
         if rec is None:
             return SandboxStatus("failed", reason=f"no sandbox {handle.id!r} in {self.state}", gone=True)
