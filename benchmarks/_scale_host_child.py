@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=0.5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", action="store_true", help="each task's thread CPU by function")
+    ap.add_argument("--phases", action="store_true", help="thread CPU of the node's phases")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -185,10 +186,26 @@ def main() -> None:
     warm, out["warmup_s"], _ = run_flow(2, 0.0, False)
     assert warm == [0, 2], warm
     stats = thread_cpu_profiles() if args.cprofile else None
+    phases = phase_cpu() if args.phases else None
+    threads0 = thread_cpu() if args.phases else {}
     before = proc_status()
     self0, children0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
     sampler.start()
+    main_prof = None
+    if args.cprofile:
+        import cProfile
+
+        main_prof = cProfile.Profile(time.thread_time)
+        main_prof.enable()
     res, wall, out["width"] = run_flow(args.n, args.nap, True)
+    if main_prof is not None:
+        import io
+        import pstats
+
+        main_prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(main_prof, stream=buf).sort_stats("cumulative").print_stats(50)
+        out["main_profile"] = buf.getvalue()
     sampler.stop()
     self_cpu = cpu(resource.RUSAGE_SELF) - self0
     children_cpu = cpu(resource.RUSAGE_CHILDREN) - children0
@@ -211,43 +228,128 @@ def main() -> None:
         }
     if stats is not None:
         out["cprofile"] = stats()
+    if phases is not None:
+        out["phases_ms_per_node"] = {k: round(v / args.n * 1000, 2) for k, v in sorted(phases.items())}
+        after = thread_cpu()
+        out["phases_ms_per_node"].update(
+            {
+                f"thread {k}": round((v - threads0.get(k, 0.0)) / args.n * 1000, 2)
+                for k, v in after.items()
+                if v - threads0.get(k, 0.0) > 0.001
+            }
+        )
     Path(args.out).write_text(json.dumps(out))
     shutil.rmtree(work, ignore_errors=True)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread, by name (from /proc: the threads started before any patch too)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), f"native {tid}")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def phase_cpu() -> dict[str, float]:
+    """Thread CPU seconds spent in each phase of a node (and around it), summed over nodes."""
+    import importlib
+
+    spent: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+    targets = {
+        "prefect.task_engine": ["run_task_sync"],
+        "prefect_resoluto.task_runner.python_calls": ["call"],
+        "prefect_resoluto.task_runner.task_node": ["node_spec"],
+        "prefect_resoluto.node.drive": [
+            "_drive", "_prepare", "_claim_slot", "_put_inbox", "_start_sandbox", "_watch", "_poll",
+            "_check_status", "_finish_sandbox", "_outcome", "_collect_outputs",
+        ],
+        "prefect_resoluto.task_runner.background": ["_run"],
+        "prefect_resoluto.task_runner.call_spec": ["call_archive", "read_outcome", "function_ref"],
+    }
+
+    def wrap(name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    spent[name] += time.thread_time() - t0
+
+        return timed
+
+    for mod_name, names in targets.items():
+        mod = importlib.import_module(mod_name)
+        for n in names:
+            setattr(mod, n, wrap(f"{mod_name.rsplit('.', 1)[-1]}.{n}", getattr(mod, n)))
+    extra = os.environ.get("SCALE_HOST_PHASES", "")  # module:Class.method,... measured too
+    for item in filter(None, extra.split(",")):
+        mod_name, _, attr = item.partition(":")
+        owner: Any = importlib.import_module(mod_name)
+        *path, meth = attr.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        setattr(owner, meth, wrap(attr, getattr(owner, meth)))
+    # The runner imported these by name before the patch: rebind where it calls them.
+    import prefect_resoluto.task_runner.runner as runner_mod
+    import prefect_resoluto.task_runner.task_node as task_node_mod
+
+    task_node_mod.drive = importlib.import_module("prefect_resoluto.node.drive").drive
+    runner_mod.python_calls = importlib.import_module("prefect_resoluto.task_runner.python_calls")
+    return spent
+
+
 def thread_cpu_profiles() -> Any:
-    """Profile every task's worker-thread item (Prefect's engine and what the task runs) by
-    thread CPU time; returns a function that reports the merged profile."""
-    import concurrent.futures.thread as cft
+    """Profile every thread started from now on (the task runner's workers: Prefect's engine
+    and what each task runs; its background threads) by thread CPU time; returns a function
+    that reports the CPU per kind of thread and the merged profile."""
     import cProfile
     import io
     import pstats
+    import re
 
     lock = threading.Lock()
     merged: list[pstats.Stats] = []
-    run = cft._WorkItem.run
+    by_name: collections.Counter[str] = collections.Counter()
+    run = threading.Thread.run
 
-    def profiled(self: Any) -> None:
+    def profiled(self: threading.Thread) -> None:
         prof = cProfile.Profile(time.thread_time)
+        t0 = time.thread_time()
         prof.enable()
         try:
             run(self)
         finally:
             prof.disable()
             with lock:
+                by_name[re.sub(r"[-_]?\d+", "", self.name)] += time.thread_time() - t0
                 if merged:
                     merged[0].add(prof)
                 else:
                     merged.append(pstats.Stats(prof))
 
-    cft._WorkItem.run = profiled  # type: ignore[method-assign]
+    threading.Thread.run = profiled  # type: ignore[method-assign]
 
     def report() -> str:
         buf = io.StringIO()
+        for name, secs in by_name.most_common():
+            buf.write(f"{secs:8.3f} s  {name}\n")
         if merged:
             merged[0].stream = buf  # type: ignore[attr-defined]
             merged[0].sort_stats("tottime").print_stats(45)
-            merged[0].sort_stats("cumulative").print_stats(60)
+            merged[0].sort_stats("cumulative").print_stats(70)
+            callees = os.environ.get("SCALE_HOST_CALLEES")  # a regex of functions to break down
+            if callees:
+                merged[0].print_callees(callees)
         return buf.getvalue()
 
     return report

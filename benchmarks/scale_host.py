@@ -79,6 +79,7 @@ def child(
     every: float = 0.5,
     profile: bool = False,
     cprofile: bool = False,
+    phases: bool = False,
 ) -> dict[str, Any]:
     out_path = Path(tempfile.mkstemp(dir=work, suffix=".json")[1])
     env = loopback_env(
@@ -99,6 +100,8 @@ def child(
         cmd.append("--profile")
     if cprofile:
         cmd.append("--cprofile")
+    if phases:
+        cmd.append("--phases")
     log_path = work / f"child-{runner}-{n}.log"
     with open(log_path, "wb") as child_log:
         res = subprocess.run(cmd, env=env, stdout=child_log, stderr=subprocess.STDOUT, timeout=3600)
@@ -275,9 +278,14 @@ if __name__ == "__main__":  # one configuration by hand: scale_host.py RUNNER N 
             pool="--pool" in sys.argv,
             profile="--profile" in sys.argv,
             cprofile="--cprofile" in sys.argv,
+            phases="--phases" in sys.argv,
         )
+        if "phases_ms_per_node" in c:
+            print(json.dumps(c.pop("phases_ms_per_node"), indent=1))
         prof = c.pop("profile", None)
         cprof = c.pop("cprofile", None)
+        if "main_profile" in c:
+            print(c.pop("main_profile"))
         print(json.dumps(summarise(c) if c["runner"] != "gvisor" else summarise_map(c), indent=1))
         if prof:
             print(f"running samples: {prof['running_samples']}")

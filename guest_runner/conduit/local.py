@@ -15,6 +15,8 @@ from guest_runner import wire
 from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, ObjectNotFound, check_key
 
 _TMP_MARK = ".resoluto-tmp-"
+#: A writer's temporary file starts so: never an object, never listed.
+TEMP_PREFIX = _TMP_MARK
 
 
 class LocalConduit(Conduit):

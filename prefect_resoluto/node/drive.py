@@ -370,11 +370,14 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
         node.substrate_logs = _logs(node.runtime, handle)
 
 
-#: Seconds between looks at what the host is also told of (the conduit under a directory
-#: watch, a sandbox with an exit descriptor): a backstop, not the path.
-BACKSTOP = 5.0
-#: Seconds the watch loop sleeps at most: how soon a cancellation is seen.
-WAKE = 0.5
+#: Seconds between looks at what the host is also told of: a backstop, not the path. The
+#: conduit under a directory watch (an object written without a rename or a close, a watch
+#: opened late); a sandbox with an exit descriptor (which fires on its exit, whoever ends it).
+POLL_BACKSTOP = 10.0
+STATUS_BACKSTOP = 30.0
+#: Seconds the watch loop sleeps at most: how soon a cancellation is seen (Prefect's timeout
+#: of a sync task is an exception raised in this thread: it lands when the loop wakes).
+WAKE = 1.0
 
 
 @dataclass
@@ -387,16 +390,16 @@ class _Clocks:
     next_status: float = 0.0
 
     def polled(self, tailer: ChunkTailer) -> None:
-        self.next_poll = time.monotonic() + (BACKSTOP if tailer.watching else tailer.next_delay())
+        self.next_poll = time.monotonic() + (POLL_BACKSTOP if tailer.watching else tailer.next_delay())
 
     def asked(self, now: float) -> None:
-        self.next_status = now + (BACKSTOP if self.exit_fd is not None else self.status_interval)
+        self.next_status = now + (STATUS_BACKSTOP if self.exit_fd is not None else self.status_interval)
 
     def wait(self, tailer: ChunkTailer) -> None:
-        now = time.monotonic()
-        if tailer.wait(min(self.next_poll, self.next_status, now + WAKE) - now, self.exit_fd):
+        until = min(self.next_poll, self.next_status, time.monotonic() + WAKE)
+        if tailer.wait(until - time.monotonic(), self.exit_fd):
             self.next_poll = 0.0  # something landed: read it now
-        elif self.exit_fd is not None and _readable(self.exit_fd):
+        elif self.exit_fd is not None and time.monotonic() < until and _readable(self.exit_fd):
             self.next_status = 0.0  # the sandbox exited: see it now
             self.close()  # from now on, the runtime's own cadence
 
@@ -425,13 +428,15 @@ def _watch_loop(node: _Node, handle: SandboxHandle, clocks: _Clocks) -> None:
             clocks.asked(now)
             if _check_status(node, handle, seen):
                 break
-        if tailer.silent:
-            node.fail(
-                FailureKind.LOST,
-                f"no event for {tailer.silence:.0f}s (silence window {node.spec.silence_window:.0f}s); "
-                "the sandbox is presumed dead",
-            )
-            break
+        if tailer.silent:  # a last look first: the directory watch may have missed a write
+            if _poll(node) and not tailer.finished and tailer.silent:
+                node.fail(
+                    FailureKind.LOST,
+                    f"no event for {tailer.silence:.0f}s (silence window {node.spec.silence_window:.0f}s); "
+                    "the sandbox is presumed dead",
+                )
+            if node.failure is not None or tailer.finished:
+                break
         node.events.deliver_egress()
         clocks.wait(tailer)
 

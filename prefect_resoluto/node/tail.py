@@ -17,6 +17,7 @@ import ctypes
 import os
 import queue
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from typing import Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
+from guest_runner.conduit.local import TEMP_PREFIX
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
@@ -99,17 +101,38 @@ class DirWatch:
         ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
         if self.fd not in ready:
             return False
+        landed = False
         try:
-            while os.read(self.fd, 65536):
-                pass
+            while True:
+                buf = os.read(self.fd, 65536)
+                if not buf:
+                    break
+                landed = landed or _names_an_object(buf)
         except BlockingIOError:
             pass
-        return True
+        return landed
 
     def close(self) -> None:
         if self.fd >= 0:
             _close_later(self.fd)
             self.fd = -1
+
+
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
+_TEMP = TEMP_PREFIX.encode()
+
+
+def _names_an_object(buf: bytes) -> bool:
+    """Whether the inotify events in ``buf`` name anything but a writer's temporary file
+    (which no listing shows: it cannot be what a poll is for)."""
+    at = 0
+    while at + _EVENT.size <= len(buf):
+        _wd, _mask, _cookie, n = _EVENT.unpack_from(buf, at)
+        name = buf[at + _EVENT.size : at + _EVENT.size + n]
+        if not name.startswith(_TEMP):  # an object, an overflow (no name), anything else
+            return True
+        at += _EVENT.size + n
+    return False
 
 
 def _wait_fd(fd: int | None, timeout: float) -> bool:

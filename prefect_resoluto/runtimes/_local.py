@@ -347,11 +347,16 @@ class LocalChildRuntime(SandboxRuntime):
             rec.exit_code = code
             rec.save()
 
-    def _exit_status(self, handle: SandboxHandle, code: int) -> SandboxStatus:
+    def _exit_status(
+        self, handle: SandboxHandle, code: int, cg: _cgroup.Cgroup | None | bool = True
+    ) -> SandboxStatus:
+        """``cg``: the sandbox's cgroup when the caller has looked it up (True: look it up)."""
         special = self._interpret(handle, code)
         if special is not None:
             return special
-        cg = _cgroup.existing(self._cgroup_name(handle.id))
+        if cg is True:
+            cg = _cgroup.existing(self._cgroup_name(handle.id))
+        assert cg is None or isinstance(cg, _cgroup.Cgroup)
         if code != 0 and cg is not None and cg.oom_killed():
             return SandboxStatus(
                 "failed",
@@ -399,8 +404,10 @@ class LocalChildRuntime(SandboxRuntime):
                 pass
         rec = SandboxRecord.load(d)
         code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
+        # An exited sandbox's cgroups are all there now; a running one's are looked up after the kill.
+        cg = _cgroup.existing(self._cgroup_name(sandbox_id)) if code is not None else None
         if final is None and code is not None:  # judge it now, before the evidence is removed
-            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code)
+            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code, cg)
         self._teardown(sandbox_id, rec, code)
         if proc is not None:
             if proc.poll() is None:
@@ -411,7 +418,8 @@ class LocalChildRuntime(SandboxRuntime):
                 pass
         elif rec is not None:
             kill_group(rec.pid, rec.start_time)
-        cg = _cgroup.existing(self._cgroup_name(sandbox_id))
+        if code is None:
+            cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg is not None:
             _drain_cgroup(cg)
         self._detach_network(sandbox_id, rec)
