@@ -55,7 +55,9 @@ def run(quick: bool) -> dict[str, Any]:
         out["inflight"] = inflight
         if get_runtime("gvisor").availability().ok:
             log(f"scale_host: a {map_n}-task map on gvisor (runner defaults)")
-            out["map"] = summarise_map(child(work, api, "gvisor", map_n, 0.0, width=-1, pool=True, every=0.25))
+            out["map"] = summarise_map(
+                child(work, api, "gvisor", map_n, 0.0, width=-1, pool=True, every=0.25)
+            )
         else:
             out["map"] = {"available": False, "why": get_runtime("gvisor").availability().why}
     return out
@@ -243,7 +245,9 @@ def targets(res: dict[str, Any]) -> list[Target]:
         out.append(Target("scale_host", "gVisor map", "runs", "unavailable", None))
         return out
     out += [
-        Target("scale_host", f"{m['n']}-task gVisor map: results", "all correct", str(m["correct"]), m["correct"]),
+        Target(
+            "scale_host", f"{m['n']}-task gVisor map: results", "all correct", str(m["correct"]), m["correct"]
+        ),
         Target(
             "scale_host",
             f"{m['n']}-task gVisor map: RSS slope from task {m['from_task']}",

@@ -55,10 +55,12 @@ class LocalConduit(Conduit):
     def path_for(self, key: str) -> Path:
         """The file backing ``key``; refuses keys that resolve outside the root."""
         check_key(key.rstrip("/") or key)
-        p = (self.root / key).resolve()
-        if p != self._real_root and self._real_root not in p.parents:
+        # Strings, not Path's parents: the host's tail asks this on every poll of every node.
+        real = os.path.realpath(os.path.join(self.root, key))
+        root = str(self._real_root)
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
             raise InvalidKey(f"conduit key {key!r} escapes the conduit root {self.root}")
-        return p
+        return Path(real)
 
     def put(self, key: str, data: bytes, *, sync: Optional[bool] = None) -> None:
         """``sync=False``: skip the fsync, for objects nobody needs after a host crash (a
@@ -140,6 +142,8 @@ class LocalConduit(Conduit):
         base = self.path_for(dir_part) if dir_part else self._real_root
         if not base.is_dir():
             return []
+        if shallow:
+            return self._list_top(base, prefix, start_after)
         keys: List[str] = []
         try:
             for dirpath, dirnames, filenames in os.walk(base):
@@ -156,6 +160,30 @@ class LocalConduit(Conduit):
                         keys.append(key)
         except OSError as e:
             raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
+        keys.sort()
+        return keys
+
+    def _list_top(self, base: Path, prefix: str, start_after: Optional[str]) -> List[str]:
+        """The files directly in ``base`` (what a walk's top level lists), sorted: one scandir,
+        for the host's tail, which lists a node's top level on every poll."""
+        rel_dir = os.path.relpath(base, self._real_root)
+        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        keys: List[str] = []
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            return []  # as a walk whose top cannot be read
+        for entry in entries:
+            if entry.name.startswith(_TMP_MARK):
+                continue
+            try:
+                if entry.is_dir():  # as a walk sorts it: a link to a directory is one
+                    continue
+            except OSError:
+                pass
+            key = rel_dir + entry.name
+            if key.startswith(prefix) and (start_after is None or key > start_after):
+                keys.append(key)
         keys.sort()
         return keys
 

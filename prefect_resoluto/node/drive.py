@@ -362,6 +362,7 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
     runs long costs the host next to nothing while it runs. The loop still wakes every
     ``WAKE`` seconds, to see a cancellation (or Prefect's timeout, raised in this thread)."""
     clocks = _Clocks(node.runtime.status_interval, node.runtime.exit_fd(handle))
+    node.tailer.wait(0.0)  # opens a local conduit's watch now: the first poll sees all before it
     try:
         _watch_loop(node, handle, clocks)
     finally:
@@ -377,7 +378,7 @@ POLL_BACKSTOP = 10.0
 STATUS_BACKSTOP = 30.0
 #: Seconds the watch loop sleeps at most: how soon a cancellation is seen (Prefect's timeout
 #: of a sync task is an exception raised in this thread: it lands when the loop wakes).
-WAKE = 1.0
+WAKE = 2.0
 
 
 @dataclass

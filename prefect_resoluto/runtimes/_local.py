@@ -58,8 +58,11 @@ if TYPE_CHECKING:
 _CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
 # Terminal statuses already worked out (an exit is read, recorded and judged once).
 _TERMINAL: dict[tuple[str, str], SandboxStatus] = {}
-# Status of sandboxes destroyed by this process: the last terminal status, if seen.
+# Status of sandboxes destroyed by this process: the last terminal status, if seen. The
+# newest DESTROYED_KEPT only (oldest out first): a long-lived host destroys without end, and
+# only a node still being driven asks about its sandbox after destroying it.
 _DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
+DESTROYED_KEPT = 4096
 _LOCK = threading.Lock()
 # Sandboxes with an egress network, by (runtime, sandbox id) -> run id.
 _NETWORKS: dict[tuple[str, str], str] = {}
@@ -429,6 +432,8 @@ class LocalChildRuntime(SandboxRuntime):
             # Keep the first destroy's verdict: a second destroy has nothing left to read.
             if key not in _DESTROYED and (proc is not None or rec is not None):
                 _DESTROYED[key] = final
+                while len(_DESTROYED) > DESTROYED_KEPT:
+                    del _DESTROYED[next(iter(_DESTROYED))]
 
     def _detach_network(self, sandbox_id: str, rec: SandboxRecord | None) -> None:
         with _LOCK:
