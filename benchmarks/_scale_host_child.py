@@ -379,7 +379,7 @@ def sandboxes_left(runtime_name: str) -> dict[str, Any]:
 
         root = rt.state / "runsc-root"
         res = subprocess.run(
-            [shutil.which("runsc") or "runsc", f"--root={root}", "list", "-q"],
+            [shutil.which("runsc") or "runsc", f"--root={root}", "list", "-quiet"],
             capture_output=True,
             text=True,
         )
