@@ -10,9 +10,13 @@ then the measured flow: ``nap.map(range(N))`` with ``max_workers`` = N unless ``
 Counted: this process's own CPU (``RUSAGE_SELF``, the sandboxes and the API server are other
 processes) and its children's (``RUSAGE_CHILDREN``: the sandboxes it waited for) separately;
 RSS and threads (``/proc/self/status``) sampled every ``--every`` seconds with the number of
-tasks completed so far; the wall time. ``--profile`` also samples where this process's
-running threads are (``sys._current_frames`` for the threads ``/proc`` shows running) and
-writes the hottest stacks. Writes one JSON object to ``--out``.
+tasks completed so far; the wall time. Writes one JSON object to ``--out``.
+
+Diagnostics (``scale_host.py RUNNER N NAP [--profile|--cprofile|--phases]`` runs one
+configuration and prints them): ``--profile`` samples the stacks of the threads ``/proc``
+shows running; ``--cprofile`` profiles every thread by thread CPU time; ``--phases`` times
+the node's phases (and ``SCALE_HOST_PHASES="module:Class.method,..."``) in thread CPU, per
+node, with the CPU of each long-lived thread.
 """
 
 from __future__ import annotations
