@@ -79,7 +79,11 @@ class SlotConduit(LocalConduit):
         return super().get_stream(self._rel(key))
 
     def list_prefix(
-        self, prefix: str, start_after: Optional[str] = None, shallow: bool = False, limit: Optional[int] = None
+        self,
+        prefix: str,
+        start_after: Optional[str] = None,
+        shallow: bool = False,
+        limit: Optional[int] = None,
     ) -> List[str]:
         rel = self._rel(prefix)
         after = self._rel(start_after) if start_after is not None else None

@@ -16,6 +16,8 @@ from guest_runner import wire
 from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, ObjectNotFound, check_key
 
 _TMP_MARK = ".resoluto-tmp-"
+#: A writer's temporary file starts so: never an object, never listed.
+TEMP_PREFIX = _TMP_MARK
 
 
 class LocalConduit(Conduit):
@@ -54,10 +56,12 @@ class LocalConduit(Conduit):
     def path_for(self, key: str) -> Path:
         """The file backing ``key``; refuses keys that resolve outside the root."""
         check_key(key.rstrip("/") or key)
-        p = (self.root / key).resolve()
-        if p != self._real_root and self._real_root not in p.parents:
+        # Strings, not Path's parents: the host's tail asks this on every poll of every node.
+        real = os.path.realpath(os.path.join(self.root, key))
+        root = str(self._real_root)
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
             raise InvalidKey(f"conduit key {key!r} escapes the conduit root {self.root}")
-        return p
+        return Path(real)
 
     def put(self, key: str, data: bytes, *, sync: Optional[bool] = None) -> None:
         """``sync=False``: skip the fsync, for objects nobody needs after a host crash (a

@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import queue
+import select
 import tempfile
 import time
 from collections.abc import Callable
@@ -372,35 +374,90 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
     gone, falls silent, or the host cancels it (``node.failure`` says which).
 
     Two clocks: the conduit is polled on the tail's adaptive delay (a poll may be a paid
-    request), the runtime's status every ``runtime.status_interval``; a local conduit also
-    wakes the loop the moment an object lands."""
+    request), the runtime's status every ``runtime.status_interval``. Where the host is told
+    instead -- a local conduit's directory watch wakes the loop when an object lands, a local
+    child's exit descriptor when it exits -- each clock slows to a backstop, so a node that
+    runs long costs the host next to nothing while it runs. The loop still wakes every
+    ``WAKE`` seconds, to see a cancellation (or Prefect's timeout, raised in this thread)."""
+    clocks = _Clocks(node.runtime.status_interval, node.runtime.exit_fd(handle))
+    node.tailer.wait(0.0)  # opens a local conduit's watch now: the first poll sees all before it
+    try:
+        _watch_loop(node, handle, clocks)
+    finally:
+        clocks.close()
+    if node.failure is not None and node.failure != FailureKind.WORKLOAD:
+        node.substrate_logs = _logs(node.runtime, handle)
+
+
+#: Seconds between looks at what the host is also told of: a backstop, not the path. The
+#: conduit under a directory watch (an object written without a rename or a close, a watch
+#: opened late); a sandbox with an exit descriptor (which fires on its exit, whoever ends it).
+POLL_BACKSTOP = 10.0
+STATUS_BACKSTOP = 30.0
+#: Seconds the watch loop sleeps at most: how soon a cancellation is seen (Prefect's timeout
+#: of a sync task is an exception raised in this thread: it lands when the loop wakes).
+WAKE = 2.0
+
+
+@dataclass
+class _Clocks:
+    """When the watch loop next polls the conduit and asks the runtime's status."""
+
+    status_interval: float
+    exit_fd: int | None
+    next_poll: float = 0.0
+    next_status: float = 0.0
+
+    def polled(self, tailer: ChunkTailer) -> None:
+        self.next_poll = time.monotonic() + (POLL_BACKSTOP if tailer.watching else tailer.next_delay())
+
+    def asked(self, now: float) -> None:
+        self.next_status = now + (STATUS_BACKSTOP if self.exit_fd is not None else self.status_interval)
+
+    def wait(self, tailer: ChunkTailer) -> None:
+        until = min(self.next_poll, self.next_status, time.monotonic() + WAKE)
+        if tailer.wait(until - time.monotonic(), self.exit_fd):
+            self.next_poll = 0.0  # something landed: read it now
+        elif self.exit_fd is not None and time.monotonic() < until and _readable(self.exit_fd):
+            self.next_status = 0.0  # the sandbox exited: see it now
+            self.close()  # from now on, the runtime's own cadence
+
+    def close(self) -> None:
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _watch_loop(node: _Node, handle: SandboxHandle, clocks: _Clocks) -> None:
     tailer, seen = node.tailer, _Sightings()
-    next_poll = next_status = time.monotonic()
     while True:
-        if time.monotonic() >= next_poll:
+        if time.monotonic() >= clocks.next_poll:
             if not _poll(node) or tailer.finished:
                 break
-            next_poll = time.monotonic() + tailer.next_delay()
+            clocks.polled(tailer)
         if node.observer.cancelled():
             node.fail(FailureKind.LOST, "cancelled by the host")
             break
         now = time.monotonic()
-        if now >= next_status or tailer.result_seen:
-            next_status = now + node.runtime.status_interval
+        if now >= clocks.next_status or tailer.result_seen:
+            clocks.asked(now)
             if _check_status(node, handle, seen):
                 break
-        if tailer.silent:
-            node.fail(
-                FailureKind.LOST,
-                f"no event for {tailer.silence:.0f}s (silence window {node.spec.silence_window:.0f}s); "
-                "the sandbox is presumed dead",
-            )
-            break
+        if tailer.silent:  # a last look first: the directory watch may have missed a write
+            if _poll(node) and not tailer.finished and tailer.silent:
+                node.fail(
+                    FailureKind.LOST,
+                    f"no event for {tailer.silence:.0f}s (silence window {node.spec.silence_window:.0f}s); "
+                    "the sandbox is presumed dead",
+                )
+            if node.failure is not None or tailer.finished:
+                break
         node.events.deliver_egress()
-        if tailer.wait(min(next_poll, next_status) - time.monotonic()):
-            next_poll = 0.0  # something landed: read it now
-    if node.failure is not None and node.failure != FailureKind.WORKLOAD:
-        node.substrate_logs = _logs(node.runtime, handle)
+        clocks.wait(tailer)
 
 
 def _poll(node: _Node) -> bool:

@@ -24,6 +24,7 @@ import ctypes
 import os
 import queue
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from typing import Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
+from guest_runner.conduit.local import TEMP_PREFIX
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
@@ -121,25 +123,55 @@ class DirWatch:
             return None
         return cls(fd)
 
-    def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds; True when something landed (events drained)."""
+    def wait(self, timeout: float, also: int | None = None) -> bool:
+        """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
+        landed (events drained)."""
         if self.fd < 0:
-            time.sleep(max(0.0, timeout))
+            return _wait_fd(also, timeout)
+        ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
+        if self.fd not in ready:
             return False
-        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
-        if not ready:
-            return False
+        landed = False
         try:
-            while os.read(self.fd, 65536):
-                pass
+            while True:
+                buf = os.read(self.fd, 65536)
+                if not buf:
+                    break
+                landed = landed or _names_an_object(buf)
         except BlockingIOError:
             pass
-        return True
+        return landed
 
     def close(self) -> None:
         if self.fd >= 0:
             _close_later(self.fd)
             self.fd = -1
+
+
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
+_TEMP = TEMP_PREFIX.encode()
+
+
+def _names_an_object(buf: bytes) -> bool:
+    """Whether the inotify events in ``buf`` name anything but a writer's temporary file
+    (which no listing shows: it cannot be what a poll is for)."""
+    at = 0
+    while at + _EVENT.size <= len(buf):
+        _wd, _mask, _cookie, n = _EVENT.unpack_from(buf, at)
+        name = buf[at + _EVENT.size : at + _EVENT.size + n]
+        if not name.startswith(_TEMP):  # an object, an overflow (no name), anything else
+            return True
+        at += _EVENT.size + n
+    return False
+
+
+def _wait_fd(fd: int | None, timeout: float) -> bool:
+    """Sleep up to ``timeout`` seconds, or until ``fd`` (if any) is readable; False."""
+    if fd is None:
+        time.sleep(max(0.0, timeout))
+    else:
+        select.select([fd], [], [], max(0.0, timeout))
+    return False
 
 
 # Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
@@ -235,19 +267,27 @@ class ChunkTailer:
     def next_delay(self) -> float:
         return self._delay
 
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to ``timeout`` seconds between polls. On a local conduit, wake as soon
-        as an object lands in the node's directory (True), so arrival is seen at once
-        without polling fast (the manifest, which may be what landed, is then due too);
-        elsewhere just sleep (False)."""
-        watch = self._watcher()
+    def wait(self, timeout: float, also: int | None = None) -> bool:
+        """Sleep up to ``timeout`` seconds between polls, or until the descriptor ``also``
+        is readable. On a local conduit, wake as soon as an object lands in the node's
+        directory (True), so arrival is seen at once without polling fast (the manifest,
+        which may be what landed, is then due too); elsewhere just sleep (False). The call
+        that opens the watch returns True at once: what landed before it was open is read
+        by the next poll."""
+        if self._watch is None and not self._watch_tried and self._watcher() is not None:
+            return True
+        watch = self._watch
         if watch is None:
-            time.sleep(max(0.0, timeout))
-            return False
-        woke = watch.wait(timeout)
+            return _wait_fd(also, timeout)
+        woke = watch.wait(timeout, also)
         if woke:
             self._manifest_at = self.clock()
         return woke
+
+    @property
+    def watching(self) -> bool:
+        """Whether a directory watch wakes :meth:`wait` on every arrival (a local conduit)."""
+        return self._watch is not None
 
     def _watcher(self) -> DirWatch | None:
         root = self.conduit.local_root

@@ -11,6 +11,7 @@ approximate) and says so in ``availability().detail``.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -80,8 +81,10 @@ def _v1_mount(controller: str) -> Path | None:
     return p if (p / "cgroup.procs").exists() else None
 
 
+@functools.lru_cache(maxsize=1)
 def detect() -> str | None:
-    """``"v1"``, ``"v2"`` or None: which writable hierarchy we can put sandboxes in."""
+    """``"v1"``, ``"v2"`` or None: which writable hierarchy we can put sandboxes in (looked
+    at once per process: asked at every launch, exit and destroy)."""
     if (CGROUP_FS / "cgroup.controllers").exists():
         ctrl = (CGROUP_FS / "cgroup.controllers").read_text().split()
         if "memory" in ctrl and "pids" in ctrl and os.access(CGROUP_FS, os.W_OK):
@@ -154,6 +157,11 @@ def _create_v2(name: str, r: Resources) -> Cgroup:
     return Cgroup(dirs=[str(d)], version=2)
 
 
+@functools.lru_cache(maxsize=1)
+def _v1_roots() -> tuple[Path, ...]:
+    return tuple(sorted(CGROUP_FS.iterdir()))
+
+
 def existing(name: str) -> Cgroup | None:
     """The cgroup of an earlier sandbox (for destroy/sweep from another process)."""
     dirs = []
@@ -161,7 +169,7 @@ def existing(name: str) -> Cgroup | None:
     if version == "v1":
         # Every controller, not just ours: runsc creates freezer, blkio ... too, and leaves
         # them behind when it fails half-way through creating a sandbox.
-        for root in sorted(CGROUP_FS.iterdir()):
+        for root in _v1_roots():
             if (root / PARENT / name).is_dir():
                 dirs.append(str(root / PARENT / name))
     elif version == "v2" and (CGROUP_FS / PARENT / name).is_dir():

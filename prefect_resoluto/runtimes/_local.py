@@ -58,8 +58,11 @@ if TYPE_CHECKING:
 _CHILDREN: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
 # Terminal statuses already worked out (an exit is read, recorded and judged once).
 _TERMINAL: dict[tuple[str, str], SandboxStatus] = {}
-# Status of sandboxes destroyed by this process: the last terminal status, if seen.
+# Status of sandboxes destroyed by this process: the last terminal status, if seen. The
+# newest DESTROYED_KEPT only (oldest out first): a long-lived host destroys without end, and
+# only a node still being driven asks about its sandbox after destroying it.
 _DESTROYED: dict[tuple[str, str], SandboxStatus | None] = {}
+DESTROYED_KEPT = 4096
 _LOCK = threading.Lock()
 # Sandboxes with an egress network, by (runtime, sandbox id) -> run id.
 _NETWORKS: dict[tuple[str, str], str] = {}
@@ -287,6 +290,23 @@ class LocalChildRuntime(SandboxRuntime):
         slot.release(d / slot.SLOT_NAME)
         remove_tree(d)
 
+    def exit_fd(self, handle: SandboxHandle) -> int | None:
+        """A pidfd of the sandbox's child (its exit is the sandbox's); None when this process
+        did not start it, it has been reaped already, or the kernel has no pidfds."""
+        with _LOCK:
+            proc = _CHILDREN.get((self.name, handle.id))
+        # An unreaped child's pid cannot be reused: the pidfd names this very child.
+        if proc is None or proc.returncode is not None or not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:
+            return None
+        if proc.returncode is not None:  # reaped meanwhile (a destroy): the pid is not pinned
+            os.close(fd)
+            return None
+        return fd
+
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         key = (self.name, handle.id)
         with _LOCK:
@@ -300,16 +320,16 @@ class LocalChildRuntime(SandboxRuntime):
             if final is not None:
                 return dataclasses.replace(final, gone=True)
             return SandboxStatus("failed", reason="sandbox was destroyed before it finished", gone=True)
-        d = sandbox_dir(self.state, handle.id)
         if proc is not None:
             code = _poll_and_kill_stragglers(proc)
             if code is None:
                 return SandboxStatus("running")
             st = self._exit_status(handle, code)
-            self._remember_exit(d, code)
+            self._remember_exit(sandbox_dir(self.state, handle.id), code)
             with _LOCK:
                 _TERMINAL[key] = st
             return st
+        d = sandbox_dir(self.state, handle.id)
         rec = SandboxRecord.load(d)
         if rec is None:
             return SandboxStatus("failed", reason=f"no sandbox {handle.id!r} in {self.state}", gone=True)
@@ -330,11 +350,16 @@ class LocalChildRuntime(SandboxRuntime):
             rec.exit_code = code
             rec.save()
 
-    def _exit_status(self, handle: SandboxHandle, code: int) -> SandboxStatus:
+    def _exit_status(
+        self, handle: SandboxHandle, code: int, cg: _cgroup.Cgroup | None | bool = True
+    ) -> SandboxStatus:
+        """``cg``: the sandbox's cgroup when the caller has looked it up (True: look it up)."""
         special = self._interpret(handle, code)
         if special is not None:
             return special
-        cg = _cgroup.existing(self._cgroup_name(handle.id))
+        if cg is True:
+            cg = _cgroup.existing(self._cgroup_name(handle.id))
+        assert cg is None or isinstance(cg, _cgroup.Cgroup)
         if code != 0 and cg is not None and cg.oom_killed():
             return SandboxStatus(
                 "failed",
@@ -382,8 +407,10 @@ class LocalChildRuntime(SandboxRuntime):
                 pass
         rec = SandboxRecord.load(d)
         code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
+        # An exited sandbox's cgroups are all there now; a running one's are looked up after the kill.
+        cg = _cgroup.existing(self._cgroup_name(sandbox_id)) if code is not None else None
         if final is None and code is not None:  # judge it now, before the evidence is removed
-            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code)
+            final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code, cg)
         self._teardown(sandbox_id, rec, code)
         if proc is not None:
             if proc.poll() is None:
@@ -394,7 +421,8 @@ class LocalChildRuntime(SandboxRuntime):
                 pass
         elif rec is not None:
             kill_group(rec.pid, rec.start_time)
-        cg = _cgroup.existing(self._cgroup_name(sandbox_id))
+        if code is None:
+            cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg is not None:
             _drain_cgroup(cg)
         self._detach_network(sandbox_id, rec)
@@ -404,6 +432,8 @@ class LocalChildRuntime(SandboxRuntime):
             # Keep the first destroy's verdict: a second destroy has nothing left to read.
             if key not in _DESTROYED and (proc is not None or rec is not None):
                 _DESTROYED[key] = final
+                while len(_DESTROYED) > DESTROYED_KEPT:
+                    del _DESTROYED[next(iter(_DESTROYED))]
 
     def _detach_network(self, sandbox_id: str, rec: SandboxRecord | None) -> None:
         with _LOCK:

@@ -386,6 +386,12 @@ class SandboxRuntime(ABC):
         for k, v in legacy_flags(cls.capabilities).items():
             setattr(cls, k, v)
 
+    def exit_fd(self, handle: SandboxHandle) -> int | None:
+        """A new descriptor that becomes readable once ``handle``'s sandbox has exited (the
+        caller closes it), or None. With one, the driver asks :meth:`status` when it fires
+        and on a slow backstop instead of every ``status_interval``."""
+        return None
+
     @property
     def state(self) -> Path | None:
         """The host directory holding one record per sandbox (None: the substrate keeps

@@ -1,0 +1,137 @@
+"""What the host pays for a node while it runs: nothing per tick of its age, nothing kept after it.
+
+The node's driver is told where it can be -- a local conduit's directory watch wakes it when
+an object lands, a local child's exit descriptor when the sandbox exits -- so a node that
+runs long is neither listed nor asked for its status over and over; and what the runtime
+remembers of destroyed sandboxes stays bounded however many nodes a host drives.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+from support.polling import scaled
+from support.runtime_contract import require, spec, wait_terminal
+
+from guest_runner.conduit import LocalConduit
+from guest_runner.conduit.local import TEMP_PREFIX
+from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, drive_node
+from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.tail import DirWatch
+from prefect_resoluto.runtimes import _local
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxStatus
+from prefect_resoluto.runtimes.process import ProcessRuntime
+
+#: Seconds the quiet node sleeps: long enough for the old 0.2 s status clock to tick 25 times.
+NAP = 5.0
+
+
+class CountingRuntime(ProcessRuntime):
+    def __init__(self) -> None:
+        super().__init__()
+        self.status_calls = 0
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        self.status_calls += 1
+        return super().status(handle)
+
+
+class CountingConduit(LocalConduit):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lists = 0
+        self.gets = 0
+
+    def list_prefix(
+        self, prefix: str, start_after: str | None = None, shallow: bool = False, limit: int | None = None
+    ) -> list[str]:
+        self.lists += 1
+        return super().list_prefix(prefix, start_after, shallow, limit)
+
+    def get(self, key: str) -> bytes:
+        self.gets += 1
+        return super().get(key)
+
+    def get_stream(self, key: str) -> BinaryIO:
+        self.gets += 1
+        return super().get_stream(key)
+
+
+@pytest.fixture
+def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CountingRuntime:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    return require(CountingRuntime())  # type: ignore[return-value]
+
+
+def test_a_quiet_node_is_neither_listed_nor_asked_its_status_while_it_sleeps(rt, tmp_path):
+    conduit = CountingConduit(tmp_path / "conduit")
+    assert NAP < min(POLL_BACKSTOP, STATUS_BACKSTOP)  # no backstop falls inside the nap
+    out = drive_node(
+        NodeSpec(run_id="r", node_id="quiet", argv=[sys.executable, "-c", f"import time; time.sleep({NAP})"]),
+        conduit,
+        rt,
+        min_isolation="none",
+    )
+    assert out.ok, out.describe()
+    objects = len(conduit.list_prefix("run/r/nodes/quiet/", shallow=True))
+    lists = conduit.lists - 1  # the count just taken
+    # A status at the start (arming the silence watchdog), once the result is in, and the
+    # exit seen (``_settle``: a few looks within 0.5 s); every 0.2 s (25 and more over the
+    # nap) before the exit descriptor.
+    assert rt.status_calls <= 12, rt.status_calls
+    # A poll (a GET of the next chunk's key, the manifest when due) per object that landed
+    # (chunks, result, manifest), plus the start and the end (the result, the outbox);
+    # before the directory watch was the path, one every 1.5 s at most while quiet and a
+    # burst right after every arrival again. Listings: recovery and the outbox only.
+    print(f"requests: {conduit.gets} GETs, {lists} LISTs for {objects} objects")
+    assert lists <= 3, lists
+    assert conduit.gets <= 3 * objects + 6, (conduit.gets, objects)
+
+
+def test_the_exit_descriptor_fires_when_the_sandbox_exits(rt, tmp_path):
+    h = rt.launch(spec("import sys; sys.stdin.read()", hold_stdin=True))  # waits for its stdin
+    fd = rt.exit_fd(h)
+    try:
+        assert fd is not None
+        assert not select.select([fd], [], [], 0)[0]  # running: not readable
+        rt.assign(h, b"")  # closes its stdin: it exits
+        assert select.select([fd], [], [], scaled(30))[0]
+        assert wait_terminal(rt, h).phase == "succeeded"
+    finally:
+        if fd is not None:
+            os.close(fd)
+        rt.destroy(h)
+    assert rt.exit_fd(h) is None  # destroyed: nothing to watch
+    assert rt.exit_fd(SandboxHandle(id="never-launched", runtime=rt.name)) is None
+
+
+def test_the_directory_watch_wakes_for_objects_not_for_temporary_files(tmp_path):
+    watch = DirWatch.open(str(tmp_path))
+    if watch is None:
+        pytest.skip("no inotify here")
+    try:
+        tmp = tmp_path / f"{TEMP_PREFIX}abc"
+        tmp.write_bytes(b"half an object")  # a writer's temporary file: closed after writing
+        assert not watch.wait(0.0)
+        os.replace(tmp, tmp_path / "events-000001.jsonl")  # published
+        assert watch.wait(scaled(10))
+        (tmp_path / "result.json").write_bytes(b"{}")  # written in place (another writer)
+        assert watch.wait(scaled(10))
+    finally:
+        watch.close()
+
+
+def test_what_the_runtime_keeps_of_destroyed_sandboxes_is_bounded(rt, monkeypatch):
+    monkeypatch.setattr(_local, "DESTROYED_KEPT", 3)
+    monkeypatch.setattr(_local, "_DESTROYED", {})
+    handles = [rt.launch(spec("pass")) for _ in range(5)]
+    for h in handles:
+        wait_terminal(rt, h)
+        rt.destroy(h)
+    assert len(_local._DESTROYED) == 3
+    assert rt.status(handles[-1]).gone  # the newest are still answered for
