@@ -9,21 +9,36 @@ must end with the right state and no pod may be left.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
-from support.k8s_cluster import Cluster
+from support.k8s_cluster import CONTEXT, Cluster
 from support.k8s_fault_proxy import FaultProxy
 from support.k8s_node_agent import NodeAgent
 from support.polling import wait_for
-from test_kubernetes_cluster import core, make_runtime, make_spec, names, py
+from test_kubernetes_cluster import (
+    IMAGE,
+    STORE_SECRET,
+    core,
+    make_runtime,
+    make_spec,
+    names,
+    py,
+    store_secret,
+)
 
 from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
 from prefect_resoluto.runtimes.kubernetes.watch import WATCH_LABEL
 
 pytestmark = pytest.mark.k8s
 
+ROOT = Path(__file__).resolve().parents[1]
+FLOWS = ROOT / "tests" / "flows"
 SLEEPER = "import time; print('up', flush=True); time.sleep({s})"
 
 
@@ -219,3 +234,91 @@ def test_a_pod_the_watch_has_not_shown_is_pending_not_gone(
     rt.destroy(h)
     no_pods_left(k8s_cluster, k8s_ns)
     rt.close()
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+def test_a_cancelled_flow_run_deletes_its_pods(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    k8s_agent: NodeAgent,
+    moto_server: Any,
+    s3_bucket: str,
+    tmp_path: Path,
+    prefect: Any,
+) -> None:
+    """A deployment's run (served, as a user serves one) whose tasks run in pods is cancelled
+    from the API: Prefect's runner stops the flow's process, the task runner deletes the
+    pods on its way out, and none is left running."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+    from support.prefect_cli import cli_env
+
+    store_secret(k8s_cluster, k8s_ns)
+    options = {
+        "namespace": k8s_ns,
+        "context": CONTEXT,
+        "runtime_class": "gvisor",
+        "image": IMAGE,
+        "store_credentials_secret": STORE_SECRET,
+    }
+    log = tmp_path / "served.log"
+    with open(log, "wb") as out:
+        served = subprocess.Popen(
+            [sys.executable, str(FLOWS / "k8s_cancel_flow.py")],
+            env=cli_env(
+                KUBECONFIG=k8s_cluster.kubeconfig,
+                RESOLUTO_TEST_K8S_OPTIONS=json.dumps(options),
+                RESOLUTO_TEST_CONDUIT=f"s3://{s3_bucket}/cancel?endpoint_url={moto_server.endpoint_url}",
+                PYTHONPATH=str(ROOT),
+            ),
+            cwd=str(tmp_path),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with get_client(sync_client=True) as c:
+
+            def deployment() -> Any:
+                assert served.poll() is None, log.read_text(errors="replace")[-4000:]
+                try:
+                    return c.read_deployment_by_name("k8s-cancellable/cancel-me")
+                except Exception:
+                    return None
+
+            wait_for(deployment, timeout=180, what="the served deployment", max_delay=0.5)
+            run = run_deployment("k8s-cancellable/cancel-me", parameters={"count": 2}, timeout=0)
+
+            def both_running() -> bool:
+                assert served.poll() is None, log.read_text(errors="replace")[-4000:]
+                pods = core(k8s_cluster).list_namespaced_pod(k8s_ns).items
+                return sum(1 for p in pods if p.status.phase == "Running") == 2
+
+            wait_for(both_running, timeout=240, what="the run's two pods running", max_delay=0.5)
+            c.set_flow_run_state(run.id, Cancelling(), force=True)
+
+            def ended() -> Any:
+                fr = c.read_flow_run(run.id)
+                return (
+                    fr
+                    if fr.state.type in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED)
+                    else None
+                )
+
+            fr = wait_for(ended, timeout=120, what="the run to be cancelled", max_delay=0.5)
+        assert fr.state.type == StateType.CANCELLED, fr.state
+        no_pods_left(k8s_cluster, k8s_ns)
+        wait_for(
+            lambda: not any(r.startswith(f"{k8s_ns}/") for r in k8s_agent.running()),
+            timeout=60,
+            what="the sandboxes stopped on the node",
+        )
+        assert names(k8s_cluster, k8s_ns, "networkpolicies") == []
+    finally:
+        served.terminate()
+        try:
+            served.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            served.kill()

@@ -6,8 +6,9 @@
   (``RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT=1``). Inside a pod without a kubeconfig the
   in-cluster service account is used.
 * **One retry layer** -- 429/5xx and connection errors are retried with jittered
-  exponential back-off (``Retry-After`` honoured); urllib3's own retries are off so
-  attempts do not multiply. A create retried after a lost answer that then sees 409 asks
+  exponential back-off; a ``Retry-After`` pauses the runtime's rate limit
+  (:mod:`.ratelimit`, which every attempt waits on) for every caller; urllib3's own
+  retries are off so attempts do not multiply. A create retried after a lost answer that then sees 409 asks
   ``on_conflict`` whether the object is the one this runtime wrote.
 * **Errors** -- every refusal becomes a :class:`KubernetesApiError` naming the verb, the
   resource, the namespace and the fix (RBAC verb, missing namespace, admission policy...).

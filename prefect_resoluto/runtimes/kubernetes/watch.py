@@ -99,7 +99,8 @@ class PodWatch:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._response: Any = None
-        self.fatal: KubernetesApiError | None = None  # 401/403: watching is not allowed
+        #: A 4xx answer to the watch (RBAC, a server that does not serve watches): statuses are GETs.
+        self.fatal: KubernetesApiError | None = None
         self.stats = WatchStats()
 
     # -- what the runtime asks --------------------------------------------------------------
@@ -185,8 +186,8 @@ class PodWatch:
                 if e.status == 410:
                     self._expired()
                     continue
-                if e.status in (401, 403):
-                    if self.fatal is None:
+                if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
+                    if self.fatal is None:  # refused (RBAC, a server that does not watch): GETs then
                         logger.warning(
                             "kubernetes runtime: cannot watch pods (%s); every status is a GET until it can",
                             e,
@@ -234,6 +235,7 @@ class PodWatch:
             ),
         )
         self.stats.lists += 1
+        self.fatal = None
         fresh = {p.metadata.name: p for p in listing.items or []}
         with self._lock:
             for name in list(self._pods):
@@ -265,6 +267,7 @@ class PodWatch:
             ),
         )
         self.stats.watches += 1
+        self.fatal = None
         with self._lock:
             if stop.is_set():
                 _shut(resp)
