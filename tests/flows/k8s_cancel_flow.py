@@ -32,6 +32,8 @@ def linger(n: int, seconds: float = 600.0) -> int:
         conduit=os.environ.get("RESOLUTO_TEST_CONDUIT"),
         workspace=Path(__file__).parent,
         min_isolation="user-kernel",
+        cpus=0.5,  # the test's node has 2: both pods must run at once
+        memory="1Gi",
     ),
 )
 def k8s_cancellable(count: int = 2, seconds: float = 600.0) -> list[int]:
