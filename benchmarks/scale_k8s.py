@@ -160,6 +160,10 @@ def _measure(make: Any, proxy: Any, n: int, life: float, cluster: Any, ns: str) 
         "requests": len(reqs),
         "per_pod": round(len(reqs) / max(1, n), 2),
         "per_pod_minute": round(len(reqs) / max(pod_min, 1e-9), 2),
+        # What watching the pods costs, apart from creating and deleting them (6 requests a pod).
+        "status_per_pod_minute": round(
+            (by.get("get pods", 0) + by.get("list pods", 0) + by.get("watch pods", 0)) / max(pod_min, 1e-9), 2
+        ),
         "by_verb": dict(sorted(by.items())),
         "lists": by.get("list pods", 0),
         "watches": by.get("watch pods", 0),
@@ -269,8 +273,9 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(
             (
                 f"k8s {way:5} {n:>3} pods ({life:.0f} s each)",
-                f"{r['per_pod']} req/pod, {r['per_pod_minute']} req/pod-min, "
-                f"GET {r['gets']}, LIST {r['lists']}, WATCH {r['watches']}, peak {r['peak_rps']} req/s, "
+                f"{r['per_pod']} req/pod, {r['per_pod_minute']} req/pod-min "
+                f"(status {r['status_per_pod_minute']}), GET {r['gets']}, LIST {r['lists']}, "
+                f"WATCH {r['watches']}, peak {r['peak_rps']} req/s, wall {r['wall_s']} s, "
                 f"{r['succeeded']}/{r['pods']} ok, {r['pods_left_after']} left",
             )
         )
