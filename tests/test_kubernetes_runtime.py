@@ -568,3 +568,23 @@ def test_a_local_conduit_is_refused_for_kubernetes_before_any_pod(kube: FakeKube
     with pytest.raises(ValueError, match="cannot see the local conduit directory .* configure an S3 conduit"):
         cfg.check_conduit_fits(rt, cfg.build_conduit())
     assert kube.calls("create") == []
+
+
+def test_runtimes_of_one_connection_share_one_watch_and_one_rate_limit(tmp_path: Any) -> None:
+    """A worker builds a runtime per flow run: alike ones (same kubeconfig, context, namespace)
+    share one pod watch and one rate limit; another namespace has its own; an injected
+    client is its runtime's alone. Nothing connects: the watch starts with a launch."""
+    kubeconfig = str(tmp_path / "kubeconfig")
+
+    def rt(ns: str) -> KubernetesRuntime:
+        return KubernetesRuntime(
+            kubeconfig=kubeconfig, context="ctx", namespace=ns, image="img:1", runtime_class="gvisor"
+        )
+
+    a, b, other = rt("flows-a"), rt("flows-a"), rt("flows-b")
+    assert a.pod_watch() is b.pod_watch() and a._api.limiter is b._api.limiter
+    assert other.pod_watch() is not a.pod_watch() and other._api.limiter is not a._api.limiter
+    assert not a.pod_watch().running
+    with FakeKube() as kube:
+        x, y = make_runtime(kube), make_runtime(kube)
+        assert x.pod_watch() is not y.pod_watch()
