@@ -322,3 +322,27 @@ def test_a_cancelled_flow_run_deletes_its_pods(
             served.wait(timeout=30)
         except subprocess.TimeoutExpired:
             served.kill()
+
+
+def test_a_watch_that_times_out_is_resumed_without_a_new_list(
+    k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
+    """The server ends each watch after ``watch_timeout_s``: the runtime resumes from the last
+    resourceVersion it saw (an event's or a bookmark's), never listing again."""
+    rt = make_runtime(
+        k8s_cluster, k8s_ns, via=proxy, watch_timeout_s=2, node_selector={"resoluto.io/none": "x"}
+    )
+    h = rt.launch(make_spec())
+    w = rt.pod_watch()
+    # This server sends no bookmark before so short a timeout: one is put into the stream.
+    bookmark = {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1"}}
+    bookmark["object"]["metadata"] = {"resourceVersion": h.data["created_rv"]}
+    proxy.garble_watch(json.dumps(bookmark).encode() + b"\n")
+    wait_for(lambda: w.stats.bookmarks == 1, timeout=30, what="the bookmark to be read")
+    wait_for(lambda: w.stats.watches >= 3, timeout=60, what="two watches ended by the server and resumed")
+    assert rt.status(h).phase == "pending"
+    assert proxy.calls("list", "pods") == [200] and proxy.calls("get", "pods") == []
+    assert w.stats.dropped == 0 and w.stats.expired == 0 and w.stats.bad_events == 0
+    rt.destroy(h)
+    no_pods_left(k8s_cluster, k8s_ns)
+    assert not w.running
