@@ -424,6 +424,7 @@ def test_published_role_suffices_for_every_operation(
 _VERB_USES = [
     ("create", "pods", "launch"),
     ("get", "pods", "status"),
+    ("watch", "pods", "watch"),
     ("list", "pods", "sweep"),
     ("delete", "pods", "destroy"),
     ("get", "pods/log", "logs"),
@@ -452,10 +453,19 @@ def test_removing_one_verb_gives_a_403_naming_it(
         msg = str(ei.value)
     elif op == "logs":
         msg = rt.logs(h)
+    elif op == "watch":
+        # A runtime that may not watch still answers, by a GET per status, and says why.
+        w = rt.pod_watch()
+        w.close()
+        w.track(h.data["name"])
+        wait_for(lambda: w.fatal is not None, timeout=30, what="the watch to be refused")
+        msg = str(w.fatal)
+        assert rt.status(h).phase == "pending"
+        w.close()
     else:
         with pytest.raises(KubernetesApiError) as ei:
             {
-                "status": lambda: rt.status(h),
+                "status": lambda: rt.status_by_get(h),
                 "sweep": lambda: rt.sweep({"resoluto.flow-run-id": "f-rbac"}),
                 "destroy": lambda: rt.destroy(h),
             }[op]()
@@ -800,7 +810,7 @@ def test_persistent_5xx_is_a_clear_error_and_cleans_up(
     h = rt.launch(make_spec())
     proxy.fail("get", "pods", 503, times=10)
     with pytest.raises(KubernetesApiError) as ei:
-        rt.status(h)
+        rt.status_by_get(h)  # the GET a pod the watch does not show yet is read by
     msg = str(ei.value)
     assert "kept failing to get pods/" in msg and "503" in msg and "after 4 attempt(s)" in msg
     assert proxy.calls("get", "pods") == [503] * 4
@@ -822,9 +832,11 @@ def test_429_honours_retry_after(k8s_cluster: Cluster, k8s_ns: str, proxy: Fault
     rt._sleep = slept.append
     h = rt.launch(make_spec())
     proxy.fail("get", "pods", 429, retry_after=3)
-    assert rt.status(h).phase == "pending"
+    assert rt.status_by_get(h).phase == "pending"
     assert proxy.calls("get", "pods") == [429, 200]
-    assert len(slept) == 1 and slept[0] >= 1.5  # jittered around Retry-After
+    # The retry waited out Retry-After in the runtime's rate limit (paused for every caller).
+    assert any(s >= 2.5 for s in slept), slept
+    assert rt._api.limiter.pauses == 1
 
 
 def test_connection_reset_is_retried(k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy) -> None:

@@ -431,6 +431,8 @@ def test_in_cluster_is_chosen_inside_a_pod(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 # -- status mapping -----------------------------------------------------------------------------------------
+# The fake serves no watch (a real server's watch is tests/test_kubernetes_watch.py's): these read
+# each pod by the runtime's one GET, through the same decision as the watch's events.
 
 
 def launched(kube: FakeKube, **options: Any) -> tuple[KubernetesRuntime, SandboxHandle, str]:
@@ -443,7 +445,7 @@ def launched(kube: FakeKube, **options: Any) -> tuple[KubernetesRuntime, Sandbox
 def test_status_image_pull_failures_are_unstartable(kube: FakeKube, reason: str) -> None:
     rt, h, name = launched(kube)
     kube.image_pull_backoff(name, reason=reason)
-    st = rt.status(h)
+    st = rt.status_by_get(h)
     assert st.unstartable and not st.terminal
     assert st.reason.startswith(f'{reason}: Back-off pulling image "python:3.12-slim"')
     assert "cannot pull the image" in st.reason
@@ -455,7 +457,7 @@ def test_status_image_pull_failures_are_unstartable(kube: FakeKube, reason: str)
 def test_status_fatal_waiting_reasons(kube: FakeKube, reason: str) -> None:
     rt, h, name = launched(kube, store_credentials_secret="resoluto-store")
     kube.container_waiting(name, reason, 'secret "resoluto-store" not found')
-    st = rt.status(h)
+    st = rt.status_by_get(h)
     assert st.unstartable and reason in st.reason and 'secret "resoluto-store" not found' in st.reason
 
 
@@ -464,23 +466,23 @@ def test_status_unschedulable_clock_resets_once_scheduled(kube: FakeKube) -> Non
     now = [0.0]
     rt._clock = lambda: now[0]
     kube.unschedulable(name, "0/1 nodes are available: 1 Insufficient memory.")
-    rt.status(h)
+    rt.status_by_get(h)
     kube.schedule(name)
     now[0] += 100
-    assert rt.status(h).unstartable is False
+    assert rt.status_by_get(h).unstartable is False
 
 
 def test_status_node_lost(kube: FakeKube) -> None:
     rt, h, name = launched(kube)
     kube.set_running(name)
     kube.node_lost(name)
-    st = rt.status(h)
+    st = rt.status_by_get(h)
     assert (st.phase, st.infrastructure) == ("failed", True)
     assert "DeletionByPodGC" in st.reason
     rt2, h2, name2 = launched(kube)
     kube.set_running(name2)
     kube.node_lost(name2, legacy=True)
-    st = rt2.status(h2)
+    st = rt2.status_by_get(h2)
     assert (st.phase, st.infrastructure) == ("failed", True) and st.reason.startswith("NodeLost")
 
 
@@ -566,3 +568,23 @@ def test_a_local_conduit_is_refused_for_kubernetes_before_any_pod(kube: FakeKube
     with pytest.raises(ValueError, match="cannot see the local conduit directory .* configure an S3 conduit"):
         cfg.check_conduit_fits(rt, cfg.build_conduit())
     assert kube.calls("create") == []
+
+
+def test_runtimes_of_one_connection_share_one_watch_and_one_rate_limit(tmp_path: Any) -> None:
+    """A worker builds a runtime per flow run: alike ones (same kubeconfig, context, namespace)
+    share one pod watch and one rate limit; another namespace has its own; an injected
+    client is its runtime's alone. Nothing connects: the watch starts with a launch."""
+    kubeconfig = str(tmp_path / "kubeconfig")
+
+    def rt(ns: str) -> KubernetesRuntime:
+        return KubernetesRuntime(
+            kubeconfig=kubeconfig, context="ctx", namespace=ns, image="img:1", runtime_class="gvisor"
+        )
+
+    a, b, other = rt("flows-a"), rt("flows-a"), rt("flows-b")
+    assert a.pod_watch() is b.pod_watch() and a._api.limiter is b._api.limiter
+    assert other.pod_watch() is not a.pod_watch() and other._api.limiter is not a._api.limiter
+    assert not a.pod_watch().running
+    with FakeKube() as kube:
+        x, y = make_runtime(kube), make_runtime(kube)
+        assert x.pod_watch() is not y.pod_watch()

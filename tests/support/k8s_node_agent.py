@@ -25,6 +25,11 @@ On request (test hooks, the way a real node would misbehave): :meth:`NodeAgent.r
 (pulls fail), :meth:`NodeAgent.evict` (node-pressure eviction: the sandbox is killed and the pod
 ``Failed`` / ``Evicted``). Images whose registry host ends in ``.invalid`` never pull.
 
+``NodeAgent(..., plain=True)`` runs each container as a plain child process instead (no
+sandbox, no image, the container's command and env as given): for figures that need a
+hundred pods' life cycles against the real API server, not their isolation
+(``benchmarks/scale_k8s.py``).
+
 "Images" are emulated: every image is this machine's ``/usr`` and ``/etc`` plus this interpreter's
 prefix (with boto3 and prefect), and ``guest_runner`` at ``/opt/resoluto`` with the entrypoint of
 ``images/Dockerfile``. NetworkPolicy is not enforced (that is a CNI's job, not a kubelet's): the
@@ -108,6 +113,7 @@ class _PodRun:
     cgroup: Any = None
     started: str = ""
     stop_reason: str = ""  # "deleted" / "evicted" once the agent stops it on purpose
+    plain: bool = False  # a plain child process, not a gVisor sandbox
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -124,7 +130,9 @@ class NodeAgent:
         cpu: str = "2",
         memory: str = "8Gi",
         pods: str = "110",
+        plain: bool = False,
     ) -> None:
+        self.plain = plain
         self.api = api_client
         self.core = client.CoreV1Api(api_client)
         self.name = name or f"resoluto-node-{uuid.uuid4().hex[:6]}"
@@ -485,6 +493,9 @@ class NodeAgent:
         c = pod.spec.containers[0]
         if not self._waiting(pod, "ContainerCreating"):
             return
+        if self.plain:
+            self._start_plain(pod, c)
+            return
         # The RuntimeClass's handler decides the sandbox, as the CRI's runtime handler does.
         extra: list[dict[str, Any]] = []
         handler = "runc"
@@ -530,6 +541,64 @@ class NodeAgent:
             self._force_delete(pod)
             return
         self._launch(pod, c, run, extra)
+
+    def _start_plain(self, pod: Any, c: Any) -> None:
+        """The container's command as a plain child process (``plain=True``)."""
+        env, why = self._env(pod, c)
+        if env is None:
+            self._waiting(pod, "CreateContainerConfigError", why)
+            return
+        uid = pod.metadata.uid
+        pdir = self.work / "pods" / uid
+        pdir.mkdir(parents=True, exist_ok=True)
+        run = _PodRun(
+            pod.metadata.namespace, pod.metadata.name, uid, pdir, pdir / "container.log", "", plain=True
+        )
+        with self._lock:
+            self._runs[uid] = run
+            if uid in self._deleted:
+                run.done.set()
+                self._force_delete(pod)
+                return
+        argv = list(c.command or IMAGE_ENTRYPOINT) + list(c.args or [])
+        argv = [sys.executable if a in ("python3", "python") else a for a in argv[:1]] + argv[1:]
+        with open(run.log, "ab") as log:
+            run.proc = subprocess.Popen(
+                argv,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", **env},
+                cwd="/tmp",
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        run.started = _iso()
+        ns, name = run.namespace, run.name
+        self._status(
+            ns,
+            name,
+            {
+                "phase": "Running",
+                "hostIP": "127.0.0.1",
+                "podIP": "127.0.0.1",
+                "conditions": self._conditions(pod, True),
+                "containerStatuses": self._container_status(
+                    pod, {"running": {"startedAt": run.started}}, ready=True, cid=f"plain-{uid[:8]}"
+                ),
+            },
+        )
+        code = run.proc.wait()
+        code = 128 - code if code < 0 else code
+        term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": run.started}
+        term["finishedAt"] = _iso()
+        status = {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": self._conditions(pod, False),
+            "containerStatuses": self._container_status(pod, {"terminated": term}, cid=f"plain-{uid[:8]}"),
+        }
+        if run.stop_reason != "deleted" or self._exists(pod):
+            self._status(ns, name, status)
+        run.done.set()
 
     def _pull(self, pod: Any, image: str, extra: list[dict[str, Any]]) -> bool:
         host = image.split("/")[0] if "/" in image else ""
@@ -791,6 +860,16 @@ class NodeAgent:
 
     def _kill(self, run: _PodRun, grace: int) -> None:
         if run.proc is None or run.proc.poll() is not None:
+            return
+        if run.plain:
+            try:
+                os.killpg(run.proc.pid, signal.SIGTERM)
+                run.proc.wait(timeout=max(0, grace))
+            except subprocess.TimeoutExpired:
+                os.killpg(run.proc.pid, signal.SIGKILL)
+                run.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass  # it ended on its own meanwhile
             return
         base = self._runsc()
         subprocess.run([*base, "kill", run.cid, "TERM"], capture_output=True, timeout=30)

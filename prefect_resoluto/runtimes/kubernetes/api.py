@@ -6,8 +6,9 @@
   (``RESOLUTO_SANDBOX_ALLOW_AMBIENT_CONTEXT=1``). Inside a pod without a kubeconfig the
   in-cluster service account is used.
 * **One retry layer** -- 429/5xx and connection errors are retried with jittered
-  exponential back-off (``Retry-After`` honoured); urllib3's own retries are off so
-  attempts do not multiply. A create retried after a lost answer that then sees 409 asks
+  exponential back-off; a ``Retry-After`` pauses the runtime's rate limit
+  (:mod:`.ratelimit`, which every attempt waits on) for every caller; urllib3's own
+  retries are off so attempts do not multiply. A create retried after a lost answer that then sees 409 asks
   ``on_conflict`` whether the object is the one this runtime wrote.
 * **Errors** -- every refusal becomes a :class:`KubernetesApiError` naming the verb, the
   resource, the namespace and the fix (RBAC verb, missing namespace, admission policy...).
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prefect_resoluto.runtimes.base import RuntimeUnavailable
+from prefect_resoluto.runtimes.kubernetes.ratelimit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class KubernetesApi:
         request_timeout_s: float = 30.0,
         api_client: Any = None,
         sleep: Callable[[float], None] = time.sleep,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.namespace = namespace
         self.context = context
@@ -83,6 +86,8 @@ class KubernetesApi:
         self.request_timeout_s = float(request_timeout_s)
         self._api_client = api_client
         self._sleep = sleep
+        #: Every request waits for a token here; a 429's Retry-After pauses it for all callers.
+        self.limiter = limiter or RateLimiter(sleep=lambda seconds: self._sleep(seconds))
         self._lock = threading.Lock()
         self._core_api: Any = None
         self._net_api: Any = None
@@ -221,6 +226,7 @@ class KubernetesApi:
         where = f"{resource}/{name}" if name else resource
         last: BaseException | None = None
         for attempt in range(1, attempts + 1):
+            self.limiter.acquire()
             try:
                 return fn()
             except ApiException as e:
@@ -278,7 +284,10 @@ class KubernetesApi:
         except (TypeError, ValueError):
             retry_after = None
         if retry_after is not None:
-            delay = min(max(delay, retry_after), 30.0)
+            # The server asked this client to wait: every caller waits (the rate limit's
+            # pause), and this one's next attempt takes its token after the pause.
+            self.limiter.pause(min(max(delay, retry_after), 30.0))
+            return
         self._sleep(delay * (0.5 + random.random() / 2))
 
     def error(self, verb: str, resource: str, name: str, exc: Any, attempts: int) -> KubernetesApiError:

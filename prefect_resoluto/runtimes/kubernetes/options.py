@@ -90,6 +90,10 @@ class KubernetesOptions:
     api_retries: int = 5
     api_retry_base_s: float = 0.25
     request_timeout_s: float = 30.0
+    # -- the load on the API server: one rate limit and one pod watch per connection
+    api_qps: float = 20.0
+    api_burst: int = 30
+    watch_timeout_s: int = 300
 
     @classmethod
     def of(cls, options: KubernetesOptions | None = None, /, **keywords: Any) -> KubernetesOptions:
@@ -115,6 +119,8 @@ class KubernetesOptions:
             raise ValueError("image_pull_policy must be Always, IfNotPresent or Never")
         if self.guest_source not in ("bundle", "image"):
             raise ValueError("guest_source must be 'bundle' (ship guest_runner via the conduit) or 'image'")
+        if self.api_qps <= 0 or self.api_burst < 1:
+            raise ValueError("api_qps must be positive and api_burst at least 1")
         if self.store_credentials_ttl_s < 900:
             raise ValueError("store_credentials_ttl_s must be at least 900 (the STS minimum)")
         return replace(
@@ -135,4 +141,7 @@ class KubernetesOptions:
             api_retries=max(1, int(self.api_retries)),
             api_retry_base_s=float(self.api_retry_base_s),
             request_timeout_s=float(self.request_timeout_s),
+            api_qps=float(self.api_qps),
+            api_burst=int(self.api_burst),
+            watch_timeout_s=max(1, int(self.watch_timeout_s)),
         )

@@ -40,6 +40,7 @@ uses an image that already contains the runner (``images/Dockerfile``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -86,8 +87,16 @@ from prefect_resoluto.runtimes.kubernetes.options import (
     KubernetesOptions,
     isolation_of_runtime_class,
 )
+from prefect_resoluto.runtimes.kubernetes.ratelimit import RateLimiter
 from prefect_resoluto.runtimes.kubernetes.status import gone_status, pod_status, remember_terminal
 from prefect_resoluto.runtimes.kubernetes.store import GuestBundles, store_egress
+from prefect_resoluto.runtimes.kubernetes.watch import WATCH_LABEL, PodWatch, Shared, shared, watch_of
+
+#: Seconds a stopped watch may go unrepaired before statuses are read by GET again.
+WATCH_STALE_S = 15.0
+#: Seconds after its launch a pod the watch has not shown yet is looked up by one GET
+#: (then again at most this often): never reported gone before the cache could know it.
+UNSEEN_GET_AFTER_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +115,8 @@ class KubernetesRuntime(SandboxRuntime):
         egress_allowlist=True,
         options=frozenset({f.name for f in fields(KubernetesOptions)} | {"api_client"}),
     )
-    # A pod's status is an API request: ask every 2 s and let the conduit carry the fast path.
-    status_interval: ClassVar[float] = 2.0
+    # A pod's status is read from the runtime's pod watch (no request): cheap to ask often.
+    status_interval: ClassVar[float] = 1.0
 
     def __init__(
         self, options: KubernetesOptions | None = None, /, *, api_client: Any = None, **keywords: Any
@@ -134,6 +143,46 @@ class KubernetesRuntime(SandboxRuntime):
             api_client=api_client,
             sleep=lambda seconds: self._sleep(seconds),
         )
+        self._shared = self._share(api_client)
+        self._api.limiter = self._shared.limiter
+        self._watch: PodWatch | None = None
+
+    def _share(self, api_client: Any) -> Shared:
+        """The rate limit and pod watch of this connection and namespace, shared in this process by
+        runtimes configured alike (an injected client is this runtime's alone)."""
+        o = self.options
+
+        def limiter() -> RateLimiter:
+            return RateLimiter(o.api_qps, o.api_burst, sleep=lambda seconds: self._sleep(seconds))
+
+        if api_client is not None:
+            return Shared(limiter())
+        key = (
+            "kubernetes",
+            o.kubeconfig or os.environ.get("KUBECONFIG") or "",
+            o.context,
+            o.in_cluster,
+            bool(o.allow_ambient_context),
+            self.namespace,
+            o.api_qps,
+            o.api_burst,
+        )
+        return shared(key, limiter)
+
+    def pod_watch(self) -> PodWatch:
+        """The watch that feeds :meth:`status` (made on first use, started by a launch)."""
+        if self._watch is None:
+            o = self.options
+            self._watch = watch_of(
+                self._shared,
+                lambda: PodWatch(self._api, self.namespace, timeout_s=o.watch_timeout_s, clock=self._clock),
+            )
+        return self._watch
+
+    def close(self) -> None:
+        """Stop this runtime's pod watch (a later launch starts it again)."""
+        if self._watch is not None:
+            self._watch.close()
 
     # -- interface basics ----------------------------------------------------------------
 
@@ -371,6 +420,9 @@ class KubernetesRuntime(SandboxRuntime):
                 .get("memory"),
             },
         )
+        watch = self.pod_watch()
+        m.pod["metadata"]["labels"][WATCH_LABEL] = watch.id  # in the watch's server-side selection
+        watch.track(name)  # before the create: its first event must not be missed
         created: list[str] = []
         try:
             pod = self._create(m, created)
@@ -378,11 +430,14 @@ class KubernetesRuntime(SandboxRuntime):
             if e.resource == "pods" and (e.status is None or e.status >= 500):
                 created.append("pods")  # an earlier attempt may have landed despite the errors
             self._cleanup(name, created)
+            watch.release(name)
             raise LaunchError(str(e)) from e
         except BaseException:
             self._cleanup(name, created)
+            watch.release(name)
             raise
         handle.data["uid"] = pod.metadata.uid
+        handle.data["created_rv"] = pod.metadata.resource_version
         handle.data["launched_at"] = self._clock()
         self._adopt(name, pod.metadata.uid, created)
         logger.info("kubernetes runtime: launched pod %s/%s (%s)", ns, name, self.options.runtime_class)
@@ -502,6 +557,45 @@ class KubernetesRuntime(SandboxRuntime):
     # -- status ---------------------------------------------------------------------------------
 
     def status(self, handle: SandboxHandle) -> SandboxStatus:
+        """The pod's status from the runtime's watch; by one GET for a pod the watch does not
+        keep (not launched here, or destroyed), while the watch is not allowed or down for
+        longer than :data:`WATCH_STALE_S`, and for a pod it has not shown for a while."""
+        ns, name = self._where(handle)
+        w = self._watch
+        if w is None or not w.tracking(name) or w.fatal is not None or w.stale_for() > WATCH_STALE_S:
+            return self.status_by_get(handle)
+        seen = w.lookup(name)
+        if seen.pod is None:
+            if w.covers(handle.data.get("created_rv")):  # the cache is past its creation: deleted
+                return gone_status(ns, name, handle.data)
+            return self._unseen(handle)
+        st = self._judge(seen.pod, handle)
+        return gone_status(ns, name, handle.data) if seen.deleted else st
+
+    def _unseen(self, handle: SandboxHandle) -> SandboxStatus:
+        """A pod created after the watch's last event: pending until the watch shows it, but
+        looked up by one GET once it is overdue (and then at most every few seconds)."""
+        now = self._clock()
+        last = handle.data.get("unseen_get_at", handle.data.get("launched_at", now))
+        if now - last < UNSEEN_GET_AFTER_S:
+            return SandboxStatus("pending", reason="created; not yet in the pod watch")
+        handle.data["unseen_get_at"] = now
+        return self.status_by_get(handle)
+
+    def _judge(self, pod: Any, handle: SandboxHandle) -> SandboxStatus:
+        st = pod_status(
+            pod,
+            handle.data,
+            clock=self._clock,
+            unschedulable_patience_s=self.options.unschedulable_patience_s,
+            runtime_class=self.options.runtime_class,
+            store_credentials_secret=self.options.store_credentials_secret,
+        )
+        remember_terminal(handle.data, st)
+        return st
+
+    def status_by_get(self, handle: SandboxHandle) -> SandboxStatus:
+        """The pod's status by one ``GET pod`` (a 404 is :func:`~.status.gone_status`)."""
         from kubernetes.client.exceptions import ApiException
 
         ns, name = self._where(handle)
@@ -518,16 +612,7 @@ class KubernetesRuntime(SandboxRuntime):
             if e.status != 404 or not isinstance(e.__cause__, ApiException):
                 raise
             return gone_status(ns, name, handle.data)
-        st = pod_status(
-            pod,
-            handle.data,
-            clock=self._clock,
-            unschedulable_patience_s=self.options.unschedulable_patience_s,
-            runtime_class=self.options.runtime_class,
-            store_credentials_secret=self.options.store_credentials_secret,
-        )
-        remember_terminal(handle.data, st)
-        return st
+        return self._judge(pod, handle)
 
     # -- destroy / sweep / logs -------------------------------------------------------------------
 
@@ -544,8 +629,12 @@ class KubernetesRuntime(SandboxRuntime):
         api = self._api
         api.core()
         handle.data["destroyed"] = True
-        for resource in ("pods", "networkpolicies", "secrets"):
-            api.delete(resource, name, ns, grace_s=self.options.delete_grace_s)
+        try:
+            for resource in ("pods", "networkpolicies", "secrets"):
+                api.delete(resource, name, ns, grace_s=self.options.delete_grace_s)
+        finally:
+            if self._watch is not None:
+                self._watch.release(name)  # the last node's end stops the watch
 
     def sweep(self, labels: dict[str, str]) -> int:
         """Delete every pod (and its policy and Secret) of this runtime carrying all ``labels``.
@@ -572,6 +661,9 @@ class KubernetesRuntime(SandboxRuntime):
                 if resource == "pods":
                     pods.add(obj.metadata.name)
                 api.delete(resource, obj.metadata.name, grace_s=self.options.delete_grace_s)
+        if self._watch is not None:
+            for name in pods:
+                self._watch.release(name)
         if pods:
             logger.info("kubernetes runtime: swept %d pod(s) matching %s", len(pods), selector)
         return len(pods)
