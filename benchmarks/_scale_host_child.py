@@ -362,10 +362,13 @@ def thread_cpu_profiles() -> Any:
         if merged:
             merged[0].stream = buf  # type: ignore[attr-defined]
             merged[0].sort_stats("tottime").print_stats(45)
-            merged[0].sort_stats("cumulative").print_stats(70)
+            merged[0].sort_stats("cumulative").print_stats(os.environ.get("SCALE_HOST_FILTER", ""), 70)
             callees = os.environ.get("SCALE_HOST_CALLEES")  # a regex of functions to break down
             if callees:
                 merged[0].print_callees(callees)
+            callers = os.environ.get("SCALE_HOST_CALLERS")  # a regex of functions to attribute
+            if callers:
+                merged[0].print_callers(callers)
         return buf.getvalue()
 
     return report

@@ -135,3 +135,41 @@ def test_what_the_runtime_keeps_of_destroyed_sandboxes_is_bounded(rt, monkeypatc
         rt.destroy(h)
     assert len(_local._DESTROYED) == 3
     assert rt.status(handles[-1]).gone  # the newest are still answered for
+
+
+def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing_does(tmp_path):
+    """Each chunk's wake used to look the manifest up as well: one more failed lookup per
+    object the guest writes. Only a landing that is not a chunk makes it due at once."""
+    from guest_runner import wire
+    from prefect_resoluto.node.tail import ChunkTailer
+
+    conduit = CountingConduit(tmp_path / "conduit")
+    prefix = wire.node_prefix("r", "n")
+    manifest = wire.manifest_key(prefix)
+    looked: list[str] = []
+    get_stream = conduit.get_stream
+
+    def counted(key: str) -> BinaryIO:
+        looked.append(key)
+        return get_stream(key)
+
+    conduit.get_stream = counted  # type: ignore[method-assign]
+    now = [1000.0]  # a frozen clock: the manifest's own schedule never comes due here
+    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    (tmp_path / "conduit" / prefix).mkdir(parents=True)
+    if not tailer.wait(0.0) or not tailer.watching:  # opens the watch
+        pytest.skip("no inotify here")
+    try:
+        tailer.poll(lambda ev: None)  # the first poll looks (a node may be done already)
+        assert looked.count(manifest) == 1
+        line = wire.encode_event(wire.make_event("r", "log", "log", data={"line": "x"}, ts=1.0))
+        conduit.put(wire.chunk_key(prefix, 1), wire.encode_chunk([line]))
+        assert tailer.wait(scaled(10))
+        assert tailer.poll(lambda ev: None) == 1
+        assert looked.count(manifest) == 1, "a chunk's arrival looked the manifest up"
+        conduit.put(manifest, wire.encode_manifest(1))
+        assert tailer.wait(scaled(10))
+        tailer.poll(lambda ev: None)
+        assert looked.count(manifest) == 2 and tailer.finished
+    finally:
+        tailer.close()

@@ -106,6 +106,8 @@ class DirWatch:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        #: Whether everything the last wake saw land was a chunk (events-NNNNNN).
+        self.only_chunks = False
 
     @classmethod
     def open(cls, path: str) -> DirWatch | None:
@@ -131,13 +133,14 @@ class DirWatch:
         ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
         if self.fd not in ready:
             return False
-        landed = False
+        landed, self.only_chunks = False, True
         try:
             while True:
                 buf = os.read(self.fd, 65536)
                 if not buf:
                     break
-                landed = landed or _names_an_object(buf)
+                named, chunks = _names_an_object(buf)
+                landed, self.only_chunks = landed or named, self.only_chunks and chunks
         except BlockingIOError:
             pass
         return landed
@@ -152,17 +155,19 @@ _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; t
 _TEMP = TEMP_PREFIX.encode()
 
 
-def _names_an_object(buf: bytes) -> bool:
+def _names_an_object(buf: bytes) -> tuple[bool, bool]:
     """Whether the inotify events in ``buf`` name anything but a writer's temporary file
-    (which no listing shows: it cannot be what a poll is for)."""
-    at = 0
+    (which no listing shows: it cannot be what a poll is for), and whether every such name
+    is a chunk's (an overflow, with no name, is not)."""
+    at, named, chunks = 0, False, True
     while at + _EVENT.size <= len(buf):
         _wd, _mask, _cookie, n = _EVENT.unpack_from(buf, at)
-        name = buf[at + _EVENT.size : at + _EVENT.size + n]
+        name = buf[at + _EVENT.size : at + _EVENT.size + n].rstrip(b"\0")
         if not name.startswith(_TEMP):  # an object, an overflow (no name), anything else
-            return True
+            named = True
+            chunks = chunks and wire.chunk_index(name.decode("utf-8", "replace")) is not None
         at += _EVENT.size + n
-    return False
+    return named, chunks
 
 
 def _wait_fd(fd: int | None, timeout: float) -> bool:
@@ -280,7 +285,10 @@ class ChunkTailer:
         if watch is None:
             return _wait_fd(also, timeout)
         woke = watch.wait(timeout, also)
-        if woke:
+        if woke and not watch.only_chunks:
+            # Only when something other than chunks landed (the manifest may be it): a chunk's
+            # arrival made every poll also look up a manifest not yet there, one more failed
+            # lookup per object the guest writes. A root span's close still makes it due.
             self._manifest_at = self.clock()
         return woke
 

@@ -38,17 +38,19 @@ class Cgroup:
         return ["/bin/sh", "-c", _ENTER, "sh", *procs, "--", *argv]
 
     def oom_killed(self) -> bool:
+        # Only the file this hierarchy keeps the count in (v2 memory.events, v1 the memory
+        # controller's memory.oom_control): an open that cannot succeed, in every
+        # controller's directory at every sandbox's exit, was CPU for nothing.
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
         for d in self.dirs:
-            p = Path(d)
-            for name in ("memory.events", "memory.oom_control"):
-                try:
-                    text = (p / name).read_text()
-                except OSError:
-                    continue
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
-                        return True
+            try:
+                text = (Path(d) / name).read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
+                    return True
         return False
 
     def pids(self) -> list[int]:
@@ -62,11 +64,7 @@ class Cgroup:
 
     def kill_all(self) -> None:
         # Anything that escaped the process group (a daemonised child) still lives here.
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill(self.pids())
 
     def remove(self) -> None:
         for d in self.dirs:
@@ -74,6 +72,15 @@ class Cgroup:
                 os.rmdir(d)
             except OSError:
                 pass  # still populated (exiting) or already gone; sweep retries later
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` (members of a sandbox's cgroup), those already gone skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _v1_mount(controller: str) -> Path | None:

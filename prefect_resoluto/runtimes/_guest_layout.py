@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -132,8 +133,11 @@ def system_binds() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     return binds, links
 
 
+@functools.lru_cache(maxsize=1)
 def guest_runner_dir() -> Path:
-    """The host directory of the ``guest_runner`` package (stdlib only, so it runs anywhere)."""
+    """The host directory of the ``guest_runner`` package (stdlib only, so it runs anywhere).
+    Looked up once per process: the package is imported from one place for the process's
+    life, and every launch asks (a ``find_spec`` and a ``resolve``, one lstat per component)."""
     spec = importlib.util.find_spec("guest_runner")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the guest_runner package is not importable on the host")

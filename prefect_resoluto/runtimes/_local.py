@@ -525,9 +525,12 @@ def _killpg(pid: int) -> None:
 
 def _drain_cgroup(cg: _cgroup.Cgroup, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        cg.kill_all()
-        if not cg.pids() or time.monotonic() > deadline:
+    # One read of the members per round, the kill aimed at what it found: an exited
+    # sandbox's cgroup is almost always empty, and reading cgroup.procs of every
+    # controller twice (kill_all's read, then the check) was a quarter of destroy's CPU.
+    while pids := cg.pids():
+        _cgroup.kill(pids)
+        if time.monotonic() > deadline:
             break
         time.sleep(0.01)  # poll: killed processes leave the cgroup asynchronously
     cg.remove()
