@@ -873,6 +873,7 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
         runtime=rt.name,
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    node_dir = tmp_path / "conduit" / "run" / "run-kill" / "nodes" / "n1"
     host = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,
@@ -883,6 +884,8 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
     )
     try:
         wait_for(lambda: key in egress_net.ARRIVED, 90, "the sandboxed task to reach the test host")
+        # What sweep must keep: the runner's first chunk (a sandbox may die with its host).
+        wait_for(lambda: any(node_dir.glob("events-*.jsonl")), 90, "the runner's first chunk")
         made = _mine(_snapshot(), state)
         assert len(made) == 2, made  # the run's proxy namespace and the sandbox's
         host.send_signal(signal.SIGKILL)
@@ -892,7 +895,6 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
             host.kill()
         egress_net.GATES.setdefault(key, threading.Event()).set()
     assert _mine(_snapshot(), state) == made  # nobody cleaned up: the host died
-    node_dir = tmp_path / "conduit" / "run" / "run-kill" / "nodes" / "n1"
     assert os.path.ismount(node_dir) == (os.geteuid() == 0)  # its conduit slot, still mounted
     swept = get_runtime(rt.name).sweep({})
     assert swept >= 1
