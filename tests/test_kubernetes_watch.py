@@ -106,6 +106,26 @@ def test_one_watch_serves_every_pod_without_a_get(
 
 
 @pytest.mark.sandbox
+def test_a_pod_tracked_while_the_watch_stops_is_watched(
+    k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy, rt: KubernetesRuntime
+) -> None:
+    """A pod tracked just as the watch was told to stop (the last node released, the next one
+    launched) gets a watch of its own: the stopping thread ends without looking for it."""
+    h = rt.launch(make_spec(command=py(SLEEPER.format(s=4))))
+    running(rt, h)
+    watch_open(proxy)
+    w = rt.pod_watch()
+    w.close()
+    w.track(h.data["name"])
+    assert w.running
+    st = terminal(rt, h)
+    assert (st.phase, st.exit_code) == ("succeeded", 0)
+    assert proxy.calls("get", "pods") == []  # from the new watch, not the GET fallback
+    assert proxy.calls("watch", "pods") == [200, 200]
+    finish(rt, [h], k8s_cluster, k8s_ns)
+
+
+@pytest.mark.sandbox
 def test_a_watch_that_expires_mid_run_lists_again(
     k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, proxy: FaultProxy, rt: KubernetesRuntime
 ) -> None:

@@ -109,7 +109,9 @@ class PodWatch:
         """Keep ``name`` in the cache (a pod just created); start watching if not yet."""
         with self._lock:
             self._tracked.add(name)
-            if self._thread is None or not self._thread.is_alive():
+            # A thread told to stop may still be winding down (a close or the last release
+            # just before): it would end without watching for this pod, so a new one starts.
+            if self._thread is None or not self._thread.is_alive() or self._stop.is_set():
                 self._stop = threading.Event()
                 self._thread = threading.Thread(
                     target=self._run, args=(self._stop,), daemon=True, name=f"resoluto-k8s-watch-{self.id}"
@@ -177,12 +179,12 @@ class PodWatch:
         while not stop.is_set():
             try:
                 if not self._rv:
-                    self._list()
+                    self._list(stop)
                 self._stream(stop)
                 failures = 0
             except KubernetesApiError as e:
                 failures += 1
-                self._went_down()
+                self._went_down(stop)
                 if e.status == 410:
                     self._expired()
                     continue
@@ -196,7 +198,7 @@ class PodWatch:
                 self._note(f"{e.status}: {e}")
             except Exception as e:  # a dropped connection, a truncated stream: resume from _rv
                 failures += 1
-                self._went_down()
+                self._went_down(stop)
                 self.stats.dropped += 1
                 self._note(f"{type(e).__name__}: {e}")
                 logger.debug("kubernetes runtime: pod watch broke off (%s); resuming", e)
@@ -205,15 +207,17 @@ class PodWatch:
                 delay = 30.0
             if delay:
                 stop.wait(delay * (0.5 + random.random() / 2))
-        self._went_down()
+        self._went_down(stop)
 
     def _note(self, what: str) -> None:
         errs = self.stats.errors
         errs.append(what[:300])
         del errs[:-20]
 
-    def _went_down(self) -> None:
+    def _went_down(self, stop: threading.Event | None = None) -> None:
         with self._lock:
+            if stop is not None and stop is not self._stop:
+                return  # a stopped thread's last word: the cache is its successor's now
             if self._down_since is None:
                 self._down_since = self._clock()
             self._connected_since = None
@@ -223,7 +227,7 @@ class PodWatch:
         with self._lock:
             self._rv = ""
 
-    def _list(self) -> None:
+    def _list(self, stop: threading.Event) -> None:
         api = self.api
         core = api.core()
         listing = api.call(
@@ -238,6 +242,8 @@ class PodWatch:
         self.fatal = None
         fresh = {p.metadata.name: p for p in listing.items or []}
         with self._lock:
+            if stop is not self._stop:
+                return
             for name in list(self._pods):
                 if name not in fresh:  # deleted while nobody watched: its last state stays
                     self._deleted.add(name)
@@ -287,7 +293,7 @@ class PodWatch:
                 if self._response is resp:
                     self._response = None
             _shut(resp)
-        self._went_down()
+        self._went_down(stop)
 
     def _event(self, line: bytes | None) -> bool:
         """Apply one watch line; False when the stream must be left (410 and other ERRORs)."""
