@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import select
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -20,9 +22,10 @@ from support.runtime_contract import require, spec, wait_terminal
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.conduit.local import TEMP_PREFIX
-from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, drive_node
+from prefect_resoluto.node import tail
+from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, _Clocks, drive_node
 from prefect_resoluto.node.spec import NodeSpec
-from prefect_resoluto.node.tail import DirWatch
+from prefect_resoluto.node.tail import ChunkTailer, DirWatch
 from prefect_resoluto.runtimes import _local
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxStatus
 from prefect_resoluto.runtimes.process import ProcessRuntime
@@ -173,3 +176,63 @@ def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing
         assert looked.count(manifest) == 2 and tailer.finished
     finally:
         tailer.close()
+
+
+def test_a_sandbox_creating_names_in_a_loop_wakes_the_host_at_most_every_gap(tmp_path):
+    """A hostile guest publishing names as fast as it can: each wake drains what landed
+    during the gap, so the host wakes (and polls) at most once per MIN_WAKE_GAP."""
+    watch = DirWatch.open(str(tmp_path))
+    if watch is None:
+        pytest.skip("no inotify here")
+    stop = threading.Event()
+
+    def flood() -> None:
+        i = 0
+        while not stop.is_set():
+            tmp = tmp_path / f"x{i % 64}.part"
+            tmp.write_bytes(b"")
+            os.replace(tmp, tmp_path / f"events-{i % 64:06d}x")
+            i += 1
+
+    writer = threading.Thread(target=flood, daemon=True)
+    writer.start()
+    try:
+        began = time.monotonic()
+        for _ in range(30):
+            assert watch.wait(scaled(30))
+        elapsed = time.monotonic() - began
+    finally:
+        stop.set()
+        writer.join()
+        watch.close()
+    assert watch.wakes == 30
+    assert elapsed >= 29 * tail.MIN_WAKE_GAP  # before: 30 wakes in a few hundred microseconds
+
+
+def test_a_poll_stopped_by_its_budget_is_followed_by_another_at_once(tmp_path):
+    """A poll reads at most CHUNKS_PER_POLL chunks; no directory event will come for those
+    already there, so the driver's next poll is due at once, not at the watch's backstop."""
+    from test_tail_attacks import P, put_chunk, put_manifest
+
+    c = LocalConduit(tmp_path / "c")
+    n = tail.CHUNKS_PER_POLL * 2 + 3
+    for i in range(1, n + 1):
+        put_chunk(c, i, [i])
+    t = ChunkTailer(c, P)
+    assert t.wait(0.0) and t.watching
+    clocks = _Clocks(status_interval=1.0, exit_fd=None)
+    got: list[object] = []
+    polls = 0
+    while not t.finished:
+        t.poll(got.append)
+        polls += 1
+        clocks.polled(t)
+        due_in = clocks.next_poll - time.monotonic()
+        if t.delivered < n:
+            assert t.behind and due_in <= tail.MIN_POLL, (t.delivered, due_in)
+        else:
+            assert not t.behind and due_in > tail.MIN_POLL  # caught up: the watch wakes it
+            put_manifest(c, n)
+            t.check_manifest()
+    assert len(got) == n and polls == 3
+    t.close()

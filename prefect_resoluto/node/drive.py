@@ -409,7 +409,8 @@ class _Clocks:
     next_status: float = 0.0
 
     def polled(self, tailer: ChunkTailer) -> None:
-        self.next_poll = time.monotonic() + (POLL_BACKSTOP if tailer.watching else tailer.next_delay())
+        watched = tailer.watching and not tailer.behind
+        self.next_poll = time.monotonic() + (POLL_BACKSTOP if watched else tailer.next_delay())
 
     def asked(self, now: float) -> None:
         self.next_status = now + (STATUS_BACKSTOP if self.exit_fd is not None else self.status_interval)
@@ -655,10 +656,12 @@ def _drain_after_exit(
         if tailer.check_manifest():
             while not tailer.finished:
                 tailer.poll(deliver)
-                if not tailer.finished:
+                if not tailer.finished and not tailer.behind:
                     tailer.wait(tailer.next_delay())
             return verdict.after_exit(st, manifest=True)
         tailer.poll(deliver)
+        while tailer.behind:  # it has exited: what it left is finite
+            tailer.poll(deliver)
     except TailError as e:
         return FailureKind.PROTOCOL, str(e)
     except ConduitError as e:

@@ -64,6 +64,9 @@ LIST_PAGE = 1000
 # A poll reads at most this many chunks, so the driver looks at status, cancellation and
 # silence between them however fast a guest writes.
 CHUNKS_PER_POLL = 16
+# A directory watch wakes the host at most this often: a sandbox that creates names in a
+# loop would otherwise keep a host core busy draining its events and polling.
+MIN_WAKE_GAP = 0.01
 # Encoders write none; a few are forgiven, a chunk of them is refused rather than read line
 # by line (32 MiB of newlines is 33 M reads).
 MAX_BLANK_LINES = 1024
@@ -106,6 +109,8 @@ class DirWatch:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.wakes = 0
+        self._woke_at = -MIN_WAKE_GAP
         #: Whether everything the last wake saw land was a chunk (events-NNNNNN).
         self.only_chunks = False
 
@@ -133,6 +138,11 @@ class DirWatch:
         ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
         if self.fd not in ready:
             return False
+        early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
+        if early > 0:
+            time.sleep(early)  # what lands meanwhile is drained with it, in one wake
+        self._woke_at = time.monotonic()
+        self.wakes += 1
         landed, self.only_chunks = False, True
         try:
             while True:
@@ -226,6 +236,9 @@ class ChunkTailer:
         self.events_delivered = 0
         self.total: int | None = None
         self.polls = 0
+        #: The last poll stopped at its budget with chunks maybe still there: poll again at
+        #: once (no directory event will come for what has landed already).
+        self.behind = False
         self.listings = 0  # recovery listings made (none in the steady state)
         self._result_seen = False
         self._armed_at: float | None = None
@@ -332,7 +345,7 @@ class ChunkTailer:
                 self._manifest_at = self.clock() + self._manifest_gap
                 self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
         n_events = 0
-        lively = False
+        lively = self.behind = False
         for _ in range(CHUNKS_PER_POLL):
             if self.total is not None and self.delivered >= self.total:
                 break
@@ -348,6 +361,7 @@ class ChunkTailer:
             self._later = self._gap_since = None
         else:
             lively = True  # the budget ran out, not the chunks: more are likely there
+            self.behind = self.total is None or self.delivered < self.total
         self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
         self._probe_for_gap()
         self._check_consistency()
