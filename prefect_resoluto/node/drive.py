@@ -19,7 +19,6 @@ import functools
 import logging
 import os
 import queue
-import select
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from prefect_resoluto.node.spec import (
     NodeSpecError,
     launch_spec,
 )
-from prefect_resoluto.node.tail import ChunkTailer, TailError
+from prefect_resoluto.node.tail import ChunkTailer, TailError, readable
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,
@@ -430,7 +429,7 @@ class _Clocks:
 
 
 def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
+    return bool(readable([fd], 0.0))
 
 
 def _watch_loop(node: _Node, handle: SandboxHandle, clocks: _Clocks) -> None:

@@ -21,6 +21,7 @@ driver once the sandbox runs: no chunk at all (not even a heartbeat) for
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import queue
 import select
@@ -135,8 +136,7 @@ class DirWatch:
         landed (events drained)."""
         if self.fd < 0:
             return _wait_fd(also, timeout)
-        ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
-        if self.fd not in ready:
+        if self.fd not in readable([self.fd] if also is None else [self.fd, also], timeout):
             return False
         early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
         if early > 0:
@@ -185,8 +185,19 @@ def _wait_fd(fd: int | None, timeout: float) -> bool:
     if fd is None:
         time.sleep(max(0.0, timeout))
     else:
-        select.select([fd], [], [], max(0.0, timeout))
+        readable([fd], timeout)
     return False
+
+
+def readable(fds: list[int], timeout: float) -> list[int]:
+    """Those of ``fds`` readable (or hung up) within ``timeout`` seconds: poll(2), not
+    select(2), whose sets hold no descriptor numbered past 1 023 (a host driving a thousand
+    nodes holds a directory watch and an exit descriptor for each)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = math.ceil(max(0.0, timeout) * 1000)
+    return [fd for fd, _ in poller.poll(ms)]
 
 
 # Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
