@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.polling import scaled
@@ -23,7 +26,7 @@ from guest_runner import wire
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node.drive import _Clocks, drive_node
 from prefect_resoluto.node.spec import NodeSpec
-from prefect_resoluto.node.tail import ChunkTailer
+from prefect_resoluto.node.tail import ChunkTailer, DirWatch
 from prefect_resoluto.runtimes import get_runtime
 
 P = wire.node_prefix("r", "n")
@@ -106,3 +109,125 @@ def test_a_node_driven_with_more_than_fd_setsize_descriptors_open_succeeds(
         min_isolation="none",
     )
     assert out.ok, out.describe()
+
+
+#: A guest creating names in its node's directory as fast as it can: each open-for-write
+#: and close is an IN_CLOSE_WRITE, alternating names so that the kernel merges none. It
+#: writes ``marker`` first, and stops by itself after ``seconds`` (a bound for a broken host).
+FLOOD = """
+import os, sys, time
+d, marker, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+names = [os.path.join(d, "events-" + "0" * 200 + str(i) + "x") for i in range(8)]
+open(marker, "w").close()
+end = time.monotonic() + seconds
+flags = os.O_WRONLY | os.O_CREAT
+while time.monotonic() < end:
+    for _ in range(256):
+        for name in names:
+            os.close(os.open(name, flags, 0o600))
+"""
+
+
+@pytest.fixture
+def busy_host() -> Iterator[None]:
+    """The host's other work: the drivers of its other nodes, sharing the GIL with this one's
+    (a host drives hundreds). Three threads that never block."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    threads = [threading.Thread(target=spin, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + scaled(30)
+    while not path.exists():
+        assert proc is None or proc.poll() is None, "the flood ended before it began"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)  # polling a condition against a deadline, not a guess
+
+
+# FIXED: DirWatch.wait drained the inotify queue until it was empty. A sandbox creating names
+# in its node's directory faster than the host's driver thread parses their events (which
+# it did as soon as that thread shared the GIL with a few others: a host drives many nodes)
+# kept the driver inside one wait for as long as the flood lasted: no poll, no status, no
+# cancellation, no silence watchdog, and a host core busy. A wake now reads one bounded
+# buffer of events; the rest wakes the next wait.
+def test_a_flood_of_names_never_keeps_the_directory_watch_from_returning(
+    tmp_path: Path, busy_host: None
+) -> None:
+    d = tmp_path / "node"
+    d.mkdir()
+    watch = DirWatch.open(str(d))
+    assert watch is not None, "inotify is needed here"
+    marker = tmp_path / "flooding"
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(d), str(marker), "600"])
+    try:
+        _wait_for_file(marker, flood)
+        returned = threading.Event()
+
+        def waits() -> None:
+            for _ in range(20):  # twenty wakes, each within its gap, while the flood lasts
+                watch.wait(scaled(30))
+            returned.set()
+
+        waiter = threading.Thread(target=waits, daemon=True)
+        waiter.start()
+        assert returned.wait(scaled(10)), "the directory watch is still draining a flood"
+        assert flood.poll() is None  # the flood went on all along
+    finally:
+        flood.kill()
+        flood.wait()
+        watch.close()
+
+
+def test_a_node_flooding_its_directory_is_still_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy_host: None
+) -> None:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    rt = require(get_runtime("process"))
+    root = tmp_path / "c"
+    marker = tmp_path / "flooding"
+    node_dir = root / wire.node_prefix("r", "flood")
+    cancel_at: list[float] = []
+
+    def should_cancel() -> bool:
+        if marker.exists() and not cancel_at:
+            cancel_at.append(time.monotonic())
+        return bool(cancel_at)
+
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        outcome.append(
+            drive_node(
+                NodeSpec(
+                    run_id="r",
+                    node_id="flood",
+                    argv=[sys.executable, "-c", FLOOD, str(node_dir), str(marker), "90"],
+                ),
+                LocalConduit(root),
+                rt,
+                min_isolation="none",
+                should_cancel=should_cancel,
+            )
+        )
+        done.set()
+
+    driver = threading.Thread(target=run, daemon=True)
+    driver.start()
+    _wait_for_file(marker)
+    assert done.wait(scaled(20)), "the host did not see its own cancellation while the node flooded"
+    out = outcome[0]
+    assert not out.ok and "cancelled by the host" in out.reason, out.describe()

@@ -68,6 +68,9 @@ CHUNKS_PER_POLL = 16
 # A directory watch wakes the host at most this often: a sandbox that creates names in a
 # loop would otherwise keep a host core busy draining its events and polling.
 MIN_WAKE_GAP = 0.01
+# What one wake reads of the directory watch's events (a few dozen: as many names as a guest
+# publishes in MIN_WAKE_GAP), so a wake's work is bounded whatever lands meanwhile.
+WAKE_READ_BYTES = 4096
 # Encoders write none; a few are forgiven, a chunk of them is refused rather than read line
 # by line (32 MiB of newlines is 33 M reads).
 MAX_BLANK_LINES = 1024
@@ -143,16 +146,15 @@ class DirWatch:
             time.sleep(early)  # what lands meanwhile is drained with it, in one wake
         self._woke_at = time.monotonic()
         self.wakes += 1
-        landed, self.only_chunks = False, True
+        # One bounded read per wake, never "until the queue is empty": a sandbox creating
+        # names faster than this thread parses them (its share of the GIL is one node's)
+        # would keep it here for as long as it likes. What is left wakes the next wait; a
+        # queue that overflows meanwhile says so (an overflow counts as an object landing).
         try:
-            while True:
-                buf = os.read(self.fd, 65536)
-                if not buf:
-                    break
-                named, chunks = _names_an_object(buf)
-                landed, self.only_chunks = landed or named, self.only_chunks and chunks
+            buf = os.read(self.fd, WAKE_READ_BYTES)
         except BlockingIOError:
-            pass
+            buf = b""
+        landed, self.only_chunks = _names_an_object(buf)
         return landed
 
     def close(self) -> None:
