@@ -231,3 +231,44 @@ def test_a_node_flooding_its_directory_is_still_cancelled(
     assert done.wait(scaled(20)), "the host did not see its own cancellation while the node flooded"
     out = outcome[0]
     assert not out.ok and "cancelled by the host" in out.reason, out.describe()
+
+
+# FIXED (with the one above): once a wake reads a bounded buffer, a sandbox that flooded its
+# directory and then died left thousands of events queued, and every wake they caused hid its
+# exit descriptor from the drive loop's clocks: the exit was seen at STATUS_BACKSTOP (30 s),
+# not at once. The exit descriptor is now looked at on every wake.
+def test_a_node_that_floods_then_dies_is_seen_dead_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy_host: None
+) -> None:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    rt = require(get_runtime("process"))
+    root = tmp_path / "c"
+    marker = tmp_path / "flooding"
+    dying = tmp_path / "dying"
+    node_dir = root / wire.node_prefix("r", "dies")
+    # Floods until the host has queued far more than a wake reads, then kills its runner (the
+    # sandbox's process): no result, no manifest, only the exit tells the host.
+    code = FLOOD + "open(sys.argv[4], 'w').close()\nimport signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        outcome.append(
+            drive_node(
+                NodeSpec(
+                    run_id="r",
+                    node_id="dies",
+                    argv=[sys.executable, "-c", code, str(node_dir), str(marker), "3", str(dying)],
+                ),
+                LocalConduit(root),
+                rt,
+                min_isolation="none",
+            )
+        )
+        done.set()
+
+    driver = threading.Thread(target=run, daemon=True)
+    driver.start()
+    _wait_for_file(dying)
+    assert done.wait(scaled(10)), "the sandbox's exit went unseen behind its queued events"
+    assert outcome[0].failure is not None, outcome[0].describe()

@@ -418,7 +418,9 @@ class _Clocks:
         until = min(self.next_poll, self.next_status, time.monotonic() + WAKE)
         if tailer.wait(until - time.monotonic(), self.exit_fd):
             self.next_poll = 0.0  # something landed: read it now
-        elif self.exit_fd is not None and time.monotonic() < until and _readable(self.exit_fd):
+        # Whatever woke it: a sandbox that floods its directory and dies leaves events queued
+        # for many wakes, each of which would otherwise hide its exit until STATUS_BACKSTOP.
+        if self.exit_fd is not None and _readable(self.exit_fd):
             self.next_status = 0.0  # the sandbox exited: see it now
             self.close()  # from now on, the runtime's own cadence
 
