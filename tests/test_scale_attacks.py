@@ -272,3 +272,37 @@ def test_a_node_that_floods_then_dies_is_seen_dead_at_once(
     _wait_for_file(dying)
     assert done.wait(scaled(10)), "the sandbox's exit went unseen behind its queued events"
     assert outcome[0].failure is not None, outcome[0].describe()
+
+
+class _CountingConduit(LocalConduit):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lists = 0
+
+    def list_prefix(
+        self, prefix: str, start_after: str | None = None, shallow: bool = False, limit: int | None = None
+    ) -> list[str]:
+        self.lists += 1
+        return super().list_prefix(prefix, start_after, shallow, limit)
+
+
+# FIXED: a recovery listing paged on until it ran out of names. Past chunk 99 999 it starts
+# at events-099999 (7-digit names sort among the 6-digit ones) and passes the node's own
+# chunks a page (1 000 names) at a time, and a page of a local conduit is a scan of the whole
+# directory: a guest that wrote 150 000 small chunks and a manifest saying so made the end
+# check scan its directory 51 times (7.5 M names, ~8 s of the driver's thread, which sees no
+# cancellation meanwhile; ~60 s at 300 000 chunks), quadratic in what it wrote. A listing now reads at most
+# LIST_PAGES pages: a chunk hidden past them is one the host never reads anyway.
+def test_the_end_listing_of_a_node_of_many_chunks_reads_a_bounded_number_of_pages(tmp_path: Path) -> None:
+    c = _CountingConduit(tmp_path / "c")
+    d = tmp_path / "c" / P
+    d.mkdir(parents=True)
+    n = 116_000  # 16 pages past chunk 99 999
+    for i in range(1, n + 1):  # what a guest's chunks leave: one file each (empty: no events)
+        with open(d / f"events-{i:06d}.jsonl", "wb"):
+            pass
+    c.put(wire.manifest_key(P), wire.encode_manifest(n))
+    t = ChunkTailer(c, P)
+    t.delivered = n  # its chunks are read: the manifest's check makes the end listing
+    assert t.check_manifest() and t.finished
+    assert t.listings == c.lists <= 8, c.lists  # each a scan of the whole directory here

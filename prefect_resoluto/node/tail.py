@@ -62,6 +62,10 @@ GAP_PROBE_AFTER = 30.0
 # A recovery listing reads a page of names at a time and gives up on a page of names that
 # are not chunks: what a sandbox writes never sets how much the host holds or requests.
 LIST_PAGE = 1000
+# ...and at most this many pages: past chunk 99 999 a listing passes the node's own chunks,
+# and a page of a local conduit is a scan of the whole directory (quadratic in what a guest
+# wrote). A chunk hidden past them is one the host never reads either.
+LIST_PAGES = 8
 # A poll reads at most this many chunks, so the driver looks at status, cancellation and
 # silence between them however fast a guest writes.
 CHUNKS_PER_POLL = 16
@@ -435,7 +439,7 @@ class ChunkTailer:
         # the node's own chunks on its way.
         start = wire.chunk_key(self.prefix, min(after, 99_999)) if after else None
         strays = 0
-        while True:
+        for _ in range(LIST_PAGES):
             self.listings += 1
             keys = self.conduit.list_prefix(
                 f"{self.prefix}/{wire.CHUNK_PREFIX}", start_after=start, shallow=True, limit=LIST_PAGE
@@ -450,6 +454,7 @@ class ChunkTailer:
             if strays >= LIST_PAGE or len(keys) < LIST_PAGE:
                 return None
             start = keys[-1]
+        return None
 
     def _probe_for_gap(self) -> None:
         """While the sandbox runs and nothing came for a long while, list once (backed off)
