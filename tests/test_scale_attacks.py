@@ -24,6 +24,7 @@ from support.runtime_contract import require
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
+from prefect_resoluto.node import tail
 from prefect_resoluto.node.drive import _Clocks, drive_node
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.node.tail import ChunkTailer, DirWatch
@@ -306,3 +307,30 @@ def test_the_end_listing_of_a_node_of_many_chunks_reads_a_bounded_number_of_page
     t.delivered = n  # its chunks are read: the manifest's check makes the end listing
     assert t.check_manifest() and t.finished
     assert t.listings == c.lists <= 8, c.lists  # each a scan of the whole directory here
+
+
+# FIXED: a poll's budget counted chunks only (16), and a chunk may hold 32 MiB, ~240 000
+# events: one poll of a guest that wrote sixteen full chunks decoded and delivered half a GiB
+# (~32 s here with an observer that does nothing, minutes with Prefect's logging) before the
+# driver looked at cancellation, status or silence again -- and a slot of the default 4 GiB
+# holds 128 of them. A poll now also stops after the chunk that takes it past 4 MiB; the
+# driver polls again at once (``behind``), after its checks.
+def test_a_poll_stops_at_its_byte_budget_and_the_driver_sees_its_checks_between(tmp_path: Path) -> None:
+    c = LocalConduit(tmp_path / "c")
+    line = _line(0)
+    per_chunk = (3 << 20) // (len(line) + 1)  # 3 MiB chunks: well under a chunk's limit
+    n = 8
+    for i in range(1, n + 1):
+        c.put(wire.chunk_key(P, i), ("\n".join([line] * per_chunk) + "\n").encode())
+    t = ChunkTailer(c, P)
+    clocks = _Clocks(status_interval=1.0, exit_fd=None)
+    polls = 0
+    while t.delivered < n:
+        before = t.delivered
+        t.poll(lambda ev: None)
+        polls += 1
+        assert t.delivered - before <= 2, f"one poll read {t.delivered - before} chunks of 3 MiB"
+        clocks.polled(t)
+        if t.delivered < n:  # stopped by its budget: the next poll is due at once
+            assert t.behind and clocks.next_poll - time.monotonic() <= tail.MIN_POLL
+    assert t.events_delivered == n * per_chunk and polls >= n // 2

@@ -69,6 +69,10 @@ LIST_PAGES = 8
 # A poll reads at most this many chunks, so the driver looks at status, cancellation and
 # silence between them however fast a guest writes.
 CHUNKS_PER_POLL = 16
+# ...and stops after the chunk that takes it past this many bytes: a chunk may hold 32 MiB
+# (~240 000 events, seconds to decode and deliver), and sixteen of them would keep the
+# driver from its status, cancellation and silence checks for minutes.
+POLL_BYTES = 4 << 20
 # A directory watch wakes the host at most this often: a sandbox that creates names in a
 # loop would otherwise keep a host core busy draining its events and polling.
 MIN_WAKE_GAP = 0.01
@@ -361,23 +365,28 @@ class ChunkTailer:
             if not self.check_manifest():
                 self._manifest_at = self.clock() + self._manifest_gap
                 self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
-        n_events = 0
+        n_events = n_bytes = 0
         lively = self.behind = False
         for _ in range(CHUNKS_PER_POLL):
             if self.total is not None and self.delivered >= self.total:
                 break
             key = wire.chunk_key(self.prefix, self.delivered + 1)
             try:
-                n, heartbeat_only = self._deliver(key, on_event)
+                n, heartbeat_only, size = self._deliver(key, on_event)
             except ObjectNotFound:  # not there (yet): nothing new
                 break
             n_events += n
+            n_bytes += size
             lively = lively or not heartbeat_only
             self.delivered += 1
             self._last_arrival = self.clock()
             self._later = self._gap_since = None
+            if n_bytes >= POLL_BYTES:
+                break
         else:
-            lively = True  # the budget ran out, not the chunks: more are likely there
+            n_bytes = POLL_BYTES  # the budget ran out, not the chunks: more are likely there
+        if n_bytes >= POLL_BYTES:
+            lively = True
             self.behind = self.total is None or self.delivered < self.total
         self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
         self._probe_for_gap()
@@ -406,10 +415,12 @@ class ChunkTailer:
             raise ManifestMismatch(f"{key}: {e}") from None
         self._result_seen = True
 
-    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
-        n = blank = 0
+    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool, int]:
+        """(events delivered, whether all were heartbeats, characters read) of one chunk."""
+        n = blank = size = 0
         heartbeat_only = True
         for line_no, line in chunk_text_lines(self.conduit, key):
+            size += len(line) + 1
             if not line.strip():
                 blank += 1
                 if blank > MAX_BLANK_LINES:
@@ -429,7 +440,7 @@ class ChunkTailer:
             on_event(ev)
             n += 1
             self.events_delivered += 1
-        return n, heartbeat_only
+        return n, heartbeat_only, size
 
     def _chunk_after(self, after: int) -> str | None:
         """A recovery listing: the key of the first chunk numbered after ``after`` (the node's
