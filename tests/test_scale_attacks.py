@@ -25,10 +25,14 @@ from support.runtime_contract import require
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node import tail
-from prefect_resoluto.node.drive import _Clocks, drive_node
+from prefect_resoluto.node.drive import _check_status, _Clocks, _prepare, _Sightings, drive_node
+from prefect_resoluto.node.observer import Callbacks
+from prefect_resoluto.node.outcome import FailureKind
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.node.tail import ChunkTailer, DirWatch
 from prefect_resoluto.runtimes import get_runtime
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxStatus
+from prefect_resoluto.runtimes.process import ProcessRuntime
 
 P = wire.node_prefix("r", "n")
 #: select(2)'s FD_SETSIZE: descriptors at or above it do not fit its sets.
@@ -334,3 +338,42 @@ def test_a_poll_stops_at_its_byte_budget_and_the_driver_sees_its_checks_between(
         if t.delivered < n:  # stopped by its budget: the next poll is due at once
             assert t.behind and clocks.next_poll - time.monotonic() <= tail.MIN_POLL
     assert t.events_delivered == n * per_chunk and polls >= n // 2
+
+
+# FIXED: once the sandbox had exited, the drive loop read what it left (_drain_after_exit)
+# to the end without looking at the host's cancellation: a guest that wrote its slot full of
+# chunks (the default 4 GiB: 128 chunks of 32 MiB), a manifest counting them, and exited kept
+# a cancelled node's driver delivering them for minutes. The drain now stops at the first
+# look (between polls) that finds the node cancelled.
+class _ExitedRuntime(ProcessRuntime):
+    """The process runtime, whose sandbox has exited (status is all the drain asks of it)."""
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        return SandboxStatus("succeeded", exit_code=0)
+
+
+def test_what_an_exited_sandbox_left_is_not_read_after_the_host_cancels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path / "state"))
+    c = LocalConduit(tmp_path / "c")
+    line = _line(0)
+    per_chunk = (1 << 20) // (len(line) + 1)
+    n = 40
+    for i in range(1, n + 1):
+        c.put(wire.chunk_key(P, i), ("\n".join([line] * per_chunk) + "\n").encode())
+    c.put(wire.manifest_key(P), wire.encode_manifest(n))
+    got: list[wire.SpanEvent] = []
+    observer = Callbacks(on_event=got.append, should_cancel=lambda: bool(got))  # cancelled once it reads
+    node = _prepare(
+        NodeSpec(run_id="r", node_id="n", argv=["true"], min_isolation="none"), c, _ExitedRuntime(), observer
+    )
+    try:
+        assert _check_status(node, SandboxHandle(id="exited", runtime="process"), _Sightings())  # the exit
+    finally:
+        if node.beat is not None:
+            node.beat.release()
+    assert node.failure is FailureKind.LOST and "cancelled" in node.reason, (node.failure, node.reason)
+    assert node.tailer.delivered <= tail.CHUNKS_PER_POLL, (
+        f"{node.tailer.delivered} chunks read after the cancellation"
+    )

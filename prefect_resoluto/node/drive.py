@@ -482,7 +482,9 @@ def _check_status(node: _Node, handle: SandboxHandle, seen: _Sightings) -> bool:
     if st.phase == "running":
         node.tailer.arm()
     if st.terminal:
-        node.failure, node.reason = _drain_after_exit(node.tailer, node.events.deliver, st)
+        node.failure, node.reason = _drain_after_exit(
+            node.tailer, node.events.deliver, st, cancelled=node.observer.cancelled
+        )
         return True
     seen.unstartable = seen.unstartable + 1 if st.unstartable else 0
     if seen.unstartable >= CONFIRMATIONS:
@@ -650,18 +652,27 @@ def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[wire.SpanEve
 
 
 def _drain_after_exit(
-    tailer: ChunkTailer, deliver: Callable[[wire.SpanEvent], None], st: SandboxStatus
+    tailer: ChunkTailer,
+    deliver: Callable[[wire.SpanEvent], None],
+    st: SandboxStatus,
+    *,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> tuple[FailureKind | None, str]:
-    """The sandbox has exited: read what it left, then judge."""
+    """The sandbox has exited: read what it left, then judge. What it left is finite, but
+    may be its whole slot of chunks: the host's cancellation is looked at between polls."""
     try:
         if tailer.check_manifest():
             while not tailer.finished:
                 tailer.poll(deliver)
+                if not tailer.finished and cancelled():
+                    return FailureKind.LOST, "cancelled by the host"
                 if not tailer.finished and not tailer.behind:
                     tailer.wait(tailer.next_delay())
             return verdict.after_exit(st, manifest=True)
         tailer.poll(deliver)
         while tailer.behind:  # it has exited: what it left is finite
+            if cancelled():
+                return FailureKind.LOST, "cancelled by the host"
             tailer.poll(deliver)
     except TailError as e:
         return FailureKind.PROTOCOL, str(e)
