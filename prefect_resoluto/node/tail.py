@@ -144,14 +144,14 @@ class DirWatch:
 
     def wait(self, timeout: float, also: int | None = None) -> bool:
         """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
-        landed (events drained)."""
+        landed (a bounded buffer of its events read)."""
         if self.fd < 0:
             return _wait_fd(also, timeout)
         if self.fd not in readable([self.fd] if also is None else [self.fd, also], timeout):
             return False
         early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
         if early > 0:
-            time.sleep(early)  # what lands meanwhile is drained with it, in one wake
+            time.sleep(early)  # what lands meanwhile is read with it, in one wake
         self._woke_at = time.monotonic()
         self.wakes += 1
         # One bounded read per wake, never "until the queue is empty": a sandbox creating
