@@ -296,8 +296,8 @@ class _CountingConduit(LocalConduit):
 # chunks a page (1 000 names) at a time, and a page of a local conduit is a scan of the whole
 # directory: a guest that wrote 150 000 small chunks and a manifest saying so made the end
 # check scan its directory 51 times (7.5 M names, ~8 s of the driver's thread, which sees no
-# cancellation meanwhile; ~60 s at 300 000 chunks), quadratic in what it wrote. A listing now reads at most
-# LIST_PAGES pages: a chunk hidden past them is one the host never reads anyway.
+# cancellation meanwhile), growing with the square of what it wrote. A listing now reads at
+# most LIST_PAGES (8) pages: a chunk hidden past them is one the host never reads anyway.
 def test_the_end_listing_of_a_node_of_many_chunks_reads_a_bounded_number_of_pages(tmp_path: Path) -> None:
     c = _CountingConduit(tmp_path / "c")
     d = tmp_path / "c" / P
@@ -315,7 +315,7 @@ def test_the_end_listing_of_a_node_of_many_chunks_reads_a_bounded_number_of_page
 
 # FIXED: a poll's budget counted chunks only (16), and a chunk may hold 32 MiB, ~240 000
 # events: one poll of a guest that wrote sixteen full chunks decoded and delivered half a GiB
-# (~32 s here with an observer that does nothing, minutes with Prefect's logging) before the
+# (~2 s a chunk here with an observer that does nothing: ~30 s, more with Prefect's logs) before the
 # driver looked at cancellation, status or silence again -- and a slot of the default 4 GiB
 # holds 128 of them. A poll now also stops after the chunk that takes it past 4 MiB; the
 # driver polls again at once (``behind``), after its checks.
