@@ -19,7 +19,6 @@ import functools
 import logging
 import os
 import queue
-import select
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from prefect_resoluto.node.spec import (
     NodeSpecError,
     launch_spec,
 )
-from prefect_resoluto.node.tail import ChunkTailer, TailError
+from prefect_resoluto.node.tail import ChunkTailer, TailError, readable
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,
@@ -419,7 +418,9 @@ class _Clocks:
         until = min(self.next_poll, self.next_status, time.monotonic() + WAKE)
         if tailer.wait(until - time.monotonic(), self.exit_fd):
             self.next_poll = 0.0  # something landed: read it now
-        elif self.exit_fd is not None and time.monotonic() < until and _readable(self.exit_fd):
+        # Whatever woke it: a sandbox that floods its directory and dies leaves events queued
+        # for many wakes, each of which would otherwise hide its exit until STATUS_BACKSTOP.
+        if self.exit_fd is not None and _readable(self.exit_fd):
             self.next_status = 0.0  # the sandbox exited: see it now
             self.close()  # from now on, the runtime's own cadence
 
@@ -430,7 +431,7 @@ class _Clocks:
 
 
 def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
+    return bool(readable([fd], 0.0))
 
 
 def _watch_loop(node: _Node, handle: SandboxHandle, clocks: _Clocks) -> None:
@@ -481,7 +482,9 @@ def _check_status(node: _Node, handle: SandboxHandle, seen: _Sightings) -> bool:
     if st.phase == "running":
         node.tailer.arm()
     if st.terminal:
-        node.failure, node.reason = _drain_after_exit(node.tailer, node.events.deliver, st)
+        node.failure, node.reason = _drain_after_exit(
+            node.tailer, node.events.deliver, st, cancelled=node.observer.cancelled
+        )
         return True
     seen.unstartable = seen.unstartable + 1 if st.unstartable else 0
     if seen.unstartable >= CONFIRMATIONS:
@@ -649,18 +652,27 @@ def _save_egress_events(conduit: Conduit, spec: NodeSpec, evs: list[wire.SpanEve
 
 
 def _drain_after_exit(
-    tailer: ChunkTailer, deliver: Callable[[wire.SpanEvent], None], st: SandboxStatus
+    tailer: ChunkTailer,
+    deliver: Callable[[wire.SpanEvent], None],
+    st: SandboxStatus,
+    *,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> tuple[FailureKind | None, str]:
-    """The sandbox has exited: read what it left, then judge."""
+    """The sandbox has exited: read what it left, then judge. What it left is finite, but
+    may be its whole slot of chunks: the host's cancellation is looked at between polls."""
     try:
         if tailer.check_manifest():
             while not tailer.finished:
                 tailer.poll(deliver)
+                if not tailer.finished and cancelled():
+                    return FailureKind.LOST, "cancelled by the host"
                 if not tailer.finished and not tailer.behind:
                     tailer.wait(tailer.next_delay())
             return verdict.after_exit(st, manifest=True)
         tailer.poll(deliver)
         while tailer.behind:  # it has exited: what it left is finite
+            if cancelled():
+                return FailureKind.LOST, "cancelled by the host"
             tailer.poll(deliver)
     except TailError as e:
         return FailureKind.PROTOCOL, str(e)

@@ -21,6 +21,7 @@ driver once the sandbox runs: no chunk at all (not even a heartbeat) for
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import queue
 import select
@@ -61,12 +62,23 @@ GAP_PROBE_AFTER = 30.0
 # A recovery listing reads a page of names at a time and gives up on a page of names that
 # are not chunks: what a sandbox writes never sets how much the host holds or requests.
 LIST_PAGE = 1000
+# ...and at most this many pages: past chunk 99 999 a listing passes the node's own chunks,
+# and a page of a local conduit is a scan of the whole directory (quadratic in what a guest
+# wrote). A chunk hidden past them is one the host never reads either.
+LIST_PAGES = 8
 # A poll reads at most this many chunks, so the driver looks at status, cancellation and
 # silence between them however fast a guest writes.
 CHUNKS_PER_POLL = 16
+# ...and stops after the chunk that takes it past this many bytes: a chunk may hold 32 MiB
+# (~240 000 events, seconds to decode and deliver), and sixteen of them would keep the
+# driver from its status, cancellation and silence checks for minutes.
+POLL_BYTES = 4 << 20
 # A directory watch wakes the host at most this often: a sandbox that creates names in a
 # loop would otherwise keep a host core busy draining its events and polling.
 MIN_WAKE_GAP = 0.01
+# What one wake reads of the directory watch's events (a few dozen: as many names as a guest
+# publishes in MIN_WAKE_GAP), so a wake's work is bounded whatever lands meanwhile.
+WAKE_READ_BYTES = 4096
 # Encoders write none; a few are forgiven, a chunk of them is refused rather than read line
 # by line (32 MiB of newlines is 33 M reads).
 MAX_BLANK_LINES = 1024
@@ -132,27 +144,25 @@ class DirWatch:
 
     def wait(self, timeout: float, also: int | None = None) -> bool:
         """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
-        landed (events drained)."""
+        landed (a bounded buffer of its events read)."""
         if self.fd < 0:
             return _wait_fd(also, timeout)
-        ready, _, _ = select.select([self.fd] if also is None else [self.fd, also], [], [], max(0.0, timeout))
-        if self.fd not in ready:
+        if self.fd not in readable([self.fd] if also is None else [self.fd, also], timeout):
             return False
         early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
         if early > 0:
-            time.sleep(early)  # what lands meanwhile is drained with it, in one wake
+            time.sleep(early)  # what lands meanwhile is read with it, in one wake
         self._woke_at = time.monotonic()
         self.wakes += 1
-        landed, self.only_chunks = False, True
+        # One bounded read per wake, never "until the queue is empty": a sandbox creating
+        # names faster than this thread parses them (its share of the GIL is one node's)
+        # would keep it here for as long as it likes. What is left wakes the next wait; a
+        # queue that overflows meanwhile says so (an overflow counts as an object landing).
         try:
-            while True:
-                buf = os.read(self.fd, 65536)
-                if not buf:
-                    break
-                named, chunks = _names_an_object(buf)
-                landed, self.only_chunks = landed or named, self.only_chunks and chunks
+            buf = os.read(self.fd, WAKE_READ_BYTES)
         except BlockingIOError:
-            pass
+            buf = b""
+        landed, self.only_chunks = _names_an_object(buf)
         return landed
 
     def close(self) -> None:
@@ -185,8 +195,19 @@ def _wait_fd(fd: int | None, timeout: float) -> bool:
     if fd is None:
         time.sleep(max(0.0, timeout))
     else:
-        select.select([fd], [], [], max(0.0, timeout))
+        readable([fd], timeout)
     return False
+
+
+def readable(fds: list[int], timeout: float) -> list[int]:
+    """Those of ``fds`` readable (or hung up) within ``timeout`` seconds: poll(2), not
+    select(2), whose sets hold no descriptor numbered past 1 023 (a host driving a thousand
+    nodes holds a directory watch and an exit descriptor for each)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = math.ceil(max(0.0, timeout) * 1000)
+    return [fd for fd, _ in poller.poll(ms)]
 
 
 # Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
@@ -344,23 +365,28 @@ class ChunkTailer:
             if not self.check_manifest():
                 self._manifest_at = self.clock() + self._manifest_gap
                 self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
-        n_events = 0
+        n_events = n_bytes = 0
         lively = self.behind = False
         for _ in range(CHUNKS_PER_POLL):
             if self.total is not None and self.delivered >= self.total:
                 break
             key = wire.chunk_key(self.prefix, self.delivered + 1)
             try:
-                n, heartbeat_only = self._deliver(key, on_event)
+                n, heartbeat_only, size = self._deliver(key, on_event)
             except ObjectNotFound:  # not there (yet): nothing new
                 break
             n_events += n
+            n_bytes += size
             lively = lively or not heartbeat_only
             self.delivered += 1
             self._last_arrival = self.clock()
             self._later = self._gap_since = None
+            if n_bytes >= POLL_BYTES:
+                break
         else:
-            lively = True  # the budget ran out, not the chunks: more are likely there
+            n_bytes = POLL_BYTES  # the budget ran out, not the chunks: more are likely there
+        if n_bytes >= POLL_BYTES:
+            lively = True
             self.behind = self.total is None or self.delivered < self.total
         self._delay = self.min_poll if lively else min(self.max_poll, self._delay * BACKOFF)
         self._probe_for_gap()
@@ -389,10 +415,12 @@ class ChunkTailer:
             raise ManifestMismatch(f"{key}: {e}") from None
         self._result_seen = True
 
-    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool]:
-        n = blank = 0
+    def _deliver(self, key: str, on_event: Callable[[Event], None]) -> tuple[int, bool, int]:
+        """(events delivered, whether all were heartbeats, characters read) of one chunk."""
+        n = blank = size = 0
         heartbeat_only = True
         for line_no, line in chunk_text_lines(self.conduit, key):
+            size += len(line) + 1
             if not line.strip():
                 blank += 1
                 if blank > MAX_BLANK_LINES:
@@ -412,7 +440,7 @@ class ChunkTailer:
             on_event(ev)
             n += 1
             self.events_delivered += 1
-        return n, heartbeat_only
+        return n, heartbeat_only, size
 
     def _chunk_after(self, after: int) -> str | None:
         """A recovery listing: the key of the first chunk numbered after ``after`` (the node's
@@ -422,7 +450,7 @@ class ChunkTailer:
         # the node's own chunks on its way.
         start = wire.chunk_key(self.prefix, min(after, 99_999)) if after else None
         strays = 0
-        while True:
+        for _ in range(LIST_PAGES):
             self.listings += 1
             keys = self.conduit.list_prefix(
                 f"{self.prefix}/{wire.CHUNK_PREFIX}", start_after=start, shallow=True, limit=LIST_PAGE
@@ -437,6 +465,7 @@ class ChunkTailer:
             if strays >= LIST_PAGE or len(keys) < LIST_PAGE:
                 return None
             start = keys[-1]
+        return None
 
     def _probe_for_gap(self) -> None:
         """While the sandbox runs and nothing came for a long while, list once (backed off)
