@@ -289,26 +289,8 @@ def _cluster(d: Path) -> Iterator[tuple[Any, Any]]:
     script = k8s_cluster.SCRIPT
     if subprocess.run(["bash", str(script), "status"], capture_output=True).returncode != 0:
         raise RuntimeError("no Kubernetes build here (scripts/k8s-local-cluster.sh build)")
-    up = subprocess.run(
-        ["bash", str(script), "up", str(d)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())},
-    )
-    if up.returncode != 0:
-        raise RuntimeError(f"k8s-local-cluster.sh up failed: {up.stderr[-2000:]}")
     try:
-        env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
-        cluster = k8s_cluster.Cluster(
-            d,
-            env["KUBECONFIG"],
-            env["RESOLUTO_K8S_SERVER"],
-            env["RESOLUTO_K8S_TOKEN"],
-            env["RESOLUTO_K8S_CA"],
-            0.0,
-        )
-        k8s_cluster._bootstrap(cluster)
+        cluster = k8s_cluster.start_cluster(d)
         agent = NodeAgent(cluster.api_client(), work_dir=Path("/tmp") / f"rsl-agent-{uuid.uuid4().hex[:8]}")
         agent.start()
         try:

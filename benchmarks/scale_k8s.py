@@ -23,7 +23,6 @@ pod-minute, by verb; LIST and WATCH requests; the peak request rate.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
@@ -191,33 +190,14 @@ def _core(cluster: Any) -> Any:
 
 
 def _cluster_up(work: Path) -> Any:
-    from support.k8s_cluster import Cluster, _bootstrap
+    from support.k8s_cluster import start_cluster
 
     st = subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True)
     if st.returncode != 0:
         raise RuntimeError(
             "no Kubernetes build here (scripts/k8s-local-cluster.sh build; the test session makes it)"
         )
-    up = subprocess.run(
-        ["bash", str(SCRIPT), "up", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())},
-    )
-    if up.returncode != 0:
-        raise RuntimeError(f"k8s-local-cluster.sh up failed: {up.stderr[-2000:]}")
-    env = dict(line.split("=", 1) for line in (work / "env").read_text().splitlines() if "=" in line)
-    cluster = Cluster(
-        dir=work,
-        kubeconfig=env["KUBECONFIG"],
-        server=env["RESOLUTO_K8S_SERVER"],
-        token=env["RESOLUTO_K8S_TOKEN"],
-        ca=env["RESOLUTO_K8S_CA"],
-        start_s=0.0,
-    )
-    _bootstrap(cluster)
-    return cluster
+    return start_cluster(work)
 
 
 def run(quick: bool) -> dict[str, Any]:

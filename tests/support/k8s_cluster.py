@@ -124,6 +124,20 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             pytest.fail(f"genuine kube-apiserver unavailable on a bookworm CI machine: {why}")
         pytest.skip(f"genuine kube-apiserver unavailable: {why}")
     d = tmp_path_factory.mktemp("k8s")
+    try:
+        cluster = start_cluster(d)
+    except Exception as e:
+        subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
+        pytest.fail(str(e))
+    print(f"\nk8s: control plane up in {cluster.start_s:.1f}s at {cluster.server}")
+    try:
+        yield cluster
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
+
+
+def start_cluster(d: Path) -> Cluster:
+    """Bring the control plane up in ``d`` and bootstrap it (the caller runs ``down``)."""
     t0 = time.monotonic()
     up = subprocess.run(
         ["bash", str(SCRIPT), "up", str(d)],
@@ -133,8 +147,7 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         env={**os.environ, "RESOLUTO_K8S_OWNER_PID": str(os.getpid())},
     )
     if up.returncode != 0:
-        subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
-        pytest.fail(f"k8s-local-cluster.sh up failed:\n{up.stderr[-4000:]}")
+        raise RuntimeError(f"k8s-local-cluster.sh up failed:\n{up.stderr[-4000:]}")
     env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
     cluster = Cluster(
         dir=d,
@@ -144,12 +157,8 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ca=env["RESOLUTO_K8S_CA"],
         start_s=time.monotonic() - t0,
     )
-    print(f"\nk8s: control plane up in {cluster.start_s:.1f}s at {cluster.server}")
-    try:
-        _bootstrap(cluster)
-        yield cluster
-    finally:
-        subprocess.run(["bash", str(SCRIPT), "down", str(d)], capture_output=True, timeout=120)
+    _bootstrap(cluster)
+    return cluster
 
 
 def _bootstrap(cluster: Cluster) -> None:
