@@ -108,7 +108,9 @@ def store(request, tmp_path):
     def s3_put(rel: str, data: bytes) -> None:
         raw.put_object(Bucket=conduit.bucket, Key=f"{conduit.base_prefix}/{P}/{rel}", Body=data)
 
-    return Store("s3", conduit, counter.snapshot, s3_put)
+    # This test's bucket only: a thread another test left behind (a host's heartbeat, a sweep)
+    # may still be talking to the session's endpoint about its own bucket.
+    return Store("s3", conduit, lambda: counter.snapshot(conduit.bucket), s3_put)
 
 
 def collect(t: ChunkTailer) -> list[str]:
