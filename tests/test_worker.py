@@ -423,6 +423,12 @@ def test_a_deployment_on_the_pool_runs_in_its_own_sandbox_with_its_logs_in_the_a
     assert "never-shown-7731" not in out and "from-a-block-5519" not in out
     # Only this test's runs have these secrets: the flow's own print reached the worker's log, redacted.
     assert "secrets: *** ***" in out, out[-6000:]
+    # The console is a Prefect worker's: the flow run's own output streamed, and the guest
+    # runner's diagnostics (its staging, its egress canary) kept to the worker's log, dated
+    # and at DEBUG, never a bare line of the runner's jargon.
+    for f in seen:
+        assert f"plain stdout from the flow: {f['marker']}" in out.splitlines(), out[-6000:]
+    assert not [ln for ln in out.splitlines() if ln.startswith(("staged ", "egress canary"))], out[-6000:]
     for r in runs:
         assert all("never-shown-7731" not in m for m in run_logs(r.id))
     for r in runs:  # a finished run leaves no sandbox behind, with the worker still running

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -131,7 +132,7 @@ _WORKING_DIR = (
     "A host directory shipped into the sandbox as the flow run's working directory (a copy). "
     "Empty: an empty directory; the deployment's pull steps fetch its code."
 )
-_STREAM = "Echo the sandbox's output (from the conduit) on the worker's standard output."
+_STREAM = "Echo the flow run's own output (from the conduit) on the worker's standard output; the guest runner's diagnostics go to the worker's log at DEBUG."
 _RUN_OVERRIDABLE = (
     "Job variables a flow run's own job variables may set (run_deployment, a custom run); the pool's "
     "value counts, not a deployment's. Never runtime, min_isolation, command, conduit, egress, image, "
@@ -836,6 +837,10 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
                     self._logger.warning("reaped %d leftover sandbox(es) of this worker on %s", n, rt.name)
 
 
+#: The guest's phases that run the flow run's own commands: their output is the run's to stream.
+_PHASES = frozenset({"setup", "workload", "cleanup"})
+
+
 def _str_or_none(v: Any) -> str | None:
     return None if v is None else str(v)
 
@@ -892,6 +897,7 @@ class FlowRunObserver(NodeObserver):
         self.echo = echo
         self.handle_ids: list[str] = []
         self.evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
+        self._workload_spans: set[str] = set()
 
     def launched(self, handle: SandboxHandle) -> None:
         self.handle_ids.append(handle.id)
@@ -910,17 +916,32 @@ class FlowRunObserver(NodeObserver):
         if ev.get("event") == "log":
             data = ev.get("data") or {}
             line = str(data.get("line", ""))
-            if ev.get("kind") == "egress" and str(data.get("level", "")).upper() in ("DEBUG", "INFO"):
+            level = logging.getLevelNamesMapping().get(str(data.get("level", "")).upper(), logging.INFO)
+            if ev.get("kind") == "egress" and level <= logging.INFO:
                 # A connection the allowlist let through (the API's, mostly): a detail, not news.
                 self.worker_logger.debug("%s | %s", self.flow_run_name, line)
                 return
             self.evidence.append(line)
-            if self.echo is not None:
-                self.echo(line)
-        else:
-            described = describe_event(ev)
-            if described is not None:
-                self.worker_logger.debug("%s | %s", self.flow_run_name, described[1])
+            if ev.get("parent_span_id") in self._workload_spans:
+                # The flow run's own process: what Prefect's process worker streams.
+                if self.echo is not None:
+                    self.echo(line)
+            else:
+                # The guest runner's own diagnostics (staging, the egress canary): the worker's
+                # log, dated and levelled like its other lines; its chatter at DEBUG.
+                self.worker_logger.log(
+                    level if level >= logging.WARNING else logging.DEBUG, "%s | %s", self.flow_run_name, line
+                )
+            return
+        if (
+            ev.get("event") == "open"
+            and ev.get("kind") in _PHASES
+            and len(self._workload_spans) < len(_PHASES)
+        ):
+            self._workload_spans.add(str(ev.get("span_id", "")))
+        described = describe_event(ev)
+        if described is not None:
+            self.worker_logger.debug("%s | %s", self.flow_run_name, described[1])
 
     def cancelled(self) -> bool:
         return self.cancel.is_set()
