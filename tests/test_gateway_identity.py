@@ -29,7 +29,7 @@ from test_api_gateway import (  # noqa: F401 - the module's server and worker, a
 from test_worker import deploy, final_run
 
 from prefect_resoluto.worker.bodies import SANDBOXED_TAG
-from prefect_resoluto.worker.identity import REGISTERED_BY
+from prefect_resoluto.worker.identity import GRANT_TAG, REGISTERED_BY
 
 
 def _post(url: str, **kw: Any) -> httpx.Response:
@@ -56,6 +56,13 @@ def _another_teams_flow() -> tuple[str, Any, Any]:
         made = c._client.post("/flow_runs/", json={"flow_id": str(flow_id), "state": state})
         run = c.read_flow_run(made.json()["id"])
     return name, flow_id, run
+
+
+def _admin_patch(path: str, body: dict[str, Any]) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        assert c._client.patch(path, json=body).status_code == 204
 
 
 def _read_flow(flow_id: Any) -> Any:
@@ -165,7 +172,8 @@ def _register(gw: Any, name: str, **extra: Any) -> httpx.Response:
 def test_a_flow_is_the_run_s_only_when_its_deployment_registered_it(server):  # noqa: F811
     """By the API's own record, not the gateway's memory: a flow the deployment's run made
     is its next runs' too (a new gateway, as after a worker restart); another deployment's
-    run, a run without a deployment, and a forged mark in the body get a 403 without the id."""
+    run, a run without a deployment, and a forged mark in the body get a 403 without the id;
+    an operator's grant tag (never the run's) shares the flow with another deployment."""
     dep_a, dep_b = str(uuid.uuid4()), str(uuid.uuid4())
     name = f"sub-{uuid.uuid4().hex[:6]}"
     payments, payments_id, _ = _another_teams_flow()
@@ -190,6 +198,11 @@ def test_a_flow_is_the_run_s_only_when_its_deployment_registered_it(server):  # 
     with gateway_for(third, deployment_id=dep_b) as gw:  # another deployment's run
         r = _register(gw, name)
         assert r.status_code == 403 and "(rule own-flows)" in r.text and flow_id not in r.text, r.text
+        r = _register(gw, name, tags=[GRANT_TAG + dep_b])  # the grant is the operator's, never the run's
+        assert r.status_code == 403 and "tags" in r.text, r.text
+        _admin_patch(f"/flows/{flow_id}", {"tags": [GRANT_TAG + dep_b]})  # the operator shares it
+        shared = _register(gw, name)
+        assert shared.status_code == 200 and shared.json()["id"] == flow_id, shared.text
     with gateway_for(third) as gw:  # no deployment: nothing to mark a flow with
         r = _register(gw, f"sub-{uuid.uuid4().hex[:6]}")
         assert r.status_code == 403 and "no deployment" in r.text, r.text

@@ -10,6 +10,10 @@ restarted, reads the same), it is written only by the insert that creates the fl
 upsert leaves an existing flow's labels alone, and ``PATCH /flows`` changes tags only), and
 a sandbox never chooses it. There is no check-then-create to race: whichever insert wins
 names the flow's deployment, and the loser reads the winner's mark in its own answer.
+
+An operator shares a flow with another deployment (a sub-flow several deployments call, or
+one registered before the mark existed) by the flow's tag ``GRANT_TAG + <deployment id>``:
+tags are changed with ``PATCH /flows/<id>``, which no sandboxed run may send.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from typing import Any
 
 from prefect_resoluto.worker.bodies import Refusal
 
-__all__ = ["REGISTERED_BY", "flow_registration", "not_owned", "owns_flow"]
+__all__ = ["GRANT_TAG", "REGISTERED_BY", "flow_registration", "not_owned", "owns_flow"]
 
 #: The label the gateway sets on a flow it creates: the deployment whose run registered it.
 REGISTERED_BY = "resoluto.registered-by-deployment"
+
+#: A flow tag (the operator's: ``PATCH /flows/<id>``) that makes the flow a deployment's too.
+GRANT_TAG = "resoluto.deployment:"
 
 _RULE = "own-flows"
 #: Prefect's own bound on a name is its database column; a longer one is no engine's flow.
@@ -54,15 +61,18 @@ def flow_registration(body: Any, what: str, deployment_id: str | None) -> dict[s
 
 
 def owns_flow(reply: Any, deployment_id: str | None, own_flow_id: str | None) -> bool:
-    """Whether the flow the API answered with is the run's: its own, or marked as its deployment's."""
+    """Whether the flow the API answered with is the run's: its own, marked as its deployment's,
+    or granted to its deployment by an operator's tag."""
     if not isinstance(reply, dict) or not reply.get("id"):
         return False
     if own_flow_id is not None and str(reply["id"]) == own_flow_id:
         return True
-    labels = reply.get("labels")
-    return (
-        deployment_id is not None and isinstance(labels, dict) and labels.get(REGISTERED_BY) == deployment_id
-    )
+    if deployment_id is None:
+        return False
+    labels, tags = reply.get("labels"), reply.get("tags")
+    if isinstance(labels, dict) and labels.get(REGISTERED_BY) == deployment_id:
+        return True
+    return isinstance(tags, list) and GRANT_TAG + deployment_id in tags
 
 
 def not_owned(what: str, name: str, deployment_id: str | None) -> Refusal:
@@ -71,5 +81,5 @@ def not_owned(what: str, name: str, deployment_id: str | None) -> Refusal:
         _RULE,
         f"{what}: flow {name!r} exists and was not created by this run's deployment "
         f"({deployment_id}); a sandboxed run may use only its own flow and the flows its "
-        "deployment registered",
+        f"deployment registered (an operator shares one by tagging it {GRANT_TAG}<deployment id>)",
     )
