@@ -26,6 +26,14 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Answered:
+    """An admitted request the gateway made upstream itself: its answer, relayed as is."""
+
+    status: int
+    body: Any
+
+
+@dataclass(frozen=True)
 class Rebuilt:
     """An admitted request whose body the gateway forwards as built here, not as received."""
 
@@ -73,6 +81,10 @@ def parse_bounded(raw: bytes) -> Any:
 
 # --------------------------------------------------------------------------- a sub-flow's creation
 
+#: The tag on every flow run the gateway creates (a sub-flow made inside a sandbox): what
+#: operators' automations and filters tell such runs by.
+SANDBOXED_TAG = "resoluto.sandboxed"
+
 #: ``FlowRunCreate`` as the engine's ``create_flow_run`` sends it for a sub-flow
 #: (``exclude_unset``): no deployment, pool, queue, job variables, idempotency key.
 SUBFLOW_FIELDS = frozenset(
@@ -94,7 +106,8 @@ _POLICY_FIELDS = frozenset({"retries", "retry_delay"})
 
 def subflow_run(body: Any, what: str) -> dict[str, Any] | Refusal:
     """The sub-flow run the gateway creates: Pending, in no pool or queue, with no job
-    variables: no worker polls it, and only its parent's engine runs it."""
+    variables: no worker polls it, and only its parent's engine runs it. Tagged
+    :data:`SANDBOXED_TAG` whatever tags the run sent."""
     rule = "own-sub-flows"
     if not isinstance(body, dict):
         return Refusal(rule, f"{what}: a flow run's creation is a JSON object")
@@ -132,7 +145,7 @@ def subflow_run(body: Any, what: str) -> dict[str, Any] | Refusal:
         "flow_version": version,
         "parameters": params,
         "context": context,
-        "tags": tags,
+        "tags": [*tags, SANDBOXED_TAG] if SANDBOXED_TAG not in tags else tags,
         "state": {"type": "PENDING", "name": "Pending"},
         "empirical_policy": {"retries": retries, "retry_delay": delay},
     }

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect_resoluto.worker.bodies import body_cap, parse_bounded
-from prefect_resoluto.worker.rules import Rebuilt, Refusal, RunRules
+from prefect_resoluto.worker.rules import Answered, Rebuilt, Refusal, RunRules
 
 logger = logging.getLogger("prefect_resoluto.worker.gateway")
 
@@ -318,6 +318,8 @@ class ApiGateway:
         verdict = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
         if isinstance(verdict, Refusal):
             return await self._refuse(verdict)
+        if isinstance(verdict, Answered):  # the rules made the request themselves (a flow's registration)
+            return JSONResponse(verdict.body, status_code=verdict.status)
         if isinstance(verdict, Rebuilt):
             body = json.dumps(verdict.body).encode()  # what the gateway built, never what it received
             parsed = verdict.body

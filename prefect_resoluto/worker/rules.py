@@ -9,7 +9,8 @@ a ``201 Created`` answered the run's own request through this gateway; ids the r
 that the API does not know yet (task runs, whose creation travels as events) are claimed
 for the run on first sight. An admitted body is forwarded as the gateway rebuilt it
 (``bodies``): a sub-flow's creation and a listing from the engine's fields only, every
-other write without a field the engine does not send.
+other write without a field the engine does not send. A flow is the run's when it is its
+own or its deployment registered it (``identity``: a mark in the API, never the run's word).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from typing import Any, Protocol
 
 from prefect_resoluto.worker.bodies import (
     MAX_IDS,
+    Answered,
     Rebuilt,
     Refusal,
     engine_fields,
     flow_run_listing,
     subflow_run,
 )
+from prefect_resoluto.worker.identity import flow_registration, not_owned, owns_flow
 
-__all__ = ["FLOW_RUN_FIELDS", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
+__all__ = ["FLOW_RUN_FIELDS", "Answered", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
 
 _UUID = r"[0-9a-fA-F-]{36}"
 
@@ -78,7 +81,8 @@ class RunRules:
     leases: set[str] = field(default_factory=set)
     concurrency_limits: set[str] = field(default_factory=set)
     #: This run and its sub-flow runs (a ``@flow`` called inside it: a flow run of its own,
-    #: created through the gateway under one of its task runs), and their flows.
+    #: created through the gateway under one of its task runs), and their flows: its own
+    #: and those its deployment registered (``identity``), as the API answered them.
     flow_runs: set[str] = field(default_factory=set)
     flows: set[str] = field(default_factory=set)
 
@@ -98,10 +102,11 @@ class RunRules:
 
     async def check_http(
         self, method: str, path: str, query: dict[str, str], body: Any, api: ApiReader
-    ) -> Refusal | Rebuilt | None:
-        """None: forward as sent; Rebuilt: forward the body built here; Refusal: 403."""
+    ) -> Refusal | Rebuilt | Answered | None:
+        """None: forward as sent; Rebuilt: forward the body built here; Answered: the answer
+        to a request the rules made themselves, relayed; Refusal: 403."""
         if isinstance(body, Refusal):  # the body's shape (bodies.parse_bounded)
-            verdict: Refusal | Rebuilt | None = body
+            verdict: Refusal | Rebuilt | Answered | None = body
         else:
             rel = path.rstrip("/") or "/"
             verdict = await self._judge(method.upper(), rel, body, api)
@@ -112,7 +117,9 @@ class RunRules:
             self.record.append((method, path, seen))
         return verdict
 
-    async def _judge(self, method: str, path: str, body: Any, api: ApiReader) -> Refusal | Rebuilt | None:
+    async def _judge(
+        self, method: str, path: str, body: Any, api: ApiReader
+    ) -> Refusal | Rebuilt | Answered | None:
         parts = path.strip("/").split("/")
         what = f"{method} /api{path}"
         if any(p in ("", ".", "..") for p in parts) and path != "/":
@@ -125,7 +132,7 @@ class RunRules:
         if parts[0] == "task_runs":
             return await self._task_run(method, parts, body, what, api)
         if parts == ["flows"] and method == "POST":
-            return None  # a sub-flow's flow, by name (an upsert: what ``@flow`` registers)
+            return await self._register_flow(body, what, api)
         if method == "GET" and len(parts) == 2 and parts[0] in _OWN_OBJECTS:
             return self._own_object(parts, what)
         if parts[:2] == ["v2", "concurrency_limits"]:
@@ -135,6 +142,24 @@ class RunRules:
         if parts[0] == "artifacts":
             return await self._artifact(method, parts, body, what, api)
         return self._named_read(method, parts, what)
+
+    async def _register_flow(self, body: Any, what: str, api: ApiReader) -> Refusal | Answered:
+        """A sub-flow's flow, by name (what ``@flow`` registers; an upsert). Registered with the
+        gateway's own body and judged by the API's answer: the flow's id reaches the run only
+        when the flow is the run's."""
+        made = flow_registration(body, what, self.deployment_id)
+        if isinstance(made, Refusal):
+            return made
+        try:
+            status, reply = await api.upstream_post("flows/", made)
+        except Exception as e:  # the API is away: the engine retries as it would without us
+            return Answered(502, {"detail": f"resoluto gateway: the Prefect API is unreachable: {e}"})
+        if status >= 300:  # the API's own refusal of the name, or a busy server's 503
+            return Answered(status, reply if reply is not None else {"detail": "no JSON answer"})
+        if not owns_flow(reply, self.deployment_id, self.flow_id):
+            return not_owned(what, made["name"], self.deployment_id)
+        self.flows.add(str(reply["id"]))
+        return Answered(status, reply)
 
     def _own_object(self, parts: list[str], what: str) -> Refusal | None:
         """A read of one flow, deployment, work queue or work pool: the run's own only."""
@@ -208,7 +233,9 @@ class RunRules:
                 return made
             if made["flow_id"] not in self.flows:
                 return Refusal(
-                    "own-sub-flows", f"{what}: flow {made['flow_id']} was not registered by this run"
+                    "own-sub-flows",
+                    f"{what}: flow {made['flow_id']} is neither this run's own nor registered by "
+                    "its deployment through this gateway",
                 )
             if await self._owns_task_run(made["parent_task_run_id"], api):
                 return Rebuilt(made)
@@ -337,10 +364,6 @@ class RunRules:
                     self._note_tags(rid, tags)
         elif rel == "/flow_runs" and status == 201:
             self.flow_runs.add(rid)
-        elif rel == "/flows":
-            # A flow is a name (the upsert answers 200 for a known one), not a run: the name
-            # the run registered is one its sub-flows may use.
-            self.flows.add(rid)
         elif rel == "/artifacts" and status == 201:
             self.artifacts.add(rid)
         elif rel == "/v2/concurrency_limits/increment-with-lease" and reply.get("lease_id"):
