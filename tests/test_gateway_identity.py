@@ -252,3 +252,29 @@ def test_a_sub_flow_run_made_through_the_gateway_is_tagged_as_made_in_a_sandbox(
     with get_client(sync_client=True) as c:
         fr = c.read_flow_run(r.json()["id"])
     assert sorted(fr.tags) == sorted(["mine", SANDBOXED_TAG]), fr.tags
+
+
+@pytest.mark.prefect
+def test_a_name_a_run_registered_first_is_not_its_own_once_another_team_deploys_it(server):  # noqa: F811
+    """Squatting: a sandboxed run registers "settle" before the team that owns that name has
+    deployed it. Once the team's deployment of the flow exists, the squatter's next run is
+    refused the flow (its runs would be the team's flow's runs, which automations trust);
+    an operator's grant tag still shares it on purpose."""
+    from prefect.client.orchestration import get_client
+
+    dep = str(uuid.uuid4())
+    name = f"settle-{uuid.uuid4().hex[:6]}"
+    first, second = parked_run(), parked_run()
+    with gateway_for(first, deployment_id=dep) as gw:
+        made = _register(gw, name)
+        assert made.status_code == 201, made.text
+        flow_id = made.json()["id"]
+    with get_client(sync_client=True) as c:  # the owning team deploys its flow of that name
+        c.create_deployment(flow_id=uuid.UUID(flow_id), name=f"team-{uuid.uuid4().hex[:6]}")
+    with gateway_for(second, deployment_id=dep) as gw:
+        r = _register(gw, name)
+        assert r.status_code == 403 and "deployed by another deployment" in r.text, r.text
+        assert flow_id not in r.text and flow_id not in gw.rules.flows
+        _admin_patch(f"/flows/{flow_id}", {"tags": [GRANT_TAG + dep]})  # shared on purpose
+        shared = _register(gw, name)
+        assert shared.status_code == 200 and shared.json()["id"] == flow_id, shared.text

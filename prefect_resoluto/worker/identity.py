@@ -22,7 +22,7 @@ from typing import Any
 
 from prefect_resoluto.worker.bodies import Refusal
 
-__all__ = ["GRANT_TAG", "REGISTERED_BY", "flow_registration", "not_owned", "owns_flow"]
+__all__ = ["GRANT_TAG", "REGISTERED_BY", "flow_registration", "granted", "not_owned", "owns_flow"]
 
 #: The label the gateway sets on a flow it creates: the deployment whose run registered it.
 REGISTERED_BY = "resoluto.registered-by-deployment"
@@ -69,17 +69,28 @@ def owns_flow(reply: Any, deployment_id: str | None, own_flow_id: str | None) ->
         return True
     if deployment_id is None:
         return False
-    labels, tags = reply.get("labels"), reply.get("tags")
+    labels = reply.get("labels")
     if isinstance(labels, dict) and labels.get(REGISTERED_BY) == deployment_id:
         return True
-    return isinstance(tags, list) and GRANT_TAG + deployment_id in tags
+    return granted(reply, deployment_id)
 
 
-def not_owned(what: str, name: str, deployment_id: str | None) -> Refusal:
+def granted(reply: Any, deployment_id: str | None) -> bool:
+    """Whether an operator's tag shares the flow the API answered with with this deployment."""
+    tags = reply.get("tags") if isinstance(reply, dict) else None
+    return deployment_id is not None and isinstance(tags, list) and GRANT_TAG + deployment_id in tags
+
+
+def not_owned(what: str, name: str, deployment_id: str | None, *, deployed: bool = False) -> Refusal:
     """The refusal of a flow that is someone else's: says why, never the flow's id."""
+    why = (
+        "is deployed by another deployment"
+        if deployed
+        else f"exists and was not created by this run's deployment ({deployment_id})"
+    )
     return Refusal(
         _RULE,
-        f"{what}: flow {name!r} exists and was not created by this run's deployment "
-        f"({deployment_id}); a sandboxed run may use only its own flow and the flows its "
-        f"deployment registered (an operator shares one by tagging it {GRANT_TAG}<deployment id>)",
+        f"{what}: flow {name!r} {why}; a sandboxed run may use only its own flow and the "
+        "undeployed flows its deployment registered (an operator shares one by tagging it "
+        f"{GRANT_TAG}<deployment id>)",
     )

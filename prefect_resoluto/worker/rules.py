@@ -32,7 +32,7 @@ from prefect_resoluto.worker.bodies import (
     flow_run_listing,
     subflow_run,
 )
-from prefect_resoluto.worker.identity import flow_registration, not_owned, owns_flow
+from prefect_resoluto.worker.identity import flow_registration, granted, not_owned, owns_flow
 
 __all__ = ["FLOW_RUN_FIELDS", "Answered", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
 
@@ -158,8 +158,27 @@ class RunRules:
             return Answered(status, reply if reply is not None else {"detail": "no JSON answer"})
         if not owns_flow(reply, self.deployment_id, self.flow_id):
             return not_owned(what, made["name"], self.deployment_id)
-        self.flows.add(str(reply["id"]))
+        flow_id = str(reply["id"])
+        if (
+            flow_id != self.flow_id
+            and not granted(reply, self.deployment_id)
+            and not await self._undeployed(flow_id, api)
+        ):
+            # A name the deployment registered first that another team has since deployed
+            # (first come is not first served for a trusted flow): theirs from then on.
+            return not_owned(what, made["name"], self.deployment_id, deployed=True)
+        self.flows.add(flow_id)
         return Answered(status, reply)
+
+    async def _undeployed(self, flow_id: str, api: ApiReader) -> bool:
+        """No deployment is of this flow (the run's own deployment is of its own flow)."""
+        try:
+            status, found = await api.upstream_post(
+                "deployments/filter", {"flows": {"id": {"any_": [flow_id]}}, "limit": 1}
+            )
+        except Exception:  # unknown is not undeployed
+            return False
+        return status == 200 and found == []
 
     def _own_object(self, parts: list[str], what: str) -> Refusal | None:
         """A read of one flow, deployment, work queue or work pool: the run's own only."""
