@@ -757,6 +757,9 @@ def test_a_run_listing_its_big_sub_flows_at_once_leaves_the_workers_memory_flat(
         peak = _rss_kib(pid, "VmHWM")
     growth = (peak - before) / 1024
     assert done.state.is_completed(), (done.state, worker.output()[-6000:])
+    assert growth < 80, (
+        f"the worker grew from {before / 1024:.0f} MiB by {growth:.0f} MiB relaying 8 listings"
+    )
     listed = wait_for(
         lambda: len(got := [m[7:] for m in run_logs(run.id) if m.startswith("LISTED ")]) == 8 and got,
         timeout=60,
@@ -765,6 +768,3 @@ def test_a_run_listing_its_big_sub_flows_at_once_leaves_the_workers_memory_flat(
     for answer in listed:
         assert answer.startswith("507 ") and "RESOLUTO_GATEWAY_MAX_ANSWER" in answer, listed
         assert f"{cap} bytes" in answer, answer
-    assert growth < 80, (
-        f"the worker grew from {before / 1024:.0f} MiB by {growth:.0f} MiB relaying 8 listings"
-    )
