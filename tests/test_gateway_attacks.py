@@ -692,3 +692,79 @@ def test_every_admitted_write_is_rebuilt_from_the_engines_fields(server):  # noq
             base + f"/flow_runs/{own.id}/set_state", headers=_h(gw), json={"state": {"type": "PENDING"}}
         )
         assert r.status_code in (200, 201), r.text
+
+
+# --------------------------------------------------------------------------- answers (issue 39, finding 2)
+
+MIB = 1 << 20
+
+
+def _final(run_id: Any) -> bool:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        state = c.read_flow_run(run_id).state
+    return state is not None and state.is_final()
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+@pytest.mark.prefect
+def test_a_run_listing_its_big_sub_flows_at_once_leaves_the_workers_memory_flat(server, tmp_path):  # noqa: F811
+    """Finding 2 through a real worker: the run makes 24 sub-flow runs of ~1 MiB each (under
+    the body cap), then lists all their ids 8 times at once (admitted: its own runs). Each
+    answer (~24 MiB) is over the worker's cap per answer (set lower here, as an operator
+    sets it): every listing is refused with the cap named, nothing of it is read, and the
+    worker's peak resident memory grows by less than 80 MiB (today's tree: ~400 MiB)."""
+    from prefect.variables import Variable
+    from test_worker import schedule
+
+    cap = 8 * MIB
+    pool = create_pool(cli=False)
+    release = f"release_{uuid.uuid4().hex[:6]}"
+    env = {"RESOLUTO_WARM_SNAPSHOTS": "0", "RESOLUTO_GATEWAY_MAX_ANSWER": str(cap)}
+    with running_worker(pool, tmp_path, **env) as worker:
+        dep = deploy(
+            pool, "gateway_flows.py:hoarder", tmp_path / "conduit", allowed_variables=[release], **PROCESS
+        )
+        run = schedule(
+            dep,
+            count=24,
+            param_bytes=256 << 10,
+            context_bytes=768 << 10,
+            at_once=8,
+            ids_per_listing=24,
+            release=release,
+        )
+        wait_for(
+            lambda: any(m.startswith("MADE 24") for m in run_logs(run.id)) or _final(run.id),
+            timeout=240,
+            what="the run's 24 sub-flow runs",
+        )
+        assert not _final(run.id), run_logs(run.id)[-3:]
+        pid = worker.proc.pid
+        before = _rss_kib(pid, "VmRSS")
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) from here on
+        Variable.set(release, "go")
+        done = final_run(run.id, worker)
+        peak = _rss_kib(pid, "VmHWM")
+    growth = (peak - before) / 1024
+    assert done.state.is_completed(), (done.state, worker.output()[-6000:])
+    assert growth < 80, (
+        f"the worker grew from {before / 1024:.0f} MiB by {growth:.0f} MiB relaying 8 listings"
+    )
+    listed = wait_for(
+        lambda: len(got := [m[7:] for m in run_logs(run.id) if m.startswith("LISTED ")]) == 8 and got,
+        timeout=60,
+        what="the 8 listings' answers",
+    )
+    for answer in listed:
+        assert answer.startswith("507 ") and "RESOLUTO_GATEWAY_MAX_ANSWER" in answer, listed
+        assert f"{cap} bytes" in answer, answer

@@ -8,7 +8,8 @@ gets the gateway's address and a random token for that run only, and the gateway
 listener, its token) is gone when the run's sandbox is.
 
 HTTP requests are read whole (bounded), judged, and forwarded with the worker's
-credential in place of the token. The events websocket (``/api/events/in``, where
+credential in place of the token; the API's answers are bounded too (``relay_limits``):
+reads and listings stream back to the sandbox unread, the rest is read under a cap. The events websocket (``/api/events/in``, where
 Prefect's engine sends task-run states) is terminated here: the gateway speaks Prefect's
 websocket protocol to the sandbox (the ``prefect`` subprotocol's auth message carries the
 token) and its own connection upstream, and relays one judged event at a time. A refusal
@@ -34,6 +35,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect_resoluto.worker.bodies import body_cap, parse_bounded
+from prefect_resoluto.worker.relay_limits import (
+    AnswerRefused,
+    Limits,
+    RunBudget,
+    chunks_capped,
+    declared,
+    read_capped,
+    streamed,
+    too_big,
+)
 from prefect_resoluto.worker.rules import Answered, Rebuilt, Refusal, RunRules
 
 logger = logging.getLogger("prefect_resoluto.worker.gateway")
@@ -145,8 +156,11 @@ class ApiGateway:
         host: str = "127.0.0.1",
         port: int = 0,
         announce: bool = True,
+        limits: Limits | None = None,
     ) -> None:
         self.flow_run_id = flow_run_id
+        self.limits = limits or Limits.from_env()
+        self.budget = RunBudget(self.limits.run_budget)
         self.upstream = upstream
         self.rules = rules
         self.token = secrets.token_urlsafe(32)
@@ -218,7 +232,9 @@ class ApiGateway:
         self._busy = asyncio.Semaphore(MAX_CONCURRENT)
         async with httpx.AsyncClient(
             base_url=self.upstream.api_url,
-            headers=self.upstream.headers(),
+            # identity: an answer's declared length is its size, refused before it is read
+            # when over the cap (a compressed one is counted as it is decoded)
+            headers={**self.upstream.headers(), "Accept-Encoding": "identity"},
             timeout=httpx.Timeout(60.0, connect=15.0),
             follow_redirects=False,
         ) as client:
@@ -298,24 +314,29 @@ class ApiGateway:
         from starlette.responses import JSONResponse, Response
 
         cap = body_cap(request.method, rel)
-        declared = request.headers.get("content-length")
-        too_big = JSONResponse({"detail": f"resoluto gateway: request body over {cap} bytes"}, 413)
-        if declared is not None and (not declared.isdigit() or int(declared) > cap):
-            return too_big  # refused before a byte of the body is read
+        length = request.headers.get("content-length")
+        over = JSONResponse({"detail": f"resoluto gateway: request body over {cap} bytes"}, 413)
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            return over  # refused before a byte of the body is read
         buf = bytearray()
         try:
             async with asyncio.timeout(BODY_TIMEOUT):
                 async for chunk in request.stream():
                     buf += chunk
                     if len(buf) > cap:
-                        return too_big
+                        return over
         except TimeoutError:
             return JSONResponse(
                 {"detail": f"resoluto gateway: body not sent within {BODY_TIMEOUT:.0f} s"}, 408
             )
         body = bytes(buf)
         parsed = parse_bounded(body)
-        verdict = await self.rules.check_http(request.method, rel, dict(request.query_params), parsed, self)
+        try:
+            verdict = await self.rules.check_http(
+                request.method, rel, dict(request.query_params), parsed, self
+            )
+        except AnswerRefused as e:  # an ownership check's answer over its cap: not judged
+            return await self._answer_refused(e)
         if isinstance(verdict, Refusal):
             return await self._refuse(verdict)
         if isinstance(verdict, Answered):  # the rules made the request themselves (a flow's registration)
@@ -326,25 +347,54 @@ class ApiGateway:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
         if isinstance(verdict, Rebuilt):
             headers["content-type"] = "application/json"
-        upstream_rel = rel.lstrip("/")
+        upstream = self._client.build_request(
+            request.method,
+            rel.lstrip("/"),
+            params=request.url.query or None,
+            content=body or None,
+            headers=headers,
+        )
         try:
-            resp = await self._client.request(
-                request.method,
-                upstream_rel,
-                params=request.url.query or None,
-                content=body or None,
-                headers=headers,
-            )
+            resp = await self._client.send(upstream, stream=True)
         except Exception as e:  # the API is away: the engine retries as it would without us
             return JSONResponse({"detail": f"resoluto gateway: the Prefect API is unreachable: {e}"}, 502)
-        content = resp.content
-        reply = _json(content)
-        self.rules.note_response(request.method, rel, parsed, resp.status_code, reply)
-        stripped = self.rules.strip_response(rel, reply)
-        if stripped is not reply:
-            content = json.dumps(stripped).encode()
+        what = f"{request.method} /api{rel}"
         out = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
-        return Response(content, status_code=resp.status_code, headers=out)
+        held = contextlib.AsyncExitStack()
+        try:
+            held.push_async_callback(resp.aclose)
+            if streamed(request.method, rel):  # the rules never read it: to the sandbox unread
+                cap, limit = self.limits.cap(read=False)
+                size = declared(resp)
+                if size is not None and size > cap:
+                    raise too_big(size, cap, limit, what)  # before a byte of it is read
+                await held.enter_async_context(self.budget.hold(cap if size is None else size, what))
+                if size is not None and "content-encoding" not in resp.headers:
+                    out["content-length"] = str(size)
+                relay = _Relay(resp.status_code, out, chunks_capped(resp, cap, limit, what), held)
+                held = contextlib.AsyncExitStack()  # the relay closes what it was handed
+                return relay
+            cap, limit = self.limits.cap(read=True)
+            size = declared(resp)
+            async with self.budget.hold(cap if size is None else min(size, cap), what):
+                content = await read_capped(resp, cap, limit, what)
+                reply = _json(content)
+                self.rules.note_response(request.method, rel, parsed, resp.status_code, reply)
+                stripped = self.rules.strip_response(rel, reply)
+                if stripped is not reply:
+                    content = json.dumps(stripped).encode()
+            return Response(content, status_code=resp.status_code, headers=out)
+        except AnswerRefused as e:
+            return await self._answer_refused(e)
+        finally:
+            await held.aclose()
+
+    async def _answer_refused(self, refused: AnswerRefused) -> Any:
+        """An answer over a limit: the sandbox gets the limit's name, the run's logs a line."""
+        from starlette.responses import JSONResponse
+
+        await self._note_refusal(Refusal("answer-size", refused.detail))
+        return JSONResponse({"detail": refused.detail}, status_code=refused.status)
 
     async def _websocket(self, ws: Any) -> None:
         path = ws.url.path
@@ -424,7 +474,10 @@ class ApiGateway:
             except (WebSocketDisconnect, RuntimeError):
                 return
             event = parse_bounded(text.encode())  # bounded before parsed, as an HTTP body
-            refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
+            try:
+                refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
+            except AnswerRefused as e:  # an ownership check's answer over its cap: not judged
+                refusal = Refusal("answer-size", e.detail)
             if refusal is not None:
                 await self._note_refusal(refusal)
                 continue  # the engine cannot be told about one event: it is dropped and logged
@@ -521,13 +574,23 @@ class ApiGateway:
 
     async def upstream_get(self, rel: str) -> tuple[int, Any]:
         """A read with the worker's credential (the rules' ownership checks)."""
-        resp = await self._client.get(rel.lstrip("/"))
-        return resp.status_code, _json(resp.content)
+        return await self._read_upstream(self._client.build_request("GET", rel.lstrip("/")))
 
     async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]:
         """A filtered read with the worker's credential (many ids' ownership in one query)."""
-        resp = await self._client.post(rel.lstrip("/"), json=body)
-        return resp.status_code, _json(resp.content)
+        return await self._read_upstream(self._client.build_request("POST", rel.lstrip("/"), json=body))
+
+    async def _read_upstream(self, request: Any) -> tuple[int, Any]:
+        """An answer the rules parse: under the read cap and the run's budget, or AnswerRefused."""
+        what = f"the gateway's own {request.method} /api/{request.url.path.rsplit('/api/', 1)[-1]}"
+        cap, limit = self.limits.cap(read=True)
+        resp = await self._client.send(request, stream=True)
+        try:
+            size = declared(resp)
+            async with self.budget.hold(cap if size is None else min(size, cap), what):
+                return resp.status_code, _json(await read_capped(resp, cap, limit, what))
+        finally:
+            await resp.aclose()
 
     def sandbox_url(self, host: str | None = None, port: int | None = None) -> str:
         """The API URL the sandbox dials (``host:port`` as the sandbox sees the gateway)."""
@@ -605,6 +668,32 @@ def gateway_summary(gateway: ApiGateway) -> str:
         f"events) and read its deployment and flow; blocks it may read: {blocks}; variables: {variables}. "
         "Anything else is refused (HTTP 403) and logged here."
     )
+
+
+class _Relay:
+    """An answer streamed from the API to the sandbox as it arrives (an ASGI response): what
+    it holds (the upstream answer, the run's budget) is let go when it ends, however it ends."""
+
+    def __init__(
+        self, status: int, headers: dict[str, str], chunks: Any, held: contextlib.AsyncExitStack
+    ) -> None:
+        self.status, self.headers, self.chunks, self.held = status, headers, chunks, held
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+            await send({"type": "http.response.start", "status": self.status, "headers": raw})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except AnswerRefused as e:
+            # Past the cap with no declared length: its head is sent, so the answer is cut
+            # (the connection drops; the client sees an incomplete answer, never a wrong one).
+            logger.warning("%s", escape_controls(e.detail))
+            raise
+        finally:
+            await self.chunks.aclose()
+            await self.held.aclose()
 
 
 async def _close(ws: Any, code: int, reason: str) -> None:

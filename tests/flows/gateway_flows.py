@@ -283,3 +283,73 @@ def planter(
         )
         get_run_logger().info("OWN TAG %s", r.status_code)
     _flush_logs()
+
+
+def _retried(send: Any) -> Any:
+    """As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried."""
+    for delay in (0.5, 1, 2, 4, 8, 0):
+        r = send()
+        if r.status_code not in (429, 502, 503) or not delay:
+            return r
+        time.sleep(delay)  # a retry's back-off, as the client's own
+    return r
+
+
+@flow
+def hoarder(
+    count: int, param_bytes: int, context_bytes: int, at_once: int, ids_per_listing: int, release: str
+) -> None:
+    """Issue 39 finding 2: ``count`` sub-flow runs of its own flow, each with ``param_bytes``
+    of parameters and ``context_bytes`` of context (under the gateway's body cap), then
+    ``at_once`` listings at once of ``ids_per_listing`` of their ids (admitted: its own
+    runs), each logged ``LISTED <status> <bytes> <detail>``; the test reads the worker's
+    memory between ``MADE`` and setting the variable ``release``."""
+    import concurrent.futures
+
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.variables import Variable
+
+    ctx = FlowRunContext.get()
+    assert ctx is not None and ctx.flow_run is not None
+    own_flow = str(ctx.flow_run.flow_id)
+    with get_client(sync_client=True) as c:
+        parent = c.create_task_run(task=own_task, flow_run_id=ctx.flow_run.id, dynamic_key="hoard")
+    api = os.environ["PREFECT_API_URL"]
+    token = os.environ["PREFECT_API_AUTH_STRING"]
+    headers = {"Authorization": "Basic " + base64.b64encode(token.encode()).decode()}
+    made: list[str] = []
+    with httpx.Client(base_url=api, headers=headers, timeout=120) as http:
+        for i in range(count):
+            body = {
+                "flow_id": own_flow,
+                "parent_task_run_id": str(parent.id),
+                "name": f"hoard-{i}",
+                "parameters": {"p": "x" * param_bytes},
+                "context": {"c": "y" * context_bytes},
+                "state": {"type": "PENDING", "name": "Pending"},
+            }
+            r = _retried(lambda: http.post("/flow_runs/", json=body))  # noqa: B023 - called at once
+            assert r.status_code == 201, (r.status_code, r.text[:300])
+            made.append(r.json()["id"])
+        get_run_logger().info("MADE %d", len(made))
+        _flush_logs()
+        deadline = time.monotonic() + 180
+        while Variable.get(release) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        listing = {"flow_runs": {"id": {"any_": made[:ids_per_listing]}}, "limit": ids_per_listing}
+
+        def ask(_: int) -> str:
+            try:
+                r = _retried(lambda: http.post("/flow_runs/filter", json=listing))
+            except httpx.HTTPError as e:
+                return f"error 0 {type(e).__name__}: {e}"
+            detail = r.text[:300] if r.status_code != 200 else str(len(r.json()))
+            return f"{r.status_code} {len(r.content)} {detail}"
+
+        with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
+            answers = list(pool.map(ask, range(at_once)))
+    for a in answers:
+        get_run_logger().info("LISTED %s", a)
+    _flush_logs()
