@@ -11,6 +11,7 @@ sandbox left, record or not. Every check runs real sandboxes on this machine.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -148,9 +149,7 @@ def test_the_remover_does_not_empty_a_mount_inside_the_tree(tmp_path: Path) -> N
 
 @pytest.mark.sandbox
 @pytest.mark.parametrize("left", ["no record", "destroy interrupted"])
-def test_sweep_removes_what_a_half_removed_sandbox_left(
-    bwrap: BubblewrapRuntime, left: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sweep_removes_what_a_half_removed_sandbox_left(bwrap: BubblewrapRuntime, left: str) -> None:
     """A destroy that lost its record first (today's order) or stopped half-way: any
     ``sweep``, whatever its labels, finds the rest by scanning the state directory."""
     h = bwrap.launch(spec("print('done', flush=True)", labels={"run": "r1"}))
@@ -160,9 +159,9 @@ def test_sweep_removes_what_a_half_removed_sandbox_left(
     if left == "no record":
         (d / host_state.RECORD_NAME).unlink()
     else:
-        monkeypatch.setattr(host_state, "remove_tree", lambda path: False)
-        bwrap.destroy(h)
-        monkeypatch.undo()
+        with pytest.MonkeyPatch.context() as m:  # a host killed right after the rename
+            m.setattr(host_state, "remove_tree", lambda path: False)
+            bwrap.destroy(h)
         assert _leftovers(bwrap.state) != []
     assert bwrap.list_ids() == []
     bwrap.sweep({"run": "some other run"})
@@ -228,9 +227,18 @@ def test_a_node_writing_past_its_workspace_fails_clearly(
         outputs_dir=tmp_path / "outputs",
         resources=Resources.from_quantities(memory="256Mi", cpus="1", disk="8Mi"),
     )
-    outcome = drive_node(node, LocalConduit(tmp_path / "conduit"), rt, min_isolation="none")
+    seen: list[str] = []
+    outcome = drive_node(
+        node,
+        LocalConduit(tmp_path / "conduit"),
+        rt,
+        min_isolation="none",
+        on_event=lambda ev: seen.append(json.dumps(ev.get("data", {}))),
+    )
     assert not outcome.ok and not outcome.infrastructure_failure, outcome.describe()
-    assert "No space left on device" in outcome.reason + outcome.substrate_logs, outcome.describe()
+    assert outcome.reason == "workload exited with code 1", outcome.describe()
+    told = "\n".join(seen)  # the task's own traceback, as its log lines
+    assert "No space left on device" in told and "stopped after" in told, told
     assert _leftovers(rt.state) == []
 
 
