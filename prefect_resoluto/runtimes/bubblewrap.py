@@ -5,9 +5,9 @@ milliseconds. The sandbox sees: the host's system directories and Python read-on
 a minimal /etc, guest_runner at /opt/resoluto, a private /proc and /dev, tmpfs /tmp and
 /workspace (each sized like the node's conduit slot: its ``disk``, else its memory limit)
 and the node's conduit directory read-write. Nothing else of the host: what the guest
-writes outside its conduit slot never reaches the host's disk, and goes with the sandbox's
-mount namespace, however deep it nests. The network namespace is new and empty except for ``lo``, so no
-traffic leaves (and the host's loopback is not the sandbox's).
+writes outside its conduit slot never reaches the host's disk, and goes with the
+sandbox's mount namespace, however deep it nests. The network namespace is new and empty
+except for ``lo``, so no traffic leaves (and the host's loopback is not the sandbox's).
 
 Bubblewrap has no resource limits of its own: the base class puts the process tree in a
 cgroup (memory, pids, cpu) when one is writable, else applies RLIMIT_DATA via prlimit.
