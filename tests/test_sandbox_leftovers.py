@@ -247,3 +247,30 @@ def test_a_sandbox_id_may_not_take_the_state_directorys_own_names() -> None:
         with pytest.raises(ValueError):
             host_state.sandbox_dir(Path("/nonexistent"), bad)
     assert host_state.LOCK_NAME == LOCK
+
+
+def test_a_plain_directory_slot_loses_what_is_nested_past_its_depth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the right to mount, the slot is a plain directory on the conduit's disk:
+    what a guest nested past ``slot.MAX_DEPTH`` there used to stay, unreported below it."""
+    import errno
+
+    from prefect_resoluto.runtimes import slot
+
+    real = slot._call
+
+    def refuse(fn: str, *args: object) -> None:
+        if fn == "mount":
+            raise OSError(errno.EPERM, "Operation not permitted")
+        real(fn, *args)
+
+    monkeypatch.setattr(slot, "_call", refuse)
+    d = tmp_path / "n"
+    assert slot.mount(d, 1 << 20) is False
+    (d / "ok").write_text("x")
+    os.close(_nest(d, slot.MAX_DEPTH + 40, "d"))
+    done = slot.settle(d, 1 << 20, "memory")
+    assert f"directories nested deeper than {slot.MAX_DEPTH}" in done.reason(), done.reason()
+    deepest = d.joinpath(*["d"] * slot.MAX_DEPTH)
+    assert deepest.is_dir() and os.listdir(deepest) == [] and (d / "ok").read_text() == "x"
