@@ -77,7 +77,7 @@ def test_argv_binds(rt: BubblewrapRuntime, tmp_path: Path) -> None:
         resources=Resources(disk_bytes=64 << 20),
         secret_env={"RSL_SECRET": "hunter2"},
     )
-    argv, env = rt.build_argv(s, tmp_path / "ws")
+    argv, env = rt.build_argv(s, tmp_path / "sandbox")
     joined = " ".join(argv)
     # Secrets travel in bwrap's own environment (readable by the same user only), never argv.
     assert "hunter2" not in joined and env["RSL_SECRET"] == "hunter2"
@@ -86,7 +86,10 @@ def test_argv_binds(rt: BubblewrapRuntime, tmp_path: Path) -> None:
         in joined
     )
     assert f"--bind {tmp_path / 'c' / 'run/r1/nodes/n1'} /conduit/run/r1/nodes/n1" in joined
-    assert f"--bind {tmp_path / 'ws'} /workspace" in joined
+    # /workspace is memory of the node's slot size, never a directory of the host's disk.
+    assert "--size 67108864 --tmpfs /workspace" in joined and not any(
+        a == "/workspace" and argv[i - 2] == "--bind" for i, a in enumerate(argv)
+    )
     assert "--ro-bind /usr /usr" in joined and "--size 67108864 --tmpfs /tmp" in joined
     assert "--chdir /workspace" in joined and "/home" not in argv
 

@@ -186,7 +186,6 @@ def guest_layout(
     *,
     python: str | None = None,
     host_python: bool = True,
-    workspace_host_dir: str | None = None,
     extra_ro: list[str] | None = None,
 ) -> GuestLayout:
     """The filesystem, argv and environment of a sandboxed Python guest.
@@ -194,7 +193,6 @@ def guest_layout(
     ``host_python`` binds the host's system directories and interpreter at their host
     paths (the guest runs ``python``, default ``sys.executable``); without it the image
     is expected to bring ``python3`` and only guest_runner is bound.
-    ``workspace_host_dir`` backs /workspace with a host scratch directory instead of tmpfs.
     """
     ro: list[tuple[str, str]] = []
     links: list[tuple[str, str]] = []
@@ -214,11 +212,7 @@ def guest_layout(
     ro.append((str(guest_runner_dir()), f"{GUEST_RUNNER_ROOT}/guest_runner"))
 
     rw: list[tuple[str, str]] = []
-    tmpfs = ["/tmp"]
-    if workspace_host_dir:
-        rw.append((workspace_host_dir, GUEST_WORKSPACE))
-    else:
-        tmpfs.append(GUEST_WORKSPACE)
+    tmpfs = ["/tmp", GUEST_WORKSPACE]
 
     overrides = {wire.ENV_WORKSPACE_DIR: GUEST_WORKSPACE}
     argv = list(spec.command) if spec.command else [python, "-m", "guest_runner"]

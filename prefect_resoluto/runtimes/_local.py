@@ -20,9 +20,10 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, ClassVar
 
 from prefect_resoluto import egress
+from prefect_resoluto.host import state as host_state
 from prefect_resoluto.runtimes import slot
 
 from . import _cgroup
@@ -34,7 +35,6 @@ from ._guest_layout import (
     open_log,
     process_start_time,
     records,
-    remove_tree,
     same_process,
     sandbox_dir,
     state_dir,
@@ -92,6 +92,11 @@ class Prepared:
 
 class LocalChildRuntime(SandboxRuntime):
     """Shared launch/status/destroy/sweep/logs for child-process sandboxes."""
+
+    #: Entries of the state directory that are the runtime's own, not sandboxes' (a sweep
+    #: removes any other directory without a record): warm-sandbox images
+    #: (``prefect_resoluto.warm.snapshots.DIR_NAME``).
+    own_entries: ClassVar[frozenset[str]] = frozenset({"snapshots"})
 
     def __init__(self, *, state_dir: str | os.PathLike[str] | None = None, limits: str = "auto") -> None:
         if limits not in LIMIT_MODES:
@@ -173,10 +178,16 @@ class LocalChildRuntime(SandboxRuntime):
         self.check_spec(spec)
         self.require_available()
         d = sandbox_dir(self.state, spec.sandbox_id)
+        rec = SandboxRecord(id=spec.sandbox_id, runtime=self.name, labels=dict(spec.labels), dir=str(d))
         try:
-            d.mkdir(mode=0o700)
+            # With its record from the start: a sweep removes a directory without one.
+            host_state.make_sandbox_dir(rec)
         except FileExistsError:
             raise LaunchError(f"a sandbox named {spec.sandbox_id!r} already exists in {self.state}") from None
+        except OSError as e:
+            raise LaunchError(
+                f"{self.name}: cannot make the state of sandbox {spec.sandbox_id!r}: {e}"
+            ) from e
         key = (self.name, spec.sandbox_id)
         try:
             request, net = self._attach_network(spec)
@@ -190,13 +201,7 @@ class LocalChildRuntime(SandboxRuntime):
             argv, cgrouped = prep.argv, False
             if prep.host_limits:
                 argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
-            rec = SandboxRecord(
-                id=spec.sandbox_id,
-                runtime=self.name,
-                labels=dict(spec.labels),
-                dir=str(d),
-                extra={**prep.extra, "cgroup": cgrouped},
-            )
+            rec.extra = {**prep.extra, "cgroup": cgrouped}
             rec.save()  # before the child exists, so a crash right after launch is still sweepable
             self._before_start(spec)
             proc = self._start(spec, d, prep, argv)
@@ -288,7 +293,7 @@ class LocalChildRuntime(SandboxRuntime):
         if cg:
             cg.remove()
         slot.release(d / slot.SLOT_NAME)
-        remove_tree(d)
+        host_state.discard(d)
 
     def exit_fd(self, handle: SandboxHandle) -> int | None:
         """A pidfd of the sandbox's child (its exit is the sandbox's); None when this process
@@ -427,7 +432,7 @@ class LocalChildRuntime(SandboxRuntime):
             _drain_cgroup(cg)
         self._detach_network(sandbox_id, rec)
         slot.release(d / slot.SLOT_NAME)  # a warm sandbox's slot, mounted in its state directory
-        remove_tree(d)
+        host_state.discard(d)  # the record goes with the rest, or the rest stays a sweep's to find
         with _LOCK:
             # Keep the first destroy's verdict: a second destroy has nothing left to read.
             if key not in _DESTROYED and (proc is not None or rec is not None):
@@ -452,7 +457,8 @@ class LocalChildRuntime(SandboxRuntime):
                 n += 1
         if self.capabilities.egress_allowlist:
             egress.sweep()  # namespaces of hosts that died before they could destroy
-        slot.sweep_orphans()  # conduit slots of hosts that died mid-node
+        slot.sweep_orphans()  # conduit slots of hosts that died mid-node (before their directories go)
+        host_state.sweep_leftovers(self.state, self.own_entries)  # half-removed, record or not
         return n
 
     def list_ids(self) -> list[str]:

@@ -2,10 +2,12 @@
 
 Shares the host kernel, so it is only ``namespace`` isolation, but it starts in a few
 milliseconds. The sandbox sees: the host's system directories and Python read-only,
-a minimal /etc, guest_runner at /opt/resoluto, a private /proc and /dev, a tmpfs /tmp,
-a per-sandbox scratch /workspace and the node's conduit directory read-write. Nothing
-else of the host. The network namespace is new and empty except for ``lo``, so no
-traffic leaves (and the host's loopback is not the sandbox's).
+a minimal /etc, guest_runner at /opt/resoluto, a private /proc and /dev, tmpfs /tmp and
+/workspace (each sized like the node's conduit slot: its ``disk``, else its memory limit)
+and the node's conduit directory read-write. Nothing else of the host: what the guest
+writes outside its conduit slot never reaches the host's disk, and goes with the
+sandbox's mount namespace, however deep it nests. The network namespace is new and empty
+except for ``lo``, so no traffic leaves (and the host's loopback is not the sandbox's).
 
 Bubblewrap has no resource limits of its own: the base class puts the process tree in a
 cgroup (memory, pids, cpu) when one is writable, else applies RLIMIT_DATA via prlimit.
@@ -19,6 +21,8 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from prefect_resoluto.runtimes import slot
+
 from ._guest_layout import (
     RUNNER_CAPS,
     WORKLOAD_PIDNS_ENV,
@@ -30,7 +34,7 @@ from ._guest_layout import (
     runs_guest_runner,
 )
 from ._local import LocalChildRuntime, Prepared
-from .base import Availability, IsolationLevel, LaunchError, LaunchSpec
+from .base import Availability, IsolationLevel, LaunchError, LaunchSpec, Resources
 from .capabilities import Capabilities
 
 if TYPE_CHECKING:
@@ -96,16 +100,20 @@ def workload_userns() -> int:
         holder.wait()
 
 
-def _mount_args(lay: GuestLayout, tmpfs_bytes: int | None) -> list[str]:
+def scratch_bytes(r: Resources) -> int:
+    """The size of each of a sandbox's tmpfs (/tmp, /workspace): its conduit slot's
+    (``disk``, else the memory limit, else the default memory limit), never unbounded."""
+    return slot.capacity_of(r.disk_bytes, r.memory_bytes)[0]
+
+
+def _mount_args(lay: GuestLayout, tmpfs_bytes: int) -> list[str]:
     """The layout's scratch mounts, binds and links as bwrap options, in the order they must go."""
     argv: list[str] = []
     # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
     # host tree that lives under /tmp (a checkout or virtualenv there).
     for dst in lay.tmpfs:
         argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
-        if tmpfs_bytes:
-            argv += ["--size", str(tmpfs_bytes)]
-        argv += ["--tmpfs", dst]
+        argv += ["--size", str(tmpfs_bytes), "--tmpfs", dst]
     # bwrap makes a bind's missing parents 0700: traversable by root only, and the
     # workload's user must reach the interpreter bound below them.
     parents = {str(p) for _, dst in lay.ro_binds + lay.rw_binds for p in Path(dst).parents}
@@ -193,11 +201,12 @@ class BubblewrapRuntime(LocalChildRuntime):
     def build_argv(
         self,
         spec: LaunchSpec,
-        workspace: Path,
+        sandbox: Path,
         net: SandboxNetwork | None = None,
         userns_fd: int | None = None,
     ) -> tuple[list[str], dict[str, str]]:
         """The bwrap command line and the sandbox env (public for tests and benchmarks).
+        ``sandbox``: the sandbox's state directory (its network's files go there).
 
         ``userns_fd`` (:func:`workload_userns`): the sandbox joins that user namespace,
         where the guest runner can start the workload as another user; without it the
@@ -206,9 +215,7 @@ class BubblewrapRuntime(LocalChildRuntime):
         With an egress network bwrap starts inside its namespace and keeps it
         (``--share-net``): the sandbox's root holds no capability over a namespace owned
         by the host's user namespace, so it cannot change its routes or addresses."""
-        lay = guest_layout(
-            spec, python=self.python, workspace_host_dir=str(workspace), extra_ro=self.extra_ro_paths
-        )
+        lay = guest_layout(spec, python=self.python, extra_ro=self.extra_ro_paths)
         prefix: list[str] = []
         flags: tuple[str, ...] = _NAMESPACE_FLAGS
         if userns_fd is not None:
@@ -217,7 +224,7 @@ class BubblewrapRuntime(LocalChildRuntime):
             lay.env.pop(WORKLOAD_USER_ENV, None)
             lay.env.pop(WORKLOAD_PIDNS_ENV, None)
         if net is not None:
-            add_network(lay, net, workspace.parent)
+            add_network(lay, net, sandbox)
             prefix = ["nsenter", f"--net=/run/netns/{net.netns}"]
             flags = (*(f for f in flags if f != "--unshare-net"), "--share-net")
         argv = [
@@ -231,7 +238,7 @@ class BubblewrapRuntime(LocalChildRuntime):
             "--dev",
             "/dev",
         ]
-        argv += _mount_args(lay, spec.resources.tmpfs_bytes)
+        argv += _mount_args(lay, scratch_bytes(spec.resources))
         # The environment is bwrap's own (set exactly by Popen), not --clearenv/--setenv:
         # secrets on an argv would be readable by every host user in /proc/<pid>/cmdline.
         # PWD is pinned because the cgroup wrapper's shell exports its own.
@@ -239,12 +246,10 @@ class BubblewrapRuntime(LocalChildRuntime):
         return argv + ["--", *lay.argv], lay.env
 
     def _prepare(self, spec: LaunchSpec, sandbox: Path, net: SandboxNetwork | None = None) -> Prepared:
-        workspace = sandbox / "workspace"
-        workspace.mkdir()
         runner = runs_guest_runner(list(spec.command) if spec.command else ["python", "-m", "guest_runner"])
         fd = workload_userns() if runner and os.geteuid() == 0 else None
         try:
-            argv, env = self.build_argv(spec, workspace, net, userns_fd=fd)
+            argv, env = self.build_argv(spec, sandbox, net, userns_fd=fd)
         except BaseException:
             if fd is not None:
                 os.close(fd)

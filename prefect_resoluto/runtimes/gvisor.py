@@ -217,6 +217,8 @@ class GVisorRuntime(LocalChildRuntime):
             }
         ),
     )
+    #: runsc's own state and debug logs live next to the sandboxes' directories.
+    own_entries: ClassVar[frozenset[str]] = LocalChildRuntime.own_entries | {"runsc-root", "debug"}
 
     def __init__(
         self,

@@ -37,13 +37,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefect_resoluto.host.remove import remove_at, remove_tree
 from prefect_resoluto.host.state import process_start_time, same_process, state_dir
 
 log = logging.getLogger("prefect_resoluto.runtimes.slot")
@@ -59,7 +59,8 @@ FULL_MARGIN = 64 * 1024
 #: Modes a file or directory left in a slot must not have.
 SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
 _COPY_CHUNK = 1 << 20
-#: Directories deeper than this in a slot are refused (the walk is recursive).
+#: Directories deeper than this in a slot are refused (the walk is recursive); in a plain
+#: directory (no mount) they are removed.
 MAX_DEPTH = 64
 #: The slot's name in a warm sandbox's state directory.
 SLOT_NAME = "slot"
@@ -271,7 +272,7 @@ def settle(path: Path, size: int | None, setting: str, *, host_bytes: int = 0) -
             old = path.parent / f".{path.name}.replaced-{uuid.uuid4().hex[:8]}"
             os.rename(path, old)
             os.rename(staging, path)
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
     except OSError as e:
         raise SlotError(e.errno, f"cannot keep the conduit slot's files in {path}: {e.strerror}") from None
     return out
@@ -395,12 +396,14 @@ def _clean_in_place(path: Path, out: Settled) -> None:
 
 
 def _clean(fd: int, rel: str, out: Settled) -> None:
-    if rel.count("/") > MAX_DEPTH:
-        out.problems.append(f"{rel!r}, directories nested deeper than {MAX_DEPTH}")
-        return
     for name, st in _entries(fd):
         where = f"{rel}{name}"
         bad = _why_bad(where, st)
+        if stat.S_ISDIR(st.st_mode) and rel.count("/") >= MAX_DEPTH:
+            # Nothing there is kept: removed whole, by descriptors and without recursion.
+            out.problems.append(f"{where!r}, directories nested deeper than {MAX_DEPTH}")
+            remove_at(fd, name)
+            continue
         if stat.S_ISDIR(st.st_mode):
             sub = os.open(name, _O_DIR, dir_fd=fd)
             try:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit
+from prefect_resoluto.host.remove import remove_tree
 from prefect_resoluto.node import heartbeat
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
@@ -331,7 +332,7 @@ class WarmSandbox:
         except Exception as e:
             log.warning("could not destroy warm sandbox %s: %s", self.handle.id, e)
         if self.slot is not None:
-            shutil.rmtree(self.slot, ignore_errors=True)
+            remove_tree(self.slot)  # the sandbox's own writing: any depth, no link followed
 
 
 class WarmPool:
