@@ -96,7 +96,7 @@ def enter_real() -> None:
     if isinstance(flow, dict) and isinstance(flow.get("flow_run"), dict):
         sent_run = flow["flow_run"]
         run_cls = _restricted(objects.FlowRun, "FlowRunContext.flow_run")
-        flow_run = _keep_only(run_cls.model_validate(sent_run), tuple(sent_run))
+        flow_run = _keep_only(run_cls.model_validate(sent_run), tuple(sent_run))  # type: ignore[attr-defined]
         ctx_cls = _restricted(context.FlowRunContext, "FlowRunContext")
         _enter(ctx_cls, FLOW_FIELDS, flow, flow_run=flow_run)
     task = _SENT.get("task")

@@ -76,3 +76,25 @@ def run_context_probe(run: object, task_ctx: object, flow_ctx: object) -> dict:
     if tr.run_count < 2:
         raise ValueError(f"first attempt of {tr.name}")
     return probe
+
+
+@task
+def reads_what_a_sandbox_has_not() -> dict:
+    """What a thread's run context has and a sandbox's cannot: each read's error, or what it gave."""
+    from prefect.context import FlowRunContext, TaskRunContext, get_run_context
+
+    reads = {
+        "client": lambda: get_run_context().client,
+        "result_store": lambda: TaskRunContext.get().result_store,
+        "flow": lambda: FlowRunContext.get().flow,
+        "task_runner": lambda: FlowRunContext.get().task_runner,
+        "job_variables": lambda: FlowRunContext.get().flow_run.job_variables,
+        "flow_run.context": lambda: FlowRunContext.get().flow_run.context,
+    }
+    out = {}
+    for name, read in reads.items():
+        try:
+            out[name] = f"gave {read()!r}"
+        except AttributeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
