@@ -40,18 +40,28 @@ def not_in_sandbox(owner: str, name: str) -> NotInSandbox:
 
 # -- what the host sent -----------------------------------------------------------------------
 _SENT: Dict[str, Any] = {}
-_TASK: List[Any] = []  # the task object, once the task's module is imported
+_TASK: List[Any] = []  # TaskRunContext.task: the host's words, then the task object itself
 
 
 def set_contexts(sent: Any) -> None:
     _SENT.clear()
+    _TASK.clear()
     if isinstance(sent, dict):
         _SENT.update({k: v for k, v in sent.items() if k in ("task", "flow") and isinstance(v, dict)})
+    about = _SENT.get("task", {}).get("task")
+    if isinstance(about, dict):
+        # Until the task's module is imported (the real package may load first): its name,
+        # and whether it is async, which Prefect's sync/async dispatch asks of the context.
+        _TASK.append(
+            Record("TaskRunContext.task", {"name": about.get("name"), "isasync": about.get("isasync")})
+        )
 
 
 def set_task(task: Any) -> None:
-    """The task object the call runs: ``TaskRunContext.task``. The real package may have
-    loaded (and the contexts been entered) before the task's module was imported."""
+    """The task object the call runs, as its module defined it: ``TaskRunContext.task``. A
+    plain function (a task made elsewhere with ``task(fn)``) is not one: the host's words stay."""
+    if not (hasattr(task, "fn") and isinstance(getattr(task, "name", None), str)):
+        return
     _TASK[:] = [task]
     for ctx in _ENTERED:
         ctx.__dict__["task"] = task
@@ -177,6 +187,8 @@ class _StandInContext:
 
     def __init__(self, sent: Dict[str, Any], run_key: str) -> None:
         for name in self._fields:
+            if name == "task":  # the task object (set_task), looked up on use
+                continue
             if name == run_key:
                 self.__dict__[name] = Record(f"{self._kind}.{name}", sent[name])
             elif name == "start_time" and isinstance(sent.get(name), str):

@@ -162,6 +162,12 @@ def _isawaitable(v: Any) -> bool:
     return inspect.isawaitable(v)
 
 
+def _iscoroutinefunction(fn: Any) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+
+
 def _plain(value: Any) -> Any:
     """Unwrap ``unmapped(x)`` / ``quote(x)`` / a future (Prefect's annotations) to the value."""
     if isinstance(value, InlineFuture):
@@ -227,6 +233,8 @@ class StandInTask:
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         self.fn = fn
         self.name = cast(str, options.get("name") or getattr(fn, "__name__", "task"))  # a Prefect task name
+        # As a real Task's: Prefect's sync/async dispatch asks it of the run context's task.
+        self.isasync = _iscoroutinefunction(fn)
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
 

@@ -155,6 +155,7 @@ def run_contexts(ctx: Any, params: dict[str, Any], fr_ctx: Any) -> dict[str, Any
     allowed fields of its FlowRun (guest_runner/runctx.py rebuilds them)."""
     out: dict[str, Any] = {
         "task": {
+            "task": {"name": ctx.task.name, "isasync": bool(ctx.task.isasync)},
             "task_run": ctx.task_run.model_dump(mode="json", exclude={"state": {"data"}}),
             "parameters": params,
             "log_prints": bool(ctx.log_prints),
