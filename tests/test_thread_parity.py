@@ -234,7 +234,9 @@ def test_sandbox_frames_never_make_the_host_read_its_own_files(tmp_path):
     assert remote_traceback.from_the_task(tb) is tb
 
 
-@pytest.mark.parametrize("probe", [pf.reads_run_context, prf.reads_run_context_real], ids=["lazy", "on-import"])
+@pytest.mark.parametrize(
+    "probe", [pf.reads_run_context, prf.reads_run_context_real], ids=["lazy", "on-import"]
+)
 def test_a_task_reads_its_run_context_as_on_a_thread_also_on_a_retry(probe, tmp_path):
     """get_run_context(), TaskRunContext.get() and FlowRunContext.get() in a sandboxed task
     give its task run and its flow run, as on a thread; on the retry run_count is 2. The
