@@ -9,7 +9,8 @@ own frame down, and what it was raised from), redacted of secrets before it is w
 a secret. The return value is the task's data and is written as it is. Nothing is pickled.
 
 ``call.json`` may also carry the run's ``context`` (tags, task_run, flow_run,
-deployment), which :mod:`guest_runner.standin` makes visible through ``prefect``.
+deployment, the run context objects' fields), which :mod:`guest_runner.standin` and
+:mod:`guest_runner.runctx` make visible through ``prefect``.
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def load_function(spec: Dict[str, Any]) -> Any:
     fn = getattr(obj, "fn", obj)  # a real prefect Task wraps the function
     if not callable(fn):
         raise CallError(f"{qualname!r} in {module.__name__!r} is not callable")
+    from guest_runner import runctx
+
+    runctx.set_task(obj)  # TaskRunContext.get().task: the task as its module defined it
     return fn
 
 

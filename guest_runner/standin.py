@@ -6,8 +6,8 @@ task module usually needs nothing from it but ``@task``, ``@flow`` and
 here; the first other attribute or submodule loads the real package transparently.
 
 Whichever is in use, a task in the sandbox sees the run it belongs to (the host sends
-it as JSON): ``prefect.runtime.task_run`` / ``flow_run`` / ``deployment`` and the
-current tags. Calling another task from a task runs it inline, in this sandbox, as a
+it as JSON): ``prefect.runtime.task_run`` / ``flow_run`` / ``deployment``, the
+current tags and the run context objects (:mod:`guest_runner.runctx`). Calling another task from a task runs it inline, in this sandbox, as a
 plain call of its function: there is no Prefect API in here to create task runs with.
 """
 
@@ -21,6 +21,7 @@ import types
 from importlib.machinery import ModuleSpec, PathFinder
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
 
+from guest_runner import runctx
 from guest_runner.wire import LOG_MARKER
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ def set_run_context(context: Optional[Dict[str, Any]]) -> None:
     _CONTEXT.clear()
     if isinstance(context, dict):
         _CONTEXT.update(context)
+    runctx.set_contexts(_CONTEXT.get("contexts"))
 
 
 def _apply_run_context(prefect: types.ModuleType) -> None:
@@ -98,6 +100,7 @@ def _apply_run_context(prefect: types.ModuleType) -> None:
         context = importlib.import_module("prefect.context")
         # Entered for the rest of this process, which is the task's whole life.
         context.TagsContext(current_tags=set(map(str, tags))).__enter__()
+    runctx.enter_real()
 
 
 # -- nested task calls ---------------------------------------------------------------------
@@ -157,6 +160,12 @@ def _isawaitable(v: Any) -> bool:
     import inspect
 
     return inspect.isawaitable(v)
+
+
+def _iscoroutinefunction(fn: Any) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def _plain(value: Any) -> Any:
@@ -224,6 +233,8 @@ class StandInTask:
     def __init__(self, fn: Callable[..., Any], **options: Any) -> None:
         self.fn = fn
         self.name = cast(str, options.get("name") or getattr(fn, "__name__", "task"))  # a Prefect task name
+        # As a real Task's: Prefect's sync/async dispatch asks it of the run context's task.
+        self.isasync = _iscoroutinefunction(fn)
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -517,8 +528,11 @@ def _install_without_prefect() -> "dict[str, Any]":
     context = types.ModuleType("prefect.context")
     context.TagsContext = _TagsContext  # type: ignore[attr-defined]
     context.tags = _tags  # type: ignore[attr-defined]
+    context.__dict__.update(runctx.standin_module_names())
     sys.modules["prefect.context"] = context
-    return {"runtime": runtime, "context": context, "tags": _tags}
+    exceptions = runctx.standin_exceptions()
+    sys.modules["prefect.exceptions"] = exceptions
+    return {"runtime": runtime, "context": context, "exceptions": exceptions, "tags": _tags}
 
 
 _installed = False

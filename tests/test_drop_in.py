@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 from flows import dropin_flows as df
+from flows import parity_flows as pf
 from flows import real_prefect_flows as rf
 from flows import sample_flows as sf
-from prefect import flow, tags
+from prefect import flow, tags, task
 from prefect.task_runners import ThreadPoolTaskRunner
 from support.guest import plumbing_in
 from support.prefect_readback import artifacts_of, client, task_runs
@@ -662,3 +663,96 @@ def test_an_image_without_prefect_still_gives_tasks_their_run_context_and_nested
     assert probe["tags"] == ["a", "b"] and probe["task_run"] == context["task_run"]
     assert probe["flow_run"] == context["flow_run"] and probe["deployment"] == context["deployment"]
     assert out["nested_calls"] == {"direct": 4, "submitted": 6, "mapped": [4, 6, 8]}
+
+
+#: What a thread's run context holds and a sandbox's cannot (parity_flows.reads_what_a_sandbox_has_not).
+NOT_IN_SANDBOX = ("client", "result_store", "flow", "task_runner", "job_variables", "flow_run.context")
+
+
+def assert_not_in_sandbox(said: dict) -> None:
+    assert set(said) == set(NOT_IN_SANDBOX), said
+    for name, text in said.items():
+        field = name.rsplit(".", 1)[-1]
+        assert (
+            text.startswith("NotInSandbox: ") and f".{field} is not available inside a sandboxed task" in text
+        ), (
+            name,
+            text,
+        )
+
+
+def test_what_a_sandboxs_run_context_cannot_hold_fails_clearly(conduit, tmp_path):
+    """A client, a result store, the flow, the task runner and the flow run's fields the host
+    does not send (job_variables may carry a deployment's secrets) raise, naming the field;
+    never None. Prefect glue alone: on the `process` runtime (the real package loads)."""
+
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none"))
+    def reading() -> dict:
+        return pf.reads_what_a_sandbox_has_not.submit().result()
+
+    assert_not_in_sandbox(reading())
+
+
+def test_an_image_without_prefect_gives_a_task_its_run_context_objects_from_the_hosts_run(tmp_path):
+    """Guest side, without site-packages (``-S``), as in the guest image, which has no Prefect:
+    the stand-in's get_run_context(), TaskRunContext.get() and FlowRunContext.get() answer from
+    the context the host builds for a real task run (here: its second attempt, on a thread)."""
+    import shutil
+
+    from prefect.context import TaskRunContext
+
+    from prefect_resoluto.task_runner.python_calls import DeploymentNames, run_context
+
+    @task(retries=1, retry_delay_seconds=0, tags=["reads-context"], name="reads_run_context")
+    def hosts_view(label: str) -> dict:
+        ctx = TaskRunContext.get()
+        if ctx.task_run.run_count < 2:
+            raise ValueError("first attempt")
+        return run_context(ctx, {"label": label}, DeploymentNames())
+
+    @flow
+    def reading(n: int = 3, label: str = "x") -> dict:
+        return hosts_view.submit(label).result()
+
+    state = reading(return_state=True)
+    context = state.result()
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    with client() as c:
+        fr = c.read_flow_run(state.state_details.flow_run_id)
+
+    ws = tmp_path / "ws"
+    (ws / ".resoluto").mkdir(parents=True)
+    shutil.copy(FLOWS / "parity_flows.py", ws)
+    out = {}
+    for qualname, params in (("reads_run_context", {"label": "x"}), ("reads_what_a_sandbox_has_not", {})):
+        (ws / ".resoluto" / "call.json").write_text(
+            json.dumps(
+                {"file": "parity_flows.py", "qualname": qualname, "parameters": params, "context": context}
+            )
+        )
+        proc = subprocess.run(
+            [sys.executable, "-S", "-m", "guest_runner.call", ".resoluto/call.json"],
+            cwd=ws,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr + (ws / ".resoluto" / "error.json").read_text()
+        out[qualname] = json.loads((ws / ".resoluto" / "return.json").read_text())["value"]
+    assert out["reads_run_context"] == {
+        "run_is_task_context": True,
+        "task_run": {
+            "id": str(tr.id),
+            "id_type": "UUID",
+            "name": tr.name,
+            "run_count": 2,
+            "tags": ["reads-context"],
+            "flow_run_id": str(fr.id),
+        },
+        "same_task_run": True,
+        "task_name": "reads_run_context",
+        "parameters": {"label": "x"},
+        "flow_run": {"id": str(fr.id), "name": fr.name, "parameters": {"n": 3, "label": "x"}},
+    }
+    assert_not_in_sandbox(out["reads_what_a_sandbox_has_not"])

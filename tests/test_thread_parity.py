@@ -232,3 +232,43 @@ def test_sandbox_frames_never_make_the_host_read_its_own_files(tmp_path):
     assert 'File "<sandbox: task.py>", line 3, in secret_line' in text  # its line holds a secret
     assert "bad_line" not in text and "n" * 300 not in text
     assert remote_traceback.from_the_task(tb) is tb
+
+
+@pytest.mark.parametrize(
+    "probe", [pf.reads_run_context, prf.reads_run_context_real], ids=["lazy", "on-import"]
+)
+def test_a_task_reads_its_run_context_as_on_a_thread_also_on_a_retry(probe, tmp_path):
+    """get_run_context(), TaskRunContext.get() and FlowRunContext.get() in a sandboxed task
+    give its task run and its flow run, as on a thread; on the retry run_count is 2. The
+    real package loads in the task's body (lazy) or on the module's import (on-import)."""
+
+    def run(task_runner) -> tuple[dict, dict]:
+        @flow(task_runner=task_runner)
+        def reading(n: int = 3, label: str = "x") -> dict:
+            return probe.submit(label).result()
+
+        state = reading(return_state=True)
+        (tr,) = task_runs(state.state_details.flow_run_id)
+        with client() as c:
+            fr = c.read_flow_run(state.state_details.flow_run_id)
+        expected = {
+            "run_is_task_context": True,
+            "task_run": {
+                "id": str(tr.id),
+                "id_type": "UUID",
+                "name": tr.name,
+                "run_count": 2,
+                "tags": ["reads-context"],
+                "flow_run_id": str(fr.id),
+            },
+            "same_task_run": True,
+            "task_name": probe.name,
+            "parameters": {"label": "x"},
+            "flow_run": {"id": str(fr.id), "name": fr.name, "parameters": {"n": 3, "label": "x"}},
+        }
+        return state.result(), expected
+
+    threads, threads_expected = run(ThreadPoolTaskRunner())
+    ours, ours_expected = run(sandboxed(tmp_path))
+    assert threads == threads_expected
+    assert ours == ours_expected

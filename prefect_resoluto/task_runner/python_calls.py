@@ -107,8 +107,8 @@ def call(
 
 
 def run_context(ctx: Any, params: dict[str, Any], deployment_name: DeploymentNames) -> dict[str, Any]:
-    """What a task can read of its run, as JSON for the sandbox: the current tags and
-    prefect.runtime's task_run, flow_run and deployment."""
+    """What a task can read of its run, as JSON for the sandbox: the current tags,
+    prefect.runtime's task_run, flow_run and deployment, and the run context objects."""
     from prefect.context import FlowRunContext, TagsContext
 
     tr = ctx.task_run
@@ -136,6 +136,44 @@ def run_context(ctx: Any, params: dict[str, Any], deployment_name: DeploymentNam
         }
         dep = str(fr.deployment_id) if fr.deployment_id else None
         out["deployment"] = {"id": dep, "name": deployment_name(dep) if dep else None}
+    out["contexts"] = run_contexts(ctx, params, fr_ctx)
+    return out
+
+
+#: What a sandboxed task's FlowRunContext.get().flow_run holds of its flow run: never
+#: job_variables (a deployment's env may carry secrets), context or infrastructure details.
+FLOW_RUN_FIELDS = frozenset(
+    "id name flow_id deployment_id deployment_version flow_version tags labels parent_task_run_id "
+    "run_count state_type state_name created expected_start_time start_time work_pool_name "
+    "work_queue_name idempotency_key".split()
+)
+
+
+def run_contexts(ctx: Any, params: dict[str, Any], fr_ctx: Any) -> dict[str, Any]:
+    """Prefect's run context objects as a task reads them on a thread (TaskRunContext,
+    FlowRunContext), as JSON: the host's own TaskRun (its state's data left out) and the
+    allowed fields of its FlowRun (guest_runner/runctx.py rebuilds them)."""
+    out: dict[str, Any] = {
+        "task": {
+            "task": {"name": ctx.task.name, "isasync": bool(ctx.task.isasync)},
+            "task_run": ctx.task_run.model_dump(mode="json", exclude={"state": {"data"}}),
+            "parameters": params,
+            "log_prints": bool(ctx.log_prints),
+            "persist_result": bool(ctx.persist_result),
+            "start_time": ctx.start_time.isoformat(),
+        }
+    }
+    fr = fr_ctx.flow_run if fr_ctx is not None else None
+    if fr_ctx is not None and fr is not None:
+        flow_run = fr.model_dump(mode="json", include=set(FLOW_RUN_FIELDS))
+        flow_run["parameters"] = json_only(fr.parameters or {})
+        out["flow"] = {
+            "flow_run": flow_run,
+            "parameters": json_only(fr_ctx.parameters or {}),
+            "log_prints": bool(fr_ctx.log_prints),
+            "persist_result": bool(fr_ctx.persist_result),
+            "start_time": fr_ctx.start_time.isoformat(),
+        }
     return out
 
 

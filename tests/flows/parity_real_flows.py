@@ -4,6 +4,7 @@ with the real package: a nested submit hands back a real PrefectFuture there."""
 from __future__ import annotations
 
 from prefect import task
+from prefect.context import FlowRunContext, TaskRunContext, get_run_context
 from prefect.futures import PrefectFuture, PrefectFutureList
 
 
@@ -24,3 +25,15 @@ def nests(x: int) -> dict:
         "mapped": many.result(),
         "chained": inc.submit(one).result(),
     }
+
+
+@task(retries=1, retry_delay_seconds=0, tags=["reads-context"])
+def reads_run_context_real(label: str) -> dict:
+    """As parity_flows.reads_run_context, in a module that loaded the real package on import
+    (before the sandbox knew which task it runs)."""
+    try:
+        from flows.parity_flows import run_context_probe  # on the host
+    except ImportError:
+        from parity_flows import run_context_probe  # in the sandbox: the workspace is tests/flows
+
+    return run_context_probe(get_run_context(), TaskRunContext.get(), FlowRunContext.get())
