@@ -10,6 +10,7 @@ pool's pick, before the node's assignment).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
@@ -53,6 +54,17 @@ def _lines(out: list[str]):
     return lambda ev: out.append((ev.get("data") or {}).get("line", ""))
 
 
+def _once(gvisor, how: str, lost: list[str]):
+    """A ``before_assign`` hook: the first sandbox about to be assigned is lost ``how``."""
+
+    def hook(w: WarmSandbox) -> None:
+        if not lost:
+            lost.append(w.handle.id)
+            _lose(gvisor, w, how)
+
+    return hook
+
+
 @pytest.mark.parametrize("how", ["destroyed", "handed over", "ended"])
 def test_a_warm_sandbox_lost_before_its_assignment_hands_the_node_to_the_next(
     gvisor, local_conduit, tmp_path, caplog, how
@@ -60,37 +72,41 @@ def test_a_warm_sandbox_lost_before_its_assignment_hands_the_node_to_the_next(
     spec = _spec(tmp_path, "n1")
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key, n=2)
+    lost: list[str] = []
     try:
-        lost = _take(pool, key)
-        _lose(gvisor, lost, how)
+        pool.before_assign = _once(gvisor, how, lost)
         lines: list[str] = []
         with caplog.at_level(logging.WARNING, logger="prefect_resoluto.node.drive"):
-            o = drive_node(spec, local_conduit, gvisor, warm=lost, on_event=_lines(lines))
+            o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key), on_event=_lines(lines))
     finally:
         pool.close()
+    assert lost, "the race was never run"
     assert o.ok and o.warm, o.describe()  # the pool's other ready sandbox ran it
-    assert o.sandbox_id != lost.handle.id
+    assert o.sandbox_id != lost[0]
     assert "staged for n1" in lines  # the inbox went with the node to its new sandbox
-    assert f"warm sandbox {lost.handle.id} cannot take node n1" in caplog.text
+    assert f"warm sandbox {lost[0]} cannot take node n1" in caplog.text
     _no_sandboxes(gvisor)
     prefix = wire.node_prefix("run-race", "n1")
     files = [
         p.relative_to(local_conduit.root).as_posix() for p in local_conduit.root.rglob("*") if p.is_file()
     ]
     assert all(f.startswith((prefix + "/", wire.HOSTS + "/")) for f in files), files
+    assert not os.path.ismount(local_conduit.root / prefix)  # the lost sandbox's slot is not left bound
 
 
 def test_a_lost_warm_sandbox_with_none_other_ready_boots_the_node(gvisor, local_conduit, tmp_path):
     spec = _spec(tmp_path, "n1")
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key, n=1)
+    lost: list[str] = []
     try:
-        lost = _take(pool, key)
-        _lose(gvisor, lost, "destroyed")
+        w = _take(pool, key)
+        pool.before_assign = _once(gvisor, "destroyed", lost)
         lines: list[str] = []
-        o = drive_node(spec, local_conduit, gvisor, warm=lost, on_event=_lines(lines))
+        o = drive_node(spec, local_conduit, gvisor, warm=w, on_event=_lines(lines))
     finally:
         pool.close()
+    assert lost == [w.handle.id]
     assert o.ok and not o.warm, o.describe()
     assert "staged for n1" in lines
     _no_sandboxes(gvisor)
@@ -99,24 +115,21 @@ def test_a_lost_warm_sandbox_with_none_other_ready_boots_the_node(gvisor, local_
 def test_a_node_tries_at_most_warm_tries_lost_sandboxes_then_boots(gvisor, local_conduit, tmp_path):
     spec = _spec(tmp_path, "n1")
     key = key_for(spec)
-    n = drive_mod.WARM_TRIES + 1
-    pool = _ready_pool(gvisor, local_conduit, key, n=n)
-    picked: list[str] = []
+    pool = _ready_pool(gvisor, local_conduit, key, n=drive_mod.WARM_TRIES + 1)
+    lost: list[str] = []
 
-    def reaped_after_pick(w: WarmSandbox) -> None:  # every pick: a reaper lands before the assignment
-        picked.append(w.handle.id)
+    def reaped(w: WarmSandbox) -> None:  # every one: a reaper lands before each assignment
+        lost.append(w.handle.id)
         gvisor.destroy(w.handle)
 
     try:
-        pool.after_pick = reaped_after_pick
-        first, _ = pool.take(key)
-        assert first is not None
-        o = drive_node(spec, local_conduit, gvisor, warm=first)
+        pool.before_assign = reaped
+        o = drive_node(spec, local_conduit, gvisor, warm=_take(pool, key))
         left = pool.ready_count(key)
     finally:
         pool.close()
     assert o.ok and not o.warm, o.describe()
-    assert len(picked) == drive_mod.WARM_TRIES, picked  # bounded: a ready one was left untried
+    assert len(lost) == drive_mod.WARM_TRIES, lost  # bounded: a ready one was left untried
     assert left >= 1
     _no_sandboxes(gvisor)
 
@@ -149,8 +162,9 @@ def test_a_warm_sandbox_that_ends_after_its_assignment_fails_its_node_as_before(
 def test_concurrent_nodes_against_a_small_pool_whose_picks_are_reaped_all_succeed(
     gvisor, local_conduit, tmp_path
 ):
-    """Many nodes take at once from a pool of two while it refills; every other pick is reaped
-    before its assignment (a reaper forced into the race's window): every node succeeds."""
+    """Many nodes take at once from a pool of two while it refills; every other sandbox taken
+    is reaped right before its assignment (a reaper forced into the race's window): every
+    node succeeds."""
     spec = _spec(tmp_path, "n0")
     key = key_for(spec)
     pool = _ready_pool(gvisor, local_conduit, key, n=2)
@@ -161,10 +175,9 @@ def test_concurrent_nodes_against_a_small_pool_whose_picks_are_reaped_all_succee
     def every_other_reaped(w: WarmSandbox) -> None:
         with lock:
             picks.append(w.handle.id)
-            if len(picks) % 2:
-                reaped.append(w.handle.id)
-            else:
+            if not len(picks) % 2:
                 return
+            reaped.append(w.handle.id)
         gvisor.destroy(w.handle)
 
     outcomes: dict[str, object] = {}
@@ -174,7 +187,7 @@ def test_concurrent_nodes_against_a_small_pool_whose_picks_are_reaped_all_succee
         outcomes[name] = drive_node(_spec(tmp_path, name), local_conduit, gvisor, warm=w)
 
     try:
-        pool.after_pick = every_other_reaped
+        pool.before_assign = every_other_reaped
         threads = [threading.Thread(target=node, args=(f"n{i}",)) for i in range(6)]
         for t in threads:
             t.start()

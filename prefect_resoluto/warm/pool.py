@@ -325,6 +325,8 @@ class WarmSandbox:
         race: reaped, handed over or ended since it was taken): nothing of the node reached
         it, and the node goes to :meth:`replacement` or boots."""
         env = {**launch.env, **self.runtime.network_env(self.handle)}
+        if self.pool.before_assign is not None:
+            self.pool.before_assign(self)
         self.runtime.assign(
             self.handle,
             wire.encode_assignment(env, launch.secret_env),
@@ -380,9 +382,10 @@ class WarmPool:
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
-        #: Tests only: called with each sandbox :meth:`take` hands out, right before it does
-        #: (where a reaper, a close or the sandbox's own end can land before the assignment).
-        self.after_pick: Callable[[WarmSandbox], None] | None = None
+        #: Tests only: called with each sandbox taken from this pool right before its
+        #: assignment, the end of the window in which a reaper, a close or the sandbox's own
+        #: end can take it from the node that picked it.
+        self.before_assign: Callable[[WarmSandbox], None] | None = None
         self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
         self.python = runtime.python or sys.executable
@@ -453,8 +456,6 @@ class WarmPool:
                 self._taken.setdefault(key, []).append(pick)
                 self._lock.notify_all()
             if pick.alive():
-                if self.after_pick is not None:
-                    self.after_pick(pick)
                 return pick, time.monotonic() - t0
             self._failed(pick)
 
