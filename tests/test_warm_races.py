@@ -94,6 +94,24 @@ def test_a_warm_sandbox_lost_before_its_assignment_hands_the_node_to_the_next(
     assert not os.path.ismount(local_conduit.root / prefix)  # the lost sandbox's slot is not left bound
 
 
+def test_a_warm_sandbox_reaped_before_its_slot_is_placed_hands_the_node_to_the_next(
+    gvisor, local_conduit, tmp_path
+):
+    spec = _spec(tmp_path, "n1")
+    key = key_for(spec)
+    pool = _ready_pool(gvisor, local_conduit, key, n=2)
+    try:
+        lost = _take(pool, key)
+        gvisor.destroy(lost.handle)  # its state directory, slot and all, went with it
+        lines: list[str] = []
+        o = drive_node(spec, local_conduit, gvisor, warm=lost, on_event=_lines(lines))
+    finally:
+        pool.close()
+    assert o.ok and o.warm and o.sandbox_id != lost.handle.id, o.describe()
+    assert "staged for n1" in lines
+    _no_sandboxes(gvisor)
+
+
 def test_a_lost_warm_sandbox_with_none_other_ready_boots_the_node(gvisor, local_conduit, tmp_path):
     spec = _spec(tmp_path, "n1")
     key = key_for(spec)

@@ -616,11 +616,8 @@ class WarmPool:
                 self._no_image(key, None if isinstance(e, CorruptImage) else e)
             else:
                 if image is not None:
-                    try:
-                        return self._start(key, image=image)
-                    except Exception as e:  # noqa: BLE001 - whatever refused the restore, a boot may not
-                        self._no_image(key, e)
-                elif self._closed:
+                    return self._start(key, image=image)
+                if self._closed:
                     return None
         return self._start(key)
 
@@ -735,7 +732,7 @@ class WarmPool:
         discard warned already): its sandboxes boot from now on."""
         if e is not None:
             log.warning(
-                "could not make or restore a warm-sandbox image on %s: %s; sandboxes of this kind boot",
+                "could not make a warm-sandbox image on %s: %s; sandboxes of this kind boot",
                 self.runtime.name,
                 e,
             )
