@@ -21,7 +21,7 @@ from prefect import flow, task
 from support.polling import scaled, wait_for
 from support.prefect_cli import flow_child_env
 from support.prefect_readback import client, task_runs
-from test_task_runner import FLOWS, no_orphans, runner
+from test_task_runner import FLOWS, logs_of, no_orphans, runner
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
@@ -320,4 +320,40 @@ def test_a_zygote_call_holds_nothing_of_the_node_from_before_its_assignment(gvis
     assert got["secret_now"] and not got["secret_in_first_env"] and not got["node_in_first_env"], got
     assert not [n for n in got["first_env_names"] if n.startswith("AWS_") or n == "POOL_SECRET"], got
     assert set(got["fds"]) <= {0, 1, 2, 3}, got["fds"]  # 3: the listing's own directory
+    no_orphans()
+
+
+def test_tasks_whose_warm_sandboxes_are_reaped_before_their_assignment_all_complete(
+    gvisor, conduit, tmp_path
+):
+    """Issue 39: a warm sandbox the pool lost between a task's pick and its assignment failed
+    the task (SandboxUnstartable: "... is not a warm sandbox waiting for an assignment").
+    Six tasks at once against a pool of two, which refills meanwhile; the first sandbox any
+    of them is about to be assigned is reaped right then (the race's window, forced): every
+    task completes, within its one launch (no infrastructure re-launch, nothing failed)."""
+    reaped: list[str] = []
+    rt = get_runtime("gvisor")
+
+    def reaper(w) -> None:
+        if not reaped:
+            reaped.append(w.handle.id)
+            rt.destroy(w.handle)
+
+    @flow(task_runner=runner(conduit, tmp_path, warm_pool=2, max_workers=6))
+    def crowded() -> list[bool]:
+        wait_ready()
+        from prefect.context import FlowRunContext
+
+        FlowRunContext.get().task_runner._pool.before_assign = reaper
+        futures = [pt.mark_tmp.submit() for _ in range(6)]
+        return [f.result() for f in futures]
+
+    state = crowded(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == [False] * 6
+    assert reaped, "no warm sandbox was reaped: the race was never run"
+    runs = task_runs(state.state_details.flow_run_id)
+    assert len(runs) == 6 and all(r.state.is_completed() for r in runs)
+    said = [log.message for r in runs for log in logs_of(r.id)]
+    assert not [m for m in said if "re-launching" in m or "could not start" in m], said
     no_orphans()

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import queue
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,
     LaunchSpec,
+    NotWaiting,
     SandboxHandle,
     SandboxRuntime,
     SandboxStatus,
@@ -59,6 +61,9 @@ log = logging.getLogger("prefect_resoluto.node.drive")
 # Consecutive observations before "unstartable"/"gone" is believed (a pod may report
 # a transient ErrImagePull, a process may be between fork and exec).
 CONFIRMATIONS = 3
+#: Warm sandboxes one node tries at most before it boots its own: one the pool lost between
+#: its pick and the assignment (reaped, handed over, ended while idle) costs a try, never the node.
+WARM_TRIES = 3
 
 
 def drive(
@@ -151,6 +156,10 @@ class _Node:
     result_raw: bytes | None = None
     #: The node's hold on its host's heartbeat (None: the spec asks for none).
     beat: heartbeat.Lease | None = None
+    #: The id of a sandbox launched for the node (a warm one placed goes by its own).
+    cold_id: str = ""
+    #: Warm sandboxes offered to the node so far (at most WARM_TRIES).
+    warm_tries: int = 0
 
     def fail(self, failure: FailureKind, reason: str) -> None:
         self.failure, self.reason = failure, reason
@@ -284,27 +293,56 @@ def _prepare(spec: NodeSpec, conduit: Conduit, runtime: SandboxRuntime, observer
         tailer=ChunkTailer(conduit, rel_prefix, silence_window=spec.silence_window),
         events=_Events(observer, Redactor(spec.secret_env.values())),
         t0=t0,
+        cold_id=launch.sandbox_id,
     )
 
 
 def _place_warm(node: _Node, warm: WarmSandbox | None) -> WarmSandbox | None:
     """The warm sandbox's slot becomes the node's directory, before any put; one that cannot
-    take the node is discarded (None: the node launches a cold one)."""
-    if warm is None:
-        return None
-    try:
-        warm.place(node.conduit, node.rel_prefix)
+    take the node is discarded for the pool's next (None: the node launches a cold one)."""
+    while warm is not None:
+        node.warm_tries += 1
+        try:
+            warm.place(node.conduit, node.rel_prefix)
+        except OSError as e:
+            warm = _next_warm(node, warm, f"its slot could not become the node's directory: {e}")
+            continue
         node.launch.sandbox_id = warm.handle.id
-    except OSError as e:
-        log.warning(
-            "warm sandbox %s cannot take node %s (%s); launching a cold one",
-            warm.handle.id,
-            node.spec.node_id,
-            e,
-        )
-        warm.discard()
-        return None
-    return warm
+        return warm
+    node.launch.sandbox_id = node.cold_id
+    return None
+
+
+def _next_warm(node: _Node, lost: WarmSandbox, why: str) -> WarmSandbox | None:
+    """Discard ``lost``, which never had the node, and say what takes the node instead: the
+    pool's next ready sandbox while WARM_TRIES allows, else None (a cold launch)."""
+    lost.discard()
+    nxt = lost.replacement() if node.warm_tries < WARM_TRIES else None
+    log.warning(
+        "warm sandbox %s cannot take node %s (%s); %s",
+        lost.handle.id,
+        node.spec.node_id,
+        why,
+        f"warm sandbox {nxt.handle.id} takes it" if nxt is not None else "launching a cold one",
+    )
+    return nxt
+
+
+def _retry_elsewhere(node: _Node, lost: WarmSandbox, why: str) -> None:
+    """A placed warm sandbox refused its assignment: the node's directory (its slot, holding
+    only the host's inbox) goes with it, and the node is placed, claimed and filled again for
+    the next sandbox."""
+    node.warm = None
+    placed, lost.placed = lost.placed, None
+    nxt = _next_warm(node, lost, why)
+    if placed is not None:
+        slot.release(placed)  # the bind of the lost sandbox's slot (its tmpfs went with it)
+        shutil.rmtree(placed, ignore_errors=True)  # the host's inbox: the sandbox never ran the node
+        node.slot = None
+    node.warm = _place_warm(node, nxt)
+    if placed is not None:  # elsewhere (a remote conduit) the inbox is where it was put
+        node.slot = _claim_slot(node)
+        _put_inbox(node)
 
 
 def _claim_slot(node: _Node) -> _Slot | None:
@@ -346,13 +384,18 @@ def _start_sandbox(node: _Node) -> SandboxHandle | None:
     """Launch the node's sandbox, or assign the warm one its node. None: it did not start
     (``unstartable``; a warm one stays in ``node.handle``, to be destroyed with the node)."""
     try:
-        if node.warm is not None:
-            node.handle = node.warm.assign(node.launch)
-        else:
+        while node.warm is not None and node.handle is None:
+            try:
+                node.handle = node.warm.assign(node.launch)
+            except NotWaiting as e:  # the pool's race, not the node's: the node goes elsewhere
+                _retry_elsewhere(node, node.warm, str(e))
+        if node.handle is None:
             node.handle = node.runtime.launch(node.launch)
-    except Exception as e:
+    except BaseException as e:
         if node.warm is not None:
-            node.handle = node.warm.handle
+            node.handle = node.warm.handle  # destroyed with the node
+        if not isinstance(e, Exception):
+            raise
         node.fail(FailureKind.UNSTARTABLE, f"launch failed: {e}")
         return None
     node.timings["launch"] = time.monotonic() - node.t0

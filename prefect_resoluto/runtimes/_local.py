@@ -44,6 +44,7 @@ from .base import (
     Availability,
     LaunchError,
     LaunchSpec,
+    NotWaiting,
     Resources,
     SandboxHandle,
     SandboxRuntime,
@@ -271,7 +272,19 @@ class LocalChildRuntime(SandboxRuntime):
         with _LOCK:
             pipe = _STDIN.pop(key, None)
         if pipe is None:
-            raise LaunchError(f"sandbox {handle.id!r} is not a warm sandbox waiting for an assignment")
+            raise NotWaiting(
+                f"sandbox {handle.id!r} is not a warm sandbox waiting for an assignment "
+                "(destroyed, or assigned already)"
+            )
+        st = self.status(handle)
+        if st.terminal or st.gone:
+            # Asked before writing: a process of it still holding the pipe's other end would
+            # take the line, and the node would wait on a sandbox that had already ended.
+            with contextlib.suppress(OSError):
+                pipe.close()
+            raise NotWaiting(
+                f"warm sandbox {handle.id!r} ended before its assignment ({st.reason or st.phase})"
+            )
         if labels:  # sweep by flow run finds it from now on
             rec = SandboxRecord.load(sandbox_dir(self.state, handle.id))
             if rec is not None:
@@ -282,7 +295,7 @@ class LocalChildRuntime(SandboxRuntime):
             pipe.write(data)
             pipe.close()
         except OSError as e:
-            raise LaunchError(
+            raise NotWaiting(
                 f"warm sandbox {handle.id!r} did not take its assignment (it has exited: "
                 f"{self.status(handle).reason or e})"
             ) from e

@@ -312,6 +312,11 @@ class LaunchError(RuntimeError):
     """The substrate refused to start the sandbox."""
 
 
+class NotWaiting(LaunchError):
+    """A warm sandbox can no longer take an assignment (destroyed, assigned already, or
+    ended while idle): nothing of the node reached it, so the node may go elsewhere."""
+
+
 class IsolationTooWeak(RuntimeError):
     """A runtime weaker than the configured minimum isolation level was asked for."""
 

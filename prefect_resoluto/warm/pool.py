@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -282,6 +282,11 @@ class WarmSandbox:
         self.pool, self.key, self.handle, self.slot = pool, key, handle, slot
         #: The image it was restored from (None: booted).
         self.restored = restored
+        #: Restored into the network of the one node it was made for (restore_for): no other
+        #: sandbox of the pool can stand in for it.
+        self.for_node = False
+        #: The node's directory its slot became (place), until it is discarded.
+        self.placed: Path | None = None
         self.started = time.monotonic()
         self._ready = False
 
@@ -312,18 +317,33 @@ class WarmSandbox:
             slot.bind(self.slot, target)  # fails if the node directory exists: never merge two nodes
         else:
             os.rename(self.slot, target)
-        self.slot = None
+        self.slot, self.placed = None, target
 
     def assign(self, launch: LaunchSpec) -> SandboxHandle:
         """Hand the sandbox its node: ids, argv, env and secrets, on its stdin only (with the
-        variables of the network it was restored into: its process has its template's)."""
+        variables of the network it was restored into: its process has its template's).
+        Raises :class:`NotWaiting` when the sandbox can no longer take it (the pool's own
+        race: reaped, handed over or ended since it was taken): nothing of the node reached
+        it, and the node goes to :meth:`replacement` or boots."""
         env = {**launch.env, **self.runtime.network_env(self.handle)}
+        if self.pool.before_assign is not None:
+            self.pool.before_assign(self)
         self.runtime.assign(
             self.handle,
             wire.encode_assignment(env, launch.secret_env),
             labels={**launch.labels, LABEL_WARM: "assigned"},
         )
         return self.handle
+
+    def replacement(self) -> WarmSandbox | None:
+        """Another ready sandbox of this one's key, for the node this one could not take
+        (None: the node boots one). Taken as :func:`take_for` does, but as no new demand."""
+        if self.for_node:
+            return None
+        w, _ = self.pool.take(self.key, warm=False)
+        if w is None and self.key.imports:
+            w, _ = self.pool.take(dataclasses.replace(self.key, imports=()), warm=False)
+        return w
 
     def discard(self) -> None:
         """Destroy the sandbox (idempotent; after ``assign`` the node's driver does it)."""
@@ -363,6 +383,10 @@ class WarmPool:
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        #: Tests only: called with each sandbox taken from this pool right before its
+        #: assignment, the end of the window in which a reaper, a close or the sandbox's own
+        #: end can take it from the node that picked it.
+        self.before_assign: Callable[[WarmSandbox], None] | None = None
         self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
         self.python = runtime.python or sys.executable
@@ -682,6 +706,7 @@ class WarmPool:
                 return None, "booted (the restored sandbox ended before it was ready)"
             with self._lock:
                 self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
+        w.for_node = True
         return w, f"restored sandbox {w.handle.id} from its snapshot in {time.monotonic() - t0:.2f} s"
 
     def _build_in_background(self, key: PoolKey) -> None:
