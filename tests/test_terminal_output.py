@@ -239,7 +239,7 @@ def test_the_run_cli_escapes_the_commands_output_on_a_terminal_and_in_a_file(gvi
         p = _run_cli(tmp_path, stdout=f)
         _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    written = (tmp_path / "out.txt").read_text()
+    written = (tmp_path / "out.txt").read_bytes().decode()
     assert written == safe(tt.HOSTILE) + "\n", written
     assert not CONTROL.search(written) and "\\x1b]0;pwned\\x07" in written
 
@@ -260,4 +260,4 @@ def test_the_run_cli_escapes_the_commands_output_on_a_terminal_and_in_a_file(gvi
         p = _run_cli(tmp_path, "--raw", stdout=f)
         _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    assert (tmp_path / "raw.txt").read_text() == tt.HOSTILE + "\n"
+    assert (tmp_path / "raw.txt").read_bytes().decode() == tt.HOSTILE + "\n"  # no newline translation
