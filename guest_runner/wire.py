@@ -388,8 +388,11 @@ def _check_data(data: Dict[str, Any]) -> None:
     if argv is not None and (not isinstance(argv, list) or not all(isinstance(a, str) for a in argv)):
         raise WireError("event field 'data.argv' must be an array of strings")
     code = data.get("exit_code")
-    if code is not None and (not isinstance(code, int) or isinstance(code, bool) or abs(code) > MAX_EXIT_CODE):
-        raise WireError(f"event field 'data.exit_code' must be an integer of at most {MAX_EXIT_CODE} either side of 0, or null")
+    in_range = isinstance(code, int) and not isinstance(code, bool) and abs(code) <= MAX_EXIT_CODE
+    if code is not None and not in_range:
+        raise WireError(
+            f"event field 'data.exit_code' must be an integer within {MAX_EXIT_CODE} of 0, or null"
+        )
     if "artifact" in data and not isinstance(data["artifact"], dict):
         raise WireError(f"event field 'data.artifact' must be an object, not {_type_name(data['artifact'])}")
 
