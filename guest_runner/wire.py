@@ -10,6 +10,7 @@ byte for byte: compact JSON in the field order of its models for events and resu
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -145,9 +146,9 @@ class SpanEvent(TypedDict):
     """One line of an ``events-*.jsonl`` chunk, as :func:`make_event` builds it and
     :func:`decode_event` returns it (the reference model's defaults filled in).
 
-    A static shape only: a decoded event from a sandbox is untrusted, and
-    :func:`decode_event` checks only the required fields, ``ts`` and ``data``; a host
-    reads the rest defensively."""
+    A decoded event from a sandbox is untrusted: :func:`decode_event` checks every field
+    of this shape (strings, a finite ``ts`` in range, an object ``data``) and the fields of
+    ``data`` a host reads (``_check_data``); the rest of ``data`` is as parsed."""
 
     run_id: str
     span_id: str
@@ -325,13 +326,75 @@ def encode_event(ev: SpanEvent) -> str:
     return _dumps({k: fields[k] for k in EVENT_FIELDS})
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a float Python reads as infinity
+        raise ValueError(f"{text[:40]} is out of range")
+    return value
+
+
 def _loads(text: str) -> Any:
-    """json.loads for text a sandbox wrote: nesting past the parser's recursion limit is
-    malformed input (ValueError), not a RecursionError escaping into the host."""
+    """json.loads for text a sandbox wrote, as strict as JSON itself: ``NaN``/``Infinity``
+    (which Python's json takes by default) and numbers past a float's range are malformed
+    input, and so is nesting past the parser's recursion limit (ValueError, never an
+    OverflowError or a RecursionError escaping into the host). Integers past 4300 digits
+    are refused by the interpreter (ValueError) as they are read."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+#: The latest ``ts`` a host takes (the last second of the year 9999, the last a datetime
+#: holds); the earliest is the epoch. An emitter stamps its clock's time.
+MAX_EVENT_TS = 253402300799.0
+#: The most an ``exit_code`` in an event's data may be, either side of zero (a wait status
+#: is far smaller; a number past this is junk a host's formatting need not meet).
+MAX_EXIT_CODE = 1 << 31
+_EVENT_STRINGS = ("run_id", "span_id", "parent_span_id", "kind", "name", "event", "status")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_data(data: Dict[str, Any]) -> None:
+    """The fields of an event's ``data`` a host reads, held to the types its guest writes:
+    a log's ``line``, ``level`` and ``logger``, a span's ``argv`` and ``exit_code``, a relayed
+    artifact's record. Any other field is the guest's business and passes as parsed."""
+    for key in ("line", "level"):
+        if key in data and not isinstance(data[key], str):
+            raise WireError(f"event field 'data.{key}' must be a string, not {_type_name(data[key])}")
+    logger = data.get("logger")
+    if logger is not None and not isinstance(logger, str):
+        raise WireError(f"event field 'data.logger' must be a string or null, not {_type_name(logger)}")
+    argv = data.get("argv")
+    if argv is not None and (not isinstance(argv, list) or not all(isinstance(a, str) for a in argv)):
+        raise WireError("event field 'data.argv' must be an array of strings")
+    code = data.get("exit_code")
+    in_range = isinstance(code, int) and not isinstance(code, bool) and abs(code) <= MAX_EXIT_CODE
+    if code is not None and not in_range:
+        raise WireError(
+            f"event field 'data.exit_code' must be an integer within {MAX_EXIT_CODE} of 0, or null"
+        )
+    if "artifact" in data and not isinstance(data["artifact"], dict):
+        raise WireError(f"event field 'data.artifact' must be an object, not {_type_name(data['artifact'])}")
 
 
 def decode_event(line: str) -> SpanEvent:
@@ -345,16 +408,26 @@ def decode_event(line: str) -> SpanEvent:
     for req in ("run_id", "span_id", "kind", "event", "ts"):
         if req not in obj:
             raise WireError(f"event is missing required field {req!r}")
-    if obj["event"] not in EVENT_KINDS:
-        raise WireError(f"unknown event {obj['event']!r}")
-    if not isinstance(obj["ts"], (int, float)) or isinstance(obj["ts"], bool):
-        raise WireError("event field 'ts' must be a number")
     obj.setdefault("parent_span_id", "")
     obj.setdefault("name", "")
     obj.setdefault("status", "")
     obj.setdefault("data", {})
+    # Every field a host reads is checked here, once, so no handler of the event meets a
+    # value it cannot take (an OverflowError from an infinite ts, a bool for a number).
+    for field in _EVENT_STRINGS:
+        if not isinstance(obj[field], str):
+            raise WireError(f"event field {field!r} must be a string, not {_type_name(obj[field])}")
+    if obj["event"] not in EVENT_KINDS:
+        raise WireError(f"unknown event {obj['event'][:40]!r}")
+    ts = obj["ts"]
+    if not _is_number(ts):
+        raise WireError(f"event field 'ts' must be a number, not {_type_name(ts)}")
+    if not 0 <= ts <= MAX_EVENT_TS:  # compared as is: a huge integer never becomes a float
+        raise WireError(f"event field 'ts' must be seconds since the epoch up to {MAX_EVENT_TS:.0f}")
+    obj["ts"] = float(ts)
     if not isinstance(obj["data"], dict):
-        raise WireError("event field 'data' must be an object")
+        raise WireError(f"event field 'data' must be an object, not {_type_name(obj['data'])}")
+    _check_data(obj["data"])
     return cast(SpanEvent, obj)
 
 

@@ -10,6 +10,7 @@ character but the line ends; the Prefect API keeps the text as written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -193,3 +194,70 @@ def test_a_forged_results_fields_are_shown_escaped_by_events_run_and_the_outcome
     assert code != 0
     printed = shown.out + shown.err
     assert "PWNED-TITLE" in printed and not CONTROL.findall(printed), printed
+
+
+def _run_cli(tmp_path: Path, *extra: str, stdout: Any = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """``prefect-resoluto run`` on gVisor, its command printing tt.HOSTILE."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect_resoluto.cli", "run", "--runtime", "gvisor", *extra]
+        + ["--conduit", str(tmp_path / "conduit"), "--quiet", "--"]
+        + ["python3", "-c", f"print({tt.HOSTILE!r})"],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        cwd=_empty(tmp_path / "work"),  # the default workspace: nothing to pack
+    )
+
+
+def _empty(d: Path) -> Path:
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _read_pty(master: int, p: subprocess.Popen[bytes]) -> bytes:
+    """Everything written to the pty until the child is gone (EIO: the last slave closed)."""
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO once the child exits and its end closes
+            break
+        if not chunk:
+            break
+        seen += chunk
+    p.wait(timeout=120)
+    return seen
+
+
+@pytest.mark.sandbox
+def test_the_run_cli_escapes_the_commands_output_on_a_terminal_and_in_a_file(gvisor, tmp_path):
+    """Finding 7 (issue 39): ``prefect-resoluto run`` wrote the guest's output raw: a title
+    set, the screen cleared, text hidden, on a terminal and into a redirected file alike.
+    Escaped now in both; ``--raw`` writes it as it is."""
+    # Redirected into a file.
+    with open(tmp_path / "out.txt", "wb") as f:
+        p = _run_cli(tmp_path, stdout=f)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    written = (tmp_path / "out.txt").read_bytes().decode()
+    assert written == safe(tt.HOSTILE) + "\n", written
+    assert not CONTROL.search(written) and "\\x1b]0;pwned\\x07" in written
+
+    # On a terminal (the pty turns "\n" into "\r\n" on its own).
+    master, slave = os.openpty()
+    try:
+        p = _run_cli(tmp_path, stdout=slave)
+        os.close(slave)
+        shown = _read_pty(master, p).decode()
+    finally:
+        os.close(master)
+    assert p.returncode == 0
+    assert shown.replace("\r\n", "\n") == safe(tt.HOSTILE) + "\n", shown
+    assert "\x1b]0;pwned" not in shown
+
+    # --raw: as the command wrote it, for whoever asks for that.
+    with open(tmp_path / "raw.txt", "wb") as f:
+        p = _run_cli(tmp_path, "--raw", stdout=f)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert (tmp_path / "raw.txt").read_bytes().decode() == tt.HOSTILE + "\n"  # no newline translation

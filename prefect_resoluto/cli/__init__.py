@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "-q", "--quiet", action="store_true", help="stderr: failures only, no progress indicator"
     )
+    run.add_argument(
+        "--raw",
+        action="store_true",
+        help="write the command's output as it is, control characters included "
+        "(default: shown escaped, e.g. \\x1b, so it cannot drive the terminal)",
+    )
 
     doc = sub.add_parser(
         "doctor", help="which runtimes work here, and which one `run` picks", allow_abbrev=False

@@ -30,6 +30,7 @@ from prefect_resoluto.cli.common import (
 )
 from prefect_resoluto.cli.output import BAD, DIM, OK, WARN, Out, Progress, err
 from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
+from prefect_resoluto.node.terminal import safe
 
 if TYPE_CHECKING:
     from guest_runner.redact import Redactor
@@ -51,9 +52,17 @@ class EventPrinter:
     """The node's events as the CLI shows them: workload lines to stdout, runner notes to stderr."""
 
     def __init__(
-        self, out: TextIO, err: TextIO, redactor: Redactor, *, quiet: bool, progress: Progress
+        self,
+        out: TextIO,
+        err: TextIO,
+        redactor: Redactor,
+        *,
+        quiet: bool,
+        progress: Progress,
+        raw: bool = False,
     ) -> None:
         self.out = out
+        self.raw = raw
         self.err = err
         self.notes = Out(err)
         self.redactor = redactor
@@ -64,10 +73,12 @@ class EventPrinter:
         self.lines = 0
 
     def write(self, stream: TextIO, text: str) -> None:
-        """A line exactly as given (redacted): the workload's output is never styled."""
+        """One line (redacted), never styled: the sandbox wrote it, so its control characters
+        are shown escaped (``\\x1b``), on a terminal or in a file alike, unless ``--raw``."""
+        line = self.redactor.text(text)
         with self.lock:
             self.progress.clear_locked()
-            stream.write(self.redactor.text(text) + "\n")
+            stream.write((line if self.raw else safe(line)) + "\n")
             stream.flush()
 
     def note(self, text: str, style: str = "") -> None:
@@ -168,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
         label=f"{spec.node_id} on {rt.display_name}",
         lock=lock,
     )
-    printer = EventPrinter(sys.stdout, sys.stderr, red, quiet=args.quiet, progress=progress)
+    printer = EventPrinter(sys.stdout, sys.stderr, red, quiet=args.quiet, progress=progress, raw=args.raw)
     if not args.quiet:
         printer.note(
             f"node {spec.node_id} of run {spec.run_id} on {rt.display_name} "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from guest_runner.redact import Redactor
 from prefect_resoluto.node.outcome import NodeOutcome
+from prefect_resoluto.task_runner.markup import inert
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -39,7 +40,8 @@ def flow_run_key(flow_run_name: str, flow_run_id: str) -> str:
 
 def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
     """``ValueError: bad input`` for a failed workload (from the sandbox's error record),
-    else the node's reason. One line, bounded: the sandbox wrote it."""
+    else the node's reason. One line, bounded and inert markdown (:func:`_cell`): the
+    sandbox wrote it."""
     if o.ok:
         return ""
     text = o.reason
@@ -54,8 +56,10 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
 
 
 def _cell(text: str) -> str:
+    """A sandbox's text as a cell (and in a description): one line, bounded, and inert in
+    the markdown the UI renders it as (:mod:`.markup`: a link or an image in it stays text)."""
     line = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", text).split())
-    return line if len(line) <= ERROR_CELL else line[: ERROR_CELL - 1] + "…"
+    return inert(line if len(line) <= ERROR_CELL else line[: ERROR_CELL - 1] + "…")
 
 
 def _status(o: NodeOutcome) -> str:
@@ -100,7 +104,8 @@ class NodeTable:
 
     def description(self) -> str:
         failed = [r for r in self.rows if r["status"] != "success"]
-        kinds = sorted({r["error"].split(":", 1)[0] for r in failed if r["error"]})
+        # The error cell is inert markdown already (_cell): its ": " is escaped.
+        kinds = sorted({r["error"].split("\\:", 1)[0] for r in failed if r["error"]})
         told = f", {len(failed)} failed" + (f" ({', '.join(kinds)})" if kinds else "") if failed else ""
         # The Artifacts page's card shows the first ~40 characters: the counts first.
         return f"{len(self.rows)} sandbox node(s), {len(self.rows) - len(failed)} succeeded{told}"
@@ -155,7 +160,7 @@ def node_rows(
     for rel, path in sorted(o.output_files.items()):
         if rel.startswith(".resoluto/"):
             continue
-        rows.append({"field": f"output {rel}", "value": str(path)})
+        rows.append({"field": f"output {inert(rel)}", "value": inert(str(path))})  # the sandbox named it
     return rows
 
 

@@ -35,3 +35,12 @@ def probe_the_runner() -> dict[str, object]:
     except ImportError:
         import runner_probe  # type: ignore[no-redef]
     return runner_probe.probe()
+
+
+#: Markdown that, raw in the runner's artifact, is a live link and a tracking image (issue 39).
+PHISHING = "[Sandbox verified - click to approve](http://attacker.invalid/approve) ![](http://attacker.invalid/b.png)"
+
+
+@task(retries=0)
+def raise_markup() -> None:
+    raise ValueError(PHISHING)
