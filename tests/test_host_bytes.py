@@ -1,0 +1,113 @@
+"""The host holds a bounded number of bytes per node (issue 39, finding 3).
+
+A task logging long lines through ``get_run_logger()`` (one emoji each: 4 bytes a character
+on the host) from a gVisor sandbox grew the flow process by hundreds of MB: the API log
+batcher's queue had no bound and the console's was bounded by count. Now a node's lines
+are held against ``log_allowance`` and the rest dropped, with one warning; a command task's
+output is kept within the same allowance.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flows import flood_flow
+from prefect import flow
+from support.prefect_cli import flow_child_env
+from support.prefect_readback import client, task_runs
+
+from guest_runner.conduit import LocalConduit
+from prefect_resoluto import ResolutoTaskRunner, run_command
+
+pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect")]
+
+FLOWS = Path(flood_flow.__file__).parent
+
+
+def logs_of(task_run_id) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    out: list = []
+    with client() as c:
+        while True:
+            page = c.read_logs(
+                log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=200,
+                offset=len(out),
+            )
+            if not page:
+                return out
+            out += page
+
+
+def dropped_warnings(rows: list) -> list[str]:
+    return [r.message for r in rows if r.level == logging.WARNING and "dropped" in r.message]
+
+
+def test_a_task_flooding_its_logs_costs_the_host_its_allowance_not_its_output(gvisor, tmp_path):
+    # The finding's attacker, scaled: 60 lines of 0.9 M characters with one emoji each
+    # (~3.6 MB a line as the host holds it; ~210 MB in all), the allowance at 1 MiB.
+    # FIXED: before, the flow process grew by ~1 GB here.
+    lines, chars = 60, 900_000
+    out = subprocess.run(
+        [sys.executable, str(FLOWS / "flood_flow.py"), str(lines), str(chars), "1"],
+        env=flow_child_env(tmp_path, RESOLUTO_TEST_LOG_ALLOWANCE="1Mi"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["result"] == [lines], "the task's result is unchanged"
+    growth = got["growth"]
+    assert growth < 96 << 20, f"the flow process grew by {growth / 2**20:.0f} MiB"
+    (tr,) = task_runs(got["flow_run_id"])
+    assert tr.state.is_completed()
+    rows = logs_of(tr.id)
+    warnings = dropped_warnings(rows)
+    assert len(warnings) == 1, warnings
+    assert "lines (" in warnings[0] and "MiB) of this task's sandbox output dropped" in warnings[0]
+    kept = [r for r in rows if r.message[:7].rstrip().isdigit()]
+    assert kept, "what fit was kept"
+    assert len(kept) < lines
+    assert all("more characters not kept" in r.message for r in kept), "each line cut, visibly"
+    assert all(len(r.message) < 70_000 for r in kept)
+    assert any(r.message.startswith("ran in a cold gVisor sandbox") for r in rows)
+
+
+def test_a_commands_output_is_kept_within_the_allowance(gvisor, tmp_path):
+    # 4 MiB of output (40 000 lines) from a command, the allowance at 1 MiB: the result keeps
+    # its start and its end, says what it left out, and the task run's logs say so once.
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        warm_pool=0,
+        log_allowance="1Mi",
+    )
+    script = "i=0; while [ $i -lt 40000 ]; do printf 'line %06d %0100d\\n' $i 0; i=$((i+1)); done; echo last"
+
+    @flow(task_runner=runner, persist_result=False)
+    def commanding():
+        return run_command.submit(["sh", "-c", script], check=False).result()
+
+    state = commanding(return_state=True)
+    result = state.result()
+    assert result.exit_code == 0
+    text = result.output
+    assert len(text) <= 1 << 20
+    kept = text.splitlines()
+    assert kept[0].startswith("line 000000 ") and kept[-1] == "last", "its start and its end"
+    (marker,) = [line for line in kept if "of output not kept" in line]
+    assert marker.startswith("[... ") and "lines (" in marker
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    warnings = [r.message for r in logs_of(tr.id) if r.level == logging.WARNING and "not kept" in r.message]
+    assert len(warnings) == 1 and "of the command's output not kept" in warnings[0], warnings
