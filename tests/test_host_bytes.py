@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from flows import flood_flow
 from prefect import flow
 from support.prefect_cli import flow_child_env
 from support.prefect_readback import client, task_runs
@@ -26,7 +25,7 @@ from prefect_resoluto import ResolutoTaskRunner, run_command
 
 pytestmark = [pytest.mark.prefect, pytest.mark.sandbox, pytest.mark.usefixtures("prefect")]
 
-FLOWS = Path(flood_flow.__file__).parent
+FLOWS = Path(__file__).parent / "flows"
 
 
 def logs_of(task_run_id) -> list:
@@ -53,19 +52,19 @@ def dropped_warnings(rows: list) -> list[str]:
 
 def test_a_task_flooding_its_logs_costs_the_host_its_allowance_not_its_output(gvisor, tmp_path):
     # The finding's attacker, scaled: 60 lines of 0.9 M characters with one emoji each
-    # (~3.6 MB a line as the host holds it; ~210 MB in all), the allowance at 1 MiB.
-    # FIXED: before, the flow process grew by ~1 GB here.
-    lines, chars = 60, 900_000
+    # (~3.6 MB a line as the host holds it; ~210 MB in all), then 5 000 short lines that land
+    # together, the allowance at 256 KiB (a line cut at 16 Ki characters).
+    lines, chars, burst = 60, 900_000, 5000
     out = subprocess.run(
-        [sys.executable, str(FLOWS / "flood_flow.py"), str(lines), str(chars), "1"],
-        env=flow_child_env(tmp_path, RESOLUTO_TEST_LOG_ALLOWANCE="1Mi"),
+        [sys.executable, str(FLOWS / "flood_flow.py"), str(lines), str(chars), "1", str(burst)],
+        env=flow_child_env(tmp_path, RESOLUTO_TEST_LOG_ALLOWANCE="256Ki"),
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["result"] == [lines], "the task's result is unchanged"
+    assert got["result"] == [lines + burst], "the task's result is unchanged"
     growth = got["growth"]
     assert growth < 96 << 20, f"the flow process grew by {growth / 2**20:.0f} MiB"
     (tr,) = task_runs(got["flow_run_id"])
@@ -74,11 +73,12 @@ def test_a_task_flooding_its_logs_costs_the_host_its_allowance_not_its_output(gv
     warnings = dropped_warnings(rows)
     assert len(warnings) == 1, warnings
     assert "lines (" in warnings[0] and "MiB) of this task's sandbox output dropped" in warnings[0]
-    kept = [r for r in rows if r.message[:7].rstrip().isdigit()]
-    assert kept, "what fit was kept"
-    assert len(kept) < lines
-    assert all("more characters not kept" in r.message for r in kept), "each line cut, visibly"
-    assert all(len(r.message) < 70_000 for r in kept)
+    long = [r.message for r in rows if r.message.startswith("\U0001f600")]
+    short = [r.message for r in rows if r.message.startswith("burst ")]
+    assert long and short, "what fit was kept"
+    assert len(long) + len(short) < lines + burst
+    assert all(m.endswith("more characters not kept: a line is at most 16384]") for m in long), "cut, visibly"
+    assert all(len(m) < 17_000 for m in long)
     assert any(r.message.startswith("ran in a cold gVisor sandbox") for r in rows)
 
 

@@ -1,9 +1,9 @@
-"""Issue 39, finding 3: a task floods its logs with long lines, each with one emoji (so the
-host holds 4 bytes a character), as ordinary ``get_run_logger().info()`` calls. Run as its
+"""Issue 39, finding 3: tasks flood their logs (flood_tasks.flood). Run as its
 own process, so that its memory is measured alone: prints one JSON line (the flow run, its
 result, the peak growth of this process's resident memory while it ran).
 
-argv: lines per node, characters per line, nodes in flight; RESOLUTO_TEST_LOG_ALLOWANCE
+argv: lines per node, characters per line, nodes in flight[, short lines after them];
+RESOLUTO_TEST_LOG_ALLOWANCE
 sets log_allowance (else the default).
 """
 
@@ -14,18 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from prefect import flow, task
-from prefect.logging import get_run_logger
+from flood_tasks import flood  # the workspace module, next to this file
+from prefect import flow
 
 from prefect_resoluto import ResolutoTaskRunner
-
-
-@task
-def flood(lines: int, chars: int) -> int:
-    logger = get_run_logger()
-    for i in range(lines):
-        logger.info(f"{i:06d} " + "x" * chars + "\U0001f600")
-    return lines
 
 
 def _runner() -> ResolutoTaskRunner:
@@ -41,8 +33,8 @@ def _runner() -> ResolutoTaskRunner:
 
 
 @flow(task_runner=_runner(), persist_result=False)
-def flooding(lines: int, chars: int, nodes: int) -> list[int]:
-    return [f.result() for f in flood.map([lines] * nodes, [chars] * nodes)]
+def flooding(lines: int, chars: int, nodes: int, burst: int = 0) -> list[int]:
+    return [f.result() for f in flood.map([lines] * nodes, [chars] * nodes, [burst] * nodes)]
 
 
 def _status(field: str) -> int:
@@ -53,11 +45,11 @@ def _status(field: str) -> int:
 
 
 if __name__ == "__main__":
-    lines, chars, nodes = (int(a) for a in sys.argv[1:4])
+    lines, chars, nodes, burst = (int(a) for a in [*sys.argv[1:4], *sys.argv[4:5], "0"][:4])
     flooding(1, 10, nodes)  # imports, clients, threads: paid before the measure
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
-    state = flooding(lines, chars, nodes, return_state=True)
+    state = flooding(lines, chars, nodes, burst, return_state=True)
     growth = _status("VmHWM") - before
     print(
         json.dumps(
