@@ -5,8 +5,8 @@ server's memory is not the flow's): each node logs LINES lines of CHARS characte
 one emoji (4 bytes a character as the host holds them) from a 256 Mi gVisor sandbox, and
 the child reports the peak growth of its resident memory while the flood ran.
 
-``python benchmarks/host_bytes.py NODES LINES [CHARS [BURST]]`` (BURST: short lines after them); ``BEFORE=/path/to/old/tree`` runs
-the same flow on another tree (its prefect_resoluto and guest_runner first on the path).
+``python benchmarks/host_bytes.py NODES LINES [CHARS [BURST]]`` (BURST: short lines after them). The tree before issue 39: the same, with its
+``prefect_resoluto/`` checked out (``git checkout 8ee5093 -- prefect_resoluto``).
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(), tempfile.TemporaryDirectory(prefix="resoluto-host-bytes-") as tmp:
+    with (
+        prefect_test_harness(server_startup_timeout=300),
+        tempfile.TemporaryDirectory(prefix="resoluto-host-bytes-") as tmp,
+    ):
         flows = ROOT / "tests" / "flows"
-        before = os.environ.get("BEFORE")
-        path = [before] if before else []
         env = dict(
             os.environ,
             PREFECT_API_URL=str(PREFECT_API_URL.value()),
             RESOLUTO_TEST_CONDUIT=(Path(tmp) / "conduit").as_uri(),
             RESOLUTO_STATE_DIR=str(Path(tmp) / "state"),
-            PYTHONPATH=os.pathsep.join([*path, str(flows)]),
+            PYTHONPATH=str(flows),
         )
-        env.pop("BEFORE", None)
         out = subprocess.run(
             [sys.executable, str(flows / "flood_flow.py"), str(lines), str(chars), str(nodes), str(burst)],
             env=env,
@@ -49,9 +49,8 @@ def main() -> None:
         if out.returncode:
             sys.exit(out.stderr[-4000:])
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        tree = "before" if before else "after"
         print(
-            f"{tree}: {nodes} node(s) x {lines} lines x {chars} chars: flow process grew "
+            f"{nodes} node(s) x {lines} lines x {chars} chars: flow process grew "
             f"{got['growth'] / 2**20:.0f} MiB (result {got['result'][:3]}...)"
         )
 
