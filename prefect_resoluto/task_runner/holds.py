@@ -1,9 +1,10 @@
 """What the host holds of one node's lines, in bytes (issue 39, finding 3).
 
-A sandbox writes lines faster than the Prefect API or the console takes them; each line
-waiting for them is host memory. A node's lines are held against its allowance
-(``log_allowance``): a line that does not fit is dropped and counted, and the node's end
-says once how much was dropped. A line is measured as CPython holds it (a str with one
+A sandbox writes lines faster than the Prefect API takes them; each line waiting for it is
+host memory. A node's lines are held against its allowance (``log_allowance``): a line that
+does not fit is dropped and counted, and the node's end says once how much was dropped.
+The console's queue is bounded in bytes too (CONSOLE_BYTES, the runner's), by holding the
+tails back. A line is measured as CPython holds it (a str with one
 emoji costs 4 bytes a character), plus what its record and API row cost around it.
 """
 
@@ -17,6 +18,9 @@ from collections import deque
 #: ~4 GiB of their lines (a few lines of the longest kind, or thousands of short ones, each).
 DEFAULT_ALLOWANCE_TEXT = "4Mi"
 DEFAULT_ALLOWANCE = 4 << 20
+#: The most bytes of records waiting for the console, whatever the number of nodes: past it
+#: the tails wait (the console is one, and its pace is what a terminal takes).
+CONSOLE_BYTES = 16 << 20
 #: Less would keep no line of a useful length.
 MIN_ALLOWANCE = 64 << 10
 #: A line the host keeps is at most this many characters (and at most a sixteenth of the

@@ -98,17 +98,20 @@ class HandlerThread:
 
     Started in the caller's context (Prefect's settings: the console's style, its level).
     A record queued while the thread is not running is handled on the caller's thread.
-    At most ``max_queued`` records wait: a stream faster than its handlers (a burst of
-    100 000 lines, the console at ~4 000 a second) then holds the tail back, as when the
-    handlers ran on its thread, instead of piling records up in memory. Their bytes are
-    each node's (holds.NodeHold): a record's ``release`` runs once it has been handled.
+    At most ``max_queued`` records, and ``max_bytes`` of them (each record's ``cost``, as
+    holds.py measures it), wait: a stream faster than its handlers (a burst of 100 000 lines,
+    the console at ~4 000 a second) then holds the tail back, as when the handlers ran on its
+    thread, instead of piling records up in memory. The bound is the runner's, whatever the
+    number of nodes: the console is one.
     """
 
-    def __init__(self, max_queued: int = 10_000) -> None:
+    def __init__(self, max_queued: int = 10_000, max_bytes: int = holds.CONSOLE_BYTES) -> None:
         self.max_queued = max(1, max_queued)
+        self.max_bytes = max_bytes
         self.held_back = 0  # records whose producer had to wait for room
+        self.queued_bytes = 0
         self._cond = threading.Condition()
-        self._queue: deque[tuple[logging.Logger, logging.LogRecord, Release | None]] = deque()
+        self._queue: deque[tuple[logging.Logger, logging.LogRecord, int]] = deque()
         self._added = 0
         self._done = 0
         self._stop = False
@@ -122,27 +125,28 @@ class HandlerThread:
             )
             self._thread.start()
 
-    def handle(
-        self, logger: logging.Logger, record: logging.LogRecord, release: Release | None = None
-    ) -> None:
+    def _full(self, cost: int) -> bool:
+        # A record bigger than the whole bound still goes, alone.
+        return len(self._queue) >= self.max_queued or (
+            bool(self._queue) and self.queued_bytes + cost > self.max_bytes
+        )
+
+    def handle(self, logger: logging.Logger, record: logging.LogRecord, cost: int = 0) -> None:
         with self._cond:
             running = self._thread is not None and self._thread.is_alive() and not self._stop
-            if running and len(self._queue) >= self.max_queued:
+            if running and self._full(cost):
                 self.held_back += 1
                 self._cond.notify_all()
-            while running and len(self._queue) >= self.max_queued:
+            while running and self._full(cost):
                 self._cond.wait(1.0)  # woken by each record handled; re-checks a thread that died
                 running = self._thread is not None and self._thread.is_alive() and not self._stop
             if running:
-                self._queue.append((logger, record, release))
+                self._queue.append((logger, record, cost))
+                self.queued_bytes += cost
                 self._added += 1
                 self._cond.notify_all()
         if not running:
-            try:
-                logger.handle(record)
-            finally:
-                if release is not None:
-                    release()
+            logger.handle(record)
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every record queued so far has been handled (False on timeout)."""
@@ -171,15 +175,14 @@ class HandlerThread:
                         self._cond.wait()
                     if not self._queue:
                         return
-                    logger, record, release = self._queue.popleft()
+                    logger, record, cost = self._queue.popleft()
                 try:
                     logger.handle(record)
                 except Exception:  # a handler's own failure is its handleError's; never stop here
                     pass
                 del record
-                if release is not None:
-                    release()
                 with self._cond:
+                    self.queued_bytes -= cost
                     self._done += 1
                     self._cond.notify_all()
         finally:
@@ -542,16 +545,16 @@ class EventLogForwarder:
                 api.handleError(record)
         # The API row above keeps the text as written; the console shows it escaped.
         record.msg = terminal.safe(record.msg)
-        # Both wait on other threads: the line is held until both are gone, or dropped now.
+        # The row waits for the API, held against the node's allowance: past it the line is
+        # dropped. The console's record holds the tail back instead (its bound is the runner's).
         row_cost = 0 if log is None else holds.ROW_OVERHEAD + holds.size(log.get("message"))
-        record_cost = holds.RECORD_OVERHEAD + holds.size(record.msg, getattr(record, "message", None))
-        if held and not self.hold.take(row_cost + record_cost):
+        if held and not self.hold.take(row_cost):
             return
-        hold = self.hold if held else None
         if log is not None:
-            self.batcher.add(log, self._rate, ts, _giver(hold, row_cost))
+            self.batcher.add(log, self._rate, ts, _giver(self.hold if held else None, row_cost))
         # Rendered on the batcher's handler thread: its cost never delays a row above.
-        self.batcher.handlers.handle(self.target, record, _giver(hold, record_cost))
+        record_cost = holds.RECORD_OVERHEAD + holds.size(record.msg, getattr(record, "message", None))
+        self.batcher.handlers.handle(self.target, record, record_cost)
 
     def report_dropped(self) -> None:
         """The node is over: one WARNING saying how much of its output the host dropped, if any."""
