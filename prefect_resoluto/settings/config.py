@@ -45,6 +45,10 @@ class SandboxConfig(SandboxSettings):
     def output_limit_bytes(self) -> int | None:
         return parse_quantity(self.output_limit) if self.output_limit is not None else None
 
+    @property
+    def log_allowance_bytes(self) -> int:
+        return parse_quantity(self.log_allowance)
+
     def build_conduit(self) -> Conduit:
         if isinstance(self.conduit, Conduit):
             return self.conduit

@@ -39,6 +39,7 @@ from prefect_resoluto.runtimes.base import (
     parse_cpus,
     parse_quantity,
 )
+from prefect_resoluto.task_runner import holds
 
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
@@ -159,6 +160,11 @@ def _check_block_refs(v: list[str]) -> None:
             raise ValueError(
                 f"allowed_blocks: {ref!r} must be 'block-type-slug/name', e.g. 'secret/db-password'"
             )
+
+
+def _check_log_allowance(v: str) -> None:
+    if parse_quantity(v) < holds.MIN_ALLOWANCE:
+        raise ValueError(f"log_allowance must be at least {holds.MIN_ALLOWANCE} bytes, got {v!r}")
 
 
 def _check_pids(v: int | None) -> None:
@@ -324,6 +330,22 @@ class SandboxSettings:
             "QTY",
             "most bytes of --output files taken back, e.g. 10Gi (default: --disk, else the memory limit)",
         ),
+    )
+    #: Most bytes of one node's lines the task runner's host holds at once (quantity); see
+    #: task_runner/holds.py.
+    log_allowance: str = setting(
+        holds.DEFAULT_ALLOWANCE_TEXT,
+        title="Log allowance",
+        description=(
+            "Most bytes of one sandbox's log and print lines the host holds at once while they "
+            "wait for the Prefect API and the console, and most of a command task's output it "
+            "keeps; past it, lines are dropped and the task run's logs say how many. "
+            f"Default: {holds.DEFAULT_ALLOWANCE_TEXT}."
+        ),
+        check=_check_log_allowance,
+        block=Form(examples=[holds.DEFAULT_ALLOWANCE_TEXT]),
+        pool=Omitted("a flow run sends its own logs to the API; the worker holds none of them"),
+        cli=Omitted("run writes each line out as it arrives and holds none"),
     )
     pids: int | None = setting(
         DEFAULT_PIDS,

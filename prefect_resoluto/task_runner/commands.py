@@ -10,6 +10,7 @@ from typing import Any
 from prefect import task
 
 from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
+from prefect_resoluto.task_runner.holds import KeptOutput, describe
 
 
 @dataclass
@@ -58,14 +59,24 @@ def _run_command(
     cfg = cfg.replace(
         output_paths=list(output_paths) if output_paths is not None else None, env=env, secret_env=secret_env
     )
-    lines: list[str] = []
-    outcome = runner.run_node(task_name="run_command", argv=list(argv), cfg=cfg, line_sink=lines.append)
+    # The host keeps a bounded part of the output, however much the command writes.
+    kept = KeptOutput(cfg.log_allowance_bytes)
+    outcome = runner.run_node(task_name="run_command", argv=list(argv), cfg=cfg, line_sink=kept)
+    if kept.dropped_lines:
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning(
+            "%s of the command's output not kept in its result: the host keeps at most %.1f MiB "
+            "of it, from its start and its end (setting log_allowance)",
+            describe(kept.dropped_lines, kept.dropped_bytes),
+            cfg.log_allowance_bytes / 2**20,
+        )
     if outcome.infrastructure_failure:
         outcome.raise_for_failure()
     result = CommandResult(
         argv=list(argv),
         exit_code=outcome.exit_code,
-        output="\n".join(lines),
+        output=kept.text(),
         files=dict(outcome.output_files),
         output_dir=outcome.output_dir,
         node_id=outcome.node_id,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import sys
 import threading
@@ -39,7 +40,10 @@ from guest_runner import wire
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import terminal
 from prefect_resoluto.node.describe import describe_event
+from prefect_resoluto.task_runner import holds
 
+#: Gives a held line's bytes back to its node (holds.NodeHold.give), once it is gone.
+Release = Callable[[], None]
 #: The logger a sandbox's records go out under: Prefect's own for task runs.
 SANDBOX_LOGGER = "prefect.task_runs"
 #: Spans whose output lines are the task's own (its prints, its setup command's output).
@@ -94,16 +98,20 @@ class HandlerThread:
 
     Started in the caller's context (Prefect's settings: the console's style, its level).
     A record queued while the thread is not running is handled on the caller's thread.
-    At most ``max_queued`` records wait: a stream faster than its handlers (a burst of
-    100 000 lines, the console at ~4 000 a second) then holds the tail back, as when the
-    handlers ran on its thread, instead of piling records up in memory.
+    At most ``max_queued`` records, and ``max_bytes`` of them (each record's ``cost``, as
+    holds.py measures it), wait: a stream faster than its handlers (a burst of 100 000 lines,
+    the console at ~4 000 a second) then holds the tail back, as when the handlers ran on its
+    thread, instead of piling records up in memory. The bound is the runner's, whatever the
+    number of nodes: the console is one.
     """
 
-    def __init__(self, max_queued: int = 10_000) -> None:
+    def __init__(self, max_queued: int = 10_000, max_bytes: int = holds.CONSOLE_BYTES) -> None:
         self.max_queued = max(1, max_queued)
+        self.max_bytes = max_bytes
         self.held_back = 0  # records whose producer had to wait for room
+        self.queued_bytes = 0
         self._cond = threading.Condition()
-        self._queue: deque[tuple[logging.Logger, logging.LogRecord]] = deque()
+        self._queue: deque[tuple[logging.Logger, logging.LogRecord, int]] = deque()
         self._added = 0
         self._done = 0
         self._stop = False
@@ -117,17 +125,24 @@ class HandlerThread:
             )
             self._thread.start()
 
-    def handle(self, logger: logging.Logger, record: logging.LogRecord) -> None:
+    def _full(self, cost: int) -> bool:
+        # A record bigger than the whole bound still goes, alone.
+        return len(self._queue) >= self.max_queued or (
+            bool(self._queue) and self.queued_bytes + cost > self.max_bytes
+        )
+
+    def handle(self, logger: logging.Logger, record: logging.LogRecord, cost: int = 0) -> None:
         with self._cond:
             running = self._thread is not None and self._thread.is_alive() and not self._stop
-            if running and len(self._queue) >= self.max_queued:
+            if running and self._full(cost):
                 self.held_back += 1
                 self._cond.notify_all()
-            while running and len(self._queue) >= self.max_queued:
+            while running and self._full(cost):
                 self._cond.wait(1.0)  # woken by each record handled; re-checks a thread that died
                 running = self._thread is not None and self._thread.is_alive() and not self._stop
             if running:
-                self._queue.append((logger, record))
+                self._queue.append((logger, record, cost))
+                self.queued_bytes += cost
                 self._added += 1
                 self._cond.notify_all()
         if not running:
@@ -160,12 +175,14 @@ class HandlerThread:
                         self._cond.wait()
                     if not self._queue:
                         return
-                    logger, record = self._queue.popleft()
+                    logger, record, cost = self._queue.popleft()
                 try:
                     logger.handle(record)
                 except Exception:  # a handler's own failure is its handleError's; never stop here
                     pass
+                del record
                 with self._cond:
+                    self.queued_bytes -= cost
                     self._done += 1
                     self._cond.notify_all()
         finally:
@@ -186,7 +203,8 @@ class ApiLogBatcher:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._pending: deque[tuple[dict[str, Any], int]] = deque()  # (log, its bytes in a request body)
+        # (log, its bytes in a request body, what gives its held bytes back once sent)
+        self._pending: deque[tuple[dict[str, Any], int, Release | None]] = deque()
         self._pending_bytes = 0
         self._max_bytes = _max_batch_bytes()
         self._oldest = 0.0  # monotonic arrival of the oldest pending line
@@ -212,16 +230,23 @@ class ApiLogBatcher:
             )
             self._thread.start()
 
-    def add(self, log: dict[str, Any], stream: StreamRate | None = None, ts: float | None = None) -> None:
+    def add(
+        self,
+        log: dict[str, Any],
+        stream: StreamRate | None = None,
+        ts: float | None = None,
+        release: Release | None = None,
+    ) -> None:
         """Queue one ``LogCreate``-shaped dict (``APILogHandler.prepare``'s output); ``ts``,
-        the guest's timestamp of the line, counts it in its ``stream``'s rate."""
+        the guest's timestamp of the line, counts it in its ``stream``'s rate; ``release``
+        runs once it is sent or given up."""
         size = int(log.pop("__payload_size__", 0) or len(str(log))) + 1  # and its comma
         now = time.monotonic()
         with self._cond:
             if not self._pending:
                 self._oldest = now
                 self._cond.notify()
-            self._pending.append((log, size))
+            self._pending.append((log, size, release))
             self._pending_bytes += size
             self._added += 1
             if stream is not None and ts is not None:
@@ -281,7 +306,7 @@ class ApiLogBatcher:
         rate = sum(st.rate() for st in self._streams.values())
         return min(MAX_WINDOW, max(MIN_WINDOW, MIN_WINDOW * (rate / QUIET_RATE) ** 2))
 
-    def _next_batch(self) -> list[tuple[dict[str, Any], int]] | None:
+    def _next_batch(self) -> list[tuple[dict[str, Any], int, Release | None]] | None:
         """Wait until a batch is due and take it; None once stopped with nothing left."""
         with self._cond:
             while True:
@@ -300,10 +325,10 @@ class ApiLogBatcher:
                 else:
                     self._cond.wait()
 
-    def _take(self) -> list[tuple[dict[str, Any], int]]:
+    def _take(self) -> list[tuple[dict[str, Any], int, Release | None]]:
         """Up to one request's worth of pending lines (Prefect's batch size; always at least
         one line, as Prefect's worker does). Lock held."""
-        batch: list[tuple[dict[str, Any], int]] = []
+        batch: list[tuple[dict[str, Any], int, Release | None]] = []
         size = 0
         while self._pending and (not batch or size + self._pending[0][1] <= self._max_bytes):
             batch.append(self._pending.popleft())
@@ -332,7 +357,7 @@ class ApiLogBatcher:
                     self.requests += 1
                     with self._cond:
                         self._last_start = time.monotonic()
-                    client.create_logs([log for log, _ in batch])
+                    client.create_logs([log for log, _, _ in batch])
                     failures = 0
                 except Exception as e:  # report, never break a task; retry a few times first
                     failures += 1
@@ -346,10 +371,14 @@ class ApiLogBatcher:
                         self._done += len(batch)
                     else:  # back at the head, in order; the window spaces the retry
                         self._pending.extendleft(reversed(batch))
-                        self._pending_bytes += sum(n for _, n in batch)
+                        self._pending_bytes += sum(n for _, n, _ in batch)
                         self._oldest = self._last_send
                     self._cond.notify_all()
-                if not sent:
+                if sent:
+                    for _, _, release in batch:
+                        if release is not None:
+                            release()
+                else:
                     time.sleep(0.5 * failures)  # an API in trouble gets a moment
         finally:
             if client is not None:
@@ -453,12 +482,15 @@ class EventLogForwarder:
         run_fields: dict[str, Any] | None = None,
         log_prints: bool = True,
         artifacts: Callable[[wire.SpanEvent], None] | None = None,
+        allowance: int = holds.DEFAULT_ALLOWANCE,
     ) -> None:
         """``run_fields``: what Prefect's run logger attaches to a record (task_run_name,
         flow_run_name ...: the console's format names the run with them); ``log_prints``:
         whether the task's plain output lines are logged (else printed to stdout);
         ``artifacts``: takes the events of kind ``artifact`` (relayed_artifacts.ArtifactRelay),
-        which are otherwise a DEBUG line."""
+        which are otherwise a DEBUG line; ``allowance``: the most bytes of this node's lines
+        held at once, waiting for the API or the console (the rest is dropped, and
+        :meth:`report_dropped` says so)."""
         self.task_run_id = task_run_id
         self.flow_run_id = flow_run_id
         self.node_id = node_id
@@ -477,11 +509,15 @@ class EventLogForwarder:
         self.artifacts = artifacts
         self._output_spans: set[str] = set()
         self.lines = 0
+        self.hold = holds.NodeHold(allowance)
+        self.line_limit = holds.line_limit(allowance)
 
-    def emit(self, level: int, message: str, ts: float | None = None) -> None:
-        record = logging.LogRecord(
-            SANDBOX_LOGGER, level, __file__, 0, self.redactor.text(message), None, None
-        )
+    def emit(self, level: int, message: str, ts: float | None = None, *, held: bool = True) -> None:
+        """One record of the node's; ``held``: counted against the node's allowance (the
+        host's own lines about the node are not, and are never dropped)."""
+        # Redacted before it is cut: a secret cut in two would no longer be recognised.
+        text = holds.clip(self.redactor.text(message), self.line_limit)
+        record = logging.LogRecord(SANDBOX_LOGGER, level, __file__, 0, text, None, None)
         if ts is not None:
             record.created = float(ts)
             record.msecs = (record.created - int(record.created)) * 1000
@@ -499,6 +535,7 @@ class EventLogForwarder:
             return
         assert self.batcher is not None
         record.send_to_api = False  # the API row below; the console and other handlers as usual
+        log: dict[str, Any] | None = None
         if level >= api.level and api.filter(record) and _to_api_enabled():
             if self._rows is None:
                 self._rows = RowBuilder(api, self.flow_run_id, self.task_run_id)
@@ -506,12 +543,31 @@ class EventLogForwarder:
                 log = self._rows.row(record)
             except Exception:
                 api.handleError(record)
-            else:
-                self.batcher.add(log, self._rate, ts)
         # The API row above keeps the text as written; the console shows it escaped.
         record.msg = terminal.safe(record.msg)
+        # The row waits for the API, held against the node's allowance: past it the line is
+        # dropped. The console's record holds the tail back instead (its bound is the runner's).
+        row_cost = 0 if log is None else holds.ROW_OVERHEAD + holds.size(log.get("message"))
+        if held and not self.hold.take(row_cost):
+            return
+        if log is not None:
+            self.batcher.add(log, self._rate, ts, _giver(self.hold if held else None, row_cost))
         # Rendered on the batcher's handler thread: its cost never delays a row above.
-        self.batcher.handlers.handle(self.target, record)
+        record_cost = holds.RECORD_OVERHEAD + holds.size(record.msg, getattr(record, "message", None))
+        self.batcher.handlers.handle(self.target, record, record_cost)
+
+    def report_dropped(self) -> None:
+        """The node is over: one WARNING saying how much of its output the host dropped, if any."""
+        hold = self.hold
+        if hold.dropped_lines:
+            self.emit(
+                logging.WARNING,
+                f"{holds.describe(hold.dropped_lines, hold.dropped_bytes)} of this task's sandbox "
+                f"output dropped by the host: they came faster than the Prefect API and the console "
+                f"took them, and the host holds at most {hold.allowance / 2**20:.1f} MiB of a "
+                "sandbox's lines at once (setting log_allowance)",
+                held=False,
+            )
 
     def flush(self) -> None:
         """Every line emitted so far is in the API when this returns (or the wait timed out):
@@ -524,7 +580,7 @@ class EventLogForwarder:
         self.lines += 1
         out = sys.stdout
         if out is not None:
-            out.write(terminal.safe(self.redactor.text(line)) + "\n")
+            out.write(terminal.safe(holds.clip(self.redactor.text(line), self.line_limit)) + "\n")
             out.flush()
 
     def __call__(self, ev: wire.SpanEvent) -> None:
@@ -550,3 +606,9 @@ class EventLogForwarder:
         described = describe_event(ev)
         if described is not None:
             self.emit(described[0], described[1], ev.get("ts"))
+
+
+def _giver(hold: holds.NodeHold | None, cost: int) -> Release | None:
+    if hold is None or not cost:
+        return None
+    return functools.partial(hold.give, cost)

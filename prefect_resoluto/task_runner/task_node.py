@@ -113,6 +113,7 @@ class TaskNodes:
             batcher=self.pacer,
             run_fields=dict(getattr(logger, "extra", None) or {}),
             log_prints=request.log_prints,
+            allowance=request.cfg.log_allowance_bytes,
         )
         forward.artifacts = ArtifactRelay(task_run.id, task_run.flow_run_id, forward.emit, redactor)
         warm, how = warm_pool_mod.take_for(self.pool, spec, imports=request.warm_prefect)
@@ -226,8 +227,9 @@ class TaskRunObserver(NodeObserver):
     def finished(self, outcome: NodeOutcome) -> None:
         # One short line per node at INFO (a failure is told by the task's exception, as
         # on threads); the details at DEBUG, in the artifact and in the node's events.
-        self.forward.emit(logging.DEBUG, _summary(outcome))
-        self.forward.emit(logging.INFO, runner_line(outcome))
+        self.forward.report_dropped()
+        self.forward.emit(logging.DEBUG, _summary(outcome), held=False)
+        self.forward.emit(logging.INFO, runner_line(outcome), held=False)
 
     def release(self) -> None:
         """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
