@@ -99,3 +99,32 @@ def test_workload_output_is_the_plain_lines_of_workload_spans() -> None:
         {"event": "close", "kind": "workload", "span_id": "w"},
     ]
     assert [w.line(ev) for ev in evs] == [None, None, None, "hello", None, None, None]
+
+
+def test_a_flow_runs_crash_evidence_is_bounded_whatever_the_sandbox_prints(tmp_path: Path) -> None:
+    # A flow run's guest printing 60 lines of 1 MiB: the worker keeps its last words for a crash
+    # report, each cut, not 40 MiB-sized strings; its own phases' output still counts as output.
+    import logging
+    import threading
+
+    from prefect_resoluto.worker.worker import EVIDENCE_CHARS, EVIDENCE_LINES, FlowRunObserver
+
+    conduit = LocalConduit(tmp_path / "conduit")
+    echoed: list[str] = []
+    obs = FlowRunObserver(
+        flow_run_name="r",
+        where="here",
+        runtime=get_runtime("process"),
+        logger=logging.getLogger("test.flow_run"),
+        worker_logger=logging.getLogger("test.worker"),
+        on_launched=lambda: None,
+        cancel=threading.Event(),
+        echo=echoed.append,
+    )
+    code = "import sys\nfor i in range(60): sys.stdout.write(str(i) + 'x' * (1 << 20) + '\\n')"
+    out = drive(_spec(tmp_path, code, "n3"), conduit, get_runtime("process"), obs)
+    assert out.ok, out.describe()
+    assert len(obs.evidence) == EVIDENCE_LINES
+    assert all(len(line) < EVIDENCE_CHARS + 64 for line in obs.evidence)
+    assert obs.evidence[-1].startswith("59xxx") and "characters]" in obs.evidence[-1]
+    assert echoed[0] == "from-setup" and len(echoed) == 61  # the setup's line and the workload's

@@ -88,6 +88,11 @@ class Callbacks(NodeObserver):
         return self._pack(root, skip) if self._pack is not None else super().pack_workspace(root, skip)
 
 
+#: A guest runs one workload span; a guest opening more is not believed past this many
+#: (what the host remembers of a sandbox's words is bounded, not chosen by the sandbox).
+MAX_WORKLOAD_SPANS = 4
+
+
 class WorkloadOutput:
     """Which events are the workload's own output: the plain log lines of a ``workload`` span
     (what ``run`` prints on stdout, what a command task's line sink receives) -- not the setup's
@@ -100,7 +105,7 @@ class WorkloadOutput:
         """The line ``ev`` carries when it is workload output, else None (feed every event)."""
         kind, event = ev.get("kind", ""), ev.get("event", "")
         if event == "open":
-            if kind == "workload":
+            if kind == "workload" and len(self._spans) < MAX_WORKLOAD_SPANS:
                 self._spans.add(str(ev.get("span_id", "")))
             return None
         if event == "log" and kind == "log" and str(ev.get("parent_span_id", "")) in self._spans:

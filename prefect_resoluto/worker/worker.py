@@ -113,6 +113,9 @@ FINISHING_GRACE_SECONDS = 10.0
 DIRECT_API_ENV = "RESOLUTO_UNSAFE_DIRECT_API"
 #: Lines of the sandbox's own output kept for a crashed run's report.
 EVIDENCE_LINES = 40
+#: ...each cut to this many characters: a crash report is the run's last words, not its
+#: output, and a guest's 16 MiB lines must not make 40 of them the worker's memory.
+EVIDENCE_CHARS = 4096
 
 
 # --------------------------------------------------------------------------- the pool's form
@@ -921,7 +924,9 @@ class FlowRunObserver(NodeObserver):
                 # A connection the allowlist let through (the API's, mostly): a detail, not news.
                 self.worker_logger.debug("%s | %s", self.flow_run_name, line)
                 return
-            self.evidence.append(line)
+            self.evidence.append(
+                line if len(line) <= EVIDENCE_CHARS else f"{line[:EVIDENCE_CHARS]}… [{len(line)} characters]"
+            )
             if ev.get("parent_span_id") in self._workload_spans:
                 # The flow run's own process: what Prefect's process worker streams.
                 if self.echo is not None:
