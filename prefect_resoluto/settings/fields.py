@@ -39,7 +39,6 @@ from prefect_resoluto.runtimes.base import (
     parse_cpus,
     parse_quantity,
 )
-from prefect_resoluto.task_runner import holds
 
 if TYPE_CHECKING:
     from guest_runner.conduit import Conduit
@@ -162,9 +161,16 @@ def _check_block_refs(v: list[str]) -> None:
             )
 
 
+#: log_allowance's default: a 1 000-node flow whose every node floods at once holds at most
+#: ~4 GiB of their lines (task_runner/holds.py holds them to it).
+LOG_ALLOWANCE_DEFAULT = "4Mi"
+#: Less would keep no line of a useful length.
+LOG_ALLOWANCE_MIN = 64 << 10
+
+
 def _check_log_allowance(v: str) -> None:
-    if parse_quantity(v) < holds.MIN_ALLOWANCE:
-        raise ValueError(f"log_allowance must be at least {holds.MIN_ALLOWANCE} bytes, got {v!r}")
+    if parse_quantity(v) < LOG_ALLOWANCE_MIN:
+        raise ValueError(f"log_allowance must be at least {LOG_ALLOWANCE_MIN} bytes, got {v!r}")
 
 
 def _check_pids(v: int | None) -> None:
@@ -334,16 +340,16 @@ class SandboxSettings:
     #: Most bytes of one node's lines the task runner's host holds at once (quantity); see
     #: task_runner/holds.py.
     log_allowance: str = setting(
-        holds.DEFAULT_ALLOWANCE_TEXT,
+        LOG_ALLOWANCE_DEFAULT,
         title="Log allowance",
         description=(
             "Most bytes of one sandbox's log and print lines the host holds at once while they "
             "wait for the Prefect API and the console, and most of a command task's output it "
             "keeps; past it, lines are dropped and the task run's logs say how many. "
-            f"Default: {holds.DEFAULT_ALLOWANCE_TEXT}."
+            f"Default: {LOG_ALLOWANCE_DEFAULT}."
         ),
         check=_check_log_allowance,
-        block=Form(examples=[holds.DEFAULT_ALLOWANCE_TEXT]),
+        block=Form(examples=[LOG_ALLOWANCE_DEFAULT]),
         pool=Omitted("a flow run sends its own logs to the API; the worker holds none of them"),
         cli=Omitted("run writes each line out as it arrives and holds none"),
     )

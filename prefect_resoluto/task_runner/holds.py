@@ -14,15 +14,17 @@ import sys
 import threading
 from collections import deque
 
-#: The default allowance: a 1 000-node flow whose every node floods at once holds at most
-#: ~4 GiB of their lines (a few lines of the longest kind, or thousands of short ones, each).
-DEFAULT_ALLOWANCE_TEXT = "4Mi"
-DEFAULT_ALLOWANCE = 4 << 20
+from prefect_resoluto.runtimes.base import parse_quantity
+from prefect_resoluto.settings.fields import LOG_ALLOWANCE_DEFAULT, LOG_ALLOWANCE_MIN
+
+#: The default allowance (declared with the setting): a few lines of the longest kind, or
+#: thousands of short ones, per node.
+DEFAULT_ALLOWANCE_TEXT = LOG_ALLOWANCE_DEFAULT
+DEFAULT_ALLOWANCE = parse_quantity(LOG_ALLOWANCE_DEFAULT)
 #: The most bytes of records waiting for the console, whatever the number of nodes: past it
 #: the tails wait (the console is one, and its pace is what a terminal takes).
 CONSOLE_BYTES = 16 << 20
-#: Less would keep no line of a useful length.
-MIN_ALLOWANCE = 64 << 10
+MIN_ALLOWANCE = LOG_ALLOWANCE_MIN
 #: A line the host keeps is at most this many characters (and at most a sixteenth of the
 #: allowance, so a handful of the longest lines fit): Prefect's API stores a line of at most
 #: ~1 MB anyway, and nobody reads a longer one on a console.

@@ -310,8 +310,9 @@ class ApiGateway:
         async with self._busy:  # one run's requests share a few slots: the rest wait
             return await self._judged(request, rel)
 
-    async def _judged(self, request: Any, rel: str) -> Any:
-        from starlette.responses import JSONResponse, Response
+    async def _request_body(self, request: Any, rel: str) -> bytes | Any:
+        """The request's body under its cap and time limit, or the answer refusing it."""
+        from starlette.responses import JSONResponse
 
         cap = body_cap(request.method, rel)
         length = request.headers.get("content-length")
@@ -329,7 +330,14 @@ class ApiGateway:
             return JSONResponse(
                 {"detail": f"resoluto gateway: body not sent within {BODY_TIMEOUT:.0f} s"}, 408
             )
-        body = bytes(buf)
+        return bytes(buf)
+
+    async def _judged(self, request: Any, rel: str) -> Any:
+        from starlette.responses import JSONResponse
+
+        body = await self._request_body(request, rel)
+        if not isinstance(body, bytes):
+            return body
         parsed = parse_bounded(body)
         try:
             verdict = await self.rules.check_http(
@@ -358,6 +366,13 @@ class ApiGateway:
             resp = await self._client.send(upstream, stream=True)
         except Exception as e:  # the API is away: the engine retries as it would without us
             return JSONResponse({"detail": f"resoluto gateway: the Prefect API is unreachable: {e}"}, 502)
+        return await self._answer(request, rel, parsed, resp)
+
+    async def _answer(self, request: Any, rel: str, parsed: Any, resp: Any) -> Any:
+        """The API's answer to the sandbox: streamed unread where the rules never read it, else
+        read under the cap, noted by the rules and stripped; bounded either way."""
+        from starlette.responses import Response
+
         what = f"{request.method} /api{rel}"
         out = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
         held = contextlib.AsyncExitStack()
