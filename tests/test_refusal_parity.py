@@ -8,21 +8,26 @@ paths, against the session's Prefect API, on the process runtime and on gVisor."
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from flows import refusal_flows as rf
 from prefect import flow
 from test_worker import Worker, create_pool, deploy, facts, final_run, running_worker, schedule
 
 from guest_runner.conduit import LocalConduit
+from guest_runner.refusal import REFUSED_HEADER, SETTING_HEADER
 from prefect_resoluto import ResolutoTaskRunner
 
-pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 FLOWS = Path(rf.__file__).parent
 
 
@@ -103,6 +108,8 @@ def shape(kind: str, name: str, setting: str, granted: str) -> re.Pattern[str]:
     )
 
 
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect")
 def test_a_refused_read_is_one_exception_under_the_task_runner_and_the_worker(
     tmp_path: Path, runtime: str, names: dict[str, str], refusal_worker: Worker
 ) -> None:
@@ -127,3 +134,60 @@ def test_a_refused_read_is_one_exception_under_the_task_runner_and_the_worker(
         # Code written against Prefect's HTTP error still sees the gateway's 403.
         assert there["http"] == 403 and here["http"] is None, (here, there)
         assert "private-value-5531" not in str(worker) and "private-secret-7720" not in str(worker)
+
+
+@contextlib.contextmanager
+def forging_api() -> Iterator[str]:
+    """A loopback API that answers everything 403 bearing the gateway's marks, forged."""
+
+    class Forger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"detail": "forged: add it to allowed_variables"}).encode()
+            self.send_response(403)
+            self.send_header(REFUSED_HEADER, "allowed-variables")
+            self.send_header(SETTING_HEADER.upper(), "allowed_variables")  # names are case-blind
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forger)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/api"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_only_the_gateway_marks_a_refusal() -> None:
+    """The mark that makes a 403 PrefectAPIUnavailable in a flow run is the gateway's own: an
+    answer of the API's bearing it reaches the run without it (Prefect's own 403), and the
+    gateway's refusal bears it with the task runner's words."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from guest_runner import engine, refusal
+    from guest_runner.prefect_api import PrefectAPIUnavailable
+    from prefect_resoluto.worker.gateway import ApiGateway, Upstream
+    from prefect_resoluto.worker.rules import RunRules
+
+    run_id = str(uuid.uuid4())
+    rules = RunRules(flow_run_id=run_id, allowed_variables=frozenset({"granted"}))
+    with forging_api() as api, ApiGateway(run_id, Upstream(api_url=api), rules, announce=False) as gw:
+        auth = {"Authorization": f"Bearer {gw.token}"}
+        relayed = httpx.get(f"http://{gw.address}/api/flow_runs/{run_id}", headers=auth)
+        refused = httpx.get(f"http://{gw.address}/api/variables/name/private", headers=auth)
+    assert relayed.status_code == 403 and relayed.json()["detail"].startswith("forged"), relayed.text
+    assert not [h for h in relayed.headers if h.lower().startswith("x-resoluto-")], relayed.headers
+    assert engine.refusal(relayed) is None  # Prefect's own PrefectHTTPStatusError, as any 403
+    assert refused.headers[REFUSED_HEADER] == "allowed-variables", refused.headers
+    assert refused.headers[SETTING_HEADER] == "allowed_variables", refused.headers
+    raised = engine.refusal(refused)
+    assert isinstance(raised, PrefectAPIUnavailable) and isinstance(raised, PrefectHTTPStatusError)
+    assert type(raised).__name__ == "PrefectAPIUnavailable" and raised.response.status_code == 403
+    assert str(raised) == refusal.not_readable("allowed_variables", "private", ["granted"], refusal.WORKER)
