@@ -26,6 +26,7 @@ import uuid
 from importlib.machinery import ModuleSpec, PathFinder
 from typing import Any, Callable, Dict, Optional
 
+from guest_runner import refusal
 from guest_runner.wire import ARTIFACT_MARKER, ENV_PREFECT_READS, MAX_ARTIFACT_BYTES
 
 #: The API URL Prefect's settings name inside a sandbox: never resolved, never contacted.
@@ -190,26 +191,18 @@ def _allowed(kind: str) -> Dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _not_allowed(what: str, setting: str, allowed: Dict[str, Any]) -> PrefectAPIUnavailable:
-    names = ", ".join(sorted(map(repr, allowed))) or "none"
-    return PrefectAPIUnavailable(
-        f"{what} is not available inside a sandboxed task: only those named in the runner's "
-        f"{setting} setting are (ResolutoTaskRunner({setting}=[...]) or the sandbox block's; allowed "
-        f"here: {names}); the host reads them when the task starts"
-    )
+def _not_allowed(setting: str, name: str, allowed: Dict[str, Any]) -> PrefectAPIUnavailable:
+    return PrefectAPIUnavailable(refusal.not_readable(setting, name, allowed, refusal.TASK_RUNNER))
 
 
-def _refused_write(what: str, setting: str) -> PrefectAPIUnavailable:
-    return PrefectAPIUnavailable(
-        f"{what} is not available inside a sandboxed task: the runner's {setting} setting "
-        "(ResolutoTaskRunner) allows reads only; write it from the flow"
-    )
+def _refused_write(setting: str, name: Any, how: str) -> PrefectAPIUnavailable:
+    return PrefectAPIUnavailable(refusal.not_writable(setting, str(name), refusal.TASK_RUNNER, how))
 
 
 def _variable_get(name: Any, default: Any = None) -> Any:
     variables = _allowed("variables")
     if name not in variables:
-        raise _not_allowed(f"Variable {name!r}", "allowed_variables", variables)
+        raise _not_allowed("allowed_variables", str(name), variables)
     value = variables[name]
     return default if value is None else value
 
@@ -225,10 +218,10 @@ def _patch_variables(module: types.ModuleType) -> None:
 
     def writer(what: str) -> Any:
         def refuse(cls_: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
-            raise _refused_write(f"{what}({name!r})", "allowed_variables")
+            raise _refused_write("allowed_variables", name, what)
 
         async def arefuse(cls_: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
-            raise _refused_write(f"{what}({name!r})", "allowed_variables")
+            raise _refused_write("allowed_variables", name, what)
 
         return refuse, arefuse
 
@@ -247,7 +240,7 @@ def _block_load(cls: Any, name: str) -> Any:
     blocks = _allowed("blocks")
     found = blocks.get(ref)
     if not isinstance(found, dict):
-        raise _not_allowed(f"Block {ref!r}", "allowed_blocks", blocks)
+        raise _not_allowed("allowed_blocks", ref, blocks)
     error = found.get("error")
     if isinstance(error, dict):  # what loading it on the host raised (a block that does not exist)
         message = str(error.get("message", ""))
@@ -269,10 +262,10 @@ def _patch_blocks(module: types.ModuleType) -> None:
 
     def writer(what: str) -> Any:
         def refuse(self: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
-            raise _refused_write(f"{what}({name!r})", "allowed_blocks")
+            raise _refused_write("allowed_blocks", name, what)
 
         async def arefuse(self: Any, name: Any = None, *args: Any, **kwargs: Any) -> Any:
-            raise _refused_write(f"{what}({name!r})", "allowed_blocks")
+            raise _refused_write("allowed_blocks", name, what)
 
         return refuse, arefuse
 

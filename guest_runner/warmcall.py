@@ -25,7 +25,6 @@ from guest_runner import call, reseed, standin, wire
 
 IMPORTS_ENV = wire.ENV_WARM_IMPORTS
 ENGINE_ENV = wire.ENV_WARM_ENGINE
-ENGINE_MODULE = wire.WARM_ENGINE_MODULE
 #: What ``python -m prefect.engine`` imports on its way to a flow run's first request, beyond
 #: ``prefect.main`` (measured from its ``sys.modules``): the flow engine, the client, the
 #: deployment pull steps and runner storage, the task runners and results, the events client.
@@ -84,11 +83,11 @@ def preimport_engine() -> None:
 
 
 def run_engine(argv: "list[str]") -> int:
-    """Become ``python -m prefect.engine <argv>`` in the environment and directory already
-    set: ``sys.path`` as ``-m`` and PYTHONPATH would have made it, Prefect's settings and
-    logging read again from this environment (they were read from the template's when
-    imported), then the module run as ``__main__``."""
-    import runpy
+    """Become ``python -m guest_runner.engine <argv>`` (Prefect's ``prefect.engine``) in the
+    environment and directory already set: ``sys.path`` as ``-m`` and PYTHONPATH would have
+    made it, Prefect's settings and logging read again from this environment (they were read
+    from the template's when imported), then Prefect's engine run as ``__main__``."""
+    from guest_runner import engine  # a flow run's only: a task's call never loads it
 
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:1] = [os.getcwd(), *extra]
@@ -114,8 +113,7 @@ def run_engine(argv: "list[str]") -> int:
         category=RuntimeWarning,
         module="runpy",
     )
-    sys.argv = [ENGINE_MODULE, *argv]  # run_module puts the module's file first
-    runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
+    engine.run(argv)
     return 0
 
 

@@ -113,11 +113,12 @@ ENV_WARM_SNAPSHOT = "RESOLUTO_WARM_SNAPSHOT"
 ENV_WARM_ENGINE = "RESOLUTO_WARM_ENGINE"
 ENV_WARM_IMPORTS = "RESOLUTO_WARM_IMPORTS"
 #: ENV_WARM_CALL's values: the call's interpreter; it pre-importing these modules; or
-#: Prefect's flow-run engine (a worker's flow run), whose module the command must run.
+#: Prefect's flow-run engine (a worker's flow run), whose module the command must run
+#: (guest_runner.engine: Prefect's, with the gateway's refusals raised as a task's are).
 WARM_CALL_PLAIN = "1"
 WARM_CALL_IMPORTS = "import:"
 WARM_CALL_ENGINE = "engine"
-WARM_ENGINE_MODULE = "prefect.engine"
+WARM_ENGINE_MODULE = "guest_runner.engine"
 #: Printed (stdout: the sandbox's log) once everything is imported and started.
 WARM_READY = "resoluto warm: ready"
 #: Printed by a template at the point the host checkpoints it.

@@ -29,6 +29,8 @@ from support.polling import wait_for
 from support.prefect_cli import api_http, prefect_server
 from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
 
+from guest_runner.refusal import REFUSED_HEADER, SETTING_HEADER
+
 if TYPE_CHECKING:
     from prefect_resoluto.worker.gateway import ApiGateway
 
@@ -175,7 +177,10 @@ def test_flows_behind_the_gateway_on_gvisor(gvisor, server: AuthServer, tmp_path
     attempts = [m for m in hostile_logs if m.startswith("ATTEMPT ") and "emitted" not in m]
     assert len(attempts) == 9, "\n".join(hostile_logs)
     for m in attempts:
-        assert ": refused 403 refused by the resoluto gateway (rule " in m, m
+        if m.startswith(("ATTEMPT read a Secret block", "ATTEMPT read a variable")):
+            assert ": refused 403 Prefect " in m and "is not readable inside a sandbox: add it to " in m, m
+        else:
+            assert ": refused 403 refused by the resoluto gateway (rule " in m, m
     hostile_facts = json.loads(next(m for m in hostile_logs if m.startswith("FACTS "))[6:])
     assert hostile_facts["credential_found"] == [], hostile_facts
     hostile_logs = logs_with_all(hostile.id, "(rule own-events)")
@@ -391,7 +396,16 @@ def test_each_rule_refuses_with_its_name_and_a_warning_in_the_runs_logs(server: 
         for method, path, body, rule in cases:
             r = httpx.request(method, base + path, headers=h, json=body)
             assert r.status_code == 403, (method, path, r.status_code, r.text)
-            assert f"(rule {rule})" in r.json()["detail"], (method, path, r.text)
+            # the rule in a header the gateway sets (its mark: guest_runner.engine raises on it)
+            assert r.headers.get(REFUSED_HEADER) == rule, (method, path, r.headers)
+            setting = {"allowed-blocks": "allowed_blocks", "allowed-variables": "allowed_variables"}.get(rule)
+            assert r.headers.get(SETTING_HEADER) == setting, (method, path, r.headers)
+            if setting:  # the caller is told the setting that would allow it, as a sandboxed task is
+                assert f"is not readable inside a sandbox: add it to {setting} (" in r.json()["detail"], (
+                    r.text
+                )
+            else:
+                assert f"(rule {rule})" in r.json()["detail"], (method, path, r.text)
         # a path a URL library would fold (http.client sends it as written; httpx would not)
         conn = http.client.HTTPConnection(gw.host, gw.port, timeout=30)
         conn.request("GET", f"/api/flow_runs/{own.id}/../../work_pools/", headers=h)

@@ -109,8 +109,9 @@ def test_code_directories_follow_the_deployments_own_pull_steps(tmp_path):
 
 @pytest.mark.sandbox
 def test_the_entry_point_is_prefects_engine_on_the_right_interpreter():
-    assert engine_argv(None, get_runtime("gvisor"), None) == [sys.executable, "-m", "prefect.engine"]
-    assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "prefect.engine"]
+    # guest_runner.engine: Prefect's prefect.engine, with the gateway's refusals as a task's
+    assert engine_argv(None, get_runtime("gvisor"), None) == [sys.executable, "-m", "guest_runner.engine"]
+    assert engine_argv(None, get_runtime("kubernetes"), "img:1") == ["python", "-m", "guest_runner.engine"]
     assert engine_argv("prefect flow-run execute", get_runtime("process"), None) == [
         "prefect",
         "flow-run",
@@ -163,4 +164,4 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_gateway_an
     assert "pnu_worker_key_123" not in everything and api not in everything
     pod = json.dumps(docs["Pod"])
     assert "run-token-456" not in pod and "PREFECT_API_AUTH_STRING" in json.dumps(docs["Secret"])
-    assert "prefect.engine" in pod and gateway in pod
+    assert "guest_runner.engine" in pod and gateway in pod

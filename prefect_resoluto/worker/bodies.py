@@ -19,10 +19,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request was refused: the rule's name and what it saw."""
+    """Why a request was refused: the rule's name and what it saw (the operator's words, in
+    the run's logs); ``told``: what the sandbox's caller is told instead, when a setting
+    would allow the call (``setting``, guest_runner.refusal)."""
 
     rule: str
     why: str
+    told: str | None = None
+    setting: str | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from guest_runner.refusal import REFUSED_HEADER, SETTING_HEADER
 from prefect_resoluto.worker.bodies import body_cap, parse_bounded
 from prefect_resoluto.worker.relay_limits import (
     AnswerRefused,
@@ -86,6 +87,7 @@ _DROP_REQUEST = frozenset(
 )
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "set-cookie"}
+    | {REFUSED_HEADER, SETTING_HEADER}  # the gateway's own marks: an answer of the API's never bears them
 )
 
 
@@ -542,10 +544,12 @@ class ApiGateway:
         from starlette.responses import JSONResponse
 
         await self._note_refusal(refusal)
-        return JSONResponse(
-            {"detail": f"refused by the resoluto gateway (rule {refusal.rule}): {refusal.why}"},
-            status_code=403,
-        )
+        # Marked, so the run's Prefect client raises what a sandboxed task would (guest_runner.engine).
+        headers = {REFUSED_HEADER: refusal.rule}
+        if refusal.setting:
+            headers[SETTING_HEADER] = refusal.setting
+        detail = refusal.told or f"refused by the resoluto gateway (rule {refusal.rule}): {refusal.why}"
+        return JSONResponse({"detail": detail}, status_code=403, headers=headers)
 
     async def _note_refusal(self, refusal: Refusal) -> None:
         self.refused += 1

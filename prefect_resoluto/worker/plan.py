@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from guest_runner import wire
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
@@ -219,7 +220,9 @@ def with_code_mounts(cfg: SandboxConfig, runtime_name: str, directories: list[st
 
 
 def engine_argv(command: str | None, runtime: SandboxRuntime, image: str | None) -> list[str]:
-    """Prefect's standard flow-run entry point, as Prefect's own process worker runs it.
+    """Prefect's standard flow-run entry point, as Prefect's own process worker runs it,
+    through ``guest_runner.engine`` (on every sandbox's PYTHONPATH): the gateway's refusals
+    raise what they raise in a sandboxed task. A ``command`` of the job's own runs as it is.
 
     With the host's interpreter bound into the sandbox (local runtimes without an image)
     that interpreter runs it; an image brings its own ``python``."""
@@ -228,7 +231,7 @@ def engine_argv(command: str | None, runtime: SandboxRuntime, image: str | None)
     if command:
         return shlex.split(command)
     python = sys.executable if runtime.capabilities.host_python and not image else "python"
-    return [python, "-m", "prefect.engine"]
+    return [python, "-m", wire.WARM_ENGINE_MODULE]
 
 
 def new_node_id() -> str:

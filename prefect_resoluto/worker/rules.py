@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from guest_runner import refusal
 from prefect_resoluto.worker.bodies import (
     MAX_IDS,
     Answered,
@@ -208,17 +209,20 @@ class RunRules:
             ref = f"{parts[2]}/{parts[5]}"
             if method == "GET" and ref in self.allowed_blocks:
                 return None
-            return Refusal(
-                "allowed-blocks",
-                f"{what}: block {ref!r} is not in this run's allowed_blocks ({_names(self.allowed_blocks)})",
+            return _by_setting(
+                "allowed-blocks", "allowed_blocks", ref, method, self.allowed_blocks, what, "block"
             )
         if parts[:2] == ["variables", "name"] and len(parts) == 3:
             if method == "GET" and parts[2] in self.allowed_variables:
                 return None
-            return Refusal(
+            return _by_setting(
                 "allowed-variables",
-                f"{what}: variable {parts[2]!r} is not in this run's allowed_variables "
-                f"({_names(self.allowed_variables)})",
+                "allowed_variables",
+                parts[2],
+                method,
+                self.allowed_variables,
+                what,
+                "variable",
             )
         if parts[0] in ("block_documents", "block_types", "block_schemas", "variables"):
             return Refusal(
@@ -567,6 +571,20 @@ def _is_uuid(s: str) -> bool:
     except ValueError:
         return False
     return bool(re.fullmatch(_UUID, s))
+
+
+def _by_setting(
+    rule: str, setting: str, name: str, method: str, allowed: frozenset[str], what: str, kind: str
+) -> Refusal:
+    """A named read off the run's allow list, or a write: the operator reads the rule, the
+    run's caller the setting that would allow it (the task runner's words, guest_runner.refusal)."""
+    if method == "GET":
+        why = f"{what}: {kind} {name!r} is not in this run's {setting} ({_names(allowed)})"
+        told = refusal.not_readable(setting, name, allowed, refusal.WORKER)
+    else:
+        why = f"{what}: {kind} {name!r}: {setting} allows reads only"
+        told = refusal.not_writable(setting, name, refusal.WORKER)
+    return Refusal(rule, why, told=told, setting=setting)
 
 
 def _names(names: frozenset[str]) -> str:
