@@ -78,7 +78,7 @@ def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and
 ):
     secret = f"tok-{uuid.uuid4().hex}"
 
-    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}))
+    @flow(task_runner=runner(conduit, tmp_path, secret_env={"API_TOKEN": secret}, summary_artifact=True))
     def leaky():
         e = raised(df.leak_secret.submit())
         return type(e).__name__, str(e), repr(e)
@@ -102,7 +102,7 @@ def test_a_secret_in_an_exception_is_redacted_from_logs_state_outbox_outputs_and
     written = [p for p in (tmp_path / "outputs").rglob("*") if p.is_file()]
     assert any(p.name == "error.json" for p in written)
     assert not any(secret.encode() in p.read_bytes() for p in written)
-    # the node's artifact
+    # the node's table (the runner's artifacts are opt-in; the task run ended failed)
     arts = artifacts_of(tr.id)
     assert arts and not any(secret in json.dumps(a.data) + str(a.description) for a in arts)
 
@@ -389,7 +389,9 @@ def test_max_workers_follows_prefects_thread_pool_setting():
 
 
 # -- 8, 9, 11: what the logs show ------------------------------------------------------------------
-RUNNER_LINE = re.compile(r"ran in a (warm|cold) gVisor sandbox in \d+\.\d s")
+RUNNER_LINE = re.compile(
+    r"ran in a (warm|cold) gVisor sandbox (\(.*\)|rsl-\S+ \(.*\)) in \d+\.\d s: (succeeded|failed \(workload\))"
+)
 
 
 @pytest.mark.sandbox
@@ -472,38 +474,35 @@ def test_collected_output_count_leaves_out_the_call_protocol_files(tmp_path):
 
 
 # -- 10: artifacts ---------------------------------------------------------------------------------
-def test_each_node_artifact_tells_attempts_apart_and_the_flow_run_has_one_keyed_table(conduit, tmp_path):
-    # Prefect glue (artifacts per attempt): on `process` (issue 21).
-    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none"))
+def test_a_retried_task_that_completed_has_no_runner_artifact_and_its_flow_one_version(conduit, tmp_path):
+    # Prefect glue (artifacts per attempt): on `process` (issue 21; issue 41: opt-in).
+    @flow(
+        task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none", summary_artifact=True)
+    )
     def retrying():
         return sf.fail_on_first_attempt.submit().result()
 
     state = retrying(return_state=True)
     fr = state.state_details.flow_run_id
     (tr,) = task_runs(fr)
-    arts = sorted(artifacts_of(tr.id), key=lambda a: a.created)
-    # The failed attempt's own table; the successful one's details are in the flow run's table.
-    assert len(arts) == 1 and arts[0].key is None
-    assert arts[0].description.startswith(f"{tr.name}, attempt 1: failure (workload): RuntimeError")
-    data = json.loads(arts[0].data) if isinstance(arts[0].data, str) else arts[0].data
-    rows = {row["field"]: row["value"] for row in data}
-    assert rows["conduit"] == conduit.url
-    assert rows["node prefix"] == f"run/{fr}/nodes/{tr.id}"
+    assert tr.state.is_completed() and not artifacts_of(tr.id), "a completed task run: no runner artifact"
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with client() as c:  # what the Artifacts page lists: the latest artifact of each key
         latest = c.read_latest_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr]))
         )
-    assert len(latest) == 1 and latest[0].key.startswith("resoluto-")
+    assert len(latest) == 1 and latest[0].key == "resoluto-retrying"
     table = json.loads(latest[0].data) if isinstance(latest[0].data, str) else latest[0].data
-    assert [(r["attempt"], r["status"]) for r in table] == [("1", "failure (workload)"), ("2", "success")]
-    assert all(re.match(r"(warm|cold) sandbox", r["sandbox"]) for r in table), table
-    with client() as c:  # written once, when the flow run ended: one version of the key
+    assert [(r["attempt"], r["outcome"]) for r in table] == [("1", "failed (workload)"), ("2", "succeeded")]
+    assert all(r["sandbox"] in ("warm", "cold") for r in table), table
+    with client() as c:  # written once, when the flow run ended: one version of this run
         from prefect.client.schemas.filters import ArtifactFilterKey
 
         versions = c.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[latest[0].key]))
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[latest[0].key]), flow_run_id=ArtifactFilterFlowRunId(any_=[fr])
+            )
         )
     assert len(versions) == 1
 

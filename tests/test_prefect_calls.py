@@ -178,9 +178,9 @@ def test_a_task_over_the_bounds_is_told_by_an_exception_of_its_own(tmp_path):
 
 
 def test_a_flow_runs_artifacts_are_the_users_plus_one_runner_table(tmp_path):
-    """The Artifacts tab of a flow run of 9 tasks: ThreadPool's artifacts, plus the runner's
-    one table (one version, written when the flow run ends); no artifact on a successful
-    task run but the user's."""
+    """The Artifacts tab of a flow run of 9 tasks with the summary on: ThreadPool's artifacts,
+    plus the runner's one table (one version, written when the flow run ends); no artifact on
+    a successful task run but the user's."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     def run(task_runner) -> tuple[list, list]:
@@ -195,17 +195,16 @@ def test_a_flow_runs_artifacts_are_the_users_plus_one_runner_table(tmp_path):
             arts = c.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr])), limit=200
             )
-            name = c.read_flow_run(fr).name
         return [shown(a) for a in arts if not (a.key or "").startswith("resoluto-")], [
-            a for a in arts if (a.key or "").startswith(f"resoluto-{name}")
+            a for a in arts if a.key == "resoluto-many"
         ]
 
     threads, none = run(ThreadPoolTaskRunner())
-    users, ours = run(sandboxed(tmp_path, "process"))
+    users, ours = run(sandboxed(tmp_path, "process", summary_artifact=True))
     assert none == [] and len(threads) == 9 * 7
     assert sorted(users, key=repr) == sorted(threads, key=repr)
     assert len(ours) == 1 and ours[0].task_run_id is None, ours
-    assert ours[0].description == "9 sandbox node(s), 9 succeeded"
+    assert ours[0].description.startswith("9 sandbox nodes, 9 succeeded; process; flow run ")
     assert len(json.loads(ours[0].data)) == 9
 
 

@@ -30,7 +30,9 @@ from prefect_resoluto.task_runner.runner import output_files
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 FLOWS = Path(pf.__file__).parent
-RUNNER_LINE = re.compile(r"ran in a (warm|cold) process sandbox in \d+\.\d s")
+RUNNER_LINE = re.compile(
+    r"ran in a (warm|cold) process sandbox \(warm pool off\) in \d+\.\d s: (succeeded|failed \(workload\))"
+)
 
 
 def sandboxed(tmp_path: Path) -> ResolutoTaskRunner:

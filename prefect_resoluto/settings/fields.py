@@ -620,6 +620,24 @@ class SandboxSettings:
         cli=Omitted("one command, one sandbox: there is nothing to keep warm"),
     )
 
+    #: The runner's per-run summary table (task_runner/artifacts.py); the runner's, not a
+    #: submission's: sandbox_options() refuses it.
+    summary_artifact: bool = setting(
+        False,
+        title="Summary artifact",
+        description=(
+            "Also write the runner's summary of each flow run as an artifact: a table of its sandbox "
+            "nodes, one collection per flow (each run a version), and a failed task run's node table. "
+            "Off: the runner reports in the task runs' logs only, and the Artifacts page holds only "
+            "what the flow's own code made."
+        ),
+        block=Form(),
+        pool=Omitted(
+            "a flow run's own tasks do not go through the task runner's nodes: nothing to summarise"
+        ),
+        cli=Omitted("prefect-resoluto run runs one command, not a flow run: nothing to summarise"),
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(SandboxSettings):
             s = declaration(f.name)

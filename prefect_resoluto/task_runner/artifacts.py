@@ -1,8 +1,13 @@
-"""The runner's own artifacts, kept few so a user's own stand out: one keyed table per flow
-run, a row per sandbox node, written once when the runner leaves the flow run (one card on
-the Artifacts page, one version); and, for a *failed* attempt only, an unkeyed table on its
-task run with the node's details (a successful attempt's details are in its DEBUG lines and
-the node's events, ``prefect-resoluto events``).
+"""The runner's own artifacts, opt-in (``summary_artifact``; issue 41): by default a Prefect
+user's Artifacts page and a run's Artifacts tab hold only what their own code made, and the
+runner reports in the task runs' logs (task_node.runner_line).
+
+When on: one table per flow run, a row per sandbox node, written once when the runner leaves
+the flow run, under one key per *flow* (:func:`flow_key`: each run adds a version of one
+collection, not a collection); and, for a task run that did not complete, its last node's
+table on the task run (unkeyed). A task run that completed, even after failed attempts,
+carries none: its attempts are rows of the flow run's table and lines of its logs. Cells
+are short (a 1400 px page shows the table whole): long text is cut, whole in the logs.
 
 Written from the runner's background thread (``background.py``) and at its exit, off the
 task's critical path; everything here is best effort and never fails a task.
@@ -10,6 +15,7 @@ task's critical path; everything here is best effort and never fails a task.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -22,26 +28,30 @@ from prefect_resoluto.task_runner.markup import inert
 
 log = logging.getLogger("prefect_resoluto")
 
-#: Longest exception text kept in a table cell (the sandbox wrote it: bounded, one line).
-ERROR_CELL = 300
+#: Most characters a cell shows (as rendered): the rest is in the task run's logs.
+CELL = 60
+#: The flow run table's columns, short ones first; the runtime is the description's.
+COLUMNS = ("task run", "attempt", "outcome", "seconds", "sandbox", "error")
 #: Most bytes of error.json read for the cell (read_outcome has already read it within the
 #: node's allowance; this only needs its first fields).
 ERROR_FILE_LIMIT = 16 * 1024 * 1024
+_SLUG = 40
 
 
-def flow_run_key(flow_run_name: str, flow_run_id: str) -> str:
-    """The flow run's artifact key (lowercase letters, digits, dashes):
-    ``resoluto-<flow run name>-<last 8 of its id>``; the id's tail tells apart two runs
-    that drew the same name."""
-    slug = re.sub(r"[^a-z0-9]+", "-", flow_run_name.lower()).strip("-")[:40].strip("-") or "flow-run"
-    short = re.sub(r"[^a-z0-9]", "", flow_run_id.lower())[-8:] or "run"
-    return f"resoluto-{slug}-{short}"
+def flow_key(flow_name: str) -> str:
+    """The flow's summary key, the same for every run of it (Prefect's key rules: lowercase
+    letters, digits, dashes): ``resoluto-<flow name>``; a name that is no key as written
+    gets a short hash of itself too, so two flows whose names read alike stay apart."""
+    slug = re.sub(r"[^a-z0-9]+", "-", flow_name.lower()).strip("-")[:_SLUG].strip("-") or "flow"
+    if slug == flow_name:
+        return f"resoluto-{slug}"
+    return f"resoluto-{slug}-{hashlib.sha256(flow_name.encode()).hexdigest()[:6]}"
 
 
 def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
     """``ValueError: bad input`` for a failed workload (from the sandbox's error record),
-    else the node's reason. One line, bounded and inert markdown (:func:`_cell`): the
-    sandbox wrote it."""
+    else the node's reason. One short line of inert markdown (:func:`cell`): the sandbox
+    wrote it."""
     if o.ok:
         return ""
     text = o.reason
@@ -52,18 +62,29 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
         if e is not None:
             kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
             text = f"{kind}: {message}" if message else kind
-    return _cell(text)
+    return cell(text)
 
 
-def _cell(text: str) -> str:
-    """A sandbox's text as a cell (and in a description): one line, bounded, and inert in
-    the markdown the UI renders it as (:mod:`.markup`: a link or an image in it stays text)."""
+def cell(text: str) -> str:
+    """Text as a cell (and in a description): one line of at most :data:`CELL` characters,
+    cut before it is made inert (:mod:`.markup`: a link or an image in it stays text), so
+    an escape is never cut in half."""
     line = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", text).split())
-    return inert(line if len(line) <= ERROR_CELL else line[: ERROR_CELL - 1] + "…")
+    return inert(line) if len(line) <= CELL else inert(line[: CELL - 1]) + "…"
 
 
-def _status(o: NodeOutcome) -> str:
-    return "success" if o.ok else f"failure ({o.failure})" if o.failure else "failure"
+def _short(text: str) -> str:
+    """The host's own text (a task run's name) cut to a cell."""
+    return text if len(text) <= CELL else text[: CELL - 1] + "…"
+
+
+def outcome(o: NodeOutcome) -> str:
+    """``succeeded``, ``failed (workload)``, ``infrastructure failure (lost)``."""
+    if o.ok:
+        return "succeeded"
+    if o.failure is None:
+        return "failed"
+    return f"infrastructure failure ({o.failure})" if o.infrastructure_failure else f"failed ({o.failure})"
 
 
 def _seconds(o: NodeOutcome) -> str:
@@ -78,41 +99,40 @@ class NodeTable:
     key: str
     flow_run_name: str
     rows: list[dict[str, str]] = field(default_factory=list)
+    runtimes: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _version: int = 0
     _published: int = 0
 
-    def add(self, o: NodeOutcome, task_run_name: str, attempt: int, error: str, sandbox: str = "") -> None:
+    def add(self, o: NodeOutcome, task_run_name: str, attempt: int, error: str) -> None:
+        row = (
+            _short(task_run_name),
+            str(attempt),
+            outcome(o),
+            _seconds(o),
+            "warm" if o.warm else "cold",  # how and why: the task run's "ran in a ..." line
+            error,
+        )
         with self._lock:
-            self.rows.append(
-                {
-                    "task run": task_run_name,
-                    "attempt": str(attempt),
-                    "status": _status(o),
-                    "error": error,
-                    # Short columns first, so the page shows them; the node's id, conduit
-                    # and isolation are in a failed attempt's own table and in its events.
-                    "runtime": o.runtime,
-                    "warm": "yes" if o.warm else "no",
-                    "seconds": _seconds(o),
-                    # How the node got its sandbox (warm or cold, why, the wait): the one
-                    # place a successful node's details are kept in the API.
-                    "sandbox": sandbox,
-                }
-            )
+            self.rows.append(dict(zip(COLUMNS, row, strict=True)))
+            self.runtimes.add(o.runtime)
             self._version += 1
 
     def description(self) -> str:
-        failed = [r for r in self.rows if r["status"] != "success"]
-        # The error cell is inert markdown already (_cell): its ": " is escaped.
+        failed = [r for r in self.rows if r["outcome"] != "succeeded"]
+        # The error cell is inert markdown already (cell()): its ": " is escaped.
         kinds = sorted({r["error"].split("\\:", 1)[0] for r in failed if r["error"]})
         told = f", {len(failed)} failed" + (f" ({', '.join(kinds)})" if kinds else "") if failed else ""
-        # The Artifacts page's card shows the first ~40 characters: the counts first.
-        return f"{len(self.rows)} sandbox node(s), {len(self.rows) - len(failed)} succeeded{told}"
+        # The Artifacts page's card shows the first ~40 characters: the counts first; each
+        # version names its flow run (the flow's runs share the key).
+        where = ", ".join(sorted(self.runtimes))
+        return (
+            f"{len(self.rows)} sandbox node{'s' if len(self.rows) != 1 else ''}, "
+            f"{len(self.rows) - len(failed)} succeeded{told}; {where}; flow run {_short(self.flow_run_name)}"
+        )
 
     def publish(self) -> None:
-        """Publish the table as it is now, unless this version is already in the API: nodes
-        finishing together cost one request, not one each."""
+        """Publish the table as it is now, unless this version is already in the API."""
         with self._lock:
             if self._published == self._version:
                 return
@@ -137,10 +157,11 @@ class NodeTable:
 def node_rows(
     o: NodeOutcome, task_run_name: str, attempt: int, error: str, sandbox: str = ""
 ) -> list[dict[str, str]]:
+    """A failed node's details, a row each (the table a task run that did not complete keeps)."""
     rows = [
-        {"field": "task run", "value": task_run_name},
+        {"field": "task run", "value": _short(task_run_name)},
         {"field": "attempt", "value": str(attempt)},
-        {"field": "status", "value": _status(o)},
+        {"field": "outcome", "value": outcome(o)},
     ]
     if error:
         rows.append({"field": "error", "value": error})
@@ -148,48 +169,35 @@ def node_rows(
         {"field": "sandbox node", "value": o.node_id},
         {"field": "runtime", "value": o.runtime},
         {"field": "isolation", "value": o.isolation},
-        {"field": "warm sandbox", "value": "yes" if o.warm else "no"},
         # How the node got its sandbox (warm or cold, and why), in the runner's words.
-        *([{"field": "sandbox", "value": sandbox}] if sandbox else []),
+        *([{"field": "sandbox", "value": cell(sandbox)}] if sandbox else []),
         {"field": "exit code", "value": str(o.exit_code)},
         {"field": "seconds", "value": _seconds(o)},
         {"field": "sandbox id", "value": o.sandbox_id},
+        # Where to look further (`prefect-resoluto events`): the host's own words, whole.
         {"field": "conduit", "value": o.conduit_url},
         {"field": "node prefix", "value": o.conduit_prefix},
     ]
-    for rel, path in sorted(o.output_files.items()):
-        if rel.startswith(".resoluto/"):
-            continue
-        rows.append({"field": f"output {inert(rel)}", "value": inert(str(path))})  # the sandbox named it
+    declared = [rel for rel in o.output_files if not rel.startswith(".resoluto/")]
+    if declared:
+        rows.append({"field": "output files", "value": f"{len(declared)} in {o.output_dir}"})
     return rows
 
 
-def publish_node_artifact(
-    o: NodeOutcome,
-    task_run_name: str,
-    attempt: int = 1,
-    redactor: Redactor | None = None,
-    table: NodeTable | None = None,
-    sandbox: str = "",
+def publish_node_table(
+    o: NodeOutcome, task_run_name: str, attempt: int, error: str, sandbox: str = ""
 ) -> None:
-    """The node's row in the flow run's table and, for a failed attempt, its own table on its
-    task run (unkeyed). ``sandbox``: how the node got its sandbox (warm or cold, and why),
-    the runner's words."""
+    """A failed node's own table, on its task run (unkeyed): the task run did not complete."""
     try:
         from prefect.artifacts import create_table_artifact
 
-        error = error_summary(o, redactor)
-        if table is not None:
-            table.add(o, task_run_name, attempt, error, sandbox)
-        if o.ok:
-            return
-        how = f"{_status(o)}" + (f": {error}" if error else "")
-        description = f"{task_run_name}, attempt {attempt}: {how}; {o.runtime}, {_seconds(o)} s"
+        how = outcome(o) + (f": {error}" if error else "")
+        description = f"{_short(task_run_name)}: {how}; attempt {attempt}, {o.runtime}, {_seconds(o)} s"
         create_table_artifact(
             table=node_rows(o, task_run_name, attempt, error, sandbox), description=description, _sync=True
         )  # type: ignore[call-arg]
     except Exception as e:  # an artifact is a convenience; never fail the task over it
-        log.debug("could not publish the node's artifacts: %s", e)
+        log.debug("could not publish the node's table: %s", e)
 
 
 def publish_tables(tables: list[NodeTable]) -> None:

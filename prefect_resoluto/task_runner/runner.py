@@ -71,6 +71,8 @@ def sandbox_options(**options: Any) -> Iterator[None]:
     """
     probe = SandboxConfig()
     probe.replace(**options)  # unknown or invalid options fail here, at the call site
+    if "summary_artifact" in options:  # one table per flow run: no task's to change
+        raise TypeError("sandbox_options() got 'summary_artifact': it is the runner's setting, not a task's")
     token = _overrides.set({**(_overrides.get() or {}), **options})
     try:
         yield
@@ -203,7 +205,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             pacer.start()
             stack.callback(pacer.stop)
             queue = Background("resoluto-artifacts")
-            artifacts = self._artifacts = NodeArtifacts(queue)
+            artifacts = self._artifacts = NodeArtifacts(queue, summary=config.summary_artifact)
             # After the queue below is drained: every node's row is in its table by then.
             stack.callback(artifacts.publish_tables)
             stack.enter_context(_Draining(queue))
@@ -294,7 +296,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
     def _task_done(self, future: PrefectFuture[Any]) -> None:
         if self._artifacts is not None:
-            self._artifacts.task_done(str(future.task_run_id))
+            self._artifacts.task_done(str(future.task_run_id), completed=_completed(future))
 
     def _wrap(self, task: Task[Any, Any], overrides: dict[str, Any]) -> Callable[..., Any]:
         fn = task.fn
@@ -409,6 +411,18 @@ def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
 
 def default_max_workers() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
+
+
+def _completed(future: PrefectFuture[Any]) -> bool:
+    """Whether a done future's task run completed: its final state, as the engine returned it
+    to the thread pool (no API read: the server records states asynchronously)."""
+    from prefect.client.schemas.objects import State
+
+    try:
+        final = future.wrapped_future.result(timeout=0)  # type: ignore[attr-defined]
+    except BaseException:  # cancelled, or no state to read: not completed
+        return False
+    return isinstance(final, State) and final.is_completed()
 
 
 def _drop_plumbing(e: BaseException) -> None:

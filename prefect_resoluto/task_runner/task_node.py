@@ -122,7 +122,7 @@ class TaskNodes:
             f"sandbox node {node_id} on {self.runtime.name} "
             f"({self.runtime.isolation.label} isolation), conduit {self.conduit.url}; {how}",
         )
-        observer = TaskRunObserver(self.sandboxes, forward, request.line_sink, request.cancel)
+        observer = TaskRunObserver(self.sandboxes, forward, request.line_sink, request.cancel, how)
         try:
             outcome = drive(spec, self.conduit, self.runtime, observer, warm=warm)
         finally:
@@ -196,6 +196,8 @@ class TaskRunObserver(NodeObserver):
     forward: EventLogForwarder
     line_sink: Callable[[str], None] | None
     cancel: threading.Event | None
+    #: How the node got its sandbox (warm_pool.take_for's words), for its summary line.
+    how: str = ""
     output: WorkloadOutput = field(default_factory=WorkloadOutput)
     sandboxes: list[SandboxHandle] = field(default_factory=list)
     reaping: set[str] = field(default_factory=set)
@@ -225,11 +227,11 @@ class TaskRunObserver(NodeObserver):
         return packed if packed is not None else super().pack_workspace(root, skip)
 
     def finished(self, outcome: NodeOutcome) -> None:
-        # One short line per node at INFO (a failure is told by the task's exception, as
-        # on threads); the details at DEBUG, in the artifact and in the node's events.
+        # One line per node at INFO, what the runner reports by default (its artifacts are
+        # opt-in): the details at DEBUG and in the node's events.
         self.forward.report_dropped()
         self.forward.emit(logging.DEBUG, _summary(outcome), held=False)
-        self.forward.emit(logging.INFO, runner_line(outcome), held=False)
+        self.forward.emit(logging.INFO, runner_line(outcome, self.how), held=False)
 
     def release(self) -> None:
         """The node is over: its sandboxes are no longer live (unless the reaper holds one)."""
@@ -241,16 +243,21 @@ class TaskRunObserver(NodeObserver):
 _RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}
 
 
-def runner_line(o: NodeOutcome) -> str:
-    """The one line a node adds to its task run's logs at INFO."""
+def runner_line(o: NodeOutcome, how: str = "") -> str:
+    """The one line a node adds to its task run's logs at INFO: the runtime, the sandbox
+    (warm or cold, and why: ``how``, warm_pool.take_for's words), the seconds, the outcome.
+    ``ran in a warm gVisor sandbox rsl-1 (waited 0.2 ms for it; ...) in 0.3 s: succeeded``."""
+    from prefect_resoluto.task_runner.artifacts import outcome
+
     took = o.timings.get("finish")
     kind = "warm" if o.warm else "cold"
     line = f"ran in a {kind} {_RUNTIME_NAMES.get(o.runtime, o.runtime)} sandbox"
+    prefix = f"{kind} sandbox "
+    if how.startswith(prefix):  # the words after "warm sandbox " / "cold sandbox "
+        line += f" {how[len(prefix) :]}"
     if took is not None:
         line += f" in {took:.1f} s"
-    if o.infrastructure_failure:
-        line += f" (infrastructure failure: {o.failure})"
-    return line
+    return f"{line}: {outcome(o)}"
 
 
 def _summary(o: NodeOutcome) -> str:

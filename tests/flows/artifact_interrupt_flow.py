@@ -24,7 +24,7 @@ from prefect_resoluto.task_runner import node_artifacts as trm
 MODE = sys.argv[1]
 interrupted = threading.Event()
 publishing = threading.Event()
-_publish = trm._publish_artifact
+_publish = trm.publish_node_table
 
 
 def held_publish(*args: Any, **kwargs: Any) -> None:
@@ -40,7 +40,7 @@ def on_sigint(signum: int, frame: Any) -> None:
     signal.default_int_handler(signum, frame)
 
 
-trm._publish_artifact = held_publish
+trm.publish_node_table = held_publish
 
 
 @flow(
@@ -48,12 +48,13 @@ trm._publish_artifact = held_publish
         runtime="process",
         min_isolation="none",
         warm_pool=0,
+        summary_artifact=True,  # the runner's artifacts are opt-in
         conduit=os.environ["RESOLUTO_TEST_CONDUIT"],
         workspace=Path(__file__).parent,
     )
 )
 def interrupted_with_a_pending_artifact() -> None:
-    fut = sf.fail_with.submit("on purpose")  # a failed attempt: its own table on its task run
+    fut = sf.fail_with.submit("on purpose")  # a failed task run: its node's table on it
     fut.wait()
     assert fut.state.is_failed()
     publishing.wait()
