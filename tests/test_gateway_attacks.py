@@ -250,6 +250,45 @@ def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # no
         assert r.status_code == 200 and [fr["id"] for fr in r.json()] == [str(own.id)], r.text
 
 
+class _NoApi:
+    """The rules' API when the ids named are all the run's already: never asked."""
+
+    async def upstream_get(self, rel: str) -> tuple[int, Any]:
+        raise AssertionError(f"asked the API for {rel}")
+
+    async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]:
+        raise AssertionError(f"asked the API for {rel}")
+
+
+def test_a_listing_the_gateway_builds_asks_for_no_more_rows_than_can_match() -> None:
+    """Issue 39: the limit a run sends is its own, the one forwarded the gateway's: a listing
+    by ids asks for at most one row per id named, whatever limit the run sent (a huge one,
+    none); by parent task runs at most Prefect's own page (the engine asks for one)."""
+    import asyncio
+
+    from prefect_resoluto.worker.bodies import MAX_LISTED, Rebuilt
+    from prefect_resoluto.worker.rules import RunRules
+
+    own = [str(uuid.uuid4()) for _ in range(3)]
+    parents = [str(uuid.uuid4()) for _ in range(2)]
+    rules = RunRules(flow_run_id=own[0], flow_runs=set(own), task_runs=set(parents))
+
+    def forwarded(body: dict[str, Any]) -> Any:
+        verdict = asyncio.run(rules.check_http("POST", "/flow_runs/filter", {}, body, _NoApi()))
+        assert isinstance(verdict, Rebuilt), verdict
+        return verdict.body["limit"]
+
+    by_id = {"flow_runs": {"id": {"any_": own}}}
+    assert forwarded({**by_id, "limit": 1_000_000}) == 3
+    assert forwarded(by_id) == 3
+    assert forwarded({**by_id, "limit": 2}) == 2
+    assert forwarded({"flow_runs": {"id": {"any_": own[:1]}}, "limit": 200, "offset": 0}) == 1
+    by_parent = {"flow_runs": {"parent_task_run_id": {"any_": parents}}}
+    assert forwarded({**by_parent, "limit": 1, "sort": "EXPECTED_START_TIME_DESC"}) == 1  # the engine's
+    assert forwarded(by_parent) == MAX_LISTED
+    assert forwarded({**by_parent, "limit": 1_000_000}) == MAX_LISTED
+
+
 @pytest.mark.prefect
 def test_a_sub_flow_is_pending_in_no_pool_and_only_a_201_is_claimed(server):  # noqa: F811
     """Finding 4 and the sub-flow's body: the run's own sub-flow is created from the body the
