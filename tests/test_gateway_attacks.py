@@ -817,8 +817,8 @@ def test_a_run_holding_its_whole_budget_for_answers_holds_up_no_other_run(server
     and holds it. Its answer over the budget is refused (507), its own small read waits
     for the budget it holds and is refused (503), both naming the setting. Meanwhile another
     run of the pool on the same worker does ordinary engine work (tasks, a sub-flow) and
-    completes without one answer refused: its budget is its own. Then the hoarder lets go
-    and its read passes."""
+    completes without one answer refused: its budget is its own. Only then does the hoarder
+    let go, and its read passes."""
     from prefect.variables import Variable
     from test_worker import schedule
 
@@ -841,10 +841,10 @@ def test_a_run_holding_its_whole_budget_for_answers_holds_up_no_other_run(server
 
         logs = wait_for(holding, timeout=240, what="the hoarder holding its budget")
         assert not _final(hoarder.id), (logs, worker.output()[-4000:])
-        holding = next(m for m in logs if m.startswith("HOLDING "))
-        length = re.search(r"content-length: (\d+)", holding.lower())
-        assert holding.startswith("HOLDING HTTP/1.1 200 ") and length, holding
-        assert budget - 2048 < int(length.group(1)) <= budget, holding  # all of it but ~1 KiB
+        head = next(m for m in logs if m.startswith("HOLDING "))
+        length = re.search(r"content-length: (\d+)", head.lower())
+        assert head.startswith("HOLDING HTTP/1.1 200 ") and length, head
+        assert budget - 2048 < int(length.group(1)) <= budget, head  # all of it but ~1 KiB
         over = next(m for m in logs if m.startswith("OVER "))
         assert over.startswith("OVER 507 ") and "RESOLUTO_GATEWAY_RUN_BUDGET" in over, over
         other = schedule(deploy(pool, "gateway_flows.py:neighbour", conduit, **PROCESS), n=3)

@@ -392,8 +392,8 @@ def budget_hoarder(budget: int, margin: int, release: str) -> None:
     """Issue 39: one run holding its whole budget for answers in flight. It lists its own
     sub-flow runs, made so that the listing's answer is ``budget - margin`` bytes, and never
     reads the answer (``HOLDING <head>``); then asks for more than its budget (``OVER <status>
-    <detail>``). Once the variable ``release`` is ``check``, a small read of its own waits
-    for the budget it holds (``WAITED <status> <detail>``); it lets go of the answer and the
+    <detail>``), and a small read of its own waits for the budget it holds (``WAITED <status>
+    <detail>``). Once the variable ``release`` is ``check`` it lets go of the answer, and the
     same read passes (``AFTER <status>``)."""
     import httpx
     from prefect.client.orchestration import get_client
@@ -442,11 +442,12 @@ def budget_hoarder(budget: int, margin: int, release: str) -> None:
         r = http.post("/flow_runs/filter", json=listing([*made, probe]))
         log.info("OVER %s %s", r.status_code, r.text[:400])
         _flush_logs()
+        r = http.get(f"/flow_runs/{probe}")
+        log.info("WAITED %s %s", r.status_code, r.text[:400])
+        _flush_logs()
         deadline = time.monotonic() + 300
         while Variable.get(release) != "check" and time.monotonic() < deadline:
             time.sleep(0.2)
-        r = http.get(f"/flow_runs/{probe}")
-        log.info("WAITED %s %s", r.status_code, r.text[:400])
         held.close()
         log.info("AFTER %s", _retried(lambda: http.get(f"/flow_runs/{probe}")).status_code)
     _flush_logs()
