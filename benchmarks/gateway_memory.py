@@ -183,6 +183,7 @@ def run(runs: list[int], before_runs: list[int], repo: Path = ROOT) -> list[dict
         with prefect_server(work, auth_string="resoluto-admin:" + secrets.token_hex(16)):
             plan = [("bounded", n, str(ROOT)) for n in runs]
             plan += [("before", n, f"{old}{os.pathsep}{ROOT}") for n in before_runs]
+            plan.sort(key=lambda p: p[1])  # one run of each first: the figure side by side
             for variant, n, pythonpath in plan:
                 d = work / f"{variant}-{n}"
                 d.mkdir()

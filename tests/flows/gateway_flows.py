@@ -286,8 +286,9 @@ def planter(
 
 
 def _retried(send: Any) -> Any:
-    """As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried."""
-    for delay in (0.5, 1, 2, 4, 8, 0):
+    """As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried
+    (longer than the client: several runs writing MBs at once keep SQLite busy longer)."""
+    for delay in (0.5, 1, 2, 4, 8, 8, 8, 8, 8, 0):
         r = send()
         if r.status_code not in (429, 502, 503) or not delay:
             return r
