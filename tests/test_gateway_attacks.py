@@ -33,6 +33,7 @@ from test_api_gateway import (  # noqa: F401 - the module's server and worker, a
 from test_worker import create_pool, deploy, final_run, run_logs, running_worker
 
 from prefect_resoluto.worker import gateway as api_gateway
+from prefect_resoluto.worker import relay_limits
 
 PROCESS = {"runtime": "process", "min_isolation": "none"}
 
@@ -248,6 +249,45 @@ def test_listings_are_the_gateways_own_and_name_only_the_runs_ids(server):  # no
             json={"flow_runs": {"id": {"any_": [str(own.id)]}}, "offset": 0},
         )
         assert r.status_code == 200 and [fr["id"] for fr in r.json()] == [str(own.id)], r.text
+
+
+class _NoApi:
+    """The rules' API when the ids named are all the run's already: never asked."""
+
+    async def upstream_get(self, rel: str) -> tuple[int, Any]:
+        raise AssertionError(f"asked the API for {rel}")
+
+    async def upstream_post(self, rel: str, body: Any) -> tuple[int, Any]:
+        raise AssertionError(f"asked the API for {rel}")
+
+
+def test_a_listing_the_gateway_builds_asks_for_no_more_rows_than_can_match() -> None:
+    """Issue 39: the limit a run sends is its own, the one forwarded the gateway's: a listing
+    by ids asks for at most one row per id named, whatever limit the run sent (a huge one,
+    none); by parent task runs at most Prefect's own page (the engine asks for one)."""
+    import asyncio
+
+    from prefect_resoluto.worker.bodies import MAX_LISTED, Rebuilt
+    from prefect_resoluto.worker.rules import RunRules
+
+    own = [str(uuid.uuid4()) for _ in range(3)]
+    parents = [str(uuid.uuid4()) for _ in range(2)]
+    rules = RunRules(flow_run_id=own[0], flow_runs=set(own), task_runs=set(parents))
+
+    def forwarded(body: dict[str, Any]) -> Any:
+        verdict = asyncio.run(rules.check_http("POST", "/flow_runs/filter", {}, body, _NoApi()))
+        assert isinstance(verdict, Rebuilt), verdict
+        return verdict.body["limit"]
+
+    by_id = {"flow_runs": {"id": {"any_": own}}}
+    assert forwarded({**by_id, "limit": 1_000_000}) == 3
+    assert forwarded(by_id) == 3
+    assert forwarded({**by_id, "limit": 2}) == 2
+    assert forwarded({"flow_runs": {"id": {"any_": own[:1]}}, "limit": 200, "offset": 0}) == 1
+    by_parent = {"flow_runs": {"parent_task_run_id": {"any_": parents}}}
+    assert forwarded({**by_parent, "limit": 1, "sort": "EXPECTED_START_TIME_DESC"}) == 1  # the engine's
+    assert forwarded(by_parent) == MAX_LISTED
+    assert forwarded({**by_parent, "limit": 1_000_000}) == MAX_LISTED
 
 
 @pytest.mark.prefect
@@ -768,3 +808,121 @@ def test_a_run_listing_its_big_sub_flows_at_once_leaves_the_workers_memory_flat(
     for answer in listed:
         assert answer.startswith("507 ") and "RESOLUTO_GATEWAY_MAX_ANSWER" in answer, listed
         assert f"{cap} bytes" in answer, answer
+
+
+@pytest.mark.prefect
+def test_a_run_holding_its_whole_budget_for_answers_holds_up_no_other_run(server, tmp_path):  # noqa: F811
+    """Issue 39: one run of the pool lists its own sub-flow runs (answer: its whole budget
+    for answers in flight but 1 KiB, set to 6 MiB here) on a socket it never reads from,
+    and holds it. Its answer over the budget is refused (507), its own small read waits
+    for the budget it holds and is refused (503), both naming the setting. Meanwhile another
+    run of the pool on the same worker does ordinary engine work (tasks, a sub-flow) and
+    completes without one answer refused: its budget is its own. Only then does the hoarder
+    let go, and its read passes."""
+    from prefect.variables import Variable
+    from test_worker import schedule
+
+    budget = 6 * MIB
+    pool = create_pool(cli=False)
+    release = f"release_{uuid.uuid4().hex[:6]}"
+    env = {"RESOLUTO_WARM_SNAPSHOTS": "0", "RESOLUTO_GATEWAY_RUN_BUDGET": str(budget)}
+    with running_worker(pool, tmp_path, **env) as worker:
+        conduit = tmp_path / "conduit"
+        hoarder = schedule(
+            deploy(pool, "gateway_flows.py:budget_hoarder", conduit, allowed_variables=[release], **PROCESS),
+            budget=budget,
+            margin=1024,
+            release=release,
+        )
+
+        def holding() -> list[str] | None:
+            got = run_logs(hoarder.id)
+            return got if any(m.startswith("OVER ") for m in got) or _final(hoarder.id) else None
+
+        logs = wait_for(holding, timeout=240, what="the hoarder holding its budget")
+        assert not _final(hoarder.id), (logs, worker.output()[-4000:])
+        head = next(m for m in logs if m.startswith("HOLDING "))
+        length = re.search(r"content-length: (\d+)", head.lower())
+        assert head.startswith("HOLDING HTTP/1.1 200 ") and length, head
+        assert budget - 2048 < int(length.group(1)) <= budget, head  # all of it but ~1 KiB
+        over = next(m for m in logs if m.startswith("OVER "))
+        assert over.startswith("OVER 507 ") and "RESOLUTO_GATEWAY_RUN_BUDGET" in over, over
+        other = schedule(deploy(pool, "gateway_flows.py:neighbour", conduit, **PROCESS), n=3)
+        done = final_run(other.id, worker)
+        assert not _final(hoarder.id), run_logs(hoarder.id)[-3:]  # still holding
+        Variable.set(release, "check")
+        hoarded = final_run(hoarder.id, worker)
+    assert done.state.is_completed(), (done.state, worker.output()[-6000:])
+    theirs = run_logs(other.id)
+    assert not [m for m in theirs if "answer-size" in m or "RESOLUTO_GATEWAY" in m], theirs
+    assert hoarded.state.is_completed(), (hoarded.state, worker.output()[-6000:])
+    logs = logs_with_all(hoarder.id, "WAITED ", "AFTER ")
+    waited = next(m for m in logs if m.startswith("WAITED "))
+    assert waited.startswith("WAITED 503 ") and "RESOLUTO_GATEWAY_RUN_BUDGET" in waited, waited
+    assert f"{budget} bytes" in waited, waited
+    assert next(m for m in logs if m.startswith("AFTER ")) == "AFTER 200", logs
+
+
+@pytest.mark.prefect
+def test_three_runs_listing_big_answers_at_once_stream_them_through_a_flat_worker(server, tmp_path):  # noqa: F811
+    """Finding 2 by every run of the pool at once, on answers the gateway relays: three runs
+    on one worker each make 16 sub-flow runs of ~1 MiB and list them all three times at
+    once. Each answer (~16 MiB) is over what the gateway reads whole (8 MiB) and under its
+    cap per answer (32 MiB): all nine reach their sandboxes whole and correct, streamed
+    through the worker, whose peak resident memory grows by less than one answer (read
+    whole, the nine would be ~144 MiB)."""
+    from prefect.variables import Variable
+    from test_worker import schedule
+
+    runs, count, at_once = 3, 16, 3
+    release = f"release_{uuid.uuid4().hex[:6]}"
+    worker = server.worker
+    dep = deploy(
+        worker.pool, "gateway_flows.py:hoarder", tmp_path / "conduit", allowed_variables=[release], **PROCESS
+    )
+    made = [
+        schedule(
+            dep,
+            count=count,
+            param_bytes=256 << 10,
+            context_bytes=768 << 10,
+            at_once=at_once,
+            ids_per_listing=count,
+            release=release,
+        )
+        for _ in range(runs)
+    ]
+    for run in made:
+        wait_for(
+            lambda: any(m.startswith(f"MADE {count}") for m in run_logs(run.id)) or _final(run.id),  # noqa: B023
+            timeout=300,
+            what="each run's sub-flow runs",
+        )
+        assert not _final(run.id), run_logs(run.id)[-3:]
+    pid = worker.proc.pid
+    before = _rss_kib(pid, "VmRSS")
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) from here on
+    Variable.set(release, "go")
+    done = [final_run(run.id, worker) for run in made]
+    peak = _rss_kib(pid, "VmHWM")
+    growth = (peak - before) / 1024
+    assert all(d.state.is_completed() for d in done), ([d.state for d in done], worker.output()[-6000:])
+    for run in made:
+        listed = wait_for(
+            lambda: (
+                len(got := [m[7:] for m in run_logs(run.id) if m.startswith("LISTED ")]) == at_once  # noqa: B023
+                and got
+            ),
+            timeout=60,
+            what="the listings' answers",
+        )
+        for answer in listed:
+            status, size, rows, whole = answer.split(" ", 3)
+            assert (status, rows, whole) == ("200", str(count), "whole"), answer
+            assert int(size) > 2 * relay_limits.MAX_READ - MIB, answer  # twice what it reads whole
+    answer_mib = int(size) / MIB
+    assert growth < answer_mib, (
+        f"the worker grew from {before / 1024:.0f} MiB by {growth:.0f} MiB relaying "
+        f"{runs * at_once} answers of {answer_mib:.0f} MiB at once"
+    )

@@ -50,6 +50,9 @@ MAX_DEPTH = 32
 MAX_CONTAINERS = 100_000
 #: Ids one request may name (a listing, a batch of logs): one upstream query answers them.
 MAX_IDS = 200
+#: Rows a listing by parent task runs may ask for: Prefect's own default page
+#: (PREFECT_API_DEFAULT_LIMIT); the engine asks for one (``load_subflow_run``).
+MAX_LISTED = 200
 #: Bytes of a body, per endpoint (the rest: ``DEFAULT_CAP``). Prefect's log batches are at
 #: most 3 MB (PREFECT_LOGGING_TO_API_BATCH_SIZE) and an artifact is the run's own markdown.
 BODY_CAPS = {("POST", "/logs"): 6 << 20, ("POST", "/artifacts"): 4 << 20, ("POST", "/flow_runs"): 2 << 20}
@@ -175,7 +178,11 @@ class FlowRunListing:
         runs: dict[str, Any] = {self.by: {"any_": ids}}
         if self.state:
             runs["state"] = {k: {"any_": v} for k, v in self.state.items()}
-        limit = min(self.limit or MAX_IDS, MAX_IDS)
+        # No more rows than can match: a listing by id has at most one per id (its answer is
+        # bounded by what the run names, not by the limit it sends), one by parents at most
+        # Prefect's own page.
+        most = len(ids) if self.by == "id" else MAX_LISTED
+        limit = min(self.limit or most, most)
         out: dict[str, Any] = {"flow_runs": runs, "limit": limit, "offset": self.offset}
         if self.sort:
             out["sort"] = self.sort

@@ -286,8 +286,9 @@ def planter(
 
 
 def _retried(send: Any) -> Any:
-    """As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried."""
-    for delay in (0.5, 1, 2, 4, 8, 0):
+    """As Prefect's client: a busy server's 503 (SQLite under a loaded suite) is retried
+    (longer than the client: several runs writing MBs at once keep SQLite busy longer)."""
+    for delay in (0.5, 1, 2, 4, 8, 8, 8, 8, 8, 0):
         r = send()
         if r.status_code not in (429, 502, 503) or not delay:
             return r
@@ -345,11 +346,118 @@ def hoarder(
                 r = _retried(lambda: http.post("/flow_runs/filter", json=listing))
             except httpx.HTTPError as e:
                 return f"error 0 {type(e).__name__}: {e}"
-            detail = r.text[:300] if r.status_code != 200 else str(len(r.json()))
-            return f"{r.status_code} {len(r.content)} {detail}"
+            if r.status_code != 200:
+                return f"{r.status_code} {len(r.content)} {r.text[:300]}"
+            rows = r.json()  # delivered whole and correct: every run named, every byte of it
+            whole = sorted(row["id"] for row in rows) == sorted(listing["flow_runs"]["id"]["any_"]) and all(
+                row["parameters"] == {"p": "x" * param_bytes} and row["context"] == {"c": "y" * context_bytes}
+                for row in rows
+            )
+            return f"200 {len(r.content)} {len(rows)} {'whole' if whole else 'WRONG'}"
 
         with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
             answers = list(pool.map(ask, range(at_once)))
     for a in answers:
         get_run_logger().info("LISTED %s", a)
     _flush_logs()
+
+
+def _raw_hold(api: str, token: str, path: str, body: Any) -> tuple[Any, str]:
+    """A request whose answer is never read, as a hoarder sends it: a socket whose receive
+    buffer is as small as the kernel allows, the answer's head read and nothing more."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(api)
+    raw = json.dumps(body).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.connect((url.hostname, url.port))
+    auth = base64.b64encode(token.encode()).decode()
+    s.sendall(
+        f"POST {url.path}{path} HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Basic {auth}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        got = s.recv(1)
+        if not got:
+            break
+        head += got
+    return s, head.split(b"\r\n\r\n")[0].decode(errors="replace")
+
+
+@flow
+def budget_hoarder(budget: int, margin: int, release: str) -> None:
+    """Issue 39: one run holding its whole budget for answers in flight. It lists its own
+    sub-flow runs, made so that the listing's answer is ``budget - margin`` bytes, and never
+    reads the answer (``HOLDING <head>``); then asks for more than its budget (``OVER <status>
+    <detail>``), and a small read of its own waits for the budget it holds (``WAITED <status>
+    <detail>``). Once the variable ``release`` is ``check`` it lets go of the answer, and the
+    same read passes (``AFTER <status>``)."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.variables import Variable
+
+    log = get_run_logger()
+    ctx = FlowRunContext.get()
+    assert ctx is not None and ctx.flow_run is not None
+    with get_client(sync_client=True) as c:
+        parent = c.create_task_run(task=own_task, flow_run_id=ctx.flow_run.id, dynamic_key="hold")
+    api = os.environ["PREFECT_API_URL"]
+    token = os.environ["PREFECT_API_AUTH_STRING"]
+    headers = {"Authorization": "Basic " + base64.b64encode(token.encode()).decode()}
+    chunk = 3 << 19  # 1.5 MiB of context a run: under the gateway's 2 MiB body cap
+    with httpx.Client(base_url=api, headers=headers, timeout=120) as http:
+
+        def make(name: str, size: int) -> str:
+            body = {
+                "flow_id": str(ctx.flow_run.flow_id),
+                "parent_task_run_id": str(parent.id),
+                "name": name,
+                "context": {"c": "y" * size},  # parameters are at most 512 KiB (Prefect's own bound)
+                "state": {"type": "PENDING", "name": "Pending"},
+            }
+            r = _retried(lambda: http.post("/flow_runs/", json=body))
+            assert r.status_code == 201, (r.status_code, r.text[:300])
+            return str(r.json()["id"])
+
+        def listing(ids: list[str]) -> dict[str, Any]:
+            return {"flow_runs": {"id": {"any_": ids}}, "limit": len(ids)}
+
+        probe = make("hold-probe", 1000)
+        r = _retried(lambda: http.get(f"/flow_runs/{probe}"))
+        assert r.status_code == 200, r.text[:300]
+        per_run = len(r.content) - 1000  # a run's answer besides its context
+        made = [make(f"hold-{i}", chunk) for i in range(-(-(budget - margin) // chunk) - 1)]
+        r = _retried(lambda: http.post("/flow_runs/filter", json=listing(made)))
+        assert r.status_code == 200, r.text[:300]
+        # The last run tops the listing up to budget - margin: a comma, its overhead, the rest.
+        last = budget - margin - len(r.content) - 1 - per_run
+        assert 0 < last <= chunk, (budget, len(r.content), per_run)
+        made.append(make("hold-last", last))
+        held, head = _raw_hold(api, token, "/flow_runs/filter", listing(made))
+        log.info("HOLDING %s", " ".join(head.splitlines()))
+        r = http.post("/flow_runs/filter", json=listing([*made, probe]))
+        log.info("OVER %s %s", r.status_code, r.text[:400])
+        _flush_logs()
+        r = http.get(f"/flow_runs/{probe}")
+        log.info("WAITED %s %s", r.status_code, r.text[:400])
+        _flush_logs()
+        deadline = time.monotonic() + 300
+        while Variable.get(release) != "check" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held.close()
+        log.info("AFTER %s", _retried(lambda: http.get(f"/flow_runs/{probe}")).status_code)
+    _flush_logs()
+
+
+@flow
+def neighbour(n: int) -> int:
+    """Ordinary engine work beside a hoarding run: tasks, a sub-flow, logs, a result."""
+    total = sum(f.result() for f in [add.submit(i, 1) for i in range(n)])
+    total = child(total)
+    get_run_logger().info("NEIGHBOUR %d", total)
+    return total
