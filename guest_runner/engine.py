@@ -18,7 +18,7 @@ import importlib
 import runpy
 import sys
 import types
-from importlib.machinery import ModuleSpec, PathFinder
+from importlib.machinery import ModuleSpec
 from typing import Any, Optional
 
 from guest_runner import prefect_api
@@ -106,17 +106,7 @@ class _AfterImport:
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> "Optional[ModuleSpec]":
         if fullname != _CLIENT_BASE or _patched:
             return None
-        spec = PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module: types.ModuleType) -> None:
-            exec_module(module)
-            _patch_once(module)
-
-        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+        return prefect_api.patched_on_load(fullname, path, _patch_once)
 
 
 def _patch_once(module: types.ModuleType) -> None:

@@ -322,10 +322,10 @@ def patch_loaded() -> None:
             fn(module)
 
 
-def find_spec(fullname: str, path: Any) -> "Optional[ModuleSpec]":
-    """The spec of a module of :data:`_PATCHES` whose loading patches it; None for others."""
-    if fullname not in _PATCHES or fullname in _patched or fullname in sys.modules:
-        return None
+def patched_on_load(
+    fullname: str, path: Any, patch: "Callable[[types.ModuleType], None]"
+) -> "Optional[ModuleSpec]":
+    """The spec of ``fullname`` whose loading runs ``patch`` on the module right after it."""
     spec = PathFinder.find_spec(fullname, path)
     if spec is None or spec.loader is None:
         return None
@@ -333,12 +333,23 @@ def find_spec(fullname: str, path: Any) -> "Optional[ModuleSpec]":
 
     def exec_and_patch(module: types.ModuleType) -> None:
         exec_module(module)
+        patch(module)
+
+    spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+    return spec
+
+
+def find_spec(fullname: str, path: Any) -> "Optional[ModuleSpec]":
+    """The spec of a module of :data:`_PATCHES` whose loading patches it; None for others."""
+    if fullname not in _PATCHES or fullname in _patched or fullname in sys.modules:
+        return None
+
+    def once(module: types.ModuleType) -> None:
         if fullname not in _patched:
             _patched.add(fullname)
             _PATCHES[fullname](module)
 
-    spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-    return spec
+    return patched_on_load(fullname, path, once)
 
 
 class _AfterImport:
