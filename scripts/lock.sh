@@ -2,6 +2,8 @@
 # Refreshes the locks that scripts/setup.sh installs from:
 #   constraints/dev.txt  the project venv (.venv): `.[dev]` and everything it pulls in
 #   constraints/ref.txt  the reference implementation's venv (.venv-ref)
+#   constraints/prefect-oldest.txt  the oldest Prefect minor pyproject.toml claims (.venv-oldest,
+#                        scripts/prefect-range.sh), with the pins of its own dependencies it needs
 # Each is resolved afresh, with pyproject.toml's ranges and no lock, into a throwaway venv made
 # by the same interpreter and pip that setup.sh uses, then frozen to exact versions. Review
 # the diff, run the suite (`bash scripts/setup.sh && .venv/bin/python -m pytest`), commit both.
@@ -24,6 +26,14 @@ write_lock() {  # write_lock <venv> <file> <what it locks>
 "${PYTHON:-python3}" -m venv "$tmp/dev"
 "$tmp/dev/bin/python" -m pip install "${pip_q[@]}" -e '.[dev]'
 write_lock "$tmp/dev" constraints/dev.txt "the project venv, \`pip install -c constraints/dev.txt -e '.[dev]'\`"
+
+# The floor of pyproject.toml's prefect range, and what that Prefect needs pinned to run: FastAPI
+# 0.137 rewrote its routing (every request to Prefect 3.6's server fails: `'PrefectRouter' object has
+# no attribute 'routes'`), and Prefect 3.6 imports importlib_metadata without requiring it.
+"${PYTHON:-python3}" -m venv "$tmp/oldest"
+"$tmp/oldest/bin/python" -m pip install "${pip_q[@]}" -e '.[dev]' 'prefect==3.6.*' 'fastapi<0.137' importlib-metadata
+write_lock "$tmp/oldest" constraints/prefect-oldest.txt \
+  "the oldest Prefect minor claimed, \`pip install -c constraints/prefect-oldest.txt -e '.[dev]'\`"
 
 ref_py=$(bash scripts/find-python312.sh)
 if [ -z "$ref_py" ]; then

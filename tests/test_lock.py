@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV_LOCK = ROOT / "constraints" / "dev.txt"
 REF_LOCK = ROOT / "constraints" / "ref.txt"
+OLDEST_LOCK = ROOT / "constraints" / "prefect-oldest.txt"
 REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 
 
@@ -56,16 +58,32 @@ def project_requirements() -> list[Requirement]:
     return reqs
 
 
-def test_every_project_requirement_is_pinned_inside_its_range() -> None:
-    pins = read_lock(DEV_LOCK)
+@pytest.mark.parametrize("lock", [DEV_LOCK, OLDEST_LOCK], ids=lambda p: p.name)
+def test_every_project_requirement_is_pinned_inside_its_range(lock: Path) -> None:
+    pins = read_lock(lock)
     problems = []
     for req in project_requirements():
         pin = pins.get(canonicalize_name(req.name))
         if pin is None:
-            problems.append(f"{req}: no pin in {DEV_LOCK.name}")
+            problems.append(f"{req}: no pin in {lock.name}")
         elif not req.specifier.contains(pin, prereleases=True):
             problems.append(f"{req}: the lock pins {pin}, outside the range")
     assert not problems, "refresh the lock with `bash scripts/lock.sh`:\n" + "\n".join(problems)
+
+
+def test_the_oldest_lock_is_the_floor_of_the_prefect_range() -> None:
+    """The range pyproject.toml claims is the range CI runs: its floor is the minor that
+    scripts/prefect-range.sh installs from the oldest lock, its newest is the main lock's."""
+    (prefect,) = [r for r in project_requirements() if canonicalize_name(r.name) == "prefect"]
+    floors = [Version(s.version) for s in prefect.specifier if s.operator == ">="]
+    assert len(floors) == 1, f"{prefect}: one `>=` floor, the oldest minor CI runs"
+    oldest = Version(read_lock(OLDEST_LOCK)["prefect"])
+    assert (oldest.major, oldest.minor) == floors[0].release[:2], (
+        f"{prefect} claims from {floors[0]}, but {OLDEST_LOCK.name} (what CI runs as the oldest) pins "
+        f"prefect {oldest}: move the floor or the lock (`bash scripts/lock.sh`) so they agree"
+    )
+    newest = Version(read_lock(DEV_LOCK)["prefect"])
+    assert prefect.specifier.contains(newest) and newest > oldest, (newest, oldest)
 
 
 def test_the_project_venv_has_the_locked_versions() -> None:
