@@ -1,0 +1,262 @@
+"""Issue 39's closing attack pass: an outsider's attacks through the documented surfaces.
+
+Each test asserts the secure behaviour; a failing test is a break. The gateway's attacks are
+sent with a run's token straight to its gateway, the real (auth-string) server behind it, as
+tests/test_api_gateway.py drives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.polling import wait_for
+from test_api_gateway import (  # noqa: F401 - the module's server and worker, as there
+    auth_server,
+    gateway_for,
+    parked_run,
+    server,
+)
+
+
+def _task_run(flow_run_id: Any, name: str = "victim-task") -> Any:
+    from prefect import task
+    from prefect.client.orchestration import get_client
+
+    @task(name=name)
+    def t() -> None:
+        pass
+
+    with get_client(sync_client=True) as c:
+        return c.create_task_run(task=t, flow_run_id=flow_run_id, dynamic_key=uuid.uuid4().hex)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+def _task_run_event(own_run: Any, task_run_id: str, task_run_payload: dict[str, Any], state: str) -> str:
+    """A task-run state event as Prefect's engine sends it (resource: the task run; related:
+    this flow run in the role `flow-run`), with the `task_run` payload the sandbox chooses."""
+    return json.dumps(
+        {
+            "id": str(uuid.uuid4()),
+            "occurred": _now(),
+            "event": f"prefect.task-run.{state.title()}",
+            "resource": {
+                "prefect.resource.id": f"prefect.task-run.{task_run_id}",
+                "prefect.resource.name": task_run_payload.get("name", "t"),
+                "prefect.state-type": state,
+                "prefect.state-name": state.title(),
+                "prefect.orchestration": "client",
+            },
+            "related": [
+                {
+                    "prefect.resource.id": f"prefect.flow-run.{own_run.id}",
+                    "prefect.resource.role": "flow-run",
+                    "prefect.resource.name": own_run.name,
+                },
+            ],
+            "payload": {
+                "intended": {"from": None, "to": state},
+                "initial_state": None,
+                "validated_state": {"type": state, "name": state.title(), "message": "", "state_details": {}},
+                "task_run": task_run_payload,
+            },
+        }
+    )
+
+
+def _send_events(gw: Any, events: list[str]) -> None:
+    from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
+
+    async def talk() -> None:
+        async with connect(f"ws://{gw.address}/api/events/in", subprotocols=[Subprotocol("prefect")]) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            assert json.loads(await ws.recv()) == {"type": "auth_success"}
+            for e in events:
+                await ws.send(e)
+
+    asyncio.run(talk())
+
+
+def _read_task_run(task_run_id: Any) -> Any:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        try:
+            return c.read_task_run(task_run_id)
+        except Exception:
+            return None
+
+
+def _task_runs_of(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        return c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def _honest_payload(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "task_key": f"{name}-key",
+        "dynamic_key": "0",
+        "empirical_policy": {},
+        "tags": [],
+        "labels": {},
+        "task_inputs": {},
+        "run_count": 1,
+        "flow_run_run_count": 1,
+        "expected_start_time": _now(),
+    }
+
+
+def _sent_through(gw: Any, own: Any, attack: list[str]) -> None:
+    """Send ``attack`` then an honest event of the run's own fresh task run, and wait until the
+    server recorded the honest one: the recorder has taken the attack's batch by then."""
+    marker = str(uuid.uuid4())
+    _send_events(gw, [*attack, _task_run_event(own, marker, _honest_payload("marker"), "RUNNING")])
+    wait_for(lambda: _read_task_run(marker), timeout=90, what="the run's own marker task run recorded")
+
+
+@pytest.mark.prefect
+def test_a_task_run_event_payload_cannot_rewrite_another_runs_task_run(server):  # noqa: F811
+    """The resource and the `flow-run` related resource are the run's own (a fresh task run id),
+    but the event's `payload.task_run` names the victim's task run by `id` and `flow_run_id`:
+    Prefect's task-run recorder spreads that payload over the resource's ids."""
+    own, victim = parked_run(), parked_run()
+    victim_task = _task_run(victim.id)
+    before = _read_task_run(victim_task.id)
+    with gateway_for(own) as gw:
+        payload = {
+            **_honest_payload("pwned"),
+            "id": str(victim_task.id),
+            "flow_run_id": str(victim.id),
+            "task_key": victim_task.task_key,
+            "dynamic_key": victim_task.dynamic_key,
+        }
+        _sent_through(gw, own, [_task_run_event(own, str(uuid.uuid4()), payload, "COMPLETED")])
+    after = _read_task_run(victim_task.id)
+    assert after is not None and after.flow_run_id == victim.id
+    assert after.name == before.name, f"the victim's task run was renamed by another run: {after.name}"
+    assert (after.state.type if after.state else None) == (before.state.type if before.state else None), (
+        f"the victim's task run state was set by another run: {after.state}"
+    )
+
+
+@pytest.mark.prefect
+def test_a_task_run_event_payload_cannot_plant_a_task_run_in_another_run(server):  # noqa: F811
+    """A fresh task run id, related flow run the run's own, `payload.task_run.flow_run_id` the
+    victim's: no task run appears in the victim's flow run."""
+    own, victim = parked_run(), parked_run()
+    planted = str(uuid.uuid4())
+    with gateway_for(own) as gw:
+        payload = {**_honest_payload("planted"), "flow_run_id": str(victim.id)}
+        _sent_through(gw, own, [_task_run_event(own, planted, payload, "COMPLETED")])
+        assert gw.refused == 1, "the event naming another run in its payload is refused"
+    assert [tr.name for tr in _task_runs_of(victim.id)] == [], "a task run was planted in another flow run"
+    tr = _read_task_run(planted)
+    assert tr is None or tr.flow_run_id == own.id, tr
+
+
+# --------------------------------------------------------------------------- what a sandbox's events make the host do
+
+#: A replaced guest runner writing the log events of ``LINES`` (a JSON list of (line, level,
+#: logger)), then a successful result and the manifest, as tests/test_event_values.py's.
+EVENTS_GUEST = r"""
+import json, os, sys
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], os.environ["RESOLUTO_STORE_PREFIX"])
+os.makedirs(d, exist_ok=True)
+spec = json.loads(sys.argv[1])
+lines = []
+for text, level, logger, n in spec:
+    for i in range(n):
+        data = {"line": text % i if "%d" in text else text, "level": level}
+        if logger is not None:
+            data["logger"] = logger % i if "%d" in logger else logger
+        lines.append(wire.encode_event(wire.make_event(run, "log", "log", data=data, ts=1.7e9)))
+def put(rel, b):
+    with open(os.path.join(d, ".resoluto-tmp-x"), "wb") as f:
+        f.write(b)
+    os.rename(os.path.join(d, ".resoluto-tmp-x"), os.path.join(d, rel))
+put("events-000001.jsonl", wire.encode_chunk(lines))
+put("result.json", wire.encode_result(wire.make_result(node, "success", 0, None)))
+put("_manifest.json", wire.encode_manifest(1))
+"""
+
+
+def _run_with_guest_events(tmp_path: Any, spec: list[tuple[str, str, str | None, int]]) -> tuple[Any, str]:
+    """A real flow whose one task's gVisor sandbox leaves the events ``spec`` describes."""
+    from flows import dropin_flows as df
+    from prefect import flow
+    from test_hostile_outputs import _Patched
+
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto import ResolutoTaskRunner
+
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=Path(df.__file__).parent,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def attacked() -> str:
+        try:
+            return f"ok: {df.double.submit(1).result()}"
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+
+    with _Patched(["python3", "-c", EVENTS_GUEST, json.dumps(spec)]):
+        state = attacked(return_state=True)
+    return state, str(state.result(raise_on_failure=False))
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_log_level_no_logger_knows_is_no_exception_out_of_the_host(gvisor, tmp_path):
+    """`level` is checked as a string: a string naming no level (or a number's text) must be a
+    protocol failure or a plain line, never an exception of the host's logging."""
+    spec = [
+        ("before", "INFO", None, 1),
+        ("odd level", "NOTALEVEL", None, 1),
+        ("numeric level", "50", None, 1),
+        ("empty level", "", None, 1),
+        ("after", "INFO", None, 1),
+    ]
+    state, shown = _run_with_guest_events(tmp_path, spec)
+    # the replaced runner leaves no return value: the node's own verdict, not the host's fault
+    assert "left no .resoluto/return.json" in shown or "broke the wire protocol" in shown, shown
+    for exc in ("TypeError", "ValueError", "KeyError", "AttributeError"):
+        assert exc not in shown, shown
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_distinct_logger_names_cost_the_host_no_lasting_loggers(gvisor, tmp_path):
+    """Each distinct `logger` a guest names must not become a logging.Logger the host's
+    process keeps for ever (Logger.manager.loggerDict is never pruned): 20 000 names in one
+    node would then outlive the node, outside any per-node allowance."""
+    import logging
+
+    before = len(logging.Logger.manager.loggerDict)
+    spec = [("x", "INFO", "a.b%d.c.d", 20_000)]
+    state, shown = _run_with_guest_events(tmp_path, spec)
+    grown = len(logging.Logger.manager.loggerDict) - before
+    assert grown < 1_000, f"the host now keeps {grown} more loggers ({shown[:200]})"
