@@ -8,6 +8,7 @@ tests/test_api_gateway.py drives it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import json
 import uuid
@@ -260,3 +261,102 @@ def test_distinct_logger_names_cost_the_host_no_lasting_loggers(gvisor, tmp_path
     state, shown = _run_with_guest_events(tmp_path, spec)
     grown = len(logging.Logger.manager.loggerDict) - before
     assert grown < 1_000, f"the host now keeps {grown} more loggers ({shown[:200]})"
+
+
+# --------------------------------------------------------------------------- many websockets at one gateway
+
+
+def _own_sockets_to(port: int) -> int:
+    """Established TCP connections of this process (the gateway's) to ``port``."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    n = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for row in f:
+                cols = row.split()
+                if cols[3] == "01" and int(cols[2].rsplit(":", 1)[1], 16) == port and cols[9] in inodes:
+                    n += 1
+    return n
+
+
+def _operator_get(api: Any, run_id: Any) -> int | str:
+    """The operator's own read of a run, straight at the API (no gateway): its status, or what
+    went wrong within 60 s."""
+    import httpx
+
+    try:
+        return httpx.get(
+            f"{api.url}/flow_runs/{run_id}",
+            headers={"Authorization": "Basic " + base64.b64encode(api.auth.encode()).decode()},
+            timeout=60,
+        ).status_code
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.prefect
+def test_many_event_websockets_from_one_run_hold_few_upstream_connections(server):  # noqa: F811
+    """A run opens 200 events websockets at its gateway, authenticated, each sending one event of
+    its own and staying open: the worker's gateway must not open 200 connections to the API for
+    one run (its HTTP requests are 8 at once), and it still answers the run."""
+    from urllib.parse import urlsplit
+
+    from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
+
+    own = parked_run()
+    assert _operator_get(server, own.id) == 200
+    api_port = urlsplit(server.url).port or 80
+    base = _own_sockets_to(api_port)
+    counts: list[int] = []
+    with gateway_for(own) as gw:
+        ev = json.dumps(
+            {
+                "id": str(uuid.uuid4()),
+                "occurred": _now(),
+                "event": "prefect.test.event",
+                "resource": {"prefect.resource.id": f"prefect.flow-run.{own.id}"},
+                "related": [],
+                "payload": {},
+            }
+        )
+
+        async def one(stack: Any) -> None:
+            ws = await stack.enter_async_context(
+                connect(
+                    f"ws://{gw.address}/api/events/in", subprotocols=[Subprotocol("prefect")], open_timeout=60
+                )
+            )
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            await ws.recv()
+            await ws.send(ev)
+
+        async def flood() -> None:
+            import contextlib
+
+            async with contextlib.AsyncExitStack() as stack:
+                results = await asyncio.gather(*(one(stack) for _ in range(200)), return_exceptions=True)
+                opened = sum(1 for r in results if r is None)
+                await asyncio.sleep(0)  # the loop runs the gateway's threads meanwhile
+                counts.append(opened)
+                for _ in range(40):  # let upstream connections settle, measuring as they do
+                    await asyncio.sleep(0.25)
+                    counts.append(await asyncio.to_thread(_own_sockets_to, api_port) - base)
+                # another client of the same API (the operator, any other run's gateway)
+                counts.append(await asyncio.to_thread(_operator_get, server, own.id))
+
+        asyncio.run(flood())
+    opened, *upstream, status = counts
+    print("WEBSOCKETS", counts)
+    assert max(upstream) <= 32, f"{opened} websockets of one run held {max(upstream)} connections to the API"
+    assert status == 200, f"the API answered another client {status} while one run held its websockets"
