@@ -360,3 +360,101 @@ def test_many_event_websockets_from_one_run_hold_few_upstream_connections(server
     print("WEBSOCKETS", counts)
     assert max(upstream) <= 32, f"{opened} websockets of one run held {max(upstream)} connections to the API"
     assert status == 200, f"the API answered another client {status} while one run held its websockets"
+
+
+def _peak_rss_kib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _raw_websocket(gw: Any, path: str) -> Any:
+    """An events websocket opened by hand, so that a frame can be sent a piece at a time
+    (the client holds none of it)."""
+    import socket
+
+    s = socket.create_connection((gw.host, gw.port), timeout=60)
+    key = base64.b64encode(uuid.uuid4().bytes).decode()
+    s.sendall(
+        (
+            f"GET {path} HTTP/1.1\r\nHost: g\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: prefect\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return s
+
+
+def _frame_head(length: int) -> bytes:
+    import struct
+
+    # FIN + text; masked (a client's), 64-bit length; a zero mask key leaves the payload as is
+    return b"\x81" + bytes([0x80 | 127]) + struct.pack(">Q", length) + b"\x00\x00\x00\x00"
+
+
+@pytest.mark.prefect
+def test_one_huge_event_message_is_refused_before_the_worker_holds_it(server):  # noqa: F811
+    """An authenticated run sends one 256 MiB events message, a MiB at a time: the worker (here,
+    the test's process, where the gateway runs) must not grow by it (its bodies are capped at
+    a few MiB before they are read)."""
+    own = parked_run()
+    with gateway_for(own) as gw:
+        s = _raw_websocket(gw, "/api/events/in")
+        auth = json.dumps({"type": "auth", "token": gw.token}).encode()
+        s.sendall(_frame_head(len(auth))[:1] + bytes([0x80 | len(auth)]) + b"\x00\x00\x00\x00" + auth)
+        s.recv(4096)  # auth_success
+        base = _peak_rss_kib()
+        size = 256 * 1024 * 1024
+        piece = b'{"x":"' + b"a" * (1024 * 1024 - 6)
+        sent = 0
+        try:
+            s.sendall(_frame_head(size))
+            while sent < size:
+                chunk = piece if sent == 0 else b"a" * min(1024 * 1024, size - sent)
+                s.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass  # closed by the gateway: what a bounded reader does
+        s.close()
+        grown_mib = (_peak_rss_kib() - base) / 1024
+    assert grown_mib < 64, f"one events message of {sent >> 20} MiB grew the worker by {grown_mib:.0f} MiB"
+
+
+@pytest.mark.prefect
+def test_no_spelling_of_the_pools_path_reads_its_base_job_template(server):  # noqa: F811
+    """`own-work_pools` answers the run's pool without its base job template. Spellings the API
+    reads as the same pool (percent-escapes, a trailing slash, a query, upper case) must not
+    bring the template back."""
+    import http.client
+
+    own = parked_run()
+    pool = server.worker.pool
+    escaped = "".join(f"%{ord(c):02X}" for c in pool)
+    first_escaped = f"%{ord(pool[0]):02X}{pool[1:]}"
+    paths = [
+        f"/api/work_pools/{pool}",
+        f"/api/work_pools/{pool}/",
+        f"/api/work_pools/{pool}?",
+        f"/api/work_pools/{pool}?include=base_job_template",
+        f"/api/work_pools/{escaped}",
+        f"/api/work_pools/{first_escaped}",
+        f"/api/work_pools/{pool}%2F",
+        f"/api//work_pools/{pool}",
+        f"/api/work_pools/./{pool}",
+        f"/api/work_pools/{pool}#x",
+        f"/api/Work_Pools/{pool}",
+    ]
+    leaked = []
+    with gateway_for(own, deployment_id=None, work_pool_name=pool) as gw:
+        for path in paths:
+            conn = http.client.HTTPConnection(gw.host, gw.port, timeout=60)
+            conn.request("GET", path, headers={"Authorization": f"Bearer {gw.token}"})
+            r = conn.getresponse()
+            body = r.read()
+            conn.close()
+            if r.status == 200 and json.loads(body).get("base_job_template"):
+                leaked.append(path)
+    assert leaked == [], f"the pool's base job template through {leaked}"
