@@ -458,3 +458,84 @@ def test_no_spelling_of_the_pools_path_reads_its_base_job_template(server):  # n
             if r.status == 200 and json.loads(body).get("base_job_template"):
                 leaked.append(path)
     assert leaked == [], f"the pool's base job template through {leaked}"
+
+
+#: Opens argv[3] TCP connections to argv[1]:argv[2] and holds them, sending a byte of a head
+#: now and then (each connection a slow sandbox request), until its stdin closes.
+HOLDER = r"""
+import socket, sys, threading, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+socks = []
+for _ in range(n):
+    try:
+        socks.append(socket.create_connection((host, port), timeout=10))
+    except OSError:
+        break
+print(len(socks), flush=True)
+def drip():
+    while True:
+        for s in socks:
+            try:
+                s.send(b"G")
+            except OSError:
+                pass
+        time.sleep(1)
+threading.Thread(target=drip, daemon=True).start()
+sys.stdin.read()
+"""
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.prefect
+def test_one_runs_idle_connections_do_not_take_the_workers_file_descriptors(server):  # noqa: F811
+    """A run opens 3 000 connections to its gateway and drips a head byte by byte: the worker's
+    process (here the test's, where the gateway runs) must not hold a descriptor for each
+    (its file descriptors are every run's: at its RLIMIT_NOFILE every gateway and sandbox of
+    the worker fails)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    own = parked_run()
+    with gateway_for(own) as gw:
+        base = _open_fds()
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, gw.host, str(gw.port), "3000"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            opened = int(holder.stdout.readline())  # type: ignore[union-attr]
+            held = (
+                wait_for(
+                    lambda: (n := _open_fds() - base) >= min(opened, 256) and n,
+                    timeout=20,
+                    what="the gateway to take its connections",
+                )
+                if opened
+                else 0
+            )
+        except AssertionError:
+            held = _open_fds() - base
+        try:
+            status: int | str = httpx.get(
+                f"http://{gw.address}/api/flow_runs/{own.id}",
+                headers={"Authorization": f"Bearer {gw.token}"},
+                timeout=30,
+            ).status_code
+        except httpx.HTTPError as e:
+            status = f"{type(e).__name__}"
+        finally:
+            holder.stdin.close()  # type: ignore[union-attr]
+            holder.wait(timeout=60)
+    # the run's own request meanwhile (its own business: its 8 slots are its own): {status}
+    assert held < 256, (
+        f"{opened} idle connections of one run hold {held} of the worker's descriptors (own request: {status})"
+    )
