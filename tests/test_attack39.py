@@ -357,7 +357,6 @@ def test_many_event_websockets_from_one_run_hold_few_upstream_connections(server
 
         asyncio.run(flood())
     opened, *upstream, status = counts
-    print("WEBSOCKETS", counts)
     assert max(upstream) <= 32, f"{opened} websockets of one run held {max(upstream)} connections to the API"
     assert status == 200, f"the API answered another client {status} while one run held its websockets"
 
@@ -538,4 +537,74 @@ def test_one_runs_idle_connections_do_not_take_the_workers_file_descriptors(serv
     # the run's own request meanwhile (its own business: its 8 slots are its own): {status}
     assert held < 256, (
         f"{opened} idle connections of one run hold {held} of the worker's descriptors (own request: {status})"
+    )
+
+
+# --------------------------------------------------------------------------- a sandbox's exception
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_huge_exception_message_costs_the_flow_process_a_bounded_amount(gvisor, tmp_path):
+    """A compromised runner's `.resoluto/error.json` with a 48 MiB message (well inside the
+    256 Mi node's allowance, 48 KiB gzipped): the flow process (this one) must not grow by
+    many times it, nor send it whole as the task run's state message."""
+    import gzip
+    import io
+    import resource
+    import tarfile
+
+    from flows import dropin_flows as df
+    from prefect import flow
+    from support.prefect_readback import task_runs
+    from test_hostile_outputs import _Patched, hostile_command
+
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto import ResolutoTaskRunner
+
+    size = 48 * 1024 * 1024
+    record = (
+        b'{"type": "ValueError", "module": "builtins", "qualname": "ValueError", "exception": true, "message": "'
+        + b"[" * size
+        + b'"}'
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo(".resoluto/error.json")
+        ti.size = len(record)
+        t.addfile(ti, io.BytesIO(record))
+    outbox = gzip.compress(buf.getvalue(), 9)
+    del record, buf
+
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=Path(df.__file__).parent,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def victim() -> int:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return len(str(e))
+        return -1
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with _Patched(hostile_command(outbox, status="failure")):
+        state = victim(return_state=True)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    shown = state.result()
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    stored = len(tr.state.message or "")
+    # measured on the tree of this pass: +585 MiB, the host exception 50 331 648 characters
+    assert stored < 1024 * 1024, f"the task run's state message holds {stored} characters of the sandbox's"
+    assert grown_mib < 3 * 48, (
+        f"a 48 MiB exception message grew the flow process by {grown_mib:.0f} MiB"
+        f" (the host's exception holds {shown} characters)"
     )
