@@ -608,3 +608,76 @@ def test_a_huge_exception_message_costs_the_flow_process_a_bounded_amount(gvisor
         f"a 48 MiB exception message grew the flow process by {grown_mib:.0f} MiB"
         f" (the host's exception holds {shown} characters)"
     )
+
+
+#: A replaced guest runner writing argv[1] chunks of ~30 MiB, each all span events (open and
+#: close of spans under the node), none of them a log line, then a result and the manifest.
+SPANS_GUEST = r"""
+import os, sys
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], os.environ["RESOLUTO_STORE_PREFIX"])
+os.makedirs(d, exist_ok=True)
+chunks = int(sys.argv[1])
+def put(rel, b):
+    with open(os.path.join(d, ".resoluto-tmp-x"), "wb") as f:
+        f.write(b)
+    os.rename(os.path.join(d, ".resoluto-tmp-x"), os.path.join(d, rel))
+root = wire.make_event(run, "node", "open", name=node)
+n = 0
+for c in range(1, chunks + 1):
+    lines = [wire.encode_event(root)] if c == 1 else []
+    size = 0
+    while size < 30 * 1024 * 1024:
+        n += 1
+        ev = wire.make_event(run, "step", "open", parent_span_id=root["span_id"], name="s%0120d" % n)
+        lines.append(wire.encode_event(ev))
+        lines.append(wire.encode_event(dict(ev, event="close", status="success")))
+        size += len(lines[-1]) * 2
+    if c == chunks:
+        lines.append(wire.encode_event(dict(root, event="close", status="success")))
+    put("events-%06d.jsonl" % c, wire.encode_chunk(lines))
+put("result.json", wire.encode_result(wire.make_result(node, "success", 0, None)))
+put("_manifest.json", wire.encode_manifest(chunks))
+print("spans", n, flush=True)
+"""
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_flood_of_span_events_costs_the_flow_process_a_bounded_amount(gvisor, tmp_path):
+    """Not a log line among them, so no log allowance applies: 6 chunks of 30 MiB of span
+    events (~1.1 M spans) from a 512 Mi node. The flow process must not keep them all."""
+    import resource
+
+    from flows import dropin_flows as df
+    from prefect import flow
+    from test_hostile_outputs import _Patched
+
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto import ResolutoTaskRunner
+
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=Path(df.__file__).parent,
+        outputs_dir=tmp_path / "outputs",
+        memory="512Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def victim() -> str:
+        try:
+            return f"ok: {df.double.submit(1).result()}"
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {str(e)[:300]}"
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with _Patched(["python3", "-c", SPANS_GUEST, "6"]):
+        state = victim(return_state=True)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    shown = state.result()
+    assert grown_mib < 256, f"180 MiB of span events grew the flow process by {grown_mib:.0f} MiB ({shown})"
