@@ -681,3 +681,56 @@ def test_a_flood_of_span_events_costs_the_flow_process_a_bounded_amount(gvisor, 
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     shown = state.result()
     assert grown_mib < 256, f"180 MiB of span events grew the flow process by {grown_mib:.0f} MiB ({shown})"
+
+
+#: A replaced guest runner whose every free-text field carries terminal controls: the node
+#: and workload spans' names, statuses and argv, a log line's level and logger, an error.
+CLI_FORGER = r"""
+import os
+from guest_runner import wire
+run, node = os.environ["RESOLUTO_RUN_ID"], os.environ["RESOLUTO_NODE_ID"]
+prefix = os.environ["RESOLUTO_STORE_PREFIX"]
+d = os.path.join(os.environ["RESOLUTO_STORE_ROOT"], prefix)
+os.makedirs(d, exist_ok=True)
+E = "\x1b]0;PWNED\x07\x1b[2J\r\n\u202e"
+def put(rel, b):
+    with open(os.path.join(d, ".resoluto-tmp-x"), "wb") as f:
+        f.write(b)
+    os.rename(os.path.join(d, ".resoluto-tmp-x"), os.path.join(d, rel))
+root = wire.make_event(run, "node", "open", name=node + E, data={"argv": ["true" + E]})
+wl = wire.make_event(run, "workload", "open", parent_span_id=root["span_id"], name="w" + E, data={"argv": ["x" + E, E]})
+log = wire.make_event(run, "log", "log", parent_span_id=wl["span_id"], data={"line": "l" + E, "level": "ERROR" + E, "logger": "g" + E})
+wlc = dict(wl, event="close", status="success" + E, data={"exit_code": 0})
+err = wire.make_event(run, "error", "log", parent_span_id=wl["span_id"], data={"line": "e" + E, "level": "ERROR"})
+rc = dict(root, event="close", status="success" + E, data={"exit_code": 0})
+put("events-000001.jsonl", wire.encode_chunk([wire.encode_event(x) for x in (root, wl, log, err, wlc, rc)]))
+put("result.json", wire.encode_result(wire.make_result(node, "success", 0, None, reason="r" + E)))
+put("_manifest.json", wire.encode_manifest(1))
+"""
+
+
+@pytest.mark.sandbox
+def test_the_run_cli_escapes_every_field_a_forged_event_stream_carries(gvisor, tmp_path, capsys):
+    """`prefect-resoluto run` (stdout and its stderr notes: spans opening and closing, the
+    verdict) with a guest whose span names, statuses, argv, levels and loggers carry controls."""
+    import re
+
+    from test_hostile_outputs import _Patched
+
+    from prefect_resoluto import cli
+
+    with _Patched(["python3", "-c", CLI_FORGER]):
+        code = cli.main(
+            ["run", "--runtime", "gvisor", "--conduit", str(tmp_path / "c"), "--run-id", "run1"]
+            + ["--node-id", "node1", "--", "true"]
+        )
+    shown = capsys.readouterr()
+    printed = shown.out + shown.err
+    raw = [
+        ln
+        for ln in printed.splitlines()
+        if re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e]", ln)
+    ]
+    assert "PWNED" in printed, printed
+    assert raw == [], f"exit {code}; lines with raw controls: {raw}"
+    assert not any(ln.startswith("\\x1b") or ln.startswith("[2J") for ln in printed.splitlines()), printed
