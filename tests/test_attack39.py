@@ -734,3 +734,112 @@ def test_the_run_cli_escapes_every_field_a_forged_event_stream_carries(gvisor, t
     assert "PWNED" in printed, printed
     assert raw == [], f"exit {code}; lines with raw controls: {raw}"
     assert not any(ln.startswith("\\x1b") or ln.startswith("[2J") for ln in printed.splitlines()), printed
+
+
+# --------------------------------------------------------------------------- a trusted task worker
+
+
+TRUSTED_TASKS = r"""
+import os, sys
+from pathlib import Path
+from prefect import task
+
+@task(name="approve-payment")
+def approve_payment() -> None:
+    Path(os.environ["MARKER"]).write_text(f"ran on the host as pid {os.getpid()}")
+"""
+
+SERVE = r"""
+from trusted_tasks import approve_payment
+from prefect.task_worker import serve
+print("KEY", approve_payment.task_key, flush=True)
+serve(approve_payment)
+"""
+
+
+@pytest.mark.prefect
+def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(server, tmp_path):  # noqa: F811
+    """An operator serves a task on a trusted host (`prefect task serve`, a TaskWorker). A
+    sandboxed run creates a task run of its own with that task's key and sets it Scheduled
+    with `state_details.deferred`: Prefect enqueues it for the task's workers. The trusted
+    host must never run it."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    (tmp_path / "trusted_tasks.py").write_text(TRUSTED_TASKS)
+    marker = tmp_path / "host-marker"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+        "PREFECT_API_URL": server.url,
+        "PREFECT_API_AUTH_STRING": server.auth,
+        "MARKER": str(marker),
+    }
+    served = subprocess.Popen(
+        [sys.executable, "-c", SERVE],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(iter(served.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    try:
+        key = wait_for(
+            lambda: next((ln.split()[1] for ln in out if ln.startswith("KEY ")), None),
+            timeout=90,
+            what="the key",
+        )
+        wait_for(lambda: any("Subscribing to runs" in ln for ln in out), timeout=90, what="the task worker")
+        own = parked_run()
+        with gateway_for(own) as gw:
+            import httpx
+
+            h = {"Authorization": f"Bearer {gw.token}"}
+            base = f"http://{gw.address}/api"
+            created = httpx.post(
+                f"{base}/task_runs/",
+                headers=h,
+                json={
+                    "flow_run_id": str(own.id),
+                    "task_key": key,
+                    "dynamic_key": uuid.uuid4().hex,
+                    "name": "approve-payment",
+                },
+                timeout=60,
+            )
+            answers = [created.status_code]
+            if created.status_code in (200, 201):
+                tr = created.json()["id"]
+                scheduled = httpx.post(
+                    f"{base}/task_runs/{tr}/set_state",
+                    headers=h,
+                    json={
+                        "state": {
+                            "type": "SCHEDULED",
+                            "name": "Scheduled",
+                            "state_details": {"deferred": True},
+                        },
+                        "force": True,
+                    },
+                    timeout=60,
+                )
+                answers.append(scheduled.status_code)
+                answers.append(scheduled.text[:300])
+        ran = None
+        if answers[-2:-1] and answers[-2] in (200, 201):
+            try:
+                ran = wait_for(
+                    lambda: marker.exists() and marker.read_text(),
+                    timeout=60,
+                    what="the trusted host running it",
+                )
+            except AssertionError:
+                ran = None
+    finally:
+        served.terminate()
+        served.wait(timeout=60)
+    assert not ran, f"a sandboxed run made a trusted task worker run its task: {ran} ({answers})"
