@@ -843,3 +843,75 @@ def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(serv
         served.terminate()
         served.wait(timeout=60)
     assert not ran, f"a sandboxed run made a trusted task worker run its task: {ran} ({answers})"
+
+
+# --------------------------------------------------------------------------- exception classes a sandbox names
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+@pytest.mark.parametrize(
+    ("module", "qualname"),
+    [
+        ("builtins", "SystemExit"),
+        ("builtins", "KeyboardInterrupt"),
+        ("asyncio.exceptions", "CancelledError"),
+        ("prefect.exceptions", "Pause"),
+        ("prefect.exceptions", "Abort"),
+        ("prefect.exceptions", "CancelledRun"),
+        ("prefect.exceptions", "TerminationSignal"),
+    ],
+)
+def test_an_exception_class_that_stops_the_host_is_not_raised_there(gvisor, tmp_path, module, qualname):
+    """error.json names a class the host has (builtins, modules already imported): one that is
+    no Exception but a BaseException that stops the host's process or cancels its work must
+    not be raised in the flow process as is: the task fails, the flow goes on."""
+    import tarfile
+
+    from flows import dropin_flows as df
+    from prefect import flow
+    from test_hostile_outputs import _Patched, hostile_command, tar_gz
+
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto import ResolutoTaskRunner
+
+    record = json.dumps(
+        {
+            "type": qualname,
+            "module": module,
+            "qualname": qualname,
+            "exception": True,
+            "message": "from the sandbox",
+        }
+    ).encode()
+    ti = tarfile.TarInfo(".resoluto/error.json")
+    ti.size = len(record)
+    outbox = tar_gz([(ti, record)])
+    runner = ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=Path(df.__file__).parent,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+    @flow(task_runner=runner)
+    def victim() -> str:
+        try:
+            df.double.submit(1).result()
+        except Exception as e:  # noqa: BLE001
+            return f"failed: {type(e).__name__}"
+        return "no error"
+
+    with _Patched(hostile_command(outbox, status="failure")):
+        try:
+            state = victim(return_state=True)
+            raised = None
+        except BaseException as e:  # noqa: BLE001
+            state, raised = None, e
+    assert raised is None, f"the sandbox's {qualname} was raised out of the host's flow: {raised!r}"
+    assert state is not None and state.is_completed(), state
+    assert str(state.result()).startswith("failed: "), state.result()
