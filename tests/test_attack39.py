@@ -915,3 +915,78 @@ def test_an_exception_class_that_stops_the_host_is_not_raised_there(gvisor, tmp_
     assert raised is None, f"the sandbox's {qualname} was raised out of the host's flow: {raised!r}"
     assert state is not None and state.is_completed(), state
     assert str(state.result()).startswith("failed: "), state.result()
+
+
+# --------------------------------------------------------------------------- reading what is not the run's
+
+
+@pytest.mark.prefect
+def test_no_read_endpoint_hands_a_run_another_runs_data(server):  # noqa: F811
+    """Another run's artifact (by key and id), logs, task runs, graph and counts, and the
+    server's settings, through every read the API offers: none may answer with them."""
+    import http.client
+
+    from prefect.client.orchestration import get_client
+
+    own, victim = parked_run(), parked_run()
+    victim_task = _task_run(victim.id)
+    secret_text = f"victim-report-{uuid.uuid4().hex}"
+    key = f"victim-key-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as c:
+        r = c._client.post(
+            "/artifacts/",
+            json={"key": key, "type": "markdown", "data": secret_text, "flow_run_id": str(victim.id)},
+        )
+        art = r.json()["id"]
+        c._client.post(
+            "/logs/",
+            json=[
+                {
+                    "name": "victim",
+                    "level": 20,
+                    "message": secret_text,
+                    "timestamp": _now(),
+                    "flow_run_id": str(victim.id),
+                    "task_run_id": str(victim_task.id),
+                }
+            ],
+        )
+    reads = [
+        ("GET", f"/api/artifacts/{key}/latest", None),
+        ("GET", f"/api/artifacts/{art}", None),
+        ("POST", "/api/artifacts/filter", {}),
+        ("POST", "/api/artifacts/latest/filter", {}),
+        ("POST", "/api/logs/filter", {}),
+        ("POST", "/api/logs/filter", {"logs": {"flow_run_id": {"any_": [str(victim.id)]}}}),
+        ("GET", f"/api/task_runs/{victim_task.id}", None),
+        ("POST", "/api/task_runs/filter", {"flow_runs": {"id": {"any_": [str(victim.id)]}}}),
+        ("GET", f"/api/flow_runs/{victim.id}/graph", None),
+        ("GET", f"/api/flow_runs/{victim.id}/graph-v2", None),
+        ("POST", "/api/ui/flow_runs/history", {}),
+        ("POST", "/api/ui/task_runs/dashboard/counts", {}),
+        ("POST", "/api/flow_runs/count", {}),
+        ("POST", "/api/flows/filter", {}),
+        ("POST", "/api/deployments/filter", {}),
+        ("POST", "/api/ui/flows/next-runs", {"flow_ids": []}),
+        ("GET", "/api/admin/settings", None),
+        ("POST", "/api/events/filter", {}),
+        ("POST", "/api/automations/filter", {}),
+        ("POST", "/api/v2/concurrency_limits/filter", {}),
+        ("POST", "/api/work_pools/filter", {}),
+        ("POST", "/api/block_documents/filter", {}),
+        ("GET", f"/api/flow_runs/{own.id}/../{victim.id}", None),
+    ]
+    leaked = []
+    with gateway_for(own) as gw:
+        for method, path, body in reads:
+            conn = http.client.HTTPConnection(gw.host, gw.port, timeout=60)
+            headers = {"Authorization": f"Bearer {gw.token}", "Content-Type": "application/json"}
+            conn.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
+            r = conn.getresponse()
+            text = r.read().decode(errors="replace")
+            conn.close()
+            if r.status < 400 and (
+                secret_text in text or str(victim.id) in text or key in text or "database" in text
+            ):
+                leaked.append((method, path, r.status, text[:200]))
+    assert leaked == [], leaked
