@@ -758,7 +758,8 @@ serve(approve_payment)
 
 
 @pytest.mark.prefect
-def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(server, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("how", ["set_state", "create"])
+def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(server, tmp_path, how):  # noqa: F811
     """An operator serves a task on a trusted host (`prefect task serve`, a TaskWorker). A
     sandboxed run creates a task run of its own with that task's key and sets it Scheduled
     with `state_details.deferred`: Prefect enqueues it for the task's workers. The trusted
@@ -800,37 +801,28 @@ def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(serv
 
             h = {"Authorization": f"Bearer {gw.token}"}
             base = f"http://{gw.address}/api"
-            created = httpx.post(
-                f"{base}/task_runs/",
-                headers=h,
-                json={
-                    "flow_run_id": str(own.id),
-                    "task_key": key,
-                    "dynamic_key": uuid.uuid4().hex,
-                    "name": "approve-payment",
-                },
-                timeout=60,
-            )
-            answers = [created.status_code]
-            if created.status_code in (200, 201):
+            deferred = {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"deferred": True}}
+            body = {
+                "flow_run_id": str(own.id),
+                "task_key": key,
+                "dynamic_key": uuid.uuid4().hex,
+                "name": "approve-payment",
+            }
+            if how == "create":
+                body["state"] = deferred
+            created = httpx.post(f"{base}/task_runs/", headers=h, json=body, timeout=60)
+            answers: list[Any] = [created.status_code, created.text[:300]]
+            if how == "set_state" and created.status_code in (200, 201):
                 tr = created.json()["id"]
                 scheduled = httpx.post(
                     f"{base}/task_runs/{tr}/set_state",
                     headers=h,
-                    json={
-                        "state": {
-                            "type": "SCHEDULED",
-                            "name": "Scheduled",
-                            "state_details": {"deferred": True},
-                        },
-                        "force": True,
-                    },
+                    json={"state": deferred, "force": True},
                     timeout=60,
                 )
-                answers.append(scheduled.status_code)
-                answers.append(scheduled.text[:300])
+                answers += [scheduled.status_code, scheduled.text[:300]]
         ran = None
-        if answers[-2:-1] and answers[-2] in (200, 201):
+        if answers[-2] in (200, 201):
             try:
                 ran = wait_for(
                     lambda: marker.exists() and marker.read_text(),
