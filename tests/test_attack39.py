@@ -837,6 +837,33 @@ def test_a_run_cannot_schedule_a_background_task_a_trusted_task_worker_runs(serv
     assert not ran, f"a sandboxed run made a trusted task worker run its task: {ran} ({answers})"
 
 
+@pytest.mark.prefect
+@pytest.mark.parametrize("where", ["validated_state", "task_run.state"])
+@pytest.mark.parametrize("detail", [("deferred", "yes"), ("task_parameters_id", "UUID")])
+def test_a_task_run_event_cannot_record_a_background_task_run(server, where, detail):  # noqa: F811
+    """Prefect's task-run recorder writes a task-run event's state as sent (its
+    `validated_state`, or a `state` in its `task_run` payload, which overrides it): a Scheduled
+    state with `state_details.deferred` (`"yes"`: the server's pydantic reads it as true) or a
+    `task_parameters_id` is a background task run in the API, made by the sandbox."""
+    own = parked_run()
+    key, value = detail
+    value = str(uuid.uuid4()) if value == "UUID" else value
+    tr = str(uuid.uuid4())
+    event = json.loads(_task_run_event(own, tr, _honest_payload("approve-payment"), "SCHEDULED"))
+    state = {"type": "SCHEDULED", "name": "Scheduled", "message": "", "state_details": {key: value}}
+    if where == "validated_state":
+        event["payload"]["validated_state"] = state
+    else:
+        event["payload"]["task_run"]["state"] = {**state, "id": str(uuid.uuid4()), "timestamp": _now()}
+    with gateway_for(own) as gw:
+        _sent_through(gw, own, [json.dumps(event)])
+    recorded = _read_task_run(tr)
+    details = recorded.state.state_details if recorded is not None and recorded.state else None
+    assert details is None or not (details.deferred or details.task_parameters_id), (
+        f"a sandbox's event recorded a background task run: {recorded.state}"
+    )
+
+
 # --------------------------------------------------------------------------- exception classes a sandbox names
 
 

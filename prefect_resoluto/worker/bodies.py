@@ -335,6 +335,84 @@ _FIELDS: dict[tuple[str, str], frozenset[str]] = {
 }
 
 
+#: ``StateDetails`` as Prefect's client sends them for a run it runs itself: all its fields
+#: but the two that hand a task run to someone else (below). A field outside this set is
+#: dropped (Prefect's versions differ in which they send; the server ignores unknown ones).
+_STATE_DETAILS = frozenset(
+    {
+        "flow_run_id",
+        "task_run_id",
+        "child_flow_run_id",
+        "scheduled_time",
+        "cache_key",
+        "cache_expiration",
+        "untrackable_result",
+        "pause_timeout",
+        "pause_reschedule",
+        "pause_key",
+        "run_input_keyset",
+        "refresh_cache",
+        "retriable",
+        "transition_id",
+        "traceparent",
+        "deployment_concurrency_lease_id",
+    }
+)
+#: What makes a task run a background one: Prefect's server enqueues a task run proposed
+#: Scheduled with ``deferred`` for whichever task worker serves its key (``prefect task
+#: serve``, on a host the run has no business on), and that worker reads its parameters by
+#: ``task_parameters_id``. An in-flow task run is run by its flow's engine, never deferred.
+BACKGROUND_DETAILS = ("deferred", "task_parameters_id")
+
+
+def background_detail(details: Any) -> str | None:
+    """The ``state_details`` field that would hand the run to a task worker, if set (any value
+    but null/false: the server's pydantic reads ``"yes"`` or ``1`` as true)."""
+    if not isinstance(details, dict):
+        return None
+    for k in BACKGROUND_DETAILS:
+        if details.get(k) not in (None, False):
+            return k
+    return None
+
+
+def background_in(payload: Any) -> str | None:
+    """A background field set in any ``state_details`` a payload holds (an event's states and
+    its ``task_run``, which Prefect's task-run recorder writes to the API's database as sent)."""
+    todo = [payload]
+    while todo:  # the payload is bounded (parse_bounded): a walk, not a recursion
+        node = todo.pop()
+        if isinstance(node, dict):
+            named = background_detail(node.get("state_details"))
+            if named is not None:
+                return named
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return None
+
+
+def task_run_state(state: Any, what: str) -> dict[str, Any] | Refusal:
+    """A task run's proposed state as forwarded: the engine's fields, ``state_details`` rebuilt
+    from :data:`_STATE_DETAILS`; a background (deferred) state is refused."""
+    if not isinstance(state, dict):
+        return Refusal("engine-fields", f"{what}: a state is a JSON object")
+    details = state.get("state_details")
+    if details is not None and not isinstance(details, dict):
+        return Refusal("engine-fields", f"{what}: state.state_details is a JSON object")
+    named = background_detail(details)
+    if named is not None:
+        return Refusal(
+            "no-background-tasks",
+            f"{what}: state_details.{named} would hand the task run to a task worker outside "
+            "this sandbox (background tasks are refused)",
+        )
+    out = {k: state[k] for k in _STATE if k in state and k != "state_details"}
+    if details is not None:
+        out["state_details"] = {k: details[k] for k in _STATE_DETAILS if k in details}
+    return out
+
+
 def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None:
     """An admitted body rebuilt from the engine's fields of its endpoint (a field it does not
     send is refused, naming it); None where the endpoint has no table here."""
@@ -347,12 +425,20 @@ def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None
             return Refusal("engine-fields", f"{what}: log fields {extra} are not the engine's (refused)")
         return Rebuilt([{k: e[k] for k in _LOG if k in e} for e in body])
     allowed = _FIELDS.get((method, shape))
-    if allowed is None or not isinstance(body, dict):
+    if allowed is None:
         return None
+    if not isinstance(body, dict):  # not JSON (or encoded) is never forwarded as sent
+        return Refusal("engine-fields", f"{what}: the body is a JSON object")
     extra = sorted(set(body) - allowed)
     state = body.get("state") if "set_state" in shape or shape == "task_runs" else None
     if isinstance(state, dict):
         extra += [f"state.{k}" for k in sorted(set(state) - _STATE)]
     if extra:
         return Refusal("engine-fields", f"{what}: fields {extra} are not the engine's (refused)")
-    return Rebuilt({k: body[k] for k in body})
+    out = {k: body[k] for k in body}
+    if shape.startswith("task_runs") and "state" in body and body["state"] is not None:
+        rebuilt = task_run_state(body["state"], what)
+        if isinstance(rebuilt, Refusal):
+            return rebuilt
+        out["state"] = rebuilt
+    return Rebuilt(out)

@@ -498,7 +498,9 @@ class ApiGateway:
             if refusal is not None:
                 await self._note_refusal(refusal)
                 continue  # the engine cannot be told about one event: it is dropped and logged
-            await upstream.send(text)
+            # What is judged is what is forwarded: the parsed event, not the text (whose
+            # duplicate keys another JSON parser may read the other way).
+            await upstream.send(json.dumps(event))
 
     async def _relay_subscription(self, ws: Any, upstream: Any) -> None:
         """The engine's subscription (its own Suspended events), narrowed to this run."""

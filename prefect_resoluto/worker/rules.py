@@ -29,6 +29,7 @@ from prefect_resoluto.worker.bodies import (
     Answered,
     Rebuilt,
     Refusal,
+    background_in,
     engine_fields,
     flow_run_listing,
     subflow_run,
@@ -484,6 +485,12 @@ class RunRules:
             ref = str(r.get("prefect.resource.id", ""))
             if not await self._own_resource(ref, api, related=True):
                 return Refusal("own-events", f"{what}: related resource {ref!r} is not this run's")
+        named = background_in(event.get("payload"))
+        if named is not None:
+            return Refusal(
+                "no-background-tasks",
+                f"{what}: state_details.{named} would make a background task run (refused)",
+            )
         if rid.startswith("prefect.flow-run.") and rid.removeprefix("prefect.flow-run.") in self.flow_runs:
             return None
         if rid.startswith("prefect.task-run."):
