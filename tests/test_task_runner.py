@@ -122,7 +122,9 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
             msgs = [log.message for log in logs_of(r.id) if log.name == "prefect.task_runs"]
             assert any(m.startswith("squaring ") for m in msgs), msgs  # a print: the flow logs prints
             # Warm or cold: the process runtime's pool may have one ready for the first squares.
-            assert any(re.match(r"ran in a (warm|cold) process sandbox in ", m) for m in msgs), msgs
+            assert any(
+                re.match(r"ran in a (warm|cold) process sandbox .*in \d+\.\d s: succeeded$", m) for m in msgs
+            ), msgs
     no_orphans("process")
 
 
