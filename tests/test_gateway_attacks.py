@@ -261,6 +261,27 @@ class _NoApi:
         raise AssertionError(f"asked the API for {rel}")
 
 
+def test_a_run_cannot_lease_concurrency_slots_for_longer_than_the_engine_does() -> None:
+    """A run's own task runs take slots of their tags' limits; a lease it sends for a year
+    would hold them long after the run is gone: the gateway forwards at most the engine's
+    300 s (renewed while the task runs), and a lease that is no number of seconds not at all."""
+    from prefect_resoluto.worker.bodies import MAX_LEASE_SECONDS, Rebuilt, Refusal, engine_fields
+
+    body = {"names": ["tag:db"], "slots": 1, "mode": "concurrency", "holder": {"type": "task_run", "id": "x"}}
+    for path in (
+        "/v2/concurrency_limits/increment-with-lease",
+        f"/v2/concurrency_limits/leases/{uuid.uuid4()}/renew",
+    ):
+        fields = body if "increment" in path else {}
+        year = engine_fields("POST", path, {**fields, "lease_duration": 365 * 86400})
+        assert isinstance(year, Rebuilt) and year.body["lease_duration"] == MAX_LEASE_SECONDS, year
+        short = engine_fields("POST", path, {**fields, "lease_duration": 30})
+        assert isinstance(short, Rebuilt) and short.body["lease_duration"] == 30, short
+        for bad in ("forever", True, -1, 0, None):
+            refused = engine_fields("POST", path, {**fields, "lease_duration": bad})
+            assert isinstance(refused, Refusal), (bad, refused)
+
+
 def test_a_listing_the_gateway_builds_asks_for_no_more_rows_than_can_match() -> None:
     """Issue 39: the limit a run sends is its own, the one forwarded the gateway's: a listing
     by ids asks for at most one row per id named, whatever limit the run sent (a huge one,

@@ -413,6 +413,11 @@ def task_run_state(state: Any, what: str) -> dict[str, Any] | Refusal:
     return out
 
 
+#: The longest lease of concurrency slots a run may take: Prefect's engine's default, which
+#: it renews while the task runs.
+MAX_LEASE_SECONDS = 300.0
+
+
 def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None:
     """An admitted body rebuilt from the engine's fields of its endpoint (a field it does not
     send is refused, naming it); None where the endpoint has no table here."""
@@ -441,4 +446,11 @@ def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None
         if isinstance(rebuilt, Refusal):
             return rebuilt
         out["state"] = rebuilt
+    if shape.startswith("v2/concurrency_limits") and "lease_duration" in out:
+        lease = out["lease_duration"]
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 0 < lease < float("inf"):
+            return Refusal("engine-fields", f"{what}: lease_duration is a number of seconds")
+        # The engine's own lease (renewed while its task runs): a run's slot is never held
+        # for longer by a lease it chose, after the run is gone.
+        out["lease_duration"] = min(lease, MAX_LEASE_SECONDS)
     return Rebuilt(out)
