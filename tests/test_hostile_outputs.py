@@ -413,6 +413,95 @@ def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvis
     assert raised.remote_type == _UNIMPORTED[module] and raised.remote_message == "from the sandbox"
 
 
+def _gz_one(name: str, data: bytes) -> bytes:
+    """An outbox of one file, compressed hard: a large, repetitive file costs little to send."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo(name)
+        ti.size = len(data)
+        t.addfile(ti, io.BytesIO(data))
+    return gzip.compress(buf.getvalue(), 9)
+
+
+def _runner(tmp_path: Path, conduit: Any) -> ResolutoTaskRunner:
+    return ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=conduit,
+        workspace=FLOWS,
+        outputs_dir=tmp_path / "outputs",
+        memory="256Mi",
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_an_error_json_past_its_bound_still_fails_with_the_tasks_type_and_a_cut_message(
+    gvisor, conduit, tmp_path
+):
+    """error.json of 3 MiB, a message of brackets and a secret-free tail: the host reads its
+    first MiB, and the task fails as a ValueError whose message is the start of the
+    sandbox's, cut with a marker, not 3 MiB of it."""
+    from prefect_resoluto.task_runner import error_file
+
+    message = "[" * (3 * 1024 * 1024)
+    record = json.dumps(
+        {
+            "type": "ValueError",
+            "module": "builtins",
+            "qualname": "ValueError",
+            "exception": True,
+            "message": message,
+        }
+    ).encode()
+    outbox = _gz_one(".resoluto/error.json", record)
+
+    @flow(task_runner=_runner(tmp_path, conduit))
+    def victim() -> BaseException | None:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    with _Patched(hostile_command(outbox, status="failure")):
+        raised = victim()
+    assert isinstance(raised, ValueError), type(raised)
+    text = str(raised)
+    assert len(text) <= error_file.MAX_MESSAGE, f"the host's exception holds {len(text)} characters"
+    assert text.startswith("[[[[") and text.endswith("from the sandbox is over 1048576 bytes]"), text[-200:]
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_return_json_of_many_empty_objects_is_refused_before_it_is_parsed(gvisor, conduit, tmp_path):
+    """return.json of 16 MiB of ``{},`` (well inside the 256 Mi node's allowance, a few KiB
+    gzipped) would be ~280 MiB of Python dicts in the flow process: it is refused, with
+    what to do instead, before it is parsed."""
+    import resource
+
+    size = 16 * 1024 * 1024
+    outbox = _gz_one(".resoluto/return.json", b'{"value": [' + b"{}," * (size // 3) + b"{}]}")
+
+    @flow(task_runner=_runner(tmp_path, conduit))
+    def victim() -> str:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with _Patched(hostile_command(outbox)):
+        shown = victim()
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert "arrays and objects" in shown and "return the file's path" in shown, shown[:500]
+    assert grown_mib < 3 * 16, f"16 MiB of return.json grew the flow process by {grown_mib:.0f} MiB"
+
+
 def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
     """Prefect glue only: ``output_limit`` reaches the node from every place settings come
     from, and without it the allowance is ``disk``, else the memory limit."""

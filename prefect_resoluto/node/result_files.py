@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from guest_runner.wire import WireError
 
@@ -45,11 +46,8 @@ def _parent_fd(output_dir: Path, rel: str) -> tuple[int, str]:
     return fd, parts[-1]
 
 
-def read(output_dir: Path, rel: str, limit: int | None) -> bytes | None:
-    """The bytes of ``output_dir/rel``; None when there is no such file.
-
-    Raises :class:`ResultFileError` for a link, a FIFO, a directory or anything else that
-    is not a regular file, and for a file larger than ``limit`` bytes (None: no limit)."""
+def _open_regular(output_dir: Path, rel: str) -> tuple[BinaryIO, int] | None:
+    """(the open file, its size) for a regular file at ``output_dir/rel``; None when absent."""
     try:
         dfd, leaf = _parent_fd(output_dir, rel)
     except FileNotFoundError:
@@ -62,18 +60,42 @@ def read(output_dir: Path, rel: str, limit: int | None) -> bytes | None:
         raise ResultFileError(f"{rel} from the sandbox is not a regular file ({e.strerror})") from None
     finally:
         os.close(dfd)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ResultFileError(f"{rel} from the sandbox is not a regular file")
-        if limit is not None and st.st_size > limit:
-            raise ResultFileError(
-                f"{rel} from the sandbox is {st.st_size} bytes, more than the limit of {limit}"
-            )
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise ResultFileError(f"{rel} from the sandbox is not a regular file")
+    return f, st.st_size
+
+
+def read(output_dir: Path, rel: str, limit: int | None) -> bytes | None:
+    """The bytes of ``output_dir/rel``; None when there is no such file.
+
+    Raises :class:`ResultFileError` for a link, a FIFO, a directory or anything else that
+    is not a regular file, and for a file larger than ``limit`` bytes (None: no limit)."""
+    opened = _open_regular(output_dir, rel)
+    if opened is None:
+        return None
+    f, size = opened
+    with f:
+        if limit is not None and size > limit:
+            raise ResultFileError(f"{rel} from the sandbox is {size} bytes, more than the limit of {limit}")
         data = f.read(limit + 1 if limit is not None else -1)
         if limit is not None and len(data) > limit:
             raise ResultFileError(f"{rel} from the sandbox grew past the limit of {limit} bytes")
         return data
+
+
+def read_head(output_dir: Path, rel: str, limit: int) -> tuple[bytes, bool] | None:
+    """At most the first ``limit`` bytes of ``output_dir/rel``, and whether there was more;
+    None when there is no such file. Refuses what :func:`read` refuses, except the size."""
+    opened = _open_regular(output_dir, rel)
+    if opened is None:
+        return None
+    f, _ = opened
+    with f:
+        data = f.read(limit + 1)
+    return data[:limit], len(data) > limit
 
 
 def replace(output_dir: Path, rel: str, data: bytes) -> None:

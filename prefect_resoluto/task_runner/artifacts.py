@@ -32,9 +32,6 @@ log = logging.getLogger("prefect_resoluto")
 CELL = 60
 #: The flow run table's columns, short ones first; the runtime is the description's.
 COLUMNS = ("task run", "attempt", "outcome", "seconds", "sandbox", "error")
-#: Most bytes of error.json read for the cell (read_outcome has already read it within the
-#: node's allowance; this only needs its first fields).
-ERROR_FILE_LIMIT = 16 * 1024 * 1024
 _SLUG = 40
 
 
@@ -58,7 +55,7 @@ def error_summary(o: NodeOutcome, redactor: Redactor | None) -> str:
     if o.failure == "workload" and o.output_dir is not None:
         from prefect_resoluto.task_runner import call_spec
 
-        e = call_spec.read_error(o.output_dir, redactor, limit=ERROR_FILE_LIMIT)  # no link followed
+        e = call_spec.read_error(o.output_dir, redactor)  # bounded, no link followed
         if e is not None:
             kind, message = str(e.get("type") or "Exception"), str(e.get("message") or "")
             text = f"{kind}: {message}" if message else kind

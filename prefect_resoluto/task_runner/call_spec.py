@@ -19,7 +19,7 @@ from guest_runner import call as call  # re-exported: task_runner reads its file
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
 from prefect_resoluto.node import result_files
-from prefect_resoluto.task_runner import remote_traceback
+from prefect_resoluto.task_runner import error_file, json_cost, remote_traceback
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
@@ -251,17 +251,23 @@ def read_outcome(
 ) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
-    Both are read without following links and only as regular files of at most ``limit``
-    bytes (prefect_resoluto.node.result_files). error.json is redacted again here (the guest
+    Both are read without following links and only as regular files
+    (prefect_resoluto.node.result_files): error.json's first ``error_file.MAX_FILE`` bytes,
+    return.json whole within ``limit`` bytes and only if parsing it costs a bounded multiple
+    of its size (:mod:`.json_cost`). error.json is redacted again here (the guest
     already did; this host does not take its word for it), and the redacted text replaces
     the file in ``output_dir``. The return value is the task's data and is not altered.
     """
     if output_dir is not None:
-        e = read_error(output_dir, redactor, limit=limit)
+        e = read_error(output_dir, redactor)
         if e is not None:
             raise error_from_record(e, task_module, memory_hint, workspace=workspace, redactor=redactor)
         raw = result_files.read(output_dir, call.RETURN_FILE, limit)
         if raw is not None:
+            try:
+                json_cost.check(raw, call.RETURN_FILE)
+            except json_cost.TooCostly as err:
+                raise WireError(str(err)) from None
             try:
                 return True, json.loads(raw)["value"]
             except (ValueError, KeyError, TypeError, RecursionError) as err:
@@ -269,35 +275,26 @@ def read_outcome(
     return False, None
 
 
-def read_error(
-    output_dir: Path, redactor: Redactor | None, *, limit: int | None = None
-) -> dict[str, Any] | None:
-    """error.json as a dict of strings, redacted, and rewritten redacted in place (a new
-    file renamed over it); None when there is none. One that cannot be read safely (a
-    link, not a regular file, over ``limit``) becomes a record that says so."""
+def read_error(output_dir: Path, redactor: Redactor | None) -> dict[str, Any] | None:
+    """error.json as a record of bounded size (:mod:`.error_file`: at most its first
+    ``error_file.MAX_FILE`` bytes are read, each text cut to its bound), redacted, and
+    rewritten so in place (a new file renamed over it); None when there is none. One that
+    cannot be read safely (a link, not a regular file) becomes a record that says so."""
     try:
-        data = result_files.read(output_dir, call.ERROR_FILE, limit)
+        head = result_files.read_head(output_dir, call.ERROR_FILE, error_file.MAX_FILE)
     except result_files.ResultFileError as err:
         return {"type": "Exception", "message": f"refused: {err}"}
-    if data is None:
+    if head is None:
         return None
-    raw = data.decode("utf-8", errors="replace")
-    try:
-        e: object = json.loads(raw)
-    except (ValueError, RecursionError):
-        e = {
-            "type": "Exception",
-            "message": f"{call.ERROR_FILE} from the sandbox is malformed",
-            "traceback": raw[:4000],
-        }
-    if not isinstance(e, dict):
-        e = {"type": "Exception", "message": str(e)}
+    data, cut = head
+    e = error_file.parse(data, cut, call.ERROR_FILE)
+    del data
     if redactor is not None and redactor.count:
-        clean: dict[str, Any] = redactor.data(e)
-        if clean != e:
+        clean: dict[str, Any] = error_file.bounded(redactor.data(e))
+        if cut or clean != e:
             result_files.replace(output_dir, call.ERROR_FILE, json.dumps(clean, ensure_ascii=False).encode())
-        e = clean
-    return e
+        return clean
+    return error_file.bounded(e)
 
 
 def error_from_record(
