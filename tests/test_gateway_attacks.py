@@ -947,3 +947,54 @@ def test_three_runs_listing_big_answers_at_once_stream_them_through_a_flat_worke
         f"the worker grew from {before / 1024:.0f} MiB by {growth:.0f} MiB relaying "
         f"{runs * at_once} answers of {answer_mib:.0f} MiB at once"
     )
+
+
+@pytest.mark.prefect
+def test_a_run_past_its_few_events_websockets_is_closed_and_told_in_its_logs(server):  # noqa: F811
+    """Events websockets are each a connection to the API: a run holds MAX_WEBSOCKETS at once;
+    one more is closed 1013 with the bound in its reason and a WARNING in the run's logs, and
+    once one of its own closes, the run opens another."""
+    import asyncio
+    import contextlib
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+    from websockets.typing import Subprotocol
+
+    own = parked_run()
+    with gateway_for(own) as gw:
+
+        async def opened(stack: contextlib.AsyncExitStack) -> Any:
+            ws = await stack.enter_async_context(
+                connect(f"ws://{gw.address}/api/events/in", subprotocols=[Subprotocol("prefect")])
+            )
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}))
+            return ws, await ws.recv()
+
+        async def attempt() -> tuple[list[Any], Any, Any]:
+            async with contextlib.AsyncExitStack() as stack:
+                held = [await opened(stack) for _ in range(api_gateway.MAX_WEBSOCKETS)]
+                try:
+                    extra = await opened(stack)
+                except ConnectionClosed as e:
+                    extra = (e.rcvd.code, e.rcvd.reason) if e.rcvd else None
+                assert extra is not None and extra[0] == 1013, f"one past the bound: {extra}"
+                await held[0][0].close()
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: gw._websockets < api_gateway.MAX_WEBSOCKETS,
+                    timeout=30,
+                    what="the gateway to let the closed websocket go",
+                )
+                again = await opened(stack)
+                return [json.loads(reply) for _, reply in held], extra, json.loads(again[1])
+
+        replies, extra, again = asyncio.run(attempt())
+    assert replies == [{"type": "auth_success"}] * api_gateway.MAX_WEBSOCKETS
+    assert str(api_gateway.MAX_WEBSOCKETS) in extra[1], extra
+    assert again == {"type": "auth_success"}
+    wait_for(
+        lambda: any("rule websockets" in line for line in run_logs(own.id)),
+        timeout=60,
+        what="the refused websocket as a WARNING in the run's logs",
+    )

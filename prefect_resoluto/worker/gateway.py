@@ -65,6 +65,15 @@ BODY_TIMEOUT = 30.0
 HEAD_TIMEOUT = 15.0
 #: Requests of one run the gateway works on at once; more wait their turn.
 MAX_CONCURRENT = 8
+#: Connections the gateway holds to the API for one run's HTTP (its requests, the answers
+#: it streams back, the rules' own reads, refusals' log lines); more wait for one to free.
+MAX_UPSTREAM = 2 * MAX_CONCURRENT
+#: Events websockets of one run open at once, each one connection upstream (Prefect's
+#: engine opens one `/events/in` and a subscription or two per process); more are refused.
+MAX_WEBSOCKETS = 4
+#: Connections of a sandbox the gateway holds at once (each a descriptor of the worker's,
+#: which every run shares); one past it is closed as soon as it is accepted.
+MAX_CONNECTIONS = 64
 #: The logger name of the gateway's lines in the flow run's logs.
 LOGGER_NAME = "prefect_resoluto.gateway"
 # Headers of the sandbox's request that are the gateway's business, not the API's.
@@ -169,7 +178,7 @@ class ApiGateway:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
-        self._sock.listen(128)
+        self._sock.listen(MAX_CONNECTIONS)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self.refused = 0
@@ -178,6 +187,7 @@ class ApiGateway:
         self._logged = 0
         self._announced = 0
         self._busy: asyncio.Semaphore | None = None
+        self._websockets = 0  # events websockets open (each holds an upstream connection)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -202,7 +212,8 @@ class ApiGateway:
             lifespan="off",
             ws="websockets-sansio",
             http=_head_timed_protocol(),
-            limit_concurrency=4 * MAX_CONCURRENT + 16,  # connections: more are answered 503
+            limit_concurrency=4 * MAX_CONCURRENT + 16,  # requests at once: more are answered 503
+            backlog=MAX_CONNECTIONS,  # also how many asyncio accepts in one go, before any is closed
             ws_max_size=MAX_EVENT,
             timeout_graceful_shutdown=2,
             server_header=False,
@@ -238,6 +249,7 @@ class ApiGateway:
             # when over the cap (a compressed one is counted as it is decoded)
             headers={**self.upstream.headers(), "Accept-Encoding": "identity"},
             timeout=httpx.Timeout(60.0, connect=15.0),
+            limits=httpx.Limits(max_connections=MAX_UPSTREAM, max_keepalive_connections=MAX_CONCURRENT),
             follow_redirects=False,
         ) as client:
             self._client = client
@@ -427,7 +439,8 @@ class ApiGateway:
         if "prefect" in wanted:
             await ws.accept(subprotocol="prefect")
             try:
-                message = json.loads(await ws.receive_text())
+                async with asyncio.timeout(HEAD_TIMEOUT):  # a silent client holds no connection for ever
+                    message = json.loads(await ws.receive_text())
             except Exception:
                 await _close(ws, 1008, "Expected 'auth' message")
                 return
@@ -442,7 +455,23 @@ class ApiGateway:
                 await _close(ws, 1008, "'prefect' subprotocol required")
                 return
             await ws.accept()
-        stream = path.rsplit("/", 1)[1]
+        if self._websockets >= MAX_WEBSOCKETS:  # counted before any await: no race past it
+            refusal = Refusal(
+                "websockets",
+                f"websocket {path}: this run has {MAX_WEBSOCKETS} events websockets open already, "
+                "the most it may hold at once",
+            )
+            await _close(ws, 1013, f"websockets: at most {MAX_WEBSOCKETS} open at once per flow run")
+            await self._note_refusal(refusal)
+            return
+        self._websockets += 1
+        try:
+            await self._events(ws, path.rsplit("/", 1)[1], "prefect" in wanted)
+        finally:
+            self._websockets -= 1
+
+    async def _events(self, ws: Any, stream: str, prefect: bool) -> None:
+        """One admitted events websocket, relayed over its own connection upstream."""
         try:
             upstream = await self._open_events_upstream(stream)
         except Exception as e:
@@ -450,7 +479,7 @@ class ApiGateway:
             await _close(ws, 1011, "the Prefect API's event stream is unreachable")
             return
         try:
-            if "prefect" in wanted:
+            if prefect:
                 await ws.send_text(json.dumps({"type": "auth_success"}))
             if stream == "in":
                 await self._relay_events(ws, upstream)
@@ -733,7 +762,8 @@ def escape_controls(text: str) -> str:
 
 def _head_timed_protocol() -> type:
     """uvicorn's h11 protocol, closing a connection whose request head is not complete
-    within HEAD_TIMEOUT (uvicorn itself waits for ever)."""
+    within HEAD_TIMEOUT (uvicorn itself waits for ever), and one past MAX_CONNECTIONS as
+    soon as it is accepted (uvicorn's `limit_concurrency` holds it open to answer 503)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadTimed(H11Protocol):
@@ -741,6 +771,10 @@ def _head_timed_protocol() -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            # every live connection of this gateway, HTTP or websocket, is in this set
+            if len(self.connections) > MAX_CONNECTIONS:
+                transport.abort()  # its descriptor is closed on the loop's next turn
+                return
             self._arm()
 
         def _arm(self) -> None:
