@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 WHY = (
     "a sandboxed task's run context holds its task run and flow run as the host sent them "
@@ -184,6 +184,7 @@ class Record:
 class _StandInContext:
     _kind = "context"
     _fields: "Tuple[str, ...]" = ()
+    _sent_key, _run_key = "", ""
 
     def __init__(self, sent: Dict[str, Any], run_key: str) -> None:
         for name in self._fields:
@@ -212,14 +213,12 @@ class TaskRunContext(_StandInContext):
 
     _kind = "TaskRunContext"
     _fields = TASK_FIELDS
+    _sent_key, _run_key = "task", "task_run"
     _current: "List[TaskRunContext]" = []
 
     @classmethod
     def get(cls) -> "Optional[TaskRunContext]":
-        sent = _SENT.get("task")
-        if not cls._current and isinstance(sent, dict) and isinstance(sent.get("task_run"), dict):
-            cls._current.append(cls(sent, "task_run"))
-        return cls._current[0] if cls._current else None
+        return _current(cls)
 
 
 class FlowRunContext(_StandInContext):
@@ -227,14 +226,23 @@ class FlowRunContext(_StandInContext):
 
     _kind = "FlowRunContext"
     _fields = FLOW_FIELDS
+    _sent_key, _run_key = "flow", "flow_run"
     _current: "List[FlowRunContext]" = []
 
     @classmethod
     def get(cls) -> "Optional[FlowRunContext]":
-        sent = _SENT.get("flow")
-        if not cls._current and isinstance(sent, dict) and isinstance(sent.get("flow_run"), dict):
-            cls._current.append(cls(sent, "flow_run"))
-        return cls._current[0] if cls._current else None
+        return _current(cls)
+
+
+_C = TypeVar("_C", TaskRunContext, FlowRunContext)
+
+
+def _current(cls: "Type[_C]") -> "Optional[_C]":
+    """The one context of its kind the host sent (made on first use), or None."""
+    sent = _SENT.get(cls._sent_key)
+    if not cls._current and isinstance(sent, dict) and isinstance(sent.get(cls._run_key), dict):
+        cls._current.append(cls(sent, cls._run_key))
+    return cls._current[0] if cls._current else None
 
 
 def get_run_context() -> Any:
