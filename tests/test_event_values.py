@@ -30,7 +30,6 @@ from prefect import flow
 
 from guest_runner import wire
 from guest_runner.conduit import LocalConduit
-from prefect_resoluto import ResolutoTaskRunner
 from prefect_resoluto.node.tail import ChunkTailer, MalformedChunk
 from prefect_resoluto.task_runner.logs import ApiLogBatcher, EventLogForwarder
 
@@ -308,19 +307,11 @@ put("_manifest.json", wire.encode_manifest(1))
 @pytest.mark.usefixtures("prefect")
 def test_an_infinite_ts_from_a_real_sandbox_fails_the_task_as_a_protocol_failure(gvisor, tmp_path):
     from support.prefect_readback import task_runs
-    from test_hostile_outputs import _Patched
+    from test_hostile_outputs import _Patched, _runner
     from test_task_runner import logs_of
 
     conduit = LocalConduit(tmp_path / "conduit")
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=conduit,
-        workspace=FLOWS,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = _runner(tmp_path, conduit)
 
     @flow(task_runner=runner)
     def victim() -> str:

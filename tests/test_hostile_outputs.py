@@ -331,15 +331,7 @@ def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor
     outbox = tar_gz(
         [*chain, link(".resoluto/error.json", deep_b[len(".resoluto/") :] + "/proc/self/environ")]
     )
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=conduit,
-        workspace=FLOWS,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = _runner(tmp_path, conduit)
 
     @flow(task_runner=runner)
     def victim() -> str:
@@ -386,15 +378,7 @@ def test_error_json_naming_a_module_the_host_never_imported_imports_nothing(gvis
         {"type": name, "module": module, "qualname": name, "exception": True, "message": "from the sandbox"}
     ).encode()
     outbox = tar_gz([reg(".resoluto/error.json", record)])
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=conduit,
-        workspace=FLOWS,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = _runner(tmp_path, conduit)
 
     @flow(task_runner=runner)
     def victim() -> BaseException | None:
