@@ -98,14 +98,15 @@ class WorkloadOutput:
     (what ``run`` prints on stdout, what a command task's line sink receives) -- not the setup's
     or cleanup's output, nor the guest runner's own words."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: frozenset[str] = frozenset({"workload"})) -> None:
+        self._phases = phases  # the span kinds whose lines count (a worker's: setup and cleanup too)
         self._spans: set[str] = set()
 
     def line(self, ev: SpanEvent) -> str | None:
         """The line ``ev`` carries when it is workload output, else None (feed every event)."""
         kind, event = ev.get("kind", ""), ev.get("event", "")
         if event == "open":
-            if kind == "workload" and len(self._spans) < MAX_WORKLOAD_SPANS:
+            if kind in self._phases and len(self._spans) < MAX_WORKLOAD_SPANS:
                 self._spans.add(str(ev.get("span_id", "")))
             return None
         if event == "log" and kind == "log" and str(ev.get("parent_span_id", "")) in self._spans:

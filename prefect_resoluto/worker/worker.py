@@ -43,7 +43,7 @@ from prefect_resoluto.blocks import (
 )
 from prefect_resoluto.node.describe import describe_event
 from prefect_resoluto.node.drive import drive
-from prefect_resoluto.node.observer import NodeObserver
+from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes.base import IsolationLevel, SandboxHandle, SandboxRuntime
@@ -900,7 +900,7 @@ class FlowRunObserver(NodeObserver):
         self.echo = echo
         self.handle_ids: list[str] = []
         self.evidence: deque[str] = deque(maxlen=EVIDENCE_LINES)
-        self._workload_spans: set[str] = set()
+        self._output = WorkloadOutput(_PHASES)
 
     def launched(self, handle: SandboxHandle) -> None:
         self.handle_ids.append(handle.id)
@@ -916,6 +916,7 @@ class FlowRunObserver(NodeObserver):
     def event(self, ev: wire.SpanEvent) -> None:
         if ev.get("kind") == "heartbeat":
             return
+        own = self._output.line(ev)  # the flow run's own process: what Prefect's process worker streams
         if ev.get("event") == "log":
             data = ev.get("data") or {}
             line = str(data.get("line", ""))
@@ -927,10 +928,9 @@ class FlowRunObserver(NodeObserver):
             self.evidence.append(
                 line if len(line) <= EVIDENCE_CHARS else f"{line[:EVIDENCE_CHARS]}… [{len(line)} characters]"
             )
-            if ev.get("parent_span_id") in self._workload_spans:
-                # The flow run's own process: what Prefect's process worker streams.
+            if own is not None:
                 if self.echo is not None:
-                    self.echo(line)
+                    self.echo(own)
             else:
                 # The guest runner's own diagnostics (staging, the egress canary): the worker's
                 # log, dated and levelled like its other lines; its chatter at DEBUG.
@@ -938,12 +938,6 @@ class FlowRunObserver(NodeObserver):
                     level if level >= logging.WARNING else logging.DEBUG, "%s | %s", self.flow_run_name, line
                 )
             return
-        if (
-            ev.get("event") == "open"
-            and ev.get("kind") in _PHASES
-            and len(self._workload_spans) < len(_PHASES)
-        ):
-            self._workload_spans.add(str(ev.get("span_id", "")))
         described = describe_event(ev)
         if described is not None:
             self.worker_logger.debug("%s | %s", self.flow_run_name, described[1])
