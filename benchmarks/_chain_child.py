@@ -48,7 +48,7 @@ def main() -> None:
     if args.timeline:
         import _timeline
 
-        _timeline.install()
+        _timeline.install(profile_nodes=True)
 
     def resoluto() -> ResolutoTaskRunner:
         return ResolutoTaskRunner(
@@ -101,11 +101,12 @@ def main() -> None:
     if args.timeline:
         import _timeline
 
-        del _timeline.SPANS[:], _timeline.MARKS[:]
+        del _timeline.SPANS[:], _timeline.MARKS[:], _timeline.PROFILES[:]
         t_start = time.time()
         took = chain(resoluto(), args.n)
         lines = [f"one {args.runtime} chain of {args.n}: {took * 1000:.1f} ms", *_timeline.report(t_start)]
         Path(args.timeline).write_text("\n".join(lines) + "\n")
+        _timeline.dump_profiles(args.timeline + ".prof")
     Path(args.out).write_text(json.dumps(out))
     shutil.rmtree(work, ignore_errors=True)
 

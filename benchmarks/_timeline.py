@@ -38,7 +38,35 @@ def mark(label: str) -> None:
         MARKS.append((threading.current_thread().name, label, time.time()))
 
 
-def install() -> None:
+PROFILES: list[Any] = []  # cProfile of each node's own thread, when asked for
+
+
+def _profiled(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.disable()
+            with _lock:
+                PROFILES.append(prof)
+
+    return run
+
+
+def dump_profiles(path: str) -> None:
+    """The nodes' profiles merged into one pstats file at ``path`` (none: nothing written)."""
+    import pstats
+
+    if PROFILES:
+        pstats.Stats(*PROFILES).dump_stats(path)
+
+
+def install(profile_nodes: bool = False) -> None:
     from prefect_resoluto.node import drive
     from prefect_resoluto.runtimes import gvisor
     from prefect_resoluto.task_runner import python_calls, runner, task_node
@@ -52,6 +80,8 @@ def install() -> None:
     _wrap(python_calls.call_spec, "read_outcome", "read return")
     _wrap(python_calls.reads, "secret_entries", "reads")
     _wrap(task_node.TaskNodes, "run", "node")
+    if profile_nodes:  # the host's CPU of each node's own thread, from take to outcome
+        task_node.TaskNodes.run = _profiled(task_node.TaskNodes.run)  # type: ignore[method-assign]
     _wrap(pool, "take_for", "take warm")
     for name in (
         "_prepare",
