@@ -479,9 +479,7 @@ class WarmPool:
         now = time.monotonic()
         if now - t0 >= RESTORE_WAIT:
             return False
-        if self._restorable(key) and (
-            self._starting.get(key) or (key in self._wanted and len(idle) < self.target(key))
-        ):
+        if self._restorable(key) and (self._starting.get(key) or (not idle and key in self._wanted)):
             return True  # being started, or the refill thread's next: a restore is coming
         return any(w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle)
 
