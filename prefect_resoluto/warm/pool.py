@@ -446,7 +446,8 @@ class WarmPool:
         fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
         mounts, and moving the slot then would fail the sandbox's start. One being
-        *restored* is waited for (RESTORE_WAIT at most): it is a fraction of a cold start away."""
+        *restored*, or about to be (:meth:`_restoring_soon`), is waited for (RESTORE_WAIT at
+        most): it is a fraction of a cold start away."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
@@ -477,7 +478,7 @@ class WarmPool:
         (seconds away). The first task of a flow arrives moments after the runner asked for
         its key, before the refill thread's first restore is in the idle list."""
         now = time.monotonic()
-        if now - t0 >= RESTORE_WAIT:
+        if now - t0 >= RESTORE_WAIT or self._closed:
             return False
         if self._restorable(key) and (self._starting.get(key) or (not idle and key in self._wanted)):
             return True  # being started, or the refill thread's next: a restore is coming
