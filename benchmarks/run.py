@@ -33,6 +33,7 @@ from common import Target, dump_json, log  # noqa: E402
 FIGURES = (
     "overhead",
     "flow",
+    "chain",
     "latency",
     "throughput",
     "conduit_cost",
@@ -85,6 +86,7 @@ def main() -> int:
     state = tempfile.mkdtemp(prefix="resoluto-bench-state-")
     os.environ.setdefault("RESOLUTO_STATE_DIR", state)
 
+    import chain
     import conduit_cost
     import egress_cost
     import flow
@@ -103,6 +105,7 @@ def main() -> int:
     modules = {
         "overhead": overhead,
         "flow": flow,
+        "chain": chain,
         "latency": latency,
         "throughput": throughput,
         "conduit_cost": conduit_cost,

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.polling import wait_for
+from support.polling import scaled, wait_for
 from test_pool import _files_containing, _no_sandboxes, _ready_pool, _take
 
 from guest_runner.conduit import LocalConduit
@@ -213,3 +213,28 @@ def test_closing_the_pool_while_a_template_boots_leaves_nothing(gvisor, local_co
     _runsc_root_empty(gvisor)
     tmp = Path(gvisor.state) / snapshots.DIR_NAME
     assert not tmp.is_dir() or [p for p in tmp.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_a_flows_first_node_takes_the_first_restore_not_a_cold_boot(gvisor, local_conduit, monkeypatch):
+    """A runner asks for its key at start and its first task arrives moments later, before
+    the refill thread's first restore is in the idle list: the node waits for that restore
+    (a fraction of a boot away) instead of booting a sandbox of its own (issue 42)."""
+    from prefect_resoluto.warm import pool as pool_mod
+
+    key = key_for(NodeSpec(run_id="r", node_id="n", argv=["true"]))
+    _ready_pool(gvisor, local_conduit, key).close()  # the key's image, as an earlier flow left it
+    assert len(_images(gvisor)) == 1
+    # How long a restore may take is the machine's load, not what is tested here.
+    monkeypatch.setattr(pool_mod, "RESTORE_WAIT", scaled(60))
+    pool = WarmPool(gvisor, local_conduit, size=1)
+    w = None
+    try:
+        pool.want(key)  # the runner's start ...
+        w, _ = pool.take(key)  # ... and its first task, at once
+        assert w is not None, "the first node booted its own sandbox"
+        assert w.restored is not None and w.ready()
+    finally:
+        if w is not None:
+            w.discard()
+        pool.close()
+    _no_sandboxes(gvisor)

@@ -366,7 +366,10 @@ class LocalChildRuntime(SandboxRuntime):
         rec = SandboxRecord.load(d)
         if rec is not None and rec.exit_code is None:
             rec.exit_code = code
-            rec.save()
+            try:
+                rec.save()
+            except FileNotFoundError:
+                pass  # destroyed meanwhile (the reaper's thread): its record went with it
 
     def _exit_status(
         self, handle: SandboxHandle, code: int, cg: _cgroup.Cgroup | None | bool = True

@@ -63,12 +63,19 @@ LABEL_WARM = "resoluto.warm"
 DEFAULT_CAP = 4
 #: Sandboxes booting at once: boots compete with running tasks for the same cores.
 MAX_BOOTING = 2
+#: Idle sandboxes a key keeps beyond its nodes in flight: one booted, two restored. A restore
+#: takes ~0.3-0.5 s to ready, longer than a short task: a chain of them (each task waiting on
+#: the one before) would otherwise find its next sandbox still restoring at every step.
+AHEAD_BOOTED = 1
+AHEAD_RESTORED = 2
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
 READY = wire.WARM_READY
 SNAPSHOT_READY = wire.WARM_SNAPSHOT_READY
 WAKE = wire.WARM_WAKE
 SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
+#: Seconds between looks at a starting sandbox's log for its ready line (the refill thread).
+READY_LOOK = 0.02
 #: Seconds a node waits at most for a sandbox being restored before it runs cold.
 RESTORE_WAIT = 1.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
@@ -380,6 +387,9 @@ class WarmPool:
         self._taken: dict[PoolKey, list[WarmSandbox]] = {}
         self._misses: dict[PoolKey, list[float]] = {}
         self._floor: dict[PoolKey, int] = {}
+        #: Sandboxes the refill thread is starting (chosen, not yet idle): a node that
+        #: arrives meanwhile waits for a restore as for one already in the idle list.
+        self._starting: dict[PoolKey, int] = {}
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -436,7 +446,8 @@ class WarmPool:
         fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
         mounts, and moving the slot then would fail the sandbox's start. One being
-        *restored* is waited for (RESTORE_WAIT at most): it is a fraction of a cold start away."""
+        *restored*, or about to be (:meth:`_restoring_soon`), is waited for (RESTORE_WAIT at
+        most): it is a fraction of a cold start away."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
@@ -446,7 +457,7 @@ class WarmPool:
             with self._lock:
                 idle = self._idle.get(key) or []
                 pick = next((w for w in idle if w.ready()), None)
-                if pick is None and warm and self._restoring_soon(idle, t0):
+                if pick is None and warm and self._restoring_soon(key, idle, t0):
                     self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
                     continue
                 if pick is None:
@@ -460,15 +471,18 @@ class WarmPool:
                 return pick, time.monotonic() - t0
             self._failed(pick)
 
-    @staticmethod
-    def _restoring_soon(idle: list[WarmSandbox], t0: float) -> bool:
-        """Whether a sandbox of ``idle`` is being restored and worth waiting for: a restore
-        reaches ready in ~0.3-0.5 s, a cold node costs a whole boot more. At most
-        RESTORE_WAIT seconds from ``t0``, and never for one booting (seconds away)."""
+    def _restoring_soon(self, key: PoolKey, idle: list[WarmSandbox], t0: float) -> bool:
+        """Whether a sandbox of ``idle`` is being restored (or its restore is being started)
+        and worth waiting for: a restore reaches ready in ~0.3-0.5 s, a cold node costs a
+        whole boot more. At most RESTORE_WAIT seconds from ``t0``, and never for one booting
+        (seconds away). The first task of a flow arrives moments after the runner asked for
+        its key, before the refill thread's first restore is in the idle list."""
         now = time.monotonic()
-        return now - t0 < RESTORE_WAIT and any(
-            w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle
-        )
+        if now - t0 >= RESTORE_WAIT or self._closed:
+            return False
+        if self._restorable(key) and (self._starting.get(key) or (not idle and key in self._wanted)):
+            return True  # being started, or the refill thread's next: a restore is coming
+        return any(w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle)
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
@@ -478,8 +492,7 @@ class WarmPool:
             self._idle.clear()
             self._lock.notify_all()
             thread = self._thread
-        for w in idle:
-            w.discard()
+        _discard_all(idle)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=30)
         for builder in list(self._builders):  # a template being made sees _closed and stops
@@ -488,8 +501,7 @@ class WarmPool:
         with self._lock:  # one launched while we joined
             idle = [w for ws in self._idle.values() for w in ws]
             self._idle.clear()
-        for w in idle:
-            w.discard()
+        _discard_all(idle)
         try:  # any taken but never driven (the process is leaving): by the runtime's own listing
             self.runtime.sweep({LABEL_POOL: self.id})
         except Exception as e:
@@ -512,10 +524,20 @@ class WarmPool:
                     return
                 todo = self._next_key()
                 if todo is None:
-                    self._lock.wait(timeout=0.5)  # a boot finishing frees a slot: re-check
+                    # A sandbox reaching ready frees a start (MAX_BOOTING); ready is a line in
+                    # its log, no event: looked at every READY_LOOK while one is on its way.
+                    # Sleeping the idle 0.5 s then held every next restore of a chain of short
+                    # tasks back by up to half a second.
+                    starting = any(not w.ready() for ws in self._idle.values() for w in ws)
+                    self._lock.wait(timeout=READY_LOOK if starting else 0.5)
                     continue
+                self._starting[todo] = self._starting.get(todo, 0) + 1
             try:
-                w = self._launch(todo)
+                try:
+                    w = self._launch(todo)
+                finally:
+                    with self._lock:
+                        self._starting[todo] -= 1
             except Exception as e:
                 log.warning(
                     "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
@@ -534,19 +556,22 @@ class WarmPool:
                 else:
                     closed = False
                     self._idle.setdefault(todo, []).append(w)
+                    self._lock.notify_all()  # a node waiting for a restore looks at it now
             if closed:
                 w.discard()
                 return
 
     def target(self, key: PoolKey) -> int:
-        """Idle sandboxes to keep for ``key``: one more than its nodes running now (warm ones
-        still alive, cold ones started in the last MISS_WINDOW seconds), at most ``size``."""
+        """Idle sandboxes to keep for ``key``: AHEAD_BOOTED (AHEAD_RESTORED where they are
+        restored) more than its nodes running now (warm ones still alive, cold ones started
+        in the last MISS_WINDOW seconds), at most ``size``."""
         now = time.monotonic()
         taken = self._taken.get(key) or []
         taken[:] = [w for w in taken if w.alive()]
         misses = self._misses.get(key) or []
         misses[:] = [t for t in misses if now - t < MISS_WINDOW]
-        return max(self._floor.get(key, 0), min(self.size, 1 + len(taken) + len(misses)))
+        ahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
+        return max(self._floor.get(key, 0), min(self.size, ahead + len(taken) + len(misses)))
 
     def _next_key(self) -> PoolKey | None:
         # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
@@ -774,6 +799,20 @@ class WarmPool:
         image = self.snapshots.commit(key, tmp, made)
         log.debug("warm-sandbox image %s made in %.1f s", image, time.monotonic() - t0)
         return image
+
+
+def _discard_all(sandboxes: list[WarmSandbox]) -> None:
+    """Discard every one of ``sandboxes`` at once: each waits for its own guest to exit (up to
+    a second on a loaded host), and the flow that closes the pool waits for the last."""
+    if len(sandboxes) <= 1:
+        for w in sandboxes:
+            w.discard()
+        return
+    threads = [threading.Thread(target=w.discard, name="resoluto-warm-discard") for w in sandboxes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
