@@ -29,8 +29,9 @@ from test_kubernetes_cluster import IMAGE, STORE_SECRET, core, net, store_secret
 from test_worker import FLOWS, Worker, create_pool, facts, final_run, running_worker, schedule  # noqa: E402
 
 from guest_runner import refusal  # noqa: E402
-from prefect_resoluto.runtimes.kubernetes.manifests import METADATA_V4  # noqa: E402
+from prefect_resoluto.runtimes.kubernetes.manifests import METADATA_V4, SANDBOX_ID_ANNOTATION  # noqa: E402
 from prefect_resoluto.runtimes.labels import LABEL_FLOW_RUN, label_value  # noqa: E402
+from prefect_resoluto.worker.worker import GATEWAY_ADDRESS_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.k8s, pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
@@ -80,11 +81,16 @@ def k8s_pool(
     ).model_dump(mode="json", exclude_unset=True)
     kubeconfig = k8s_cluster.write_kubeconfig(tmp / "kubeconfig", {CONTEXT: ns}, current=CONTEXT)
     pool = create_pool(cli=False, floor=None)
-    with running_worker(pool, tmp, KUBECONFIG=kubeconfig, RESOLUTO_WARM_SNAPSHOTS="0") as worker:
+    address = host_address()
+    # The worker's own default address (as a worker pod sets it from status.podIP); the first
+    # test's deployment names it as a job variable instead.
+    env = {"KUBECONFIG": kubeconfig, "RESOLUTO_WARM_SNAPSHOTS": "0", GATEWAY_ADDRESS_ENV: address}
+    with running_worker(pool, tmp, **env) as worker:
         yield {
             "worker": worker,
+            "agent": k8s_agent,
             "namespace": ns,
-            "gateway_address": host_address(),
+            "gateway_address": address,
             "sandbox": sandbox,
         }
     with contextlib.suppress(Exception):
@@ -100,7 +106,6 @@ def deploy_in_pods(pool: dict[str, Any], entrypoint: str, **job_variables: Any) 
         "runtime": "kubernetes",
         "min_isolation": "user-kernel",
         "sandbox": pool["sandbox"],
-        "api_gateway_address": pool["gateway_address"],
         **job_variables,
     }
     name = f"pod-{uuid.uuid4().hex[:8]}"
@@ -129,24 +134,32 @@ def run_is_final(run_id: Any) -> Any:
     return state if state is not None and state.is_final() else None
 
 
-def egress_peers(policy: Any) -> set[tuple[str, Any]]:
-    """Each (peer, port) the stored NetworkPolicy admits: ipBlocks by CIDR (and excepts)."""
-    out: set[tuple[str, Any]] = set()
+def _neighbour(address: str) -> str:
+    """Another address of the gateway's /24."""
+    ip = ipaddress.ip_address(address)
+    return str(ip + 1 if int(ip) & 0xFF < 254 else ip - 1)
+
+
+def admitting(policy: Any, address: str) -> list[tuple[str, Any]]:
+    """Each (ipBlock, port) of the stored NetworkPolicy that lets the pod dial ``address``
+    (None: every port)."""
+    ip = ipaddress.ip_address(address)
+    found = []
     for rule in policy.spec.egress or []:
         ports = [p.port for p in rule.ports or []] or [None]
         for peer in rule.to or []:
-            if peer.ip_block is not None:
-                text = peer.ip_block.cidr + (
-                    f" except {sorted(peer.ip_block._except)}" if peer.ip_block._except else ""
-                )
-            else:
-                text = f"pods {peer.pod_selector.match_labels} in {peer.namespace_selector.match_labels}"
-            out |= {(text, port) for port in ports}
-    return out
+            block = peer.ip_block
+            if block is None:
+                continue  # the cluster's DNS pods, by label
+            net_ = ipaddress.ip_network(block.cidr)
+            if net_.version == ip.version and ip in net_:
+                if not any(ip in ipaddress.ip_network(e) for e in block._except or []):
+                    found += [(block.cidr, port) for port in ports]
+    return found
 
 
 def test_worker_flow_run_as_a_pod_reports_logs_artifact_and_a_refusal_through_its_gateway_only(
-    k8s_pool: dict[str, Any], k8s_cluster: Cluster, moto_server: Any, tmp_path: Path
+    k8s_pool: dict[str, Any], k8s_cluster: Cluster
 ) -> None:
     from prefect.variables import Variable
     from support.prefect_readback import client
@@ -157,7 +170,16 @@ def test_worker_flow_run_as_a_pod_reports_logs_artifact_and_a_refusal_through_it
     Variable.set(private, "private-value-8812")
     worker: Worker = k8s_pool["worker"]
     ns, gateway_ip = k8s_pool["namespace"], k8s_pool["gateway_address"]
-    dep = deploy_in_pods(k8s_pool, "pod_call_flows.py:in_a_pod", allowed_variables=[granted])
+    # What a deployment's author who read docs/worker.md tries, to reach the worker's host
+    # beyond the gateway (the real API, other runs' gateways): egress wide enough to hold it.
+    wide = ["0.0.0.0/0", f"{ipaddress.ip_network(gateway_ip + '/24', strict=False)}:4200", "public_https"]
+    dep = deploy_in_pods(
+        k8s_pool,
+        "pod_call_flows.py:in_a_pod",
+        allowed_variables=[granted],
+        egress=wide,
+        api_gateway_address=gateway_ip,
+    )
     run = schedule(dep, variable=granted, refused=private)
 
     # While it runs: the pod's policy as the API server stores it.
@@ -190,12 +212,59 @@ def test_worker_flow_run_as_a_pod_reports_logs_artifact_and_a_refusal_through_it
         )
     assert [(a.key, a.data) for a in arts] == [("pod-flow-report", "# from the pod's flow run")]
 
-    # The worker's host is reachable from the pod at the gateway's one address and port only.
-    store_port = int(moto_server.endpoint_url.rsplit(":", 1)[1])
-    peers = egress_peers(policy)
-    host_peers = {p for p in peers if p[0].startswith(f"{gateway_ip}/") or "0.0.0.0" in p[0]}
-    assert host_peers == {(f"{gateway_ip}/32", gateway_port)}, peers
-    ip_blocks = {p for p in peers if not p[0].startswith("pods ")}
-    assert ip_blocks == {(f"{gateway_ip}/32", gateway_port), ("127.0.0.1/32", store_port)}, peers
-    assert not any(str(METADATA_V4.network_address) in p[0] for p in peers), peers
+    # The worker's host is reachable from the pod at the gateway's one address and port only,
+    # whatever the allowlist holds; the metadata address never.
+    assert admitting(policy, gateway_ip) == [(f"{gateway_ip}/32", gateway_port)], admitting(
+        policy, gateway_ip
+    )
+    assert admitting(policy, str(METADATA_V4.network_address)) == []
+    # ... and the rest of what the allowlist asks for stays allowed: its neighbour, the world.
+    neighbour = _neighbour(gateway_ip)
+    assert {None, 4200} <= {port for _, port in admitting(policy, neighbour)}, admitting(policy, neighbour)
+    assert {port for _, port in admitting(policy, "8.8.8.8")} == {None, 443}
     wait_for(lambda: pods_of(k8s_cluster, ns, run.id) == [], timeout=60, what="the run's pod reaped")
+
+
+def test_worker_cancelling_a_pods_flow_run_deletes_the_pod(
+    k8s_pool: dict[str, Any], k8s_cluster: Cluster
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+    from test_worker import started
+
+    worker: Worker = k8s_pool["worker"]
+    ns = k8s_pool["namespace"]
+    run = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:lingers"), seconds=600)
+    started(run.id)
+    (pod,) = pods_of(k8s_cluster, ns, run.id)
+    assert pod.status.phase == "Running", pod.status
+    with get_client(sync_client=True) as c:
+        c.set_flow_run_state(run.id, Cancelling(), force=True)
+    fr = final_run(run.id, worker, timeout=120)
+    assert fr.state.is_cancelled(), fr.state
+    sandbox = pod.metadata.annotations[SANDBOX_ID_ANNOTATION]
+    assert f"its sandbox {sandbox} on kubernetes was destroyed" in (fr.state.message or ""), fr.state.message
+    wait_for(
+        lambda: pods_of(k8s_cluster, ns, run.id) == [], timeout=60, what="the cancelled run's pod deleted"
+    )
+    assert f"{ns}/{pod.metadata.name}" not in k8s_pool["agent"].running()
+
+
+def test_worker_pod_whose_flow_run_dies_crashes_the_run_with_its_evidence(
+    k8s_pool: dict[str, Any], k8s_cluster: Cluster
+) -> None:
+    """The engine killed (as the OOM killer would) before it reports: Crashed with the
+    sandbox's reason and its last output in the run's logs, as on gVisor."""
+    from test_worker import logs_with
+
+    worker: Worker = k8s_pool["worker"]
+    run = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:crashes"))
+    fr = final_run(run.id, worker)
+    assert fr.state.is_crashed(), fr.state
+    msg = fr.state.message or ""
+    assert "on kubernetes: the flow run's process exited with code" in msg, msg
+    assert "before it reported a final state; it was killed by SIGKILL" in msg, msg
+    logs_with(run.id, "evidence-from-the-pod")
+    wait_for(
+        lambda: pods_of(k8s_cluster, k8s_pool["namespace"], run.id) == [], timeout=60, what="the pod reaped"
+    )
