@@ -119,7 +119,15 @@ def test_a_pods_task_relays_artifacts_reads_allowed_variables_and_blocks_and_is_
         "allowed_variables (ResolutoTaskRunner(allowed_variables=[...]) or its sandbox block; allowed "
         f"here: {reads['variable']!r})",
     }
-    assert threads["refused"] is None  # a thread reads it: only a sandbox is refused
+    assert threads["refused"] is None and threads["client"] is None  # a thread may: only a sandbox is refused
+    assert answer["client"] == {
+        "type": "PrefectAPIUnavailable",
+        "message": "reading or changing flow runs is not available inside a sandboxed task: the task's "
+        "function runs in a sandbox with no Prefect API (ResolutoTaskRunner); Prefect keeps every run's "
+        "state on the host. Create artifacts with prefect.artifacts (relayed to the host), and do anything "
+        "else with the API in the flow, passing what the task needs as a parameter.",
+        "at once": True,
+    }
     assert artifacts == local_artifacts == thread_artifacts, (artifacts, local_artifacts, thread_artifacts)
     assert [a[0] for a in artifacts] == ["pod-report", "pod-squares", "pod-progress"]
     assert "the secret is ***" in lines and not any(SECRET in m for m in lines), lines

@@ -4,6 +4,7 @@ sandbox covers artifacts, allowed reads and a refusal."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import flow, task
@@ -15,6 +16,7 @@ from prefect.artifacts import update_progress_artifact as update_progress
 def calls(variable: str, block: str, refused: str) -> dict[str, Any]:
     from prefect import get_run_logger
     from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
     from prefect.variables import Variable
 
     from guest_runner.prefect_api import PrefectAPIUnavailable
@@ -29,8 +31,19 @@ def calls(variable: str, block: str, refused: str) -> dict[str, Any]:
     try:
         Variable.get(refused)
         out["refused"] = None
-    except PrefectAPIUnavailable as e:  # on threads: ImportError's sibling, not raised at all
+    except PrefectAPIUnavailable as e:  # on threads nothing is refused
         out["refused"] = {"type": type(e).__name__, "message": str(e)}
+    start = time.monotonic()
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_flow_runs(limit=1)
+        out["client"] = None
+    except PrefectAPIUnavailable as e:
+        out["client"] = {
+            "type": type(e).__name__,
+            "message": str(e),
+            "at once": time.monotonic() - start < 10,
+        }
     return out
 
 
