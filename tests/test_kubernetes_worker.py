@@ -67,9 +67,8 @@ def k8s_pool(
     store_secret(k8s_cluster, ns)
     bucket = f"resoluto-worker-{uuid.uuid4().hex[:12]}"
     moto_server.raw_client().create_bucket(Bucket=bucket)
-    # Inline, as the pool form's fields: a {"$ref": ...} to a saved block is refused by the
-    # server's validation of deployment job variables (it matches both of the field's forms).
-    sandbox = SandboxBlock(
+    # Saved, and named as the UI stores a chosen block: a reference the worker resolves.
+    block_id = SandboxBlock(
         runtime="kubernetes",
         kube_context=CONTEXT,
         kube_namespace=ns,
@@ -78,7 +77,7 @@ def k8s_pool(
         image=IMAGE,
         store_credentials_secret=STORE_SECRET,
         conduit=S3ConduitBlock(bucket=bucket, base_prefix="w", endpoint_url=moto_server.endpoint_url),
-    ).model_dump(mode="json", exclude_unset=True)
+    ).save(f"k8s-pool-{uuid.uuid4().hex[:8]}")
     kubeconfig = k8s_cluster.write_kubeconfig(tmp / "kubeconfig", {CONTEXT: ns}, current=CONTEXT)
     pool = create_pool(cli=False, floor=None)
     address = host_address()
@@ -91,7 +90,7 @@ def k8s_pool(
             "agent": k8s_agent,
             "namespace": ns,
             "gateway_address": address,
-            "sandbox": sandbox,
+            "sandbox": {"$ref": {"block_document_id": str(block_id)}},
         }
     with contextlib.suppress(Exception):
         core(k8s_cluster).delete_namespace(ns)

@@ -307,6 +307,18 @@ class ResolutoWorkerVariables(_VariableFields):
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
     stored and shown in clear."""
 
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        schema = super().model_json_schema(*args, **kwargs)
+        # Prefect's server validates a block field as oneOf(the block inline, {"$ref": <its id>}).
+        # Every field of the sandbox block is optional, so a reference (what the UI stores for a
+        # chosen block) matched both and every deployment naming a saved block was refused: an
+        # inline block is one without the "$ref" key.
+        block = (schema.get("definitions") or {}).get("SandboxBlock")
+        if isinstance(block, dict):
+            block["not"] = {"required": ["$ref"]}
+        return schema
+
 
 class ResolutoJobConfiguration(_JobFields):
     """One flow run's sandbox, as the worker receives it (template + job variables)."""
