@@ -14,21 +14,23 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from prefect_resoluto.worker.plan import SandboxNetworkUnavailable
-
 IPv4 = ipaddress.IPv4Network
+
+
+class GatewayAddressRefused(ValueError):
+    """``api_gateway_address`` is no one IPv4 address a pod can dial (plan.py says so at submission)."""
 
 
 def gateway_destination(address: str) -> ipaddress.IPv4Address:
     """The gateway's address as a pod's rule names it: one IPv4 address a pod can dial."""
     ip = ipaddress.ip_address(address)
     if ip.version != 4:
-        raise SandboxNetworkUnavailable(
+        raise GatewayAddressRefused(
             f"api_gateway_address {address!r} is IPv6; a kubernetes pod's NetworkPolicy rules here take "
             "IPv4 address:port only: give an IPv4 address of the worker's host"
         )
     if ip.is_unspecified or ip.is_multicast or ip.is_loopback:
-        raise SandboxNetworkUnavailable(
+        raise GatewayAddressRefused(
             f"api_gateway_address {address!r} is not one address of the worker's host a pod can dial "
             "(unspecified, multicast or loopback): give the host's own IPv4 address"
         )

@@ -114,13 +114,7 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
             )
         if runtime.name != "kubernetes":
             return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{host}:{port}"])
-        from prefect_resoluto.worker.kube_egress import allowlist_without, gateway_destination
-
-        # The worker's host at the gateway's one address and port, cut out of every other entry.
-        dest = gateway_destination(_kube_destination(host))
-        return SandboxNetwork(
-            env={"PREFECT_API_URL": api_url}, egress=[*allowlist_without(egress, dest), f"{dest}:{port}"]
-        )
+        return _pod_network(api_url, host, port, egress)
     if not egress_forwarding_supported():
         raise SandboxNetworkUnavailable(
             f"runtime {runtime.name!r} gives a sandbox no network, and this installation of prefect-resoluto "
@@ -138,6 +132,23 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
             env={"PREFECT_API_URL": url}, egress=list(egress), egress_forward={netloc: target}
         )
     return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{host}:{port}"])
+
+
+def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> SandboxNetwork:
+    """The worker's host at the gateway's one address and port, cut out of every other entry."""
+    from prefect_resoluto.worker.kube_egress import (
+        GatewayAddressRefused,
+        allowlist_without,
+        gateway_destination,
+    )
+
+    try:
+        dest = gateway_destination(_kube_destination(host))
+    except GatewayAddressRefused as e:
+        raise SandboxNetworkUnavailable(str(e)) from None
+    return SandboxNetwork(
+        env={"PREFECT_API_URL": api_url}, egress=[*allowlist_without(egress, dest), f"{dest}:{port}"]
+    )
 
 
 def _is_loopback(host: str) -> bool:
