@@ -224,46 +224,41 @@ def test_worker_flow_run_as_a_pod_reports_logs_artifact_and_a_refusal_through_it
     wait_for(lambda: pods_of(k8s_cluster, ns, run.id) == [], timeout=60, what="the run's pod reaped")
 
 
-def test_worker_cancelling_a_pods_flow_run_deletes_the_pod(
+def test_worker_cancelling_deletes_the_pod_and_a_dying_pods_run_is_crashed_with_its_evidence(
     k8s_pool: dict[str, Any], k8s_cluster: Cluster
 ) -> None:
+    """Two runs at once (their pods boot side by side): one cancelled from the API, its pod
+    deleted; one whose engine is killed (as the OOM killer would) before it reports, Crashed
+    with the runtime's reason and its last output in the run's logs. As on gVisor."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
-    from test_worker import started
+    from test_worker import logs_with, started
 
     worker: Worker = k8s_pool["worker"]
     ns = k8s_pool["namespace"]
-    run = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:lingers"), seconds=600)
-    started(run.id)
-    (pod,) = pods_of(k8s_cluster, ns, run.id)
+    lingering = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:lingers"), seconds=600)
+    dying = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:crashes"))
+
+    started(lingering.id)
+    (pod,) = pods_of(k8s_cluster, ns, lingering.id)
     assert pod.status.phase == "Running", pod.status
     with get_client(sync_client=True) as c:
-        c.set_flow_run_state(run.id, Cancelling(), force=True)
-    fr = final_run(run.id, worker, timeout=120)
+        c.set_flow_run_state(lingering.id, Cancelling(), force=True)
+    fr = final_run(lingering.id, worker, timeout=120)
     assert fr.state.is_cancelled(), fr.state
     sandbox = pod.metadata.annotations[SANDBOX_ID_ANNOTATION]
     assert f"its sandbox {sandbox} on kubernetes was destroyed" in (fr.state.message or ""), fr.state.message
     wait_for(
-        lambda: pods_of(k8s_cluster, ns, run.id) == [], timeout=60, what="the cancelled run's pod deleted"
+        lambda: pods_of(k8s_cluster, ns, lingering.id) == [],
+        timeout=60,
+        what="the cancelled run's pod deleted",
     )
     assert f"{ns}/{pod.metadata.name}" not in k8s_pool["agent"].running()
 
-
-def test_worker_pod_whose_flow_run_dies_crashes_the_run_with_its_evidence(
-    k8s_pool: dict[str, Any], k8s_cluster: Cluster
-) -> None:
-    """The engine killed (as the OOM killer would) before it reports: Crashed with the
-    sandbox's reason and its last output in the run's logs, as on gVisor."""
-    from test_worker import logs_with
-
-    worker: Worker = k8s_pool["worker"]
-    run = schedule(deploy_in_pods(k8s_pool, "pod_call_flows.py:crashes"))
-    fr = final_run(run.id, worker)
+    fr = final_run(dying.id, worker)
     assert fr.state.is_crashed(), fr.state
     msg = fr.state.message or ""
     assert "on kubernetes: the flow run's process exited with code" in msg, msg
     assert "before it reported a final state; it was killed by SIGKILL" in msg, msg
-    logs_with(run.id, "evidence-from-the-pod")
-    wait_for(
-        lambda: pods_of(k8s_cluster, k8s_pool["namespace"], run.id) == [], timeout=60, what="the pod reaped"
-    )
+    logs_with(dying.id, "evidence-from-the-pod")
+    wait_for(lambda: pods_of(k8s_cluster, ns, dying.id) == [], timeout=60, what="the dead run's pod reaped")
