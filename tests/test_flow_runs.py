@@ -58,8 +58,10 @@ def test_a_pod_cannot_reach_the_workers_loopback():
     rt = get_runtime("kubernetes")
     with pytest.raises(SandboxNetworkUnavailable, match="on the worker's loopback.*api_gateway_address"):
         sandbox_network(rt, "http://127.0.0.1:4200/api", [])
-    net = sandbox_network(rt, "http://10.20.30.40:4200/api", ["10.0.0.0/8:5432"])
-    assert net.egress == ["10.0.0.0/8:5432", "10.20.30.40:4200"] and net.egress_forward == {}
+    net = sandbox_network(rt, "http://10.20.30.40:4200/api", ["10.0.0.0/8:5432", "10.1.0.0/16"])
+    # The gateway's address is cut out of the entry that holds it (kube_egress.py), the other kept.
+    assert net.egress[-2:] == ["10.1.0.0/16", "10.20.30.40:4200"] and net.egress_forward == {}
+    assert "10.20.30.41/32:5432" in net.egress and not any(e.startswith("10.0.0.0/8") for e in net.egress)
 
 
 @pytest.mark.sandbox
@@ -165,3 +167,64 @@ def test_a_pods_network_policy_admits_the_store_the_allowlist_and_the_gateway_an
     pod = json.dumps(docs["Pod"])
     assert "run-token-456" not in pod and "PREFECT_API_AUTH_STRING" in json.dumps(docs["Secret"])
     assert "guest_runner.engine" in pod and gateway in pod
+
+
+def _admitted(docs: list, address: str) -> list[tuple[str, object]]:
+    """(ipBlock, port) of the rendered policy that let a pod dial ``address`` (None: any port)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    found = []
+    for rule in policy["spec"]["egress"]:
+        ports = [p["port"] for p in rule.get("ports", [])] or [None]
+        for peer in rule["to"]:
+            block = peer.get("ipBlock")
+            if block is None:
+                continue
+            net = ipaddress.ip_network(block["cidr"])
+            if net.version == ip.version and ip in net:
+                if not any(ip in ipaddress.ip_network(e) for e in block.get("except", [])):
+                    found += [(block["cidr"], port) for port in ports]
+    return found
+
+
+@pytest.mark.parametrize(
+    "allowlist",
+    [["0.0.0.0/0"], ["10.20.0.0/16:4200"], ["public_https", "10.20.30.50"], ["10.20.30.50/32:4200"]],
+)
+def test_a_wide_allowlist_never_opens_the_workers_host_beyond_its_gateway(allowlist):
+    """A deployment's egress that holds the gateway's address (the whole world, the host's
+    subnet, the host itself on the real API's port) admits that address only as the gateway's
+    own rule; the rest of what it asks for stays allowed."""
+    from guest_runner.conduit.s3 import S3Conduit
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
+    from prefect_resoluto.runtimes.kubernetes import KubernetesRuntime
+    from prefect_resoluto.runtimes.kubernetes.render import render_documents
+
+    rt = KubernetesRuntime(
+        namespace="sandboxes", store_egress_cidr="10.9.9.9/32", store_egress_port=9000, image="flows:1"
+    )
+    net = sandbox_network(rt, "http://10.20.30.50:41234/api", allowlist)
+    spec = NodeSpec(run_id="r", node_id="flow-run-x", argv=["true"], egress=net.egress, image="flows:1")
+    conduit = S3Conduit(
+        "bucket", endpoint_url="http://10.9.9.9:9000", access_key_id="a", secret_access_key="b"
+    )
+    docs = render_documents(launch_spec(spec, conduit), rt)
+    assert _admitted(docs, "10.20.30.50") == [("10.20.30.50/32", 41234)]
+    assert _admitted(docs, "169.254.169.254") == []
+    if "0.0.0.0/0" in allowlist:
+        assert _admitted(docs, "10.20.30.51") == [("10.20.30.51/32", None)]
+    if "10.20.0.0/16:4200" in allowlist:
+        assert {p for _, p in _admitted(docs, "10.20.30.51")} == {4200}
+    if "public_https" in allowlist:
+        assert {p for _, p in _admitted(docs, "8.8.8.8")} == {443}
+
+
+@pytest.mark.parametrize("address", ["[fd00::2]:8080", "0.0.0.0:41234", "224.0.0.1:41234"])
+def test_a_gateway_address_a_pod_cannot_dial_as_one_address_is_refused(address):
+    """An IPv6 gateway would make "fd00::2:8080" an entry the policy reads as another address
+    on every port; the unspecified and multicast addresses are no one address of the host."""
+    rt = get_runtime("kubernetes")
+    with pytest.raises(SandboxNetworkUnavailable, match="api_gateway_address"):
+        sandbox_network(rt, f"http://{address}/api", [])

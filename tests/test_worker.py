@@ -448,6 +448,26 @@ def scheduling_server(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+def test_a_deployment_naming_a_saved_sandbox_block_is_accepted_and_runs_on_it(tmp_path, worker):
+    """As the UI stores a chosen block: {"$ref": ...}. Every field of the sandbox block being
+    optional, Prefect's server found the reference valid as the block inline too and refused
+    the deployment ("valid under each of")."""
+    from prefect_resoluto.blocks import SandboxBlock
+
+    block_id = SandboxBlock(
+        runtime="process", min_isolation="none", env={"WORKER_TEST_SECRET": "never-shown-7731"}
+    ).save(f"saved-sandbox-{uuid.uuid4().hex[:6]}")
+    dep = deploy(
+        worker.pool,
+        "worker_flows.py:where_am_i",
+        tmp_path / "conduit",
+        sandbox={"$ref": {"block_document_id": str(block_id)}},
+    )
+    run = schedule(dep)
+    assert final_run(run.id, worker).state.is_completed()
+    assert facts(run.id)["secret_seen"] is True  # the block's env: the worker resolved the reference
+
+
 def test_a_scheduled_deployment_on_the_pool_runs_by_its_schedule(tmp_path):
     """`prefect work-pool create`, `prefect worker start --pool`, a deployment with a schedule
     and no run_deployment: the server's scheduler makes the run, the worker sandboxes it."""

@@ -92,8 +92,9 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
       there, so the runtime refuses a non-empty one.
     * a local sandbox: an API on the worker's loopback is dialled as ``API_ALIAS:<port>``
       and forwarded to that one loopback port; any other API host joins the allowlist.
-    * a remote sandbox (Kubernetes): the API's address joins the NetworkPolicy allowlist;
-      the worker's loopback is unreachable from a pod, which is said before launch.
+    * a remote sandbox (Kubernetes): the API's address joins the NetworkPolicy allowlist as
+      ``<address>/32:<port>``, and is cut out of every other entry (kube_egress.py); the
+      worker's loopback is unreachable from a pod, which is said before launch.
     """
     if host_network(runtime):
         return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=list(egress))
@@ -111,8 +112,9 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
                 "address of the worker's host that the sandboxes can reach (the worker never passes its "
                 "own API credential into a sandbox instead)"
             )
-        dest = host if runtime.name != "kubernetes" else _kube_destination(host)
-        return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{dest}:{port}"])
+        if runtime.name != "kubernetes":
+            return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{host}:{port}"])
+        return _pod_network(api_url, host, port, egress)
     if not egress_forwarding_supported():
         raise SandboxNetworkUnavailable(
             f"runtime {runtime.name!r} gives a sandbox no network, and this installation of prefect-resoluto "
@@ -130,6 +132,23 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
             env={"PREFECT_API_URL": url}, egress=list(egress), egress_forward={netloc: target}
         )
     return SandboxNetwork(env={"PREFECT_API_URL": api_url}, egress=[*egress, f"{host}:{port}"])
+
+
+def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> SandboxNetwork:
+    """The worker's host at the gateway's one address and port, cut out of every other entry."""
+    from prefect_resoluto.worker.kube_egress import (
+        GatewayAddressRefused,
+        allowlist_without,
+        gateway_destination,
+    )
+
+    try:
+        dest = gateway_destination(_kube_destination(host))
+    except GatewayAddressRefused as e:
+        raise SandboxNetworkUnavailable(str(e)) from None
+    return SandboxNetwork(
+        env={"PREFECT_API_URL": api_url}, egress=[*allowlist_without(egress, dest), f"{dest}:{port}"]
+    )
 
 
 def _is_loopback(host: str) -> bool:

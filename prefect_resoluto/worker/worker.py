@@ -111,6 +111,10 @@ FINISHING_GRACE_SECONDS = 10.0
 #: worker's own credential, as before the gateway: the benchmarks' baseline, never for
 #: flows you do not trust (the run's logs say so at WARNING).
 DIRECT_API_ENV = "RESOLUTO_UNSAFE_DIRECT_API"
+#: The worker's own default for ``api_gateway_address`` (the job variable wins): a worker that
+#: runs in the cluster as a pod sets it to its pod IP through the downward API
+#: (``status.podIP``), which changes with every restart of the worker's pod.
+GATEWAY_ADDRESS_ENV = "RESOLUTO_API_GATEWAY_ADDRESS"
 #: Lines of the sandbox's own output kept for a crashed run's report.
 EVIDENCE_LINES = 40
 #: ...each cut to this many characters: a crash report is the run's last words, not its
@@ -143,7 +147,8 @@ _RUN_OVERRIDABLE = (
 )
 _GATEWAY_ADDRESS = (
     "An address of the worker's host where the run's API gateway listens for a sandbox on another machine "
-    "(kubernetes: an IP the pods can reach). Empty: the worker's loopback, which only local sandboxes reach."
+    "(kubernetes: an IPv4 address the pods can reach). Empty: the worker's RESOLUTO_API_GATEWAY_ADDRESS, "
+    "else its loopback, which only local sandboxes reach."
 )
 
 
@@ -301,6 +306,18 @@ class ResolutoWorkerVariables(_VariableFields):
     """Each flow run of this pool runs in its own fresh sandbox that reaches the Prefect API and
     nothing else. Secrets go in a Secret block, never in these fields: a pool's values are
     stored and shown in clear."""
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        schema = super().model_json_schema(*args, **kwargs)
+        # Prefect's server validates a block field as oneOf(the block inline, {"$ref": <its id>}).
+        # Every field of the sandbox block is optional, so a reference (what the UI stores for a
+        # chosen block) matched both and every deployment naming a saved block was refused: an
+        # inline block is one without the "$ref" key.
+        block = (schema.get("definitions") or {}).get("SandboxBlock")
+        if isinstance(block, dict):
+            block["not"] = {"required": ["$ref"]}
+        return schema
 
 
 class ResolutoJobConfiguration(_JobFields):
@@ -735,7 +752,8 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
             allowed_blocks=frozenset(configuration.allowed_blocks or ()),
             allowed_variables=frozenset(configuration.allowed_variables or ()),
         )
-        host = (configuration.api_gateway_address if remote else None) or "127.0.0.1"
+        address = configuration.api_gateway_address or os.environ.get(GATEWAY_ADDRESS_ENV) or None
+        host = (address if remote else None) or "127.0.0.1"
         return ApiGateway(str(flow_run.id), Upstream.from_settings(), rules, host=host)
 
     def _spec(
