@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import socket
+import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -36,18 +36,23 @@ from prefect_resoluto.worker.worker import GATEWAY_ADDRESS_ENV  # noqa: E402
 pytestmark = [pytest.mark.k8s, pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.usefixtures("prefect")]
 
 
-def host_address() -> str:
-    """This machine's own non-loopback IPv4 address (the source of its default route): the
-    address a pod dials the worker's gateway on. No packet is sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 9))
-        except OSError as e:
-            pytest.skip(f"this machine has no route off loopback, so no address a pod could dial: {e}")
-        addr = str(s.getsockname()[0])
-    if ipaddress.ip_address(addr).is_loopback:
-        pytest.skip("this machine's only address is loopback, which a pod cannot dial")
-    return addr
+@contextlib.contextmanager
+def gateway_address() -> Iterator[str]:
+    """An address of this machine that a pod dials the worker's gateway on, made for the test:
+    one /32 of 198.18.0.0/15 (reserved for tests of network devices) on the loopback device,
+    removed afterwards. The node agent's sandboxes share the host's network, so they reach it;
+    127.0.0.1 would not do, since the worker rightly refuses a loopback gateway for pods."""
+    import random
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("adding a test address to the loopback device needs root")
+    addr = f"198.19.{random.randint(1, 254)}.{random.randint(1, 254)}"
+    subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
+    try:
+        yield addr
+    finally:
+        subprocess.run(["ip", "addr", "del", f"{addr}/32", "dev", "lo"], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +85,12 @@ def k8s_pool(
     ).save(f"k8s-pool-{uuid.uuid4().hex[:8]}")
     kubeconfig = k8s_cluster.write_kubeconfig(tmp / "kubeconfig", {CONTEXT: ns}, current=CONTEXT)
     pool = create_pool(cli=False, floor=None)
-    address = host_address()
+    stack = contextlib.ExitStack()
+    address = stack.enter_context(gateway_address())
     # The worker's own default address (as a worker pod sets it from status.podIP); the first
     # test's deployment names it as a job variable instead.
     env = {"KUBECONFIG": kubeconfig, "RESOLUTO_WARM_SNAPSHOTS": "0", GATEWAY_ADDRESS_ENV: address}
-    with running_worker(pool, tmp, **env) as worker:
+    with stack, running_worker(pool, tmp, **env) as worker:
         yield {
             "worker": worker,
             "agent": k8s_agent,
