@@ -20,6 +20,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, overload
@@ -34,6 +35,7 @@ from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
 from prefect_resoluto.task_runner import call_spec, python_calls, remote_traceback
 from prefect_resoluto.task_runner.background import Background
+from prefect_resoluto.task_runner.created_runs import CreatingExecutor, create_async_first
 from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
 from prefect_resoluto.task_runner.logs import ApiLogBatcher
@@ -216,6 +218,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             self._packer = WorkspacePacker()
             self._sandboxes = RunnerSandboxes(runtime, self._live, self._cancelled, reaper, self._packer)
             super().__enter__()
+            if type(self._executor) is ThreadPoolExecutor:  # Prefect's, built just now, no thread yet
+                # Its sync engine runs are created by the API first (created_runs.py: issue 41).
+                self._executor.__class__ = CreatingExecutor
             self._pool = warm_pool_mod.start_for(config, runtime, conduit, self._max_workers)
             if self._pool is not None:
                 stack.callback(self._pool.close)
@@ -290,6 +295,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
+        if sandboxed.isasync:
+            create_async_first(sandboxed)
         future = super().submit(sandboxed, parameters, wait_for, dependencies)
         future.add_done_callback(self._task_done)
         return future
