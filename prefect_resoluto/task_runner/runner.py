@@ -35,11 +35,11 @@ from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
 from prefect_resoluto.task_runner import call_spec, python_calls, remote_traceback
 from prefect_resoluto.task_runner.background import Background
-from prefect_resoluto.task_runner.created_runs import CreatingExecutor, create_async_first
 from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
 from prefect_resoluto.task_runner.logs import ApiLogBatcher
 from prefect_resoluto.task_runner.node_artifacts import NodeArtifacts
+from prefect_resoluto.task_runner.recorded_runs import Recorder, RecordingExecutor, record_async_first
 from prefect_resoluto.task_runner.sandboxes import RunnerSandboxes, sweep
 from prefect_resoluto.task_runner.task_node import NodeRequest, TaskNodes
 from prefect_resoluto.task_runner.workspace import WorkspacePacker
@@ -114,6 +114,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._conduit: Conduit | None = None
         self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
         self._flow_runs = FlowRuns()
+        self._recorder = Recorder()
         self._cancelled = threading.Event()
         self._deployment_names = python_calls.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
@@ -132,6 +133,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_conduit",
         "_live",
         "_flow_runs",
+        "_recorder",
         "_cancelled",
         "_deployment_names",
         "_pool",
@@ -219,8 +221,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             self._sandboxes = RunnerSandboxes(runtime, self._live, self._cancelled, reaper, self._packer)
             super().__enter__()
             if type(self._executor) is ThreadPoolExecutor:  # Prefect's, built just now, no thread yet
-                # Its sync engine runs are created by the API first (created_runs.py: issue 41).
-                self._executor.__class__ = CreatingExecutor
+                # Its sync engine runs are recorded by the API first (recorded_runs.py: issue 41).
+                self._executor.__class__ = RecordingExecutor
+                self._executor.recorder = self._recorder  # type: ignore[attr-defined]
             self._pool = warm_pool_mod.start_for(config, runtime, conduit, self._max_workers)
             if self._pool is not None:
                 stack.callback(self._pool.close)
@@ -296,7 +299,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
         if sandboxed.isasync:
-            create_async_first(sandboxed)
+            record_async_first(sandboxed, self._recorder)
         future = super().submit(sandboxed, parameters, wait_for, dependencies)
         future.add_done_callback(self._task_done)
         return future
