@@ -74,13 +74,15 @@ def recorded_first(
     )
     assert run.state is not None
     emit_task_run_state_change_event(task_run=run, initial_state=None, validated_state=run.state)
-    if not recorder.silent and not _wait_until_recorded(run.id):
+    if not recorder.silent and _wait_until_recorded(run.id) is False:
         recorder.silent = True
         logger.debug("task run %s not recorded within %.0f s: runs start unrecorded", run.id, RECORDED_WITHIN)
     return run
 
 
-def _wait_until_recorded(task_run_id: UUID) -> bool:
+def _wait_until_recorded(task_run_id: UUID) -> bool | None:
+    """True once the API has the run; False when it has not within :data:`RECORDED_WITHIN`;
+    None when reading failed (an API error: this run is not waited for, later ones are)."""
     from prefect.context import SyncClientContext
     from prefect.exceptions import ObjectNotFound
 
@@ -96,7 +98,7 @@ def _wait_until_recorded(task_run_id: UUID) -> bool:
                 pass
             except Exception as e:  # noqa: BLE001 - the task runs regardless
                 logger.debug("task run %s: its record not read (%r)", task_run_id, e)
-                return False
+                return None
             if time.monotonic() > deadline:
                 return False
             pause = min(pause * 1.5, MAX_PAUSE)
