@@ -115,7 +115,10 @@ def _sends_and_waits():
         yield seen
     finally:
         time.sleep, asyncio.sleep, anyio.sleep = sync_sleep, async_sleep, anyio_sleep
-        httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request = sync_send, async_send
+        httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request = (
+            sync_send,
+            async_send,
+        )
 
 
 def _refused(fn) -> dict:
