@@ -117,6 +117,10 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
     (total_run,) = [r for r in runs if r.name.startswith("add_async")]
     squares_ids = {r.id for r in runs if r.name.startswith("square")}
     assert {i.id for i in total_run.task_inputs["wait_for"]} == squares_ids
+    with client() as c:  # one Pending each, the async engine's repeat of it included
+        for r in runs:
+            kinds = [s.type.value for s in c.read_task_run_states(r.id)]
+            assert kinds == ["PENDING", "RUNNING", "COMPLETED"], (r.name, kinds)
     for r in runs:
         prefix = f"run/{fr}/nodes/{r.id}/"
         keys = conduit.list_prefix(prefix)
