@@ -13,7 +13,7 @@ import pytest
 from flows import prefect_call_flows as pcf
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from support.prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs, times_out_of_order
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.prefect_api import MAX_ARTIFACT_BYTES, MAX_ARTIFACTS
@@ -85,9 +85,14 @@ def run_reports(task_runner) -> tuple:
     return state.state_details.flow_run_id
 
 
-def test_artifacts_made_in_a_task_are_a_threads(tmp_path, runtime):
-    threads = by_task(run_reports(ThreadPoolTaskRunner()))
-    sandbox = by_task(run_reports(sandboxed(tmp_path, runtime)))
+def test_artifacts_made_in_a_task_are_a_threads_and_its_times_in_order(tmp_path, runtime):
+    threads_run = run_reports(ThreadPoolTaskRunner())
+    sandbox_run = run_reports(sandboxed(tmp_path, runtime))
+    # Issue 41: a task run (sync and async) is created before it starts, and starts before it
+    # ends. Under threads Prefect's recorder creates it after it started, so only the rest.
+    assert times_out_of_order(task_runs(sandbox_run)) == []
+    assert times_out_of_order(task_runs(threads_run), created_first=False) == []
+    threads, sandbox = by_task(threads_run), by_task(sandbox_run)
     assert set(threads) == {"reports", "areports"}
     assert len(threads["reports"]) == 7 and len(threads["areports"]) == 3, threads
     assert sandbox == threads
@@ -110,9 +115,10 @@ def test_what_a_sandbox_does_not_serve_fails_at_once_saying_so(tmp_path, runtime
         assert call.get("type") == "PrefectAPIUnavailable", (name, call)
         assert "inside a sandbox" in call["message"], (name, call)
         assert "ResolutoTaskRunner" in call["message"], (name, call)
-        # "At once": what it replaces waits 20 s or more (an ephemeral server's start, or
-        # Prefect's client retrying with backoff); far under that on a loaded host too.
-        assert call["seconds"] < 10.0, (name, call)
+        # "At once": refused before any request left the task and with no wait of its thread;
+        # what it replaces waits 20 s or more (an ephemeral server's start, or Prefect's client
+        # trying the API again with backoff), so counts, not seconds, which a load stretches.
+        assert (call["sends"], call["sleeps"]) == (0, 0), (name, call)
     # the words of guest_runner.refusal, as a flow run of a resoluto pool is told (test_refusal_parity.py)
     assert calls["sync variable"]["message"] == (
         "Prefect variable 'some-variable' is not readable inside a sandbox: add it to allowed_variables "

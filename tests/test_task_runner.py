@@ -24,7 +24,7 @@ from prefect import flow, task
 from support.guest import plumbing_in
 from support.polling import scaled, wait_for
 from support.prefect_cli import flow_child_env
-from support.prefect_readback import artifacts_of, client, task_runs
+from support.prefect_readback import artifacts_of, client, task_runs, times_out_of_order
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto import ResolutoTaskRunner, output_files, run_command, sandbox_options
@@ -112,6 +112,15 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
     fr = state.state_details.flow_run_id
     runs = task_runs(fr)
     assert len(runs) == 4 and all(r.state.is_completed() for r in runs)
+    # Created by the API first (issue 41), each run keeps the engine's inputs: the graph's edges.
+    assert times_out_of_order(runs) == []
+    (total_run,) = [r for r in runs if r.name.startswith("add_async")]
+    squares_ids = {r.id for r in runs if r.name.startswith("square")}
+    assert {i.id for i in total_run.task_inputs["wait_for"]} == squares_ids
+    with client() as c:  # one Pending each, the async engine's repeat of it included
+        for r in runs:
+            kinds = [s.type.value for s in c.read_task_run_states(r.id)]
+            assert kinds == ["PENDING", "RUNNING", "COMPLETED"], (r.name, kinds)
     for r in runs:
         prefix = f"run/{fr}/nodes/{r.id}/"
         keys = conduit.list_prefix(prefix)
@@ -126,6 +135,37 @@ def test_map_submit_async_and_wait_for_behave_like_the_thread_pool(conduit, tmp_
                 re.match(r"ran in a (warm|cold) process sandbox .*in \d+\.\d s: succeeded$", m) for m in msgs
             ), msgs
     no_orphans("process")
+
+
+def test_a_server_that_records_no_task_run_holds_one_task_back_at_most(conduit, tmp_path):
+    """Prefect glue: on `process`. A server whose task-run recorder never has the run (it is
+    off): the first task waits for it RECORDED_WITHIN at most, the later ones of the flow run
+    not at all, and both run (issue 41: a run is handed to the engine once recorded)."""
+    import re
+
+    import httpx
+
+    real = httpx.HTTPTransport.handle_request
+    reads: list[str] = []
+    one_run = re.compile(r"/api/task_runs/[0-9a-f-]{36}")
+
+    def recording_none(transport, request):
+        if request.method == "GET" and one_run.fullmatch(request.url.path):
+            reads.append(request.url.path.rsplit("/", 1)[1])
+            return httpx.Response(404, json={"detail": "Task run not found"}, request=request)
+        return real(transport, request)
+
+    @flow(task_runner=glue_runner(conduit, tmp_path))
+    def unrecorded():
+        first = sf.square.submit(4)
+        return first.result(), sf.add_async.submit(1, wait_for=[first]).result()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(httpx.HTTPTransport, "handle_request", recording_none)
+        state = unrecorded(return_state=True)
+    assert state.result() == (16, 11)
+    runs = {r.name.rsplit("-", 1)[0]: str(r.id) for r in task_runs(state.state_details.flow_run_id)}
+    assert set(reads) == {runs["square"]}, (reads, runs)
 
 
 @pytest.mark.sandbox

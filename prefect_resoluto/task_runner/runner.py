@@ -20,6 +20,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, overload
@@ -38,6 +39,7 @@ from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
 from prefect_resoluto.task_runner.logs import ApiLogBatcher
 from prefect_resoluto.task_runner.node_artifacts import NodeArtifacts
+from prefect_resoluto.task_runner.recorded_runs import Recorder, RecordingExecutor, record_async_first
 from prefect_resoluto.task_runner.sandboxes import RunnerSandboxes, sweep
 from prefect_resoluto.task_runner.task_node import NodeRequest, TaskNodes
 from prefect_resoluto.task_runner.workspace import WorkspacePacker
@@ -112,6 +114,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._conduit: Conduit | None = None
         self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
         self._flow_runs = FlowRuns()
+        self._recorder = Recorder()
         self._cancelled = threading.Event()
         self._deployment_names = python_calls.DeploymentNames()
         self._pool: warm_pool_mod.WarmPool | None = None
@@ -130,6 +133,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         "_conduit",
         "_live",
         "_flow_runs",
+        "_recorder",
         "_cancelled",
         "_deployment_names",
         "_pool",
@@ -216,6 +220,10 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             self._packer = WorkspacePacker()
             self._sandboxes = RunnerSandboxes(runtime, self._live, self._cancelled, reaper, self._packer)
             super().__enter__()
+            if type(self._executor) is ThreadPoolExecutor:  # Prefect's, built just now, no thread yet
+                # Its sync engine runs are recorded by the API first (recorded_runs.py: issue 41).
+                self._executor.__class__ = RecordingExecutor
+                self._executor.recorder = self._recorder  # type: ignore[attr-defined]
             self._pool = warm_pool_mod.start_for(config, runtime, conduit, self._max_workers)
             if self._pool is not None:
                 stack.callback(self._pool.close)
@@ -290,6 +298,8 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         overrides = dict(_overrides.get() or {})
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides)
+        if sandboxed.isasync:
+            record_async_first(sandboxed, self._recorder)
         future = super().submit(sandboxed, parameters, wait_for, dependencies)
         future.add_done_callback(self._task_done)
         return future

@@ -1,8 +1,10 @@
 """Tasks that call Prefect's API the way a Prefect user's tasks do: artifacts of every kind
-(relayed to the host in a sandbox), and calls a sandbox does not serve, each timed."""
+(relayed to the host in a sandbox), and calls a sandbox does not serve, each with what it
+sent and waited."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prefect import task
@@ -67,18 +69,70 @@ def floods(count: int, rows: int) -> str:
     return "\n".join(told)
 
 
-def _timed(fn) -> dict:
-    start = time.monotonic()
+@contextlib.contextmanager
+def _sends_and_waits():
+    """Counts, during a call, what would make it slow however idle the host: each request
+    handed to an HTTP transport (a try at an API) and each sleep of this thread (a backoff, a
+    wait for a server to come up)."""
+    import asyncio
+    import threading
+
+    import anyio
+    import httpx
+
+    me = threading.get_ident()
+    seen = {"sends": 0, "sleeps": 0}
+    sync_sleep, async_sleep, anyio_sleep = time.sleep, asyncio.sleep, anyio.sleep
+    sync_send, async_send = httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request
+
+    def slept() -> None:
+        if threading.get_ident() == me:
+            seen["sleeps"] += 1
+
+    def sleep(seconds):
+        slept()
+        return sync_sleep(seconds)
+
+    async def asleep(seconds, *args, **kwargs):
+        slept()
+        return await async_sleep(seconds, *args, **kwargs)
+
+    async def anyio_asleep(seconds):
+        slept()
+        return await anyio_sleep(seconds)
+
+    def send(transport, request):
+        seen["sends"] += 1
+        return sync_send(transport, request)
+
+    async def asend(transport, request):
+        seen["sends"] += 1
+        return await async_send(transport, request)
+
+    time.sleep, asyncio.sleep, anyio.sleep = sleep, asleep, anyio_asleep
+    httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request = send, asend
     try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - the exception is the result
-        return {"seconds": time.monotonic() - start, "type": type(e).__name__, "message": str(e)}
-    return {"seconds": time.monotonic() - start, "value": repr(value)}
+        yield seen
+    finally:
+        time.sleep, asyncio.sleep, anyio.sleep = sync_sleep, async_sleep, anyio_sleep
+        httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request = (
+            sync_send,
+            async_send,
+        )
+
+
+def _refused(fn) -> dict:
+    with _sends_and_waits() as seen:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - the exception is the result
+            return {"type": type(e).__name__, "message": str(e), **seen}
+    return {"value": repr(value), **seen}
 
 
 @task
 def unserved() -> dict:
-    """Prefect calls a sandbox does not serve, each with its own duration."""
+    """Prefect calls a sandbox does not serve, each with what it raised, sent and waited."""
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
     from prefect.variables import Variable
@@ -88,11 +142,11 @@ def unserved() -> dict:
             return client.read_flow_runs(limit=1)
 
     return {
-        "variable": _timed(lambda: Variable.get("some-variable")),
-        "variable_set": _timed(lambda: Variable.set("some-variable", "v", overwrite=True)),
-        "secret": _timed(lambda: Secret.load("some-secret").get()),
-        "block_save": _timed(lambda: Secret(value="s" * 8).save("new-secret")),
-        "client": _timed(read_flow_runs),
+        "variable": _refused(lambda: Variable.get("some-variable")),
+        "variable_set": _refused(lambda: Variable.set("some-variable", "v", overwrite=True)),
+        "secret": _refused(lambda: Secret.load("some-secret").get()),
+        "block_save": _refused(lambda: Secret(value="s" * 8).save("new-secret")),
+        "client": _refused(read_flow_runs),
     }
 
 
@@ -101,18 +155,20 @@ async def aunserved() -> dict:
     from prefect.client.orchestration import get_client
     from prefect.variables import Variable
 
-    start = time.monotonic()
     out = {}
-    try:
-        await Variable.aget("some-variable")
-    except Exception as e:  # noqa: BLE001
-        out["variable"] = {"seconds": time.monotonic() - start, "type": type(e).__name__, "message": str(e)}
-    start = time.monotonic()
-    try:
-        async with get_client() as client:
-            await client.read_flow_runs(limit=1)
-    except Exception as e:  # noqa: BLE001
-        out["client"] = {"seconds": time.monotonic() - start, "type": type(e).__name__, "message": str(e)}
+    with _sends_and_waits() as seen:
+        try:
+            await Variable.aget("some-variable")
+        except Exception as e:  # noqa: BLE001
+            out["variable"] = {"type": type(e).__name__, "message": str(e)}
+    out["variable"].update(seen)
+    with _sends_and_waits() as seen:
+        try:
+            async with get_client() as client:
+                await client.read_flow_runs(limit=1)
+        except Exception as e:  # noqa: BLE001
+            out["client"] = {"type": type(e).__name__, "message": str(e)}
+    out["client"].update(seen)
     return out
 
 
