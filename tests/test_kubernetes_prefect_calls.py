@@ -126,7 +126,8 @@ def test_a_pods_task_relays_artifacts_reads_allowed_variables_and_blocks_and_is_
         "function runs in a sandbox with no Prefect API (ResolutoTaskRunner); Prefect keeps every run's "
         "state on the host. Create artifacts with prefect.artifacts (relayed to the host), and do anything "
         "else with the API in the flow, passing what the task needs as a parameter.",
-        "at once": True,
+        "sends": 0,
+        "sleeps": 0,
     }
     assert artifacts == local_artifacts == thread_artifacts, (artifacts, local_artifacts, thread_artifacts)
     assert [a[0] for a in artifacts] == ["pod-report", "pod-squares", "pod-progress"]

@@ -4,12 +4,40 @@ sandbox covers artifacts, allowed reads and a refusal."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact
 from prefect.artifacts import update_progress_artifact as update_progress
+
+
+@contextlib.contextmanager
+def sends_and_waits() -> Iterator[dict[str, int]]:
+    """Counts, during a sync call, what would make it slow however idle the host: requests
+    handed to an HTTP transport and sleeps of this thread (a retry's backoff)."""
+    import threading
+
+    import httpx
+
+    me, seen = threading.get_ident(), {"sends": 0, "sleeps": 0}
+    sleep, send = time.sleep, httpx.HTTPTransport.handle_request
+
+    def counted_sleep(seconds: float) -> None:
+        seen["sleeps"] += threading.get_ident() == me
+        sleep(seconds)
+
+    def counted_send(transport: Any, request: Any) -> Any:
+        seen["sends"] += 1
+        return send(transport, request)
+
+    time.sleep, httpx.HTTPTransport.handle_request = counted_sleep, counted_send  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        time.sleep, httpx.HTTPTransport.handle_request = sleep, send  # type: ignore[method-assign]
 
 
 @task
@@ -33,17 +61,13 @@ def calls(variable: str, block: str, refused: str) -> dict[str, Any]:
         out["refused"] = None
     except PrefectAPIUnavailable as e:  # on threads nothing is refused
         out["refused"] = {"type": type(e).__name__, "message": str(e)}
-    start = time.monotonic()
-    try:
-        with get_client(sync_client=True) as client:
-            client.read_flow_runs(limit=1)
-        out["client"] = None
-    except PrefectAPIUnavailable as e:
-        out["client"] = {
-            "type": type(e).__name__,
-            "message": str(e),
-            "at once": time.monotonic() - start < 10,
-        }
+    with sends_and_waits() as seen:  # refused at once: nothing sent, nothing waited for
+        try:
+            with get_client(sync_client=True) as client:
+                client.read_flow_runs(limit=1)
+            out["client"] = None
+        except PrefectAPIUnavailable as e:
+            out["client"] = {"type": type(e).__name__, "message": str(e), **seen}
     return out
 
 
@@ -72,7 +96,6 @@ def in_a_pod(variable: str, refused: str) -> None:
 @flow
 def lingers(seconds: float = 600.0) -> None:
     import json
-    import time
 
     from prefect import get_run_logger
 
