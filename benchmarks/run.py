@@ -45,6 +45,7 @@ FIGURES = (
     "node_cpu",
     "prefect_calls",
     "scale",
+    "k8s_warm",
 )
 
 
@@ -88,6 +89,7 @@ def main() -> int:
     import conduit_cost
     import egress_cost
     import flow
+    import k8s_warm
     import latency
     import node_cpu
     import overhead
@@ -115,6 +117,7 @@ def main() -> int:
         "node_cpu": node_cpu,
         "prefect_calls": prefect_calls,
         "scale": scale,
+        "k8s_warm": k8s_warm,
     }
     started = time.monotonic()
     results: dict[str, Any] = {}
