@@ -615,3 +615,32 @@ def start_for(cfg: Any, runtime: KubernetesRuntime, conduit: Conduit) -> WarmPod
         PodKey(image=cfg.image or runtime.image, resources=cfg.resources, runtime_class=runtime.runtime_class)
     )
     return pool
+
+
+def inventory(runtime: KubernetesRuntime) -> dict[str, Any]:
+    """What ``prefect-resoluto doctor`` says of warm pods: the settings, and the warm pods the
+    API server holds in the runtime's namespace per pool, key and state (one LIST)."""
+    api, ns = runtime._api, runtime.namespace
+    core, t = api.core(), api.timeout()
+    selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{LABEL_POOL}"
+    pods = api.call(
+        "list",
+        "pods",
+        "",
+        lambda: core.list_namespaced_pod(ns, label_selector=selector, _request_timeout=t),
+    ).items
+    pools: dict[str, dict[str, dict[str, int]]] = {}
+    for p in pods:
+        labels = p.metadata.labels or {}
+        per_key = pools.setdefault(labels.get(LABEL_POOL, "?"), {}).setdefault(labels.get(LABEL_KEY, "?"), {})
+        state = labels.get(LABEL_WARM, "?")
+        per_key[state] = per_key.get(state, 0) + 1
+    return {
+        "namespace": ns,
+        "settings": (
+            f"warm_pool=N: up to N idle pods per key (image, resources, RuntimeClass) per runner, "
+            f"at most {TOTAL_CAP} per runner, {MAX_STARTING} starting at once; claimed by "
+            "resourceVersion; needs an S3 conduit and no store_role_arn; nodes with secrets run cold"
+        ),
+        "pools": pools,
+    }
