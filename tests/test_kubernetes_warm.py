@@ -176,6 +176,19 @@ def test_warm_another_runners_pool_never_takes_my_pod(
     assert len(pool_pods(k8s_cluster, k8s_ns, mine, "idle")) == 1
 
 
+def test_warm_node_with_secrets_runs_cold_and_leaves_the_pod_idle(
+    pools: Any, k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
+    pool = pools(runtime(k8s_cluster, k8s_ns, proxy))
+    spec = spec_of("n-secret", secret_env={"API_TOKEN": "tok"})
+    ready(pool, pool.key_for(spec))
+    patches = len(proxy.calls("patch", "pods"))
+    w, how = pool.take_spec(spec)
+    assert w is None and "secret environment never takes a warm pod" in how, how
+    assert len(proxy.calls("patch", "pods")) == patches  # not even claimed
+    assert len(pool_pods(k8s_cluster, k8s_ns, pool, "idle")) == 1
+
+
 def test_warm_replacement_starts_in_the_background(
     pools: Any, k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
 ) -> None:
@@ -277,3 +290,73 @@ def test_warm_pod_refuses_an_assignment_forged_by_another_pod(
     logs = core(k8s_cluster).read_namespaced_pod_log(pod.metadata.name, k8s_ns)
     assert "refused an assignment" in logs
     assert s3_conduit.list_prefix(wire.node_prefix("run-warm", "evil") + "/") == []
+
+
+@pytest.mark.prefect
+def test_warm_pod_through_the_task_runner_says_so_in_the_task_log(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    k8s_agent: NodeAgent,
+    s3_conduit: Any,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefect: Any,
+) -> None:
+    """``ResolutoTaskRunner(runtime=<kubernetes>, warm_pool=1)``: the second task takes the
+    pool's ready pod, and its task run's log line says so with the pool's key and size; a
+    the runner's exit leaves no warm pod."""
+    import importlib
+
+    from prefect import flow
+    from prefect.context import FlowRunContext
+    from support.prefect_readback import task_runs
+    from test_task_runner import logs_of
+
+    from prefect_resoluto import ResolutoTaskRunner
+
+    ws = tmp_path / "flow_ws"
+    ws.mkdir()
+    (ws / "k8s_warm_flow_tasks.py").write_text(
+        "from prefect import task\n\n\n@task\ndef square(x: int) -> int:\n    return x * x\n"
+    )
+    monkeypatch.syspath_prepend(str(ws))
+    tasks = importlib.import_module("k8s_warm_flow_tasks")
+    store_secret(k8s_cluster, k8s_ns)
+    rt = runtime(k8s_cluster, k8s_ns, proxy)
+
+    def wait_ready() -> None:
+        pool = FlowRunContext.get().task_runner._pool  # type: ignore[union-attr]
+        wait_for(
+            lambda: any(c["ready"] for c in pool.counts().values()), timeout=180, what="a ready warm pod"
+        )
+
+    @flow(
+        task_runner=ResolutoTaskRunner(
+            runtime=rt, conduit=s3_conduit, warm_pool=1, workspace=ws, outputs_dir=tmp_path / "out"
+        )
+    )
+    def two() -> list[int]:
+        wait_ready()
+        a = tasks.square.submit(3).result()
+        return [a]
+
+    state = two(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == [9]
+    (run,) = task_runs(state.state_details.flow_run_id)
+    lines = [x.message for x in logs_of(run.id) if x.message.startswith("ran in a ")]
+    assert lines and lines[-1].startswith("ran in a warm Kubernetes sandbox "), lines
+    assert "a warm pod of key " in lines[-1] and "keeps 1 per key" in lines[-1], lines
+    wait_for(
+        lambda: (
+            [
+                p
+                for p in core(k8s_cluster).list_namespaced_pod(k8s_ns).items
+                if warm.LABEL_POOL in (p.metadata.labels or {})
+            ]
+            == []
+        ),
+        timeout=60,
+        what="no warm pod left after the runner's exit",
+    )
