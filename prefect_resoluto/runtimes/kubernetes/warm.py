@@ -519,10 +519,9 @@ class WarmPods:
         )
         self._policy = True
 
-    def _launch(self, key: PodKey) -> WarmPod:
-        """Create one waiting pod of ``key`` (its pool's policy first): the pod only, one request."""
-        rt = self.runtime
-        token = uuid.uuid4().hex
+    def _boot_spec(self, key: PodKey, token: str) -> LaunchSpec:
+        """A waiting pod's spec: the pool's own run and node ids, the conduit's address, the
+        host's public value and heartbeat; nothing of a node, nothing secret."""
         run_id = f"warm-{self.id}"
         prefix = pod_prefix(self.id, token, self.conduit.base_prefix)
         env = {
@@ -535,7 +534,7 @@ class WarmPods:
             warmpod.ENV_HOST_KEY: format(self._public, "x"),
             **(self._lease.env if self._lease is not None else {}),
         }
-        spec = LaunchSpec(
+        return LaunchSpec(
             sandbox_id=f"rsl-w{token[:12]}",
             env=env,
             address=NodeAddress(run_id, token, StoreLocation.from_env(env)),
@@ -543,6 +542,12 @@ class WarmPods:
             labels={LABEL_POOL: self.id, LABEL_KEY: key.digest(), LABEL_WARM: "idle"},
             image=key.image,
         )
+
+    def _launch(self, key: PodKey) -> WarmPod:
+        """Create one waiting pod of ``key`` (its pool's policy first): the pod only, one request."""
+        rt = self.runtime
+        token = uuid.uuid4().hex
+        spec = self._boot_spec(key, token)
         self._ensure_policy(spec)
         m = rt.manifests(spec, token=token, upload_bundle=True)
         api, ns, name = rt._api, rt.namespace, m.name
@@ -561,24 +566,15 @@ class WarmPods:
         except BaseException:
             watch.release(name)
             raise
-        handle = SandboxHandle(
-            id=f"{ns}/{name}",
-            runtime=rt.name,
-            labels=dict(spec.labels),
-            data={
-                "namespace": ns,
-                "name": name,
-                "token": token,
-                "secret": False,
-                "uid": pod.metadata.uid,
-                "created_rv": pod.metadata.resource_version,
-                "launched_at": rt._clock(),
-                "memory_limit": (m.pod["spec"]["containers"][0].get("resources") or {})
-                .get("limits", {})
-                .get("memory"),
-                "warm": True,
-            },
+        limits = (m.pod["spec"]["containers"][0].get("resources") or {}).get("limits", {})
+        data = {"namespace": ns, "name": name, "token": token, "secret": False, "warm": True}
+        data.update(
+            uid=pod.metadata.uid,
+            created_rv=pod.metadata.resource_version,
+            launched_at=rt._clock(),
+            memory_limit=limits.get("memory"),
         )
+        handle = SandboxHandle(id=f"{ns}/{name}", runtime=rt.name, labels=dict(spec.labels), data=data)
         w = WarmPod(self, key, handle, token)
         lost = weakened(pod, rt.options.runtime_class, rt.options.read_only_root_filesystem)
         if lost:
