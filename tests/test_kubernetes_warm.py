@@ -204,6 +204,26 @@ def test_warm_replacement_starts_in_the_background(
     w.discard()
 
 
+def test_warm_idle_pods_stay_within_the_budget_and_doctor_lists_them(
+    pools: Any, k8s_cluster: Cluster, k8s_ns: str, proxy: FaultProxy
+) -> None:
+    from prefect_resoluto.runtimes.base import Resources
+
+    rt = runtime(k8s_cluster, k8s_ns, proxy)
+    pool = pools(rt, size=2, total=3)
+    small, big = (spec_of("a"), spec_of("b", resources=Resources(memory_bytes=256 << 20)))
+    keys = [pool.key_for(small), pool.key_for(big)]
+    assert keys[0] != keys[1]
+    for k in keys:
+        pool.want(k)
+    wait_for(lambda: sum(pool.ready_count(k) for k in keys) == 3, timeout=240, what="three warm pods ready")
+    assert len(pool_pods(k8s_cluster, k8s_ns, pool)) == 3  # two keys of two each, but three in all
+    assert proxy.calls("create", "pods") == [201] * 3
+    seen = warm.inventory(rt)
+    assert sum(seen["pools"][pool.id][k.digest()].get("idle", 0) for k in keys) == 3
+    assert "warm_pool=N" in seen["settings"] and seen["namespace"] == k8s_ns
+
+
 def test_warm_pods_are_reaped_when_the_runner_exits(
     pools: Any, k8s_cluster: Cluster, k8s_ns: str, s3_conduit: Any
 ) -> None:

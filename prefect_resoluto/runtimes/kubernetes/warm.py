@@ -353,8 +353,11 @@ class WarmPods:
             return sum(1 for w in self._idle.get(key) or [] if w.secret is not None)
 
     def close(self) -> None:
-        """Delete every idle pod and the pool's policy, and stop the heartbeat it held."""
+        """Delete every idle pod and the pool's policy, and stop the heartbeat it held (once:
+        a cancelled runner closes its pool, then its exit does again)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             idle = [w for ws in self._idle.values() for w in ws]
             self._idle.clear()
