@@ -69,6 +69,16 @@ def pools(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, s3_conduit: A
     yield make
     for p in made:
         p.close()
+    # What a test left claimed but never assigned (the race's winner), then this process's
+    # heartbeat: nothing may write to the bucket while its fixture empties and deletes it.
+    api = core(k8s_cluster)
+    for p in made:
+        for pod in pool_pods(k8s_cluster, k8s_ns, p):
+            api.delete_namespaced_pod(pod.metadata.name, k8s_ns, grace_period_seconds=0)
+    wait_for(
+        lambda: all(pool_pods(k8s_cluster, k8s_ns, p) == [] for p in made), timeout=60, what="warm pods gone"
+    )
+    heartbeat.writer_for(s3_conduit).close()
 
 
 def spec_of(node_id: str, argv: list[str] | None = None, **fields: Any) -> NodeSpec:
