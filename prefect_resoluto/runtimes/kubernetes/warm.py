@@ -243,9 +243,8 @@ class WarmPods:
                     )
                 idle.remove(pick)
                 self._lock.notify_all()  # the refill starts its replacement
-            rv = self._resource_version(pick)
             try:
-                won = rv is not None and claim(self.runtime, pick.name, rv, labels)
+                won = self._claim(pick, labels)
             except KubernetesApiError as e:
                 # It may have landed: a pod no node will be assigned must not wait on.
                 log.warning("claiming warm pod %s failed (%s); deleting it", pick.handle.id, e)
@@ -266,10 +265,28 @@ class WarmPods:
             f"started {age:.1f} s ahead; pool {self.id} keeps {self.size} per key)"
         )
 
-    def _resource_version(self, w: WarmPod) -> str | None:
+    def _claim(self, w: WarmPod, labels: dict[str, str]) -> bool:
+        """Claim ``w`` at the version the watch last showed; after a 409, once more at the
+        version one GET shows if the pod is still idle and this pool's (the watch was behind
+        a status update): a pod someone else claimed is never retried."""
         seen = self.runtime.pod_watch().lookup(w.name)
-        pod = seen.pod
-        if pod is None or seen.deleted:
+        rv = None if seen.deleted else self._idle_version(seen.pod)
+        if rv is not None and claim(self.runtime, w.name, rv, labels):
+            return True
+        api, ns = self.runtime._api, self.runtime.namespace
+        core, t = api.core(), api.timeout()
+        try:
+            pod = api.call(
+                "get", "pods", w.name, lambda: core.read_namespaced_pod(w.name, ns, _request_timeout=t)
+            )
+        except KubernetesApiError:  # gone, or the API away: lost either way
+            return False
+        rv = self._idle_version(pod)
+        return rv is not None and claim(self.runtime, w.name, rv, labels)
+
+    def _idle_version(self, pod: Any) -> str | None:
+        """The pod's resourceVersion while it is idle and this pool's, else None."""
+        if pod is None:
             return None
         labels = pod.metadata.labels or {}
         if labels.get(LABEL_WARM) != "idle" or labels.get(LABEL_POOL) != self.id:
