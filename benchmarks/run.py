@@ -46,6 +46,7 @@ FIGURES = (
     "node_cpu",
     "prefect_calls",
     "scale",
+    "k8s_warm",
 )
 
 
@@ -90,6 +91,7 @@ def main() -> int:
     import conduit_cost
     import egress_cost
     import flow
+    import k8s_warm
     import latency
     import node_cpu
     import overhead
@@ -118,6 +120,7 @@ def main() -> int:
         "node_cpu": node_cpu,
         "prefect_calls": prefect_calls,
         "scale": scale,
+        "k8s_warm": k8s_warm,
     }
     started = time.monotonic()
     results: dict[str, Any] = {}

@@ -96,9 +96,12 @@ def doctor_report() -> dict[str, Any]:
     default = next(p for p in picks if p["default"])
     from prefect_resoluto.worker import gateway as api_gateway
 
+    k8s = next((r for r in rows if r["name"] == "kubernetes" and not r["options"]), None)
+
     return {
         "api_gateway": api_gateway.probe(),
         "runtimes": rows,
+        "warm_pods": _warm_pods(defaults.get("kubernetes") if k8s and k8s["available"] else None),
         "picks": picks,
         "default_floor": DEFAULT_MIN_ISOLATION.label,
         "default_pick": default["runtime"],
@@ -106,6 +109,21 @@ def doctor_report() -> dict[str, Any]:
         "note": "run picks among local runtimes only; kubernetes and solari (remote runtimes) "
         "are used only when named with --runtime",
     }
+
+
+def _warm_pods(rt: SandboxRuntime | None) -> dict[str, Any]:
+    """The Kubernetes runtime's warm pods: settings, and the pools live in its namespace."""
+    if rt is None:
+        return {"available": False, "why": "the kubernetes runtime is not available"}
+    from prefect_resoluto.runtimes.kubernetes.runtime import KubernetesRuntime
+    from prefect_resoluto.runtimes.kubernetes.warm import inventory
+
+    if not isinstance(rt, KubernetesRuntime):
+        return {"available": False, "why": "not the kubernetes runtime"}
+    try:
+        return {"available": True, **inventory(rt)}
+    except Exception as e:  # a probe must never take doctor down
+        return {"available": False, "why": f"cannot list warm pods: {type(e).__name__}: {e}"}
 
 
 def _egress_row(rt: SandboxRuntime) -> dict[str, Any]:
@@ -194,6 +212,17 @@ def main(args: argparse.Namespace) -> int:
         (gw.get("detail", ""), "") if gw["ok"] else (gw["why"], DIM),
     )
     out.line("  the worker's credential, held by the gateway only: ", gw["credential"])
+    warm = report["warm_pods"]
+    if warm["available"]:
+        out.line(("warm pods (kubernetes): ", STRONG), warm["settings"])
+        for pool, keys in sorted(warm["pools"].items()):
+            for key, states in sorted(keys.items()):
+                counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+                out.line(f"  pool {pool} in {warm['namespace']}, key {key}: {counts}")
+        if not warm["pools"]:
+            out.line(f"  none in namespace {warm['namespace']} now")
+    else:
+        out.line(("warm pods (kubernetes): ", STRONG), (warm["why"], DIM))
     out.line(("default conduit: ", STRONG), report["default_conduit"])
     out.line(("note: ", STRONG), report["note"])
     if not report["default_pick"]:

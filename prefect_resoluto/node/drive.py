@@ -54,7 +54,7 @@ from prefect_resoluto.runtimes.base import (
 )
 
 if TYPE_CHECKING:
-    from prefect_resoluto.warm.pool import WarmSandbox
+    from prefect_resoluto.warm.pool import AnyWarm
 
 log = logging.getLogger("prefect_resoluto.node.drive")
 
@@ -72,7 +72,7 @@ def drive(
     runtime: SandboxRuntime,
     observer: NodeObserver | None = None,
     *,
-    warm: WarmSandbox | None = None,
+    warm: AnyWarm | None = None,
 ) -> NodeOutcome:
     """Run ``spec`` in a sandbox of ``runtime`` and return what happened; ``observer`` sees it
     happen (:class:`~prefect_resoluto.node.observer.NodeObserver`: launched, each event, finished)
@@ -108,7 +108,7 @@ def drive_node(
     silence_window: float | None = None,
     on_launch: Callable[[SandboxHandle], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
-    warm: WarmSandbox | None = None,
+    warm: AnyWarm | None = None,
     reap: Callable[[SandboxHandle], None] | None = None,
     pack_workspace: Callable[[Path, list[str]], bytes] | None = None,
 ) -> NodeOutcome:
@@ -144,7 +144,7 @@ class _Node:
     tailer: ChunkTailer
     events: _Events
     t0: float
-    warm: WarmSandbox | None = None
+    warm: AnyWarm | None = None
     slot: _Slot | None = None
     handle: SandboxHandle | None = None
     st: SandboxStatus = field(default_factory=lambda: SandboxStatus(phase="pending"))
@@ -232,7 +232,7 @@ def _drive(
     conduit: Conduit,
     runtime: SandboxRuntime,
     observer: NodeObserver,
-    warm: WarmSandbox | None,
+    warm: AnyWarm | None,
 ) -> NodeOutcome:
     node = _prepare(spec, conduit, runtime, observer)
     try:
@@ -297,7 +297,7 @@ def _prepare(spec: NodeSpec, conduit: Conduit, runtime: SandboxRuntime, observer
     )
 
 
-def _place_warm(node: _Node, warm: WarmSandbox | None) -> WarmSandbox | None:
+def _place_warm(node: _Node, warm: AnyWarm | None) -> AnyWarm | None:
     """The warm sandbox's slot becomes the node's directory, before any put; one that cannot
     take the node is discarded for the pool's next (None: the node launches a cold one)."""
     while warm is not None:
@@ -313,7 +313,7 @@ def _place_warm(node: _Node, warm: WarmSandbox | None) -> WarmSandbox | None:
     return None
 
 
-def _next_warm(node: _Node, lost: WarmSandbox, why: str) -> WarmSandbox | None:
+def _next_warm(node: _Node, lost: AnyWarm, why: str) -> AnyWarm | None:
     """Discard ``lost``, which never had the node, and say what takes the node instead: the
     pool's next ready sandbox while WARM_TRIES allows, else None (a cold launch)."""
     lost.discard()
@@ -328,7 +328,7 @@ def _next_warm(node: _Node, lost: WarmSandbox, why: str) -> WarmSandbox | None:
     return nxt
 
 
-def _retry_elsewhere(node: _Node, lost: WarmSandbox, why: str) -> None:
+def _retry_elsewhere(node: _Node, lost: AnyWarm, why: str) -> None:
     """A placed warm sandbox refused its assignment: the node's directory (its slot, holding
     only the host's inbox) goes with it, and the node is placed, claimed and filled again for
     the next sandbox."""

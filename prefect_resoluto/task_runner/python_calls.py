@@ -22,7 +22,7 @@ from prefect_resoluto.task_runner import call_spec, reads
 from prefect_resoluto.warm import pool as warm_pool_mod
 
 if TYPE_CHECKING:
-    from prefect_resoluto.warm.pool import WarmPool
+    from prefect_resoluto.warm.pool import AnyPool
 
 log = logging.getLogger("prefect_resoluto")
 
@@ -51,7 +51,7 @@ def call(
     cancel: threading.Event | None,
     *,
     run_node: RunNode,
-    pool: WarmPool | None,
+    pool: AnyPool | None,
     deployment_name: DeploymentNames,
 ) -> Any:
     """Run ``fn`` (the body of ``task``) in a sandbox for the current task run and return what

@@ -117,7 +117,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._recorder = Recorder()
         self._cancelled = threading.Event()
         self._deployment_names = python_calls.DeploymentNames()
-        self._pool: warm_pool_mod.WarmPool | None = None
+        self._pool: warm_pool_mod.AnyPool | None = None
         self._packer: WorkspacePacker | None = None
         # While entered: the node's view of the runner's sandboxes, the artifacts' queue,
         # and what driving a task run's node needs.

@@ -37,7 +37,7 @@ from prefect_resoluto.warm import pool as warm_pool_mod
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
 
-    from prefect_resoluto.warm.pool import WarmPool
+    from prefect_resoluto.warm.pool import AnyPool
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class TaskNodes:
     runtime: SandboxRuntime
     conduit: Conduit
     pacer: ApiLogBatcher
-    pool: WarmPool | None
+    pool: AnyPool | None
     live: LiveSandboxes
     sandboxes: RunnerSandboxes
     artifacts: NodeArtifacts

@@ -52,7 +52,15 @@ from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapsho
 from prefect_resoluto.warm.snapshots import enabled_by_env as snapshots_by_env
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from prefect_resoluto.egress import NetworkRequest
+    from prefect_resoluto.runtimes.kubernetes.warm import WarmPod, WarmPods
+
+    #: A runner's pool: sandboxes on this host, or a runtime's own (Kubernetes: warm pods).
+    AnyPool: TypeAlias = "WarmPool | WarmPods"
+    #: What a node's driver is handed instead of launching: either pool's.
+    AnyWarm: TypeAlias = "WarmSandbox | WarmPod"
 
 log = logging.getLogger("prefect_resoluto.warm.pool")
 
@@ -843,9 +851,15 @@ def default_size(warm_pool: int | None, max_workers: int) -> int:
     return min(DEFAULT_CAP, max(1, max_workers))
 
 
-def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: int) -> WarmPool | None:
+def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: int) -> AnyPool | None:
     """The task runner's pool (None when disabled or unsupported), already warming the
-    runner's own settings so the first task finds a sandbox ready."""
+    runner's own settings so the first task finds a sandbox ready. On Kubernetes, warm pods
+    (:mod:`prefect_resoluto.runtimes.kubernetes.warm`), only when ``warm_pool`` is set."""
+    if runtime.name == "kubernetes":
+        from prefect_resoluto.runtimes.kubernetes.runtime import KubernetesRuntime
+        from prefect_resoluto.runtimes.kubernetes.warm import start_for as pods_for
+
+        return pods_for(cfg, runtime, conduit) if isinstance(runtime, KubernetesRuntime) else None
     size = default_size(cfg.warm_pool, max_workers)
     if size == 0:
         return None
@@ -859,13 +873,13 @@ def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: 
     return pool
 
 
-def imports_for(pool: WarmPool | None, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
+def imports_for(pool: AnyPool | None, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
     """What warm sandboxes for a task of ``source_file`` pre-import (() without a pool)."""
-    return pool.learned.imports_for(source_file) if pool is not None else ()
+    return pool.learned.imports_for(source_file) if isinstance(pool, WarmPool) else ()
 
 
 def learn(
-    pool: WarmPool | None,
+    pool: AnyPool | None,
     source_file: str | os.PathLike[str] | None,
     output_dir: Path | None,
     *,
@@ -873,18 +887,18 @@ def learn(
 ) -> None:
     """Record what a finished Python call of ``source_file`` imported, if it succeeded
     (see :class:`Learned`)."""
-    if pool is not None:
+    if isinstance(pool, WarmPool):
         pool.learned.learn(source_file, output_dir, succeeded=succeeded)
 
 
-def take_for(
-    pool: WarmPool | None, spec: Any, *, imports: tuple[str, ...] = ()
-) -> tuple[WarmSandbox | None, str]:
+def take_for(pool: AnyPool | None, spec: Any, *, imports: tuple[str, ...] = ()) -> tuple[AnyWarm | None, str]:
     """A warm sandbox for ``spec`` if one is ready, and the words for the task's log. One
     that pre-imported nothing serves when none with ``imports`` is ready: the call then
     imports them itself, still without a sandbox boot."""
     if pool is None:
         return None, "cold sandbox (warm pool off)"
+    if not isinstance(pool, WarmPool):
+        return pool.take_spec(spec)
     key = key_for(spec, imports=imports)
     if key is None:
         return None, "cold sandbox (nodes with egress are never pre-started)"
