@@ -253,11 +253,13 @@ def test_a_log_level_no_logger_knows_is_no_exception_out_of_the_host(gvisor, tmp
 def test_distinct_logger_names_cost_the_host_no_lasting_loggers(gvisor, tmp_path):
     """Each distinct `logger` a guest names must not become a logging.Logger the host's
     process keeps for ever (Logger.manager.loggerDict is never pruned): 20 000 names in one
-    node would then outlive the node, outside any per-node allowance."""
+    node would then outlive the node, outside any per-node allowance. 4 000 names (each a
+    line the host forwards to the API) are four times what the assertion allows: a Logger
+    per name fails it as surely as 20 000 did."""
     import logging
 
     before = len(logging.Logger.manager.loggerDict)
-    spec = [("x", "INFO", "a.b%d.c.d", 20_000)]
+    spec = [("x", "INFO", "a.b%d.c.d", 4_000)]
     state, shown = _run_with_guest_events(tmp_path, spec)
     grown = len(logging.Logger.manager.loggerDict) - before
     assert grown < 1_000, f"the host now keeps {grown} more loggers ({shown[:200]})"
@@ -472,12 +474,17 @@ for _ in range(n):
         break
 print(len(socks), flush=True)
 def drip():
+    # each round: one more byte of a head on every connection, and how many the gateway
+    # still holds (one it closed answers a send with a reset)
     while True:
+        live = 0
         for s in socks:
             try:
                 s.send(b"G")
+                live += 1
             except OSError:
                 pass
+        print(live, flush=True)
         time.sleep(1)
 threading.Thread(target=drip, daemon=True).start()
 sys.stdin.read()
@@ -492,10 +499,10 @@ def _open_fds() -> int:
 
 @pytest.mark.prefect
 def test_one_runs_idle_connections_do_not_take_the_workers_file_descriptors(server):  # noqa: F811
-    """A run opens 3 000 connections to its gateway and drips a head byte by byte: the worker's
+    """A run opens 1 000 connections to its gateway and drips a head byte by byte: the worker's
     process (here the test's, where the gateway runs) must not hold a descriptor for each
     (its file descriptors are every run's: at its RLIMIT_NOFILE every gateway and sandbox of
-    the worker fails)."""
+    the worker fails). 1 000 is four times the descriptors the assertion allows."""
     import subprocess
     import sys
 
@@ -505,25 +512,29 @@ def test_one_runs_idle_connections_do_not_take_the_workers_file_descriptors(serv
     with gateway_for(own) as gw:
         base = _open_fds()
         holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, gw.host, str(gw.port), "3000"],
+            [sys.executable, "-c", HOLDER, gw.host, str(gw.port), "1000"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
+
+        def settled() -> tuple[int] | None:
+            """The descriptors the gateway holds once it holds 256 (the break), or once the
+            holder finds all but 256 of its connections closed (the gateway has dealt with
+            them): an event either way, not a deadline that the secure case sits out."""
+            if (n := _open_fds() - base) >= min(opened, 256):
+                return (n,)
+            line = holder.stdout.readline()  # type: ignore[union-attr]  # its next round, <= 1 s
+            assert line, "the holder of the connections ended"
+            return (_open_fds() - base,) if int(line) <= 256 else None
+
         try:
             opened = int(holder.stdout.readline())  # type: ignore[union-attr]
-            held = (
-                wait_for(
-                    lambda: (n := _open_fds() - base) >= min(opened, 256) and n,
-                    timeout=20,
-                    what="the gateway to take its connections",
-                )
+            (held,) = (
+                wait_for(settled, timeout=60, what="the gateway to deal with its connections")
                 if opened
-                else 0
+                else (0,)
             )
-        except AssertionError:
-            held = _open_fds() - base
-        try:
             status: int | str = httpx.get(
                 f"http://{gw.address}/api/flow_runs/{own.id}",
                 headers={"Authorization": f"Bearer {gw.token}"},
@@ -647,8 +658,9 @@ print("spans", n, flush=True)
 @pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_a_flood_of_span_events_costs_the_flow_process_a_bounded_amount(gvisor, tmp_path):
-    """Not a log line among them, so no log allowance applies: 6 chunks of 30 MiB of span
-    events (~1.1 M spans) from a 512 Mi node. The flow process must not keep them all."""
+    """Not a log line among them, so no log allowance applies: 2 chunks of 30 MiB of span
+    events (~370 000 spans) from a 512 Mi node. The flow process must not keep them all (kept
+    as they arrive, they cost it more than twice what the assertion allows)."""
     import resource
 
     from flows import dropin_flows as df
@@ -676,11 +688,12 @@ def test_a_flood_of_span_events_costs_the_flow_process_a_bounded_amount(gvisor, 
             return f"{type(e).__name__}: {str(e)[:300]}"
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with _Patched(["python3", "-c", SPANS_GUEST, "6"]):
+    with _Patched(["python3", "-c", SPANS_GUEST, "2"]):
         state = victim(return_state=True)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     shown = state.result()
-    assert grown_mib < 256, f"180 MiB of span events grew the flow process by {grown_mib:.0f} MiB ({shown})"
+    # measured: +27 MiB; with the events kept as they arrive, +307 MiB
+    assert grown_mib < 128, f"60 MiB of span events grew the flow process by {grown_mib:.0f} MiB ({shown})"
 
 
 #: A replaced guest runner whose every free-text field carries terminal controls: the node
