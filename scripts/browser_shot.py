@@ -41,7 +41,7 @@ async def _page_socket(port: int) -> str:
 
 async def shoot(url: str, out: Path, tab: str | None, settle: float) -> None:
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="browser-shot-") as profile:
+    with tempfile.TemporaryDirectory(prefix="browser-shot-", ignore_cleanup_errors=True) as profile:
         browser = subprocess.Popen(
             ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", f"--remote-debugging-port={port}",
              f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", "about:blank"],
