@@ -54,6 +54,10 @@ def preimport(modules: "list[str]") -> None:
 
     try:
         if any(m == "prefect" or m.startswith("prefect.") for m in modules):
+            # The stand-ins first, as a cold call has them: where the host's package is not in
+            # the image, its stand-in answers the collection entry point the real Prefect loads
+            # with its blocks (else "Failed to load collection" lands in the task's output).
+            standin.install()
             standin.use_real_prefect()
             # `from prefect import task` loads prefect.main, whose import sets up Prefect's
             # logging from its settings: the largest part of a warm real-Prefect call that

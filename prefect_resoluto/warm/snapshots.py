@@ -5,7 +5,8 @@ runner imported, the call's interpreter started, the key's pre-imports done), be
 node or credential exists, and is checkpointed there once; each further warm sandbox of
 the key is restored from that image (``runtime.restore``) instead of booted.
 
-An image lives at ``<state>/snapshots/<key hash>-<image hash>/``: runsc's files
+An image lives at ``<state>/snapshots/<key hash>-<image hash>/`` (or under ``$RESOLUTO_WARM_IMAGES/<runtime>/``,
+a directory several state directories share): runsc's files
 (``checkpoint.img``, ``pages*.img``) and ``meta.json`` (what it was made from,
 and the SHA-256 of runsc's files). The
 image hash covers the guest runner's files, the key, the guest's interpreter and the
@@ -39,6 +40,10 @@ META_FILE = "meta.json"
 DIR_NAME = "snapshots"
 #: Set to "0" to boot every warm sandbox (no images made or used).
 ENV = "RESOLUTO_WARM_SNAPSHOTS"
+#: A directory for images instead of each runtime's state directory (one subdirectory per
+#: runtime): hosts whose state directories differ (per user, per test) make an image once.
+#: Images hold nothing of a node, and their names cover everything they were made from.
+IMAGES_ENV = "RESOLUTO_WARM_IMAGES"
 #: Temporary directories older than this are a crashed build's, not another process's.
 STALE_TMP_SECONDS = 3600.0
 
@@ -49,6 +54,12 @@ class SnapshotError(Exception):
 
 class CorruptImage(SnapshotError):
     """An image failed its check; it has been discarded, and the warning given."""
+
+
+def images_root(runtime: Any) -> Path:
+    """Where ``runtime``'s images live."""
+    shared = os.environ.get(IMAGES_ENV, "").strip()
+    return Path(shared) / str(runtime.name) if shared else Path(runtime.state) / DIR_NAME
 
 
 def enabled_by_env() -> bool:
@@ -105,7 +116,7 @@ class Snapshots:
         self.runtime = runtime
         self.python = python
         self.context = context
-        self.root = Path(runtime.state) / DIR_NAME
+        self.root = images_root(runtime)
         # Images whose digest this process verified, with what their files looked like then
         # (a long-lived worker re-hashes only an image whose files changed since).
         self._checked: dict[Path, tuple[tuple[str, int, int, int], ...]] = {}
@@ -200,7 +211,7 @@ class Snapshots:
 
 def remove_all(runtime: Any) -> int:
     """``sweep``: every image of ``runtime`` (and unfinished ones); how many were removed."""
-    root = Path(runtime.state) / DIR_NAME
+    root = images_root(runtime)
     if not root.is_dir():
         return 0
     n = 0

@@ -17,11 +17,32 @@ from support.guest import ROOT
 SCHEMAS = ROOT / "schemas"
 
 
+#: Modules about the images' own life (made, checked, discarded, swept): theirs are the test's.
+OWN_IMAGES = {"test_snapshots", "test_worker_snapshots"}
+
+
+@pytest.fixture(scope="session")
+def _session_images(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("warm-images"))
+
+
 @pytest.fixture(autouse=True)
-def _isolated_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runtimes record sandboxes under RESOLUTO_STATE_DIR; keep tests from seeing each other's."""
+def _isolated_state(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    _session_images: str,
+) -> None:
+    """Runtimes record sandboxes under RESOLUTO_STATE_DIR; keep tests from seeing each other's.
+    Warm-sandbox images (which hold no sandbox of a test, only a template's checkpoint) are the
+    session's, as a host's are its own: each test would otherwise boot and checkpoint a template
+    per pool key before its first warm sandbox (seconds of CPU each)."""
     if "RESOLUTO_STATE_DIR" not in os.environ:
         monkeypatch.setenv("RESOLUTO_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    if request.node.path.stem in OWN_IMAGES:
+        monkeypatch.delenv("RESOLUTO_WARM_IMAGES", raising=False)
+    elif "RESOLUTO_WARM_IMAGES" not in os.environ:
+        monkeypatch.setenv("RESOLUTO_WARM_IMAGES", _session_images)
 
 
 @pytest.fixture(scope="session")
