@@ -135,11 +135,13 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
 
 
 def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> SandboxNetwork:
-    """The worker's host at the gateway's one address and port, cut out of every other entry."""
+    """The worker's host at the gateway's one address and port; the gateway's and every other
+    address of the host cut out of every other entry."""
     from prefect_resoluto.worker.kube_egress import (
         GatewayAddressRefused,
         allowlist_without,
         gateway_destination,
+        host_networks,
     )
 
     try:
@@ -147,7 +149,8 @@ def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> Sandb
     except GatewayAddressRefused as e:
         raise SandboxNetworkUnavailable(str(e)) from None
     return SandboxNetwork(
-        env={"PREFECT_API_URL": api_url}, egress=[*allowlist_without(egress, dest), f"{dest}:{port}"]
+        env={"PREFECT_API_URL": api_url},
+        egress=[*allowlist_without(egress, dest, host_networks()), f"{dest}:{port}"],
     )
 
 
