@@ -10,6 +10,7 @@ import ipaddress
 import random
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support.k8s_cluster import Cluster  # noqa: E402
-from test_kubernetes_cluster import make_runtime, make_spec, net  # noqa: E402
+from support.polling import wait_for  # noqa: E402
+from test_kubernetes_cluster import core, make_runtime, make_spec, net  # noqa: E402
+from test_kubernetes_warm import pool_pods, pools, ready, runtime, spec_of  # noqa: E402, F401
 
+from guest_runner import warmpod, wire  # noqa: E402
+from prefect_resoluto.node import heartbeat  # noqa: E402
 from prefect_resoluto.runtimes.base import LaunchError  # noqa: E402
 from prefect_resoluto.worker.plan import SandboxNetworkUnavailable, sandbox_network  # noqa: E402
 
@@ -148,3 +153,55 @@ def test_a_wide_allowlist_cannot_reach_the_workers_host_at_another_of_its_addres
     assert admitted(policy, other) == []
     neighbour = str(ipaddress.ip_address(other) + 1)
     assert admitted(policy, neighbour), "the rest of the block the deployment asked for stays allowed"
+
+
+@pytest.mark.sandbox
+def test_a_dead_runners_idle_warm_pod_cannot_be_kept_alive_by_forged_heartbeats(
+    pools: Any,  # noqa: F811 - the warm tests' fixture, imported above
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    s3_conduit: Any,
+) -> None:
+    """Any pod holding the store's credentials (a task's pod of the same runner: its own env
+    names the heartbeat's key) keeps writing a changing heartbeat after the runner died, and
+    replays the waiting pod's own beat with a higher count. Before: the idle pod watched the
+    shared, unauthenticated beat and waited forever. Now it counts only beats its host sealed
+    for it, so it ends within its bound as if nobody wrote."""
+    pool = pools(runtime(k8s_cluster, k8s_ns), host_lost_after=3.0, host_heartbeat_interval=0.5)
+    ready(pool, pool.key_for(spec_of("n")))
+    (pod,) = pool_pods(k8s_cluster, k8s_ns, pool, "idle")
+    env = {e.name: e.value for e in pod.spec.containers[0].env or [] if e.value is not None}
+    base = s3_conduit.base_prefix.strip("/")
+    # The keys as the pod's env names them (full keys), as the test's conduit names them.
+    shared_beat = env[wire.ENV_HOST_BEAT_KEY].removeprefix(f"{base}/")
+    own_beat = f"{env[warmpod.ENV_PREFIX]}/beat".removeprefix(f"{base}/")
+    assert s3_conduit.get_stream(shared_beat).close() is None  # the attacker aims at the real one
+    stop = threading.Event()
+
+    def attacker() -> None:
+        n = 10**6
+        while not stop.wait(0.2):
+            n += 1
+            try:
+                s3_conduit.put(shared_beat, f"{n} 1.0".encode())
+                with s3_conduit.get_stream(own_beat) as f:
+                    old = bytes(f.read(256))
+                _, _, tag = old.partition(b" ")
+                s3_conduit.put(own_beat, str(n).encode() + b" " + tag)
+            except Exception:  # noqa: BLE001 - nothing there yet: the next round writes again
+                continue
+
+    # The host dies: its heartbeat stops, nothing deletes the pod; the attacker takes over.
+    heartbeat.writer_for(s3_conduit).close()
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    try:
+
+        def ended() -> bool:
+            p = core(k8s_cluster).read_namespaced_pod(pod.metadata.name, k8s_ns)
+            return bool(p.status.phase in ("Succeeded", "Failed"))
+
+        wait_for(ended, timeout=90, what="the waiting pod to end although someone else beats for its host")
+    finally:
+        stop.set()
+        thread.join(timeout=10)
