@@ -205,3 +205,55 @@ def test_a_dead_runners_idle_warm_pod_cannot_be_kept_alive_by_forged_heartbeats(
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"store_egress_cidr": "{other}/32", "store_egress_port": 4200},
+        {"store_egress_cidr": "198.19.0.0/16"},
+        {"dns_cidr": "{other}"},
+    ],
+)
+def test_a_sandbox_blocks_store_or_dns_option_cannot_reach_the_workers_host(
+    k8s_cluster: Cluster,
+    k8s_ns: str,
+    host_addresses: tuple[str, str],
+    s3_conduit: Any,
+    options: dict[str, Any],
+) -> None:
+    """A deployment author picks a sandbox block of their own whose kubernetes options say the
+    store (or the resolver) is at the worker's host, on the real API's port: the allowlist's
+    cuts never see those rules, and the pod reached the host there. The worker now refuses
+    such a run before anything is created; otherwise the stored policy must not admit it."""
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
+    from prefect_resoluto.worker.plan import check_pod_rules
+
+    gw, other = host_addresses
+    opts = {k: v.format(other=other) if isinstance(v, str) else v for k, v in options.items()}
+    rt = make_runtime(k8s_cluster, k8s_ns, **{"store_egress_cidr": None, "store_egress_port": None, **opts})
+    network = sandbox_network(rt, f"http://{gw}:41234/api", [])
+    spec = NodeSpec(
+        run_id="r", node_id=f"flow-run-{uuid.uuid4().hex[:8]}", argv=["true"], egress=network.egress
+    )
+    try:
+        check_pod_rules(rt, spec, s3_conduit)
+    except SandboxNetworkUnavailable as e:
+        assert "an address of the worker's host" in str(e)
+        return
+    tag = uuid.uuid4().hex[:8]
+    sent = rt.manifests(launch_spec(spec, s3_conduit), name=f"rsl-a40-{tag}", token=tag * 4).network_policy
+    policy = _stored_policy(k8s_cluster, k8s_ns, sent)
+    assert admitted(policy, other) == [] and admitted(policy, gw) == [(f"{gw}/32", 41234)]
+
+
+def test_the_store_the_worker_itself_writes_to_stays_reachable(
+    k8s_cluster: Cluster, k8s_ns: str, s3_conduit: Any
+) -> None:
+    """Not refused: the store rule derived from the endpoint the worker writes to (here on its
+    own loopback), and no DNS block."""
+    from prefect_resoluto.node.spec import NodeSpec
+    from prefect_resoluto.worker.plan import check_pod_rules
+
+    rt = make_runtime(k8s_cluster, k8s_ns, store_egress_cidr=None, store_egress_port=None)
+    check_pod_rules(rt, NodeSpec(run_id="r", node_id="flow-run-y", argv=["true"]), s3_conduit)

@@ -79,6 +79,32 @@ def _local_routes(text: str) -> list[IPv4]:
     return sorted(nets, key=str)
 
 
+def check_infrastructure_rules(
+    rules: Sequence[dict[str, object]], host: Sequence[IPv4], *, store_derived: bool
+) -> None:
+    """The pod's DNS rule (``dns_cidr``) and its store rule, unless derived from the endpoint
+    the worker itself writes to, admit no address of the worker's host: a sandbox block's
+    ``store_egress_cidr``/``store_egress_port`` or ``dns_cidr`` would open the host's real API
+    port past every cut of the allowlist (GatewayAddressRefused names the option)."""
+    dns, store = rules[0], rules[1]
+    checked = [("dns_cidr", dns)] + (
+        [] if store_derived else [("store_egress_cidr/store_egress_port", store)]
+    )
+    for option, rule in checked:
+        peers = rule.get("to") or []
+        assert isinstance(peers, list)
+        for peer in peers:
+            block = peer.get("ipBlock")
+            hit = next((h for h in host if block is not None and _admits(block, h)), None)
+            if hit is not None:
+                raise GatewayAddressRefused(
+                    f"the sandbox's kubernetes {option} ({block['cidr']}) admits {hit}, an address of the "
+                    "worker's host, which a flow run's pod reaches at its gateway only; name the "
+                    "store or resolver by addresses that are not the worker's (or leave "
+                    "store_egress_cidr/port unset: the store's endpoint is then reached as the worker reaches it)"
+                )
+
+
 def allowlist_without(
     entries: Iterable[str], gateway: ipaddress.IPv4Address, host: Sequence[IPv4] = ()
 ) -> list[str]:
