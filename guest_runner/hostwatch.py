@@ -43,6 +43,7 @@ class HostWatch:
         on_lost: Callable[[float], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        accept: Optional[Callable[[bytes], bool]] = None,
     ) -> None:
         self.conduit = conduit
         self.key = key
@@ -50,6 +51,8 @@ class HostWatch:
         self.poll = wire.host_beat_poll(bound)
         self.on_lost = on_lost
         self.clock = clock
+        #: Whether a changed value is the host's (a warm pod's sealed beat); None: any change.
+        self.accept = accept
         self.reads = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -79,12 +82,15 @@ class HostWatch:
         while not self._stop.wait(self.poll):
             now_value = self.read()
             now = self.clock()
-            if not isinstance(now_value, _Unreadable) and now_value != last:
+            if not isinstance(now_value, _Unreadable) and now_value != last and self._accepted(now_value):
                 last, changed = now_value, now
             elif now - changed >= self.bound:
                 if not self._stop.is_set():
                     self.on_lost(now - changed)
                 return
+
+    def _accepted(self, value: bytes) -> bool:
+        return self.accept is None or self.accept(value)
 
 
 def settings(env: Mapping[str, str]) -> Optional["tuple[str, float]"]:

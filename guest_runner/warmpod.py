@@ -14,7 +14,11 @@ hello replaced by another pod only makes the host's assignment fail to verify he
 pod ends and its node is relaunched, never run by someone else's word.
 
 While it waits the pod watches its host's heartbeat (:mod:`guest_runner.hostwatch`) and
-exits when the host is gone, so its pod ends within the same bound as a node's. Once
+exits when the host is gone, so its pod ends within the same bound as a node's. Not the
+shared beat every node watches: any pod with the store's credentials can rewrite that one and
+keep a dead host's idle pods waiting for ever. Its own, ``<prefix>/beat``: ``<count> <tag>``,
+the tag an HMAC under a key derived from ``K``; only a higher count with a tag that verifies
+counts as the host's, so only the host keeps it waiting. Once
 assigned it is an ordinary node (``runner.main``), with the assignment's environment over
 its boot one. Assignments carry no secret: the host sends nodes with secrets to cold pods.
 """
@@ -39,6 +43,7 @@ ENV_PREFIX = "RESOLUTO_WARM_POD_PREFIX"
 BOOT_ONLY = (ENV_HOST_KEY, ENV_PREFIX)
 HELLO = "hello"
 ASSIGN = "assign"
+BEAT = "beat"
 #: The largest assignment read (the node's non-secret environment).
 MAX_ASSIGNMENT_BYTES = 1 << 20
 MAX_HELLO_BYTES = 4096
@@ -99,6 +104,34 @@ def open_sealed(key: bytes, token: str, data: bytes) -> bytes:
     return body
 
 
+def _beat_key(key: bytes) -> bytes:
+    # Its own key: a beat's tag is never an assignment's (nor the reverse).
+    return hmac.new(key, b"resoluto warm pod beat v1", hashlib.sha256).digest()
+
+
+def beat_body(key: bytes, token: str, count: int) -> bytes:
+    """The host's beat number ``count`` for the pod of ``token`` (what the host writes)."""
+    tag = hmac.new(_beat_key(key), f"{token}\n{count}".encode(), hashlib.sha256).hexdigest()
+    return f"{count} {tag}".encode()
+
+
+class BeatCheck:
+    """Whether a beat is the host's and newer than the last one counted (a replay is not)."""
+
+    def __init__(self, key: bytes, token: str) -> None:
+        self._key, self._token, self.last = key, token, 0
+
+    def __call__(self, data: bytes) -> bool:
+        try:
+            count = int(data.decode("ascii").partition(" ")[0])
+        except (UnicodeDecodeError, ValueError):
+            return False
+        if count <= self.last or not hmac.compare_digest(data, beat_body(self._key, self._token, count)):
+            return False
+        self.last = count
+        return True
+
+
 def hello_body(public: int) -> bytes:
     return json.dumps({"public": format(public, "x")}).encode()
 
@@ -142,13 +175,15 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - a pod that cannot wait ends and says why
         print(f"resoluto warm pod: cannot start: {e}", file=sys.stderr)
         return EXIT_BAD_ASSIGNMENT
-    watch = None
-    beat = hostwatch.settings(boot)
-    if beat is not None:
-        watch = hostwatch.HostWatch(conduit, beat[0], beat[1], _host_lost).start()
     private, public = keypair()
     key = shared_key(private, host)
     del private
+    watch = None
+    beat = hostwatch.settings(boot)
+    if beat is not None:  # the bound from the host; the beat, sealed for this pod, its own
+        watch = hostwatch.HostWatch(
+            conduit, f"{prefix}/{BEAT}", beat[1], _host_lost, accept=BeatCheck(key, token)
+        ).start()
     conduit.put(f"{prefix}/{HELLO}", hello_body(public))
     print(wire.WARM_READY, flush=True)
     data = _wait_for_assignment(conduit, f"{prefix}/{ASSIGN}")

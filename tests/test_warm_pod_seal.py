@@ -45,3 +45,27 @@ def test_an_assignment_sealed_by_anyone_else_is_refused() -> None:
 def test_a_public_value_outside_the_group_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         warmpod.public_value(text)
+
+
+def test_only_the_hosts_newer_beat_for_this_pod_counts() -> None:
+    """The idle pod's beat: a replay, a higher count with an old tag, another pod's beat, a
+    beat under the attacker's own key, or a non-canonical rendering never counts."""
+    host_key, pod_key, pod_pub = pair()
+    check = warmpod.BeatCheck(pod_key, "tok")
+    assert check(warmpod.beat_body(host_key, "tok", 1))
+    old = warmpod.beat_body(host_key, "tok", 2)
+    assert check(old)
+    mine, _ = warmpod.keypair()
+    tag = old.partition(b" ")[2]
+    for forged in [
+        old,  # replayed
+        b"3 " + tag,  # a higher count, the old tag
+        warmpod.beat_body(host_key, "another-pod", 3),
+        warmpod.beat_body(warmpod.shared_key(mine, pod_pub), "tok", 3),
+        warmpod.seal(host_key, "tok", b"3"),  # an assignment's tag is not a beat's
+        b"+3 " + warmpod.beat_body(host_key, "tok", 3).partition(b" ")[2],
+        b"\xff",
+        b"",
+    ]:
+        assert not check(forged), forged
+    assert check(warmpod.beat_body(host_key, "tok", 7))

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,18 @@ class _Writer:
         self._idle_since: float | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        #: Called with each beat's count after it is written (a warm pool seals its pods' beats).
+        self._hooks: list[Callable[[int], None]] = []
+
+    def also(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(count)`` at every beat, so it stops when this host's beat stops."""
+        with self._cond:
+            self._hooks.append(hook)
+
+    def drop(self, hook: Callable[[int], None]) -> None:
+        with self._cond:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
 
     def local_dir(self) -> Path | None:
         root = self.conduit.local_root
@@ -127,6 +140,11 @@ class _Writer:
             self.conduit.put_transient(self.key, body)
         except ConduitError as e:  # late is fine, within the bound: the next beat retries
             log.warning("host heartbeat %s not written: %s", self.key, e)
+        for hook in list(self._hooks):
+            try:
+                hook(self.beats)
+            except Exception as e:  # a hook's store write: the next beat retries
+                log.warning("host heartbeat hook failed: %s", e)
 
     def _run(self) -> None:
         while True:

@@ -135,11 +135,13 @@ def sandbox_network(runtime: SandboxRuntime, api_url: str, egress: list[str]) ->
 
 
 def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> SandboxNetwork:
-    """The worker's host at the gateway's one address and port, cut out of every other entry."""
+    """The worker's host at the gateway's one address and port; the gateway's and every other
+    address of the host cut out of every other entry."""
     from prefect_resoluto.worker.kube_egress import (
         GatewayAddressRefused,
         allowlist_without,
         gateway_destination,
+        host_networks,
     )
 
     try:
@@ -147,8 +149,30 @@ def _pod_network(api_url: str, host: str, port: int, egress: list[str]) -> Sandb
     except GatewayAddressRefused as e:
         raise SandboxNetworkUnavailable(str(e)) from None
     return SandboxNetwork(
-        env={"PREFECT_API_URL": api_url}, egress=[*allowlist_without(egress, dest), f"{dest}:{port}"]
+        env={"PREFECT_API_URL": api_url},
+        egress=[*allowlist_without(egress, dest, host_networks()), f"{dest}:{port}"],
     )
+
+
+def check_pod_rules(runtime: SandboxRuntime, spec: NodeSpec, conduit: Conduit) -> None:
+    """A worker's flow-run pod on Kubernetes: its DNS and store rules open no address of the
+    worker's host either (kube_egress.check_infrastructure_rules); other runtimes: nothing."""
+    if runtime.name != "kubernetes":
+        return
+    from prefect_resoluto.node.spec import launch_spec
+    from prefect_resoluto.worker.kube_egress import (
+        GatewayAddressRefused,
+        check_infrastructure_rules,
+        host_networks,
+    )
+
+    options = getattr(runtime, "options", None)
+    derived = not (getattr(options, "store_egress_cidr", None) or getattr(options, "store_egress_port", None))
+    rules = runtime.egress_rules(launch_spec(spec, conduit))  # type: ignore[attr-defined]
+    try:
+        check_infrastructure_rules(rules, host_networks(), store_derived=derived)
+    except GatewayAddressRefused as e:
+        raise SandboxNetworkUnavailable(str(e)) from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -74,6 +74,7 @@ from prefect_resoluto.worker.plan import (
     LABEL_WORKER_INSTANCE,
     FlowRunPlan,
     SandboxNetwork,
+    check_pod_rules,
     code_directories,
     engine_argv,
     gateway_env,
@@ -794,6 +795,7 @@ class ResolutoWorker(BaseWorker[ResolutoJobConfiguration, ResolutoWorkerVariable
         conduit = cfg.build_conduit()  # last: nothing above may leave it open
         try:
             cfg.check_conduit_fits(runtime, conduit)
+            check_pod_rules(runtime, spec, conduit)
         except Exception:
             conduit.close()
             raise

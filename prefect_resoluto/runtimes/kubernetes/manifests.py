@@ -42,6 +42,10 @@ DEFAULT_RUN_AS_USER = 65532
 
 METADATA_V4 = ipaddress.ip_network("169.254.169.254/32")
 METADATA_V6 = ipaddress.ip_network("fd00:ec2::254/128")
+#: IPv4 addresses written as IPv6 (``::ffff:a.b.c.d``): the API server stores such a block as
+#: it is, and a CNI may read it as the IPv4 addresses it names, past every IPv4 cut (metadata,
+#: the worker's host), which only judges IPv4 blocks.
+IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 #: Never reachable through ``public_https``: private, shared, loopback, link-local.
 NON_PUBLIC_V4 = tuple(
     ipaddress.ip_network(c)
@@ -125,6 +129,12 @@ def parse_network(text: str) -> IPNetwork:
 
 def ip_block(net: IPNetwork, extra: Sequence[IPNetwork] = ()) -> dict[str, Any]:
     """An ``ipBlock`` for ``net`` that never includes the cloud metadata address."""
+    if net.version == 6 and net.subnet_of(IPV4_MAPPED):  # type: ignore[arg-type]
+        raise LaunchError(
+            f"egress to {net} is an IPv4-mapped IPv6 block; write its IPv4 form "
+            f"({ipaddress.ip_address(int(net.network_address) & 0xFFFFFFFF)}/{net.prefixlen - 96}), "
+            "which is judged like every IPv4 block (never the metadata address)"
+        )
     meta = METADATA_V4 if net.version == 4 else METADATA_V6
     if meta.subnet_of(net) and net.prefixlen == meta.prefixlen:  # type: ignore[arg-type]
         raise LaunchError(f"egress to {net} is the cloud metadata endpoint; it is never allowed")

@@ -24,7 +24,8 @@ Nodes with secret environment run cold (an assignment travels through the condui
 other pods' store credentials could read it), and so does everything when the store
 credentials are minted per node (``store_role_arn``: a pod's are scoped to its node's
 prefix, unknown when it starts). A waiting pod watches its host's heartbeat and exits when
-it stops; ``close`` deletes the idle pods and the pool's policy, and the runner's sweep
+it stops: its own copy, sealed at every beat of the host's writer under the pod's key (the
+shared beat is writable by every pod holding the store's credentials); ``close`` deletes the idle pods and the pool's policy, and the runner's sweep
 finds claimed ones by their node's labels.
 """
 
@@ -189,6 +190,8 @@ class WarmPods:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._policy = False
+        if self._lease is not None:  # beats with the host's, and stops with them
+            self._lease.writer.also(self._seal_beats)
         #: Claims lost to another claimer, and pods taken (for the log line and doctor).
         self.lost_claims = 0
         self.claimed = 0
@@ -399,7 +402,22 @@ class WarmPods:
         except Exception as e:  # the pods' hellos and assignments: small, and nothing secret
             log.debug("warm pool %s objects not deleted: %s", self.id, e)
         if self._lease is not None:
+            self._lease.writer.drop(self._seal_beats)
             self._lease.release()
+
+    def _seal_beats(self, count: int) -> None:
+        """Each ready idle pod's beat number ``count``, sealed for it (at the host's beat)."""
+        with self._lock:
+            if self._closed:
+                return
+            pods = [w for ws in self._idle.values() for w in ws if w.secret is not None]
+        for w in pods:
+            assert w.secret is not None
+            key = f"{pod_prefix(self.id, w.token)}/{warmpod.BEAT}"
+            try:
+                self.conduit.put_transient(key, warmpod.beat_body(w.secret, w.token, count))
+            except Exception as e:  # late is fine, within the bound: the next beat retries
+                log.warning("warm pod %s: beat not written: %s", w.handle.id, e)
 
     def _forget(self, w: WarmPod) -> None:
         watch = self.runtime._watch
