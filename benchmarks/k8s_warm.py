@@ -113,10 +113,9 @@ def _phase(rt: Any, conduit: Any, proxy: Any, n: int, warm: bool) -> dict[str, A
 def run(quick: bool) -> dict[str, Any]:
     import logging
 
-    from support.k8s_cluster import make_namespace, start_cluster
+    from support.k8s_cluster import make_namespace, start_cluster, wait_node_ready
     from support.k8s_fault_proxy import FaultProxy
     from support.k8s_node_agent import NodeAgent
-    from support.polling import wait_for
     from support.s3_fixtures import serve_s3
 
     from guest_runner.conduit.s3 import S3Conduit
@@ -144,14 +143,7 @@ def run(quick: bool) -> dict[str, Any]:
         cluster = start_cluster(work)
         agent = NodeAgent(cluster.api_client(), work_dir=work / "agent").start()
         try:
-            wait_for(
-                lambda: any(
-                    c.type == "Ready" and c.status == "True"
-                    for c in (_core(cluster).read_node(agent.name).status.conditions or [])
-                ),
-                timeout=60,
-                what="the node agent Ready",
-            )
+            wait_node_ready(cluster, agent.name)
             with serve_s3() as (s3, _moto), FaultProxy(cluster.server, cluster.ca) as proxy:
                 import boto3
 

@@ -203,10 +203,9 @@ def _cluster_up(work: Path) -> Any:
 def run(quick: bool) -> dict[str, Any]:
     import logging
 
-    from support.k8s_cluster import make_namespace
+    from support.k8s_cluster import make_namespace, wait_node_ready
     from support.k8s_fault_proxy import FaultProxy
     from support.k8s_node_agent import NodeAgent
-    from support.polling import wait_for
 
     logging.getLogger("prefect_resoluto").setLevel(logging.WARNING)
     life = 15.0 if quick else 60.0
@@ -216,14 +215,7 @@ def run(quick: bool) -> dict[str, Any]:
         cluster = _cluster_up(work)
         agent = NodeAgent(cluster.api_client(), work_dir=work / "agent", plain=True, pods="250").start()
         try:
-            wait_for(
-                lambda: any(
-                    c.type == "Ready" and c.status == "True"
-                    for c in (_core(cluster).read_node(agent.name).status.conditions or [])
-                ),
-                timeout=60,
-                what="the node agent Ready",
-            )
+            wait_node_ready(cluster, agent.name)
             with FaultProxy(cluster.server, cluster.ca) as proxy:
                 for n in SIZES:
                     for way in ("poll", "watch"):

@@ -25,6 +25,24 @@ from test_api_gateway import (  # noqa: F401 - the module's server and worker, a
 )
 
 
+def gvisor_runner(tmp_path: Path, memory: str = "256Mi") -> Any:
+    """A cold gVisor runner of the drop-in flows whose one attempt is the attacker's."""
+    from flows import dropin_flows as df
+
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto import ResolutoTaskRunner
+
+    return ResolutoTaskRunner(
+        runtime="gvisor",
+        conduit=LocalConduit(tmp_path / "conduit"),
+        workspace=Path(df.__file__).parent,
+        outputs_dir=tmp_path / "outputs",
+        memory=memory,
+        infrastructure_retries=0,
+        warm_pool=0,
+    )
+
+
 def _task_run(flow_run_id: Any, name: str = "victim-task") -> Any:
     from prefect import task
     from prefect.client.orchestration import get_client
@@ -202,18 +220,7 @@ def _run_with_guest_events(tmp_path: Any, spec: list[tuple[str, str, str | None,
     from prefect import flow
     from test_hostile_outputs import _Patched
 
-    from guest_runner.conduit import LocalConduit
-    from prefect_resoluto import ResolutoTaskRunner
-
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=LocalConduit(tmp_path / "conduit"),
-        workspace=Path(df.__file__).parent,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = gvisor_runner(tmp_path)
 
     @flow(task_runner=runner)
     def attacked() -> str:
@@ -571,9 +578,6 @@ def test_a_huge_exception_message_costs_the_flow_process_a_bounded_amount(gvisor
     from support.prefect_readback import task_runs
     from test_hostile_outputs import _Patched, hostile_command
 
-    from guest_runner.conduit import LocalConduit
-    from prefect_resoluto import ResolutoTaskRunner
-
     size = 48 * 1024 * 1024
     record = (
         b'{"type": "ValueError", "module": "builtins", "qualname": "ValueError", "exception": true, "message": "'
@@ -588,15 +592,7 @@ def test_a_huge_exception_message_costs_the_flow_process_a_bounded_amount(gvisor
     outbox = gzip.compress(buf.getvalue(), 9)
     del record, buf
 
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=LocalConduit(tmp_path / "conduit"),
-        workspace=Path(df.__file__).parent,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = gvisor_runner(tmp_path)
 
     @flow(task_runner=runner)
     def victim() -> int:
@@ -667,18 +663,7 @@ def test_a_flood_of_span_events_costs_the_flow_process_a_bounded_amount(gvisor, 
     from prefect import flow
     from test_hostile_outputs import _Patched
 
-    from guest_runner.conduit import LocalConduit
-    from prefect_resoluto import ResolutoTaskRunner
-
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=LocalConduit(tmp_path / "conduit"),
-        workspace=Path(df.__file__).parent,
-        outputs_dir=tmp_path / "outputs",
-        memory="512Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = gvisor_runner(tmp_path, memory="512Mi")
 
     @flow(task_runner=runner)
     def victim() -> str:
@@ -905,9 +890,6 @@ def test_an_exception_class_that_stops_the_host_is_not_raised_there(gvisor, tmp_
     from prefect import flow
     from test_hostile_outputs import _Patched, hostile_command, tar_gz
 
-    from guest_runner.conduit import LocalConduit
-    from prefect_resoluto import ResolutoTaskRunner
-
     record = json.dumps(
         {
             "type": qualname,
@@ -920,15 +902,7 @@ def test_an_exception_class_that_stops_the_host_is_not_raised_there(gvisor, tmp_
     ti = tarfile.TarInfo(".resoluto/error.json")
     ti.size = len(record)
     outbox = tar_gz([(ti, record)])
-    runner = ResolutoTaskRunner(
-        runtime="gvisor",
-        conduit=LocalConduit(tmp_path / "conduit"),
-        workspace=Path(df.__file__).parent,
-        outputs_dir=tmp_path / "outputs",
-        memory="256Mi",
-        infrastructure_retries=0,
-        warm_pool=0,
-    )
+    runner = gvisor_runner(tmp_path)
 
     @flow(task_runner=runner)
     def victim() -> str:

@@ -196,23 +196,28 @@ def _has_default_sa(core: Any, ns: str) -> bool:
         return False
 
 
+def wait_node_ready(cluster: Cluster, node: str) -> None:
+    """Until the node agent's Node is Ready and untainted (the scheduler then binds pods to it)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api_client())
+
+    def ready() -> bool:
+        n = core.read_node(node)
+        return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
+            t.effect == "NoSchedule" for t in (n.spec.taints or [])
+        )
+
+    wait_for(ready, timeout=60, what=f"node {node} Ready and untainted")
+
+
 @pytest.fixture(scope="session")
 def k8s_agent(k8s_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from support.k8s_node_agent import NodeAgent
 
     agent = NodeAgent(k8s_cluster.api_client(), work_dir=Path("/tmp") / f"rsl-agent-{uuid.uuid4().hex[:8]}")
     agent.start()
-    from kubernetes import client
-
-    core = client.CoreV1Api(k8s_cluster.api_client())
-
-    def ready() -> bool:
-        n = core.read_node(agent.name)
-        return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
-            t.effect == "NoSchedule" for t in (n.spec.taints or [])
-        )
-
-    wait_for(ready, timeout=60, what=f"node {agent.name} Ready and untainted")
+    wait_node_ready(k8s_cluster, agent.name)
     try:
         yield agent
     finally:
