@@ -84,6 +84,8 @@ WAKE = wire.WARM_WAKE
 SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 #: Seconds between looks at a starting sandbox's log for its ready line (the refill thread).
 READY_LOOK = 0.02
+#: Seconds close() waits for one idle sandbox's destroy before it goes on to the sweep.
+DISCARD_WAIT = 60.0
 #: Seconds a node waits at most for a sandbox being restored before it runs cold.
 RESTORE_WAIT = 1.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
@@ -816,11 +818,15 @@ def _discard_all(sandboxes: list[WarmSandbox]) -> None:
         for w in sandboxes:
             w.discard()
         return
-    threads = [threading.Thread(target=w.discard, name="resoluto-warm-discard") for w in sandboxes]
+    # Daemon and joined with a bound: a destroy that hangs must not hold the flow's exit (the
+    # pool's sweep by label, after, still reaches that sandbox).
+    threads = [
+        threading.Thread(target=w.discard, name="resoluto-warm-discard", daemon=True) for w in sandboxes
+    ]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=DISCARD_WAIT)
 
 
 def usable(runtime: SandboxRuntime, conduit: Conduit) -> Availability:
