@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
+from prefect_resoluto.task_runner.interruptible import interruptible, join_all
+
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
     from prefect.tasks import Task
@@ -120,7 +122,8 @@ def _run_recorded(recorder: Recorder, run: Callable[..., Any], /, **kwargs: Any)
 
 
 class RecordingExecutor(ThreadPoolExecutor):
-    """ThreadPoolTaskRunner's executor, the sync engine's runs recorded first. The runner sets it
+    """ThreadPoolTaskRunner's executor, the sync engine's runs recorded first, its waits
+    interruptible by Ctrl-C (:mod:`.interruptible`). The runner sets it
     as the class of the executor Prefect built (whose arguments vary by Prefect version): the
     one place the task run's id and the engine's call are both in hand before the engine runs.
     An async task's run is recorded by its task's ``create_local_run`` (:func:`record_async_first`)."""
@@ -133,7 +136,12 @@ class RecordingExecutor(ThreadPoolExecutor):
         # ThreadPoolTaskRunner.submit: ``submit(context.run, run_task_sync, **engine_kwargs)``
         if args and args[0] is run_task_sync:
             args = (functools.partial(_run_recorded, self.recorder, run_task_sync), *args[1:])
-        return super().submit(fn, *args, **kwargs)
+        return interruptible(super().submit(fn, *args, **kwargs))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
+        if wait:
+            join_all(self._threads)
 
 
 def record_async_first(task: Task[Any, Any], recorder: Recorder) -> None:
