@@ -20,7 +20,9 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeline", default="", help="write the last round's per-node timeline here")
+    ap.add_argument("--spy", default="", help="py-spy binary: a sampled profile of the timed map")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -112,9 +115,15 @@ def main() -> None:
         cpu.clear()
         assigned.clear()
         t_start = time.time()
+        spy = _sampler(args.spy)
         r0, m0 = resource.getrusage(resource.RUSAGE_SELF), _machine_cpu()
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = mapped(resoluto(), args.n)
         r1, m1 = resource.getrusage(resource.RUSAGE_SELF), _machine_cpu()
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait()
         busy, idle = m1[0] - m0[0], m1[1] - m0[1]
         served = [cpu[s] for s in cpu if s in assigned]
         idle_sb = [cpu[s] for s in cpu if s not in assigned]
@@ -122,6 +131,9 @@ def main() -> None:
             {
                 "wall_s": round(wall, 3),
                 "flow_process_cpu_s": round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 3),
+                # Every process it started and reaped: the sandboxes' runsc processes (in
+                # their cgroups) and what runs outside them (runsc's CLI, the restore reaper).
+                "children_cpu_s": round(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime, 3),
                 "sandboxes_served": len(served),
                 "sandbox_cpu_served_s": round(sum(served), 3),
                 "sandbox_cpu_median_s": round(statistics.median(served), 3) if served else None,
@@ -139,6 +151,20 @@ def main() -> None:
             Path(args.timeline).write_text("\n".join(lines) + "\n")
     Path(args.out).write_text(json.dumps({"n": args.n, "rounds": rounds}))
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _sampler(spy: str) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling this process (every thread, idle ones left out) into ``<spy>.txt``."""
+    if not spy:
+        return None
+    out = f"/tmp/map-spy-{os.getpid()}.txt"
+    proc = subprocess.Popen(
+        [spy, "record", "-p", str(os.getpid()), "-r", "200", "-f", "raw", "-o", out, "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attaches before the map starts (a benchmark child only)
+    return proc
 
 
 def phases(spans: list[Any], marks: list[Any], t_start: float) -> dict[str, float]:

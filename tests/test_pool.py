@@ -506,3 +506,30 @@ def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
     assert pool._saturated() and pool._next_key() is None
     pool._misses[key] = [time.monotonic() - 60] * (os.cpu_count() or 1)  # long gone
     assert not pool._saturated() and pool._next_key() == key
+
+
+def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_gets_none(tmp_path):
+    """Issue 42: the tasks submitted and not started yet (a map's) are what the pool keeps
+    ready ahead, up to its size; each node waiting for one is one more; once they have all
+    started nothing more is restored (a sandbox then would be discarded unused at exit). A
+    lone task later is unknown demand again: the usual few ahead."""
+    from prefect_resoluto.warm.pool import AHEAD_BOOTED, PoolKey
+
+    rt = get_runtime("process")
+    pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    key = PoolKey()
+    pool._wanted.append(key)  # as want() does, without starting the refill thread
+    assert pool.target(key) == AHEAD_BOOTED
+    for _ in range(6):
+        pool.expect(1)  # a 6-way map submitted
+    assert pool.target(key) == 4  # its width, not a fixed lookahead
+    for _ in range(6):
+        pool.expect(-1)  # all started
+    assert pool.target(key) == 0 and pool._next_key() is None
+    pool._waiting[key] = 1  # a node of it still waiting for its sandbox
+    assert pool.target(key) == 1 and pool._next_key() == key
+    pool._waiting[key] = 0
+    pool.expect(1)
+    pool.expect(-1)
+    assert pool.target(key) == AHEAD_BOOTED
