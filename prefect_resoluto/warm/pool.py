@@ -446,6 +446,8 @@ class WarmPool:
         #: Keys whose image is being made for restore_for, and the threads making them.
         self._building: set[PoolKey] = set()
         self._builders: list[threading.Thread] = []
+        #: Threads starting a restore each (the refill's): joined at close.
+        self._starters: list[threading.Thread] = []
 
     @property
     def enabled(self) -> bool:
@@ -551,6 +553,11 @@ class WarmPool:
         for builder in list(self._builders):  # a template being made sees _closed and stops
             if builder is not threading.current_thread():
                 builder.join(timeout=30)
+        with self._lock:
+            starters = list(self._starters)
+        for starter in starters:  # a restore being started: discarded by its thread (closed)
+            if starter is not threading.current_thread():
+                starter.join(timeout=30)
         with self._lock:  # one launched while we joined
             idle = [w for ws in self._idle.values() for w in ws]
             self._idle.clear()
@@ -585,37 +592,54 @@ class WarmPool:
                     coming = [w for ws in self._idle.values() for w in ws if not w._ready]
                     if any([w.ready() for w in coming]):
                         self._lock.notify_all()
-                    self._lock.wait(timeout=READY_LOOK if coming else 0.5)
+                    self._lock.wait(timeout=READY_LOOK if coming or self._starters else 0.5)
                     continue
                 self._starting[todo] = self._starting.get(todo, 0) + 1
-            try:
-                try:
-                    w = self._launch(todo)
-                finally:
-                    with self._lock:
-                        self._starting[todo] -= 1
-            except Exception as e:
-                log.warning(
-                    "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
-                    self.runtime.name,
-                    e,
-                )
-                with self._lock:
-                    self._broken.add(todo)
-                    self._wanted.remove(todo)
-                continue
-            if w is None:  # the pool closed while the key's image was being made
-                continue
-            with self._lock:
-                if self._closed:
-                    closed = True
-                else:
-                    closed = False
-                    self._idle.setdefault(todo, []).append(w)
-                    self._lock.notify_all()  # a node waiting for a restore looks at it now
-            if closed:
-                w.discard()
+                if self._restorable(todo):
+                    # A restore's start (its state directory, cgroup, slot mount, runsc's
+                    # processes) is 20-200 ms of this thread, more on a loaded host: started
+                    # on a thread of its own, the next one starts meanwhile (MAX_RESTORING).
+                    starter = threading.Thread(
+                        target=self._start_one, args=(todo,), name="resoluto-warm-restore", daemon=True
+                    )
+                    self._starters.append(starter)
+                    starter.start()
+                    continue
+            if not self._start_one(todo):
                 return
+
+    def _start_one(self, key: PoolKey) -> bool:
+        """Start one sandbox of ``key`` (counted in ``_starting`` by the caller) into the idle
+        list; False when the pool closed meanwhile (the sandbox is discarded)."""
+        try:
+            try:
+                w = self._launch(key)
+            finally:
+                with self._lock:
+                    self._starting[key] -= 1
+                    self._starters = [t for t in self._starters if t is not threading.current_thread()]
+                    self._lock.notify_all()  # the refill may start the next one
+        except Exception as e:
+            log.warning(
+                "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
+                self.runtime.name,
+                e,
+            )
+            with self._lock:
+                self._broken.add(key)
+                if key in self._wanted:
+                    self._wanted.remove(key)
+            return True
+        if w is None:  # the pool closed while the key's image was being made
+            return True
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.setdefault(key, []).append(w)
+                self._lock.notify_all()  # a node waiting for a restore looks at it now
+        if closed:
+            w.discard()
+        return not closed
 
     def target(self, key: PoolKey) -> int:
         """Idle sandboxes to keep for ``key``, at most ``size``: one for each node waiting for
@@ -644,7 +668,9 @@ class WarmPool:
             for w in [w for w in ws if not w.ready() and not w.alive()]:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
+        # Started on their own threads and not in the idle list yet count as booting there.
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
+        booting += sum(self._starting.values())
         if booting >= MAX_RESTORING:
             return None
         # Saturated, only a restore is started ahead: it costs a third of the CPU of the
@@ -654,7 +680,8 @@ class WarmPool:
             restorable = self._restorable(key)
             if booting >= (MAX_RESTORING if restorable else MAX_BOOTING):
                 continue
-            if len(self._idle.get(key) or []) < self.target(key) and (not saturated or restorable):
+            have = len(self._idle.get(key) or []) + self._starting.get(key, 0)
+            if have < self.target(key) and (not saturated or restorable):
                 return key
         return None
 
