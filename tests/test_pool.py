@@ -508,12 +508,12 @@ def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
     assert not pool._saturated() and pool._next_key() == key
 
 
-def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_gets_none(tmp_path):
+def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(tmp_path):
     """Issue 42: the tasks submitted and not started yet (a map's) are what the pool keeps
     ready ahead, up to its size; each node waiting for one is one more; once they have all
-    started nothing more is restored (a sandbox then would be discarded unused at exit). A
-    lone task later is unknown demand again: the usual few ahead."""
-    from prefect_resoluto.warm.pool import AHEAD_BOOTED, PoolKey
+    started one is kept for a next stage, not the lookahead per node in flight (discarded
+    unused at exit). A lone task later is unknown demand again: the usual few ahead."""
+    from prefect_resoluto.warm.pool import AHEAD_BOOTED, AHEAD_DRAINED, PoolKey
 
     rt = get_runtime("process")
     pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
@@ -526,9 +526,9 @@ def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_gets_none(t
     assert pool.target(key) == 4  # its width, not a fixed lookahead
     for _ in range(6):
         pool.expect(-1)  # all started
-    assert pool.target(key) == 0 and pool._next_key() is None
-    pool._waiting[key] = 1  # a node of it still waiting for its sandbox
-    assert pool.target(key) == 1 and pool._next_key() == key
+    assert pool.target(key) == AHEAD_DRAINED
+    pool._waiting[key] = 2  # two of its nodes still waiting for their sandboxes
+    assert pool.target(key) == AHEAD_DRAINED + 2 and pool._next_key() == key
     pool._waiting[key] = 0
     pool.expect(1)
     pool.expect(-1)

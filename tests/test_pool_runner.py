@@ -351,14 +351,16 @@ def test_tasks_whose_warm_sandboxes_are_reaped_before_their_assignment_all_compl
     no_orphans()
 
 
-def test_a_map_takes_one_restore_per_task_and_none_is_restored_past_its_end(
+def test_a_map_takes_one_restore_per_task_and_restores_little_past_its_end(
     gvisor, conduit, tmp_path, monkeypatch
 ):
     """Issue 42: a 50-way map booted 20 of its nodes cold (each waited a second for a restore,
-    then booted its own: twice a restore's CPU) and the pool kept restoring two ahead to the
-    end, discarded unused at exit. Now the runner's submitted tasks size the restores: each
-    task of a map runs in a sandbox restored for it, and every restored sandbox serves one."""
+    then booted its own: twice a restore's CPU) and the pool kept restoring two ahead per node
+    in flight to the end, discarded unused at exit. Now the runner's submitted tasks size the
+    restores: each task of a map runs in a sandbox restored for it, and past its end one at
+    most is restored."""
     from prefect_resoluto.runtimes.gvisor import GVisorRuntime
+    from prefect_resoluto.warm.pool import AHEAD_DRAINED
 
     restored: list[str] = []
     restore = GVisorRuntime.restore
@@ -381,6 +383,7 @@ def test_a_map_takes_one_restore_per_task_and_none_is_restored_past_its_end(
     assert all(line.startswith("warm sandbox rsl-") for line in lines), lines
     served = {line.split()[2] for line in lines}
     assert len(served) == 8  # one sandbox per task
-    # The idle ones restored before the map (wait_ready) served it too; after it, none.
-    assert set(restored) <= served, (restored, lines)
+    # The idle ones restored before the map (wait_ready) served it too; after it, one at
+    # most is kept for a next stage (AHEAD_DRAINED), not the lookahead per node in flight.
+    assert len(set(restored) - served) <= AHEAD_DRAINED, (restored, lines)
     no_orphans()

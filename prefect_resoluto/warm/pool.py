@@ -81,6 +81,10 @@ MAX_RESTORING = max(MAX_BOOTING, 2 * (os.cpu_count() or 1))
 #: the one before) would otherwise find its next sandbox still restoring at every step.
 AHEAD_BOOTED = 1
 AHEAD_RESTORED = 2
+#: Idle sandboxes a key keeps once a map or chain has drained (every task submitted has
+#: started): one for a next stage, not the lookahead per node in flight that was discarded
+#: unused at the end of every map (issue 42).
+AHEAD_DRAINED = 1
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
 READY = wire.WARM_READY
@@ -646,8 +650,8 @@ class WarmPool:
         one, and ahead of demand either the tasks submitted and not started yet (a map's or a
         chain's: exactly what will come), or, when none are known, AHEAD_BOOTED
         (AHEAD_RESTORED where they are restored) more than its nodes running now (warm ones
-        still alive, cold ones started in the last MISS_WINDOW seconds). None ahead once a
-        map or chain has drained: a sandbox restored then would only be discarded at exit."""
+        still alive, cold ones started in the last MISS_WINDOW seconds). Once a map or chain
+        has drained, AHEAD_DRAINED: more would only be discarded at exit."""
         now = time.monotonic()
         taken = self._taken.get(key) or []
         taken[:] = [w for w in taken if w.alive()]
@@ -657,7 +661,7 @@ class WarmPool:
         if self._pending:
             ahead = self._pending + waiting
         elif self._burst:
-            ahead = waiting
+            ahead = waiting + AHEAD_DRAINED
         else:
             ahead = (AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED) + len(taken) + len(misses)
         return max(self._floor.get(key, 0), min(self.size, ahead))
