@@ -432,19 +432,7 @@ class WarmPool:
         self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
         self.python = runtime.python or sys.executable
-        self.snapshots: Snapshots | None = None
-        if (
-            self.enabled
-            and runtime.capabilities.snapshots
-            and (snapshots if snapshots is not None else snapshots_by_env())
-        ):
-            seen = {
-                k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT
-            }  # /conduit inside
-            slotted = conduit.local_root is not None and runtime.capabilities.mounts_conduit
-            context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
-            self.snapshots = Snapshots(runtime, self.python, context)
-            self.snapshots.prune()
+        self.snapshots = self._snapshots(snapshots if snapshots is not None else snapshots_by_env())
         #: Keys whose image could not be made or restored: their sandboxes boot.
         self._booting_only: set[PoolKey] = set()
         #: Keys whose image is being made for restore_for, and the threads making them.
@@ -452,6 +440,18 @@ class WarmPool:
         self._builders: list[threading.Thread] = []
         #: Threads starting a restore each (the refill's): joined at close.
         self._starters: list[threading.Thread] = []
+
+    def _snapshots(self, wanted: bool) -> Snapshots | None:
+        """The pool's images, where it restores sandboxes (``wanted`` and the runtime can)."""
+        if not (self.enabled and self.runtime.capabilities.snapshots and wanted):
+            return None
+        conduit = self.conduit
+        seen = {k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT}  # /conduit inside
+        slotted = conduit.local_root is not None and self.runtime.capabilities.mounts_conduit
+        context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
+        found = Snapshots(self.runtime, self.python, context)
+        found.prune()
+        return found
 
     @property
     def enabled(self) -> bool:
