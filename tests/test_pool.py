@@ -520,10 +520,14 @@ def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(t
     assert pool.enabled, pool.why_not
     key = PoolKey()
     pool._wanted.append(key)  # as want() does, without starting the refill thread
+    other = PoolKey(imports=("json",))  # an earlier module's key, not the map's
+    pool._wanted.append(other)
     assert pool.target(key) == AHEAD_BOOTED
     for _ in range(6):
         pool.expect(1)  # a 6-way map submitted
+    pool._demanded.add(key)  # as its first node's take() does
     assert pool.target(key) == 4  # its width, not a fixed lookahead
+    assert pool.target(other) == AHEAD_BOOTED  # a key the map does not take keeps the usual
     for _ in range(6):
         pool.expect(-1)  # all started
     assert pool.target(key) == AHEAD_DRAINED

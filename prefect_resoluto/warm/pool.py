@@ -419,6 +419,9 @@ class WarmPool:
         #: none was (a map, a chain), so none pending means nothing more is known to come.
         self._pending = 0
         self._burst = False
+        #: Keys taken from since that demand began: the ones it is for (a key warmed at the
+        #: runner's start, or an earlier module's, keeps the usual lookahead instead).
+        self._demanded: set[PoolKey] = set()
         #: The refill thread is making an image (a template boot: seconds): no restore of
         #: any key starts meanwhile, so no node waits for one.
         self._templating = False
@@ -482,6 +485,7 @@ class WarmPool:
         with self._lock:
             if n > 0 and self._pending == 0:
                 self._burst = False
+                self._demanded.clear()
             self._pending = max(0, self._pending + n)
             if self._pending > 1:
                 self._burst = True
@@ -501,6 +505,8 @@ class WarmPool:
             return None, 0.0
         if warm:
             self.want(key)
+            with self._lock:
+                self._demanded.add(key)
         waiting = False
         try:
             while True:
@@ -648,7 +654,7 @@ class WarmPool:
     def target(self, key: PoolKey) -> int:
         """Idle sandboxes to keep for ``key``, at most ``size``: one for each node waiting for
         one, and ahead of demand either the tasks submitted and not started yet (a map's or a
-        chain's: exactly what will come), or, when none are known, AHEAD_BOOTED
+        chain's: exactly what will come, for the keys its nodes take), or else AHEAD_BOOTED
         (AHEAD_RESTORED where they are restored) more than its nodes running now (warm ones
         still alive, cold ones started in the last MISS_WINDOW seconds). Once a map or chain
         has drained, AHEAD_DRAINED: more would only be discarded at exit."""
@@ -658,12 +664,13 @@ class WarmPool:
         misses = self._misses.get(key) or []
         misses[:] = [t for t in misses if now - t < MISS_WINDOW]
         waiting = self._waiting.get(key, 0)
-        if self._pending:
+        if key in self._demanded and self._pending:
             ahead = self._pending + waiting
-        elif self._burst:
+        elif key in self._demanded and self._burst:
             ahead = waiting + AHEAD_DRAINED
         else:
-            ahead = (AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED) + len(taken) + len(misses)
+            lookahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
+            ahead = lookahead + len(taken) + len(misses) + waiting
         return max(self._floor.get(key, 0), min(self.size, ahead))
 
     def _next_key(self) -> PoolKey | None:
