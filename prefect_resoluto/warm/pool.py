@@ -98,7 +98,7 @@ DISCARD_WAIT = 60.0
 #: Seconds a node waits at most for a restore of its key before it runs cold. A cold boot
 #: costs about twice a restore's CPU and takes longer to ready, so on a loaded host booting
 #: instead of waiting slowed every restore after it (issue 42: 20 of a 50-way map's nodes
-#: booted cold after a 1 s wait, their restores then ready and discarded unused).
+#: booted cold after a 1 s wait on a loaded host).
 RESTORE_WAIT = 10.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
 TEMPLATE_TIMEOUT = 300.0
