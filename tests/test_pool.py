@@ -506,3 +506,34 @@ def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
     assert pool._saturated() and pool._next_key() is None
     pool._misses[key] = [time.monotonic() - 60] * (os.cpu_count() or 1)  # long gone
     assert not pool._saturated() and pool._next_key() == key
+
+
+def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(tmp_path):
+    """Issue 42: the tasks submitted and not started yet (a map's) are what the pool keeps
+    ready ahead, up to its size; each node waiting for one is one more; once they have all
+    started one is kept for a next stage, not the lookahead per node in flight (discarded
+    unused at exit). A lone task later is unknown demand again: the usual few ahead."""
+    from prefect_resoluto.warm.pool import AHEAD_BOOTED, AHEAD_DRAINED, PoolKey
+
+    rt = get_runtime("process")
+    pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    key = PoolKey()
+    pool._wanted.append(key)  # as want() does, without starting the refill thread
+    other = PoolKey(imports=("json",))  # an earlier module's key, not the map's
+    pool._wanted.append(other)
+    assert pool.target(key) == AHEAD_BOOTED
+    for _ in range(6):
+        pool.expect(1)  # a 6-way map submitted
+    pool._demanded.add(key)  # as its first node's take() does
+    assert pool.target(key) == 4  # its width, not a fixed lookahead
+    assert pool.target(other) == AHEAD_BOOTED  # a key the map does not take keeps the usual
+    for _ in range(6):
+        pool.expect(-1)  # all started
+    assert pool.target(key) == AHEAD_DRAINED
+    pool._waiting[key] = 2  # two of its nodes still waiting for their sandboxes
+    assert pool.target(key) == AHEAD_DRAINED + 2 and pool._next_key() == key
+    pool._waiting[key] = 0
+    pool.expect(1)
+    pool.expect(-1)
+    assert pool.target(key) == AHEAD_BOOTED

@@ -349,3 +349,41 @@ def test_tasks_whose_warm_sandboxes_are_reaped_before_their_assignment_all_compl
     said = [log.message for r in runs for log in logs_of(r.id)]
     assert not [m for m in said if "re-launching" in m or "could not start" in m], said
     no_orphans()
+
+
+def test_a_map_takes_one_restore_per_task_and_restores_little_past_its_end(
+    gvisor, conduit, tmp_path, monkeypatch
+):
+    """Issue 42: a 50-way map booted 20 of its nodes cold (each waited a second for a restore,
+    then booted its own: twice a restore's CPU) and the pool kept restoring two ahead per node
+    in flight to the end, discarded unused at exit. Now the runner's submitted tasks size the
+    restores: each task of a map runs in a sandbox restored for it, and past its end one at
+    most is restored."""
+    from prefect_resoluto.runtimes.gvisor import GVisorRuntime
+    from prefect_resoluto.warm.pool import AHEAD_DRAINED
+
+    restored: list[str] = []
+    restore = GVisorRuntime.restore
+
+    def counted(self, spec, image, wake=b""):
+        handle = restore(self, spec, image, wake)
+        restored.append(handle.id)
+        return handle
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def mapped() -> list[int]:
+        wait_ready()  # the key's image is made, as a flow run after an earlier one finds it
+        monkeypatch.setattr(GVisorRuntime, "restore", counted)
+        return [f.result() for f in pt.same.map(range(8))]
+
+    state = mapped(return_state=True)
+    assert state.is_completed(), state
+    assert state.result() == list(range(8))
+    lines = [sandbox_line(r.id) for r in task_runs(state.state_details.flow_run_id)]
+    assert all(line.startswith("warm sandbox rsl-") for line in lines), lines
+    served = {line.split()[2] for line in lines}
+    assert len(served) == 8  # one sandbox per task
+    # The idle ones restored before the map (wait_ready) served it too; after it, one at
+    # most is kept for a next stage (AHEAD_DRAINED), not the lookahead per node in flight.
+    assert len(set(restored) - served) <= AHEAD_DRAINED, (restored, lines)
+    no_orphans()

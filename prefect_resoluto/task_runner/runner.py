@@ -296,11 +296,19 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             assert self._runtime is not None and self._conduit is not None
             announce(fr_ctx, self._runtime, self._conduit, self._max_workers, self.config.resources)
         overrides = dict(_overrides.get() or {})
+        # Counted by the warm pool as coming until its body starts (or it ends without), so
+        # a map's sandboxes are restored ahead of its nodes and none after its last.
+        started = warm_pool_mod.expected(self._pool)
         sandboxed = copy.copy(task)
-        sandboxed.fn = self._wrap(task, overrides)
+        sandboxed.fn = self._wrap(task, overrides, started)
         if sandboxed.isasync:
             record_async_first(sandboxed, self._recorder)
-        future = super().submit(sandboxed, parameters, wait_for, dependencies)
+        try:
+            future = super().submit(sandboxed, parameters, wait_for, dependencies)
+        except BaseException:
+            started()
+            raise
+        future.add_done_callback(lambda _f: started())
         future.add_done_callback(self._task_done)
         return future
 
@@ -308,7 +316,9 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         if self._artifacts is not None:
             self._artifacts.task_done(str(future.task_run_id), completed=_completed(future))
 
-    def _wrap(self, task: Task[Any, Any], overrides: dict[str, Any]) -> Callable[..., Any]:
+    def _wrap(
+        self, task: Task[Any, Any], overrides: dict[str, Any], started: Callable[[], None]
+    ) -> Callable[..., Any]:
         fn = task.fn
         command = getattr(fn, "__resoluto_command__", False)
 
@@ -316,6 +326,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             # The command task's body drives its own node; hand it this runner.
             @functools.wraps(fn)
             def run_command_here(*args: Any, **kwargs: Any) -> Any:
+                started()
                 token = _active_runner.set((self, overrides))
                 try:
                     return fn(*args, **kwargs)
@@ -328,6 +339,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
             @functools.wraps(fn)
             async def sandboxed_async(*args: Any, **kwargs: Any) -> Any:
+                started()
                 cancel = threading.Event()
                 try:
                     # to_thread carries the task run's context into the thread
@@ -343,6 +355,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
 
         @functools.wraps(fn)
         def sandboxed_sync(*args: Any, **kwargs: Any) -> Any:
+            started()
             try:
                 return self._run_python(task, fn, overrides, None)
             except BaseException as e:

@@ -71,11 +71,20 @@ LABEL_WARM = "resoluto.warm"
 DEFAULT_CAP = 4
 #: Sandboxes booting at once: boots compete with running tasks for the same cores.
 MAX_BOOTING = 2
+#: Sandboxes being restored at once. A restore to ready is ~160 ms of the sandbox's CPU in
+#: ~0.4 s (the rest is runsc's processes starting and the image read), so two per core keep
+#: the cores busy; at MAX_BOOTING a 50-way map waited on its restores (issue 42: 2 in flight
+#: x 0.4 s each is 10 s for 50 nodes, before any node ran).
+MAX_RESTORING = max(MAX_BOOTING, 2 * (os.cpu_count() or 1))
 #: Idle sandboxes a key keeps beyond its nodes in flight: one booted, two restored. A restore
 #: takes ~0.3-0.5 s to ready, longer than a short task: a chain of them (each task waiting on
 #: the one before) would otherwise find its next sandbox still restoring at every step.
 AHEAD_BOOTED = 1
 AHEAD_RESTORED = 2
+#: Idle sandboxes a key keeps once a map or chain has drained (every task submitted has
+#: started): one for a next stage, not the lookahead per node in flight that was discarded
+#: unused at the end of every map (issue 42).
+AHEAD_DRAINED = 1
 #: Seconds a node that found no warm sandbox counts as demand for its key.
 MISS_WINDOW = 5.0
 READY = wire.WARM_READY
@@ -86,8 +95,11 @@ SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 READY_LOOK = 0.02
 #: Seconds close() waits for one idle sandbox's destroy before it goes on to the sweep.
 DISCARD_WAIT = 60.0
-#: Seconds a node waits at most for a sandbox being restored before it runs cold.
-RESTORE_WAIT = 1.0
+#: Seconds a node waits at most for a restore of its key before it runs cold. A cold boot
+#: costs about twice a restore's CPU and takes longer to ready, so on a loaded host booting
+#: instead of waiting slowed every restore after it (issue 42: 20 of a 50-way map's nodes
+#: booted cold after a 1 s wait on a loaded host).
+RESTORE_WAIT = 10.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
 TEMPLATE_TIMEOUT = 300.0
 #: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
@@ -400,6 +412,19 @@ class WarmPool:
         #: Sandboxes the refill thread is starting (chosen, not yet idle): a node that
         #: arrives meanwhile waits for a restore as for one already in the idle list.
         self._starting: dict[PoolKey, int] = {}
+        #: Nodes waiting in take() for a restore of their key: each is one more to restore.
+        self._waiting: dict[PoolKey, int] = {}
+        #: Tasks submitted to the runner that have not started yet (expect()): the flow's
+        #: known demand. ``_burst``: more than one was pending at once since the last time
+        #: none was (a map, a chain), so none pending means nothing more is known to come.
+        self._pending = 0
+        self._burst = False
+        #: Keys taken from since that demand began: the ones it is for (a key warmed at the
+        #: runner's start, or an earlier module's, keeps the usual lookahead instead).
+        self._demanded: set[PoolKey] = set()
+        #: The refill thread is making an image (a template boot: seconds): no restore of
+        #: any key starts meanwhile, so no node waits for one.
+        self._templating = False
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -410,24 +435,26 @@ class WarmPool:
         self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
         self.python = runtime.python or sys.executable
-        self.snapshots: Snapshots | None = None
-        if (
-            self.enabled
-            and runtime.capabilities.snapshots
-            and (snapshots if snapshots is not None else snapshots_by_env())
-        ):
-            seen = {
-                k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT
-            }  # /conduit inside
-            slotted = conduit.local_root is not None and runtime.capabilities.mounts_conduit
-            context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
-            self.snapshots = Snapshots(runtime, self.python, context)
-            self.snapshots.prune()
+        self.snapshots = self._snapshots(snapshots if snapshots is not None else snapshots_by_env())
         #: Keys whose image could not be made or restored: their sandboxes boot.
         self._booting_only: set[PoolKey] = set()
         #: Keys whose image is being made for restore_for, and the threads making them.
         self._building: set[PoolKey] = set()
         self._builders: list[threading.Thread] = []
+        #: Threads starting a restore each (the refill's): joined at close.
+        self._starters: list[threading.Thread] = []
+
+    def _snapshots(self, wanted: bool) -> Snapshots | None:
+        """The pool's images, where it restores sandboxes (``wanted`` and the runtime can)."""
+        if not (self.enabled and self.runtime.capabilities.snapshots and wanted):
+            return None
+        conduit = self.conduit
+        seen = {k: v for k, v in conduit.guest_env().items() if k != wire.ENV_STORE_ROOT}  # /conduit inside
+        slotted = conduit.local_root is not None and self.runtime.capabilities.mounts_conduit
+        context = json.dumps({"conduit": seen, "slot": slotted}, sort_keys=True)
+        found = Snapshots(self.runtime, self.python, context)
+        found.prune()
+        return found
 
     @property
     def enabled(self) -> bool:
@@ -450,49 +477,77 @@ class WarmPool:
                 self._thread.start()
             self._lock.notify_all()
 
+    def expect(self, n: int) -> None:
+        """``n`` more tasks to come (the runner: +1 at a submit, -1 when that task starts or
+        will never run). The refill sizes its restores to them (:meth:`target`): a map's
+        nodes find their sandboxes restored ahead, and none is restored for a node that will
+        never come once the map has drained."""
+        with self._lock:
+            if n > 0 and self._pending == 0:
+                self._burst = False
+                self._demanded.clear()
+            self._pending = max(0, self._pending + n)
+            if self._pending > 1:
+                self._burst = True
+            self._lock.notify_all()
+
     def take(self, key: PoolKey | None, *, warm: bool = True) -> tuple[WarmSandbox | None, float]:
         """A ready warm sandbox of ``key`` and the seconds spent getting it; (None, seconds)
         when there is none: the node runs cold, and the key is warmed (``warm=False``: a
         fallback look that neither warms the key nor counts as its demand). Never one still
         booting: until the guest says it is ready, runsc may not have opened the slot it
-        mounts, and moving the slot then would fail the sandbox's start. One being
-        *restored*, or about to be (:meth:`_restoring_soon`), is waited for (RESTORE_WAIT at
-        most): it is a fraction of a cold start away."""
+        mounts, and moving the slot then would fail the sandbox's start. Where the
+        key's sandboxes are *restored* (:meth:`_restore_coming`), the node waits for one
+        (RESTORE_WAIT at most), counted as one more to restore: it is a fraction of a cold
+        start away."""
         t0 = time.monotonic()
         if key is None or not self.enabled:
             return None, 0.0
         if warm:
             self.want(key)
-        while True:
             with self._lock:
-                idle = self._idle.get(key) or []
-                pick = next((w for w in idle if w.ready()), None)
-                if pick is None and warm and self._restoring_soon(key, idle, t0):
-                    self._lock.wait(timeout=0.01)  # ready is a line in its log: no event to wait on
-                    continue
-                if pick is None:
-                    if warm:
-                        self._misses.setdefault(key, []).append(time.monotonic())
-                    return None, time.monotonic() - t0
-                idle.remove(pick)
-                self._taken.setdefault(key, []).append(pick)
-                self._lock.notify_all()
-            if pick.alive():
-                return pick, time.monotonic() - t0
-            self._failed(pick)
+                self._demanded.add(key)
+        waiting = False
+        try:
+            while True:
+                with self._lock:
+                    idle = self._idle.get(key) or []
+                    pick = next((w for w in idle if w.ready()), None)
+                    if pick is None and warm and self._restore_coming(key, t0):
+                        if not waiting:
+                            waiting = True
+                            self._waiting[key] = self._waiting.get(key, 0) + 1
+                            self._lock.notify_all()  # the refill thread restores one more
+                        # Ready is a line in its log: the refill thread looks every READY_LOOK
+                        # and notifies; this look is the fallback while it starts a restore.
+                        self._lock.wait(timeout=READY_LOOK)
+                        continue
+                    if pick is None:
+                        if warm:
+                            self._misses.setdefault(key, []).append(time.monotonic())
+                        return None, time.monotonic() - t0
+                    idle.remove(pick)
+                    self._taken.setdefault(key, []).append(pick)
+                    self._lock.notify_all()
+                if pick.alive():
+                    return pick, time.monotonic() - t0
+                self._failed(pick)
+        finally:
+            if waiting:
+                with self._lock:
+                    self._waiting[key] -= 1
 
-    def _restoring_soon(self, key: PoolKey, idle: list[WarmSandbox], t0: float) -> bool:
-        """Whether a sandbox of ``idle`` is being restored (or its restore is being started)
-        and worth waiting for: a restore reaches ready in ~0.3-0.5 s, a cold node costs a
-        whole boot more. At most RESTORE_WAIT seconds from ``t0``, and never for one booting
-        (seconds away). The first task of a flow arrives moments after the runner asked for
-        its key, before the refill thread's first restore is in the idle list."""
-        now = time.monotonic()
-        if now - t0 >= RESTORE_WAIT or self._closed:
+    def _restore_coming(self, key: PoolKey, t0: float) -> bool:
+        """Whether a restore of ``key`` will come for a node that found none ready: the key's
+        image is made and the refill thread restores for every waiting node (:meth:`target`),
+        MAX_RESTORING at a time. A restore reaches ready in ~0.3-0.5 s for about half a cold
+        boot's CPU, so waiting beats booting even behind a few others (the first task of a
+        flow arrives moments after the runner asked for its key, before the first restore).
+        Not while the refill thread makes an image (seconds), nor beyond RESTORE_WAIT from
+        ``t0`` (restores that hang), nor for a key whose sandboxes boot (seconds away)."""
+        if self._closed or self._templating or time.monotonic() - t0 >= RESTORE_WAIT:
             return False
-        if self._restorable(key) and (self._starting.get(key) or (not idle and key in self._wanted)):
-            return True  # being started, or the refill thread's next: a restore is coming
-        return any(w.restored is not None and now - w.started < RESTORE_WAIT * 3 for w in idle)
+        return key in self._wanted and self._restorable(key)
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
@@ -508,6 +563,11 @@ class WarmPool:
         for builder in list(self._builders):  # a template being made sees _closed and stops
             if builder is not threading.current_thread():
                 builder.join(timeout=30)
+        with self._lock:
+            starters = list(self._starters)
+        for starter in starters:  # a restore being started: discarded by its thread (closed)
+            if starter is not threading.current_thread():
+                starter.join(timeout=30)
         with self._lock:  # one launched while we joined
             idle = [w for ws in self._idle.values() for w in ws]
             self._idle.clear()
@@ -534,54 +594,84 @@ class WarmPool:
                     return
                 todo = self._next_key()
                 if todo is None:
-                    # A sandbox reaching ready frees a start (MAX_BOOTING); ready is a line in
-                    # its log, no event: looked at every READY_LOOK while one is on its way.
-                    # Sleeping the idle 0.5 s then held every next restore of a chain of short
-                    # tasks back by up to half a second.
-                    starting = any(not w.ready() for ws in self._idle.values() for w in ws)
-                    self._lock.wait(timeout=READY_LOOK if starting else 0.5)
+                    # A sandbox reaching ready frees a start (MAX_RESTORING) and is a node's
+                    # to take; ready is a line in its log, no event: looked at every
+                    # READY_LOOK while one is on its way, and the waiting nodes told. Sleeping
+                    # the idle 0.5 s then held every next restore of a chain of short tasks
+                    # back by up to half a second.
+                    coming = [w for ws in self._idle.values() for w in ws if not w._ready]
+                    if any([w.ready() for w in coming]):
+                        self._lock.notify_all()
+                    self._lock.wait(timeout=READY_LOOK if coming or self._starters else 0.5)
                     continue
                 self._starting[todo] = self._starting.get(todo, 0) + 1
-            try:
-                try:
-                    w = self._launch(todo)
-                finally:
-                    with self._lock:
-                        self._starting[todo] -= 1
-            except Exception as e:
-                log.warning(
-                    "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
-                    self.runtime.name,
-                    e,
-                )
-                with self._lock:
-                    self._broken.add(todo)
-                    self._wanted.remove(todo)
-                continue
-            if w is None:  # the pool closed while the key's image was being made
-                continue
-            with self._lock:
-                if self._closed:
-                    closed = True
-                else:
-                    closed = False
-                    self._idle.setdefault(todo, []).append(w)
-                    self._lock.notify_all()  # a node waiting for a restore looks at it now
-            if closed:
-                w.discard()
+                if self._restorable(todo):
+                    # A restore's start (its state directory, cgroup, slot mount, runsc's
+                    # processes) is 20-200 ms of this thread, more on a loaded host: started
+                    # on a thread of its own, the next one starts meanwhile (MAX_RESTORING).
+                    starter = threading.Thread(
+                        target=self._start_one, args=(todo,), name="resoluto-warm-restore", daemon=True
+                    )
+                    self._starters.append(starter)
+                    starter.start()
+                    continue
+            if not self._start_one(todo):
                 return
 
+    def _start_one(self, key: PoolKey) -> bool:
+        """Start one sandbox of ``key`` (counted in ``_starting`` by the caller) into the idle
+        list; False when the pool closed meanwhile (the sandbox is discarded)."""
+        try:
+            try:
+                w = self._launch(key)
+            finally:
+                with self._lock:
+                    self._starting[key] -= 1
+                    self._starters = [t for t in self._starters if t is not threading.current_thread()]
+                    self._lock.notify_all()  # the refill may start the next one
+        except Exception as e:
+            log.warning(
+                "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
+                self.runtime.name,
+                e,
+            )
+            with self._lock:
+                self._broken.add(key)
+                if key in self._wanted:
+                    self._wanted.remove(key)
+            return True
+        if w is None:  # the pool closed while the key's image was being made
+            return True
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.setdefault(key, []).append(w)
+                self._lock.notify_all()  # a node waiting for a restore looks at it now
+        if closed:
+            w.discard()
+        return not closed
+
     def target(self, key: PoolKey) -> int:
-        """Idle sandboxes to keep for ``key``: AHEAD_BOOTED (AHEAD_RESTORED where they are
-        restored) more than its nodes running now (warm ones still alive, cold ones started
-        in the last MISS_WINDOW seconds), at most ``size``."""
+        """Idle sandboxes to keep for ``key``, at most ``size``: one for each node waiting for
+        one, and ahead of demand either the tasks submitted and not started yet (a map's or a
+        chain's: exactly what will come, for the keys its nodes take), or else AHEAD_BOOTED
+        (AHEAD_RESTORED where they are restored) more than its nodes running now (warm ones
+        still alive, cold ones started in the last MISS_WINDOW seconds). Once a map or chain
+        has drained, AHEAD_DRAINED: more would only be discarded at exit."""
         now = time.monotonic()
         taken = self._taken.get(key) or []
         taken[:] = [w for w in taken if w.alive()]
         misses = self._misses.get(key) or []
         misses[:] = [t for t in misses if now - t < MISS_WINDOW]
-        ahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
-        return max(self._floor.get(key, 0), min(self.size, ahead + len(taken) + len(misses)))
+        waiting = self._waiting.get(key, 0)
+        if key in self._demanded and self._pending:
+            ahead = self._pending + waiting
+        elif key in self._demanded and self._burst:
+            ahead = waiting + AHEAD_DRAINED
+        else:
+            lookahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
+            ahead = lookahead + len(taken) + len(misses) + waiting
+        return max(self._floor.get(key, 0), min(self.size, ahead))
 
     def _next_key(self) -> PoolKey | None:
         # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
@@ -589,14 +679,20 @@ class WarmPool:
             for w in [w for w in ws if not w.ready() and not w.alive()]:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
+        # Started on their own threads and not in the idle list yet count as booting there.
         booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
-        if booting >= MAX_BOOTING:
+        booting += sum(self._starting.values())
+        if booting >= MAX_RESTORING:
             return None
         # Saturated, only a restore is started ahead: it costs a third of the CPU of the
         # cold boot it saves the next node (docs/performance.md, "cpu per node").
         saturated = self._saturated()
         for key in self._wanted:
-            if len(self._idle.get(key) or []) < self.target(key) and (not saturated or self._restorable(key)):
+            restorable = self._restorable(key)
+            if booting >= (MAX_RESTORING if restorable else MAX_BOOTING):
+                continue
+            have = len(self._idle.get(key) or []) + self._starting.get(key, 0)
+            if have < self.target(key) and (not saturated or restorable):
                 return key
         return None
 
@@ -647,7 +743,11 @@ class WarmPool:
             try:
                 image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
                 if image is None:
-                    image = self._make_image(key)
+                    self._templating = True
+                    try:
+                        image = self._make_image(key)
+                    finally:
+                        self._templating = False
             except (SnapshotError, OSError) as e:
                 self._no_image(key, None if isinstance(e, CorruptImage) else e)
             else:
@@ -877,6 +977,25 @@ def start_for(cfg: Any, runtime: SandboxRuntime, conduit: Conduit, max_workers: 
     if not (cfg.egress or cfg.setup_egress or cfg.egress_resolve):
         pool.want(PoolKey(image=cfg.image, resources=cfg.resources))
     return pool
+
+
+def expected(pool: AnyPool | None) -> Callable[[], None]:
+    """Count one submitted task as coming (:meth:`WarmPool.expect`); what is returned says it
+    started or will never run (its first call counts, later ones do nothing)."""
+    if not isinstance(pool, WarmPool):
+        return _nothing
+    pool.expect(1)
+    once = threading.Lock()
+
+    def started() -> None:
+        if once.acquire(blocking=False):
+            pool.expect(-1)
+
+    return started
+
+
+def _nothing() -> None:
+    return None
 
 
 def imports_for(pool: AnyPool | None, source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:

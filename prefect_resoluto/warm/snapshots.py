@@ -120,6 +120,7 @@ class Snapshots:
         # Images whose digest this process verified, with what their files looked like then
         # (a long-lived worker re-hashes only an image whose files changed since).
         self._checked: dict[Path, tuple[tuple[str, int, int, int], ...]] = {}
+        self._paths: dict[Any, Path] = {}
 
     def _names(self, key: Any) -> tuple[str, str]:
         """(key hash, image hash) of ``key``'s current image."""
@@ -132,8 +133,14 @@ class Snapshots:
         return key_hash, hashlib.sha256(material.encode()).hexdigest()[:16]
 
     def path(self, key: Any) -> Path:
-        key_hash, image_hash = self._names(key)
-        return self.root / f"{key_hash}-{image_hash}"
+        # Asked at every look of the pool (a waiting node's, the refill's): its names are
+        # fixed for this process (guest_digest and runsc's probe are read once), so worked
+        # out once per key, not with a PATH lookup of runsc each time.
+        found = self._paths.get(key)
+        if found is None:
+            key_hash, image_hash = self._names(key)
+            found = self._paths[key] = self.root / f"{key_hash}-{image_hash}"
+        return found
 
     def usable(self, key: Any) -> Path | None:
         """``key``'s current image, None if there is none yet; a bad one is discarded with a

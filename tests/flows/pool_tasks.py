@@ -30,3 +30,9 @@ def draw() -> list[float]:
     import random
 
     return [random.random(), int.from_bytes(os.urandom(8), "big") / 2**64]
+
+
+@task
+def same(i: int) -> int:
+    """A mapped task's trivial node."""
+    return i
