@@ -528,6 +528,9 @@ class WarmPool:
                         return None, time.monotonic() - t0
                     idle.remove(pick)
                     self._taken.setdefault(key, []).append(pick)
+                    if waiting:  # with the pick, in one step: the refill never sees it twice
+                        waiting = False
+                        self._waiting[key] -= 1
                     self._lock.notify_all()
                 if pick.alive():
                     return pick, time.monotonic() - t0
@@ -620,36 +623,43 @@ class WarmPool:
 
     def _start_one(self, key: PoolKey) -> bool:
         """Start one sandbox of ``key`` (counted in ``_starting`` by the caller) into the idle
-        list; False when the pool closed meanwhile (the sandbox is discarded)."""
+        list; False when the pool closed meanwhile (the sandbox is discarded). It leaves
+        ``_starting`` and enters the idle list in one step: between the two the refill would
+        count it nowhere and start one more."""
         try:
-            try:
-                w = self._launch(key)
-            finally:
-                with self._lock:
-                    self._starting[key] -= 1
-                    self._starters = [t for t in self._starters if t is not threading.current_thread()]
-                    self._lock.notify_all()  # the refill may start the next one
+            w = self._launch(key)
         except Exception as e:
+            with self._lock:
+                self._started(key)
+                self._broken.add(key)
+                if key in self._wanted:
+                    self._wanted.remove(key)
             log.warning(
                 "could not start a warm sandbox on %s: %s; nodes of this kind run cold",
                 self.runtime.name,
                 e,
             )
-            with self._lock:
-                self._broken.add(key)
-                if key in self._wanted:
-                    self._wanted.remove(key)
             return True
+        except BaseException:
+            with self._lock:
+                self._started(key)
+            raise
+        with self._lock:
+            self._started(key)
+            closed = self._closed
+            if w is not None and not closed:
+                self._idle.setdefault(key, []).append(w)  # a node waiting for a restore looks now
         if w is None:  # the pool closed while the key's image was being made
             return True
-        with self._lock:
-            closed = self._closed
-            if not closed:
-                self._idle.setdefault(key, []).append(w)
-                self._lock.notify_all()  # a node waiting for a restore looks at it now
         if closed:
             w.discard()
         return not closed
+
+    def _started(self, key: PoolKey) -> None:
+        """One start of ``key`` over (under the lock): the refill may start the next one."""
+        self._starting[key] -= 1
+        self._starters = [t for t in self._starters if t is not threading.current_thread()]
+        self._lock.notify_all()
 
     def target(self, key: PoolKey) -> int:
         """Idle sandboxes to keep for ``key``, at most ``size``: one for each node waiting for
