@@ -28,7 +28,7 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from guest_runner import wire
@@ -37,6 +37,8 @@ from guest_runner.conduit.local import TEMP_PREFIX
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
+#: Descriptors a wait also wakes for: one, several, or none.
+Fds = int | Sequence[int] | None
 
 DEFAULT_SILENCE_WINDOW = 600.0
 MIN_POLL = 0.01
@@ -142,12 +144,12 @@ class DirWatch:
             return None
         return cls(fd)
 
-    def wait(self, timeout: float, also: int | None = None) -> bool:
-        """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
-        landed (a bounded buffer of its events read)."""
+    def wait(self, timeout: float, also: Fds = None) -> bool:
+        """Block up to ``timeout`` seconds, or until one of ``also`` is readable; True when
+        something landed (a bounded buffer of its events read)."""
         if self.fd < 0:
             return _wait_fd(also, timeout)
-        if self.fd not in readable([self.fd] if also is None else [self.fd, also], timeout):
+        if self.fd not in readable([self.fd, *_fds(also)], timeout):
             return False
         early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
         if early > 0:
@@ -190,12 +192,19 @@ def _names_an_object(buf: bytes) -> tuple[bool, bool]:
     return named, chunks
 
 
-def _wait_fd(fd: int | None, timeout: float) -> bool:
-    """Sleep up to ``timeout`` seconds, or until ``fd`` (if any) is readable; False."""
-    if fd is None:
+def _fds(also: Fds) -> tuple[int, ...]:
+    if also is None:
+        return ()
+    return (also,) if isinstance(also, int) else tuple(also)
+
+
+def _wait_fd(also: Fds, timeout: float) -> bool:
+    """Sleep up to ``timeout`` seconds, or until one of ``also`` is readable; False."""
+    fds = _fds(also)
+    if not fds:
         time.sleep(max(0.0, timeout))
     else:
-        readable([fd], timeout)
+        readable(list(fds), timeout)
     return False
 
 
@@ -294,6 +303,12 @@ class ChunkTailer:
         """True when armed, unfinished and nothing arrived for the whole window."""
         return self.armed and not self.finished and self.silence > self.silence_window
 
+    def silent_at(self) -> float:
+        """When (``clock``) the silence window ends if nothing arrives (inf: not armed)."""
+        if self._armed_at is None:
+            return math.inf
+        return self._last_arrival + self.silence_window
+
     @property
     def finished(self) -> bool:
         return self.total is not None and self.delivered >= self.total
@@ -306,8 +321,8 @@ class ChunkTailer:
     def next_delay(self) -> float:
         return self._delay
 
-    def wait(self, timeout: float, also: int | None = None) -> bool:
-        """Sleep up to ``timeout`` seconds between polls, or until the descriptor ``also``
+    def wait(self, timeout: float, also: Fds = None) -> bool:
+        """Sleep up to ``timeout`` seconds between polls, or until a descriptor of ``also``
         is readable. On a local conduit, wake as soon as an object lands in the node's
         directory (True), so arrival is seen at once without polling fast (the manifest,
         which may be what landed, is then due too); elsewhere just sleep (False). The call
