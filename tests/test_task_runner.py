@@ -344,6 +344,24 @@ def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
     no_orphans()
 
 
+def test_an_async_tasks_timeout_cancels_its_sleeping_node(conduit, tmp_path):
+    """Prefect glue: on `process`. An async task's timeout cancels its coroutine, and the runner
+    the node (its cancel event, whose descriptor wakes the sleeping driver: issue 42)."""
+    slow = sf.sleeper_async.with_options(timeout_seconds=2)
+
+    @flow(task_runner=glue_runner(conduit, tmp_path))
+    def timing_out():
+        return slow.submit(3600)
+
+    started = time.monotonic()
+    state = timing_out(return_state=True)
+    assert time.monotonic() - started < scaled(90)  # cancelled at its timeout, not run out (an hour)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tr.state.is_failed(), tr.state
+    assert "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower(), tr.state
+    no_orphans("process")
+
+
 @pytest.mark.sandbox
 def test_a_failure_elsewhere_in_the_flow_reaps_running_sandboxes(gvisor, conduit, tmp_path):
     @task
