@@ -29,11 +29,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
-from guest_runner.conduit.local import TEMP_PREFIX
+from guest_runner.conduit.local import TEMP_PREFIX, LocalConduit
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
@@ -283,6 +283,9 @@ class ChunkTailer:
         self.first_event_at: float | None = None
         self._watch: DirWatch | None = None
         self._watch_tried = False
+        #: The node's directory on a local conduit, opened with the watch: each object is
+        #: then one openat() by name, not a walk from the conduit's root (a poll's syscalls).
+        self._dir: tuple[LocalConduit, int] | None = None
 
     # -- liveness ---------------------------------------------------------------
     def arm(self) -> None:
@@ -353,13 +356,36 @@ class ChunkTailer:
             if path.is_dir():  # else: not created yet, try again next time
                 self._watch_tried = True
                 self._watch = DirWatch.open(str(path))
+                self._open_dir()
         return self._watch
+
+    def _open_dir(self) -> None:
+        conduit = self.conduit
+        # Only a conduit whose reads are LocalConduit's own (not one that counts or wraps them).
+        if type(conduit).get_stream is not LocalConduit.get_stream or "get_stream" in vars(conduit):
+            return
+        assert isinstance(conduit, LocalConduit)
+        try:
+            self._dir = (conduit, conduit.open_dir(self.prefix))
+        except ObjectNotFound:
+            pass
+
+    def _opener(self, key: str) -> BinaryIO:
+        """``key``'s object: by name from the node's directory when it is one of its own."""
+        at = self._dir
+        name = key[len(self.prefix) + 1 :]
+        if at is None or not key.startswith(self.prefix + "/") or "/" in name:
+            return self.conduit.get_stream(key)
+        return at[0].get_stream_at(at[1], name, key)
 
     def close(self) -> None:
         """Release the directory watch (if any); the tailer still polls afterwards."""
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        if self._dir is not None:
+            os.close(self._dir[1])
+            self._dir = None
 
     def __del__(self) -> None:
         try:
@@ -424,7 +450,7 @@ class ChunkTailer:
         key = wire.manifest_key(self.prefix)
         try:
             self.total = wire.decode_manifest(
-                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest")
+                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest", self._opener)
             )
         except (wire.WireError, bounded.TooLarge) as e:
             raise ManifestMismatch(f"{key}: {e}") from None
@@ -434,7 +460,7 @@ class ChunkTailer:
         """(events delivered, whether all were heartbeats, characters read) of one chunk."""
         n = blank = size = 0
         heartbeat_only = True
-        for line_no, line in chunk_text_lines(self.conduit, key):
+        for line_no, line in chunk_text_lines(self.conduit, key, self._opener):
             size += len(line) + 1
             if not line.strip():
                 blank += 1
@@ -549,11 +575,13 @@ class ChunkTailer:
                 self.wait(self._delay)
 
 
-def chunk_text_lines(conduit: Conduit, key: str) -> Iterator[tuple[int, str]]:
+def chunk_text_lines(
+    conduit: Conduit, key: str, opener: bounded.Opener | None = None
+) -> Iterator[tuple[int, str]]:
     """A chunk's lines as text, bounded (prefect_resoluto.node.bounded); TailError for a chunk
     or a line the host does not read, or one that is not UTF-8."""
     try:
-        for line_no, raw in bounded.chunk_lines(conduit, key):
+        for line_no, raw in bounded.chunk_lines(conduit, key, opener=opener):
             try:
                 yield line_no, raw.decode("utf-8")
             except UnicodeDecodeError:
