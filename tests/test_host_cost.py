@@ -17,15 +17,18 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from support.polling import scaled
+from support.polling import scaled, wait_for
 from support.runtime_contract import require, spec, wait_terminal
 
 from guest_runner.conduit import LocalConduit
 from guest_runner.conduit.local import TEMP_PREFIX
 from prefect_resoluto.node import tail
-from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, _Clocks, drive_node
+from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, _Clocks, drive, drive_node
+from prefect_resoluto.node.observer import NodeObserver
+from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.node.tail import ChunkTailer, DirWatch
+from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes import _local
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxStatus
 from prefect_resoluto.runtimes.process import ProcessRuntime
@@ -236,3 +239,107 @@ def test_a_poll_stopped_by_its_budget_is_followed_by_another_at_once(tmp_path):
             t.check_manifest()
     assert len(got) == n and polls == 3
     t.close()
+
+
+class Announcing(NodeObserver):
+    """A host that announces its cancellations (a WakeEvent): the driver need not look for them."""
+
+    def __init__(self) -> None:
+        self.cancel = WakeEvent()
+        self.launched_at: float | None = None
+        self.seen_cancelled_at: float | None = None
+
+    def launched(self, handle: SandboxHandle) -> None:
+        self.launched_at = time.monotonic()
+
+    def cancelled(self) -> bool:
+        if self.cancel.is_set():
+            self.seen_cancelled_at = self.seen_cancelled_at or time.monotonic()
+            return True
+        return False
+
+    def wake_fds(self) -> tuple[int, ...]:
+        return (self.cancel.fileno(),)
+
+    def cancel_polled(self) -> bool:
+        return False
+
+
+def counting_timer_wakes(
+    monkeypatch: pytest.MonkeyPatch, asleep: threading.Event | None = None
+) -> list[float]:
+    """When the driver's waits ran out their timeout (a timer's wake, not the node's: a guest's
+    temporary file also ends a wait, with nothing landed); ``asleep`` is set when the driver
+    goes to sleep for more than a second."""
+    timed_out: list[float] = []
+    real = ChunkTailer.wait
+
+    def wait(self: ChunkTailer, timeout: float, also: object = None) -> bool:
+        if asleep is not None and timeout > 1.0:
+            asleep.set()
+        began = time.monotonic()
+        woke = real(self, timeout, also)  # type: ignore[arg-type]
+        if not woke and timeout > 0 and time.monotonic() - began >= timeout:
+            timed_out.append(time.monotonic())
+        return woke
+
+    monkeypatch.setattr(ChunkTailer, "wait", wait)
+    return timed_out
+
+
+def test_a_node_whose_host_announces_cancellation_is_not_woken_while_it_sleeps(rt, tmp_path, monkeypatch):
+    """Issue 42: every sleeping node's driver woke every WAKE (2 s) to look for a cancellation,
+    a thousand nodes a thousand timers. A host whose cancellations wake the driver (the task
+    runner's) leaves it asleep until something happens; the conduit's backstop poll only."""
+    timed_out = counting_timer_wakes(monkeypatch)
+    observer = Announcing()
+    out = drive(
+        NodeSpec(
+            run_id="r",
+            node_id="calm",
+            argv=[sys.executable, "-c", f"import time; time.sleep({NAP})"],
+            min_isolation="none",
+        ),
+        LocalConduit(tmp_path / "conduit"),
+        rt,
+        observer,
+    )
+    assert out.ok, out.describe()
+    assert observer.launched_at is not None
+    assert NAP < POLL_BACKSTOP
+    # The guest sleeps NAP seconds after its launch: it cannot have exited before.
+    during = [t for t in timed_out if observer.launched_at < t < observer.launched_at + NAP]
+    assert during == [], f"{len(during)} timer wakes during a {NAP} s nap"  # before: one every 2 s
+
+
+def test_an_announced_cancellation_wakes_the_sleeping_node_at_once(rt, tmp_path, monkeypatch):
+    """...and a cancellation it announces is seen when it is made, not at the next backstop."""
+    asleep = threading.Event()
+    counting_timer_wakes(monkeypatch, asleep)
+    observer = Announcing()
+    result: dict[str, object] = {}
+    spec_ = NodeSpec(
+        run_id="r",
+        node_id="cancelled",
+        argv=[sys.executable, "-c", "import time; time.sleep(3600)"],
+        min_isolation="none",
+    )
+    driver = threading.Thread(
+        target=lambda: result.update(out=drive(spec_, LocalConduit(tmp_path / "conduit"), rt, observer))
+    )
+    driver.start()
+    try:
+        wait_for(
+            lambda: asleep.is_set() or not driver.is_alive(),
+            timeout=scaled(60),
+            what="the driver asleep on its node",
+        )
+        cancelled_at = time.monotonic()
+        observer.cancel.set()
+    finally:
+        driver.join(scaled(120))
+    out = result["out"]
+    assert isinstance(out, NodeOutcome) and out.failure == "lost" and "cancelled" in out.reason
+    assert observer.seen_cancelled_at is not None
+    # The backstop would have taken POLL_BACKSTOP (10 s); the wake is the set() itself.
+    assert observer.seen_cancelled_at - cancelled_at < POLL_BACKSTOP / 2

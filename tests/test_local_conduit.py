@@ -149,6 +149,39 @@ def test_get_stream_reads_in_pieces_and_never_follows_a_planted_link_or_fifo(loc
         local_conduit.get_stream("run/r/nodes/n/outbox/absent.tar.gz")
 
 
+def test_reads_by_name_from_an_opened_directory_refuse_what_get_stream_refuses(local_conduit, tmp_path):
+    """The host's tail opens its node's directory once and each object by name from it
+    (issue 42): a link, a FIFO, a name that is a path, or a directory that is a link on the way
+    there are refused as they are on the walk from the root."""
+    import os
+
+    local_conduit.put("run/r/nodes/n/events-000001.jsonl", b"mine")
+    secret = tmp_path / "host-secret"
+    secret.write_text("host")
+    node = local_conduit.root / "run/r/nodes/n"
+    (node / "to-host.jsonl").symlink_to(secret)
+    os.mkfifo(node / "fifo.jsonl")
+    (local_conduit.root / "run/r/nodes/linked").symlink_to(node)
+    fd = local_conduit.open_dir("run/r/nodes/n")
+    try:
+        with local_conduit.get_stream_at(fd, "events-000001.jsonl", "k") as f:
+            assert f.read() == b"mine"
+        for name in ("to-host.jsonl", "fifo.jsonl", "absent.jsonl"):
+            with pytest.raises(ObjectNotFound, match="no object"):
+                local_conduit.get_stream_at(fd, name, name)
+        for name in ("../n/events-000001.jsonl", "..", ".", "", "a\x00b"):
+            with pytest.raises(InvalidKey):
+                local_conduit.get_stream_at(fd, name, name)
+    finally:
+        os.close(fd)
+    with pytest.raises(ObjectNotFound):
+        local_conduit.open_dir("run/r/nodes/linked")  # a directory link on the way is not followed
+    with pytest.raises(ObjectNotFound):
+        local_conduit.open_dir("run/r/nodes/n/events-000001.jsonl")  # a file, not a directory
+    with pytest.raises(InvalidKey):
+        local_conduit.open_dir("../escape")
+
+
 class TestLocalConduitContract(ConduitContract):
     @pytest.fixture
     def conduit(self, local_conduit: LocalConduit) -> Conduit:

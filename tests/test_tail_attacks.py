@@ -399,10 +399,12 @@ def test_a_nested_key_named_like_a_chunk_is_not_a_chunk(store):
     assert isinstance(e, MissingChunk) and t.events_delivered == 0
 
 
+@pytest.mark.parametrize("watched", [False, True], ids=["walked", "watched"])
 @pytest.mark.parametrize("what", ["fifo", "symlink", "symlink-dir", "dangling"])
 @pytest.mark.parametrize("target", ["chunk", "manifest"])
-def test_special_files_named_like_a_chunk_or_manifest_never_hang_or_leak(tmp_path, what, target):
+def test_special_files_named_like_a_chunk_or_manifest_never_hang_or_leak(tmp_path, what, target, watched):
     # HOLDS: O_NOFOLLOW | O_NONBLOCK and a regular-file check: absent, never followed or blocked on.
+    # Watched: the tail reads by name from the node's directory, opened with its watch (issue 42).
     c = LocalConduit(tmp_path / "c")
     clock = FakeClock()
     node = c.root / P
@@ -424,6 +426,11 @@ def test_special_files_named_like_a_chunk_or_manifest_never_hang_or_leak(tmp_pat
     else:
         put_chunk(c, 1, [1])
     t = ChunkTailer(c, P, clock=clock)
+    if watched:
+        t.wait(0.0)  # opens the directory watch, and the directory
+        if not t.watching:
+            pytest.skip("no inotify here")
+        assert t._dir is not None
     got: list[str] = []
     if target == "chunk":
         e = run_to_error(t, clock)

@@ -145,18 +145,19 @@ def test_a_server_that_records_no_task_run_holds_one_task_back_at_most(conduit, 
     """Prefect glue: on `process`. A server whose task-run recorder never has the run (it is
     off): the first task waits for it RECORDED_WITHIN at most, the later ones of the flow run
     not at all, and both run (issue 41: a run is handed to the engine once recorded)."""
-    import re
+    import json
 
     import httpx
 
     real = httpx.HTTPTransport.handle_request
     reads: list[str] = []
-    one_run = re.compile(r"/api/task_runs/[0-9a-f-]{36}")
 
     def recording_none(transport, request):
-        if request.method == "GET" and one_run.fullmatch(request.url.path):
-            reads.append(request.url.path.rsplit("/", 1)[1])
-            return httpx.Response(404, json={"detail": "Task run not found"}, request=request)
+        if request.method == "POST" and request.url.path == "/api/task_runs/filter":
+            wanted = ((json.loads(request.content).get("task_runs") or {}).get("id") or {}).get("any_")
+            if wanted:  # the runner's read of the runs it waits for: none recorded
+                reads.extend(wanted)
+                return httpx.Response(200, json=[], request=request)
         return real(transport, request)
 
     @flow(task_runner=glue_runner(conduit, tmp_path))
@@ -345,6 +346,24 @@ def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
         tr.state.is_failed() and "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower()
     )
     no_orphans()
+
+
+def test_an_async_tasks_timeout_cancels_its_sleeping_node(conduit, tmp_path):
+    """Prefect glue: on `process`. An async task's timeout cancels its coroutine, and the runner
+    the node (its cancel event, whose descriptor wakes the sleeping driver: issue 42)."""
+    slow = sf.sleeper_async.with_options(timeout_seconds=2)
+
+    @flow(task_runner=glue_runner(conduit, tmp_path))
+    def timing_out():
+        return slow.submit(3600)
+
+    started = time.monotonic()
+    state = timing_out(return_state=True)
+    assert time.monotonic() - started < scaled(90)  # cancelled at its timeout, not run out (an hour)
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    assert tr.state.is_failed(), tr.state
+    assert "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower(), tr.state
+    no_orphans("process")
 
 
 @pytest.mark.sandbox

@@ -105,26 +105,61 @@ class LocalConduit(Conduit):
         a link, and only if it is a regular file: a sandbox writes into its node's directory,
         and a link or a FIFO planted there must not make the host read elsewhere, or hang."""
         check_key(key)
-        parts = key.split("/")
+        parent, _, name = key.rpartition("/")
+        fd = self._open_dir(parent.split("/") if parent else [], key)
+        try:
+            return self._open_leaf(fd, name, key)
+        finally:
+            os.close(fd)
+
+    def open_dir(self, prefix: str) -> int:
+        """A descriptor of the directory ``prefix`` names, opened as :meth:`get_stream` walks
+        (ObjectNotFound when it is not a directory of the conduit): a reader of many objects
+        of one directory (the host's tail of a node) opens each from it by name. The caller
+        closes it."""
+        check_key(prefix.rstrip("/") or prefix)
+        return self._open_dir(prefix.rstrip("/").split("/"), prefix)
+
+    def get_stream_at(self, dir_fd: int, name: str, key: str) -> BinaryIO:
+        """The object ``name`` of the directory ``dir_fd`` (:meth:`open_dir`), opened as
+        :meth:`get_stream` opens its last part; ``key`` names it in errors."""
+        if not name or "/" in name or "\x00" in name or name in (".", ".."):
+            raise InvalidKey(f"conduit key {key!r}: {name!r} is not a name in a directory")
+        return self._open_leaf(dir_fd, name, key)
+
+    def _open_dir(self, parts: List[str], key: str) -> int:
         flags = getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
         fd = -1
         try:
             fd = os.open(self._real_root, os.O_RDONLY | os.O_DIRECTORY | flags)
-            for part in parts[:-1]:
+            for part in parts:
                 nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | flags, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
-            leaf = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=fd)
+            return fd
         except FileNotFoundError:
+            if fd >= 0:
+                os.close(fd)
             raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
         except OSError as e:
-            # ELOOP/ENOTDIR: a link or a file where a directory or the object should be.
+            if fd >= 0:
+                os.close(fd)
+            # ELOOP/ENOTDIR: a link or a file where a directory should be.
             raise ObjectNotFound(
                 f"no object {key!r} in {self.url} ({e.strerror}: not a plain file)"
             ) from None
-        finally:
-            if fd >= 0:
-                os.close(fd)
+
+    def _open_leaf(self, dir_fd: int, name: str, key: str) -> BinaryIO:
+        flags = getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
+        try:
+            leaf = os.open(name, os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+        except OSError as e:
+            # ELOOP: a link where the object should be.
+            raise ObjectNotFound(
+                f"no object {key!r} in {self.url} ({e.strerror}: not a plain file)"
+            ) from None
         try:
             if not stat.S_ISREG(os.fstat(leaf).st_mode):
                 raise ObjectNotFound(f"no object {key!r} in {self.url} (not a regular file)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from guest_runner import wire
@@ -38,10 +38,14 @@ def _check_size(f: BinaryIO, key: str, limit: int, what: str) -> None:
         raise TooLarge(f"{key} is {size} bytes, more than the {limit} bytes the host reads of {what}")
 
 
-def read(conduit: Conduit, key: str, limit: int, what: str) -> bytes:
+#: How an object is opened: ``conduit.get_stream`` unless the reader has a quicker way to the same file.
+Opener = Callable[[str], BinaryIO]
+
+
+def read(conduit: Conduit, key: str, limit: int, what: str, opener: Opener | None = None) -> bytes:
     """The whole object, at most ``limit`` bytes (TooLarge beyond: before reading when the
     size is known, else after ``limit + 1`` bytes)."""
-    with conduit.get_stream(key) as f:
+    with (opener or conduit.get_stream)(key) as f:
         _check_size(f, key, limit, what)
         try:
             data = f.read(limit + 1)
@@ -58,11 +62,12 @@ def chunk_lines(
     *,
     max_bytes: int = wire.MAX_CHUNK_BYTES,
     max_line: int = wire.MAX_LINE_BYTES,
+    opener: Opener | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """(line number, line without its newline) of an event chunk, one line in memory at a
     time. TooLarge for a chunk above ``max_bytes`` (before reading it when the size is
     known) or a line above ``max_line``."""
-    with conduit.get_stream(key) as f:
+    with (opener or conduit.get_stream)(key) as f:
         _check_size(f, key, max_bytes, "an event chunk")
         total = 0
         line_no = 0

@@ -419,9 +419,17 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
     request), the runtime's status every ``runtime.status_interval``. Where the host is told
     instead -- a local conduit's directory watch wakes the loop when an object lands, a local
     child's exit descriptor when it exits -- each clock slows to a backstop, so a node that
-    runs long costs the host next to nothing while it runs. The loop still wakes every
-    ``WAKE`` seconds, to see a cancellation (or Prefect's timeout, raised in this thread)."""
-    clocks = _Clocks(node.runtime.status_interval, node.runtime.exit_fd(handle))
+    runs long costs the host next to nothing while it runs. The loop also wakes every
+    ``WAKE`` seconds to see a cancellation (or Prefect's timeout, raised in this thread)
+    unless the observer's descriptors tell of it (``wake_fds``, ``cancel_polled``); and at
+    the end of the silence window, whatever else wakes it."""
+    clocks = _Clocks(
+        node.runtime.status_interval,
+        node.runtime.exit_fd(handle),
+        node.observer.wake_fds(),
+        # Egress decisions arrive on the proxy's threads, delivered from this loop's wakes.
+        WAKE if node.observer.cancel_polled() or node.launch.network is not None else POLL_BACKSTOP,
+    )
     node.tailer.wait(0.0)  # opens a local conduit's watch now: the first poll sees all before it
     try:
         _watch_loop(node, handle, clocks)
@@ -436,8 +444,10 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
 #: opened late); a sandbox with an exit descriptor (which fires on its exit, whoever ends it).
 POLL_BACKSTOP = 10.0
 STATUS_BACKSTOP = 30.0
-#: Seconds the watch loop sleeps at most: how soon a cancellation is seen (Prefect's timeout
-#: of a sync task is an exception raised in this thread: it lands when the loop wakes).
+#: Seconds the watch loop sleeps at most while a cancellation can come unannounced: how soon
+#: it is seen (Prefect's timeout of a sync task is an exception raised in this thread: it
+#: lands when the loop wakes). A host that announces its cancellations
+#: (``NodeObserver.wake_fds``) is not woken for them: a thousand sleeping nodes cost nothing.
 WAKE = 2.0
 
 
@@ -447,6 +457,8 @@ class _Clocks:
 
     status_interval: float
     exit_fd: int | None
+    wake_fds: tuple[int, ...] = ()
+    wake_every: float = WAKE
     next_poll: float = 0.0
     next_status: float = 0.0
 
@@ -458,8 +470,10 @@ class _Clocks:
         self.next_status = now + (STATUS_BACKSTOP if self.exit_fd is not None else self.status_interval)
 
     def wait(self, tailer: ChunkTailer) -> None:
-        until = min(self.next_poll, self.next_status, time.monotonic() + WAKE)
-        if tailer.wait(until - time.monotonic(), self.exit_fd):
+        now = time.monotonic()
+        until = min(self.next_poll, self.next_status, now + self.wake_every, tailer.silent_at())
+        also = self.wake_fds if self.exit_fd is None else (self.exit_fd, *self.wake_fds)
+        if tailer.wait(until - now, also):
             self.next_poll = 0.0  # something landed: read it now
         # Whatever woke it: a sandbox that floods its directory and dies leaves events queued
         # for many wakes, each of which would otherwise hide its exit until STATUS_BACKSTOP.

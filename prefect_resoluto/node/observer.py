@@ -38,6 +38,17 @@ class NodeObserver:
         """Polled while the node runs: True stops it (``lost``, "cancelled by the host")."""
         return False
 
+    def wake_fds(self) -> tuple[int, ...]:
+        """Descriptors that turn readable when :meth:`cancelled` may have turned True (a
+        :class:`~prefect_resoluto.node.wake.WakeEvent`'s): the driver sleeps on them."""
+        return ()
+
+    def cancel_polled(self) -> bool:
+        """Whether :meth:`cancelled` (or an exception raised in the driving thread: Prefect's
+        timeout of a sync task) can come with no descriptor of :meth:`wake_fds` saying so: the
+        driver then wakes every few seconds to look, else only when told of something."""
+        return True
+
     def reap(self, handle: SandboxHandle) -> bool:
         """A node that succeeded and left everything in the conduit: True takes over destroying
         its sandbox (the interpreter's exit and the teardown are not waited for); False lets the

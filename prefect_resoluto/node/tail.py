@@ -28,15 +28,17 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
-from guest_runner.conduit.local import TEMP_PREFIX
+from guest_runner.conduit.local import TEMP_PREFIX, LocalConduit
 from prefect_resoluto.node import bounded
 
 Event = wire.SpanEvent
+#: Descriptors a wait also wakes for: one, several, or none.
+Fds = int | Sequence[int] | None
 
 DEFAULT_SILENCE_WINDOW = 600.0
 MIN_POLL = 0.01
@@ -142,12 +144,12 @@ class DirWatch:
             return None
         return cls(fd)
 
-    def wait(self, timeout: float, also: int | None = None) -> bool:
-        """Block up to ``timeout`` seconds, or until ``also`` is readable; True when something
-        landed (a bounded buffer of its events read)."""
+    def wait(self, timeout: float, also: Fds = None) -> bool:
+        """Block up to ``timeout`` seconds, or until one of ``also`` is readable; True when
+        something landed (a bounded buffer of its events read)."""
         if self.fd < 0:
             return _wait_fd(also, timeout)
-        if self.fd not in readable([self.fd] if also is None else [self.fd, also], timeout):
+        if self.fd not in readable([self.fd, *_fds(also)], timeout):
             return False
         early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
         if early > 0:
@@ -190,12 +192,19 @@ def _names_an_object(buf: bytes) -> tuple[bool, bool]:
     return named, chunks
 
 
-def _wait_fd(fd: int | None, timeout: float) -> bool:
-    """Sleep up to ``timeout`` seconds, or until ``fd`` (if any) is readable; False."""
-    if fd is None:
+def _fds(also: Fds) -> tuple[int, ...]:
+    if also is None:
+        return ()
+    return (also,) if isinstance(also, int) else tuple(also)
+
+
+def _wait_fd(also: Fds, timeout: float) -> bool:
+    """Sleep up to ``timeout`` seconds, or until one of ``also`` is readable; False."""
+    fds = _fds(also)
+    if not fds:
         time.sleep(max(0.0, timeout))
     else:
-        readable([fd], timeout)
+        readable(list(fds), timeout)
     return False
 
 
@@ -274,6 +283,9 @@ class ChunkTailer:
         self.first_event_at: float | None = None
         self._watch: DirWatch | None = None
         self._watch_tried = False
+        #: The node's directory on a local conduit, opened with the watch: each object is
+        #: then one openat() by name, not a walk from the conduit's root (a poll's syscalls).
+        self._dir: tuple[LocalConduit, int] | None = None
 
     # -- liveness ---------------------------------------------------------------
     def arm(self) -> None:
@@ -294,6 +306,12 @@ class ChunkTailer:
         """True when armed, unfinished and nothing arrived for the whole window."""
         return self.armed and not self.finished and self.silence > self.silence_window
 
+    def silent_at(self) -> float:
+        """When (``clock``) the silence window ends if nothing arrives (inf: not armed)."""
+        if self._armed_at is None:
+            return math.inf
+        return self._last_arrival + self.silence_window
+
     @property
     def finished(self) -> bool:
         return self.total is not None and self.delivered >= self.total
@@ -306,8 +324,8 @@ class ChunkTailer:
     def next_delay(self) -> float:
         return self._delay
 
-    def wait(self, timeout: float, also: int | None = None) -> bool:
-        """Sleep up to ``timeout`` seconds between polls, or until the descriptor ``also``
+    def wait(self, timeout: float, also: Fds = None) -> bool:
+        """Sleep up to ``timeout`` seconds between polls, or until a descriptor of ``also``
         is readable. On a local conduit, wake as soon as an object lands in the node's
         directory (True), so arrival is seen at once without polling fast (the manifest,
         which may be what landed, is then due too); elsewhere just sleep (False). The call
@@ -338,13 +356,36 @@ class ChunkTailer:
             if path.is_dir():  # else: not created yet, try again next time
                 self._watch_tried = True
                 self._watch = DirWatch.open(str(path))
+                self._open_dir()
         return self._watch
+
+    def _open_dir(self) -> None:
+        conduit = self.conduit
+        # Only a conduit whose reads are LocalConduit's own (not one that counts or wraps them).
+        if type(conduit).get_stream is not LocalConduit.get_stream or "get_stream" in vars(conduit):
+            return
+        assert isinstance(conduit, LocalConduit)
+        try:
+            self._dir = (conduit, conduit.open_dir(self.prefix))
+        except ObjectNotFound:
+            pass
+
+    def _opener(self, key: str) -> BinaryIO:
+        """``key``'s object: by name from the node's directory when it is one of its own."""
+        at = self._dir
+        name = key[len(self.prefix) + 1 :]
+        if at is None or not key.startswith(self.prefix + "/") or "/" in name:
+            return self.conduit.get_stream(key)
+        return at[0].get_stream_at(at[1], name, key)
 
     def close(self) -> None:
         """Release the directory watch (if any); the tailer still polls afterwards."""
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        if self._dir is not None:
+            os.close(self._dir[1])
+            self._dir = None
 
     def __del__(self) -> None:
         try:
@@ -409,7 +450,7 @@ class ChunkTailer:
         key = wire.manifest_key(self.prefix)
         try:
             self.total = wire.decode_manifest(
-                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest")
+                bounded.read(self.conduit, key, wire.MAX_MANIFEST_BYTES, "a manifest", self._opener)
             )
         except (wire.WireError, bounded.TooLarge) as e:
             raise ManifestMismatch(f"{key}: {e}") from None
@@ -419,7 +460,7 @@ class ChunkTailer:
         """(events delivered, whether all were heartbeats, characters read) of one chunk."""
         n = blank = size = 0
         heartbeat_only = True
-        for line_no, line in chunk_text_lines(self.conduit, key):
+        for line_no, line in chunk_text_lines(self.conduit, key, self._opener):
             size += len(line) + 1
             if not line.strip():
                 blank += 1
@@ -534,11 +575,13 @@ class ChunkTailer:
                 self.wait(self._delay)
 
 
-def chunk_text_lines(conduit: Conduit, key: str) -> Iterator[tuple[int, str]]:
+def chunk_text_lines(
+    conduit: Conduit, key: str, opener: bounded.Opener | None = None
+) -> Iterator[tuple[int, str]]:
     """A chunk's lines as text, bounded (prefect_resoluto.node.bounded); TailError for a chunk
     or a line the host does not read, or one that is not UTF-8."""
     try:
-        for line_no, raw in bounded.chunk_lines(conduit, key):
+        for line_no, raw in bounded.chunk_lines(conduit, key, opener=opener):
             try:
                 yield line_no, raw.decode("utf-8")
             except UnicodeDecodeError:

@@ -515,6 +515,9 @@ class EventLogForwarder:
     def emit(self, level: int, message: str, ts: float | None = None, *, held: bool = True) -> None:
         """One record of the node's; ``held``: counted against the node's allowance (the
         host's own lines about the node are not, and are never dropped)."""
+        self.lines += 1
+        if not self.target.isEnabledFor(level):
+            return  # before any work: most of a node's events are DEBUG details
         # Redacted before it is cut: a secret cut in two would no longer be recognised.
         text = holds.clip(self.redactor.text(message), self.line_limit)
         record = logging.LogRecord(SANDBOX_LOGGER, level, __file__, 0, text, None, None)
@@ -526,9 +529,6 @@ class EventLogForwarder:
         record.task_run_id = self.task_run_id
         record.flow_run_id = self.flow_run_id
         record.resoluto_node_id = self.node_id
-        self.lines += 1
-        if not self.target.isEnabledFor(level):
-            return
         api = self._api
         if api is None:
             self.target.handle(record)

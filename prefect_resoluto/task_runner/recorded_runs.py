@@ -14,16 +14,23 @@ hands it to the engine, which stamps Running after that: ``created`` comes befor
 SQLite server each is a write next to the recorder's, and 30-50 % of them were answered 503
 after the database's lock timeout (2 s each) on a loaded host. A server that records nothing
 (its recorder off) is waited for once per entered runner, :data:`RECORDED_WITHIN` seconds.
+
+The reads are shared (issue 42): one thread per entered runner asks for every run waiting
+at once (``POST /task_runs/filter`` by ids), so N task runs starting together cost a few
+requests, not one or more each (each request's client work was a fifth of a sandboxed
+node's CPU in the flow process at 50 in flight).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -37,17 +44,124 @@ logger = logging.getLogger("prefect_resoluto.task_runner")
 
 #: Seconds a task run waits for the server to record it before its engine starts it anyway.
 RECORDED_WITHIN = 5.0
-#: Pauses between reads: the first about the events' latency on an idle host, then growing.
+#: Pauses between reads for one run: the first about the events' latency on an idle host,
+#: then growing. A read asks for every run waiting, so one run's read serves the others too.
 FIRST_READ_AFTER = 0.02
 MAX_PAUSE = 0.2
+#: Ids in one read at most (the server's default page: 200).
+READ_BATCH = 200
+#: Seconds the reading thread outlives the last run it waited for (the next map's runs reuse it).
+IDLE_LINGER = 2.0
 
 
-@dataclass
+@dataclass(eq=False)
+class _Waiting:
+    """One task run waiting to be recorded: when it is next due a read, and what was found."""
+
+    due: float
+    pause: float = FIRST_READ_AFTER
+    found: bool | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
 class Recorder:
     """The server's task-run recorder as one entered runner found it: recording (until a run
-    was not recorded within :data:`RECORDED_WITHIN`: later runs are not held for it)."""
+    was not recorded within :data:`RECORDED_WITHIN`: later runs are not held for it); and
+    the one thread that reads, for every run waiting, whether the API has it yet."""
 
     silent: bool = False
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _waiting: dict[UUID, _Waiting] = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+
+    def wait(self, task_run_id: UUID) -> bool | None:
+        """True once the API has the run; False when it has not within :data:`RECORDED_WITHIN`;
+        None when reading failed (an API error: this run is not waited for, later ones are)."""
+        waiting = _Waiting(due=time.monotonic() + FIRST_READ_AFTER)
+        with self._cond:
+            self._waiting[task_run_id] = waiting
+            if self._thread is None:
+                # In the first waiter's context: the flow run's settings (its API) and client.
+                ctx = contextvars.copy_context()
+                self._thread = threading.Thread(
+                    target=ctx.run, args=(self._read_loop,), name="resoluto-recorded-runs", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        try:
+            if not waiting.done.wait(RECORDED_WITHIN):
+                return False
+            return waiting.found
+        finally:
+            with self._cond:
+                self._waiting.pop(task_run_id, None)
+
+    def _read_loop(self) -> None:
+        from prefect.context import SyncClientContext
+
+        try:
+            with SyncClientContext.get_or_create() as ctx:
+                while (ids := self._next_round()) is not None:
+                    try:
+                        found = _recorded(ctx.client, ids)
+                    except Exception as e:  # noqa: BLE001 - the tasks run regardless
+                        logger.debug("task runs %s: their records not read (%r)", ids, e)
+                        self._settle(ids, set(), failed=True)
+                    else:
+                        self._settle(ids, found, failed=False)
+        finally:
+            with self._cond:
+                if self._thread is threading.current_thread():  # it failed (its client did not open)
+                    self._thread = None
+                    for waiting in self._waiting.values():  # not waited for: found stays None
+                        waiting.done.set()
+
+    def _next_round(self) -> list[UUID] | None:
+        """The runs waiting once the first of them is due a read; None after IDLE_LINGER with none."""
+        with self._cond:
+            idle_until = time.monotonic() + IDLE_LINGER
+            while True:
+                now = time.monotonic()
+                if not self._waiting:
+                    if now >= idle_until:
+                        self._thread = None  # under the lock: a new waiter starts a new thread
+                        return None
+                    self._cond.wait(idle_until - now)
+                    continue
+                due = min(w.due for w in self._waiting.values())
+                if due <= now:
+                    return list(self._waiting)
+                self._cond.wait(due - now)
+
+    def _settle(self, ids: list[UUID], found: set[UUID], *, failed: bool) -> None:
+        with self._cond:
+            now = time.monotonic()
+            for run_id in ids:
+                waiting = self._waiting.get(run_id)
+                if waiting is None:
+                    continue  # gone: waited its RECORDED_WITHIN out
+                if failed or run_id in found:
+                    waiting.found = None if failed else True
+                    del self._waiting[run_id]
+                    waiting.done.set()
+                else:
+                    waiting.pause = min(waiting.pause * 1.5, MAX_PAUSE)
+                    waiting.due = now + waiting.pause
+
+
+def _recorded(client: Any, ids: list[UUID]) -> set[UUID]:
+    """Those of ``ids`` the API has (one read per READ_BATCH of them)."""
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+
+    found: set[UUID] = set()
+    for at in range(0, len(ids), READ_BATCH):
+        batch = ids[at : at + READ_BATCH]
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=batch)), limit=len(batch)
+        )
+        found.update(run.id for run in runs)
+    return found
 
 
 def recorded_first(
@@ -76,34 +190,10 @@ def recorded_first(
     )
     assert run.state is not None
     emit_task_run_state_change_event(task_run=run, initial_state=None, validated_state=run.state)
-    if not recorder.silent and _wait_until_recorded(run.id) is False:
+    if not recorder.silent and recorder.wait(run.id) is False:
         recorder.silent = True
         logger.debug("task run %s not recorded within %.0f s: runs start unrecorded", run.id, RECORDED_WITHIN)
     return run
-
-
-def _wait_until_recorded(task_run_id: UUID) -> bool | None:
-    """True once the API has the run; False when it has not within :data:`RECORDED_WITHIN`;
-    None when reading failed (an API error: this run is not waited for, later ones are)."""
-    from prefect.context import SyncClientContext
-    from prefect.exceptions import ObjectNotFound
-
-    deadline = time.monotonic() + RECORDED_WITHIN
-    pause = FIRST_READ_AFTER
-    with SyncClientContext.get_or_create() as ctx:
-        while True:
-            time.sleep(pause)  # the recorder inserts the row some milliseconds after the event left
-            try:
-                ctx.client.read_task_run(task_run_id)
-                return True
-            except ObjectNotFound:
-                pass
-            except Exception as e:  # noqa: BLE001 - the task runs regardless
-                logger.debug("task run %s: its record not read (%r)", task_run_id, e)
-                return None
-            if time.monotonic() > deadline:
-                return False
-            pause = min(pause * 1.5, MAX_PAUSE)
 
 
 def _run_recorded(recorder: Recorder, run: Callable[..., Any], /, **kwargs: Any) -> Any:

@@ -30,6 +30,7 @@ from typing_extensions import ParamSpec, TypeVar
 
 from guest_runner.conduit import Conduit
 from prefect_resoluto.node.outcome import NodeOutcome
+from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
@@ -115,7 +116,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         self._live = LiveSandboxes()  # sandboxes alive now, attempts, each task run's outputs
         self._flow_runs = FlowRuns()
         self._recorder = Recorder()
-        self._cancelled = threading.Event()
+        self._cancelled = WakeEvent()  # every node's driver sleeps on it (node/wake.py)
         self._deployment_names = python_calls.DeploymentNames()
         self._pool: warm_pool_mod.AnyPool | None = None
         self._packer: WorkspacePacker | None = None
@@ -340,7 +341,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             @functools.wraps(fn)
             async def sandboxed_async(*args: Any, **kwargs: Any) -> Any:
                 started()
-                cancel = threading.Event()
+                cancel = WakeEvent()
                 try:
                     # to_thread carries the task run's context into the thread
                     return await asyncio.to_thread(self._run_python, task, fn, overrides, cancel)

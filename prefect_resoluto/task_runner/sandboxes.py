@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.runtimes.labels import LABEL_FLOW_RUN, label_value
 from prefect_resoluto.task_runner.background import Background
@@ -49,6 +50,10 @@ class RunnerSandboxes:
 
     def cancelling(self) -> bool:
         return self._cancelled.is_set()
+
+    def cancel_fd(self) -> int | None:
+        """A descriptor readable once the runner cancels (a WakeEvent's), else None."""
+        return self._cancelled.fileno() if isinstance(self._cancelled, WakeEvent) else None
 
     def reap(self, handle: SandboxHandle) -> None:
         """Destroy ``handle`` on the reaper's thread; it stays live until destroyed."""

@@ -22,6 +22,7 @@ from prefect_resoluto.node.drive import drive
 from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes.base import SandboxHandle, SandboxRuntime
 from prefect_resoluto.runtimes.labels import task_run_labels
 from prefect_resoluto.settings.config import SandboxConfig, default_outputs_root
@@ -122,7 +123,9 @@ class TaskNodes:
             f"sandbox node {node_id} on {self.runtime.name} "
             f"({self.runtime.isolation.label} isolation), conduit {self.conduit.url}; {how}",
         )
-        observer = TaskRunObserver(self.sandboxes, forward, request.line_sink, request.cancel, how)
+        observer = TaskRunObserver(
+            self.sandboxes, forward, request.line_sink, request.cancel, how, timeout=_has_timeout()
+        )
         try:
             outcome = drive(spec, self.conduit, self.runtime, observer, warm=warm)
         finally:
@@ -198,6 +201,8 @@ class TaskRunObserver(NodeObserver):
     cancel: threading.Event | None
     #: How the node got its sandbox (warm_pool.take_for's words), for its summary line.
     how: str = ""
+    #: Whether the task run has a timeout (Prefect raises it in the driving thread of a sync task).
+    timeout: bool = True
     output: WorkloadOutput = field(default_factory=WorkloadOutput)
     sandboxes: list[SandboxHandle] = field(default_factory=list)
     reaping: set[str] = field(default_factory=set)
@@ -215,6 +220,19 @@ class TaskRunObserver(NodeObserver):
 
     def cancelled(self) -> bool:
         return self.runner.cancelling() or (self.cancel is not None and self.cancel.is_set())
+
+    def wake_fds(self) -> tuple[int, ...]:
+        fds = [self.runner.cancel_fd()]
+        if isinstance(self.cancel, WakeEvent):
+            fds.append(self.cancel.fileno())
+        return tuple(fd for fd in fds if fd is not None)
+
+    def cancel_polled(self) -> bool:
+        # A sync task's timeout is an exception Prefect raises in this thread, which lands only
+        # when the driver wakes; an async task's sets its cancel event (a WakeEvent) instead.
+        runner_told = self.runner.cancel_fd() is not None
+        told = self.cancel is None or isinstance(self.cancel, WakeEvent)
+        return not (runner_told and told) or (self.timeout and self.cancel is None)
 
     def reap(self, handle: SandboxHandle) -> bool:
         # Stays live until destroyed, so cancel_all still reaches it.
@@ -238,6 +256,15 @@ class TaskRunObserver(NodeObserver):
         for h in self.sandboxes:
             if h.id not in self.reaping:
                 self.runner.released(h.id)
+
+
+def _has_timeout() -> bool:
+    """Whether the current task run may be timed out (unknown: as if it may)."""
+    from prefect.context import TaskRunContext
+
+    ctx = TaskRunContext.get()
+    task = getattr(ctx, "task", None)
+    return task is None or getattr(task, "timeout_seconds", None) is not None
 
 
 _RUNTIME_NAMES = {"gvisor": "gVisor", "kubernetes": "Kubernetes", "solari": "Solari"}

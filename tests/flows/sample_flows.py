@@ -100,6 +100,12 @@ def sleeper(seconds: float) -> str:
 
 
 @task
+async def sleeper_async(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "woke"
+
+
+@task
 def env_value(name: str) -> str | None:
     return os.environ.get(name)
 
