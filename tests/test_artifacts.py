@@ -43,7 +43,6 @@ def sandboxed(tmp_path: Path, runtime: str = "process", **kw) -> ResolutoTaskRun
         workspace=FLOWS,
         outputs_dir=tmp_path / "outputs",
         secret_env={"ART_SECRET": SECRET},
-        warm_pool=0,
         **({"min_isolation": "none"} if runtime == "process" else {"memory": "256Mi"}),
         **kw,
     )

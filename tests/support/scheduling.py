@@ -1,13 +1,13 @@
-"""How the suite is handed to its two workers, and what it starts in the background (a
+"""How the suite is handed to its three workers, and what it starts in the background (a
 plugin, loaded by tests/conftest.py after ``support.tiers`` has marked every test).
 
-Two workers (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml): the suite waits on
-sandboxes, servers and Prefect far more than it computes, so two of it on 2 cores take about
-half the time of one. Each worker has its own session servers (Prefect API, S3). Work is
+Three workers (pytest-xdist, ``-n 3 --dist loadgroup`` in pyproject.toml): the suite waits on
+sandboxes, servers and Prefect far more than it computes, so on 2 cores three of it take 0.83 x
+the time of two. Each worker has its own session servers (Prefect API, S3). Work is
 handed out in the order of ``items`` (``--no-loadscope-reorder``) in units: a test alone, or
 every test of a module that shares a module-scoped fixture (a worker process, a testnet, one
 sandbox's findings: one instance, on one worker), or all the cluster tests (one control
-plane, after its build). Heavy units go first and single tests fill the end, so both workers
+plane, after its build). Heavy units go first and single tests fill the end, so all workers
 finish together. The cluster unit is the largest: it goes first when the control plane is
 cached, last when it has to wait for its build (started at collection, ``support.k8s_build``).
 """
@@ -108,8 +108,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 f"log .pytest_cache/k8s-build.log); its tests run last and wait for it"
             )
     if _worker_id(session.config):
-        # Under xdist the other worker goes on while this one type-checks; two background
-        # runs (one per worker) would only share one .mypy_cache and the CPU.
+        # Under xdist the other workers go on while this one type-checks; a background run
+        # per worker would only share one .mypy_cache and the CPU.
         return
     for item in session.items:
         if item.path.name == "test_code_checks.py" and item.name == "test_mypy_strict":
