@@ -332,37 +332,30 @@ def test_infrastructure_failures_exhausted_raise_a_distinct_error(conduit, tmp_p
 
 @pytest.mark.sandbox
 def test_timeout_destroys_the_sandbox(gvisor, conduit, tmp_path):
-    slow = sf.sleeper.with_options(timeout_seconds=3)
+    times_out(sf.sleeper.with_options(timeout_seconds=3), runner(conduit, tmp_path))
+    no_orphans()
 
-    @flow(task_runner=runner(conduit, tmp_path))
+
+def times_out(slow, task_runner) -> None:
+    """A flow of one ``slow`` task of an hour ends at the task's timeout, the task run failed
+    as timed out (its sandbox destroyed, or its node cancelled, by then)."""
+
+    @flow(task_runner=task_runner)
     def timing_out():
         return slow.submit(3600)
 
     started = time.monotonic()
     state = timing_out(return_state=True)
-    assert time.monotonic() - started < scaled(90)  # destroyed at its timeout, not run out (an hour)
+    assert time.monotonic() - started < scaled(90)  # ended at its timeout, not run out (an hour)
     (tr,) = task_runs(state.state_details.flow_run_id)
-    assert (
-        tr.state.is_failed() and "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower()
-    )
-    no_orphans()
+    assert tr.state.is_failed(), tr.state
+    assert "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower(), tr.state
 
 
 def test_an_async_tasks_timeout_cancels_its_sleeping_node(conduit, tmp_path):
     """Prefect glue: on `process`. An async task's timeout cancels its coroutine, and the runner
     the node (its cancel event, whose descriptor wakes the sleeping driver: issue 42)."""
-    slow = sf.sleeper_async.with_options(timeout_seconds=2)
-
-    @flow(task_runner=glue_runner(conduit, tmp_path))
-    def timing_out():
-        return slow.submit(3600)
-
-    started = time.monotonic()
-    state = timing_out(return_state=True)
-    assert time.monotonic() - started < scaled(90)  # cancelled at its timeout, not run out (an hour)
-    (tr,) = task_runs(state.state_details.flow_run_id)
-    assert tr.state.is_failed(), tr.state
-    assert "TimedOut" in tr.state.name or "timed out" in str(tr.state.message).lower(), tr.state
+    times_out(sf.sleeper_async.with_options(timeout_seconds=2), glue_runner(conduit, tmp_path))
     no_orphans("process")
 
 
