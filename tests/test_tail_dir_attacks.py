@@ -9,7 +9,6 @@ keeps holding. No sleeps for synchronisation: a fake clock drives every grace an
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -98,9 +97,9 @@ def test_a_directory_or_socket_named_like_a_chunk_or_manifest_is_no_object(tmp_p
         (node / name).mkdir()
         (node / name / "events-000001.jsonl").write_text("x\n")
     else:
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(str(node / name))
-        s.close()
+        # Bound by a relative name from inside the directory: a socket's path is short.
+        bind = f"import socket; socket.socket(socket.AF_UNIX).bind({name!r})"
+        subprocess.run([sys.executable, "-c", bind], cwd=node, check=True)
     t = ChunkTailer(c, P, clock=clock)
     _watched(t)
     if target == "chunk":
