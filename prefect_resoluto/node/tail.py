@@ -119,6 +119,8 @@ class DirWatch:
 
     _IN_CLOSE_WRITE = 0x00000008
     _IN_MOVED_TO = 0x00000080
+    _IN_ONLYDIR = 0x01000000
+    _IN_DONT_FOLLOW = 0x02000000
     _libc: Any = None
 
     def __init__(self, fd: int) -> None:
@@ -129,7 +131,11 @@ class DirWatch:
         self.only_chunks = False
 
     @classmethod
-    def open(cls, path: str) -> DirWatch | None:
+    def open(cls, where: int | str) -> DirWatch | None:
+        """A watch of a directory: one a descriptor holds (added through its ``/proc/self/fd``
+        link, which names that very inode: the watch is on the directory the caller opened and
+        reads from, never on whatever its path names by then, a link a guest put there), or
+        a path whose last part is not followed if it is a link."""
         try:
             if cls._libc is None:
                 cls._libc = ctypes.CDLL(None, use_errno=True)
@@ -139,7 +145,12 @@ class DirWatch:
             return None
         if fd < 0:
             return None
-        if libc.inotify_add_watch(fd, os.fsencode(path), cls._IN_MOVED_TO | cls._IN_CLOSE_WRITE) < 0:
+        mask = cls._IN_MOVED_TO | cls._IN_CLOSE_WRITE | cls._IN_ONLYDIR
+        if isinstance(where, int):
+            path = f"/proc/self/fd/{where}"
+        else:
+            path, mask = where, mask | cls._IN_DONT_FOLLOW
+        if libc.inotify_add_watch(fd, os.fsencode(path), mask) < 0:
             os.close(fd)
             return None
         return cls(fd)
@@ -350,25 +361,26 @@ class ChunkTailer:
         return self._watch is not None
 
     def _watcher(self) -> DirWatch | None:
-        root = self.conduit.local_root
-        if self._watch is None and not self._watch_tried and root is not None:
-            path = root / self.prefix
-            if path.is_dir():  # else: not created yet, try again next time
-                self._watch_tried = True
-                self._watch = DirWatch.open(str(path))
-                self._open_dir()
-        return self._watch
-
-    def _open_dir(self) -> None:
         conduit = self.conduit
-        # Only a conduit whose reads are LocalConduit's own (not one that counts or wraps them).
-        if type(conduit).get_stream is not LocalConduit.get_stream or "get_stream" in vars(conduit):
-            return
-        assert isinstance(conduit, LocalConduit)
+        if self._watch is not None or self._watch_tried or not isinstance(conduit, LocalConduit):
+            return self._watch
+        # The directory is opened first (from the root, no link followed) and the watch put on
+        # what was opened: a node directory that is a link is neither read through nor watched.
         try:
-            self._dir = (conduit, conduit.open_dir(self.prefix))
+            fd = conduit.open_dir(self.prefix)
         except ObjectNotFound:
-            pass
+            if os.path.lexists(conduit.root / self.prefix):
+                self._watch_tried = True  # a link or a file where the directory should be
+            return None  # else: not created yet, try again next time
+        self._watch_tried = True
+        self._watch = DirWatch.open(fd)
+        # Reads by name from it only for a conduit whose reads are LocalConduit's own (not one
+        # that counts or wraps them).
+        if type(conduit).get_stream is LocalConduit.get_stream and "get_stream" not in vars(conduit):
+            self._dir = (conduit, fd)
+        else:
+            os.close(fd)
+        return self._watch
 
     def _opener(self, key: str) -> BinaryIO:
         """``key``'s object: by name from the node's directory when it is one of its own."""
