@@ -108,6 +108,9 @@ def warm_node(
     """One warm trivial node: the CPU at ready, at the outcome, and before destroy (seconds)."""
     spec = _call_spec(ws, f"warm-{uuid.uuid4().hex[:8]}", env)
     key = key_for(spec)
+    # The pool checks the conduit's filesystem first; the last node's cleanup took the
+    # directory with its own, empty by then.
+    conduit.root.mkdir(parents=True, exist_ok=True)
     pool = WarmPool(rt, conduit, size=1)
     if not pool.enabled:
         raise RuntimeError(f"no warm pool: {pool.why_not}")
