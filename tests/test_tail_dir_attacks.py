@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from test_tail_attacks import FakeClock, P, put_chunk, put_manifest, run_to_error
@@ -25,6 +26,19 @@ def _watched(t: ChunkTailer) -> None:
     if not t.watching:
         pytest.skip("no inotify here")
     assert t._dir is not None
+
+
+def _armed_on_its_directory(tmp_path) -> tuple[LocalConduit, FakeClock, Path, ChunkTailer]:
+    """A tail whose node directory exists and is opened and watched, its silence window armed
+    (30 s), before the guest does anything to it."""
+    c = LocalConduit(tmp_path / "c")
+    clock = FakeClock()
+    node = c.root / P
+    node.mkdir(parents=True)
+    t = ChunkTailer(c, P, clock=clock, silence_window=30)
+    _watched(t)
+    t.arm()
+    return c, clock, node, t
 
 
 def test_a_node_directory_that_is_a_link_is_neither_watched_nor_read_through(tmp_path):
@@ -53,15 +67,9 @@ def test_a_node_directory_swapped_after_the_watch_is_neither_watched_nor_read(tm
     # HOLDS: once opened, the watch and the reads stay on the directory the walk opened. The
     # guest renames it away and puts a link to a host directory in its place: a host write
     # there wakes nothing, and nothing of it is read; the tail ends by the silence window.
-    c = LocalConduit(tmp_path / "c")
-    clock = FakeClock()
-    node = c.root / P
-    node.mkdir(parents=True)
     host_dir = tmp_path / "host-dir"
     host_dir.mkdir()
-    t = ChunkTailer(c, P, clock=clock, silence_window=30)
-    _watched(t)
-    t.arm()
+    c, clock, node, t = _armed_on_its_directory(tmp_path)
     os.rename(node, node.with_name("moved"))
     node.symlink_to(host_dir)
     for name in ("events-000001.jsonl", "_manifest.json"):
@@ -165,13 +173,7 @@ def test_a_removed_node_directory_ends_the_tail_by_silence_without_a_busy_watch(
     # HOLDS: the guest removes its node's directory (and makes a new one) after the host opened
     # it: the reads and the watch stay on the removed one (never the new one, never a link), the
     # watch's one IN_IGNORED wakes once and then nothing, and the silence window ends the tail.
-    c = LocalConduit(tmp_path / "c")
-    clock = FakeClock()
-    node = c.root / P
-    node.mkdir(parents=True)
-    t = ChunkTailer(c, P, clock=clock, silence_window=30)
-    _watched(t)
-    t.arm()
+    c, clock, node, t = _armed_on_its_directory(tmp_path)
     os.rmdir(node)
     node.mkdir()
     put_chunk(c, 1, [1])
