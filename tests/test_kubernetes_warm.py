@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -74,7 +75,12 @@ def pools(k8s_cluster: Cluster, k8s_ns: str, k8s_agent: NodeAgent, s3_conduit: A
     api = core(k8s_cluster)
     for p in made:
         for pod in pool_pods(k8s_cluster, k8s_ns, p):
-            api.delete_namespaced_pod(pod.metadata.name, k8s_ns, grace_period_seconds=0)
+            try:
+                api.delete_namespaced_pod(pod.metadata.name, k8s_ns, grace_period_seconds=0)
+            except ApiException as e:
+                # Listed while its own deletion (the pool's close) was finishing.
+                if e.status != 404:
+                    raise
     wait_for(
         lambda: all(pool_pods(k8s_cluster, k8s_ns, p) == [] for p in made), timeout=60, what="warm pods gone"
     )
