@@ -162,6 +162,35 @@ def test_put_get_list_round_trip(
     assert s3_conduit.kind == "s3" and s3_conduit.base_prefix == "base"
 
 
+def test_conduits_share_botocore_data_but_never_credentials_or_region(moto_server: S3Endpoint) -> None:
+    """Every conduit of a process shares one botocore data loader (S3's model parsed once),
+    while each keeps the credentials and region it was given, made from many threads at once."""
+    import guest_runner.conduit.s3 as s3_module
+
+    def make(i: int) -> S3Conduit:
+        return S3Conduit(
+            "b",
+            endpoint_url=moto_server.endpoint_url,
+            region=f"eu-west-{i % 3 + 1}",
+            access_key_id=f"AKIA{i:04d}",
+            secret_access_key=f"secret-{i}",
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        conduits = list(pool.map(make, range(24)))
+    for i, c in enumerate(conduits):
+        assert c.guest_credentials() == {
+            "AWS_ACCESS_KEY_ID": f"AKIA{i:04d}",
+            "AWS_SECRET_ACCESS_KEY": f"secret-{i}",
+        }
+        assert c._client.meta.region_name == f"eu-west-{i % 3 + 1}"
+    loaders = {id(c._session._loader) for c in conduits}
+    assert len(loaders) == 1
+    paths = conduits[0]._session._loader.search_paths
+    assert len(paths) == len(set(paths))  # boto3's per-session append does not pile up
+    assert len(s3_module._loaders) == 1
+
+
 def test_partial_prefix_lists_event_chunks(s3_conduit: S3Conduit) -> None:
     node = "run/r/nodes/n/"
     for name in ("events-000002.jsonl", "events-000001.jsonl", "result.json", "_manifest.json"):

@@ -418,10 +418,11 @@ class S3Endpoint:
 
     def raw_client(self) -> Any:
         """A boto3 S3 client straight to moto: not counted, not subject to faults."""
-        import boto3
         from botocore.config import Config
 
-        return boto3.session.Session(region_name=self.region).client(
+        from guest_runner.conduit.s3 import _session
+
+        return _session(region_name=self.region).client(
             "s3",
             endpoint_url=self.moto_endpoint_url,
             config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}),
