@@ -170,10 +170,10 @@ def deploy(pool: str, entrypoint: str, conduit: Path, **job_variables: Any) -> s
 
 
 def final_run(run_id: Any, worker: Worker, timeout: float = 240) -> Any:
-    from prefect.client.orchestration import get_client
+    from support.prefect_readback import client
 
     def done() -> Any:
-        with get_client(sync_client=True) as c:
+        with client() as c:
             fr = c.read_flow_run(run_id)
         return fr if fr.state is not None and fr.state.is_final() else None
 
@@ -184,11 +184,11 @@ def final_run(run_id: Any, worker: Worker, timeout: float = 240) -> Any:
 
 
 def run_logs(run_id: Any) -> list[str]:
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
+    from support.prefect_readback import client
 
-    with get_client(sync_client=True) as c:
+    with client() as c:
         logs = c.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), sort=LogSort.TIMESTAMP_ASC
         )
