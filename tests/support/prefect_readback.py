@@ -21,9 +21,10 @@ def client():
 
     if SyncClientContext.get() is not None:
         return get_client(sync_client=True)
+    # Either setting is a SecretStr, a plain string or None, by Prefect version and origin.
     secrets = [
-        s.get_secret_value() if s is not None else None
-        for s in (PREFECT_API_AUTH_STRING.value(), PREFECT_API_KEY.value())
+        getattr(v, "get_secret_value", lambda v=v: v)()
+        for v in (PREFECT_API_AUTH_STRING.value(), PREFECT_API_KEY.value())
     ]
     key = (PREFECT_API_URL.value(), *secrets)
     with _lock:
