@@ -1,9 +1,8 @@
 """How the suite is handed to its three workers, and what it starts in the background (a
 plugin, loaded by tests/conftest.py after ``support.tiers`` has marked every test).
 
-Three workers (pytest-xdist, ``-n 3 --dist loadgroup`` in pyproject.toml): the suite waits on
-sandboxes, servers and Prefect far more than it computes, so on 2 cores three of it take 0.83 x
-the time of two. Each worker has its own session servers (Prefect API, S3). Work is
+Three workers (pytest-xdist, ``-n 3 --dist loadgroup`` in pyproject.toml): on 2 cores three
+take 0.83 x the time of two, and four no less than three (a run keeps both cores ~88 % busy). Each worker has its own session servers (Prefect API, S3). Work is
 handed out in the order of ``items`` (``--no-loadscope-reorder``) in units: a test alone, or
 every test of a module that shares a module-scoped fixture (a worker process, a testnet, one
 sandbox's findings: one instance, on one worker), or all the cluster tests (one control
