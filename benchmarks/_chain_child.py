@@ -15,7 +15,6 @@ import json
 import logging
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,11 +32,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-chain-"))
-    ws = work / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "_bench_tasks.py", ws / "bench_tasks.py")
-    sys.path.insert(0, str(ws))
+    from common import child_workspace
+
+    work, ws = child_workspace("chain", "bench_tasks", (HERE / "_bench_tasks.py").read_text())
     import bench_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner

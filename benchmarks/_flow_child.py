@@ -14,7 +14,6 @@ import json
 import logging
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-flow-"))
-    ws = work / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "_bench_tasks.py", ws / "bench_tasks.py")
-    sys.path.insert(0, str(ws))
+    from common import child_workspace, timed_map
+
+    work, ws = child_workspace("flow", "bench_tasks", (HERE / "_bench_tasks.py").read_text())
     import bench_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
-    from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from prefect_resoluto.task_runner.runner import ResolutoTaskRunner
@@ -59,17 +55,7 @@ def main() -> None:
         )
 
     def mapped(runner: object, n: int) -> float:
-        @flow(task_runner=runner, name="bench-mapped", persist_result=False)
-        def bench_mapped() -> list[int]:
-            futures = bench_tasks.noop.map(range(n))
-            return [f.result() for f in futures]
-
-        t0 = time.perf_counter()
-        res = bench_mapped()
-        took = time.perf_counter() - t0
-        if res != list(range(n)):
-            raise RuntimeError(f"mapped flow returned {res!r}")
-        return took
+        return timed_map(runner, bench_tasks.noop, n)
 
     # Warm-up: starts the ephemeral server and imports everything once.
     t0 = time.perf_counter()

@@ -24,7 +24,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -52,15 +51,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-map-"))
-    ws = work / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "_bench_tasks.py", ws / "bench_tasks.py")
-    sys.path.insert(0, str(ws))
+    from common import child_workspace, timed_map
+
+    work, ws = child_workspace("map", "bench_tasks", (HERE / "_bench_tasks.py").read_text())
     import _timeline
     import bench_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
     from node_cpu import _keep_cpuacct, _usage
-    from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from prefect_resoluto.runtimes import get_runtime
@@ -96,16 +92,7 @@ def main() -> None:
         return runner
 
     def mapped(runner: object, n: int) -> float:
-        @flow(task_runner=runner, name="bench-map", persist_result=False)
-        def bench_map() -> list[int]:
-            return [f.result() for f in bench_tasks.noop.map(range(n))]
-
-        t0 = time.perf_counter()
-        res = bench_map()
-        took = time.perf_counter() - t0
-        if res != list(range(n)):
-            raise RuntimeError(f"mapped flow returned {res!r}")
-        return took
+        return timed_map(runner, bench_tasks.noop, n)
 
     mapped(ThreadPoolTaskRunner(), 2)  # the ephemeral server and every import
     mapped(resoluto(), 4)  # the pool's image made, the module's imports learned

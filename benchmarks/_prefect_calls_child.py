@@ -13,7 +13,6 @@ import logging
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-calls-"))
-    ws = work / "ws"
-    ws.mkdir()
-    shutil.copy(HERE / "_bench_prefect_calls.py", ws / "bench_calls.py")
-    sys.path.insert(0, str(ws))
+    from common import child_workspace
+
+    work, ws = child_workspace("calls", "bench_calls", (HERE / "_bench_prefect_calls.py").read_text())
     import bench_calls  # noqa: E402  (from the workspace, so the sandbox imports it by file)
     from prefect import flow, get_client
     from prefect.blocks.system import Secret

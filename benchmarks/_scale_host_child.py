@@ -29,7 +29,6 @@ import os
 import resource
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -161,11 +160,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="resoluto-bench-scale-host-"))
-    ws = work / "ws"
-    ws.mkdir()
-    (ws / "scale_tasks.py").write_text(TASKS)
-    sys.path.insert(0, str(ws))
+    from common import child_workspace
+
+    work, ws = child_workspace("scale-host", "scale_tasks", TASKS)
     import scale_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
     from prefect import flow
 

@@ -93,6 +93,35 @@ def scratch(prefix: str) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def child_workspace(prefix: str, module: str, source: str) -> tuple[Path, Path]:
+    """A benchmark child's scratch directory and, in it, ``ws``: the workspace its sandboxes
+    see, holding the task module ``module`` (``source``: its text). ``ws`` goes first on
+    sys.path, so the child imports the module by file, as the sandbox does."""
+    work = Path(tempfile.mkdtemp(prefix=f"resoluto-bench-{prefix}-"))
+    ws = work / "ws"
+    ws.mkdir()
+    (ws / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(ws))
+    return work, ws
+
+
+def timed_map(runner: Any, task: Any, n: int) -> float:
+    """Seconds a flow on ``runner`` takes to map ``task`` over ``range(n)`` and gather the
+    results (the benchmarks' ``noop``: a wrong answer raises)."""
+    from prefect import flow
+
+    @flow(task_runner=runner, name="bench-mapped", persist_result=False)
+    def bench_mapped() -> list[int]:
+        return [f.result() for f in task.map(range(n))]
+
+    t0 = time.perf_counter()
+    res = bench_mapped()
+    took = time.perf_counter() - t0
+    if res != list(range(n)):
+        raise RuntimeError(f"mapped flow returned {res!r}")
+    return took
+
+
 def find_python(version: str) -> str | None:
     """An interpreter for ``version`` (e.g. "3.12") that actually runs, or None.
 
