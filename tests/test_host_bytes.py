@@ -48,7 +48,11 @@ def logs_of(task_run_id) -> list:
 
 
 def dropped_warnings(rows: list) -> list[str]:
-    return [r.message for r in rows if r.level == logging.WARNING and "dropped" in r.message]
+    # One row per (time, text): a Prefect server on a busy SQLite commits a POST /logs/ in
+    # sub-batches and answers 503 when one is locked, and the client's retry then stores the
+    # committed part again. That is the API's at-least-once, not a second warning of ours.
+    seen = {(r.timestamp, r.message) for r in rows if r.level == logging.WARNING and "dropped" in r.message}
+    return [message for _, message in sorted(seen)]
 
 
 def test_a_task_flooding_its_logs_costs_the_host_its_allowance_not_its_output(gvisor, tmp_path):
