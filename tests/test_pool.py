@@ -508,12 +508,41 @@ def test_no_boots_ahead_while_every_core_has_a_node(tmp_path):
     assert not pool._saturated() and pool._next_key() == key
 
 
+def test_the_lookahead_is_earned_a_lone_task_costs_two_sandboxes_not_four(tmp_path, monkeypatch):
+    """A one-task flow restored four sandboxes and discarded three: the pool kept two idle
+    ahead plus one per node in flight from the runner's start. Now a key keeps one idle until
+    its second take; then the lookahead, plus its nodes in flight beyond the first."""
+    import time
+
+    from prefect_resoluto.warm.pool import AHEAD_FIRST, AHEAD_RESTORED, PoolKey
+
+    pool = WarmPool(get_runtime("process"), LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    monkeypatch.setattr(pool, "_restorable", lambda key: True)  # as gVisor with its image made
+    key = PoolKey()
+    pool._wanted.append(key)  # as want() does, without starting the refill thread
+
+    class Running:
+        def alive(self) -> bool:
+            return True
+
+    assert pool.target(key) == AHEAD_FIRST == 1
+    pool._takes[key], pool._taken[key] = 1, [Running()]  # the first task runs
+    assert pool.target(key) == AHEAD_FIRST  # one for a second task, if one comes
+    pool._takes[key], pool._taken[key] = 2, []  # a second came: tasks one after another
+    assert pool.target(key) == AHEAD_RESTORED
+    pool._taken[key] = [Running(), Running(), Running()]  # three at once
+    assert pool.target(key) == AHEAD_RESTORED + 2
+    pool._misses[key] = [time.monotonic()]  # and one that found none
+    assert pool.target(key) == min(pool.size, AHEAD_RESTORED + 3)
+
+
 def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(tmp_path):
     """Issue 42: the tasks submitted and not started yet (a map's) are what the pool keeps
     ready ahead, up to its size; each node waiting for one is one more; once they have all
     started one is kept for a next stage, not the lookahead per node in flight (discarded
     unused at exit). A lone task later is unknown demand again: the usual few ahead."""
-    from prefect_resoluto.warm.pool import AHEAD_BOOTED, AHEAD_DRAINED, PoolKey
+    from prefect_resoluto.warm.pool import AHEAD_DRAINED, AHEAD_FIRST, PoolKey
 
     rt = get_runtime("process")
     pool = WarmPool(rt, LocalConduit(tmp_path / "conduit"), size=4)
@@ -522,12 +551,12 @@ def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(t
     pool._wanted.append(key)  # as want() does, without starting the refill thread
     other = PoolKey(imports=("json",))  # an earlier module's key, not the map's
     pool._wanted.append(other)
-    assert pool.target(key) == AHEAD_BOOTED
+    assert pool.target(key) == AHEAD_FIRST
     for _ in range(6):
         pool.expect(1)  # a 6-way map submitted
     pool._demanded.add(key)  # as its first node's take() does
     assert pool.target(key) == 4  # its width, not a fixed lookahead
-    assert pool.target(other) == AHEAD_BOOTED  # a key the map does not take keeps the usual
+    assert pool.target(other) == AHEAD_FIRST  # a key the map does not take keeps the usual
     for _ in range(6):
         pool.expect(-1)  # all started
     assert pool.target(key) == AHEAD_DRAINED
@@ -536,4 +565,4 @@ def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(t
     pool._waiting[key] = 0
     pool.expect(1)
     pool.expect(-1)
-    assert pool.target(key) == AHEAD_BOOTED
+    assert pool.target(key) == AHEAD_FIRST

@@ -70,6 +70,38 @@ def idle_warm(rt) -> list[str]:
     return [r.id for r in records(rt.state) if r.labels.get(LABEL_WARM) == "idle"]
 
 
+def test_a_one_task_flow_starts_two_warm_sandboxes_not_four(gvisor, conduit, tmp_path, monkeypatch):
+    """The runner's pool, at its default size: one sandbox ready for the first task and one
+    more for a second task if it comes. It restored four (two ahead plus one per node in
+    flight), three discarded unused at every one-task flow's end."""
+    from prefect_resoluto.warm.pool import WarmPool
+
+    launched: list[str] = []
+    launch = WarmPool._launch
+
+    def counted(self, key):
+        w = launch(self, key)
+        if w is not None:
+            launched.append(w.handle.id)
+        return w
+
+    monkeypatch.setattr(WarmPool, "_launch", counted)
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def one_task() -> int:
+        wait_ready()  # the key's image is made, as a flow run after an earlier one finds it
+        return pt.same.submit(7).result()
+
+    state = one_task(return_state=True)
+    assert state.result() == 7
+    (tr,) = task_runs(state.state_details.flow_run_id)
+    line = sandbox_line(tr.id)
+    assert line.startswith("warm sandbox rsl-"), line
+    assert line.split()[2] in launched
+    assert len(launched) <= 2, launched
+    no_orphans()
+
+
 def test_sequential_tasks_get_warm_sandboxes_and_never_share_one(gvisor, conduit, tmp_path):
     @flow(task_runner=runner(conduit, tmp_path, warm_pool=2))
     def three_in_a_row() -> list[bool]:

@@ -76,9 +76,15 @@ MAX_BOOTING = 2
 #: the cores busy; at MAX_BOOTING a 50-way map waited on its restores (issue 42: 2 in flight
 #: x 0.4 s each is 10 s for 50 nodes, before any node ran).
 MAX_RESTORING = max(MAX_BOOTING, 2 * (os.cpu_count() or 1))
-#: Idle sandboxes a key keeps beyond its nodes in flight: one booted, two restored. A restore
-#: takes ~0.3-0.5 s to ready, longer than a short task: a chain of them (each task waiting on
-#: the one before) would otherwise find its next sandbox still restoring at every step.
+#: Idle sandboxes a key keeps while nothing says more will come: before its second take, one
+#: (the first task finds it ready, and a second one too). Keeping the full lookahead from the
+#: start restored four sandboxes for a one-task flow and discarded three at its end: on two
+#: cores, CPU every other sandbox of the host waited for.
+AHEAD_FIRST = 1
+#: Once a key has been taken twice (tasks one after another), the idle sandboxes it keeps
+#: beyond its nodes in flight: one booted, two restored. A restore takes ~0.3-0.5 s to ready,
+#: longer than a short task: a chain of them (each task waiting on the one before) would
+#: otherwise find its next sandbox still restoring at every step.
 AHEAD_BOOTED = 1
 AHEAD_RESTORED = 2
 #: Idle sandboxes a key keeps once a map or chain has drained (every task submitted has
@@ -407,6 +413,7 @@ class WarmPool:
         # Demand per key: warm sandboxes handed out (alive = their node still runs) and the
         # times nodes found none (cold ones), which together say how many run at once.
         self._taken: dict[PoolKey, list[WarmSandbox]] = {}
+        self._takes: dict[PoolKey, int] = {}  # ever, per key
         self._misses: dict[PoolKey, list[float]] = {}
         self._floor: dict[PoolKey, int] = {}
         #: Sandboxes the refill thread is starting (chosen, not yet idle): a node that
@@ -528,6 +535,7 @@ class WarmPool:
                         return None, time.monotonic() - t0
                     idle.remove(pick)
                     self._taken.setdefault(key, []).append(pick)
+                    self._takes[key] = self._takes.get(key, 0) + 1
                     if waiting:  # with the pick, in one step: the refill never sees it twice
                         waiting = False
                         self._waiting[key] -= 1
@@ -664,10 +672,11 @@ class WarmPool:
     def target(self, key: PoolKey) -> int:
         """Idle sandboxes to keep for ``key``, at most ``size``: one for each node waiting for
         one, and ahead of demand either the tasks submitted and not started yet (a map's or a
-        chain's: exactly what will come, for the keys its nodes take), or else AHEAD_BOOTED
-        (AHEAD_RESTORED where they are restored) more than its nodes running now (warm ones
-        still alive, cold ones started in the last MISS_WINDOW seconds). Once a map or chain
-        has drained, AHEAD_DRAINED: more would only be discarded at exit."""
+        chain's: exactly what will come, for the keys its nodes take), or else the lookahead
+        (AHEAD_FIRST until the key's second take, then AHEAD_BOOTED, AHEAD_RESTORED where
+        they are restored) plus its nodes running now beyond the one the lookahead follows
+        (warm ones still alive, cold ones started in the last MISS_WINDOW seconds). Once a
+        map or chain has drained, AHEAD_DRAINED: more would only be discarded at exit."""
         now = time.monotonic()
         taken = self._taken.get(key) or []
         taken[:] = [w for w in taken if w.alive()]
@@ -679,8 +688,11 @@ class WarmPool:
         elif key in self._demanded and self._burst:
             ahead = waiting + AHEAD_DRAINED
         else:
-            lookahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
-            ahead = lookahead + len(taken) + len(misses) + waiting
+            if self._takes.get(key, 0) < 2:
+                lookahead = AHEAD_FIRST
+            else:
+                lookahead = AHEAD_RESTORED if self._restorable(key) else AHEAD_BOOTED
+            ahead = lookahead + max(0, len(taken) + len(misses) - 1) + waiting
         return max(self._floor.get(key, 0), min(self.size, ahead))
 
     def _next_key(self) -> PoolKey | None:
