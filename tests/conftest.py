@@ -29,6 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 pytest_plugins = [
     "support.fixtures",  # state isolation, schemas, the Prefect API, gVisor, a local conduit
     "support.s3_fixtures",  # the S3 endpoint (moto behind a counting, faulting proxy)
+    "support.gateway_server",  # one auth'd Prefect server and worker for the gateway's modules
     "support.k8s_cluster",  # the genuine kube-apiserver and its node agent
     "support.tiers",  # each test's tier markers, checked against the fixtures it uses
     "support.scheduling",  # units of work for the two xdist workers; background builds

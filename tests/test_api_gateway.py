@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from support.gateway_server import AUTH_PREFIX, AuthServer
 from support.polling import wait_for
-from support.prefect_cli import api_http, prefect_server
-from test_worker import Worker, create_pool, deploy, final_run, logs_with, run_logs, running_worker
+from support.prefect_cli import api_http, as_api
+from test_worker import deploy, final_run, logs_with, run_logs
 
 from guest_runner.refusal import REFUSED_HEADER, SETTING_HEADER
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 LOGGER_NAME = "prefect_resoluto.gateway"  # the gateway's lines in a run's logs
 
-AUTH_PREFIX = "resoluto-admin:"
 GVISOR = {"runtime": "gvisor", "min_isolation": "user-kernel"}
 
 
@@ -48,23 +48,12 @@ def credential_patterns() -> list[str]:
     return [re.escape(AUTH_PREFIX) + "[0-9a-f]{32}", re.escape(b64_prefix) + "[A-Za-z0-9+/]{40,}"]
 
 
-class AuthServer:
-    def __init__(self, url: str, auth: str, tmp: Path, worker: Worker) -> None:
-        self.url, self.auth, self.tmp, self.worker = url, auth, tmp, worker
-
-
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
-    """One server with an auth string and one worker on it for the whole module. The worker
-    makes no engine snapshots (RESOLUTO_WARM_SNAPSHOTS=0): the module's two gVisor runs
-    start together, so an image (~6-10 s of CPU in the background) would never be used;
-    restored runs are tests/test_worker_snapshots.py's."""
-    tmp = tmp_path_factory.mktemp("gateway")
-    auth = AUTH_PREFIX + secrets.token_hex(16)
-    with prefect_server(tmp, auth_string=auth) as url:
-        pool = create_pool(cli=False)
-        with running_worker(pool, tmp, RESOLUTO_WARM_SNAPSHOTS="0") as worker:
-            yield AuthServer(url, auth, tmp, worker)
+def auth_server(gateway_prefect: AuthServer) -> Iterator[AuthServer]:
+    """The test process's server with an auth string, and its worker (support/gateway_server.py),
+    as the current API for this module's tests."""
+    with as_api(gateway_prefect.url, gateway_prefect.auth):
+        yield gateway_prefect
 
 
 @pytest.fixture

@@ -478,6 +478,74 @@ def hypothesis_target(auth_server: Any) -> Iterator[tuple[Any, Any, Any, Any]]: 
 
 
 @pytest.mark.prefect
+@pytest.mark.parametrize("field", ["state", "empirical_policy", "parameters", "context", "tags"])
+@pytest.mark.parametrize("value", [False, True, 0, 7, "PENDING", ["PENDING"]], ids=repr)
+def test_a_sub_flows_field_of_the_wrong_json_type_is_refused_not_an_error(hypothesis_target, field, value):
+    """Found by the property below: ``"state": false`` made the gateway's own check fail (a
+    500, the request lost). Every field of a sub-flow's creation, of a JSON type the engine
+    never sends, is a refusal naming the rule; nothing is created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
+
+    own, parent, gw, _victim = hypothesis_target
+
+    def children() -> int:
+        with get_client(sync_client=True) as c:
+            return len(
+                c.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[parent.id])
+                    )
+                )
+            )
+
+    before = children()
+    body = {"flow_id": str(own.flow_id), "parent_task_run_id": str(parent.id), field: value}
+    r = _post(f"http://{gw.address}/api/flow_runs/", headers=_h(gw), json=body)
+    engines = (field == "tags" and isinstance(value, list)) or (field != "state" and value in (False, 0))
+    if engines:  # a list of tags, or a falsy policy, parameters or context: the engine's empty one
+        assert r.status_code == 201, (field, value, r.status_code, r.text)
+        return
+    assert r.status_code == 403, (field, value, r.status_code, r.text)
+    assert "own-sub-flows" in r.text, r.text
+    assert children() == before
+
+
+_LISTINGS_OF_WRONG_TYPES = [
+    {"sort": ["ID_DESC"]},
+    {"sort": {"ID_DESC": 1}},
+    {"limit": [1]},
+    {"offset": {"0": 0}},
+    {"flow_runs": {"state": {"type": 5}}},
+    {"flow_runs": {"state": {"type": True}}},
+    {"flow_runs": {"state": {"name": ["Running"]}}},
+    {"flow_runs": {"state": {"type": {"any_": [["RUNNING"]]}}}},
+    {"flow_runs": {"state": []}},
+    {"flow_runs": {"id": 5}},
+    {"flow_runs": {"id": {"any_": "ids"}}},
+    {"flow_runs": {"id": {"any_": [{"id": 1}]}}},
+    {"flow_runs": {"id": {"operator": ["and_"]}}},
+]
+
+
+@pytest.mark.prefect
+@pytest.mark.parametrize("part", _LISTINGS_OF_WRONG_TYPES, ids=lambda p: json.dumps(p, separators=(",", ":")))
+def test_a_listing_with_a_field_of_the_wrong_json_type_is_refused_not_an_error(hypothesis_target, part):
+    """A run's ``POST /flow_runs/filter`` by its own id, with one field of a JSON type the
+    engine never sends (a list for a sort, a number for a state filter ...): a refusal
+    naming the rule, never the gateway's own error (a 500 on an unhashable sort, a state
+    condition that is no object)."""
+    own, _parent, gw, _victim = hypothesis_target
+    runs = {"id": {"any_": [str(own.id)]}, **part.get("flow_runs", {})}
+    if isinstance(runs["id"], dict) and "any_" not in runs["id"]:
+        runs["id"] = {"any_": [str(own.id)], **runs["id"]}
+    body = {**part, "flow_runs": runs}
+    r = _post(f"http://{gw.address}/api/flow_runs/filter", headers=_h(gw), json=body)
+    assert r.status_code == 403, (body, r.status_code, r.text)
+    assert "own-runs-only" in r.text, r.text
+
+
+@pytest.mark.prefect
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     data=st.data(),

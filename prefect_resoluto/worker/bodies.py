@@ -126,7 +126,9 @@ def subflow_run(body: Any, what: str) -> dict[str, Any] | Refusal:
         return Refusal(rule, f"{what}: a sub-flow names its flow_id and parent_task_run_id")
     state = body.get("state")
     if state is not None:
-        if not isinstance(state, dict) or set(state) - _STATE_FIELDS:
+        if not isinstance(state, dict):
+            return Refusal(rule, f"{what}: a sub-flow's state is a JSON object")
+        if set(state) - _STATE_FIELDS:
             return Refusal(rule, f"{what}: state fields {sorted(set(state) - _STATE_FIELDS)} refused")
         if state.get("type") != "PENDING":
             return Refusal(rule, f"{what}: a sub-flow starts Pending, not {state.get('type')!r}")
@@ -257,7 +259,7 @@ def flow_run_listing(body: Any, what: str) -> FlowRunListing | Refusal:
     if isinstance(state, str):
         return Refusal(rule, f"{what}: {state}")
     sort, limit, offset = body.get("sort"), body.get("limit"), body.get("offset") or 0
-    if sort is not None and sort not in _SORTS:
+    if sort is not None and (not isinstance(sort, str) or sort not in _SORTS):
         return Refusal(rule, f"{what}: sort {sort!r} refused")
     if not (limit is None or _small_int(limit)) or not _small_int(offset):
         return Refusal(rule, f"{what}: limit and offset are small integers")
@@ -275,7 +277,12 @@ def _state_filter(state: Any) -> dict[str, list[str]] | None | str:
         if cond is None:
             continue
         vals = cond.get("any_") if isinstance(cond, dict) else None
-        if set(cond) - {"any_"} or not isinstance(vals, list) or not all(isinstance(v, str) for v in vals):
+        if (
+            not isinstance(cond, dict)
+            or set(cond) - {"any_"}
+            or not isinstance(vals, list)
+            or not all(isinstance(v, str) for v in vals)
+        ):
             return f"flow_runs.state.{k} is {{any_: [...]}}"
         if k == "type" and set(vals) - _STATE_TYPES:
             return f"state types {sorted(set(vals) - _STATE_TYPES)} refused"

@@ -458,6 +458,8 @@ def budget_hoarder(budget: int, margin: int, release: str) -> None:
 def neighbour(n: int) -> int:
     """Ordinary engine work beside a hoarding run: tasks, a sub-flow, logs, a result."""
     total = sum(f.result() for f in [add.submit(i, 1) for i in range(n)])
-    total = child(total)
+    # A sub-flow of its own name: a flow belongs to the deployment whose run registered it
+    # first, and `ordinary`'s deployment, on the same server, registers `child`.
+    total = child.with_options(name="neighbour-child")(total)
     get_run_logger().info("NEIGHBOUR %d", total)
     return total

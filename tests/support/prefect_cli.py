@@ -69,9 +69,27 @@ def prefect_server(tmp_path: Path, auth_string: str | None = None, **settings: s
     """A `prefect server start` of its own on 127.0.0.1 (``settings``: its environment, e.g. a
     scheduler loop), as the current API while it runs; with ``auth_string`` the server
     requires it (PREFECT_SERVER_API_AUTH_STRING) and this process's client sends it."""
-    import urllib.request
+    with started_prefect_server(tmp_path, auth_string, **settings) as url, as_api(url, auth_string):
+        yield url
 
+
+@contextlib.contextmanager
+def as_api(url: str, auth_string: str | None = None) -> Iterator[None]:
+    """``url`` (and its auth string) as this process's current Prefect API, while it runs."""
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    updates: dict[Any, Any] = {PREFECT_API_URL: url}
+    if auth_string:
+        updates[PREFECT_API_AUTH_STRING] = auth_string
+    with temporary_settings(updates):
+        yield
+
+
+@contextlib.contextmanager
+def started_prefect_server(tmp_path: Path, auth_string: str | None = None, **settings: str) -> Iterator[str]:
+    """A `prefect server start` of its own on 127.0.0.1, healthy, and its API URL; the current
+    API is left as it is (:func:`as_api` makes it the current one)."""
+    import urllib.request
 
     from support.polling import wait_for
 
@@ -106,11 +124,7 @@ def prefect_server(tmp_path: Path, auth_string: str | None = None, **settings: s
 
     try:
         wait_for(healthy, timeout=180, what="a Prefect server of its own", max_delay=0.5)
-        updates: dict[Any, Any] = {PREFECT_API_URL: url}
-        if auth_string:
-            updates[PREFECT_API_AUTH_STRING] = auth_string
-        with temporary_settings(updates):
-            yield url
+        yield url
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

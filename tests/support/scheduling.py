@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from support import k8s_build
+from support import gateway_server, k8s_build
 
 K8S_GROUP = "k8s"
+GATEWAY_GROUP = "gateway"
 
 
 @pytest.hookimpl(trylast=True)
@@ -40,10 +41,14 @@ def _k8s_build_pending() -> bool:
 
 
 def _shared_scope_module(item: pytest.Item) -> str:
-    """The module's name if the test uses a fixture shared across the module's tests."""
+    """The module's name if the test uses a fixture shared across the module's tests; the
+    gateway's group for a test on its shared server (support/gateway_server.py: one per
+    worker process, so its modules go to one worker)."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return ""
+    if gateway_server.FIXTURE in info.names_closure:
+        return GATEWAY_GROUP
     for defs in info.name2fixturedefs.values():
         if any(d.scope in ("module", "class", "package") for d in defs):
             return item.path.stem
