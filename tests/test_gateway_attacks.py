@@ -1066,3 +1066,141 @@ def test_a_run_past_its_few_events_websockets_is_closed_and_told_in_its_logs(ser
         timeout=60,
         what="the refused websocket as a WARNING in the run's logs",
     )
+
+
+# --------------------------------------------------------------------------- an outsider's fuzzing (issue 41's review)
+
+
+@pytest.mark.prefect
+@pytest.mark.parametrize("form", ["upper", "braces", "urn", "hex"])
+def test_another_runs_task_run_named_in_another_form_of_its_id_is_refused(hypothesis_target, form):
+    """The victim's task run, named by an upper-case (or braced, urn:, unhyphenated) form of
+    its id: the gateway looked that form up among the API's lower-case ids, missed, took it
+    for a task run not created yet and claimed it; the API, reading any form, then failed the
+    victim's task run. Only the API's own form of an id is one."""
+    from prefect.client.orchestration import get_client
+
+    _own, _parent, gw, victim = hypothesis_target
+    theirs = _task_run(victim.id)
+    ident = {
+        "upper": str(theirs.id).upper(),
+        "braces": "{" + str(theirs.id) + "}",
+        "urn": f"urn:uuid:{theirs.id}",
+        "hex": theirs.id.hex,
+    }[form]
+    base = f"http://{gw.address}/api"
+    r = _post(
+        f"{base}/task_runs/{ident}/set_state",
+        headers=_h(gw),
+        json={"state": {"type": "FAILED"}, "force": True},
+    )
+    assert r.status_code == 403 and "own-task-runs" in r.text, (r.status_code, r.text)
+    logged = _post(
+        f"{base}/logs/",
+        headers=_h(gw),
+        json=[{"name": "x", "level": 20, "message": "m", "timestamp": "2026-01-01T00:00:00Z",
+               "flow_run_id": str(_own.id), "task_run_id": ident}],
+    )  # fmt: skip
+    assert logged.status_code == 403, (logged.status_code, logged.text)
+    with get_client(sync_client=True) as c:
+        assert c.read_task_run(theirs.id).state.is_pending()
+    assert str(theirs.id) not in gw.rules.task_runs and ident not in gw.rules.task_runs
+
+
+@pytest.mark.prefect
+def test_a_refusal_quoting_a_lone_surrogate_is_still_a_refusal(hypothesis_target):
+    """A task run id of one lone surrogate (``"\\ud800"`` in the JSON) was quoted in the
+    refusal, whose JSON answer then failed to encode: a 500. Bodies holding one are refused
+    as no engine's (none can send it: it is no UTF-8); a refusal's own text is escaped."""
+    from prefect_resoluto.worker.bodies import Refusal
+
+    own, _parent, gw, _victim = hypothesis_target
+    fields = json.dumps({"flow_run_id": str(own.id), "key": "k", "type": "markdown", "data": "d"})
+    raw = fields[:-1] + ', "task_run_id": "\\ud800"}'  # json.dumps would escape the backslash
+    r = _post(
+        f"http://{gw.address}/api/artifacts/",
+        headers={**_h(gw), "content-type": "application/json"},
+        content=raw.encode(),
+    )
+    assert r.status_code == 403 and "body-shape" in r.text, (r.status_code, r.text)
+    named = _post(
+        f"http://{gw.address}/api/flows/",
+        headers={**_h(gw), "content-type": "application/json"},
+        content=b'{"name": "x\\udfff"}',
+    )
+    assert named.status_code == 403 and "body-shape" in named.text, (named.status_code, named.text)
+    assert Refusal("r", "task run \ud800 refused").why == "task run \\ud800 refused"
+
+
+def _events_socket(
+    gw: Any, stream: str, *frames: Any, auth: Any = None, closes: bool = True
+) -> tuple[Any, list[Any]]:
+    """Open the gateway's events websocket ``stream`` as Prefect's client does (its auth
+    message: ``auth`` or the run's token), send ``frames``, and return how the gateway
+    closed it (code, reason) and what it answered before; ``closes=False``: only its answer
+    to the auth, then this side closes."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+    from websockets.typing import Subprotocol
+
+    async def go() -> tuple[Any, list[Any]]:
+        got: list[Any] = []
+        async with connect(
+            f"ws://{gw.address}/api/events/{stream}", subprotocols=[Subprotocol("prefect")]
+        ) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": gw.token}) if auth is None else auth)
+            try:
+                got.append(await ws.recv())
+                for frame in frames:
+                    await ws.send(frame)
+                while closes:
+                    got.append(await ws.recv())
+            except ConnectionClosed as e:
+                return ((e.rcvd.code, e.rcvd.reason) if e.rcvd else None), got
+        return None, got
+
+    return asyncio.run(go())
+
+
+@pytest.mark.prefect
+def test_events_websockets_refuse_what_no_engine_sends_and_stay_up(server):  # noqa: F811
+    """Three ways an events websocket failed inside the gateway (an exception in the ASGI
+    app, the socket dropped without a close frame): an auth token holding a lone surrogate,
+    a subscription whose resource filter is no object, a binary frame. Each is now closed
+    with a reason, and the run's next websocket still works."""
+    own = parked_run()
+    with gateway_for(own) as gw:
+        closed, got = _events_socket(gw, "in", auth='{"type": "auth", "token": "\\ud800"}')
+        assert closed == (1008, "Invalid token") and got == [], (closed, got)
+        for resource in ("true", '"x"', "1", "[1]"):
+            flt = f'{{"type": "filter", "filter": {{"resource": {resource}}}}}'
+            closed, got = _events_socket(gw, "out", flt)
+            assert closed is not None and closed[0] == 1008 and closed[1] == "own-events-out", (
+                resource,
+                closed,
+            )
+        closed, got = _events_socket(gw, "in", b"\x00binary")
+        assert closed == (1003, "events are text frames"), closed
+        closed, got = _events_socket(gw, "out", b"\x00binary")
+        assert closed == (1003, "events are text frames"), closed
+        # and the gateway still serves the run
+        closed, got = _events_socket(gw, "in", closes=False)
+        assert closed is None and json.loads(got[0]) == {"type": "auth_success"}, (closed, got)
+
+
+def test_a_body_of_unterminated_escaped_quotes_is_judged_in_one_pass():
+    """``"`` then ``\\"`` x N, never closed: the old string pattern retried from every quote,
+    O(N^2) (80 KB: 13 s of the gateway's event loop, 1 MB: ~30 min). Judged now in one pass.
+    Checked by the pattern's own work, not a clock: it blanks the whole rest as one string,
+    from the first quote, so it tries no later start."""
+    from prefect_resoluto.worker import bodies
+
+    for tail in (b"", b"\\"):
+        raw = b'{"a": "' + b'\\"' * 500_000 + tail
+        matches = list(bodies._STRING.finditer(raw))
+        assert [(m.start(), m.end()) for m in matches] == [(1, 4), (6, len(raw))], tail
+        assert bodies.parse_bounded(raw) is None  # not JSON: judged as none
+    done = bodies.parse_bounded(b'{"a": "x\\"[{", "b": [1, {"c": "\\\\"}], "d": "\\ud83d\\ude00"}')
+    assert done == {"a": 'x"[{', "b": [1, {"c": "\\"}], "d": "\U0001f600"}

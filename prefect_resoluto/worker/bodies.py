@@ -28,6 +28,18 @@ class Refusal:
     told: str | None = None
     setting: str | None = None
 
+    def __post_init__(self) -> None:
+        # Both quote the sandbox's text (a path, an id, a name), and both leave as UTF-8 (a
+        # JSON answer, a log line): a lone surrogate in them would fail the refusal itself.
+        object.__setattr__(self, "why", utf8_safe(self.why))
+        if self.told is not None:
+            object.__setattr__(self, "told", utf8_safe(self.told))
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates) as ``\\udXXX`` escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
 
 @dataclass(frozen=True)
 class Answered:
@@ -58,7 +70,11 @@ MAX_LISTED = 200
 BODY_CAPS = {("POST", "/logs"): 6 << 20, ("POST", "/artifacts"): 4 << 20, ("POST", "/flow_runs"): 2 << 20}
 DEFAULT_CAP = 1 << 20
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+#: A JSON string, or an unterminated one to the end: possessive, and every start matches, so
+#: one linear pass (a backtracking form took minutes on ``"`` then ``\\"`` x 500 000).
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+#: A surrogate's escape: a body naming one is checked for a lone one (never UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
@@ -81,9 +97,15 @@ def parse_bounded(raw: bytes) -> Any:
         if depth > MAX_DEPTH:
             return Refusal("body-shape", f"a body nested deeper than {MAX_DEPTH}")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError):
         return None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return Refusal("body-shape", "a string holding a lone surrogate (no UTF-8 text, no engine's)")
+    return body
 
 
 # --------------------------------------------------------------------------- a sub-flow's creation

@@ -446,7 +446,7 @@ class ApiGateway:
                 return
             token = message.get("token") if isinstance(message, dict) else None
             ok = isinstance(message, dict) and message.get("type") == "auth" and isinstance(token, str)
-            ok = ok and hmac.compare_digest(str(token).encode(), self.token.encode())
+            ok = ok and hmac.compare_digest(str(token).encode("utf-8", "surrogatepass"), self.token.encode())
             if not ok and not self._authorized(ws.headers.get("authorization")):
                 await _close(ws, 1008, "Invalid token")
                 return
@@ -512,14 +512,12 @@ class ApiGateway:
         return up
 
     async def _relay_events(self, ws: Any, upstream: Any) -> None:
-        from starlette.websockets import WebSocketDisconnect
 
         while True:
-            try:
-                text = await ws.receive_text()
-            except (WebSocketDisconnect, RuntimeError):
+            text = await _receive_text(ws)
+            if text is None:
                 return
-            event = parse_bounded(text.encode())  # bounded before parsed, as an HTTP body
+            event = parse_bounded(text.encode("utf-8", "surrogatepass"))  # bounded before parsed, as a body
             try:
                 refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
             except AnswerRefused as e:  # an ownership check's answer over its cap: not judged
@@ -533,13 +531,10 @@ class ApiGateway:
 
     async def _relay_subscription(self, ws: Any, upstream: Any) -> None:
         """The engine's subscription (its own Suspended events), narrowed to this run."""
-        from starlette.websockets import WebSocketDisconnect
-
-        try:
-            first = await ws.receive_text()
-        except (WebSocketDisconnect, RuntimeError):
+        first = await _receive_text(ws)
+        if first is None:
             return
-        flt = parse_bounded(first.encode())
+        flt = parse_bounded(first.encode("utf-8", "surrogatepass"))
         narrowed, refusal = (None, flt) if isinstance(flt, Refusal) else self.rules.events_out_filter(flt)
         if refusal is not None:
             await self._note_refusal(refusal)
@@ -549,9 +544,8 @@ class ApiGateway:
         self.subscriptions += 1
 
         async def from_sandbox() -> None:  # nothing is expected after the filter: wait for the close
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                while True:
-                    await ws.receive_text()
+            while await _receive_text(ws) is not None:
+                pass
 
         closed = asyncio.ensure_future(from_sandbox())
         try:
@@ -752,6 +746,24 @@ async def _close(ws: Any, code: int, reason: str) -> None:
 
 
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+async def _receive_text(ws: Any) -> str | None:
+    """The sandbox's next text frame; None once it closed, or after a binary frame (no
+    engine's: the socket is closed, 1003). Starlette's ``receive_text`` raises KeyError on one."""
+    from starlette.websockets import WebSocketDisconnect
+
+    try:
+        message = await ws.receive()
+    except (WebSocketDisconnect, RuntimeError):
+        return None
+    if message.get("type") != "websocket.receive":
+        return None
+    text = message.get("text")
+    if isinstance(text, str):
+        return text
+    await _close(ws, 1003, "events are text frames")
+    return None
 
 
 def escape_controls(text: str) -> str:

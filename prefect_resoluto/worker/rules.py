@@ -16,7 +16,6 @@ own or its deployment registered it (``identity``: a mark in the API, never the 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -38,7 +37,6 @@ from prefect_resoluto.worker.identity import flow_registration, granted, not_own
 
 __all__ = ["FLOW_RUN_FIELDS", "Answered", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
 
-_UUID = r"[0-9a-fA-F-]{36}"
 
 #: Fields of its own flow run the engine updates (``flow_version``, ``empirical_policy``
 #: when it starts; ``name`` for a templated run name); the rest (infrastructure pid, job
@@ -551,6 +549,8 @@ class RunRules:
             return None, Refusal("own-events-out", "a subscription must start with a filter message")
         own = f"prefect.flow-run.{self.flow_run_id}"
         flt = dict(message["filter"])
+        if not isinstance(flt.get("resource") or {}, dict):
+            return None, Refusal("own-events-out", "a subscription's resource filter is a JSON object")
         resource = dict(flt.get("resource") or {})
         ids = resource.get("id")
         if ids is not None and (not isinstance(ids, list) or own not in ids):
@@ -573,11 +573,13 @@ def _dig(obj: Any, *keys: str) -> Any:
 
 
 def _is_uuid(s: str) -> bool:
+    """Whether ``s`` is a UUID as the API writes one (lower case, hyphenated): every id the
+    run's objects are known by is in that form, so another form of the same id (upper case,
+    braces, no hyphens) is refused rather than looked up and missed."""
     try:
-        uuid.UUID(s)
-    except ValueError:
+        return str(uuid.UUID(s)) == s
+    except (ValueError, TypeError, AttributeError):
         return False
-    return bool(re.fullmatch(_UUID, s))
 
 
 def _by_setting(
