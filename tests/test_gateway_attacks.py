@@ -1204,3 +1204,78 @@ def test_a_body_of_unterminated_escaped_quotes_is_judged_in_one_pass():
         assert bodies.parse_bounded(raw) is None  # not JSON: judged as none
     done = bodies.parse_bounded(b'{"a": "x\\"[{", "b": [1, {"c": "\\\\"}], "d": "\\ud83d\\ude00"}')
     assert done == {"a": 'x"[{', "b": [1, {"c": "\\"}], "d": "\U0001f600"}
+
+
+def _patch(url: str, **kw: Any) -> httpx.Response:
+    with api_http() as c:
+        return c.patch(url, **kw)
+
+
+@pytest.mark.prefect
+def test_a_runs_writes_to_itself_are_rebuilt_from_the_engines_fields(hypothesis_target):
+    """The writes a run may make to its own flow run were forwarded with its values as sent:
+    any labels, any policy (a billion retries), any state details, a lease of a billion slots.
+    Each now carries only what the engine sends, of the engine's types; the rest is refused."""
+    from prefect.client.orchestration import get_client
+
+    own, parent, gw, _victim = hypothesis_target
+    base, h = f"http://{gw.address}/api", _h(gw)
+    refused = {
+        "labels": _patch(f"{base}/flow_runs/{own.id}/labels", headers=h, json={"team": "payments"}),
+        "labels not an object": _patch(f"{base}/flow_runs/{own.id}/labels", headers=h, json=[1]),
+        "retries": _patch(
+            f"{base}/flow_runs/{own.id}", headers=h, json={"empirical_policy": {"retries": 10**9}}
+        ),
+        "resuming": _patch(
+            f"{base}/flow_runs/{own.id}", headers=h, json={"empirical_policy": {"resuming": 1}}
+        ),
+        "name": _patch(f"{base}/flow_runs/{own.id}", headers=h, json={"name": {"a": 1}}),
+        "force": _post(
+            f"{base}/flow_runs/{own.id}/set_state",
+            headers=h,
+            json={"state": {"type": "RUNNING"}, "force": "yes"},
+        ),
+        "deferred": _post(
+            f"{base}/flow_runs/{own.id}/set_state",
+            headers=h,
+            json={"state": {"type": "SCHEDULED", "state_details": {"deferred": True}}},
+        ),
+        "slots": _post(
+            f"{base}/v2/concurrency_limits/increment-with-lease",
+            headers=h,
+            json={"names": ["tag:x"], "slots": 10**6, "holder": {"type": "task_run", "id": str(parent.id)}},
+        ),
+        "holder": _post(
+            f"{base}/v2/concurrency_limits/increment-with-lease",
+            headers=h,
+            json={"names": ["tag:x"], "holder": {"type": "task_run", "id": str(parent.id), "extra": 1}},
+        ),
+    }
+    for what, r in refused.items():
+        assert r.status_code == 403, (what, r.status_code, r.text)
+    traced = _patch(
+        f"{base}/flow_runs/{own.id}/labels", headers=h, json={"__OTEL_TRACEPARENT": "00-ab-cd-01"}
+    )
+    renamed = _patch(
+        f"{base}/flow_runs/{own.id}",
+        headers=h,
+        json={"name": "renamed", "empirical_policy": {"retries": 2, "retry_delay": 1, "resuming": False}},
+    )
+    assert traced.status_code < 300 and renamed.status_code < 300, (traced.text, renamed.text)
+    with get_client(sync_client=True) as c:
+        now = c.read_flow_run(own.id)
+    assert now.name == "renamed" and now.empirical_policy.retries == 2
+    assert "team" not in now.labels and now.labels.get("__OTEL_TRACEPARENT") == "00-ab-cd-01"
+
+
+def test_a_flow_runs_proposed_state_details_are_rebuilt():
+    """What the engine does not send in a flow run's state details is dropped, as a task run's."""
+    from prefect_resoluto.worker.bodies import Rebuilt, engine_fields
+
+    path = f"/flow_runs/{uuid.uuid4()}/set_state"
+    got = engine_fields(
+        "POST", path, {"state": {"type": "RUNNING", "state_details": {"pause_key": "p", "evil": 1}}}
+    )
+    assert isinstance(got, Rebuilt) and got.body == {
+        "state": {"type": "RUNNING", "state_details": {"pause_key": "p"}}
+    }

@@ -442,6 +442,65 @@ def task_run_state(state: Any, what: str) -> dict[str, Any] | Refusal:
     return out
 
 
+#: The one label the engine sets on its own flow run (``update_flow_run_labels``: its trace
+#: context), and the bound on its value.
+_ENGINE_LABELS = frozenset({"__OTEL_TRACEPARENT"})
+MAX_LABEL = 1024
+#: ``FlowRunPolicy`` as the engine sends it back with a flow's retries (``update_flow_run``).
+_POLICY_NUMBERS = ("max_retries", "retries", "retry_delay_seconds", "retry_delay")
+_RETRY_TYPES = (None, "in_process", "reschedule")
+
+
+def _own_labels(body: Any, what: str) -> Rebuilt | Refusal:
+    """The labels a run sets on itself: only the engine's trace context, a string."""
+    if (
+        not isinstance(body, dict)
+        or set(body) - _ENGINE_LABELS
+        or not all(isinstance(v, str) and len(v) <= MAX_LABEL for v in body.values())
+    ):
+        return Refusal(
+            "engine-fields", f"{what}: a run sets only its own {sorted(_ENGINE_LABELS)} label, a string"
+        )
+    return Rebuilt(dict(body))
+
+
+def _own_flow_run_update(body: Any, what: str) -> Rebuilt | Refusal:
+    """A run's update of itself (its rules admit only these keys): each value of the type the
+    engine sends, rebuilt."""
+    refused = Refusal(
+        "engine-fields",
+        f"{what}: name and flow_version are strings, empirical_policy Prefect's FlowRunPolicy",
+    )
+    if not isinstance(body, dict) or set(body) - {"name", "flow_version", "empirical_policy"}:
+        return refused
+    out: dict[str, Any] = {}
+    for k in ("name", "flow_version"):
+        if k in body:
+            if not (body[k] is None or isinstance(body[k], str) and len(body[k]) <= MAX_LABEL):
+                return refused
+            out[k] = body[k]
+    if "empirical_policy" in body:
+        policy = body["empirical_policy"]
+        keys = {*_POLICY_NUMBERS, "pause_keys", "resuming", "retry_type"}
+        if not isinstance(policy, dict) or set(policy) - keys:
+            return refused
+        for k in _POLICY_NUMBERS:
+            v = policy.get(k)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1_000_000
+            if not (v is None or number):
+                return refused
+        pause = policy.get("pause_keys")
+        if not (pause is None or isinstance(pause, list) and all(isinstance(p, str) for p in pause)):
+            return refused
+        resuming, retry_type = policy.get("resuming"), policy.get("retry_type")
+        if not (resuming is None or isinstance(resuming, bool)) or not (
+            retry_type is None or isinstance(retry_type, str) and retry_type in _RETRY_TYPES
+        ):
+            return refused
+        out["empirical_policy"] = {k: policy[k] for k in keys if k in policy}
+    return Rebuilt(out)
+
+
 #: The longest lease of concurrency slots a run may take: Prefect's engine's default, which
 #: it renews while the task runs.
 MAX_LEASE_SECONDS = 300.0
@@ -458,6 +517,10 @@ def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None
         if extra:
             return Refusal("engine-fields", f"{what}: log fields {extra} are not the engine's (refused)")
         return Rebuilt([{k: e[k] for k in _LOG if k in e} for e in body])
+    if (method, shape) == ("PATCH", "flow_runs/*/labels"):
+        return _own_labels(body, what)
+    if (method, shape) == ("PATCH", "flow_runs/*"):
+        return _own_flow_run_update(body, what)
     allowed = _FIELDS.get((method, shape))
     if allowed is None:
         return None
@@ -470,11 +533,23 @@ def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None
     if extra:
         return Refusal("engine-fields", f"{what}: fields {extra} are not the engine's (refused)")
     out = {k: body[k] for k in body}
-    if shape.startswith("task_runs") and "state" in body and body["state"] is not None:
+    if "force" in out and not isinstance(out["force"], bool):
+        return Refusal("engine-fields", f"{what}: force is true or false")
+    if shape.startswith(("task_runs", "flow_runs")) and "state" in body and body["state"] is not None:
         rebuilt = task_run_state(body["state"], what)
         if isinstance(rebuilt, Refusal):
             return rebuilt
         out["state"] = rebuilt
+    if shape == "v2/concurrency_limits/increment-with-lease":
+        slots, mode, holder = out.get("slots", 1), out.get("mode", "concurrency"), out.get("holder")
+        if not _small_int(slots) or slots < 1 or mode not in ("concurrency", "rate_limit"):
+            return Refusal(
+                "engine-fields", f"{what}: slots is a small positive integer, mode concurrency or rate_limit"
+            )
+        if holder is not None:
+            if not isinstance(holder, dict) or set(holder) - {"type", "id"}:
+                return Refusal("engine-fields", f"{what}: a holder is {{type, id}}")
+            out["holder"] = {k: holder[k] for k in ("type", "id") if k in holder}
     if shape.startswith("v2/concurrency_limits") and "lease_duration" in out:
         lease = out["lease_duration"]
         if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 0 < lease < float("inf"):
