@@ -684,3 +684,67 @@ def test_doctors_probe_sees_a_gateway_refuse_forward_and_close(monkeypatch: pyte
     )
     broken = api_gateway.probe()
     assert not broken["ok"] and "no port" in broken["why"]
+
+
+@contextlib.contextmanager
+def request_recorder() -> Iterator[tuple[str, list[tuple[str, dict[str, str], bytes]]]]:
+    """A loopback API that answers every request 200 ``{}`` and records its method and path,
+    headers (lower-cased names) and body, as they reached it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            n = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(n) if n else b""
+            seen.append(
+                (f"{self.command} {self.path}", {k.lower(): v for k, v in self.headers.items()}, body)
+            )
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = do_PATCH = do_DELETE = _any
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}/api", seen
+    finally:
+        srv.shutdown()
+        t.join(timeout=10)
+
+
+def test_the_api_gets_only_bytes_the_gateway_judged() -> None:
+    """A body on a GET (never the engine's) is not forwarded; a Content-Encoding the run sets
+    is not either: the API reads exactly the bytes judged, as JSON."""
+    from prefect_resoluto.worker.gateway import ApiGateway, Upstream
+    from prefect_resoluto.worker.rules import RunRules
+
+    run_id = str(uuid.uuid4())
+    with (
+        request_recorder() as (api, seen),
+        ApiGateway(run_id, Upstream(api_url=api), RunRules(flow_run_id=run_id)) as gw,
+    ):
+        h = {"Authorization": f"Bearer {gw.token}"}
+        r = httpx.request(
+            "GET", f"http://{gw.address}/api/flow_runs/{run_id}", headers=h, content=b'{"smuggled": 1}'
+        )
+        assert r.status_code == 200, r.text
+        r = httpx.patch(
+            f"http://{gw.address}/api/flow_runs/{run_id}",
+            headers={**h, "content-type": "application/json", "content-encoding": "gzip"},
+            content=json.dumps({"name": "n"}).encode(),
+        )
+        assert r.status_code == 200, r.text
+    (get, get_headers, get_body), (patch, patch_headers, patch_body) = seen
+    assert get == f"GET /api/flow_runs/{run_id}" and get_body == b"", seen
+    assert patch == f"PATCH /api/flow_runs/{run_id}" and json.loads(patch_body) == {"name": "n"}, seen
+    assert "content-encoding" not in patch_headers and "content-encoding" not in get_headers, seen

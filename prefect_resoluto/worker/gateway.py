@@ -92,8 +92,12 @@ _DROP_REQUEST = frozenset(
         "upgrade",
         "content-length",
         "accept-encoding",
+        # The API reads exactly the bytes judged here: never as something to decode first.
+        "content-encoding",
     }
 )
+#: Methods whose body the engine never sends: none is forwarded (what is not judged is not sent).
+_NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _DROP_RESPONSE = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "set-cookie"}
     | {REFUSED_HEADER, SETTING_HEADER}  # the gateway's own marks: an answer of the API's never bears them
@@ -373,7 +377,7 @@ class ApiGateway:
             request.method,
             rel.lstrip("/"),
             params=request.url.query or None,
-            content=body or None,
+            content=None if request.method.upper() in _NO_BODY else body or None,
             headers=headers,
         )
         try:
