@@ -1201,7 +1201,7 @@ def test_a_body_of_unterminated_escaped_quotes_is_judged_in_one_pass():
         raw = b'{"a": "' + b'\\"' * 500_000 + tail
         matches = list(bodies._STRING.finditer(raw))
         assert [(m.start(), m.end()) for m in matches] == [(1, 4), (6, len(raw))], tail
-        assert bodies.parse_bounded(raw) is None  # not JSON: judged as none
+        assert bodies.parse_bounded(raw) == bodies.Refusal("body-shape", bodies.NOT_JSON)
     done = bodies.parse_bounded(b'{"a": "x\\"[{", "b": [1, {"c": "\\\\"}], "d": "\\ud83d\\ude00"}')
     assert done == {"a": 'x"[{', "b": [1, {"c": "\\"}], "d": "\U0001f600"}
 
@@ -1279,3 +1279,63 @@ def test_a_flow_runs_proposed_state_details_are_rebuilt():
     assert isinstance(got, Rebuilt) and got.body == {
         "state": {"type": "RUNNING", "state_details": {"pause_key": "p"}}
     }
+
+
+@pytest.mark.prefect
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
+def test_a_body_not_in_utf8_is_refused_before_it_is_read(hypothesis_target, encoding):
+    """json.loads reads bytes as UTF-16 and -32 too, where the gateway's byte patterns saw
+    another body: an artifact nested 500 deep reached the API (201) past MAX_DEPTH. The
+    engine's JSON is UTF-8: anything else is refused, unread."""
+    from prefect_resoluto.worker import bodies
+
+    own, _parent, gw, _victim = hypothesis_target
+    text = json.dumps({"flow_run_id": str(own.id), "key": "deep", "type": "markdown"})
+    text = text[:-1] + ', "data": ["\\"", ' + "[" * 500 + "]" * 500 + ', "x"]}'
+    r = _post(
+        f"http://{gw.address}/api/artifacts/",
+        headers={**_h(gw), "content-type": "application/json"},
+        content=text.encode(encoding),
+    )
+    assert r.status_code == 403 and bodies.NOT_JSON in r.text, (r.status_code, r.text)
+    r = _post(
+        f"http://{gw.address}/api/artifacts/",
+        headers={**_h(gw), "content-type": "application/json"},
+        content=text.encode("utf-8"),
+    )
+    assert r.status_code == 403 and "nested deeper" in r.text, (r.status_code, r.text)
+
+
+def test_an_ownership_check_the_api_cannot_answer_is_a_refusal_not_an_error():
+    """The rules ask the API whose a task run is; with the API away that was the gateway's
+    500. It is a refusal now (the engine retries as it would a busy API)."""
+    from prefect_resoluto.worker.gateway import ApiGateway, Upstream
+    from prefect_resoluto.worker.rules import RunRules
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_id = str(uuid.uuid4())
+    upstream = Upstream(api_url=f"http://127.0.0.1:{port}/api")
+    with ApiGateway(run_id, upstream, RunRules(flow_run_id=run_id)) as gw:
+        r = httpx.get(f"http://{gw.address}/api/task_runs/{uuid.uuid4()}", headers=_h(gw))
+        assert r.status_code == 403 and "own-task-runs" in r.text, (r.status_code, r.text)
+        logs = [{"name": "x", "level": 20, "message": "m", "timestamp": "2026-01-01T00:00:00Z",
+                 "flow_run_id": run_id, "task_run_id": str(uuid.uuid4())}]  # fmt: skip
+        r = httpx.post(f"http://{gw.address}/api/logs/", headers=_h(gw), json=logs)
+        assert r.status_code == 403 and "own-logs" in r.text, (r.status_code, r.text)
+
+
+@pytest.mark.prefect
+def test_an_event_stream_the_api_closes_closes_the_sandboxs_with_a_reason(server):  # noqa: F811
+    """An event of the run's own that Prefect cannot read (no id, no time): the API closes its
+    stream. The sandbox's socket is closed then too (1011, the reason), where the next event
+    failed in the gateway's app and the socket dropped with no close."""
+    own = parked_run()
+    bad = json.dumps({"event": "x", "resource": {"prefect.resource.id": f"prefect.flow-run.{own.id}"}})
+    with gateway_for(own) as gw:
+        closed, got = _events_socket(gw, "in", bad)
+        assert json.loads(got[0]) == {"type": "auth_success"}, got
+        assert closed == (1011, "the Prefect API closed its event stream"), closed
+        closed, got = _events_socket(gw, "in", closes=False)  # the run's next one works
+        assert json.loads(got[0]) == {"type": "auth_success"}, got

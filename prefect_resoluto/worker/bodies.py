@@ -82,12 +82,22 @@ def body_cap(method: str, rel: str) -> int:
     return BODY_CAPS.get((method.upper(), rel.rstrip("/") or "/"), DEFAULT_CAP)
 
 
+NOT_JSON = "a body that is not JSON in UTF-8 (the engine's always is)"
+
+
 def parse_bounded(raw: bytes) -> Any:
-    """The body as JSON (None when it is none or not JSON), or a Refusal when it nests deeper
-    than MAX_DEPTH or holds more than MAX_CONTAINERS objects and arrays. Strings are blanked
-    and everything but brackets dropped by C-speed passes before the one count in Python."""
+    """The body as JSON (None when there is none), or a Refusal when it is not JSON in UTF-8,
+    nests deeper than MAX_DEPTH or holds more than MAX_CONTAINERS objects and arrays. Strings
+    are blanked and everything but brackets dropped by C-speed passes before the one count in
+    Python."""
     if not raw:
         return None
+    try:
+        # Strictly UTF-8 (the engine's JSON always is), before anything reads it: json.loads
+        # would read bytes as UTF-16 or -32 too, which the byte patterns below do not.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Refusal("body-shape", NOT_JSON)
     brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     if len(brackets) > 2 * MAX_CONTAINERS:
         return Refusal("body-shape", f"a body of more than {MAX_CONTAINERS} objects and arrays")
@@ -97,9 +107,11 @@ def parse_bounded(raw: bytes) -> Any:
         if depth > MAX_DEPTH:
             return Refusal("body-shape", f"a body nested deeper than {MAX_DEPTH}")
     try:
-        body = json.loads(raw)
+        body = json.loads(text)
     except (ValueError, RecursionError):
-        return None
+        # Never forwarded as sent: the API's parser may read it as something else (bytes of
+        # UTF-16 are valid UTF-8 with NULs between, and JSON to a parser that sniffs them).
+        return Refusal("body-shape", NOT_JSON)
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")

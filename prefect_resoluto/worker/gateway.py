@@ -517,21 +517,43 @@ class ApiGateway:
 
     async def _relay_events(self, ws: Any, upstream: Any) -> None:
 
-        while True:
-            text = await _receive_text(ws)
-            if text is None:
-                return
-            event = parse_bounded(text.encode("utf-8", "surrogatepass"))  # bounded before parsed, as a body
-            try:
-                refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
-            except AnswerRefused as e:  # an ownership check's answer over its cap: not judged
-                refusal = Refusal("answer-size", e.detail)
-            if refusal is not None:
-                await self._note_refusal(refusal)
-                continue  # the engine cannot be told about one event: it is dropped and logged
-            # What is judged is what is forwarded: the parsed event, not the text (whose
-            # duplicate keys another JSON parser may read the other way).
-            await upstream.send(json.dumps(event))
+        from websockets.exceptions import ConnectionClosed
+
+        # The API closes its side on an event it cannot read: the sandbox's is closed then too,
+        # with a reason, not left waiting (nor failed by the next send).
+        gone = asyncio.ensure_future(upstream.wait_closed())
+        try:
+            while True:
+                received = asyncio.ensure_future(_receive_text(ws))
+                await asyncio.wait({received, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not received.done():
+                    received.cancel()
+                    await _close(ws, 1011, "the Prefect API closed its event stream")
+                    return
+                text = received.result()
+                if text is None:
+                    return
+                try:
+                    await self._relay_event(text, upstream)
+                except ConnectionClosed:
+                    await _close(ws, 1011, "the Prefect API closed its event stream")
+                    return
+        finally:
+            gone.cancel()
+
+    async def _relay_event(self, text: str, upstream: Any) -> None:
+        """One of the sandbox's events: judged, then forwarded as parsed, or dropped and logged."""
+        event = parse_bounded(text.encode("utf-8", "surrogatepass"))  # bounded before parsed, as a body
+        try:
+            refusal = event if isinstance(event, Refusal) else await self.rules.check_event(event, self)
+        except AnswerRefused as e:  # an ownership check's answer over its cap: not judged
+            refusal = Refusal("answer-size", e.detail)
+        if refusal is not None:
+            await self._note_refusal(refusal)
+            return  # the engine cannot be told about one event: it is dropped and logged
+        # What is judged is what is forwarded: the parsed event, not the text (whose
+        # duplicate keys another JSON parser may read the other way).
+        await upstream.send(json.dumps(event))
 
     async def _relay_subscription(self, ws: Any, upstream: Any) -> None:
         """The engine's subscription (its own Suspended events), narrowed to this run."""
@@ -632,11 +654,20 @@ class ApiGateway:
         """An answer the rules parse: under the read cap and the run's budget, or AnswerRefused."""
         what = f"the gateway's own {request.method} /api/{request.url.path.rsplit('/api/', 1)[-1]}"
         cap, limit = self.limits.cap(read=True)
-        resp = await self._client.send(request, stream=True)
+        try:
+            resp = await self._client.send(request, stream=True)
+        except Exception as e:  # the API away or slow: nothing judged, so refused (the engine retries)
+            logger.info("flow run %s: %s failed: %s", self.flow_run_id, what, e)
+            return 0, None
         try:
             size = declared(resp)
             async with self.budget.hold(cap if size is None else min(size, cap), what):
                 return resp.status_code, _json(await read_capped(resp, cap, limit, what))
+        except AnswerRefused:
+            raise
+        except Exception as e:  # the answer broke off
+            logger.info("flow run %s: %s failed: %s", self.flow_run_id, what, e)
+            return 0, None
         finally:
             await resp.aclose()
 
