@@ -139,6 +139,10 @@ def key_for(spec: Any, *, imports: tuple[str, ...] = ()) -> PoolKey | None:
 #: What guest_runner.standin answers for ``from prefect import ...``.
 _STAND_INS = {"task", "flow", "get_run_logger"}
 _needs_prefect: dict[str, tuple[str, ...]] = {}
+#: One parse at a time: CPython 3.11 keeps the AST converter's recursion depth per
+#: interpreter, not per thread, and two tasks' threads parsing at once failed one of them
+#: with "SystemError: AST constructor recursion depth mismatch".
+_PARSING = threading.Lock()
 
 
 def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str, ...]:
@@ -149,17 +153,22 @@ def needs_real_prefect(source_file: str | os.PathLike[str] | None) -> tuple[str,
     if not source_file:
         return ()
     path = str(source_file)
-    if path not in _needs_prefect:
-        _needs_prefect[path] = _prefect_imports(path)
-    return _needs_prefect[path]
+    with _PARSING:
+        if path not in _needs_prefect:
+            _needs_prefect[path] = _prefect_imports(path)
+        return _needs_prefect[path]
 
 
 def _prefect_imports(path: str) -> tuple[str, ...]:
     # The module's import statements as Python parses them, wherever they are (a task's body
     # imports inside its function): never a comment or a string that looks like one.
     try:
-        tree = ast.parse(Path(path).read_bytes(), filename=path)
-    except (OSError, SyntaxError, ValueError):  # ValueError: a null byte (before 3.12)
+        source = Path(path).read_bytes()
+        try:
+            tree = ast.parse(source, filename=path)
+        except SystemError:  # 3.11's shared depth, raced by another library's compile: once more
+            tree = ast.parse(source, filename=path)
+    except (OSError, SyntaxError, ValueError, SystemError):  # ValueError: a null byte (before 3.12)
         return ()
     found: set[str] = set()
     for node in ast.walk(tree):

@@ -509,6 +509,19 @@ def s3_counter(moto_server: S3Endpoint) -> RequestCounter:
     return moto_server.counter
 
 
+def _stop_heartbeats(bucket: str) -> None:
+    """This process's host heartbeats in ``bucket`` stop with it: a writer lingers after its
+    last node (heartbeat.py), and its beats would land in the next test's counts, then fail
+    on a bucket that is gone."""
+    from prefect_resoluto.node import heartbeat
+
+    with heartbeat._LOCK:
+        writers = list(heartbeat._WRITERS.values())
+    for writer in writers:
+        if writer.conduit.url.split("?", 1)[0].split("/")[2] == bucket:
+            writer.close()
+
+
 @pytest.fixture
 def s3_bucket(moto_server: S3Endpoint) -> Iterator[str]:
     name = f"resoluto-test-{uuid.uuid4().hex[:16]}"
@@ -519,6 +532,7 @@ def s3_bucket(moto_server: S3Endpoint) -> Iterator[str]:
         yield name
     finally:
         moto_server.faults.clear()
+        _stop_heartbeats(name)
         try:
             for page in raw.get_paginator("list_objects_v2").paginate(Bucket=name):
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
