@@ -155,7 +155,7 @@ def subflow_run(body: Any, what: str) -> dict[str, Any] | Refusal:
     extra = sorted(set(body) - SUBFLOW_FIELDS)
     if extra:
         return Refusal(rule, f"{what}: fields {extra} are not the engine's for a sub-flow (refused)")
-    flow_id, parent = _uuid(body.get("flow_id")), _uuid(body.get("parent_task_run_id"))
+    flow_id, parent = canonical_uuid(body.get("flow_id")), canonical_uuid(body.get("parent_task_run_id"))
     if flow_id is None or parent is None:
         return Refusal(rule, f"{what}: a sub-flow names its flow_id and parent_task_run_id")
     state = body.get("state")
@@ -286,7 +286,7 @@ def flow_run_listing(body: Any, what: str) -> FlowRunListing | Refusal:
         or not isinstance(ids, list)
         or not ids
         or len(ids) > MAX_IDS
-        or any(_uuid(i) is None for i in ids)
+        or any(canonical_uuid(i) is None for i in ids)
     ):
         return Refusal(rule, f"{what}: flow_runs.{by[0]} is {{any_: [1..{MAX_IDS} ids]}} and nothing else")
     state = _state_filter(runs.get("state"))
@@ -297,7 +297,7 @@ def flow_run_listing(body: Any, what: str) -> FlowRunListing | Refusal:
         return Refusal(rule, f"{what}: sort {sort!r} refused")
     if not (limit is None or _small_int(limit)) or not _small_int(offset):
         return Refusal(rule, f"{what}: limit and offset are small integers")
-    return FlowRunListing(by[0], tuple(str(_uuid(i)) for i in ids), state, sort, limit, offset)
+    return FlowRunListing(by[0], tuple(str(canonical_uuid(i)) for i in ids), state, sort, limit, offset)
 
 
 def _state_filter(state: Any) -> dict[str, list[str]] | None | str:
@@ -324,7 +324,8 @@ def _state_filter(state: Any) -> dict[str, list[str]] | None | str:
     return out or None
 
 
-def _uuid(value: Any) -> str | None:
+def canonical_uuid(value: Any) -> str | None:
+    """``value`` as the API writes a UUID (lower case, hyphenated), or None if it is none."""
     if not isinstance(value, str):
         return None
     try:
@@ -454,6 +455,10 @@ def task_run_state(state: Any, what: str) -> dict[str, Any] | Refusal:
     return out
 
 
+#: Fields of its own flow run the engine updates (``flow_version``, ``empirical_policy``
+#: when it starts; ``name`` for a templated run name); the rest (infrastructure pid, job
+#: variables, work queue) are the worker's and the server's.
+FLOW_RUN_FIELDS = frozenset({"flow_version", "empirical_policy", "name"})
 #: The one label the engine sets on its own flow run (``update_flow_run_labels``: its trace
 #: context), and the bound on its value.
 _ENGINE_LABELS = frozenset({"__OTEL_TRACEPARENT"})
@@ -483,7 +488,7 @@ def _own_flow_run_update(body: Any, what: str) -> Rebuilt | Refusal:
         "engine-fields",
         f"{what}: name and flow_version are strings, empirical_policy Prefect's FlowRunPolicy",
     )
-    if not isinstance(body, dict) or set(body) - {"name", "flow_version", "empirical_policy"}:
+    if not isinstance(body, dict) or set(body) - FLOW_RUN_FIELDS:
         return refused
     out: dict[str, Any] = {}
     for k in ("name", "flow_version"):
@@ -522,7 +527,7 @@ def engine_fields(method: str, path: str, body: Any) -> Rebuilt | Refusal | None
     """An admitted body rebuilt from the engine's fields of its endpoint (a field it does not
     send is refused, naming it); None where the endpoint has no table here."""
     parts = path.strip("/").split("/")
-    shape = "/".join("*" if _uuid(p) is not None else p for p in parts)
+    shape = "/".join("*" if canonical_uuid(p) is not None else p for p in parts)
     what = f"{method} /api{path}"
     if (method, shape) == ("POST", "logs") and isinstance(body, list):
         extra = sorted({k for e in body if isinstance(e, dict) for k in e} - _LOG)

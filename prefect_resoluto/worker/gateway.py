@@ -516,7 +516,6 @@ class ApiGateway:
         return up
 
     async def _relay_events(self, ws: Any, upstream: Any) -> None:
-
         from websockets.exceptions import ConnectionClosed
 
         # The API closes its side on an event it cannot read: the sandbox's is closed then too,

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from guest_runner import refusal
 from prefect_resoluto.worker.bodies import (
+    FLOW_RUN_FIELDS,
     MAX_IDS,
     Answered,
     Rebuilt,
     Refusal,
     background_in,
+    canonical_uuid,
     engine_fields,
     flow_run_listing,
     subflow_run,
@@ -35,12 +36,6 @@ from prefect_resoluto.worker.bodies import (
 from prefect_resoluto.worker.identity import flow_registration, granted, not_owned, owns_flow
 
 __all__ = ["FLOW_RUN_FIELDS", "Answered", "ApiReader", "Rebuilt", "Refusal", "RunRules"]
-
-
-#: Fields of its own flow run the engine updates (``flow_version``, ``empirical_policy``
-#: when it starts; ``name`` for a templated run name); the rest (infrastructure pid, job
-#: variables, work queue) are the worker's and the server's.
-FLOW_RUN_FIELDS = frozenset({"flow_version", "empirical_policy", "name"})
 
 
 class ApiReader(Protocol):
@@ -589,10 +584,7 @@ def _is_uuid(s: str) -> bool:
     """Whether ``s`` is a UUID as the API writes one (lower case, hyphenated): every id the
     run's objects are known by is in that form, so another form of the same id (upper case,
     braces, no hyphens) is refused rather than looked up and missed."""
-    try:
-        return str(uuid.UUID(s)) == s
-    except (ValueError, TypeError, AttributeError):
-        return False
+    return canonical_uuid(s) == s
 
 
 def _by_setting(
