@@ -191,12 +191,15 @@ def imported_packages(workspace: str) -> "list[str]":
     """Installed (non-standard-library) modules now loaded, at most two levels deep:
     every top-level package first, then ``pkg.sub`` names, each in the order sys.modules
     holds them; names only. Never the workspace's own modules, the guest runner's, the
-    stand-ins or what the interpreter loaded at its start: a pool must only pre-import what
-    the image provides. Empty on Python < 3.10 (no list of the standard library)."""
+    stand-ins, what the interpreter loaded at its start or what loading the real Prefect
+    did (a warm sandbox for the module pre-imports that anyway): a pool must only
+    pre-import what the image provides. Empty on Python < 3.10 (no list of the standard library)."""
     stdlib = getattr(sys, "stdlib_module_names", None)
     if stdlib is None:
         return []
     root = os.path.realpath(workspace) + os.sep
+    standin = sys.modules.get("guest_runner.standin")
+    with_prefect = standin.real_loaded() if standin is not None else frozenset()
     names: "list[str]" = []
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
@@ -206,6 +209,7 @@ def imported_packages(workspace: str) -> "list[str]":
             or top in ("guest_runner", "__main__")
             or module is None
             or name in _AT_START
+            or name in with_prefect
         ):
             continue
         origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(

@@ -357,6 +357,22 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     from guest_runner import prefect_api
 
     prefect_api.patch()
+    # What any task module's `from prefect import task` loads (Prefect's logging set-up
+    # among it), here as in a warm sandbox's pre-import: then what is loaded now is the
+    # same in a cold call and a warm one, and is not the task's to report (real_loaded).
+    importlib.import_module("prefect.main")
+    _REAL_LOADED.update(sys.modules)
+
+
+#: Every module loaded once the real Prefect was: Prefect's own dependencies (pydantic,
+#: httpx, ...) are not the task's imports. A call reporting them made its warm pool key
+#: change after its first call, and a new image boot the real Prefect again (issue 41).
+_REAL_LOADED: "set[str]" = set()
+
+
+def real_loaded() -> "frozenset[str]":
+    """The modules loaded by the time the real Prefect was (empty while it is not)."""
+    return frozenset(_REAL_LOADED)
 
 
 _REAL_FUTURE: Optional[type] = None

@@ -371,6 +371,31 @@ def test_a_call_reports_installed_packages_only(tmp_path):
     assert all(n.count(".") <= 1 for n in names) and len(names) <= 200
 
 
+@pytest.mark.parametrize("up_front", [False, True], ids=["lazily", "up-front"])
+def test_a_real_prefect_calls_report_is_its_own_imports_not_prefects(tmp_path, up_front):
+    """A module needing the real Prefect reports what it imported itself (jmespath), not what
+    loading Prefect did (pydantic, httpx, ...): a warm sandbox for the module pre-imports
+    Prefect anyway, and reporting Prefect's own modules changed the module's pool key after
+    its first call (a second image, Prefect imported again in a template). The same whether
+    the real Prefect came with the module's imports (a cold call) or before them."""
+    from test_guest_call import run_call
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "tasks.py").write_text(
+        "import prefect.variables\nfrom prefect import task\n\n@task\ndef f():\n    import jmespath\n    return 1\n"
+    )
+    proc, ret, err = run_call(
+        ws, {"file": "tasks.py", "qualname": "f", "parameters": {}}, real_prefect=up_front
+    )
+    assert ret == {"value": 1}, (proc.stderr, err)
+    names = json.loads((ws / ".resoluto" / "imports.json").read_text())["modules"]
+    assert "jmespath" in names, names
+    assert not {n.partition(".")[0] for n in names} & {"pydantic", "httpx", "anyio", "typing_extensions"}, (
+        names
+    )
+
+
 def _report(out: Path, names: list[object]) -> None:
     (out / ".resoluto").mkdir(parents=True, exist_ok=True)
     (out / ".resoluto" / "imports.json").write_text(json.dumps({"modules": names}))
@@ -566,3 +591,33 @@ def test_a_runners_pending_tasks_size_the_restores_and_a_drained_map_keeps_one(t
     pool.expect(1)
     pool.expect(-1)
     assert pool.target(key) == AHEAD_FIRST
+
+
+def test_a_node_of_a_key_with_imports_waits_for_its_image_while_it_is_made(tmp_path, monkeypatch):
+    """A key that pre-imports modules (the real Prefect: seconds of CPU in gVisor): its node
+    waits for the key's image, made meanwhile, and a restore from it (IMAGE_WAIT at most)
+    rather than booting cold to import them itself; the refill makes that image even when
+    every core has a node. A key importing nothing still runs cold while an image is made
+    (its cold boot is cheaper than the wait), and no key waits once its image failed."""
+    import os
+    import time
+
+    from prefect_resoluto.warm.pool import IMAGE_WAIT, PoolKey
+
+    pool = WarmPool(get_runtime("process"), LocalConduit(tmp_path / "conduit"), size=4)
+    assert pool.enabled, pool.why_not
+    plain, heavy = PoolKey(), PoolKey(imports=("prefect.variables",))
+    pool._wanted += [plain, heavy]  # as want() does, without starting the refill thread
+    monkeypatch.setattr(pool, "snapshots", object())  # as gVisor: images are made
+    monkeypatch.setattr(pool, "_restorable", lambda key: False)  # none made yet
+    now = time.monotonic()
+    assert pool._restore_coming(heavy, now) and not pool._restore_coming(plain, now)
+    pool._templating = heavy
+    assert pool._restore_coming(heavy, now) and not pool._restore_coming(heavy, now - IMAGE_WAIT)
+    pool._templating = None
+    pool._misses[plain] = [time.monotonic()] * (os.cpu_count() or 1)  # every core has a node
+    assert pool._saturated() and pool._next_key() is None
+    pool._waiting[heavy] = 1
+    assert pool._next_key() == heavy
+    pool._booting_only.add(heavy)  # its image could not be made: its sandboxes boot
+    assert not pool._restore_coming(heavy, now)

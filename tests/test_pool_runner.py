@@ -178,24 +178,39 @@ def test_a_failure_elsewhere_in_the_flow_destroys_idle_warm_sandboxes(gvisor, co
     assert [p for p in conduit.root.iterdir() if p.name != wire.HOSTS] == []
 
 
-def test_a_task_module_needing_real_prefect_gets_it_pre_imported(gvisor, conduit, tmp_path):
-    @flow(task_runner=runner(conduit, tmp_path, warm_pool=1))
-    def real() -> list[str]:
-        first = rp.has_variables.submit().result()  # teaches the pool: warm ones for this key
+def test_a_real_prefect_modules_nodes_share_one_image_and_wait_for_it_not_boot_it_each(
+    gvisor, conduit, tmp_path, monkeypatch
+):
+    """A module needing the real Prefect, on a host with no image for it yet: a 3-way map,
+    then a chain of two. Every node runs in a sandbox restored from the module's one image,
+    with Prefect pre-imported (none booted cold to import Prefect itself while the image was
+    being made, none taking a sandbox without the imports), and the first call's report of
+    what it loaded (Prefect's own dependencies) makes no second key and image. Before: each
+    of a flow's six real-Prefect nodes paid the import, and three images were made."""
+    import json
+
+    images = tmp_path / "images"
+    monkeypatch.setenv("RESOLUTO_WARM_IMAGES", str(images))
+
+    @flow(task_runner=runner(conduit, tmp_path))
+    def real() -> list:
         from prefect_resoluto.warm import pool
 
         assert pool.needs_real_prefect(rp.__file__)
-        wait_ready()
-        second = rp.has_variables.submit().result()
-        wait_ready()
-        return [first, second, rp.main_was_preloaded.submit().result()]
+        mapped = [f.result() for f in rp.has_variables.map(range(3))]
+        return [*mapped, rp.has_variables.submit(3).result(), rp.main_was_preloaded.submit().result()]
 
     state = real(return_state=True)
     assert state.is_completed(), state
     # the last: a warm call had Prefect's logging set-up (prefect.main) done before the module loaded
-    assert state.result() == ["Variable", "Variable", True]
+    assert state.result() == ["Variable"] * 4 + [True]
     runs = task_runs(state.state_details.flow_run_id)
-    assert "warm sandbox rsl-" in sandbox_line(runs[-1].id)
+    lines = [sandbox_line(r.id) for r in runs]
+    assert len(lines) == 5 and all(x.startswith("warm sandbox rsl-") for x in lines), lines
+    assert not [x for x in lines if "without the module's imports" in x], lines
+    made = [json.loads(m.read_text())["key"] for m in images.glob("gvisor/*/meta.json")]
+    with_imports = [k["imports"] for k in made if k["imports"]]
+    assert len(with_imports) == 1 and "prefect.variables" in with_imports[0], made
     no_orphans()
 
 

@@ -106,6 +106,11 @@ DISCARD_WAIT = 60.0
 #: instead of waiting slowed every restore after it (issue 42: 20 of a 50-way map's nodes
 #: booted cold after a 1 s wait on a loaded host).
 RESTORE_WAIT = 10.0
+#: Seconds a node of a key that pre-imports modules waits at most for its key's image (made
+#: meanwhile) and a restore from it. Cold, such a node imports them itself: the real Prefect
+#: is seconds of CPU in gVisor, what the image pays once for every node of the key (issue 41:
+#: a flow's six real-Prefect nodes each paid it, next to the image being made).
+IMAGE_WAIT = 60.0
 #: Seconds a template may take to reach its checkpoint (the real Prefect, a loaded machine).
 TEMPLATE_TIMEOUT = 300.0
 #: Seconds a sandbox restored on demand may take to say it is ready before the node boots.
@@ -438,9 +443,9 @@ class WarmPool:
         #: Keys taken from since that demand began: the ones it is for (a key warmed at the
         #: runner's start, or an earlier module's, keeps the usual lookahead instead).
         self._demanded: set[PoolKey] = set()
-        #: The refill thread is making an image (a template boot: seconds): no restore of
-        #: any key starts meanwhile, so no node waits for one.
-        self._templating = False
+        #: The key whose image the refill thread is making (a template boot: seconds): no
+        #: restore of any key starts meanwhile.
+        self._templating: PoolKey | None = None
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -564,10 +569,16 @@ class WarmPool:
         boot's CPU, so waiting beats booting even behind a few others (the first task of a
         flow arrives moments after the runner asked for its key, before the first restore).
         Not while the refill thread makes an image (seconds), nor beyond RESTORE_WAIT from
-        ``t0`` (restores that hang), nor for a key whose sandboxes boot (seconds away)."""
-        if self._closed or self._templating or time.monotonic() - t0 >= RESTORE_WAIT:
+        ``t0`` (restores that hang), nor for a key whose sandboxes boot (seconds away).
+
+        A key that pre-imports modules waits for its image too, while it is made (IMAGE_WAIT
+        at most): its cold node would pay the same imports the image pays once."""
+        if self._closed or key not in self._wanted:
             return False
-        return key in self._wanted and self._restorable(key)
+        waited = time.monotonic() - t0
+        if key.imports:
+            return waited < IMAGE_WAIT and self.snapshots is not None and key not in self._booting_only
+        return self._templating is None and waited < RESTORE_WAIT and self._restorable(key)
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
@@ -723,7 +734,9 @@ class WarmPool:
             if booting >= (MAX_RESTORING if restorable else MAX_BOOTING):
                 continue
             have = len(self._idle.get(key) or []) + self._starting.get(key, 0)
-            if have < self.target(key) and (not saturated or restorable):
+            # A node waiting for the key's image (_restore_coming) is in flight too: its image
+            # is made even then, or it waits in vain.
+            if have < self.target(key) and (not saturated or restorable or self._waiting.get(key)):
                 return key
         return None
 
@@ -774,11 +787,11 @@ class WarmPool:
             try:
                 image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
                 if image is None:
-                    self._templating = True
+                    self._templating = key
                     try:
                         image = self._make_image(key)
                     finally:
-                        self._templating = False
+                        self._templating = None
             except (SnapshotError, OSError) as e:
                 self._no_image(key, None if isinstance(e, CorruptImage) else e)
             else:

@@ -12,7 +12,7 @@ from prefect import task  # noqa: E402
 
 
 @task
-def has_variables() -> str:
+def has_variables(i: int = 0) -> str:
     return prefect.variables.Variable.__name__
 
 
