@@ -120,6 +120,29 @@ def test_memory_limit_oom_is_infrastructure(rt: GVisorRuntime) -> None:
 
 
 @pytest.mark.sandbox
+def test_memory_committed_in_bulk_past_the_limit_ends_a_sandbox_whose_parent_lives(rt: GVisorRuntime) -> None:
+    """A child committing memory in bulk (MAP_POPULATE) past the limit, its parent alive (as
+    the guest runner is, beating, beside a task): the host's OOM killer takes the systrap stub
+    holding the child's memory, runsc lives on and the child hangs. The sandbox is then
+    failed as OOM-killed (infrastructure), not left running for good."""
+    if _cgroup.detect() is None:
+        pytest.skip("no writable cgroup hierarchy: gVisor runs with --ignore-cgroups, no memory limit")
+    hog = (
+        "import mmap\nx = []\nflags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE\n"
+        "while True: x.append(mmap.mmap(-1, 16 << 20, flags=flags))"
+    )
+    parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {hog!r}])\nwhile True: time.sleep(1)"
+    h = rt.launch(spec(parent, resources=Resources(memory_bytes=128 << 20)))
+    try:
+        st = wait_terminal(rt, h)
+        assert st.phase == "failed" and st.infrastructure and st.memory_exhausted, st
+        assert "OOM-killed" in (st.reason or ""), st
+    finally:
+        rt.destroy(h)
+    assert _cgroup.existing(f"gvisor-{h.id}") is None
+
+
+@pytest.mark.sandbox
 def test_unstartable_sandbox(rt: GVisorRuntime, tmp_path: Path) -> None:
     """runsc refusing the bundle (here: a bind source that vanished) is infrastructure."""
     gone = tmp_path / "vanishing"

@@ -341,7 +341,7 @@ class LocalChildRuntime(SandboxRuntime):
         if proc is not None:
             code = _poll_and_kill_stragglers(proc)
             if code is None:
-                return SandboxStatus("running")
+                return self._running_status(handle)
             st = self._exit_status(handle, code)
             self._remember_exit(sandbox_dir(self.state, handle.id), code)
             with _LOCK:
@@ -354,13 +354,31 @@ class LocalChildRuntime(SandboxRuntime):
         if rec.exit_code is not None:
             return self._exit_status(handle, rec.exit_code)
         if same_process(rec.pid, rec.start_time):
-            return SandboxStatus("running")
+            return self._running_status(handle)
         # Launched by another process that is gone: the exit code went with it.
         return SandboxStatus(
             "failed",
             reason="the sandbox process ended and its launcher did not record an exit status",
             infrastructure=True,
         )
+
+    #: Whether an OOM kill in the sandbox's cgroup leaves the sandbox unable to go on while
+    #: its processes live (gVisor: the host's OOM killer may take a platform stub process
+    #: holding the guest's memory, and the task hangs while the guest runner still beats).
+    oom_breaks_a_running_sandbox: ClassVar[bool] = False
+
+    def _running_status(self, handle: SandboxHandle) -> SandboxStatus:
+        if self.oom_breaks_a_running_sandbox:
+            cg = _cgroup.existing(self._cgroup_name(handle.id))
+            if cg is not None and cg.oom_killed():
+                return SandboxStatus(
+                    "failed",
+                    reason="OOM-killed: a process of the sandbox was killed at its memory limit, "
+                    "and the sandbox cannot go on without it",
+                    infrastructure=True,
+                    memory_exhausted=True,
+                )
+        return SandboxStatus("running")
 
     def _remember_exit(self, d: Path, code: int) -> None:
         rec = SandboxRecord.load(d)

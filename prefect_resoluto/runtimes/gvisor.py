@@ -219,6 +219,9 @@ class GVisorRuntime(LocalChildRuntime):
     )
     #: runsc's own state and debug logs live next to the sandboxes' directories.
     own_entries: ClassVar[frozenset[str]] = LocalChildRuntime.own_entries | {"runsc-root", "debug"}
+    #: A task committing memory in bulk (MAP_POPULATE) past the limit had the host's OOM killer
+    #: take the systrap stub holding it: runsc lived on, the task hung, the guest runner beat.
+    oom_breaks_a_running_sandbox: ClassVar[bool] = True
 
     def __init__(
         self,
