@@ -360,7 +360,10 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     # What any task module's `from prefect import task` loads (Prefect's logging set-up
     # among it), here as in a warm sandbox's pre-import: then what is loaded now is the
     # same in a cold call and a warm one, and is not the task's to report (real_loaded).
-    importlib.import_module("prefect.main")
+    try:
+        importlib.import_module("prefect.main")
+    except Exception:  # noqa: BLE001 - the task's own `from prefect import ...` reports it
+        pass
     _REAL_LOADED.update(sys.modules)
 
 
