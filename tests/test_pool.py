@@ -612,9 +612,9 @@ def test_a_node_of_a_key_with_imports_waits_for_its_image_while_it_is_made(tmp_p
     monkeypatch.setattr(pool, "_restorable", lambda key: False)  # none made yet
     now = time.monotonic()
     assert pool._restore_coming(heavy, now) and not pool._restore_coming(plain, now)
-    pool._templating = heavy
+    pool._templating = True  # the refill thread makes an image (this key's)
     assert pool._restore_coming(heavy, now) and not pool._restore_coming(heavy, now - IMAGE_WAIT)
-    pool._templating = None
+    pool._templating = False
     pool._misses[plain] = [time.monotonic()] * (os.cpu_count() or 1)  # every core has a node
     assert pool._saturated() and pool._next_key() is None
     pool._waiting[heavy] = 1

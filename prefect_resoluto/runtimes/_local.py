@@ -124,6 +124,10 @@ class LocalChildRuntime(SandboxRuntime):
         """Runtime-specific cleanup before the state directory is removed. ``exit_code`` is
         the child's, if it has exited (negative: killed by that signal)."""
 
+    def _after_teardown(self, sandbox_id: str) -> None:
+        """Runtime-specific cleanup once every process of the sandbox is gone (none can make a
+        file any more), before its state directory is removed."""
+
     def _interpret(self, handle: SandboxHandle, code: int) -> SandboxStatus | None:
         """A runtime-specific reading of a child exit code, or None for the default."""
         return None
@@ -464,6 +468,7 @@ class LocalChildRuntime(SandboxRuntime):
             cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg is not None:
             _drain_cgroup(cg)
+        self._after_teardown(sandbox_id)
         self._detach_network(sandbox_id, rec)
         slot.release(d / slot.SLOT_NAME)  # a warm sandbox's slot, mounted in its state directory
         host_state.discard(d)  # the record goes with the rest, or the rest stays a sweep's to find

@@ -543,8 +543,14 @@ class GVisorRuntime(LocalChildRuntime):
             self._runsc("delete", "--force", sandbox_id)
         except (OSError, subprocess.TimeoutExpired):
             pass  # the process-group kill and the cgroup drain below still run
+
+    def _after_teardown(self, sandbox_id: str) -> None:
         # A container runsc never finished creating or restoring leaves its socket and lock
-        # file in our root, which delete does not remove (it finds no container).
+        # file in our root, which delete does not remove (it finds no container). Removed once
+        # its processes are drained: a sandbox still starting made its socket after an earlier
+        # look (a pool closed while its template booted left one).
+        if self._binary() is None:
+            return
         for leftover in (self.state / "runsc-root").glob(f"*{sandbox_id}*"):
             if leftover.is_file() or leftover.is_socket():
                 leftover.unlink(missing_ok=True)

@@ -443,9 +443,9 @@ class WarmPool:
         #: Keys taken from since that demand began: the ones it is for (a key warmed at the
         #: runner's start, or an earlier module's, keeps the usual lookahead instead).
         self._demanded: set[PoolKey] = set()
-        #: The key whose image the refill thread is making (a template boot: seconds): no
-        #: restore of any key starts meanwhile.
-        self._templating: PoolKey | None = None
+        #: The refill thread is making an image (a template boot: seconds): no restore of
+        #: any key starts meanwhile.
+        self._templating = False
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -578,7 +578,7 @@ class WarmPool:
         waited = time.monotonic() - t0
         if key.imports:
             return waited < IMAGE_WAIT and self.snapshots is not None and key not in self._booting_only
-        return self._templating is None and waited < RESTORE_WAIT and self._restorable(key)
+        return not self._templating and waited < RESTORE_WAIT and self._restorable(key)
 
     def close(self) -> None:
         """Destroy every idle sandbox (runner exit, Ctrl-C, cancellation, failure elsewhere)."""
@@ -787,11 +787,11 @@ class WarmPool:
             try:
                 image = self.snapshots.usable(key)  # a corrupt one: discarded, with a warning
                 if image is None:
-                    self._templating = key
+                    self._templating = True
                     try:
                         image = self._make_image(key)
                     finally:
-                        self._templating = None
+                        self._templating = False
             except (SnapshotError, OSError) as e:
                 self._no_image(key, None if isinstance(e, CorruptImage) else e)
             else:
