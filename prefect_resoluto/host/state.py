@@ -54,8 +54,13 @@ def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> P
 
         base = cache_dir() / "sandboxes"
     d = base / runtime
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if str(d) not in _MADE:  # asked several times a node: made once (make_sandbox_dir remakes it)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _MADE.add(str(d))
     return d
+
+
+_MADE: set[str] = set()
 
 
 def process_start_time(pid: int) -> int | None:
@@ -109,12 +114,19 @@ class SandboxRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def save(self) -> None:
-        path = Path(self.dir) / RECORD_NAME
+        path = os.path.join(self.dir, RECORD_NAME)
         # A temporary name of this writer's own: two threads saving one record at once (the
         # node's status poll and the reaper's both remember an exit) shared one ".tmp", and
         # the second rename found it gone (FileNotFoundError failed a flow run).
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(self.__dict__, sort_keys=True))
+        tmp = os.path.join(self.dir, f".sandbox.{os.getpid()}.{threading.get_ident()}.tmp")
+        data = json.dumps(self.__dict__, sort_keys=True).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)  # a concurrent sweep never reads half a record
 
     @classmethod
@@ -157,6 +169,14 @@ def make_sandbox_dir(record: SandboxRecord) -> Path:
     """Create the sandbox's directory (FileExistsError if there is one) with its record in
     it, as one step for :func:`sweep_leftovers`: a directory without a record is garbage."""
     d = Path(record.dir)
+    try:
+        return _make_recorded(d, record)
+    except FileNotFoundError:  # the state directory went since state_dir() made it
+        d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return _make_recorded(d, record)
+
+
+def _make_recorded(d: Path, record: SandboxRecord) -> Path:
     with state_lock(d.parent, exclusive=False):
         d.mkdir(mode=0o700)
         try:

@@ -373,7 +373,7 @@ def _put_inbox(node: _Node) -> None:
     for name, data in spec.extra_inbox.items():
         conduit.put_transient(wire.inbox_key(node.rel_prefix, name), data)
     root = conduit.local_root
-    if root is not None:
+    if root is not None and spec.workspace is None and not spec.extra_inbox:  # else a put made it
         (root / node.rel_prefix).mkdir(parents=True, exist_ok=True)
     if node.slot is not None:
         node.slot.host_bytes = slot.used(node.slot.dir)
@@ -742,23 +742,20 @@ def _nested_dirs(spec: NodeSpec, conduit: Conduit) -> list[str]:
     """Our own directories inside the workspace (a local conduit, the outputs): shipping
     them would make every node's inbox hold every earlier node's, growing without bound."""
     assert spec.workspace is not None
-    ws = Path(spec.workspace).resolve()
+    inside = _real(str(spec.workspace)).rstrip("/") + "/"
     nested = []
-    candidates = [
-        conduit.local_root,
-        spec.outputs_dir,
-        *spec.workspace_skip,
-    ]
-    for d in candidates:
-        if d is None:
-            continue
-        try:
-            rel = Path(d).resolve().relative_to(ws)
-        except ValueError:
-            continue
-        if rel.parts:
-            nested.append(rel.as_posix())
+    for d in (conduit.local_root, spec.outputs_dir, *spec.workspace_skip):
+        real = _real(str(d)) if d is not None else ""
+        if real.startswith(inside) and real != inside:
+            nested.append(real[len(inside) :])
     return nested
+
+
+@functools.lru_cache(maxsize=64)
+def _real(path: str) -> str:
+    """``path`` with its links resolved, once per directory of the runner's (each node asks
+    for the workspace's and the conduit's: a walk of the path each time)."""
+    return os.path.realpath(path)
 
 
 def _settle(

@@ -42,7 +42,7 @@ class Cgroup:
         # controller's memory.oom_control): an open that cannot succeed, in every
         # controller's directory at every sandbox's exit, was CPU for nothing.
         name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for d in self.dirs:
+        for d in self.dirs if self.version == 2 else filter(_is_memory_v1, self.dirs):
             try:
                 text = (Path(d) / name).read_text()
             except OSError:
@@ -74,6 +74,12 @@ class Cgroup:
                 pass  # still populated (exiting) or already gone; sweep retries later
 
 
+def _is_memory_v1(d: str) -> bool:
+    """Whether ``d`` (``<controller mount>/resoluto/<name>``) is under the v1 memory
+    controller, mounted alone or with others (``memory,foo``)."""
+    return "memory" in Path(d).parent.parent.name.split(",")
+
+
 def kill(pids: list[int]) -> None:
     """SIGKILL each of ``pids`` (members of a sandbox's cgroup), those already gone skipped."""
     for pid in pids:
@@ -83,6 +89,7 @@ def kill(pids: list[int]) -> None:
             pass
 
 
+@functools.lru_cache(maxsize=16)
 def _v1_mount(controller: str) -> Path | None:
     p = CGROUP_FS / controller
     return p if (p / "cgroup.procs").exists() else None
@@ -165,8 +172,10 @@ def _create_v2(name: str, r: Resources) -> Cgroup:
 
 
 @functools.lru_cache(maxsize=1)
-def _v1_roots() -> tuple[Path, ...]:
-    return tuple(sorted(CGROUP_FS.iterdir()))
+def _v1_roots() -> tuple[str, ...]:
+    """Each v1 controller's ``resoluto`` directory (looked at once: asked at every exit and
+    destroy, and the mounts do not change under a running host)."""
+    return tuple(str(root / PARENT) for root in sorted(CGROUP_FS.iterdir()))
 
 
 def existing(name: str) -> Cgroup | None:
@@ -176,9 +185,10 @@ def existing(name: str) -> Cgroup | None:
     if version == "v1":
         # Every controller, not just ours: runsc creates freezer, blkio ... too, and leaves
         # them behind when it fails half-way through creating a sandbox.
-        for root in _v1_roots():
-            if (root / PARENT / name).is_dir():
-                dirs.append(str(root / PARENT / name))
+        for parent in _v1_roots():
+            d = os.path.join(parent, name)
+            if os.path.isdir(d):
+                dirs.append(d)
     elif version == "v2" and (CGROUP_FS / PARENT / name).is_dir():
         dirs.append(str(CGROUP_FS / PARENT / name))
     return Cgroup(dirs=dirs, version=1 if version == "v1" else 2) if dirs else None

@@ -207,7 +207,11 @@ class LocalChildRuntime(SandboxRuntime):
             if prep.host_limits:
                 argv, cgrouped = self._wrap_limits(argv, spec.sandbox_id, spec.resources)
             rec.extra = {**prep.extra, "cgroup": cgrouped}
-            rec.save()  # before the child exists, so a crash right after launch is still sweepable
+            if prep.extra:
+                # Before the child exists: what a sweep needs to undo the runtime's own set-up
+                # after a crash right after launch. Without it the first record suffices (the
+                # cgroup is found by its name): a save is a file made and renamed, per node.
+                rec.save()
             self._before_start(spec)
             proc = self._start(spec, d, prep, argv)
         except (OSError, ValueError, LaunchError) as e:

@@ -7,6 +7,7 @@ trip is refused here, before a sandbox starts, with what to do instead.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import sys
@@ -145,7 +146,22 @@ def _find_class(module: str | None, qualname: str | None) -> type[BaseException]
 
 
 def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, str]:
-    """How the guest finds ``fn``: by file in the workspace, else by importable module."""
+    """How the guest finds ``fn``: by file in the workspace, else by importable module.
+    Worked out once per function and workspace (every call of a task asks; finding its file
+    is an ``inspect`` walk and two ``resolve`` calls of the file system)."""
+    try:
+        hash(fn)
+    except TypeError:
+        return _function_ref(fn, workspace)
+    return dict(_function_ref_once(fn, None if workspace is None else str(workspace)))
+
+
+@functools.lru_cache(maxsize=256)
+def _function_ref_once(fn: Callable[..., Any], workspace: str | None) -> dict[str, str]:
+    return _function_ref(fn, None if workspace is None else Path(workspace))
+
+
+def _function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, str]:
     qualname = getattr(fn, "__qualname__", "")
     name = getattr(fn, "__name__", repr(fn))
     if name == "<lambda>" or "<lambda>" in qualname:
