@@ -359,6 +359,12 @@ def thread_cpu_profiles() -> Any:
         if merged:
             merged[0].stream = buf  # type: ignore[attr-defined]
             merged[0].sort_stats("tottime").print_stats(45)
+            by_file: collections.Counter[str] = collections.Counter()
+            for (file, _line, _fn), row in merged[0].stats.items():  # type: ignore[attr-defined]
+                by_file[file] += row[2]
+            buf.write("tottime by file:\n")
+            for file, secs in by_file.most_common(40):
+                buf.write(f"{secs:8.3f} s  {file}\n")
             merged[0].sort_stats("cumulative").print_stats(os.environ.get("SCALE_HOST_FILTER", ""), 70)
             callees = os.environ.get("SCALE_HOST_CALLEES")  # a regex of functions to break down
             if callees:

@@ -80,6 +80,23 @@ def test_symlink_inside_root_cannot_lead_outside(local_conduit, tmp_path):
     assert not (outside / "x").exists()
 
 
+def test_a_put_or_a_listing_never_goes_through_a_link_even_one_inside_the_root(local_conduit):
+    # A sandbox owns its node's directory: a link it plants there to another node's must not
+    # make the host write that node's objects (or list them as this node's).
+    c = local_conduit
+    c.put("run/r/nodes/other/result.json", b"theirs")
+    (c.root / "run/r/nodes/mine").mkdir(parents=True)
+    (c.root / "run/r/nodes/mine/inbox").symlink_to(c.root / "run/r/nodes/other")
+    with pytest.raises(InvalidKey):
+        c.put("run/r/nodes/mine/inbox/result.json", b"forged")
+    assert c.get("run/r/nodes/other/result.json") == b"theirs"
+    assert c.list_prefix("run/r/nodes/mine/inbox/") == []
+    (c.root / "run/r/nodes/mine/file").write_text("x")
+    with pytest.raises(InvalidKey):  # a file where a directory should be: refused too
+        c.put("run/r/nodes/mine/file/obj", b"x")
+    assert sorted(p.name for p in (c.root / "run/r/nodes/other").iterdir()) == ["result.json"]
+
+
 def test_readers_never_see_partial_objects_or_temp_files(local_conduit):
     """A reader hammering list+get while a writer replaces a 4 MiB object sees only whole objects."""
     c = local_conduit

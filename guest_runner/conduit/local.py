@@ -6,6 +6,7 @@ never sees a half-written object.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import stat
@@ -66,27 +67,24 @@ class LocalConduit(Conduit):
     def put(self, key: str, data: bytes, *, sync: Optional[bool] = None) -> None:
         """``sync=False``: skip the fsync, for objects nobody needs after a host crash (a
         node's inbox, re-put by the next attempt); the rename still publishes it whole.
-        Default: the conduit's own ``sync``."""
+        Default: the conduit's own ``sync``.
+
+        Written from the root one directory at a time (each made if missing), never through
+        a link: a sandbox writes into its node's directory, and a link it planted there must
+        not make the host write elsewhere (no check of a path then use of it, which a swap in
+        between would beat). One ``openat`` a directory, not a ``realpath`` of the whole path."""
         if sync is None:
             sync = self.sync
-        path = self.path_for(key)
+        check_key(key)
+        parent, _, name = key.rpartition("/")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = _create_temp(path.parent)
+            dir_fd = self._open_dir(parent.split("/") if parent else [], key, create=True)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    if sync:
-                        os.fsync(f.fileno())
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+                _write_at(dir_fd, name, data, sync)
+            finally:
+                os.close(dir_fd)
+        except (InvalidKey, ObjectNotFound):
+            raise
         except OSError as e:
             raise ConduitUnavailable(f"local conduit write of {key!r} failed: {e}") from e
 
@@ -127,23 +125,38 @@ class LocalConduit(Conduit):
             raise InvalidKey(f"conduit key {key!r}: {name!r} is not a name in a directory")
         return self._open_leaf(dir_fd, name, key)
 
-    def _open_dir(self, parts: List[str], key: str) -> int:
-        flags = getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
-        fd = -1
+    def _open_dir(self, parts: List[str], key: str, create: bool = False) -> int:
+        """The directory ``parts`` names under the root, entered one name at a time without
+        following a link; with ``create``, each missing one is made (a writer's)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
+        fd = os.open(self._real_root, flags)
         try:
-            fd = os.open(self._real_root, os.O_RDONLY | os.O_DIRECTORY | flags)
             for part in parts:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | flags, dir_fd=fd)
+                try:
+                    nxt = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # another writer made it meanwhile
+                    nxt = os.open(part, flags, dir_fd=fd)
                 os.close(fd)
                 fd = nxt
             return fd
         except FileNotFoundError:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
             raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
         except OSError as e:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            if create:
+                raise InvalidKey(
+                    f"conduit key {key!r} escapes the conduit root {self.root} or passes through a "
+                    f"link or a file ({e.strerror}): a key never leads through one"
+                ) from None
             # ELOOP/ENOTDIR: a link or a file where a directory should be.
             raise ObjectNotFound(
                 f"no object {key!r} in {self.url} ({e.strerror}: not a plain file)"
@@ -181,37 +194,26 @@ class LocalConduit(Conduit):
         if prefix:
             check_key(prefix.rstrip("/") or prefix)
         dir_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        base = self.path_for(dir_part) if dir_part else self._real_root
-        if not base.is_dir():
-            return []
-        keys = (
-            k
-            for k in self._walk(base, shallow)
-            if k.startswith(prefix) and (start_after is None or k > start_after)
-        )
+        # Entered as a reader enters it (no link followed): a prefix through a link lists nothing.
         try:
+            base = self._open_dir(dir_part.split("/") if dir_part else [], prefix)
+        except ObjectNotFound:
+            return []
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
+        try:
+            keys = (
+                k
+                for k in _walk(base, dir_part + "/" if dir_part else "", shallow)
+                if k.startswith(prefix) and (start_after is None or k > start_after)
+            )
             # A directory has no order: the first ``limit`` keys are kept as it is read, so
             # memory is that many names however many files a sandbox left there.
             return sorted(keys) if limit is None else heapq.nsmallest(max(0, limit), keys)
         except OSError as e:
             raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
-
-    def _walk(self, base: Path, shallow: bool) -> Iterator[str]:
-        if shallow:  # nothing nested is listed, so nothing nested is walked
-            rel_dir = os.path.relpath(base, self._real_root)
-            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-            with os.scandir(base) as entries:
-                for entry in entries:
-                    if not entry.name.startswith(_TMP_MARK) and not entry.is_dir():  # as os.walk sorts them
-                        yield rel_dir + entry.name
-            return
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, self._real_root)
-            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-            for name in filenames:
-                if not name.startswith(_TMP_MARK):
-                    yield rel_dir + name
+        finally:
+            os.close(base)
 
     def delete_prefix(self, prefix: str) -> int:
         n = 0
@@ -226,14 +228,50 @@ class LocalConduit(Conduit):
         return n
 
 
-def _create_temp(directory: Path) -> "tuple[int, str]":
-    """A new, exclusively created temporary file in ``directory`` (what mkstemp does)."""
+def _walk(dir_fd: int, rel_dir: str, shallow: bool) -> Iterator[str]:
+    """Keys of the files under ``dir_fd`` (the key prefix ``rel_dir``), temporaries left out;
+    nested directories too unless ``shallow``, never through a link."""
+    if shallow:  # nothing nested is listed, so nothing nested is walked
+        with os.scandir(dir_fd) as entries:
+            for entry in entries:
+                if not entry.name.startswith(_TMP_MARK) and not entry.is_dir():  # as os.walk sorts them
+                    yield rel_dir + entry.name
+        return
+    for dirpath, dirnames, filenames, _fd in os.fwalk(".", dir_fd=dir_fd):
+        dirnames.sort()
+        sub = "" if dirpath == "." else dirpath[2:] + "/"
+        for name in filenames:
+            if not name.startswith(_TMP_MARK):
+                yield rel_dir + sub + name
+
+
+def _write_at(dir_fd: int, name: str, data: bytes, sync: bool) -> None:
+    """``name`` in ``dir_fd`` holds ``data``, published whole: written to a new, exclusively
+    created temporary file of that directory, then renamed over the name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
     for _ in range(100):
-        tmp = os.path.join(directory, _TMP_MARK + os.urandom(6).hex())
+        tmp = _TMP_MARK + os.urandom(6).hex()
         try:
-            return os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600
-            ), tmp
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            break
         except FileExistsError:
             continue
-    raise FileExistsError(f"no free temporary file name in {directory}")
+    else:
+        raise FileExistsError(f"no free temporary file name for {name!r}")
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if sync:
+                os.fsync(fd)
+            os.fchmod(fd, 0o644)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
