@@ -112,3 +112,42 @@ def test_stragglers_die_with_the_sandbox(
         wait_for(gone, timeout=10, what="the backgrounded child to be killed")
     finally:
         rt.destroy(h)
+
+
+def test_a_cgroup_the_workload_made_inside_its_own_cannot_keep_a_process_alive(rt: ProcessRuntime) -> None:
+    """Root in a process sandbox can make cgroups under its own and move a process there, out
+    of the sandbox's ``cgroup.procs`` and, with its own session, out of its process group:
+    destroy still kills it and removes every cgroup (before, both were left for good)."""
+    if _cgroup.detect() != "v1":
+        pytest.skip(f"needs a writable cgroup v1 hierarchy (this machine: {_cgroup.detect()})")
+    if os.geteuid() != 0:
+        pytest.skip("the workload needs root to make cgroups")
+    code = (
+        "import os, subprocess\n"
+        "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "for line in open('/proc/self/cgroup'):\n"
+        "    _, ctrl, path = line.strip().split(':', 2)\n"
+        "    if path.startswith('/resoluto/'):\n"
+        "        for c in ctrl.split(','):\n"
+        "            d = f'/sys/fs/cgroup/{c}{path}/hide/deeper'\n"
+        "            if os.path.isdir(os.path.dirname(os.path.dirname(d))):\n"
+        "                os.makedirs(d, exist_ok=True)\n"
+        "                open(d + '/cgroup.procs', 'w').write(str(p.pid))\n"
+        "print('HIDDEN', p.pid, flush=True)\n"
+    )
+    h = rt.launch(spec(code, resources=Resources(memory_bytes=256 << 20, pids=64)))
+    try:
+        assert wait_terminal(rt, h).phase == "succeeded", rt.logs(h)
+        hidden = int(next(ln for ln in rt.logs(h).splitlines() if ln.startswith("HIDDEN")).split()[1])
+        assert Path(f"/proc/{hidden}").exists()  # alive, in a cgroup of its own making
+    finally:
+        rt.destroy(h)
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{hidden}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    assert gone()
+    assert _cgroup.existing(f"process-{h.id}") is None

@@ -56,22 +56,53 @@ class Cgroup:
     def pids(self) -> list[int]:
         found: set[int] = set()
         for d in self.dirs:
-            try:
-                found.update(int(x) for x in (Path(d) / "cgroup.procs").read_text().split())
-            except (OSError, ValueError):
-                pass
+            found.update(_members(d))
         return sorted(found)
 
     def kill_all(self) -> None:
         # Anything that escaped the process group (a daemonised child) still lives here.
         kill(self.pids())
 
-    def remove(self) -> None:
+    def remove(self) -> bool:
+        """Remove each directory; True when none is left. A directory that will not go has
+        cgroups of its own inside (a workload with root made them, and may have moved a
+        process there, out of ``cgroup.procs``'s sight): their members are killed and they
+        are removed, deepest first. A process still exiting keeps a cgroup busy after it has
+        left ``cgroup.procs``: the caller tries again."""
+        left = []
         for d in self.dirs:
             try:
                 os.rmdir(d)
+                continue
+            except FileNotFoundError:
+                continue
             except OSError:
-                pass  # still populated (exiting) or already gone; sweep retries later
+                pass
+            for parent, subdirs, _files in os.walk(d, topdown=False):
+                for sub in subdirs:
+                    nested = os.path.join(parent, sub)
+                    kill(_members(nested))
+                    try:
+                        os.rmdir(nested)
+                    except OSError:
+                        pass  # still busy: the next round
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(d)
+        self.dirs = left
+        return not left
+
+
+def _members(d: str) -> list[int]:
+    """The processes ``cgroup.procs`` of ``d`` lists (none when it cannot be read)."""
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _is_memory_v1(d: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -69,6 +70,8 @@ _LOCK = threading.Lock()
 _NETWORKS: dict[tuple[str, str], str] = {}
 # Warm sandboxes' stdin, kept open until their assignment (or destroy) closes it.
 _STDIN: dict[tuple[str, str], IO[bytes]] = {}
+
+log = logging.getLogger(__name__)
 
 LIMIT_MODES = ("auto", "cgroup", "rlimit", "none")
 
@@ -312,7 +315,7 @@ class LocalChildRuntime(SandboxRuntime):
         self._detach_network(sandbox_id, None)
         cg = _cgroup.existing(self._cgroup_name(sandbox_id))
         if cg:
-            cg.remove()
+            _drain_cgroup(cg)
         slot.release(d / slot.SLOT_NAME)
         host_state.discard(d)
 
@@ -577,12 +580,18 @@ def _drain_cgroup(cg: _cgroup.Cgroup, timeout: float = 5.0) -> None:
     # One read of the members per round, the kill aimed at what it found: an exited
     # sandbox's cgroup is almost always empty, and reading cgroup.procs of every
     # controller twice (kill_all's read, then the check) was a quarter of destroy's CPU.
-    while pids := cg.pids():
-        _cgroup.kill(pids)
+    # The removal is retried too: a directory left here is never looked for again (the
+    # sandbox's record goes next), and empty cgroups piled up under resoluto/.
+    while True:
+        pids = cg.pids()
+        if pids:
+            _cgroup.kill(pids)
+        elif cg.remove():
+            return
         if time.monotonic() > deadline:
-            break
+            log.warning("cgroup %s still busy after %.0fs; left in place", cg.dirs, timeout)
+            return
         time.sleep(0.01)  # poll: killed processes leave the cgroup asynchronously
-    cg.remove()
 
 
 def _signame(sig: int) -> str:
