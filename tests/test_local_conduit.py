@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -95,6 +96,91 @@ def test_a_put_or_a_listing_never_goes_through_a_link_even_one_inside_the_root(l
     with pytest.raises(InvalidKey):  # a file where a directory should be: refused too
         c.put("run/r/nodes/mine/file/obj", b"x")
     assert sorted(p.name for p in (c.root / "run/r/nodes/other").iterdir()) == ["result.json"]
+
+
+def test_a_listing_of_a_tree_deeper_than_the_bound_is_a_clear_error_not_a_crash(local_conduit):
+    c = local_conduit
+    fd = os.open(c.root, os.O_RDONLY)
+    try:
+        for part in ["run", "r", "nodes", "a", *(["d"] * 1100)]:  # deeper than Python's recursion limit
+            try:
+                os.mkdir(part, dir_fd=fd)
+            except FileExistsError:
+                pass
+            nxt = os.open(part, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    c.put("run/r/nodes/a/shallow.txt", b"x")
+    assert c.list_prefix("run/r/nodes/a/", shallow=True) == ["run/r/nodes/a/shallow.txt"]
+    with pytest.raises(ConduitUnavailable, match="deeper than"):
+        c.list_prefix("run/r/nodes/a/")
+
+
+def test_a_listing_racing_a_directory_swapped_for_a_fifo_or_a_link_never_blocks(local_conduit, tmp_path):
+    # The sandbox swaps a directory of its node with a FIFO (and with a link out of the root)
+    # while the host lists the node: the listing neither blocks on the FIFO nor enters the link.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    c = local_conduit
+    node = c.root / "run/r/nodes/a"
+    (node / "sub").mkdir(parents=True)
+    (node / "sub" / "inner.txt").write_text("x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("s")
+    os.mkfifo(node / "fifo")
+    (node / "link").symlink_to(outside)
+    stop = threading.Event()
+    swaps = [0]
+
+    def swapper() -> None:
+        at = -100  # AT_FDCWD
+        pairs = [(node / "sub", node / "fifo"), (node / "sub", node / "link")]
+        while not stop.is_set():
+            for a, b in pairs:
+                libc.renameat2(at, bytes(a), at, bytes(b), 2)  # RENAME_EXCHANGE
+                swaps[0] += 1
+
+    seen: set[str] = set()
+    errors: list[BaseException] = []
+
+    def lister() -> None:
+        try:
+            for _ in range(3000):
+                seen.update(c.list_prefix("run/r/nodes/a/"))
+        except BaseException as e:  # the test's point: anything but keys
+            errors.append(e)
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    reader = threading.Thread(target=lister, daemon=True)
+    reader.start()
+    reader.join(timeout=120)  # a hang detector for ms-long calls, not a synchronisation
+    stop.set()
+    t.join()
+    assert not reader.is_alive(), "a listing blocked"
+    assert errors == []
+    assert swaps[0] > 0
+    assert not any("secret" in k for k in seen), seen
+    assert seen <= {
+        "run/r/nodes/a/" + k
+        for k in ("fifo", "link", "sub", "sub/inner.txt", "fifo/inner.txt", "link/inner.txt")
+    }
+
+
+def test_delete_prefix_removes_a_link_not_what_it_points_to(local_conduit):
+    c = local_conduit
+    c.put("run/r/nodes/b/result.json", b"theirs")
+    c.put("run/r/nodes/a/mine.txt", b"mine")
+    (c.root / "run/r/nodes/a/evil").symlink_to(c.root / "run/r/nodes/b/result.json")
+    (c.root / "run/r/nodes/a/evildir").symlink_to(c.root / "run/r/nodes/b")
+    c.delete_prefix("run/r/nodes/a/")
+    assert c.get("run/r/nodes/b/result.json") == b"theirs"
+    assert not os.path.lexists(c.root / "run/r/nodes/a/evil")
+    assert not os.path.lexists(c.root / "run/r/nodes/a/mine.txt")
 
 
 def test_readers_never_see_partial_objects_or_temp_files(local_conduit):

@@ -114,27 +114,45 @@ def test_stragglers_die_with_the_sandbox(
         rt.destroy(h)
 
 
-def test_a_cgroup_the_workload_made_inside_its_own_cannot_keep_a_process_alive(rt: ProcessRuntime) -> None:
+# Where a root workload parks a process: nested cgroups under its own, in every controller,
+# entered by descriptor (so deeper than a path can name), one name per level.
+_NEST = """
+import os, subprocess
+p = subprocess.Popen(['sleep', '600'], start_new_session=True)
+for line in open('/proc/self/cgroup'):
+    _, ctrl, path = line.strip().split(':', 2)
+    for c in ctrl.split(',') if path.startswith('/resoluto/') else ():
+        if not os.path.isdir(f'/sys/fs/cgroup/{c}{path}'):
+            continue
+        fd = os.open(f'/sys/fs/cgroup/{c}{path}', os.O_RDONLY)
+        for _ in range(DEPTH):
+            os.mkdir(NAME, dir_fd=fd)
+            nxt = os.open(NAME, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        procs = os.open('cgroup.procs', os.O_WRONLY, dir_fd=fd)
+        os.write(procs, str(p.pid).encode())
+print('HIDDEN', p.pid, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "depth, name",
+    [(2, "hide"), (20, "x" * 250), (1000, "y")],
+    ids=["two-deep", "past-PATH_MAX", "a-thousand-deep"],
+)
+def test_a_cgroup_the_workload_made_inside_its_own_cannot_keep_a_process_alive(
+    rt: ProcessRuntime, depth: int, name: str
+) -> None:
     """Root in a process sandbox can make cgroups under its own and move a process there, out
     of the sandbox's ``cgroup.procs`` and, with its own session, out of its process group:
-    destroy still kills it and removes every cgroup (before, both were left for good)."""
+    destroy still kills it and removes every cgroup (before, both were left for good), however
+    deep (past PATH_MAX, past Python's recursion limit)."""
     if _cgroup.detect() != "v1":
         pytest.skip(f"needs a writable cgroup v1 hierarchy (this machine: {_cgroup.detect()})")
     if os.geteuid() != 0:
         pytest.skip("the workload needs root to make cgroups")
-    code = (
-        "import os, subprocess\n"
-        "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
-        "for line in open('/proc/self/cgroup'):\n"
-        "    _, ctrl, path = line.strip().split(':', 2)\n"
-        "    if path.startswith('/resoluto/'):\n"
-        "        for c in ctrl.split(','):\n"
-        "            d = f'/sys/fs/cgroup/{c}{path}/hide/deeper'\n"
-        "            if os.path.isdir(os.path.dirname(os.path.dirname(d))):\n"
-        "                os.makedirs(d, exist_ok=True)\n"
-        "                open(d + '/cgroup.procs', 'w').write(str(p.pid))\n"
-        "print('HIDDEN', p.pid, flush=True)\n"
-    )
+    code = f"DEPTH = {depth}\nNAME = {name!r}\n" + _NEST
     h = rt.launch(spec(code, resources=Resources(memory_bytes=256 << 20, pids=64)))
     try:
         assert wait_terminal(rt, h).phase == "succeeded", rt.logs(h)

@@ -11,7 +11,7 @@ import heapq
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterator, List, Optional
+from typing import BinaryIO, Dict, Generator, Iterator, List, Optional
 
 from guest_runner import wire
 from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, ObjectNotFound, check_key
@@ -216,33 +216,95 @@ class LocalConduit(Conduit):
             os.close(base)
 
     def delete_prefix(self, prefix: str) -> int:
+        """Unlink each object the listing names, from its own directory entered as a put
+        enters it: a link is removed itself, and never leads the removal elsewhere."""
         n = 0
         for key in self.list_prefix(prefix):
+            parent, _, name = key.rpartition("/")
             try:
-                self.path_for(key).unlink()
+                dir_fd = self._open_dir(parent.split("/") if parent else [], key)
+            except ObjectNotFound:
+                continue  # gone, or its directory replaced by a link: nothing of it to remove here
+            try:
+                os.unlink(name, dir_fd=dir_fd)
                 n += 1
             except FileNotFoundError:
                 pass
             except OSError as e:
                 raise ConduitUnavailable(f"local conduit delete of {key!r} failed: {e}") from e
+            finally:
+                os.close(dir_fd)
         return n
+
+
+#: A deep listing's bounds: a sandbox's node directory is its own to nest and fill, and the
+#: walk holds one descriptor per level (an error beyond, never a host out of descriptors).
+MAX_WALK_DEPTH = 64
+MAX_WALK_DIRS = 100_000
+_WALK_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def _walk(dir_fd: int, rel_dir: str, shallow: bool) -> Iterator[str]:
     """Keys of the files under ``dir_fd`` (the key prefix ``rel_dir``), temporaries left out;
-    nested directories too unless ``shallow``, never through a link."""
-    if shallow:  # nothing nested is listed, so nothing nested is walked
-        with os.scandir(dir_fd) as entries:
-            for entry in entries:
-                if not entry.name.startswith(_TMP_MARK) and not entry.is_dir():  # as os.walk sorts them
-                    yield rel_dir + entry.name
-        return
-    for dirpath, dirnames, filenames, _fd in os.fwalk(".", dir_fd=dir_fd):
-        dirnames.sort()
-        sub = "" if dirpath == "." else dirpath[2:] + "/"
-        for name in filenames:
-            if not name.startswith(_TMP_MARK):
-                yield rel_dir + sub + name
+    nested directories too unless ``shallow``: entered by descriptor, depth first without
+    recursion, never through a link (a link is listed as what it is, a name; reading it is
+    refused), and never blocking on what replaced a directory meanwhile (a FIFO swapped in is
+    refused by ``O_DIRECTORY``, opened ``O_NONBLOCK``). The caller sorts the keys."""
+    stack: List["tuple[int, str, List[str]]"] = []  # (descriptor, key prefix, subdirectories left)
+    fd = os.dup(dir_fd)
+    entered = 0
+    try:
+        subdirs = yield from _scan(fd, rel_dir, shallow)
+        stack.append((fd, rel_dir, subdirs))
+        while stack:
+            fd, rel, subdirs = stack[-1]
+            if not subdirs:
+                stack.pop()
+                os.close(fd)
+                continue
+            name = subdirs.pop()
+            entered += 1
+            if len(stack) >= MAX_WALK_DEPTH or entered > MAX_WALK_DIRS:
+                raise OSError(
+                    f"the tree under {rel_dir!r} is deeper than {MAX_WALK_DEPTH} or holds more than "
+                    f"{MAX_WALK_DIRS} directories"
+                )
+            try:
+                sub = os.open(name, _WALK_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    continue  # gone, or swapped for a link or a file since it was read
+                raise
+            try:
+                found = yield from _scan(sub, f"{rel}{name}/", shallow)
+            except BaseException:
+                os.close(sub)
+                raise
+            stack.append((sub, f"{rel}{name}/", found))
+    except BaseException:
+        if not stack:
+            os.close(fd)
+        raise
+    finally:
+        for fd, _rel, _left in stack:
+            os.close(fd)
+
+
+def _scan(fd: int, rel: str, shallow: bool) -> Generator[str, None, List[str]]:
+    """Yield the keys of ``fd``'s files (links included, unfollowed); return its
+    subdirectories' names (none when ``shallow``), in reverse order for popping."""
+    subdirs: List[str] = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith(_TMP_MARK):
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                yield rel + name
+            elif not shallow:
+                subdirs.append(name)
+    subdirs.sort(reverse=True)
+    return subdirs
 
 
 def _write_at(dir_fd: int, name: str, data: bytes, sync: bool) -> None:

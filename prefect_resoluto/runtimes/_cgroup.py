@@ -78,14 +78,7 @@ class Cgroup:
                 continue
             except OSError:
                 pass
-            for parent, subdirs, _files in os.walk(d, topdown=False):
-                for sub in subdirs:
-                    nested = os.path.join(parent, sub)
-                    kill(_members(nested))
-                    try:
-                        os.rmdir(nested)
-                    except OSError:
-                        pass  # still busy: the next round
+            _remove_nested(d)
             try:
                 os.rmdir(d)
             except FileNotFoundError:
@@ -94,6 +87,75 @@ class Cgroup:
                 left.append(d)
         self.dirs = left
         return not left
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Cgroups entered per removal round: a workload may nest as many as it likes.
+MAX_NESTED = 10_000
+
+
+def _remove_nested(top: str) -> None:
+    """Kill the members of every cgroup under ``top`` (and of ``top``) and remove them,
+    deepest first. Depth first by descriptor, going up by ``..``: no recursion, no path to
+    outgrow PATH_MAX, one descriptor open. A cgroup that will not go (a member still exiting)
+    is skipped for this round."""
+    try:
+        fd = os.open(top, _DIR)
+    except OSError:
+        return
+    names: list[str] = []  # from top down to fd
+    busy: set[int] = set()  # inodes of cgroups that would not go this round
+    entered = 0
+    try:
+        while True:
+            sub = _a_subdir(fd, busy) if entered < MAX_NESTED else None
+            if sub is not None:
+                entered += 1
+                try:
+                    nxt = os.open(sub[0], _DIR, dir_fd=fd)
+                except OSError:
+                    busy.add(sub[1])
+                    continue
+                os.close(fd)
+                fd = nxt
+                names.append(sub[0])
+                continue
+            kill(_members_at(fd))
+            if not names:
+                return
+            ino = os.fstat(fd).st_ino
+            up = os.open("..", _DIR, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            try:
+                os.rmdir(names.pop(), dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                busy.add(ino)
+    finally:
+        os.close(fd)
+
+
+def _a_subdir(fd: int, busy: set[int]) -> tuple[str, int] | None:
+    """A child cgroup of ``fd`` (name, inode) not known to be busy, or None."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and entry.inode() not in busy:
+                return entry.name, entry.inode()
+    return None
+
+
+def _members_at(fd: int) -> list[int]:
+    try:
+        cfd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError:
+        return []
+    try:
+        with os.fdopen(cfd) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _members(d: str) -> list[int]:
