@@ -102,7 +102,7 @@ def test_a_listing_of_a_tree_deeper_than_the_bound_is_a_clear_error_not_a_crash(
     c = local_conduit
     fd = os.open(c.root, os.O_RDONLY)
     try:
-        for part in ["run", "r", "nodes", "a", *(["d"] * 1100)]:  # deeper than Python's recursion limit
+        for part in ["run", "r", "nodes", "a", *(["d"] * 70)]:  # past the bound, a recursion's way
             try:
                 os.mkdir(part, dir_fd=fd)
             except FileExistsError:
@@ -289,3 +289,48 @@ class TestLocalConduitContract(ConduitContract):
     @pytest.fixture
     def conduit(self, local_conduit: LocalConduit) -> Conduit:
         return local_conduit
+
+
+def test_a_directory_the_host_may_not_enter_is_the_conduits_error_not_a_raw_one():
+    """A sandbox of the host's own user (bubblewrap, gVisor) can chmod its node's directories:
+    the host's reads of them fail as conduit errors. Run as an unprivileged user (root ignores
+    the mode): a child that imports as root, then drops to nobody."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="resoluto-eacces-", dir="/tmp")  # nobody reaches it
+    os.chmod(root, 0o777)
+    code = f"""
+import os
+from guest_runner.conduit import ConduitError, LocalConduit
+os.setresgid(65534, 65534, 65534)
+os.setgroups([])
+os.setresuid(65534, 65534, 65534)
+c = LocalConduit({root!r})
+c.put("run/r/nodes/n/sub/x", b"x")
+os.chmod({root!r} + "/run/r/nodes/n/sub", 0)
+for what, call in [
+    ("get", lambda: c.get("run/r/nodes/n/sub/x")),
+    ("open_dir", lambda: c.open_dir("run/r/nodes/n/sub")),
+    ("put", lambda: c.put("run/r/nodes/n/sub/y", b"y")),
+    ("list", lambda: c.list_prefix("run/r/nodes/n/")),
+    ("delete", lambda: c.delete_prefix("run/r/nodes/n/")),
+]:
+    try:
+        call()
+        print(what, "ok")
+    except ConduitError as e:
+        print(what, "conduit-error")
+    except Exception as e:
+        print(what, "RAW", type(e).__name__)
+os.chmod({root!r} + "/run/r/nodes/n/sub", 0o700)
+"""
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    assert "RAW" not in res.stdout, res.stdout
+    assert "get conduit-error" in res.stdout and "open_dir conduit-error" in res.stdout, res.stdout

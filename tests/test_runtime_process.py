@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 from pathlib import Path
 
 import pytest
@@ -168,4 +169,52 @@ def test_a_cgroup_the_workload_made_inside_its_own_cannot_keep_a_process_alive(
             return True
 
     assert gone()
+    assert _cgroup.existing(f"process-{h.id}") is None
+
+
+def test_a_process_parked_behind_more_nested_cgroups_than_a_round_walks_still_dies(
+    rt: ProcessRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk that removes nested cgroups is bounded per round (``MAX_NESTED``, here 40 so
+    the tree stays small): a process parked in a cgroup that readdir lists after a wider
+    sibling was never reached, and outlived destroy (an outside attack: 11 000 siblings per
+    controller). It is found from /proc instead, however many cgroups hide it."""
+    if _cgroup.detect() != "v1":
+        pytest.skip(f"needs a writable cgroup v1 hierarchy (this machine: {_cgroup.detect()})")
+    if os.geteuid() != 0:
+        pytest.skip("the workload needs root to make cgroups")
+    monkeypatch.setattr(_cgroup, "MAX_NESTED", 40)
+    code = """
+import os, subprocess
+p = subprocess.Popen(['sleep', '600'], start_new_session=True)
+for line in open('/proc/self/cgroup'):
+    _, ctrl, path = line.strip().split(':', 2)
+    for c in ctrl.split(',') if path.startswith('/resoluto/') else ():
+        base = f'/sys/fs/cgroup/{c}{path}'
+        if not os.path.isdir(base):
+            continue
+        os.mkdir(base + '/d1')
+        os.mkdir(base + '/d2')
+        first = next(e.name for e in os.scandir(base) if e.is_dir())  # the walk's first
+        for i in range(60):
+            os.mkdir(f'{base}/{first}/c{i}')
+        park = 'd2' if first == 'd1' else 'd1'
+        with open(f'{base}/{park}/cgroup.procs', 'w') as f:
+            f.write(str(p.pid))
+print('HIDDEN', p.pid, flush=True)
+"""
+    h = rt.launch(spec(code, resources=Resources(memory_bytes=256 << 20, pids=64)))
+    try:
+        assert wait_terminal(rt, h).phase == "succeeded", rt.logs(h)
+        hidden = int(next(ln for ln in rt.logs(h).splitlines() if ln.startswith("HIDDEN")).split()[1])
+        exited = os.pidfd_open(hidden)  # readable once it has exited: the event waited on
+        try:
+            cg = _cgroup.existing(f"process-{h.id}")
+            assert cg is not None
+            cg.remove()  # one round of destroy's removal: its walk stops at MAX_NESTED
+            assert select.select([exited], [], [], 60)[0], "the hidden process outlived the round"
+        finally:
+            os.close(exited)
+    finally:
+        rt.destroy(h)
     assert _cgroup.existing(f"process-{h.id}") is None

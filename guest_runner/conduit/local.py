@@ -129,7 +129,18 @@ class LocalConduit(Conduit):
         """The directory ``parts`` names under the root, entered one name at a time without
         following a link; with ``create``, each missing one is made (a writer's)."""
         flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
-        fd = os.open(self._real_root, flags)
+        try:
+            fd = os.open(self._real_root, flags)
+        except FileNotFoundError:
+            if not create:
+                raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+            try:  # the root went since it was made (the host's own path: a plain makedirs)
+                os.makedirs(self._real_root, exist_ok=True)
+                fd = os.open(self._real_root, flags)
+            except OSError as e:
+                raise ConduitUnavailable(f"local conduit root {self.root} cannot be made: {e}") from None
+        except OSError as e:
+            raise ConduitUnavailable(f"local conduit root {self.root} cannot be opened: {e}") from None
         try:
             for part in parts:
                 try:
@@ -151,7 +162,11 @@ class LocalConduit(Conduit):
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
+                # EACCES (a sandbox of the host's own user chmod-ed its directory), EMFILE ...:
+                # the conduit's error, never a raw one.
+                raise ConduitUnavailable(
+                    f"local conduit: cannot enter the directories of {key!r}: {e.strerror}"
+                ) from None
             if create:
                 raise InvalidKey(
                     f"conduit key {key!r} escapes the conduit root {self.root} or passes through a "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,13 +64,16 @@ class Cgroup:
         # Anything that escaped the process group (a daemonised child) still lives here.
         kill(self.pids())
 
-    def remove(self) -> bool:
+    def remove(self, deadline: float | None = None) -> bool:
         """Remove each directory; True when none is left. A directory that will not go has
-        cgroups of its own inside (a workload with root made them, and may have moved a
-        process there, out of ``cgroup.procs``'s sight): their members are killed and they
-        are removed, deepest first. A process still exiting keeps a cgroup busy after it has
-        left ``cgroup.procs``: the caller tries again."""
-        left = []
+        cgroups of its own inside (a workload with root made them, and may have parked a
+        process there, out of ``cgroup.procs``'s sight and of its process group): every
+        process of the host inside any of them is killed first (one look at ``/proc``,
+        whatever their number), then they are removed, deepest first, until ``deadline``.
+        A process still exiting keeps a cgroup busy after it has left ``cgroup.procs``: the
+        caller tries again."""
+        left: list[str] = []
+        swept = False
         for d in self.dirs:
             try:
                 os.rmdir(d)
@@ -78,7 +82,10 @@ class Cgroup:
                 continue
             except OSError:
                 pass
-            _remove_nested(d)
+            if not swept:
+                kill_inside(self.dirs)
+                swept = True
+            _remove_nested(d, deadline)
             try:
                 os.rmdir(d)
             except FileNotFoundError:
@@ -94,11 +101,51 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_NESTED = 10_000
 
 
-def _remove_nested(top: str) -> None:
+def kill_inside(dirs: list[str]) -> None:
+    """SIGKILL every process of the host whose cgroup, in any hierarchy, is one of ``dirs``'
+    (``<mount>/resoluto/<name>``) or below it: found from ``/proc``, so a process in a cgroup
+    nested however deep or wide is found at the cost of one look at each process. Each is
+    signalled through a pidfd taken before its cgroup is read again: never a recycled pid."""
+    names = {"/" + PARENT + "/" + os.path.basename(d.rstrip("/")) for d in dirs}
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        if not _in_cgroups(pid, names):
+            continue
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone
+        try:
+            if _in_cgroups(pid, names):  # still that process: the pidfd pins it
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+
+
+def _in_cgroups(pid: int, names: set[str]) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            text = f.read()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        for name in names:
+            if path == name or path.startswith(name + "/"):
+                return True
+    return False
+
+
+def _remove_nested(top: str, deadline: float | None = None) -> None:
     """Kill the members of every cgroup under ``top`` (and of ``top``) and remove them,
-    deepest first. Depth first by descriptor, going up by ``..``: no recursion, no path to
-    outgrow PATH_MAX, one descriptor open. A cgroup that will not go (a member still exiting)
-    is skipped for this round."""
+    deepest first, until ``deadline`` (``time.monotonic()``). Depth first by descriptor, going
+    up by ``..``: no recursion, no path to outgrow PATH_MAX, one descriptor open. A cgroup that
+    will not go (a member still exiting) is skipped for this round."""
     try:
         fd = os.open(top, _DIR)
     except OSError:
@@ -108,7 +155,8 @@ def _remove_nested(top: str) -> None:
     entered = 0
     try:
         while True:
-            sub = _a_subdir(fd, busy) if entered < MAX_NESTED else None
+            out_of_time = deadline is not None and time.monotonic() > deadline
+            sub = _a_subdir(fd, busy) if entered < MAX_NESTED and not out_of_time else None
             if sub is not None:
                 entered += 1
                 try:

@@ -586,7 +586,7 @@ def _drain_cgroup(cg: _cgroup.Cgroup, timeout: float = 5.0) -> None:
         pids = cg.pids()
         if pids:
             _cgroup.kill(pids)
-        elif cg.remove():
+        elif cg.remove(deadline):
             return
         if time.monotonic() > deadline:
             log.warning("cgroup %s still busy after %.0fs; left in place", cg.dirs, timeout)
