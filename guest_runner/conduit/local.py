@@ -80,7 +80,7 @@ class LocalConduit(Conduit):
         try:
             dir_fd = self._open_dir(parent.split("/") if parent else [], key, create=True)
             try:
-                _write_at(dir_fd, name, data, sync)
+                write_at(dir_fd, name, data, sync)
             finally:
                 os.close(dir_fd)
         except (InvalidKey, ObjectNotFound):
@@ -322,7 +322,7 @@ def _scan(fd: int, rel: str, shallow: bool) -> Generator[str, None, List[str]]:
     return subdirs
 
 
-def _write_at(dir_fd: int, name: str, data: bytes, sync: bool) -> None:
+def write_at(dir_fd: int, name: str, data: bytes, sync: bool) -> None:
     """``name`` in ``dir_fd`` holds ``data``, published whole: written to a new, exclusively
     created temporary file of that directory, then renamed over the name."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW

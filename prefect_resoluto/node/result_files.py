@@ -14,10 +14,10 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from guest_runner.conduit.local import write_at
 from guest_runner.wire import WireError
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_TMP_MARK = ".resoluto-tmp-"
 
 
 class ResultFileError(WireError):
@@ -104,24 +104,6 @@ def replace(output_dir: Path, rel: str, data: bytes) -> None:
     written through."""
     dfd, leaf = _parent_fd(output_dir, rel)
     try:
-        for _ in range(100):
-            tmp = _TMP_MARK + os.urandom(6).hex()
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=dfd)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(f"no free temporary name next to {rel}")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
+        write_at(dfd, leaf, data, sync=False)
     finally:
         os.close(dfd)
