@@ -214,8 +214,6 @@ class LocalConduit(Conduit):
             base = self._open_dir(dir_part.split("/") if dir_part else [], prefix)
         except ObjectNotFound:
             return []
-        except OSError as e:
-            raise ConduitUnavailable(f"local conduit listing of {prefix!r} failed: {e}") from e
         try:
             keys = (
                 k
@@ -336,15 +334,12 @@ def write_at(dir_fd: int, name: str, data: bytes, sync: bool) -> None:
     else:
         raise FileExistsError(f"no free temporary file name for {name!r}")
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
             if sync:
-                os.fsync(fd)
-            os.fchmod(fd, 0o644)
-        finally:
-            os.close(fd)
+                os.fsync(f.fileno())
+            os.fchmod(f.fileno(), 0o644)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:

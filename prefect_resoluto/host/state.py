@@ -119,14 +119,8 @@ class SandboxRecord:
         # node's status poll and the reaper's both remember an exit) shared one ".tmp", and
         # the second rename found it gone (FileNotFoundError failed a flow run).
         tmp = os.path.join(self.dir, f".sandbox.{os.getpid()}.{threading.get_ident()}.tmp")
-        data = json.dumps(self.__dict__, sort_keys=True).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(self.__dict__, sort_keys=True))
         os.replace(tmp, path)  # a concurrent sweep never reads half a record
 
     @classmethod

@@ -57,7 +57,7 @@ class Cgroup:
     def pids(self) -> list[int]:
         found: set[int] = set()
         for d in self.dirs:
-            found.update(_members(d))
+            found.update(_members(os.path.join(d, "cgroup.procs")))
         return sorted(found)
 
     def kill_all(self) -> None:
@@ -168,7 +168,7 @@ def _remove_nested(top: str, deadline: float | None = None) -> None:
                 fd = nxt
                 names.append(sub[0])
                 continue
-            kill(_members_at(fd))
+            kill(_members("cgroup.procs", fd))
             if not names:
                 return
             ino = os.fstat(fd).st_ino
@@ -194,22 +194,11 @@ def _a_subdir(fd: int, busy: set[int]) -> tuple[str, int] | None:
     return None
 
 
-def _members_at(fd: int) -> list[int]:
+def _members(procs: str, dir_fd: int | None = None) -> list[int]:
+    """The processes a ``cgroup.procs`` file lists (its path, or its name in ``dir_fd``);
+    none when it cannot be read."""
     try:
-        cfd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=fd)
-    except OSError:
-        return []
-    try:
-        with os.fdopen(cfd) as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _members(d: str) -> list[int]:
-    """The processes ``cgroup.procs`` of ``d`` lists (none when it cannot be read)."""
-    try:
-        with open(os.path.join(d, "cgroup.procs")) as f:
+        with open(procs, opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW, dir_fd=dir_fd)) as f:
             return [int(x) for x in f.read().split()]
     except (OSError, ValueError):
         return []
