@@ -218,3 +218,80 @@ print('HIDDEN', p.pid, flush=True)
     finally:
         rt.destroy(h)
     assert _cgroup.existing(f"process-{h.id}") is None
+
+
+def test_said_reads_only_new_output_and_finds_a_line_written_in_two_pieces(rt: ProcessRuntime) -> None:
+    # The warm pool asks every READY_LOOK whether a starting sandbox has printed its ready
+    # line; each look reads only what was written since the last one (issue 42: re-reading
+    # the log's tail at every look was most of the pool's CPU in a 50-way gVisor map).
+    from prefect_resoluto.runtimes import _local
+
+    line = "resoluto warm: ready"
+    code = (
+        "import sys\n"
+        "sys.stdout.write('booting\\n' + 'resoluto warm: re'); sys.stdout.flush()\n"
+        "sys.stdin.readline()\n"
+        "sys.stdout.write('ady\\n'); sys.stdout.flush()\n"
+        "sys.stdin.readline()\n"
+    )
+    h = rt.launch(spec(code, hold_stdin=True))
+    log = Path(h.data["dir"]) / "output.log"
+    try:
+        wait_for(lambda: log.read_bytes().endswith(b"resoluto warm: re"), what="the first half of the line")
+        assert not rt.said(h, line)
+        # What was read already is not read again: blanked in place (same size), the ready
+        # line's first half is still known from the look before.
+        log.write_bytes(b"x" * log.stat().st_size)
+        rt.assign(h, b"go\n")
+        wait_for(lambda: rt.said(h, line), what="the ready line, completed")
+        assert not rt.said(h, "never printed")  # a line it did not write is not found
+    finally:
+        rt.destroy(h)
+    assert (rt.name, h.id) not in _local._SAID  # destroy forgets what was read
+    assert not rt.said(h, line)  # nothing to read any more: not said
+
+
+def test_said_reads_a_log_that_was_replaced_by_a_shorter_one_afresh(rt: ProcessRuntime) -> None:
+    h = rt.launch(
+        spec(
+            "import sys; sys.stdout.write('x' * 5000 + '\\n'); sys.stdout.flush(); sys.stdin.readline()",
+            hold_stdin=True,
+        )
+    )
+    log = Path(h.data["dir"]) / "output.log"
+    try:
+        wait_for(lambda: log.stat().st_size >= 5000, what="the first output")
+        assert not rt.said(h, "resoluto warm: ready")
+        tmp = log.with_name("output.new")
+        tmp.write_bytes(b"resoluto warm: ready\n")
+        os.replace(tmp, log)
+        assert rt.said(h, "resoluto warm: ready")
+    finally:
+        rt.destroy(h)
+
+
+def test_a_running_sandboxs_oom_kills_are_read_from_the_memory_controller_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The status of a running gVisor sandbox asks for OOM kills at every look (the warm pool
+    # looks several times a second): one read of the memory controller's file, found by name.
+    roots = {c: tmp_path / c / _cgroup.PARENT for c in ("cpu,cpuacct", "memory", "pids")}
+    for root in roots.values():
+        (root / "gvisor-rsl-x").mkdir(parents=True)
+    monkeypatch.setattr(_cgroup, "detect", lambda: "v1")
+    monkeypatch.setattr(_cgroup, "_v1_roots", lambda: tuple(str(r) for r in roots.values()))
+    _cgroup._oom_parent.cache_clear()
+    try:
+        (roots["pids"] / "gvisor-rsl-x" / "memory.oom_control").write_text("oom_kill 2\n")
+        assert not _cgroup.oom_killed("gvisor-rsl-x")  # not the memory controller's
+        (roots["memory"] / "gvisor-rsl-x" / "memory.oom_control").write_text(
+            "oom_kill_disable 0\noom_kill 0\n"
+        )
+        assert not _cgroup.oom_killed("gvisor-rsl-x")
+        (roots["memory"] / "gvisor-rsl-x" / "memory.oom_control").write_text(
+            "oom_kill_disable 0\noom_kill 1\n"
+        )
+        assert _cgroup.oom_killed("gvisor-rsl-x")
+        assert not _cgroup.oom_killed("gvisor-rsl-gone")  # no such cgroup: no OOM kill
+    finally:
+        _cgroup._oom_parent.cache_clear()

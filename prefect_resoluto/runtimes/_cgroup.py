@@ -42,17 +42,9 @@ class Cgroup:
         # Only the file this hierarchy keeps the count in (v2 memory.events, v1 the memory
         # controller's memory.oom_control): an open that cannot succeed, in every
         # controller's directory at every sandbox's exit, was CPU for nothing.
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for d in self.dirs if self.version == 2 else filter(_is_memory_v1, self.dirs):
-            try:
-                text = (Path(d) / name).read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill" and value.strip().isdigit() and int(value) > 0:
-                    return True
-        return False
+        name = _OOM_FILE[self.version]
+        dirs = self.dirs if self.version == 2 else filter(_is_memory_v1, self.dirs)
+        return any(_counts_an_oom_kill(os.path.join(d, name)) for d in dirs)
 
     def pids(self) -> list[int]:
         found: set[int] = set()
@@ -207,7 +199,47 @@ def _members(procs: str, dir_fd: int | None = None) -> list[int]:
 def _is_memory_v1(d: str) -> bool:
     """Whether ``d`` (``<controller mount>/resoluto/<name>``) is under the v1 memory
     controller, mounted alone or with others (``memory,foo``)."""
-    return "memory" in Path(d).parent.parent.name.split(",")
+    return "memory" in os.path.basename(os.path.dirname(os.path.dirname(d))).split(",")
+
+
+#: The file each hierarchy counts a cgroup's OOM kills in (v1: the memory controller's).
+_OOM_FILE = {1: "memory.oom_control", 2: "memory.events"}
+
+
+def _counts_an_oom_kill(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(b" ")
+        if key == b"oom_kill" and value.strip().isdigit() and int(value) > 0:
+            return True
+    return False
+
+
+def oom_killed(name: str) -> bool:
+    """Whether the sandbox cgroup ``name`` has had a process OOM-killed: one read of the one
+    file that counts them, its path worked out from the hierarchy (looked at once), not from
+    a lookup of the cgroup's directories. Asked at every status of a running gVisor sandbox,
+    of which the warm pool takes several a second while sandboxes start; False where there
+    is no such cgroup."""
+    parent = _oom_parent()
+    return parent is not None and _counts_an_oom_kill(os.path.join(parent[0], name, parent[1]))
+
+
+@functools.lru_cache(maxsize=1)
+def _oom_parent() -> tuple[str, str] | None:
+    """(the directory holding every sandbox's cgroup in the hierarchy that counts OOM kills,
+    that file's name), or None without a usable hierarchy."""
+    version = detect()
+    if version == "v2":
+        return str(CGROUP_FS / PARENT), _OOM_FILE[2]
+    if version == "v1":
+        memory = next((r for r in _v1_roots() if _is_memory_v1(os.path.join(r, "x"))), None)
+        return (memory, _OOM_FILE[1]) if memory is not None else None
+    return None
 
 
 def kill(pids: list[int]) -> None:

@@ -70,6 +70,11 @@ _LOCK = threading.Lock()
 _NETWORKS: dict[tuple[str, str], str] = {}
 # Warm sandboxes' stdin, kept open until their assignment (or destroy) closes it.
 _STDIN: dict[tuple[str, str], IO[bytes]] = {}
+# Output looked through by said(), per sandbox: how far, and the last bytes of it (a line may
+# arrive in two pieces between two looks).
+_SAID: dict[tuple[str, str], tuple[int, bytes]] = {}
+#: The most of a sandbox's new output one look of said() reads (the ready line is its last).
+SAID_WINDOW = 1 << 16
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +385,7 @@ class LocalChildRuntime(SandboxRuntime):
 
     def _running_status(self, handle: SandboxHandle) -> SandboxStatus:
         if self.oom_breaks_a_running_sandbox:
-            cg = _cgroup.existing(self._cgroup_name(handle.id))
-            if cg is not None and cg.oom_killed():
+            if _cgroup.oom_killed(self._cgroup_name(handle.id)):
                 return SandboxStatus(
                     "failed",
                     reason="OOM-killed: a process of the sandbox was killed at its memory limit, "
@@ -450,6 +454,7 @@ class LocalChildRuntime(SandboxRuntime):
             proc = _CHILDREN.pop(key, None)
             final: SandboxStatus | None = _TERMINAL.pop(key, None)
             pipe = _STDIN.pop(key, None)
+            _SAID.pop(key, None)
         if pipe is not None:
             try:
                 pipe.close()
@@ -513,6 +518,41 @@ class LocalChildRuntime(SandboxRuntime):
 
     def logs(self, handle: SandboxHandle, tail: int = 200) -> str:
         return tail_file(sandbox_dir(self.state, handle.id) / LOG_NAME, tail)
+
+    def said(self, handle: SandboxHandle, line: str) -> bool:
+        """Whether ``handle``'s output so far holds ``line``. Only what the sandbox wrote since
+        the last look is read: the warm pool asks every READY_LOOK for each sandbox starting,
+        and a log that has not grown costs one ``stat``."""
+        key = (self.name, handle.id)
+        path = os.path.join(str(handle.data.get("dir") or sandbox_dir(self.state, handle.id)), LOG_NAME)
+        with _LOCK:
+            seen, carry = _SAID.get(key, (0, b""))
+        try:
+            size = os.stat(path).st_size
+            if size == seen:
+                return False
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return False  # not there (yet, or any more): nothing said
+        try:
+            size = os.fstat(fd).st_size
+            start = seen if seen <= size else 0  # shorter than before: a new file, read afresh
+            if size - start > SAID_WINDOW:
+                start, carry = size - SAID_WINDOW, b""
+            data = os.pread(fd, size - start, start)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        want = line.encode()
+        text = (carry if start == seen else b"") + data
+        found = want in text
+        with _LOCK:
+            if found or key in _DESTROYED:
+                _SAID.pop(key, None)
+            else:
+                _SAID[key] = (start + len(data), text[-(len(want) - 1) :] if len(want) > 1 else b"")
+        return found
 
 
 def network_request_of(spec: LaunchSpec) -> egress.NetworkRequest | None:

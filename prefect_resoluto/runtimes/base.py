@@ -415,6 +415,10 @@ class SandboxRuntime(ABC):
         """Deliver a warm sandbox's assignment on its private channel, once."""
         raise LaunchError(f"runtime {self.name!r} cannot keep sandboxes warm")
 
+    def said(self, handle: SandboxHandle, line: str) -> bool:
+        """Whether ``handle``'s output so far holds ``line`` (a warm guest's ready line)."""
+        return line in self.logs(handle, tail=5)
+
     def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:
         """Write ``handle``'s checkpoint into the new directory ``image``; the sandbox stops."""
         raise LaunchError(f"runtime {self.name!r} cannot checkpoint sandboxes")

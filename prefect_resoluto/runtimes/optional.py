@@ -24,6 +24,9 @@ class WarmRuntime(Protocol):
     def network_env(self, handle: SandboxHandle) -> dict[str, str]:
         """The variables the runtime gave ``handle``'s guest with its network."""
 
+    def said(self, handle: SandboxHandle, line: str) -> bool:
+        """Whether ``handle``'s output so far holds ``line`` (a warm guest's ready line)."""
+
 
 class SnapshotRuntime(WarmRuntime, Protocol):
     """Warm sandboxes that can be checkpointed, and others restored from the image."""

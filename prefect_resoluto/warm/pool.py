@@ -99,6 +99,9 @@ WAKE = wire.WARM_WAKE
 SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 #: Seconds between looks at a starting sandbox's log for its ready line (the refill thread).
 READY_LOOK = 0.02
+#: Seconds between a waiting node's own looks for a ready sandbox: the refill thread tells
+#: it sooner (each waiting node looking every READY_LOOK too was the same work done twice).
+TAKE_LOOK = 0.25
 #: Seconds close() waits for one idle sandbox's destroy before it goes on to the sweep.
 DISCARD_WAIT = 60.0
 #: Seconds a node waits at most for a restore of its key before it runs cold. A cold boot
@@ -345,7 +348,7 @@ class WarmSandbox:
 
     def ready(self) -> bool:
         if not self._ready:
-            self._ready = READY in self.runtime.logs(self.handle, tail=5)
+            self._ready = self.runtime.said(self.handle, READY)
         return self._ready
 
     def alive(self) -> bool:
@@ -540,8 +543,9 @@ class WarmPool:
                             self._waiting[key] = self._waiting.get(key, 0) + 1
                             self._lock.notify_all()  # the refill thread restores one more
                         # Ready is a line in its log: the refill thread looks every READY_LOOK
-                        # and notifies; this look is the fallback while it starts a restore.
-                        self._lock.wait(timeout=READY_LOOK)
+                        # and notifies, as it does when a restore joins the idle list; this
+                        # wait's own end is only the fallback (and RESTORE_WAIT's clock).
+                        self._lock.wait(timeout=TAKE_LOOK)
                         continue
                     if pick is None:
                         if warm:
@@ -623,16 +627,17 @@ class WarmPool:
             with self._lock:
                 if self._closed:
                     return
+                # A sandbox reaching ready frees a start (MAX_RESTORING) and is a node's to
+                # take; ready is a line in its log, no event: looked at every READY_LOOK
+                # while one is on its way, and the waiting nodes told (they look themselves
+                # only every TAKE_LOOK). Before the next key is chosen, which looks too.
+                # Sleeping the idle 0.5 s meanwhile held every next restore of a chain of
+                # short tasks back by up to half a second.
+                coming = [w for ws in self._idle.values() for w in ws if not w._ready]
+                if any([w.ready() for w in coming]):
+                    self._lock.notify_all()
                 todo = self._next_key()
                 if todo is None:
-                    # A sandbox reaching ready frees a start (MAX_RESTORING) and is a node's
-                    # to take; ready is a line in its log, no event: looked at every
-                    # READY_LOOK while one is on its way, and the waiting nodes told. Sleeping
-                    # the idle 0.5 s then held every next restore of a chain of short tasks
-                    # back by up to half a second.
-                    coming = [w for ws in self._idle.values() for w in ws if not w._ready]
-                    if any([w.ready() for w in coming]):
-                        self._lock.notify_all()
                     self._lock.wait(timeout=READY_LOOK if coming or self._starters else 0.5)
                     continue
                 self._starting[todo] = self._starting.get(todo, 0) + 1
@@ -927,7 +932,7 @@ class WarmPool:
         w = self._start(key, template=True)
         try:
             deadline = t0 + TEMPLATE_TIMEOUT
-            while SNAPSHOT_READY not in self.runtime.logs(w.handle, tail=5):
+            while not self.runtime.said(w.handle, SNAPSHOT_READY):
                 with self._lock:
                     if self._closed:
                         return None
