@@ -11,6 +11,8 @@ need_apt=()
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 command -v podman >/dev/null 2>&1 || need_apt+=(podman)
 command -v runc >/dev/null 2>&1 || need_apt+=(runc)
+# A restored gVisor sandbox's child subreaper (podman's init; runtimes/gvisor.py).
+command -v catatonit >/dev/null 2>&1 || need_apt+=(catatonit)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 # Egress allowlists: nsenter/unshare start sandboxes in their namespace; the egress tests'
 # test hosts use curl (a command task) and openssl (their self-signed certificate).

@@ -238,3 +238,41 @@ def test_a_flows_first_node_takes_the_first_restore_not_a_cold_boot(gvisor, loca
             w.discard()
         pool.close()
     _no_sandboxes(gvisor)
+
+
+@pytest.mark.parametrize("subreaper", ["catatonit", "python"])
+def test_a_restored_sandbox_is_deleted_when_it_ends_and_when_it_is_terminated(
+    gvisor, local_conduit, monkeypatch, subreaper
+):
+    # A restored sandbox's process runs `runsc restore` under a child subreaper and deletes
+    # the container after it (runsc restore leaves it behind): catatonit with a shell where
+    # it is installed (a few ms of CPU a restore), else the Python reaper. Both: a node
+    # served and its container gone; an idle one sent SIGTERM (destroy's last resort) has
+    # its container killed and deleted, and exits as a SIGKILLed sandbox.
+    import signal
+
+    from prefect_resoluto.runtimes import _local
+    from prefect_resoluto.runtimes import gvisor as gvisor_mod
+
+    if subreaper == "catatonit" and gvisor_mod._catatonit() is None:
+        pytest.skip("catatonit is not installed here (scripts/setup.sh installs it)")
+    if subreaper == "python":
+        monkeypatch.setattr(gvisor_mod, "_catatonit", lambda: None)
+    key = key_for(NodeSpec(run_id="r", node_id="n", argv=PROBE))
+    pool = _ready_pool(gvisor, local_conduit, key, n=1)
+    try:
+        o, lines = _run(gvisor, local_conduit, pool, key, f"node-{uuid.uuid4().hex[:10]}", "s3cr3t")
+        assert "seen []" in lines, lines
+        wait_for(lambda: pool.ready_count(key) >= 1, timeout=120, what="a second restored sandbox")
+        w = _take(pool, key)
+        proc = _local._CHILDREN[(gvisor.name, w.handle.id)]
+        assert (subreaper == "catatonit") == (Path(proc.args[0]).name == "catatonit")
+        assert (subreaper == "python") == any(a.endswith("_restore_reaper.py") for a in proc.args)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=scaled(60)) == 128 + signal.SIGKILL
+        assert [c for c in gvisor.containers() if c["id"] == w.handle.id] == []
+        w.discard()
+    finally:
+        pool.close()
+    _no_sandboxes(gvisor)
+    _runsc_root_empty(gvisor)

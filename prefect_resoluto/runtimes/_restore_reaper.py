@@ -7,6 +7,9 @@ seconds on machines whose init reaps lazily. So this process is the *child subre
 what it starts: the gofer becomes its child and is reaped the moment it dies, and delete
 takes milliseconds. SIGTERM: kill the container (``runsc kill``), then the same path.
 Exits with ``runsc restore``'s status. Host side only; standard library only.
+
+Where catatonit is installed (scripts/setup.sh installs it) the same is a shell under it
+(``gvisor._REAP_SH``): this interpreter's start was ~12 ms of CPU at every restore.
 """
 
 from __future__ import annotations

@@ -64,6 +64,32 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RUNSC_FAILED = 128
 _SECRET_PRELUDE = 'eval "$(cat)"; exec "$@"'
 _RESTORE_REAPER = str(Path(__file__).with_name("_restore_reaper.py"))
+# What _restore_reaper.py does, as a shell run by catatonit (podman's init, a child
+# subreaper when it is not pid 1): ~2 ms of CPU where a Python interpreter's start is ~12 ms,
+# at every restore. "$@" is runsc and its global flags; the four words before them the
+# restore's. `runsc restore` runs in the background so a SIGTERM (which catatonit passes
+# on) interrupts the wait: the container is killed and the wait goes on; a kill still
+# running would re-create the container's lock file, and the trap's ends before the wait
+# resumes. The assignment pipe is restore's stdin only: this shell keeps no copy of it.
+_REAP_SH = (
+    "verb=$1 image=$2 bundle=$3 id=$4; shift 4\n"
+    "exec 3<&0 0</dev/null\n"
+    '"$@" "$verb" "$image" "$bundle" "$id" 0<&3 3<&- &\n'
+    "child=$!\n"
+    "exec 3<&-\n"
+    'trap \'term=1; "$@" kill "$id" KILL >/dev/null 2>&1\' TERM\n'
+    'while :; do term=; wait "$child"; code=$?; [ -z "$term" ] && break; done\n'
+    "trap '' TERM\n"
+    '"$@" delete --force "$id" >/dev/null 2>&1\n'
+    'exit "$code"\n'
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _catatonit() -> str | None:
+    """catatonit's path (a restored sandbox's subreaper), None where it is not installed:
+    then the Python one (_restore_reaper.py) runs instead."""
+    return shutil.which("catatonit")
 
 
 @functools.lru_cache(maxsize=8)
@@ -423,9 +449,22 @@ class GVisorRuntime(LocalChildRuntime):
             f"--bundle={bundle}",
             spec.sandbox_id,
         ]
-        if image is not None:  # deleted on exit like `runsc run`'s, by a subreaper (see the module)
-            delete = [exe, *self._global_flags(network=net is not None), "delete", "--force", spec.sandbox_id]
-            argv = [sys.executable, "-I", "-S", _RESTORE_REAPER, *argv, "--", *delete]
+        if image is not None:  # deleted on exit like `runsc run`'s, by a subreaper (see _restore_reaper.py)
+            catatonit = _catatonit()
+            if catatonit is not None:
+                # kill and delete with the restore's flags (with debug, their logs beside its)
+                restore = [*verb, f"--bundle={bundle}", spec.sandbox_id]
+                runsc = [exe, *self._global_flags(sandbox, network=net is not None)]
+                argv = [catatonit, "--", "/bin/sh", "-c", _REAP_SH, "sh", *restore, *runsc]
+            else:
+                delete = [
+                    exe,
+                    *self._global_flags(network=net is not None),
+                    "delete",
+                    "--force",
+                    spec.sandbox_id,
+                ]
+                argv = [sys.executable, "-I", "-S", _RESTORE_REAPER, *argv, "--", *delete]
         if net is not None:
             argv = netns_argv(net.netns, argv)
         # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
