@@ -439,32 +439,8 @@ class GVisorRuntime(LocalChildRuntime):
         # Compact: json writes it with its C encoder (an indented dump is the pure-Python one,
         # ~1 ms a restore).
         cfg.write_text(json.dumps(self.bundle_config(spec, lay, netns=net.netns if net else None)))
-        exe = self._binary() or self.runsc
         image = self._restore_from.pop(spec.sandbox_id, None)
-        verb = ["restore", f"--image-path={image}"] if image is not None else ["run"]
-        argv = [
-            exe,
-            *self._global_flags(sandbox, network=net is not None),
-            *verb,
-            f"--bundle={bundle}",
-            spec.sandbox_id,
-        ]
-        if image is not None:  # deleted on exit like `runsc run`'s, by a subreaper (see _restore_reaper.py)
-            catatonit = _catatonit()
-            if catatonit is not None:
-                # kill and delete with the restore's flags (with debug, their logs beside its)
-                restore = [*verb, f"--bundle={bundle}", spec.sandbox_id]
-                runsc = [exe, *self._global_flags(sandbox, network=net is not None)]
-                argv = [catatonit, "--", "/bin/sh", "-c", _REAP_SH, "sh", *restore, *runsc]
-            else:
-                delete = [
-                    exe,
-                    *self._global_flags(network=net is not None),
-                    "delete",
-                    "--force",
-                    spec.sandbox_id,
-                ]
-                argv = [sys.executable, "-I", "-S", _RESTORE_REAPER, *argv, "--", *delete]
+        argv = self._runsc_argv(spec.sandbox_id, sandbox, bundle, image, network=net is not None)
         if net is not None:
             argv = netns_argv(net.netns, argv)
         # runsc donates its stdin to the container: a pipe the prelude reads to EOF.
@@ -477,6 +453,23 @@ class GVisorRuntime(LocalChildRuntime):
             host_limits=False,
             stdin_data=secrets.encode() if secrets else None,
         )
+
+    def _runsc_argv(
+        self, sandbox_id: str, sandbox: Path, bundle: Path, image: Path | None, *, network: bool
+    ) -> list[str]:
+        """``runsc run`` of the bundle; with ``image``, ``runsc restore`` of it, deleted on exit
+        as ``runsc run``'s container is, by a child subreaper (see _restore_reaper.py)."""
+        exe = self._binary() or self.runsc
+        verb = ["restore", f"--image-path={image}"] if image is not None else ["run"]
+        own = [*verb, f"--bundle={bundle}", sandbox_id]
+        runsc = [exe, *self._global_flags(sandbox, network=network)]
+        if image is None:
+            return [*runsc, *own]
+        catatonit = _catatonit()
+        if catatonit is not None:  # kill and delete with the restore's flags (debug logs beside its)
+            return [catatonit, "--", "/bin/sh", "-c", _REAP_SH, "sh", *own, *runsc]
+        delete = [exe, *self._global_flags(network=network), "delete", "--force", sandbox_id]
+        return [sys.executable, "-I", "-S", _RESTORE_REAPER, *runsc, *own, "--", *delete]
 
     def _before_start(self, spec: LaunchSpec) -> None:
         if self._ignore_cgroups():
