@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Mapping, Optional, Union
 
-from guest_runner import wire
+from guest_runner import threads, wire
 from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
 
 _MISSING = b"\0missing"
@@ -55,7 +55,7 @@ class HostWatch:
         self.accept = accept
         self.reads = 0
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threads.Started] = None
 
     def read(self) -> Union[bytes, _Unreadable]:
         """The heartbeat's content (at most MAX_HOST_BEAT_BYTES + 1 bytes of it)."""
@@ -69,8 +69,7 @@ class HostWatch:
             return _UNREADABLE
 
     def start(self) -> "HostWatch":
-        self._thread = threading.Thread(target=self._run, name="resoluto-hostwatch", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "resoluto-hostwatch")
         return self
 
     def stop(self) -> None:

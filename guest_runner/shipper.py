@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from guest_runner import wire
+from guest_runner import threads, wire
 from guest_runner.conduit import Conduit, ConduitError
 from guest_runner.redact import Redactor
 
@@ -58,7 +58,7 @@ class Shipper:
         self._flush_lock = threading.Lock()  # serialises chunk numbering and puts
         self._wake = threading.Condition(self._lock)
         self._stop = False
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threads.Started] = None
         self.last_error: Optional[BaseException] = None
         # Span ids in wire.new_span_id's format (16 hex digits), from a random 64-bit start
         # counting up: unique within the node, and no uuid4()/getrandom(2) per log line,
@@ -178,8 +178,7 @@ class Shipper:
                 backoff = 0.5  # the conduit's own client already retried; don't spin
 
     def start(self) -> "Shipper":
-        self._thread = threading.Thread(target=self._run, name="resoluto-shipper", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "resoluto-shipper")
         return self
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from typing import IO, BinaryIO, Dict, List, Optional, Union
 
-from guest_runner import privsep, reseed, runner, wire
+from guest_runner import privsep, reseed, runner, threads, wire
 from guest_runner.conduit import InvalidKey, LocalConduit
 
 SLOT_ENV = wire.ENV_WARM_SLOT
@@ -292,6 +292,9 @@ def main() -> int:
     # after the fork above: the call's process never needs it).
     from guest_runner import archive  # noqa: F401
 
+    # The node's two background threads (the shipper's, the host watch's), started while the
+    # sandbox waits and restored with it: after the hardening above, and after the fork.
+    threads.prestart(2)
     try:
         if os.environ.get(SNAPSHOT_ENV):
             print(SNAPSHOT_READY, flush=True)  # the host checkpoints the sandbox here

@@ -621,3 +621,76 @@ def test_a_node_of_a_key_with_imports_waits_for_its_image_while_it_is_made(tmp_p
     assert pool._next_key() == heavy
     pool._booting_only.add(heavy)  # its image could not be made: its sandboxes boot
     assert not pool._restore_coming(heavy, now)
+
+
+def test_a_warm_guest_runs_its_node_on_threads_started_before_it_was_ready(tmp_path):
+    # Starting a thread in a restored gVisor sandbox costs 2-15 ms of the node's time; a warm
+    # guest starts the node's two (the shipper's, the host watch's) while it waits, and its node
+    # starts none. Seen from the host on `process`, where the runner is the sandbox's process:
+    # three threads at ready, still three while the node runs (the workload is a process).
+    import threading
+
+    rt = get_runtime("process", state_dir=tmp_path / "state")
+    conduit = LocalConduit(str(tmp_path / "conduit"))
+    gate = tmp_path / "gate"
+    wait_gate = [
+        "python3",
+        "-c",
+        f"import os,time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)",
+    ]
+    spec = NodeSpec(run_id="run-t", node_id="n1", argv=wait_gate)
+    key = key_for(spec)
+    pool = _ready_pool(rt, conduit, key, n=1)
+    try:
+        w = _take(pool, key)
+        tasks = Path(f"/proc/{w.handle.data['pid']}/task")
+        assert len(list(tasks.iterdir())) == 3  # main, and the two spares waiting
+        out: list = []
+        t = threading.Thread(
+            target=lambda: out.append(drive_node(spec, conduit, rt, warm=w, min_isolation="none"))
+        )
+        t.start()
+        try:
+            wait_for(
+                lambda: (Path(w.handle.data["dir"]) / "output.log").exists() and _running_workload(tasks),
+                what="the node's workload",
+            )
+            assert len(list(tasks.iterdir())) == 3  # the node started no thread of its own
+        finally:
+            gate.touch()
+            t.join(scaled(120))
+        assert out and out[0].ok, out and out[0].describe()
+    finally:
+        pool.close()
+
+
+def _running_workload(tasks: Path) -> bool:
+    """Whether the runner at ``tasks`` has a child (its node's workload) yet."""
+    return any(
+        (tasks / t / "children").read_text().split()
+        for t in os.listdir(tasks)
+        if (tasks / t / "children").exists()
+    )
+
+
+def test_spare_threads_take_the_work_they_are_given_and_then_new_ones_start():
+    import threading
+
+    from guest_runner import threads
+
+    before = threading.active_count()
+    threads.prestart(2)
+    assert threading.active_count() == before + 2
+    ran: list[int] = []
+    gate = threading.Event()
+    started = [threads.start(lambda n=n: (gate.wait(), ran.append(n)), f"worker-{n}") for n in range(3)]
+    assert threading.active_count() == before + 3  # two spares, one new
+    assert sorted(t.thread.name if hasattr(t, "thread") else t.name for t in started) == [
+        "worker-0",
+        "worker-1",
+        "worker-2",
+    ]
+    gate.set()
+    for t in started:
+        t.join(scaled(30))
+    assert sorted(ran) == [0, 1, 2]
