@@ -223,6 +223,11 @@ def _drop_bounding_set() -> None:
             return  # no CAP_SETPCAP: the runtime's own bounding set stands (gVisor: the runner's few)
 
 
+def hardened() -> bool:
+    """Whether this process has been hardened (by :func:`configure`)."""
+    return _hardened
+
+
 def user() -> Optional[Tuple[int, int]]:
     return _user
 

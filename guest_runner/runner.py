@@ -44,7 +44,7 @@ from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
 # import is dear in a sandbox (a stat() per sys.path entry, each a trip through gVisor).
-from guest_runner import hostwatch, privsep, wire
+from guest_runner import hostwatch, privsep, threads, wire
 from guest_runner.conduit import Conduit, ConduitError
 from guest_runner.conduit.registry import conduit_from_env
 from guest_runner.redact import Redactor
@@ -527,11 +527,17 @@ def main(
     _WORK.lost = ""
     # First, before any thread exists: the runner's own process hardened, its
     # credentials out of what the workload's user could read (guest_runner/privsep.py).
+    was_hardened = privsep.hardened()
     try:
         privsep.configure(env)
         unisolated = ""
     except privsep.PrivsepError as e:
         unisolated = str(e)
+    if privsep.hardened() and not was_hardened:
+        # Threads a warm guest started ahead of a hardening that only happens now (its boot
+        # had no workload user, its assignment does): no_new_privs and the capability sets
+        # are per thread, so they would not carry it. None of them runs the node's work.
+        threads.drop()
     redactor = Redactor.from_env(env)
     try:
         if conduit is None:

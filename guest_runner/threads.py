@@ -59,6 +59,16 @@ def prestart(n: int) -> None:
             _SPARES.append(spare)
 
 
+def drop() -> None:
+    """Let every spare thread end unused: they were started before a hardening of this
+    process that happened since (per-thread state they would not carry)."""
+    with _LOCK:
+        spares = list(_SPARES)
+        del _SPARES[:]
+    for spare in spares:
+        spare.give(lambda: None, "resoluto-spare")
+
+
 def start(target: Callable[[], None], name: str) -> Started:
     """Run ``target`` on a daemon thread called ``name``: a spare one if any is left."""
     with _LOCK:

@@ -694,3 +694,25 @@ def test_spare_threads_take_the_work_they_are_given_and_then_new_ones_start():
     for t in started:
         t.join(scaled(30))
     assert sorted(ran) == [0, 1, 2]
+
+
+def test_spare_threads_started_before_a_later_hardening_are_let_go():
+    # A warm guest's spares carry the hardening done before them. Should the process be
+    # hardened only at its assignment (per-thread state), the runner lets them end unused and
+    # starts its threads after the hardening instead.
+    import threading
+
+    from guest_runner import threads
+
+    threads.prestart(2)
+    spares = list(threads._SPARES)
+    threads.drop()
+    for spare in spares:
+        spare.join(scaled(30))
+        spare.thread.join(scaled(30))
+        assert not spare.thread.is_alive()
+    done = threading.Event()
+    t = threads.start(done.set, "after-the-hardening")
+    assert isinstance(t, threading.Thread)  # none of the dropped spares
+    t.join(scaled(30))
+    assert done.is_set()

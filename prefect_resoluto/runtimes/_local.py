@@ -70,9 +70,9 @@ _LOCK = threading.Lock()
 _NETWORKS: dict[tuple[str, str], str] = {}
 # Warm sandboxes' stdin, kept open until their assignment (or destroy) closes it.
 _STDIN: dict[tuple[str, str], IO[bytes]] = {}
-# Output looked through by said(), per sandbox: how far, and the last bytes of it (a line may
-# arrive in two pieces between two looks).
-_SAID: dict[tuple[str, str], tuple[int, bytes]] = {}
+# Output looked through by said(), per sandbox and line: how far, and the last bytes of it (a
+# line may arrive in two pieces between two looks).
+_SAID: dict[tuple[str, str, str], tuple[int, bytes]] = {}
 #: The most of a sandbox's new output one look of said() reads (the ready line is its last).
 SAID_WINDOW = 1 << 16
 
@@ -454,7 +454,6 @@ class LocalChildRuntime(SandboxRuntime):
             proc = _CHILDREN.pop(key, None)
             final: SandboxStatus | None = _TERMINAL.pop(key, None)
             pipe = _STDIN.pop(key, None)
-            _SAID.pop(key, None)
         if pipe is not None:
             try:
                 pipe.close()
@@ -485,6 +484,8 @@ class LocalChildRuntime(SandboxRuntime):
         slot.release(d / slot.SLOT_NAME)  # a warm sandbox's slot, mounted in its state directory
         host_state.discard(d)  # the record goes with the rest, or the rest stays a sweep's to find
         with _LOCK:
+            for said in [k for k in _SAID if k[:2] == key]:  # a look racing this destroy included
+                del _SAID[said]
             # Keep the first destroy's verdict: a second destroy has nothing left to read.
             if key not in _DESTROYED and (proc is not None or rec is not None):
                 _DESTROYED[key] = final
@@ -523,7 +524,7 @@ class LocalChildRuntime(SandboxRuntime):
         """Whether ``handle``'s output so far holds ``line``. Only what the sandbox wrote since
         the last look is read: the warm pool asks every READY_LOOK for each sandbox starting,
         and a log that has not grown costs one ``stat``."""
-        key = (self.name, handle.id)
+        key = (self.name, handle.id, line)
         path = os.path.join(str(handle.data.get("dir") or sandbox_dir(self.state, handle.id)), LOG_NAME)
         with _LOCK:
             seen, carry = _SAID.get(key, (0, b""))
@@ -548,7 +549,7 @@ class LocalChildRuntime(SandboxRuntime):
         text = (carry if start == seen else b"") + data
         found = want in text
         with _LOCK:
-            if found or key in _DESTROYED:
+            if found or (self.name, handle.id) in _DESTROYED:
                 _SAID.pop(key, None)
             else:
                 _SAID[key] = (start + len(data), text[-(len(want) - 1) :] if len(want) > 1 else b"")

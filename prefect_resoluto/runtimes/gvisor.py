@@ -70,7 +70,11 @@ _RESTORE_REAPER = str(Path(__file__).with_name("_restore_reaper.py"))
 # restore's. `runsc restore` runs in the background so a SIGTERM (which catatonit passes
 # on) interrupts the wait: the container is killed and the wait goes on; a kill still
 # running would re-create the container's lock file, and the trap's ends before the wait
-# resumes. The assignment pipe is restore's stdin only: this shell keeps no copy of it.
+# resumes. A TERM right after the wait returned restore's own status makes the next wait
+# answer 127 (that child is reaped): the status already had is kept. The shell keeps no copy
+# of the assignment pipe (catatonit keeps its own until it exits, as the Python reaper did).
+# A background command of this shell starts with SIGINT and SIGQUIT ignored, and runsc's
+# processes inherit that: harmless, the host sends neither and they run in their own session.
 _REAP_SH = (
     "verb=$1 image=$2 bundle=$3 id=$4; shift 4\n"
     "exec 3<&0 0</dev/null\n"
@@ -78,7 +82,10 @@ _REAP_SH = (
     "child=$!\n"
     "exec 3<&-\n"
     'trap \'term=1; "$@" kill "$id" KILL >/dev/null 2>&1\' TERM\n'
-    'while :; do term=; wait "$child"; code=$?; [ -z "$term" ] && break; done\n'
+    "code=\n"
+    'while :; do term=; wait "$child"; c=$?\n'
+    '  [ "$c" -eq 127 ] && [ -n "$code" ] && break; code=$c; [ -z "$term" ] && break\n'
+    "done\n"
     "trap '' TERM\n"
     '"$@" delete --force "$id" >/dev/null 2>&1\n'
     'exit "$code"\n'

@@ -99,8 +99,9 @@ WAKE = wire.WARM_WAKE
 SNAPSHOT_ENV = wire.ENV_WARM_SNAPSHOT
 #: Seconds between looks at a starting sandbox's log for its ready line (the refill thread).
 READY_LOOK = 0.02
-#: Seconds between a waiting node's own looks for a ready sandbox: the refill thread tells
-#: it sooner (each waiting node looking every READY_LOOK too was the same work done twice).
+#: Seconds between a waiting node's own looks for a ready sandbox while the refill thread
+#: looks and tells it (each waiting node looking every READY_LOOK too was the same work done
+#: twice).
 TAKE_LOOK = 0.25
 #: Seconds close() waits for one idle sandbox's destroy before it goes on to the sweep.
 DISCARD_WAIT = 60.0
@@ -450,6 +451,9 @@ class WarmPool:
         #: any key starts meanwhile.
         self._templating = False
         self._lock = threading.Condition()
+        #: The refill thread is waiting between its looks (READY_LOOK apart while a sandbox
+        #: is on its way), not busy starting one: nodes waiting in take() rely on its looks.
+        self._looking = False
         self._closed = False
         self._thread: threading.Thread | None = None
         #: Tests only: called with each sandbox taken from this pool right before its
@@ -544,8 +548,10 @@ class WarmPool:
                             self._lock.notify_all()  # the refill thread restores one more
                         # Ready is a line in its log: the refill thread looks every READY_LOOK
                         # and notifies, as it does when a restore joins the idle list; this
-                        # wait's own end is only the fallback (and RESTORE_WAIT's clock).
-                        self._lock.wait(timeout=TAKE_LOOK)
+                        # wait's own end is only the fallback (and RESTORE_WAIT's clock), but
+                        # while that thread is busy elsewhere (an image made, a sandbox booted
+                        # on it) the node looks itself as often.
+                        self._lock.wait(timeout=TAKE_LOOK if self._looking else READY_LOOK)
                         continue
                     if pick is None:
                         if warm:
@@ -630,15 +636,20 @@ class WarmPool:
                 # A sandbox reaching ready frees a start (MAX_RESTORING) and is a node's to
                 # take; ready is a line in its log, no event: looked at every READY_LOOK
                 # while one is on its way, and the waiting nodes told (they look themselves
-                # only every TAKE_LOOK). Before the next key is chosen, which looks too.
-                # Sleeping the idle 0.5 s meanwhile held every next restore of a chain of
-                # short tasks back by up to half a second.
+                # only every TAKE_LOOK while this thread looks). Choosing the next key looks
+                # too: the nodes are told after it, whichever look saw it. Sleeping the idle
+                # 0.5 s meanwhile held every next restore of a chain of short tasks back by
+                # up to half a second.
                 coming = [w for ws in self._idle.values() for w in ws if not w._ready]
+                todo = self._next_key()
                 if any([w.ready() for w in coming]):
                     self._lock.notify_all()
-                todo = self._next_key()
                 if todo is None:
-                    self._lock.wait(timeout=READY_LOOK if coming or self._starters else 0.5)
+                    self._looking = True
+                    try:
+                        self._lock.wait(timeout=READY_LOOK if coming or self._starters else 0.5)
+                    finally:
+                        self._looking = False
                     continue
                 self._starting[todo] = self._starting.get(todo, 0) + 1
                 if self._restorable(todo):
