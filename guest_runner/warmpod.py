@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Dict, Optional, Tuple
 
-from guest_runner import hostwatch, runner, wire
+from guest_runner import hostwatch, runner, threads, wire
 from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound, conduit_from_env
 
 #: The host's public value (hex), and this pod's own object prefix (a full key prefix).
@@ -184,6 +184,9 @@ def main() -> int:
         watch = hostwatch.HostWatch(
             conduit, f"{prefix}/{BEAT}", beat[1], _host_lost, accept=BeatCheck(key, token)
         ).start()
+    # The node's two background threads, started while the pod waits (guest_runner/threads.py;
+    # a pod's runner is hardened, if ever, at its assignment, which lets them go).
+    threads.prestart(2)
     conduit.put(f"{prefix}/{HELLO}", hello_body(public))
     print(wire.WARM_READY, flush=True)
     data = _wait_for_assignment(conduit, f"{prefix}/{ASSIGN}")
