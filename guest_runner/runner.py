@@ -525,8 +525,9 @@ def main(
     ``beat_conduit``: where the host's heartbeat is read (default: ``conduit``)."""
     env = dict(os.environ if env is None else env)
     _WORK.lost = ""
-    # First, before any thread exists: the runner's own process hardened, its
-    # credentials out of what the workload's user could read (guest_runner/privsep.py).
+    # First, before any thread of its own exists (a warm guest's spares: see below): the
+    # runner's own process hardened, its credentials out of what the workload's user could
+    # read (guest_runner/privsep.py).
     was_hardened = privsep.hardened()
     try:
         privsep.configure(env)

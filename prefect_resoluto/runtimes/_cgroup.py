@@ -199,7 +199,12 @@ def _members(procs: str, dir_fd: int | None = None) -> list[int]:
 def _is_memory_v1(d: str) -> bool:
     """Whether ``d`` (``<controller mount>/resoluto/<name>``) is under the v1 memory
     controller, mounted alone or with others (``memory,foo``)."""
-    return "memory" in os.path.basename(os.path.dirname(os.path.dirname(d))).split(",")
+    return _mounts_memory(os.path.dirname(os.path.dirname(d)))
+
+
+def _mounts_memory(mount: str) -> bool:
+    """Whether the v1 controller mount ``mount`` is the memory controller's (alone or shared)."""
+    return "memory" in os.path.basename(mount).split(",")
 
 
 #: The file each hierarchy counts a cgroup's OOM kills in (v1: the memory controller's).
@@ -237,7 +242,7 @@ def _oom_parent() -> tuple[str, str] | None:
     if version == "v2":
         return str(CGROUP_FS / PARENT), _OOM_FILE[2]
     if version == "v1":
-        memory = next((r for r in _v1_roots() if _is_memory_v1(os.path.join(r, "x"))), None)
+        memory = next((r for r in _v1_roots() if _mounts_memory(os.path.dirname(r))), None)
         return (memory, _OOM_FILE[1]) if memory is not None else None
     return None
 
