@@ -23,6 +23,7 @@ from support.polling import wait_for
 from guest_runner import hostwatch, wire
 from guest_runner.conduit import ConduitUnavailable, LocalConduit
 from prefect_resoluto.node import heartbeat
+from prefect_resoluto.runtimes import slot
 
 KEY = wire.host_beat_key("h-test")
 NODE = "run/r1/nodes/n1"
@@ -387,10 +388,18 @@ def test_a_solari_vm_whose_host_was_killed_ends_with_its_session(
         host.kill()
         host.wait(30)
         wait_for(lambda: not gateway.live(), 15 * bound + 30, "the VM to end after its host died")
+        # The killed host left its node's conduit slot mounted; the next host's sweep settles
+        # it (a host without the right to mount made a plain directory, nothing to settle).
+        node = tmp_path / "conduit" / "run" / "run-death" / "nodes" / "n-death"
+        mounts = os.geteuid() == 0
+        assert slot.mounted(node) == mounts
+        assert slot.sweep_orphans() == int(mounts)
+        assert not slot.mounted(node) and node.is_dir()
     finally:
         if host.poll() is None:
             host.kill()
             host.wait(30)
+        slot.sweep_orphans()
         gateway.stop()
 
 
