@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from common import child_workspace, timed_map
+    from common import BODIES, child_workspace, timed_map
 
     work, ws = child_workspace("flow", "bench_tasks", (HERE / "_bench_tasks.py").read_text())
     import bench_tasks  # noqa: E402  (from the workspace, so the sandbox imports it by file)
@@ -70,15 +70,20 @@ def main() -> None:
 
     if args.n > 0:  # --n 0: the latency figure alone
         walls: dict[str, float] = {}
+        bodies: dict[str, float] = {}
         tp = ThreadPoolTaskRunner()
         walls["threadpool"] = mapped(tp, args.n)
+        bodies["threadpool"] = BODIES[-1]
         out["threadpool_max_workers"] = tp._max_workers
         for rt in runtimes:
             runner = resoluto(rt)
             out["resoluto_max_workers"] = runner._max_workers
             walls[rt] = mapped(runner, args.n)
+            bodies[rt] = BODIES[-1]
             walls[f"{rt}+pool"] = mapped(resoluto(rt, None), args.n)
+            bodies[f"{rt}+pool"] = BODIES[-1]
         out["wall_s"] = {k: round(v, 3) for k, v in walls.items()}
+        out["body_s"] = {k: round(v, 3) for k, v in bodies.items()}
 
     # Latency at the Prefect log API, on the process runtime (the cheapest sandbox, so
     # the figure is the log path's own).

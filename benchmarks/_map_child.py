@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from common import child_workspace, timed_map
+    from common import BODIES, child_workspace, timed_map
 
     work, ws = child_workspace("map", "bench_tasks", (HERE / "_bench_tasks.py").read_text())
     import _timeline
@@ -96,6 +96,18 @@ def main() -> None:
 
     mapped(ThreadPoolTaskRunner(), 2)  # the ephemeral server and every import
     mapped(resoluto(), 4)  # the pool's image made, the module's imports learned
+    # The same map on Prefect's own runner, accounted the same way: what the API server and
+    # Prefect's engine cost per task without any sandbox.
+    r0, m0 = resource.getrusage(resource.RUSAGE_SELF), _machine_cpu()
+    tp_wall = mapped(ThreadPoolTaskRunner(), args.n)
+    r1, m1 = resource.getrusage(resource.RUSAGE_SELF), _machine_cpu()
+    tp_own = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    threadpool = {
+        "wall_s": round(tp_wall, 3),
+        "body_s": round(BODIES[-1], 3),
+        "flow_process_cpu_s": round(tp_own, 3),
+        "other_cpu_s": round((m1[0] - m0[0]) / os.sysconf("SC_CLK_TCK") - tp_own, 3),
+    }
     rounds = []
     for _ in range(args.rounds):
         del _timeline.SPANS[:], _timeline.MARKS[:]
@@ -112,15 +124,21 @@ def main() -> None:
             spy.send_signal(signal.SIGINT)
             spy.wait()
         busy, idle = m1[0] - m0[0], m1[1] - m0[1]
+        own = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        kids = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
         served = [cpu[s] for s in cpu if s in assigned]
         idle_sb = [cpu[s] for s in cpu if s not in assigned]
         rounds.append(
             {
                 "wall_s": round(wall, 3),
-                "flow_process_cpu_s": round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 3),
+                "body_s": round(BODIES[-1], 3),
+                "flow_process_cpu_s": round(own, 3),
                 # Every process it started and reaped: the sandboxes' runsc processes (in
                 # their cgroups) and what runs outside them (runsc's CLI, the restore reaper).
-                "children_cpu_s": round(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime, 3),
+                "children_cpu_s": round(kids, 3),
+                # The rest of the machine's busy CPU over the map: Prefect's API server
+                # (the ephemeral one, not reaped until exit), the kernel's own threads.
+                "other_cpu_s": round(busy / os.sysconf("SC_CLK_TCK") - own - kids, 3),
                 "sandboxes_served": len(served),
                 "sandbox_cpu_served_s": round(sum(served), 3),
                 "sandbox_cpu_median_s": round(statistics.median(served), 3) if served else None,
@@ -136,7 +154,7 @@ def main() -> None:
             lines += concurrency(_timeline.SPANS, t_start)
             lines += _timeline.report(t_start)
             Path(args.timeline).write_text("\n".join(lines) + "\n")
-    Path(args.out).write_text(json.dumps({"n": args.n, "rounds": rounds}))
+    Path(args.out).write_text(json.dumps({"n": args.n, "threadpool": threadpool, "rounds": rounds}))
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -338,6 +338,10 @@ def main(argv: "list[str] | None" = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     call_path = argv[0] if argv else CALL_FILE
+    # The sandbox and its workspace are thrown away after this call: a module's bytecode
+    # written beside its source would never be read again (a directory, a file and a
+    # rename per module, dear in gVisor), and would land in the task's own workspace.
+    sys.dont_write_bytecode = True
     # Read before the task runs: it may change its own environment.
     redact = Redactor.from_env(os.environ).text
     task_module: "str | None" = None

@@ -86,6 +86,19 @@ def test_a_task_module_runs_without_importing_prefect(ws):
     assert marker == [{"level": "WARNING", "logger": "prefect.task_runs", "msg": "adding 2 and 1"}]
 
 
+def test_a_call_leaves_no_bytecode_in_its_workspace(ws):
+    (ws / "pkg").mkdir()
+    (ws / "pkg" / "__init__.py").write_text("")
+    (ws / "pkg" / "helper.py").write_text("def twice(x):\n    return 2 * x\n")
+    (ws / "uses.py").write_text(
+        "import os, sys\nfrom prefect import task\nfrom pkg.helper import twice\n\n"
+        "@task\ndef run(x):\n    return [twice(x), sys.dont_write_bytecode]\n"
+    )
+    proc, ret, err = run_call(ws, {"file": "uses.py", "qualname": "run", "parameters": {"x": 4}})
+    assert err is None and ret == {"value": [8, True]}, proc.stderr
+    assert sorted(str(p.relative_to(ws)) for p in ws.rglob("__pycache__")) == []
+
+
 def test_async_and_var_args_and_real_prefect_on_demand(ws):
     _, ret, _ = run_call(ws, {"file": "tasks.py", "qualname": "later", "parameters": {"x": 21}})
     assert ret == {"value": 42}
