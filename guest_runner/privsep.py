@@ -277,6 +277,7 @@ def kill_leftovers() -> None:
     if _user is None or not _pidns:
         if os.getpid() == 1:
             _kill_all_but_init()
+            _wait_dead(None)
         return
     if _only_this_process():
         # Nothing else runs in this PID namespace, so nothing of the workload's can start
@@ -287,6 +288,44 @@ def kill_leftovers() -> None:
         _kill_all_as_user()
     except OSError as e:  # the outputs are not read while something of the workload may run
         raise PrivsepError(f"cannot stop what the phase left running: {e}") from None
+    _wait_dead(_user[0])
+
+
+#: Seconds the runner waits for the killed processes to be gone before the next phase.
+DEAD_WITHIN = 5.0
+
+
+def _wait_dead(uid: Optional[int]) -> None:
+    """kill(2) returns once the signal is sent, not once its targets are gone: one still on
+    a CPU shows as running for a moment. Wait until every other process of this PID
+    namespace (of ``uid``, when given) is a zombie or gone, so the next phase never sees one
+    (bounded: a process the kernel is slow to take down does not hold the node)."""
+    import time
+
+    me = os.getpid()
+    end = time.monotonic() + DEAD_WITHIN
+    while _any_alive(me, uid) and time.monotonic() < end:
+        time.sleep(0.001)  # the kernel's exit path, a few scheduler ticks at most
+
+
+def _any_alive(me: int, uid: Optional[int]) -> bool:
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if uid is not None and os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def _kill_all_but_init() -> None:

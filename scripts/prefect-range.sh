@@ -13,7 +13,7 @@ if [ ! -x .venv-oldest/bin/python ]; then
 fi
 # importlib-metadata: Prefect 3.6's worker module imports it without requiring it (lock.sh says more).
 .venv-oldest/bin/python -m pip install -q --disable-pip-version-check -c constraints/prefect-oldest.txt \
-  -e '.[dev]' importlib-metadata
+  --config-settings editable_mode=compat -e '.[dev]' importlib-metadata  # a path line, as setup.sh says
 echo "prefect-range: $(.venv-oldest/bin/python -c 'import prefect; print("prefect", prefect.__version__)')" \
   "(the oldest minor pyproject.toml claims; the main suite ran $(sed -n 's/^prefect==//p' constraints/dev.txt))"
 
