@@ -309,22 +309,17 @@ def _wait_dead(uid: Optional[int]) -> None:
 
 
 def _any_alive(me: int, uid: Optional[int]) -> bool:
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return False
-    for name in names:
-        if not name.isdigit() or int(name) == me:
+    from guest_runner.procs import live
+
+    for pid in live():
+        if pid == me:
             continue
         try:
-            if uid is not None and os.stat(f"/proc/{name}").st_uid != uid:
+            if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
                 continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue  # gone meanwhile
-        if state not in (b"Z", b"X"):
-            return True
+        return True
     return False
 
 

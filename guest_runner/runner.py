@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
+from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional
 
 # archive (tarfile, gzip, shutil ...), tempfile and traceback are imported where they are
 # needed: a node without inbox archives or outputs never pays for them, and every
@@ -47,6 +47,7 @@ from typing import IO, Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 from guest_runner import hostwatch, privsep, threads, wire
 from guest_runner.conduit import Conduit, ConduitError
 from guest_runner.conduit.registry import conduit_from_env
+from guest_runner.procs import live as live_processes
 from guest_runner.redact import Redactor
 from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL, Shipper, Span
 
@@ -395,31 +396,9 @@ def _crashed(shipper: Shipper, redactor: Redactor, node_id: str, e: BaseExceptio
     )
 
 
-def _processes() -> Dict[int, Tuple[int, int]]:
-    """Every live process's (parent, process group), from /proc (empty without it)."""
-    found: Dict[int, Tuple[int, int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return found
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read(4096)
-            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            if fields[0] != b"Z":
-                found[int(name)] = (int(fields[1]), int(fields[2]))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def _descendants(root: int) -> List[int]:
     """Every process below ``root``."""
-    procs = _processes()
+    procs = live_processes()
     found: List[int] = []
     frontier = [root]
     while frontier:
@@ -432,7 +411,7 @@ def _descendants(root: int) -> List[int]:
 
 def _group_members(pgid: int) -> List[int]:
     """Every other process of the process group ``pgid`` (orphans of the node included)."""
-    return [pid for pid, (_, grp) in _processes().items() if grp == pgid and pid != os.getpid()]
+    return [pid for pid, (_, grp) in live_processes().items() if grp == pgid and pid != os.getpid()]
 
 
 def _kill_work() -> None:
