@@ -221,6 +221,39 @@ def test_one_writer_per_process_beats_until_its_last_lease_is_released(tmp_path:
     wait_for(lambda: not (conduit.local_root / key).exists(), 30, "the beat to be deleted")  # type: ignore[operator]
 
 
+class _CountingConduit(LocalConduit):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.puts = 0
+
+    def put_transient(self, key: str, data: bytes) -> None:
+        self.puts += 1
+        super().put_transient(key, data)
+
+
+def test_a_lease_taken_or_released_writes_no_beat_of_its_own(tmp_path: Path) -> None:
+    """Nodes starting and ending (one lease each) cost no store write: beats follow the clock."""
+    conduit = _CountingConduit(tmp_path / "conduit")
+    held = heartbeat.lease(conduit, 3600, 3 * 3600)
+    writer = held.writer
+
+    def writer_waiting() -> bool:  # back in its wait: it has looked at what the lease changed
+        return len(writer._cond._waiters) == 1  # type: ignore[attr-defined]
+
+    try:
+        wait_for(writer_waiting, 30, "the writer to wait for its next beat")
+        assert conduit.puts == 1  # the first beat, written before the lease was returned
+        for _ in range(20):
+            lease = heartbeat.lease(conduit, 3600, 3 * 3600)
+            wait_for(writer_waiting, 30, "the writer to look at the new lease")
+            lease.release()
+            wait_for(writer_waiting, 30, "the writer to look at the release")
+        assert conduit.puts == 1 and writer.beats == 1
+    finally:
+        held.release()
+        writer.close()
+
+
 def test_a_bound_of_fewer_than_three_beats_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 3x"):
         heartbeat.check(5.0, 10.0)

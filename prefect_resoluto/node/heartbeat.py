@@ -87,6 +87,7 @@ class _Writer:
         self.linger = 0.0
         self.leases = 0
         self.beats = 0
+        self._last_beat = 0.0
         self._idle_since: float | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -134,6 +135,7 @@ class _Writer:
                 self._cond.notify_all()
 
     def _beat(self) -> None:
+        self._last_beat = time.monotonic()
         self.beats += 1
         body = f"{self.beats} {time.monotonic_ns()}\n".encode()
         try:
@@ -147,17 +149,28 @@ class _Writer:
                 log.warning("host heartbeat hook failed: %s", e)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait(self.interval)
-                idle = self._idle_since
+        while self._wait_for_beat():
+            self._beat()  # outside the lock: a slow store never holds up a node's start
+
+    def _wait_for_beat(self) -> bool:
+        """Wait until the next beat is due (True) or the writer is done (False). A lease
+        taken or released only wakes this to look again: a beat is written by the clock,
+        never by a node's start or end (which would cost a store write per node)."""
+        with self._cond:
+            while True:
                 if self._thread is not threading.current_thread():
-                    return  # closed: the object is deleted already
-                if idle is not None and time.monotonic() - idle >= self.linger:
+                    return False  # closed: the object is deleted already
+                now, idle = time.monotonic(), self._idle_since
+                if idle is not None and now - idle >= self.linger:
                     self._thread = None
                     self._stop_beating()  # under the lock: a new first beat comes after it
-                    return
-            self._beat()  # outside it: a slow store never holds up a node's start
+                    return False
+                wait = self._last_beat + self.interval - now
+                if wait <= 0:
+                    return True
+                if idle is not None:
+                    wait = min(wait, idle + self.linger - now)
+                self._cond.wait(wait)
 
     def close(self) -> None:
         """Stop beating and delete the object at once (this process is ending)."""
