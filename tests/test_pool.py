@@ -716,3 +716,49 @@ def test_spare_threads_started_before_a_later_hardening_are_let_go():
     assert isinstance(t, threading.Thread)  # none of the dropped spares
     t.join(scaled(30))
     assert done.is_set()
+
+
+def test_a_warm_node_is_in_flight_until_its_driver_ends_it_and_the_pool_never_asks(tmp_path):
+    """The pool counts the warm sandboxes whose nodes run (its lookahead, its saturation) from
+    the driver's word: taken until the node's drive ends it, and no status call meanwhile (it
+    asked the runtime for every taken sandbox at every look, every 20 ms while a restore came:
+    ~50 status reads a node on a pooled gVisor map)."""
+    import threading
+
+    rt = get_runtime("process", state_dir=tmp_path / "state")
+    conduit = LocalConduit(str(tmp_path / "conduit"))
+    gate = tmp_path / "gate"
+    wait_gate = [
+        "python3",
+        "-c",
+        f"import os,time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)",
+    ]
+    spec = NodeSpec(run_id="run-t", node_id="n1", argv=wait_gate)
+    key = key_for(spec)
+    pool = _ready_pool(rt, conduit, key, n=1)
+    asked: list[str] = []
+    status = rt.status
+    try:
+        w = _take(pool, key)
+        out: list = []
+        t = threading.Thread(
+            target=lambda: out.append(drive_node(spec, conduit, rt, warm=w, min_isolation="none"))
+        )
+        t.start()
+        try:
+            wait_for(lambda: (Path(w.handle.data["dir"]) / "output.log").exists(), what="the node's start")
+            rt.status = lambda handle: asked.append(handle.id) or status(handle)  # type: ignore[method-assign]
+            for _ in range(20):
+                assert pool._taken[key] == [w]
+                pool._saturated(), pool.target(key)
+            assert w.handle.id not in asked
+        finally:
+            gate.touch()
+            t.join(scaled(120))
+        assert out and out[0].ok, out and out[0].describe()
+        assert pool._taken[key] == []  # ended by its driver, on its way out
+        w.ended()  # idempotent
+        assert pool._taken[key] == []
+    finally:
+        rt.status = status  # type: ignore[method-assign]
+        pool.close()

@@ -249,6 +249,8 @@ def _drive(
         finally:
             _finish_sandbox(node)
     finally:
+        if node.warm is not None:
+            node.warm.ended()  # told, not polled: its pool counts it in flight no longer
         if node.beat is not None:
             node.beat.release()
     return _outcome(node)

@@ -398,8 +398,13 @@ class WarmSandbox:
             w, _ = self.pool.take(dataclasses.replace(self.key, imports=()), warm=False)
         return w
 
+    def ended(self) -> None:
+        """The node it was taken for is over (idempotent): the pool stops counting it in flight."""
+        self.pool._ended(self)
+
     def discard(self) -> None:
         """Destroy the sandbox (idempotent; after ``assign`` the node's driver does it)."""
+        self.ended()
         try:
             self.runtime.destroy(self.handle)
         except Exception as e:
@@ -572,6 +577,13 @@ class WarmPool:
                 with self._lock:
                     self._waiting[key] -= 1
 
+    def _ended(self, w: WarmSandbox) -> None:
+        with self._lock:
+            taken = self._taken.get(w.key) or []
+            if w in taken:
+                taken.remove(w)
+                self._lock.notify_all()  # a place in flight is free: the refill may start one
+
     def _restore_coming(self, key: PoolKey, t0: float) -> bool:
         """Whether a restore of ``key`` will come for a node that found none ready: the key's
         image is made and the refill thread restores for every waiting node (:meth:`target`),
@@ -711,11 +723,10 @@ class WarmPool:
         chain's: exactly what will come, for the keys its nodes take), or else the lookahead
         (AHEAD_FIRST until the key's second take, then AHEAD_BOOTED, AHEAD_RESTORED where
         they are restored) plus its nodes running now beyond the one the lookahead follows
-        (warm ones still alive, cold ones started in the last MISS_WINDOW seconds). Once a
+        (warm ones whose node is not over, cold ones started in the last MISS_WINDOW seconds). Once a
         map or chain has drained, AHEAD_DRAINED: more would only be discarded at exit."""
         now = time.monotonic()
-        taken = self._taken.get(key) or []
-        taken[:] = [w for w in taken if w.alive()]
+        taken = self._taken.get(key) or []  # the node's driver ends each (WarmSandbox.ended)
         misses = self._misses.get(key) or []
         misses[:] = [t for t in misses if now - t < MISS_WINDOW]
         waiting = self._waiting.get(key, 0)
@@ -767,7 +778,7 @@ class WarmPool:
         boot would only slow the running nodes (a saturated map runs slower with the pool
         booting replacements than without one)."""
         for key in self._wanted:
-            self.target(key)  # prunes finished nodes and old misses
+            self.target(key)  # prunes old misses
         inflight = sum(len(ws) for ws in self._taken.values()) + sum(len(ts) for ts in self._misses.values())
         return inflight >= (os.cpu_count() or 1)
 

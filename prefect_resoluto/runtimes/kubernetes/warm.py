@@ -127,6 +127,9 @@ class WarmPod:
     def replacement(self) -> WarmPod | None:
         return None  # a pod that could not take its node: the node launches its own
 
+    def ended(self) -> None:
+        """Nothing to tell: the pod pool keeps no count of the nodes in flight."""
+
     def discard(self) -> None:
         try:
             self.pool.runtime.destroy(self.handle)
