@@ -762,3 +762,26 @@ def test_a_warm_node_is_in_flight_until_its_driver_ends_it_and_the_pool_never_as
     finally:
         rt.status = status  # type: ignore[method-assign]
         pool.close()
+
+
+def test_a_starting_sandbox_is_asked_whether_it_died_every_death_look_not_every_ready_look(tmp_path):
+    """The refill looks at a starting sandbox's log every READY_LOOK (its ready line); whether
+    it died (a status read, ten times the cost) only every DEATH_LOOK."""
+    import time
+
+    from prefect_resoluto.warm.pool import DEATH_LOOK, READY_LOOK
+
+    assert DEATH_LOOK >= 5 * READY_LOOK
+    rt = get_runtime("process", state_dir=tmp_path / "state")
+    asked: list[str] = []
+    status = rt.status
+    rt.status = lambda handle: asked.append(handle.id) or status(handle)  # type: ignore[method-assign]
+    spec = NodeSpec(run_id="run-t", node_id="n1", argv=["true"])
+    t0 = time.monotonic()
+    pool = _ready_pool(rt, LocalConduit(str(tmp_path / "conduit")), key_for(spec), n=1)
+    try:
+        elapsed = time.monotonic() - t0
+        assert 1 <= len(asked) <= elapsed / DEATH_LOOK + 1, (len(asked), elapsed)
+    finally:
+        rt.status = status  # type: ignore[method-assign]
+        pool.close()

@@ -103,6 +103,9 @@ READY_LOOK = 0.02
 #: looks and tells it (each waiting node looking every READY_LOOK too was the same work done
 #: twice).
 TAKE_LOOK = 0.25
+#: Seconds between looks at whether a starting sandbox died before its ready line (a status
+#: read, ten times a log look's cost): a death is rare, and found this late at worst.
+DEATH_LOOK = 0.25
 #: Seconds close() waits for one idle sandbox's destroy before it goes on to the sweep.
 DISCARD_WAIT = 60.0
 #: Seconds a node waits at most for a restore of its key before it runs cold. A cold boot
@@ -342,6 +345,7 @@ class WarmSandbox:
         self.placed: Path | None = None
         self.started = time.monotonic()
         self._ready = False
+        self._death_look = self.started
 
     @property
     def runtime(self) -> SandboxRuntime:
@@ -355,6 +359,14 @@ class WarmSandbox:
     def alive(self) -> bool:
         st = self.runtime.status(self.handle)
         return not (st.terminal or st.gone)
+
+    def died_starting(self) -> bool:
+        """Ended before its ready line: looked at (a status read) every DEATH_LOOK at most."""
+        now = time.monotonic()
+        if self._ready or now < self._death_look:
+            return False
+        self._death_look = now + DEATH_LOOK
+        return not self.alive()
 
     def place(self, conduit: Conduit, rel_prefix: str) -> None:
         """Move the slot to the node's canonical directory (before the inbox is put there)."""
@@ -653,8 +665,8 @@ class WarmPool:
                 # 0.5 s meanwhile held every next restore of a chain of short tasks back by
                 # up to half a second.
                 coming = [w for ws in self._idle.values() for w in ws if not w._ready]
-                todo = self._next_key()
-                if any([w.ready() for w in coming]):
+                todo = self._next_key()  # looks at each starting sandbox's log, once
+                if any(w._ready for w in coming):
                     self._lock.notify_all()
                 if todo is None:
                     self._looking = True
@@ -745,11 +757,11 @@ class WarmPool:
     def _next_key(self) -> PoolKey | None:
         # A sandbox that died booting (a bad image, a refused mount) must not hold its place.
         for ws in self._idle.values():
-            for w in [w for w in ws if not w.ready() and not w.alive()]:
+            for w in [w for w in ws if not w.ready() and w.died_starting()]:
                 ws.remove(w)
                 threading.Thread(target=self._failed, args=(w,), daemon=True).start()
         # Started on their own threads and not in the idle list yet count as booting there.
-        booting = sum(1 for ws in self._idle.values() for w in ws if not w.ready())
+        booting = sum(1 for ws in self._idle.values() for w in ws if not w._ready)  # just looked
         booting += sum(self._starting.values())
         if booting >= MAX_RESTORING:
             return None
@@ -904,7 +916,7 @@ class WarmPool:
             return None, f"booted (the restore failed: {e})"
         deadline = t0 + RESTORED_READY_TIMEOUT
         while not w.ready():
-            if not w.alive() or time.monotonic() > deadline or self._closed:
+            if w.died_starting() or time.monotonic() > deadline or self._closed:
                 if w.alive():
                     w.discard()
                     return None, "booted (the restored sandbox was not ready in time)"
