@@ -785,3 +785,49 @@ def test_a_starting_sandbox_is_asked_whether_it_died_every_death_look_not_every_
     finally:
         rt.status = status  # type: ignore[method-assign]
         pool.close()
+
+
+@pytest.mark.sandbox
+def test_warm_gvisor_sandboxes_of_one_layout_share_one_read_only_root(local_conduit, tmp_path):
+    """A warm sandbox's root holds only mount points and links, the same for every sandbox of
+    its layout: made once in the runtime's state (not ~35 entries made and removed a
+    sandbox), linked from each bundle, served read-only, kept by sweeps; a node that tries to
+    write into it changes nothing."""
+    from prefect_resoluto.runtimes.gvisor import ROOTFS_DIR
+
+    rt = get_runtime("gvisor", state_dir=tmp_path / "state")
+    if not rt.availability().ok:
+        pytest.skip(f"gvisor is not available here: {rt.availability().why}")
+    write = [
+        "python3",
+        "-c",
+        "import os\nfor p in ('/planted', '/etc/planted', '/conduit/planted', '/opt/planted'):\n"
+        "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
+        "    except OSError as e:\n        print('refused', p, e.errno)\n",
+    ]
+    spec = NodeSpec(run_id="run-r", node_id="n1", argv=write)
+    key = key_for(spec)
+    pool = _ready_pool(rt, local_conduit, key, n=2)
+    try:
+        links = [Path(w.handle.data["dir"]) / "bundle" / "rootfs" for w in pool._idle[key]]
+        assert all(p.is_symlink() for p in links), links
+        (root,) = {p.resolve() for p in links}
+        assert root.parent == rt.state / ROOTFS_DIR
+        before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+        lines: list[str] = []
+        o = drive_node(
+            spec,
+            local_conduit,
+            rt,
+            warm=_take(pool, key),
+            min_isolation="none",
+            on_event=lambda ev: lines.append((ev.get("data") or {}).get("line", "")),
+        )
+        assert o.ok, o.describe()
+        assert not [line for line in lines if line.startswith("wrote")], lines
+        assert len([line for line in lines if line.startswith("refused")]) == 4, lines
+    finally:
+        pool.close()
+    _no_sandboxes(rt)
+    rt.sweep({})
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before  # kept, unchanged

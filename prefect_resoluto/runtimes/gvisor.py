@@ -21,6 +21,7 @@ guest (so they exist only in the guest's memory).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +45,7 @@ from ._guest_layout import (
     add_network,
     guest_layout,
     labels_match,
+    remove_tree,
     sandbox_dir,
 )
 from ._local import LocalChildRuntime, Prepared
@@ -58,6 +61,8 @@ from .base import (
 from .capabilities import Capabilities
 
 LABEL_PREFIX = "io.resoluto.label/"
+#: Where the read-only roots shared by sandboxes of one layout live, in the runtime's state.
+ROOTFS_DIR = "rootfs"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Reads `export K='v'` lines from stdin (the secrets), then becomes the guest.
 # `runsc run`'s own exit status when it fails (any other status is the container's).
@@ -230,6 +235,27 @@ def _oci_resources(r: Resources) -> dict[str, Any]:
     return resources
 
 
+def _make_rootfs(rootfs: Path, lay: GuestLayout) -> None:
+    """A read-only root for ``lay``: every mount point and symlink it needs, nothing else."""
+    rootfs.mkdir()
+    for dst, is_dir in lay.mount_points():
+        target = rootfs / dst.lstrip("/")
+        if is_dir:
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+    for link, dst in lay.symlinks:
+        target = rootfs / dst.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(link)
+    for d in ("proc", "dev", "sys"):
+        (rootfs / d).mkdir(exist_ok=True)
+    # Whatever the host's umask: the workload's user must traverse to what is bound below.
+    for dirpath, _dirs, _files in os.walk(rootfs):
+        os.chmod(dirpath, 0o755)
+
+
 class GVisorRuntime(LocalChildRuntime):
     name: ClassVar[str] = "gvisor"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -251,7 +277,11 @@ class GVisorRuntime(LocalChildRuntime):
         ),
     )
     #: runsc's own state and debug logs live next to the sandboxes' directories.
-    own_entries: ClassVar[frozenset[str]] = LocalChildRuntime.own_entries | {"runsc-root", "debug"}
+    own_entries: ClassVar[frozenset[str]] = LocalChildRuntime.own_entries | {
+        "runsc-root",
+        "debug",
+        ROOTFS_DIR,
+    }
     #: A task committing memory in bulk (MAP_POPULATE) past the limit had the host's OOM killer
     #: take the systrap stub holding it: runsc lived on, the task hung, the guest runner beat.
     oom_breaks_a_running_sandbox: ClassVar[bool] = True
@@ -423,25 +453,13 @@ class GVisorRuntime(LocalChildRuntime):
             # interfaces come from that namespace, the files from that sandbox's directory.
             add_network(lay, SandboxNetwork(netns="", gateway="", address=""), sandbox)
         bundle = sandbox / "bundle"
-        rootfs = bundle / "rootfs"
-        rootfs.mkdir(parents=True)
-        # A read-only root must already hold every mount point and symlink.
-        for dst, is_dir in lay.mount_points():
-            target = rootfs / dst.lstrip("/")
-            if is_dir:
-                target.mkdir(parents=True, exist_ok=True)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.touch()
-        for link, dst in lay.symlinks:
-            target = rootfs / dst.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(link)
-        for d in ("proc", "dev", "sys"):
-            (rootfs / d).mkdir(exist_ok=True)
-        # Whatever the host's umask: the workload's user must traverse to what is bound below.
-        for dirpath, _dirs, _files in os.walk(rootfs):
-            os.chmod(dirpath, 0o755)
+        bundle.mkdir()
+        if spec.conduit_slot is not None or spec.conduit_root is None:
+            # No mount point names the node: every sandbox of this layout (a warm pool's) links
+            # to one root made once, not ~35 entries made and removed per sandbox.
+            (bundle / "rootfs").symlink_to(self._shared_rootfs(lay))
+        else:
+            _make_rootfs(bundle / "rootfs", lay)
         cfg = bundle / "config.json"
         # Compact: json writes it with its C encoder (an indented dump is the pure-Python one,
         # ~1 ms a restore).
@@ -460,6 +478,27 @@ class GVisorRuntime(LocalChildRuntime):
             host_limits=False,
             stdin_data=secrets.encode() if secrets else None,
         )
+
+    def _shared_rootfs(self, lay: GuestLayout) -> Path:
+        """The read-only root of ``lay`` under this runtime's state (:data:`ROOTFS_DIR`): made
+        aside and renamed into place once, found by the digest of its entries afterwards,
+        never written again (runsc serves it read-only; a sandbox dir holds only a link)."""
+        entries = [sorted(lay.mount_points()), sorted(lay.symlinks)]
+        digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:32]
+        root = self.state / ROOTFS_DIR / digest
+        if root.is_dir() and not root.is_symlink():
+            return root
+        root.parent.mkdir(mode=0o700, exist_ok=True)
+        aside = root.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}")
+        remove_tree(aside)  # a build this thread left half-made (a crash)
+        _make_rootfs(aside, lay)
+        try:
+            os.rename(aside, root)
+        except OSError:  # made meanwhile by another launch: theirs serves
+            remove_tree(aside)
+            if not (root.is_dir() and not root.is_symlink()):
+                raise
+        return root
 
     def _runsc_argv(
         self, sandbox_id: str, sandbox: Path, bundle: Path, image: Path | None, *, network: bool
