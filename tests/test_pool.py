@@ -623,33 +623,44 @@ def test_a_node_of_a_key_with_imports_waits_for_its_image_while_it_is_made(tmp_p
     assert not pool._restore_coming(heavy, now)
 
 
-def test_a_warm_guest_runs_its_node_on_threads_started_before_it_was_ready(tmp_path):
-    # Starting a thread in a restored gVisor sandbox costs 2-15 ms of the node's time; a warm
-    # guest starts the node's two (the shipper's, the host watch's) while it waits, and its node
-    # starts none. Seen from the host on `process`, where the runner is the sandbox's process:
-    # three threads at ready, still three while the node runs (the workload is a process).
-    import threading
-
-    rt = get_runtime("process", state_dir=tmp_path / "state")
-    conduit = LocalConduit(str(tmp_path / "conduit"))
+def _gated_spec(tmp_path: Path) -> tuple[NodeSpec, Path]:
+    """A node whose workload runs until the returned gate file exists."""
     gate = tmp_path / "gate"
     wait_gate = [
         "python3",
         "-c",
         f"import os,time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)",
     ]
-    spec = NodeSpec(run_id="run-t", node_id="n1", argv=wait_gate)
+    return NodeSpec(run_id="run-t", node_id="n1", argv=wait_gate), gate
+
+
+def _drive_in_thread(spec: NodeSpec, conduit: LocalConduit, rt, w: WarmSandbox):
+    """``spec`` driven on the warm sandbox ``w`` in a thread: (the thread, its outcome's list)."""
+    import threading
+
+    out: list = []
+    t = threading.Thread(
+        target=lambda: out.append(drive_node(spec, conduit, rt, warm=w, min_isolation="none"))
+    )
+    t.start()
+    return t, out
+
+
+def test_a_warm_guest_runs_its_node_on_threads_started_before_it_was_ready(tmp_path):
+    # Starting a thread in a restored gVisor sandbox costs 2-15 ms of the node's time; a warm
+    # guest starts the node's two (the shipper's, the host watch's) while it waits, and its node
+    # starts none. Seen from the host on `process`, where the runner is the sandbox's process:
+    # three threads at ready, still three while the node runs (the workload is a process).
+    rt = get_runtime("process", state_dir=tmp_path / "state")
+    conduit = LocalConduit(str(tmp_path / "conduit"))
+    spec, gate = _gated_spec(tmp_path)
     key = key_for(spec)
     pool = _ready_pool(rt, conduit, key, n=1)
     try:
         w = _take(pool, key)
         tasks = Path(f"/proc/{w.handle.data['pid']}/task")
         assert len(list(tasks.iterdir())) == 3  # main, and the two spares waiting
-        out: list = []
-        t = threading.Thread(
-            target=lambda: out.append(drive_node(spec, conduit, rt, warm=w, min_isolation="none"))
-        )
-        t.start()
+        t, out = _drive_in_thread(spec, conduit, rt, w)
         try:
             wait_for(
                 lambda: (Path(w.handle.data["dir"]) / "output.log").exists() and _running_workload(tasks),
@@ -723,28 +734,16 @@ def test_a_warm_node_is_in_flight_until_its_driver_ends_it_and_the_pool_never_as
     the driver's word: taken until the node's drive ends it, and no status call meanwhile (it
     asked the runtime for every taken sandbox at every look, every 20 ms while a restore came:
     ~50 status reads a node on a pooled gVisor map)."""
-    import threading
-
     rt = get_runtime("process", state_dir=tmp_path / "state")
     conduit = LocalConduit(str(tmp_path / "conduit"))
-    gate = tmp_path / "gate"
-    wait_gate = [
-        "python3",
-        "-c",
-        f"import os,time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)",
-    ]
-    spec = NodeSpec(run_id="run-t", node_id="n1", argv=wait_gate)
+    spec, gate = _gated_spec(tmp_path)
     key = key_for(spec)
     pool = _ready_pool(rt, conduit, key, n=1)
     asked: list[str] = []
     status = rt.status
     try:
         w = _take(pool, key)
-        out: list = []
-        t = threading.Thread(
-            target=lambda: out.append(drive_node(spec, conduit, rt, warm=w, min_isolation="none"))
-        )
-        t.start()
+        t, out = _drive_in_thread(spec, conduit, rt, w)
         try:
             wait_for(lambda: (Path(w.handle.data["dir"]) / "output.log").exists(), what="the node's start")
             rt.status = lambda handle: asked.append(handle.id) or status(handle)  # type: ignore[method-assign]
@@ -798,14 +797,12 @@ def test_warm_gvisor_sandboxes_of_one_layout_share_one_read_only_root(local_cond
     rt = get_runtime("gvisor", state_dir=tmp_path / "state")
     if not rt.availability().ok:
         pytest.skip(f"gvisor is not available here: {rt.availability().why}")
-    write = [
-        "python3",
-        "-c",
+    plant = (
         "import os\nfor p in ('/planted', '/etc/planted', '/conduit/planted', '/opt/planted'):\n"
         "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
-        "    except OSError as e:\n        print('refused', p, e.errno)\n",
-    ]
-    spec = NodeSpec(run_id="run-r", node_id="n1", argv=write)
+        "    except OSError as e:\n        print('refused', p, e.errno)\n"
+    )
+    spec = NodeSpec(run_id="run-r", node_id="n1", argv=["python3", "-c", plant])
     key = key_for(spec)
     pool = _ready_pool(rt, local_conduit, key, n=2)
     try:
