@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from support.counting_conduit import CountingConduit
 from support.polling import scaled, wait_for
 from support.runtime_contract import require, spec, wait_terminal
 
@@ -45,27 +46,6 @@ class CountingRuntime(ProcessRuntime):
     def status(self, handle: SandboxHandle) -> SandboxStatus:
         self.status_calls += 1
         return super().status(handle)
-
-
-class CountingConduit(LocalConduit):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.lists = 0
-        self.gets = 0
-
-    def list_prefix(
-        self, prefix: str, start_after: str | None = None, shallow: bool = False, limit: int | None = None
-    ) -> list[str]:
-        self.lists += 1
-        return super().list_prefix(prefix, start_after, shallow, limit)
-
-    def get(self, key: str) -> bytes:
-        self.gets += 1
-        return super().get(key)
-
-    def get_stream(self, key: str) -> BinaryIO:
-        self.gets += 1
-        return super().get_stream(key)
 
 
 @pytest.fixture

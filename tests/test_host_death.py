@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.counting_conduit import CountingConduit
 from support.guest import PY, ROOT, guest_env
 from support.polling import wait_for
 
@@ -221,19 +222,9 @@ def test_one_writer_per_process_beats_until_its_last_lease_is_released(tmp_path:
     wait_for(lambda: not (conduit.local_root / key).exists(), 30, "the beat to be deleted")  # type: ignore[operator]
 
 
-class _CountingConduit(LocalConduit):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.puts = 0
-
-    def put_transient(self, key: str, data: bytes) -> None:
-        self.puts += 1
-        super().put_transient(key, data)
-
-
 def test_a_lease_taken_or_released_writes_no_beat_of_its_own(tmp_path: Path) -> None:
     """Nodes starting and ending (one lease each) cost no store write: beats follow the clock."""
-    conduit = _CountingConduit(tmp_path / "conduit")
+    conduit = CountingConduit(tmp_path / "conduit")
     held = heartbeat.lease(conduit, 3600, 3 * 3600)
     writer = held.writer
 
