@@ -811,6 +811,8 @@ def test_warm_gvisor_sandboxes_of_one_layout_share_one_read_only_root(local_cond
         (root,) = {p.resolve() for p in links}
         assert root.parent == rt.state / ROOTFS_DIR
         before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+        modes = {p.name: p.lstat().st_mode for p in [root, *root.rglob("*")] if not p.is_symlink()}
+        assert not [n for n, m in modes.items() if m & 0o022], modes  # no one but root writes it
         lines: list[str] = []
         o = drive_node(
             spec,

@@ -244,7 +244,7 @@ def _make_rootfs(rootfs: Path, lay: GuestLayout) -> None:
             target.mkdir(parents=True, exist_ok=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.touch()
+            target.touch(mode=0o644)  # never writable by others, whatever the umask
     for link, dst in lay.symlinks:
         target = rootfs / dst.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
