@@ -124,6 +124,61 @@ def test_warm_node_canonical_keys_and_one_node_per_sandbox(
         assert not any(os.path.ismount(local_conduit.root / f"run/run-w/nodes/{n}") for n in ("n1", "n2"))
 
 
+@pytest.fixture
+def umask_0():
+    """The host process under umask 0, as in some container images (restored after)."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_a_host_under_umask_0_serves_warm_and_cold_nodes_and_leaves_nothing_writable_by_others(
+    local_runtime, tmp_path, umask_0
+):
+    """Every directory the host makes in the conduit (its root, a run's, a node's, its inbox,
+    the heartbeat's) and everything its guest writes there are made with modes of their own,
+    not ``0o777`` less the umask: under umask 0 the host's own inbox in a warm slot was
+    world-writable, and its settle refused every warm node as a sandbox's doing."""
+    rt = local_runtime
+    conduit = LocalConduit(tmp_path / "conduit")
+    src = tmp_path / "src"
+    src.mkdir()
+    os.chmod(src, 0o755)
+    (src / "data.txt").write_text("staged by the host\n")
+    os.chmod(src / "data.txt", 0o644)
+    write = [
+        "python3",
+        "-c",
+        "import os; os.makedirs('out', exist_ok=True); open('out/r.txt','w').write('ok')",
+    ]
+
+    def spec(node: str) -> NodeSpec:
+        return NodeSpec(
+            run_id="run-umask", node_id=node, argv=write, workspace=src, output_paths=["out/*.txt"]
+        )
+
+    key = key_for(spec("warm"))
+    pool = _ready_pool(rt, conduit, key)
+    try:
+        warm = drive_node(spec("warm"), conduit, rt, warm=_take(pool, key), min_isolation="none")
+    finally:
+        pool.close()
+    cold = drive_node(spec("cold"), conduit, rt, min_isolation="none")
+    for o in (warm, cold):
+        assert o.ok, o.describe()
+        assert (o.output_dir / "out" / "r.txt").read_text() == "ok"
+    assert warm.warm and not cold.warm
+    open_to_others = {
+        p.relative_to(conduit.root).as_posix(): oct(p.lstat().st_mode & 0o7777)
+        for p in [conduit.root, *conduit.root.rglob("*")]
+        if p.lstat().st_mode & 0o022
+    }
+    assert open_to_others == {}
+    _no_sandboxes(rt)
+
+
 @pytest.mark.sandbox
 @pytest.mark.skipif(bool(REF_WHY), reason=REF_WHY or "reference available")
 def test_warm_node_is_read_by_the_reference_host(gvisor, local_conduit, tmp_path, validate):

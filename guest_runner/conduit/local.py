@@ -19,6 +19,30 @@ from guest_runner.conduit.base import Conduit, ConduitUnavailable, InvalidKey, O
 _TMP_MARK = ".resoluto-tmp-"
 #: A writer's temporary file starts so: never an object, never listed.
 TEMP_PREFIX = _TMP_MARK
+#: Every directory a conduit's writer makes: never writable by others, whatever its umask
+#: (0 in some images), for a reader refuses a world-writable directory in a node's as one a
+#: sandbox could have left, and another user of the host must not plant objects.
+DIR_MODE = 0o755
+
+
+def make_dirs(path: "str | os.PathLike[str]", mode: int = DIR_MODE) -> None:
+    """``path`` (made ``mode`` if missing) and its missing parents (made :data:`DIR_MODE`),
+    each less what the umask takes: ``os.makedirs`` and ``Path.mkdir(parents=True)`` give
+    the parents ``0o777`` less the umask, all of it under umask 0."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode if d == missing[0] else DIR_MODE)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
 
 
 class LocalConduit(Conduit):
@@ -38,7 +62,7 @@ class LocalConduit(Conduit):
         self.sync = sync
         self.root = Path(root).absolute()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)
         except OSError as e:
             raise ConduitUnavailable(f"local conduit root {self.root} cannot be created: {e}") from e
         self._real_root = self.root.resolve()
@@ -135,7 +159,7 @@ class LocalConduit(Conduit):
             if not create:
                 raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
             try:  # the root went since it was made (the host's own path: a plain makedirs)
-                os.makedirs(self._real_root, exist_ok=True)
+                make_dirs(self._real_root)
                 fd = os.open(self._real_root, flags)
             except OSError as e:
                 raise ConduitUnavailable(f"local conduit root {self.root} cannot be made: {e}") from None
@@ -149,7 +173,7 @@ class LocalConduit(Conduit):
                     if not create:
                         raise
                     try:
-                        os.mkdir(part, 0o777, dir_fd=fd)
+                        os.mkdir(part, DIR_MODE, dir_fd=fd)
                     except FileExistsError:
                         pass  # another writer made it meanwhile
                     nxt = os.open(part, flags, dir_fd=fd)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.host.remove import remove_tree as remove_tree
 
 log = logging.getLogger("prefect_resoluto.host.state")
@@ -55,7 +56,7 @@ def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> P
         base = cache_dir() / "sandboxes"
     d = base / runtime
     if str(d) not in _MADE:  # asked several times a node: made once (make_sandbox_dir remakes it)
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(d, 0o700)
         _MADE.add(str(d))
     return d
 
@@ -166,7 +167,7 @@ def make_sandbox_dir(record: SandboxRecord) -> Path:
     try:
         return _make_recorded(d, record)
     except FileNotFoundError:  # the state directory went since state_dir() made it
-        d.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(d.parent, 0o700)
         return _make_recorded(d, record)
 
 

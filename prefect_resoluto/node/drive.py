@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from guest_runner import archive, wire
 from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
+from guest_runner.conduit.local import make_dirs
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import bounded, heartbeat, verdict
 from prefect_resoluto.node.observer import Callbacks, NodeObserver
@@ -355,7 +356,7 @@ def _claim_slot(node: _Node) -> _Slot | None:
         return None
     size, setting = slot.capacity_of(node.spec.resources.disk_bytes, node.spec.resources.memory_bytes)
     node_dir = root / node.rel_prefix
-    node_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(node_dir.parent)
     node_dir.parent.chmod(0o700)  # the host's: a guest's chmod of its slot exposes nothing
     if node.warm is None:
         slot.mount(node_dir, size)
@@ -376,7 +377,7 @@ def _put_inbox(node: _Node) -> None:
         conduit.put_transient(wire.inbox_key(node.rel_prefix, name), data)
     root = conduit.local_root
     if root is not None and spec.workspace is None and not spec.extra_inbox:  # else a put made it
-        (root / node.rel_prefix).mkdir(parents=True, exist_ok=True)
+        make_dirs(root / node.rel_prefix)
     if node.slot is not None:
         node.slot.host_bytes = slot.used(node.slot.dir)
         slot.grow(node.slot.dir, node.slot.size + node.slot.host_bytes)

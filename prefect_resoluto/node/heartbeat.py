@@ -29,6 +29,7 @@ from pathlib import Path
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ConduitError
+from guest_runner.conduit.local import make_dirs
 
 log = logging.getLogger("prefect_resoluto.node.heartbeat")
 
@@ -109,7 +110,7 @@ class _Writer:
         if root is None:
             return None
         path = root / wire.host_beat_dir(self.writer_id)
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path)
         return path
 
     def acquire(self, conduit: Conduit, interval: float, lost_after: float) -> None:

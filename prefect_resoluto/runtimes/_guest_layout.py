@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from guest_runner import wire
+from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.host.state import RECORD_NAME as RECORD_NAME
 from prefect_resoluto.host.state import STATE_ENV as STATE_ENV
 from prefect_resoluto.host.state import SandboxRecord as SandboxRecord
@@ -241,7 +242,7 @@ def conduit_host_dir(spec: LaunchSpec) -> Path | None:
     if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
         raise ValueError(f"conduit_subdir {spec.conduit_subdir!r} must be a plain relative path")
     host = Path(spec.conduit_root).resolve() / sub if sub else Path(spec.conduit_root).resolve()
-    host.mkdir(parents=True, exist_ok=True)
+    make_dirs(host)
     if spec.conduit_slot is not None:
         from prefect_resoluto.runtimes import slot
 

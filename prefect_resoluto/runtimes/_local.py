@@ -270,6 +270,10 @@ class LocalChildRuntime(SandboxRuntime):
                 start_new_session=True,
                 close_fds=True,
                 pass_fds=prep.pass_fds,
+                # A container's umask whatever the host's (0 in some images): a guest must not
+                # leave world-writable files the host then refuses as a sandbox's, nor its own
+                # runtime's state be made open to every user of the host.
+                umask=0o022,
             )
         if proc.stdin is not None and spec.hold_stdin:
             with _LOCK:

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.host.remove import remove_at, remove_tree
 from prefect_resoluto.host.state import process_start_time, same_process, state_dir
 
@@ -110,7 +111,7 @@ def mount(path: Path, size: int | None) -> bool:
     """Make ``path`` (created 0700 if missing) a slot of ``size`` bytes. False when this host
     may not mount (the weaker plain-directory mode, warned about once)."""
     global _warned
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_dirs(path, 0o700)
     if size is None or mounted(path):
         return mounted(path)
     try:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit
+from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.host.remove import remove_tree
 from prefect_resoluto.node import heartbeat
 from prefect_resoluto.runtimes import slot
@@ -376,7 +377,7 @@ class WarmSandbox:
         if root is None:
             raise OSError("a slotted warm sandbox needs the local conduit it was made for")
         target = root / rel_prefix
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(target.parent, 0o700)
         if slot.mounted(self.slot):
             # A mount point cannot be renamed: the node's directory shows the same slot.
             slot.bind(self.slot, target)  # fails if the node directory exists: never merge two nodes

@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.runtimes._guest_layout import guest_runner_dir
 
 log = logging.getLogger("prefect_resoluto.warm.snapshots")
@@ -162,7 +163,7 @@ class Snapshots:
 
     def new_dir(self) -> Path:
         """A fresh, not yet existing directory for runsc to write a checkpoint into."""
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(self.root, 0o700)
         return self.root / f".tmp-{uuid.uuid4().hex[:12]}"
 
     def commit(self, key: Any, tmp: Path, made_from: dict[str, Any]) -> Path:
