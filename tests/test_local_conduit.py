@@ -334,3 +334,26 @@ os.chmod({root!r} + "/run/r/nodes/n/sub", 0o700)
     assert res.returncode == 0, res.stderr
     assert "RAW" not in res.stdout, res.stdout
     assert "get conduit-error" in res.stdout and "open_dir conduit-error" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize(
+    "umask, parent, leaf", [(0, 0o755, 0o700), (0o022, 0o755, 0o700), (0o077, 0o700, 0o700)]
+)
+def test_make_dirs_gives_every_directory_it_makes_its_own_mode_less_the_umask(tmp_path, umask, parent, leaf):
+    """Never writable by others under umask 0 (``Path.mkdir(parents=True)`` made the parents
+    0777 there); a stricter umask still takes its bits; what exists is left as it is."""
+    from guest_runner.conduit.local import make_dirs
+
+    (tmp_path / "kept").mkdir(mode=0o750)
+    os.chmod(tmp_path / "kept", 0o750)
+    old = os.umask(umask)
+    try:
+        make_dirs(tmp_path / "kept" / "a" / "b" / "c", 0o700)
+        make_dirs(tmp_path / "kept" / "a" / "b" / "c", 0o700)  # there already: nothing to do
+    finally:
+        os.umask(old)
+    modes = [(tmp_path / p).stat().st_mode & 0o7777 for p in ("kept", "kept/a", "kept/a/b", "kept/a/b/c")]
+    assert modes == [0o750, parent, parent, leaf]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError):
+        make_dirs(tmp_path / "file" / "d")
