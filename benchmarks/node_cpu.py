@@ -12,6 +12,13 @@ Interleaved, N rounds (quick: 4), medians.
 
 Separately from the ``cpu per node`` figure (``pool_cost``): this one splits a node into
 its phases, for the before -> after of the node's own path (issue 24).
+
+Beside them, the **restore floor** (issue 42): a template that is nothing but
+``python -c`` printing a line and waiting on stdin, checkpointed once, then restored and
+woken to exit, read the same way. No node of ours can be restored for less: it is what
+``runsc restore`` costs before any guest code runs. The warm node's boot over it is what our
+guest's image adds to a restore; its node phase, what our node path costs in a restored
+sandbox.
 """
 
 from __future__ import annotations
@@ -193,6 +200,57 @@ def bare_run(rt: Any, work: Path) -> float:
     return used
 
 
+#: The restore floor's template: a line when it is ready, then a wait on stdin, then exit.
+FLOOR_PROGRAM = "import sys; print('ready', flush=True); sys.stdin.readline()"
+
+
+def _floor_spec(sandbox_id: str) -> Any:
+    from prefect_resoluto.runtimes.base import LaunchSpec
+
+    return LaunchSpec(
+        sandbox_id=sandbox_id, env={}, command=[sys.executable, "-c", FLOOR_PROGRAM], hold_stdin=True
+    )
+
+
+def _until_exit(rt: Any, handle: Any) -> None:
+    deadline = time.monotonic() + 60
+    while not rt.status(handle).terminal:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the restore floor's sandbox never exited")
+        time.sleep(0.005)  # polling its exit, outside the sandbox's own CPU
+
+
+def floor_image(rt: Any, work: Path) -> Path:
+    """A checkpoint of :data:`FLOOR_PROGRAM`, taken once it said it is ready."""
+    tpl = rt.launch(_floor_spec(f"floor-tpl-{uuid.uuid4().hex[:8]}"))
+    try:
+        deadline = time.monotonic() + 60
+        while not rt.said(tpl, "ready"):
+            if rt.status(tpl).terminal or time.monotonic() > deadline:
+                raise RuntimeError(f"the restore floor's template never got ready: {rt.logs(tpl)[-400:]}")
+            time.sleep(0.01)
+        image = work / f"floor-image-{uuid.uuid4().hex[:6]}"
+        rt.checkpoint(tpl, image)
+    finally:
+        rt.destroy(tpl)
+    return image
+
+
+def floor_restore(rt: Any, image: Path) -> float:
+    """CPU of one restore of the floor's image, woken, until it exited (seconds)."""
+    sid = f"floor-{uuid.uuid4().hex[:8]}"
+    handle = rt.restore(_floor_spec(sid), image, wake=b"go\n")
+    try:
+        _until_exit(rt, handle)
+        used = _usage(rt, sid)
+    finally:
+        rt.destroy(handle)
+        _drop_cpuacct(rt, sid)
+    if used is None:
+        raise RuntimeError("no cgroup CPU accounting for the restored floor")
+    return used
+
+
 def run(quick: bool) -> dict[str, Any]:
     rt = get_runtime("gvisor")
     avail = rt.availability()
@@ -200,18 +258,25 @@ def run(quick: bool) -> dict[str, Any]:
         return {"available": False, "why": avail.why}
     n = 4 if quick else 10
     _keep_cpuacct(rt)
-    log(f"node cpu profile: {n} warm trivial gVisor nodes and {n} bare runsc runs, interleaved")
+    log(
+        f"node cpu profile: {n} warm trivial gVisor nodes, {n} bare runsc runs and {n} restores "
+        "of a bare template, interleaved"
+    )
     warm: list[dict[str, float]] = []
     bare: list[float] = []
+    floor: list[float] = []
     with scratch("node-cpu") as work:
         conduit = LocalConduit(Path(rt.state) / f"bench-node-cpu-{uuid.uuid4().hex[:6]}")
         try:
             ws = _workspace(work)
             warm_node(rt, conduit, ws)  # warm-up: page cache, first-run costs
             bare_run(rt, work)
+            image = floor_image(rt, work)
+            floor_restore(rt, image)
             for _ in range(n):
                 warm.append(warm_node(rt, conduit, ws))
                 bare.append(bare_run(rt, work))
+                floor.append(floor_restore(rt, image))
         finally:
             shutil.rmtree(conduit.root, ignore_errors=True)
     med = {k: median(x[k] for x in warm) for k in ("boot_s", "node_s", "exit_s", "total_s")}
@@ -220,7 +285,8 @@ def run(quick: bool) -> dict[str, Any]:
         "n": n,
         "warm_ms": {k[:-2]: ms(v) for k, v in med.items()},
         "bare_ms": ms(median(bare)),
-        "samples": {"warm": warm, "bare": bare},
+        "restore_floor_ms": ms(median(floor)),
+        "samples": {"warm": warm, "bare": bare, "restore_floor": floor},
     }
 
 
@@ -234,7 +300,13 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
             f"warm trivial node {w['total']} ms of sandbox CPU = boot {w['boot']} + node {w['node']} "
             f"+ exit {w['exit']} ms; bare runsc run python -c pass {res['bare_ms']} ms "
             f"(x{round(w['total'] / res['bare_ms'], 2)}; medians of {res['n']})",
-        )
+        ),
+        (
+            "restore floor (gVisor)",
+            f"restore of a bare python -c template, woken to exit: {res['restore_floor_ms']} ms "
+            f"(x{round(res['restore_floor_ms'] / res['bare_ms'], 2)} of bare runsc run); a warm node's "
+            f"boot (its restore) {w['boot']} ms, its node {w['node']} ms",
+        ),
     ]
 
 
