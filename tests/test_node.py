@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,11 @@ def conduit(tmp_path: Path) -> LocalConduit:
 
 def spec(tmp_path: Path, argv: list[str], **kw) -> NodeSpec:
     return NodeSpec(
-        run_id="run1", node_id=kw.pop("node_id", "node1"), argv=argv, outputs_dir=tmp_path / "outputs", **kw
+        run_id=kw.pop("run_id", "run1"),
+        node_id=kw.pop("node_id", "node1"),
+        argv=argv,
+        outputs_dir=tmp_path / "outputs",
+        **kw,
     )
 
 
@@ -179,12 +184,15 @@ def test_an_unstartable_sandbox_fails_fast(conduit, tmp_path):
     avail = rt.availability()
     if not avail.ok:
         pytest.skip(f"the container runtime is not available here: {avail.why}")
+    # A run id of its own: containers are the host's, not this test's state directory's, and a
+    # sweep of "run1" would find (and remove) another test's live container of that run id.
+    run_id = f"run-unstartable-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    outcome = drive_node(spec(tmp_path, ["true"]), conduit, rt)
+    outcome = drive_node(spec(tmp_path, ["true"], run_id=run_id), conduit, rt)
     assert outcome.failure == "unstartable", outcome.describe()
     assert "resoluto-no-such-image" in outcome.reason
     assert time.monotonic() - started < 60
-    assert rt.sweep({"resoluto.run-id": "run1"}) == 0
+    assert rt.sweep({"resoluto.run-id": run_id}) == 0
 
 
 @pytest.mark.parametrize(
