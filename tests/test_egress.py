@@ -896,7 +896,9 @@ def test_sigkill_of_the_host_then_sweep_leaves_nothing(
         egress_net.GATES.setdefault(key, threading.Event()).set()
     assert _mine(_snapshot(), state) == made  # nobody cleaned up: the host died
     assert os.path.ismount(node_dir) == (os.geteuid() == 0)  # its conduit slot, still mounted
-    swept = get_runtime(rt.name).sweep({})
+    # Its own run's: podman's containers are the host's, and a sweep of everything would take
+    # another test's live container with it.
+    swept = get_runtime(rt.name).sweep({"resoluto.run-id": "run-kill"})
     assert swept >= 1
     # The slot was settled: the mount is gone, what the runner wrote stays on the conduit.
     assert not os.path.ismount(node_dir)
