@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.counting_conduit import CountingConduit
 from support.polling import scaled
 from support.runtime_contract import require
 
@@ -279,18 +280,6 @@ def test_a_node_that_floods_then_dies_is_seen_dead_at_once(
     assert outcome[0].failure is not None, outcome[0].describe()
 
 
-class _CountingConduit(LocalConduit):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.lists = 0
-
-    def list_prefix(
-        self, prefix: str, start_after: str | None = None, shallow: bool = False, limit: int | None = None
-    ) -> list[str]:
-        self.lists += 1
-        return super().list_prefix(prefix, start_after, shallow, limit)
-
-
 # FIXED: a recovery listing paged on until it ran out of names. Past chunk 99 999 it starts
 # at events-099999 (7-digit names sort among the 6-digit ones) and passes the node's own
 # chunks a page (1 000 names) at a time, and a page of a local conduit is a scan of the whole
@@ -299,7 +288,7 @@ class _CountingConduit(LocalConduit):
 # cancellation meanwhile), growing with the square of what it wrote. A listing now reads at
 # most LIST_PAGES (8) pages: a chunk hidden past them is one the host never reads anyway.
 def test_the_end_listing_of_a_node_of_many_chunks_reads_a_bounded_number_of_pages(tmp_path: Path) -> None:
-    c = _CountingConduit(tmp_path / "c")
+    c = CountingConduit(tmp_path / "c")
     d = tmp_path / "c" / P
     d.mkdir(parents=True)
     n = 116_000  # 16 pages past chunk 99 999
