@@ -20,25 +20,21 @@ driver once the sandbox runs: no chunk at all (not even a heartbeat) for
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import queue
-import select
-import struct
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
-from guest_runner.conduit.local import TEMP_PREFIX, LocalConduit
+from guest_runner.conduit.local import LocalConduit
 from prefect_resoluto.node import bounded
+from prefect_resoluto.node.dirwatch import MIN_WAKE_GAP, DirWatch, Fds, readable, wait_fds
+
+__all__ = ["MIN_WAKE_GAP", "ChunkTailer", "DirWatch", "TailError", "readable"]
 
 Event = wire.SpanEvent
-#: Descriptors a wait also wakes for: one, several, or none.
-Fds = int | Sequence[int] | None
 
 DEFAULT_SILENCE_WINDOW = 600.0
 MIN_POLL = 0.01
@@ -75,12 +71,6 @@ CHUNKS_PER_POLL = 16
 # (~240 000 events, seconds to decode and deliver), and sixteen of them would keep the
 # driver from its status, cancellation and silence checks for minutes.
 POLL_BYTES = 4 << 20
-# A directory watch wakes the host at most this often: a sandbox that creates names in a
-# loop would otherwise keep a host core busy draining its events and polling.
-MIN_WAKE_GAP = 0.01
-# What one wake reads of the directory watch's events (a few dozen: as many names as a guest
-# publishes in MIN_WAKE_GAP), so a wake's work is bounded whatever lands meanwhile.
-WAKE_READ_BYTES = 4096
 # Encoders write none; a few are forgiven, a chunk of them is refused rather than read line
 # by line (32 MiB of newlines is 33 M reads).
 MAX_BLANK_LINES = 1024
@@ -106,154 +96,6 @@ class MissingChunk(TailError):
 
 class ManifestMismatch(TailError):
     pass
-
-
-class DirWatch:
-    """Wakes a waiter as soon as an object lands in one local directory (Linux inotify).
-
-    A local conduit's writers publish by rename (temporary file, then ``os.replace``), so
-    ``IN_MOVED_TO`` marks every new object; ``IN_CLOSE_WRITE`` also catches writers that
-    write in place. Through ctypes, so nothing beyond the standard library is needed;
-    :meth:`open` returns None where inotify is unavailable and callers fall back to sleeping.
-    """
-
-    _IN_CLOSE_WRITE = 0x00000008
-    _IN_MOVED_TO = 0x00000080
-    _IN_ONLYDIR = 0x01000000
-    _IN_DONT_FOLLOW = 0x02000000
-    _libc: Any = None
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.wakes = 0
-        self._woke_at = -MIN_WAKE_GAP
-        #: Whether everything the last wake saw land was a chunk (events-NNNNNN).
-        self.only_chunks = False
-
-    @classmethod
-    def open(cls, where: int | str) -> DirWatch | None:
-        """A watch of a directory: one a descriptor holds (added through its ``/proc/self/fd``
-        link, which names that very inode: the watch is on the directory the caller opened and
-        reads from, never on whatever its path names by then, a link a guest put there), or
-        a path whose last part is not followed if it is a link."""
-        try:
-            if cls._libc is None:
-                cls._libc = ctypes.CDLL(None, use_errno=True)
-            libc = cls._libc
-            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        except (OSError, AttributeError):
-            return None
-        if fd < 0:
-            return None
-        mask = cls._IN_MOVED_TO | cls._IN_CLOSE_WRITE | cls._IN_ONLYDIR
-        if isinstance(where, int):
-            path = f"/proc/self/fd/{where}"
-        else:
-            path, mask = where, mask | cls._IN_DONT_FOLLOW
-        if libc.inotify_add_watch(fd, os.fsencode(path), mask) < 0:
-            os.close(fd)
-            return None
-        return cls(fd)
-
-    def wait(self, timeout: float, also: Fds = None) -> bool:
-        """Block up to ``timeout`` seconds, or until one of ``also`` is readable; True when
-        something landed (a bounded buffer of its events read)."""
-        if self.fd < 0:
-            return _wait_fd(also, timeout)
-        if self.fd not in readable([self.fd, *_fds(also)], timeout):
-            return False
-        early = self._woke_at + MIN_WAKE_GAP - time.monotonic()
-        if early > 0:
-            time.sleep(early)  # what lands meanwhile is read with it, in one wake
-        self._woke_at = time.monotonic()
-        self.wakes += 1
-        # One bounded read per wake, never "until the queue is empty": a sandbox creating
-        # names faster than this thread parses them (its share of the GIL is one node's)
-        # would keep it here for as long as it likes. What is left wakes the next wait; a
-        # queue that overflows meanwhile says so (an overflow counts as an object landing).
-        try:
-            buf = os.read(self.fd, WAKE_READ_BYTES)
-        except BlockingIOError:
-            buf = b""
-        landed, self.only_chunks = _names_an_object(buf)
-        return landed
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            _close_later(self.fd)
-            self.fd = -1
-
-
-_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
-_TEMP = TEMP_PREFIX.encode()
-
-
-def _names_an_object(buf: bytes) -> tuple[bool, bool]:
-    """Whether the inotify events in ``buf`` name anything but a writer's temporary file
-    (which no listing shows: it cannot be what a poll is for), and whether every such name
-    is a chunk's (an overflow, with no name, is not)."""
-    at, named, chunks = 0, False, True
-    while at + _EVENT.size <= len(buf):
-        _wd, _mask, _cookie, n = _EVENT.unpack_from(buf, at)
-        name = buf[at + _EVENT.size : at + _EVENT.size + n].rstrip(b"\0")
-        if not name.startswith(_TEMP):  # an object, an overflow (no name), anything else
-            named = True
-            chunks = chunks and wire.chunk_index(name.decode("utf-8", "replace")) is not None
-        at += _EVENT.size + n
-    return named, chunks
-
-
-def _fds(also: Fds) -> tuple[int, ...]:
-    if also is None:
-        return ()
-    return (also,) if isinstance(also, int) else tuple(also)
-
-
-def _wait_fd(also: Fds, timeout: float) -> bool:
-    """Sleep up to ``timeout`` seconds, or until one of ``also`` is readable; False."""
-    fds = _fds(also)
-    if not fds:
-        time.sleep(max(0.0, timeout))
-    else:
-        readable(list(fds), timeout)
-    return False
-
-
-def readable(fds: list[int], timeout: float) -> list[int]:
-    """Those of ``fds`` readable (or hung up) within ``timeout`` seconds: poll(2), not
-    select(2), whose sets hold no descriptor numbered past 1 023 (a host driving a thousand
-    nodes holds a directory watch and an exit descriptor for each)."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    ms = math.ceil(max(0.0, timeout) * 1000)
-    return [fd for fd, _ in poller.poll(ms)]
-
-
-# Closing an inotify instance waits for the kernel's SRCU grace period, which would sit
-# between a node's last event and its result: the
-# descriptor is closed on a daemon thread instead (at exit the process closes the rest).
-_to_close: queue.SimpleQueue[int] = queue.SimpleQueue()
-_closer_lock = threading.Lock()
-_closer: threading.Thread | None = None
-
-
-def _close_later(fd: int) -> None:
-    global _closer
-    with _closer_lock:
-        if _closer is None or not _closer.is_alive():
-            _closer = threading.Thread(target=_close_loop, name="resoluto-inotify-close", daemon=True)
-            _closer.start()
-    _to_close.put(fd)
-
-
-def _close_loop() -> None:
-    while True:
-        fd = _to_close.get()
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 class ChunkTailer:
@@ -346,7 +188,7 @@ class ChunkTailer:
             return True
         watch = self._watch
         if watch is None:
-            return _wait_fd(also, timeout)
+            return wait_fds(also, timeout)
         woke = watch.wait(timeout, also)
         if woke and not watch.only_chunks:
             # Only when something other than chunks landed (the manifest may be it): a chunk's

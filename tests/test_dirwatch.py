@@ -1,0 +1,188 @@
+"""The host's directory watches share one inotify instance (``prefect_resoluto.node.dirwatch``).
+
+One instance per node ran out at the user's ``fs.inotify.max_user_instances`` (128 by
+default): past it, nodes fell back to polling, and nothing else the user ran had an
+instance left. Real inotify, real directories, the real reading thread throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.polling import scaled
+
+from guest_runner.conduit.local import TEMP_PREFIX
+from prefect_resoluto.node import dirwatch
+from prefect_resoluto.node.dirwatch import DirWatch
+
+# A sandbox publishing names as fast as one core lets it, from a process of its own.
+FLOOD = """
+import os, sys, time
+d, marker, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+open(marker, "w").close()
+end = time.monotonic() + seconds
+i = 0
+while time.monotonic() < end:
+    for _ in range(256):
+        tmp = os.path.join(d, "t%d" % (i % 64))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.replace(tmp, os.path.join(d, "events-%06d.jsonl" % (i % 64)))
+        i += 1
+"""
+
+
+def _inotify_instances() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+        except OSError:
+            pass
+    return n
+
+
+def _watch(d: Path) -> DirWatch:
+    d.mkdir(parents=True, exist_ok=True)
+    w = DirWatch.open(str(d))
+    assert w is not None, "inotify is needed here"
+    return w
+
+
+def _publish(d: Path, name: str) -> None:
+    tmp = d / f"{TEMP_PREFIX}{name}"
+    tmp.write_bytes(b"{}")
+    os.replace(tmp, d / name)
+
+
+@pytest.fixture
+def watches() -> Iterator[list[DirWatch]]:
+    held: list[DirWatch] = []
+    try:
+        yield held
+    finally:
+        for w in held:
+            w.close()
+
+
+def test_a_host_watches_more_node_directories_than_its_users_inotify_instances(
+    tmp_path: Path, watches: list[DirWatch]
+) -> None:
+    limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+    if limit > 2000:
+        pytest.skip(f"max_user_instances is {limit} here: more watches than that is not a unit test")
+    before = _inotify_instances()
+    n = limit + 50
+    for i in range(n):
+        w = DirWatch.open(str(_mkdir(tmp_path / f"node{i}")))
+        assert w is not None, f"watch {i} of {n}: no inotify left (the limit is {limit} instances)"
+        watches.append(w)
+    assert _inotify_instances() - before <= 1  # one instance, shared (none new if one was open)
+    for i in (0, limit - 1, limit, n - 1):  # each wakes for its own directory's object
+        _publish(tmp_path / f"node{i}", "events-000001.jsonl")
+        assert watches[i].wait(scaled(10)) and watches[i].only_chunks
+    assert not any(w.wait(0.0) for w in watches[1 : limit - 1])
+
+
+def _mkdir(d: Path) -> Path:
+    d.mkdir()
+    return d
+
+
+def test_a_watch_wakes_for_its_own_directory_only_and_once_per_object(tmp_path: Path) -> None:
+    a, b = _watch(tmp_path / "a"), _watch(tmp_path / "b")
+    try:
+        _publish(tmp_path / "a", "result.json")
+        assert a.wait(scaled(10)) and not a.only_chunks  # not a chunk: the manifest is due
+        assert not b.wait(0.0)
+        assert not a.wait(0.0)  # told once
+        (tmp_path / "a" / f"{TEMP_PREFIX}x").write_bytes(b"half")  # a writer's temporary file
+        _publish(tmp_path / "b", "events-000001.jsonl")
+        assert b.wait(scaled(10))
+        assert not a.wait(0.0), "a temporary file woke the watch"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_watches_of_one_directory_are_both_told_and_either_may_close_first(tmp_path: Path) -> None:
+    a, b = _watch(tmp_path / "d"), _watch(tmp_path / "d")
+    try:
+        _publish(tmp_path / "d", "events-000001.jsonl")
+        assert a.wait(scaled(10)) and b.wait(scaled(10))
+        a.close()
+        _publish(tmp_path / "d", "events-000002.jsonl")
+        assert b.wait(scaled(10))  # the directory is still watched for b
+        assert not a.wait(0.0)  # closed: sleeps, never told
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_watched_directory_removed_wakes_its_watch_and_closes_cleanly(tmp_path: Path) -> None:
+    w = _watch(tmp_path / "gone")
+    try:
+        (tmp_path / "gone").rmdir()
+        assert w.wait(scaled(10)) and not w.only_chunks  # told: a poll finds out what happened
+        assert not w.wait(0.0)
+    finally:
+        w.close()
+    again = _watch(tmp_path / "gone")  # the same path, a new directory: a new watch of it
+    try:
+        _publish(tmp_path / "gone", "events-000001.jsonl")
+        assert again.wait(scaled(10))
+    finally:
+        again.close()
+
+
+def test_an_overflow_of_the_shared_queue_wakes_every_watch_at_most_once_a_gap(tmp_path: Path) -> None:
+    """Lost events may have been any watch's: each is woken to look (one poll), and however
+    often the queue overflows, no more often than OVERFLOW_GAP."""
+    a, b = _watch(tmp_path / "a"), _watch(tmp_path / "b")
+    hub = dirwatch._the_hub()
+    assert hub is not None
+    overflow = struct.pack("iIII", -1, 0x4000, 0, 0)  # the kernel's IN_Q_OVERFLOW: no watch, no name
+    try:
+        hub._dispatch(overflow)
+        assert a.wait(scaled(10)) and b.wait(scaled(10))
+        assert not a.only_chunks
+        hub._dispatch(overflow)  # again at once: held back until the gap has passed...
+        assert not a.wait(0.0) and not b.wait(0.0)
+        # The reading thread, which finds overflows itself, next sleeps only until the gap
+        # ends: a writer's temporary file wakes it as any event would (and tells no watch).
+        (tmp_path / "a" / f"{TEMP_PREFIX}x").write_bytes(b"")
+        assert a.wait(scaled(10) + dirwatch.OVERFLOW_GAP)  # ...then told, by the reading thread
+        assert b.wait(scaled(10))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_sandbox_flooding_its_directory_does_not_keep_another_nodes_watch_from_its_objects(
+    tmp_path: Path,
+) -> None:
+    flooded, quiet = tmp_path / "flooded", tmp_path / "quiet"
+    f, q = _watch(flooded), _watch(quiet)
+    marker = tmp_path / "flooding"
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(flooded), str(marker), "600"])
+    try:
+        while not marker.exists():
+            assert flood.poll() is None, "the flood ended before it began"
+            f.wait(0.1)  # waiting on the flood itself to begin: its names wake f
+        for i in range(1, 6):
+            _publish(quiet, f"events-{i:06d}.jsonl")
+            assert q.wait(scaled(10)), f"object {i} of the quiet node was not seen during the flood"
+        spurious = sum(q.wait(0.2) for _ in range(10))  # nothing of its own lands for ~2 s
+        # Only the overflow broadcasts, at most one per OVERFLOW_GAP, reach the quiet node.
+        assert spurious <= 2 / dirwatch.OVERFLOW_GAP + 2
+        assert flood.poll() is None  # the flood went on all along
+    finally:
+        flood.kill()
+        flood.wait()
+        f.close()
+        q.close()
