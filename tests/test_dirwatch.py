@@ -146,12 +146,14 @@ def test_an_overflow_of_the_shared_queue_wakes_every_watch_at_most_once_a_gap(tm
     a, b = _watch(tmp_path / "a"), _watch(tmp_path / "b")
     hub = dirwatch._the_hub()
     assert hub is not None
-    overflow = struct.pack("iIII", -1, 0x4000, 0, 0)  # the kernel's IN_Q_OVERFLOW: no watch, no name
+    # The kernel's IN_Q_OVERFLOW: no watch, no name.
+    overflow = dirwatch.parse(struct.pack("iIII", -1, 0x4000, 0, 0))
+    assert overflow == ({}, [], True)
     try:
-        hub._dispatch(overflow)
+        hub._dispatch(*overflow)
         assert a.wait(scaled(10)) and b.wait(scaled(10))
         assert not a.only_chunks
-        hub._dispatch(overflow)  # again at once: held back until the gap has passed...
+        hub._dispatch(*overflow)  # again at once: held back until the gap has passed...
         assert not a.wait(0.0) and not b.wait(0.0)
         # The reading thread, which finds overflows itself, next sleeps only until the gap
         # ends: a writer's temporary file wakes it as any event would (and tells no watch).

@@ -90,6 +90,8 @@ class _Hub:
         self.by_wd: dict[int, list[_Watch]] = {}
         self.overflowed = False
         self.next_broadcast = 0.0
+        self.poller = select.poll()
+        self.poller.register(fd, select.POLLIN)
         threading.Thread(target=self._loop, name="resoluto-dirwatch", daemon=True).start()
 
     def add(self, path: bytes, mask: int) -> _Watch | None:
@@ -133,18 +135,17 @@ class _Hub:
 
     def _once(self) -> None:
         wait = -1 if not self.overflowed else max(0, int((self.next_broadcast - time.monotonic()) * 1000))
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN)
         try:
-            buf = os.read(self.fd, READ_BYTES) if poller.poll(wait) else b""
+            buf = os.read(self.fd, READ_BYTES) if self.poller.poll(wait) else b""
         except BlockingIOError:
             buf = b""
-        self._dispatch(buf)
+        landed, ignored, overflow = parse(buf)
+        if landed or ignored or overflow or self.overflowed:  # not for temporary files alone
+            self._dispatch(landed, ignored, overflow)
         if len(buf) > READ_BYTES - _EVENT.size - 256:  # full: more was queued behind it
             time.sleep(MIN_WAKE_GAP)
 
-    def _dispatch(self, buf: bytes) -> None:
-        landed, ignored, overflow = parse(buf)
+    def _dispatch(self, landed: dict[int, bool], ignored: list[int], overflow: bool) -> None:
         with self.lock:
             for wd, only_chunks in landed.items():
                 for w in self.by_wd.get(wd, ()):
