@@ -161,6 +161,76 @@ def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing
         tailer.close()
 
 
+def test_under_a_watch_the_manifest_is_looked_up_when_it_lands_not_on_a_schedule(tmp_path):
+    """A root span's close and the manifest's own backed-off schedule each looked the
+    manifest up before it was there: two failed lookups a node (and a poll each) that the
+    watch makes needless, since the manifest's landing wakes the tail itself."""
+    from guest_runner import wire
+
+    conduit = CountingConduit(tmp_path / "conduit")
+    prefix = wire.node_prefix("r", "n")
+    manifest = wire.manifest_key(prefix)
+    looked: list[str] = []
+    get_stream = conduit.get_stream
+
+    def counted(key: str) -> BinaryIO:
+        looked.append(key)
+        return get_stream(key)
+
+    conduit.get_stream = counted  # type: ignore[method-assign]
+    now = [1000.0]
+    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    (tmp_path / "conduit" / prefix).mkdir(parents=True)
+    assert tailer.wait(0.0) and tailer.watching, "inotify is needed here"
+    try:
+        tailer.poll(lambda ev: None)
+        assert looked.count(manifest) == 1  # at the start: a node may be done already
+        root_closed = wire.encode_event(wire.make_event("r", "node", "close", span_id="s", status="ok", ts=1.0))
+        conduit.put(wire.chunk_key(prefix, 1), wire.encode_chunk([root_closed]))
+        assert tailer.wait(scaled(10))
+        assert tailer.poll(lambda ev: None) == 1
+        now[0] += tail.MANIFEST_START + 1  # the unwatched schedule's first look is past
+        tailer.poll(lambda ev: None)
+        assert looked.count(manifest) == 1, "looked up before anything but a chunk landed"
+        assert not tailer.gapped
+        clocks = _Clocks(status_interval=60.0, exit_fd=None)
+        clocks.polled(tailer)
+        assert clocks.next_poll - time.monotonic() > POLL_BACKSTOP / 2  # nothing to look for
+        conduit.put(manifest, wire.encode_manifest(2))  # and chunk 2 is not there (yet)
+        assert tailer.wait(scaled(10))
+        tailer.poll(lambda ev: None)
+        assert looked.count(manifest) == 2 and tailer.gapped and not tailer.finished
+        clocks.polled(tailer)  # a chunk is owed: polled on the tail's pace, not the backstop's
+        assert clocks.next_poll - time.monotonic() <= tail.MAX_POLL
+    finally:
+        tailer.close()
+
+
+def test_without_a_watch_a_root_span_closing_makes_the_manifest_due_at_once(tmp_path):
+    from guest_runner import wire
+
+    conduit = CountingConduit(tmp_path / "conduit")
+    prefix = wire.node_prefix("r", "n")
+    manifest = wire.manifest_key(prefix)
+    now = [1000.0]
+    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    tailer._watch_tried = True  # as on S3: polled only
+    looked: list[str] = []
+    get_stream = conduit.get_stream
+
+    def counted(key: str) -> BinaryIO:
+        looked.append(key)
+        return get_stream(key)
+
+    conduit.get_stream = counted  # type: ignore[method-assign]
+    tailer.poll(lambda ev: None)
+    root_closed = wire.encode_event(wire.make_event("r", "node", "close", span_id="s", status="ok", ts=1.0))
+    conduit.put(wire.chunk_key(prefix, 1), wire.encode_chunk([root_closed]))
+    tailer.poll(lambda ev: None)
+    tailer.poll(lambda ev: None)  # the frozen clock: only the close made it due
+    assert not tailer.watching and looked.count(manifest) == 2
+
+
 def test_a_sandbox_creating_names_in_a_loop_wakes_the_host_at_most_every_gap(tmp_path):
     """A hostile guest publishing names as fast as it can: each wake drains what landed
     during the gap, so the host wakes (and polls) at most once per MIN_WAKE_GAP."""

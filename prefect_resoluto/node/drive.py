@@ -445,7 +445,7 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
 #: Seconds between looks at what the host is also told of: a backstop, not the path. The
 #: conduit under a directory watch (an object written without a rename or a close, a watch
 #: opened late); a sandbox with an exit descriptor (which fires on its exit, whoever ends it).
-POLL_BACKSTOP = 10.0
+POLL_BACKSTOP = 30.0
 STATUS_BACKSTOP = 30.0
 #: Seconds the watch loop sleeps at most while a cancellation can come unannounced: how soon
 #: it is seen (Prefect's timeout of a sync task is an exception raised in this thread: it
@@ -466,7 +466,7 @@ class _Clocks:
     next_status: float = 0.0
 
     def polled(self, tailer: ChunkTailer) -> None:
-        watched = tailer.watching and not tailer.behind
+        watched = tailer.watching and not tailer.behind and not tailer.gapped
         self.next_poll = time.monotonic() + (POLL_BACKSTOP if watched else tailer.next_delay())
 
     def asked(self, now: float) -> None:

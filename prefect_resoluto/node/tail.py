@@ -53,6 +53,9 @@ BACKOFF = 2.0
 MANIFEST_START = 2.0
 MANIFEST_MIN = 0.05
 MANIFEST_MAX = 30.0
+# Under a directory watch the manifest's landing wakes the tail itself (it is not a chunk):
+# it is looked up then, and on this schedule only as a backstop (a watch that missed it).
+MANIFEST_WATCHED = 30.0
 # A recovery listing while the sandbox runs: after this long with no chunk at all (three
 # of the guest's heartbeats missed), doubling after each, so a live node never lists and
 # a stalled one lists a handful of times before its silence window ends it.
@@ -177,6 +180,12 @@ class ChunkTailer:
     def next_delay(self) -> float:
         return self._delay
 
+    @property
+    def gapped(self) -> bool:
+        """A chunk is known to be missing (the manifest counts more, or a later one is
+        there): it has MISSING_CHUNK_GRACE to land, so the polls keep their own pace."""
+        return (self.total is not None and self.delivered < self.total) or self._later is not None
+
     def wait(self, timeout: float, also: Fds = None) -> bool:
         """Sleep up to ``timeout`` seconds between polls, or until a descriptor of ``also``
         is readable. On a local conduit, wake as soon as an object lands in the node's
@@ -258,7 +267,8 @@ class ChunkTailer:
         self.polls += 1
         if self.total is None and self.clock() >= self._manifest_at:
             if not self.check_manifest():
-                self._manifest_at = self.clock() + self._manifest_gap
+                gap = MANIFEST_WATCHED if self._watch is not None else self._manifest_gap
+                self._manifest_at = self.clock() + gap
                 self._manifest_gap = min(MANIFEST_MAX, self._manifest_gap * BACKOFF)
         n_events = n_bytes = 0
         lively = self.behind = False
@@ -327,8 +337,9 @@ class ChunkTailer:
                 raise MalformedChunk(key, line_no, str(e)) from None
             if ev["kind"] != "heartbeat":
                 heartbeat_only = False
-            if ev["event"] == "close" and not ev["parent_span_id"]:
-                # A root span closed: the guest's manifest is likely moments away.
+            if ev["event"] == "close" and not ev["parent_span_id"] and self._watch is None:
+                # A root span closed: the guest's manifest is likely moments away (a watch
+                # would say when it lands).
                 self._manifest_at, self._manifest_gap = self.clock(), MANIFEST_MIN
             if self.first_event_at is None:
                 self.first_event_at = time.monotonic()
