@@ -185,7 +185,9 @@ def test_under_a_watch_the_manifest_is_looked_up_when_it_lands_not_on_a_schedule
     try:
         tailer.poll(lambda ev: None)
         assert looked.count(manifest) == 1  # at the start: a node may be done already
-        root_closed = wire.encode_event(wire.make_event("r", "node", "close", span_id="s", status="ok", ts=1.0))
+        root_closed = wire.encode_event(
+            wire.make_event("r", "node", "close", span_id="s", status="ok", ts=1.0)
+        )
         conduit.put(wire.chunk_key(prefix, 1), wire.encode_chunk([root_closed]))
         assert tailer.wait(scaled(10))
         assert tailer.poll(lambda ev: None) == 1

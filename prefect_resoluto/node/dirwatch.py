@@ -166,7 +166,9 @@ def parse(buf: bytes) -> tuple[dict[int, bool], list[int], bool]:
     """The events in ``buf``: for each watch a name landed in (not a writer's temporary
     file, which no listing shows), whether every such name was a chunk's; the watches
     whose directory went; whether the queue overflowed."""
-    at, landed, ignored, overflow = 0, {}, [], False
+    landed: dict[int, bool] = {}
+    ignored: list[int] = []
+    at, overflow = 0, False
     while at + _EVENT.size <= len(buf):
         wd, mask, _cookie, n = _EVENT.unpack_from(buf, at)
         name = buf[at + _EVENT.size : at + _EVENT.size + n].rstrip(b"\0")
