@@ -66,6 +66,8 @@ class LocalConduit(Conduit):
         except OSError as e:
             raise ConduitUnavailable(f"local conduit root {self.root} cannot be created: {e}") from e
         self._real_root = self.root.resolve()
+        # Named in every "no such object" (a tail's look for its next chunk, each poll).
+        self._url = self.root.as_uri()
 
     @property
     def local_root(self) -> Path:
@@ -73,7 +75,7 @@ class LocalConduit(Conduit):
 
     @property
     def url(self) -> str:
-        return self.root.as_uri()
+        return self._url
 
     def guest_env(self) -> Dict[str, str]:
         return {wire.ENV_STORE_KIND: "localfs", wire.ENV_STORE_ROOT: str(self.root)}
