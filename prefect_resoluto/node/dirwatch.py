@@ -40,12 +40,20 @@ Fds = int | Sequence[int] | None
 # A directory watch wakes its driver at most this often: a sandbox that creates names in a
 # loop would otherwise keep a host core busy with its driver's polls.
 MIN_WAKE_GAP = 0.01
-# What the reading thread takes of the shared queue at once (~650 events of short names);
-# after a full read it waits MIN_WAKE_GAP, so a flood of names costs it a bounded share of
-# a core, and what does not fit overflows the kernel's queue rather than the host's memory.
-READ_BYTES = 64 << 10
-# An overflow lost some watch's events: every watch is woken to look, at most this often.
-OVERFLOW_GAP = 1.0
+# What the reading thread takes of the shared queue at once.
+READ_BYTES = 32 << 10
+# A read holding more than this (~350 events of short names: a host's nodes land a few
+# objects a second each) is a flood, which the thread does not parse name by name: it is
+# taken as an overflow (every watch looks once, below). After a read of more than
+# PACE_BYTES the thread waits MIN_WAKE_GAP. So a flood costs the thread a bounded share of
+# a core (at most FLOOD_BYTES parsed and READ_BYTES dequeued a gap), what does not fit
+# overflows the kernel's bounded queue, and another node's object is seen at the next
+# broadcast at worst, never behind a queue of the flood's names.
+FLOOD_BYTES = 16 << 10
+PACE_BYTES = 4 << 10
+# Events were lost (any watch's): every watch is woken to look (one poll each), at most
+# this often, however long a flood lasts.
+OVERFLOW_GAP = 0.25
 
 _IN_CLOSE_WRITE = 0x00000008
 _IN_MOVED_TO = 0x00000080
@@ -88,6 +96,10 @@ class _Hub:
         self.fd, self.libc, self.pid = fd, libc, os.getpid()
         self.lock = threading.Lock()
         self.by_wd: dict[int, list[_Watch]] = {}
+        #: Closed by a finalizer, which may run in a thread holding the lock (the cyclic
+        #: collector runs them wherever it is triggered): released at the next add, remove
+        #: or dispatch, under the lock, never from the finalizer itself.
+        self.doomed: list[_Watch] = []
         self.overflowed = False
         self.next_broadcast = 0.0
         self.poller = select.poll()
@@ -96,6 +108,7 @@ class _Hub:
 
     def add(self, path: bytes, mask: int) -> _Watch | None:
         with self.lock:
+            self._reap()
             wd = self.libc.inotify_add_watch(self.fd, path, mask)
             if wd < 0:
                 return None
@@ -104,16 +117,34 @@ class _Hub:
             self.by_wd.setdefault(wd, []).append(w)
             return w
 
-    def remove(self, w: _Watch) -> None:
-        with self.lock:
-            mine = self.by_wd.get(w.wd, [])
-            if w in mine:
-                mine.remove(w)
-                if not mine:
-                    del self.by_wd[w.wd]
-                    self.libc.inotify_rm_watch(self.fd, w.wd)  # gone already: EINVAL, fine
-            w.wd = -1
-        os.close(w.efd)  # after the lock: the reading thread writes only to watches it holds
+    def remove(self, w: _Watch, *, later: bool = False) -> None:
+        if self.pid != os.getpid():
+            # A forked child's inherited watch: the kernel's watch is its parent's, still used.
+            os.close(w.efd)
+        elif later:
+            self.doomed.append(w)  # one bytecode: safe in a finalizer
+        else:
+            with self.lock:
+                self._reap()
+                self._forget(w)
+            os.close(w.efd)  # after the lock: the reading thread writes only to watches it holds
+
+    def _reap(self) -> None:
+        """Lock held."""
+        while self.doomed:
+            w = self.doomed.pop()
+            self._forget(w)
+            os.close(w.efd)
+
+    def _forget(self, w: _Watch) -> None:
+        """Lock held."""
+        mine = self.by_wd.get(w.wd, [])
+        if w in mine:
+            mine.remove(w)
+            if not mine:
+                del self.by_wd[w.wd]
+                self.libc.inotify_rm_watch(self.fd, w.wd)  # gone already: EINVAL, fine
+        w.wd = -1
 
     def take(self, w: _Watch) -> tuple[bool, bool]:
         """(whether a name landed, whether every one was a chunk's) since the last take."""
@@ -134,19 +165,22 @@ class _Hub:
                 time.sleep(MIN_WAKE_GAP)
 
     def _once(self) -> None:
-        wait = -1 if not self.overflowed else max(0, int((self.next_broadcast - time.monotonic()) * 1000))
+        wait = (
+            -1 if not self.overflowed else max(0, math.ceil((self.next_broadcast - time.monotonic()) * 1000))
+        )
         try:
             buf = os.read(self.fd, READ_BYTES) if self.poller.poll(wait) else b""
         except BlockingIOError:
             buf = b""
-        landed, ignored, overflow = parse(buf)
-        if landed or ignored or overflow or self.overflowed:  # not for temporary files alone
+        landed, ignored, overflow = parse(buf) if len(buf) <= FLOOD_BYTES else NOTHING_BUT_LOST
+        if landed or ignored or overflow or self.overflowed or self.doomed:  # not for temporary files alone
             self._dispatch(landed, ignored, overflow)
-        if len(buf) > READ_BYTES - _EVENT.size - 256:  # full: more was queued behind it
-            time.sleep(MIN_WAKE_GAP)
+        if len(buf) > PACE_BYTES:
+            time.sleep(MIN_WAKE_GAP)  # the reading thread's share of a core stays bounded
 
     def _dispatch(self, landed: dict[int, bool], ignored: list[int], overflow: bool) -> None:
         with self.lock:
+            self._reap()
             for wd, only_chunks in landed.items():
                 for w in self.by_wd.get(wd, ()):
                     w.signal(only_chunks)
@@ -160,6 +194,10 @@ class _Hub:
                 for watches in self.by_wd.values():
                     for w in watches:
                         w.signal(False)
+
+
+#: What a flood's read says: no watch told by name, events lost.
+NOTHING_BUT_LOST: tuple[dict[int, bool], list[int], bool] = ({}, [], True)
 
 
 def parse(buf: bytes) -> tuple[dict[int, bool], list[int], bool]:
@@ -201,6 +239,16 @@ def _the_hub() -> _Hub | None:
                 return None  # none left to the user: tried again at the next watch
             _hub = _Hub(fd, libc)
         return _hub
+
+
+def _after_fork_in_child() -> None:
+    global _hub_lock
+    _hub_lock = threading.Lock()
+    if _hub is not None:  # its watches stay the parent's; a thread of it may have held this
+        _hub.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DirWatch:
@@ -253,10 +301,14 @@ class DirWatch:
         landed, self.only_chunks = hub.take(self._watch)
         return landed
 
-    def close(self) -> None:
+    def close(self, *, later: bool = False) -> None:
+        """Release the watch; ``later`` from a finalizer (which never takes the hub's lock)."""
         hub, self._hub = self._hub, None
         if hub is not None:
-            hub.remove(self._watch)
+            hub.remove(self._watch, later=later)
+
+    def __del__(self) -> None:
+        self.close(later=True)
 
 
 def _fds(also: Fds) -> tuple[int, ...]:

@@ -241,10 +241,10 @@ class ChunkTailer:
             return self.conduit.get_stream(key)
         return at[0].get_stream_at(at[1], name, key)
 
-    def close(self) -> None:
+    def close(self, *, later: bool = False) -> None:
         """Release the directory watch (if any); the tailer still polls afterwards."""
         if self._watch is not None:
-            self._watch.close()
+            self._watch.close(later=later)
             self._watch = None
         if self._dir is not None:
             os.close(self._dir[1])
@@ -252,7 +252,7 @@ class ChunkTailer:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(later=True)  # a finalizer may run in a thread holding the hub's lock
         except Exception:
             pass
 
