@@ -12,11 +12,13 @@ cancellation) plus this one. It wakes a driver only for a name that is not a wri
 temporary file, so a node's driver is woken once per object it can read, not twice.
 
 What a sandbox makes its directory say reaches only its own watch, with two bounds on what
-a flood of names costs the others: the reading thread reads one buffer at a time and
-waits ``MIN_WAKE_GAP`` after a full one (its work is bounded, and the kernel's queue
-overflows instead); an overflow (events lost, any watch's) wakes every watch, at most once
-per ``OVERFLOW_GAP``: each then polls once, which is all a lost event needs (the tail
-reads objects by name, the watch only says when to look).
+a flood of names costs the others: the reading thread paces its reads and parses none
+that holds a flood's worth of names (``FLOOD_BYTES``: its work is bounded, and the
+kernel's queue overflows instead); lost events (an overflow, a flood's unparsed read: any
+watch's) wake every watch, at most once per ``OVERFLOW_GAP``: each then polls once, which
+is all a lost event needs (the tail reads objects by name, the watch only says when to
+look). A finalizer never takes the hub's lock (it may run in a thread holding it), and a
+forked child never removes its parent's kernel watches.
 """
 
 from __future__ import annotations
