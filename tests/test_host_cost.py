@@ -123,15 +123,14 @@ def test_what_the_runtime_keeps_of_destroyed_sandboxes_is_bounded(rt, monkeypatc
     assert rt.status(handles[-1]).gone  # the newest are still answered for
 
 
-def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing_does(tmp_path):
-    """Each chunk's wake used to look the manifest up as well: one more failed lookup per
-    object the guest writes. Only a landing that is not a chunk makes it due at once."""
+def _manifest_looks(
+    tmp_path: Path,
+) -> tuple[CountingConduit, str, str, list[str], list[float], ChunkTailer]:
+    """A tailer on a frozen clock whose conduit notes every key it is asked for."""
     from guest_runner import wire
-    from prefect_resoluto.node.tail import ChunkTailer
 
     conduit = CountingConduit(tmp_path / "conduit")
     prefix = wire.node_prefix("r", "n")
-    manifest = wire.manifest_key(prefix)
     looked: list[str] = []
     get_stream = conduit.get_stream
 
@@ -140,8 +139,23 @@ def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing
         return get_stream(key)
 
     conduit.get_stream = counted  # type: ignore[method-assign]
-    now = [1000.0]  # a frozen clock: the manifest's own schedule never comes due here
-    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    now = [1000.0]
+    return (
+        conduit,
+        prefix,
+        wire.manifest_key(prefix),
+        looked,
+        now,
+        ChunkTailer(conduit, prefix, clock=lambda: now[0]),
+    )
+
+
+def test_a_chunk_landing_does_not_make_the_manifest_due_but_the_manifest_landing_does(tmp_path):
+    """Each chunk's wake used to look the manifest up as well: one more failed lookup per
+    object the guest writes. Only a landing that is not a chunk makes it due at once."""
+    from guest_runner import wire
+
+    conduit, prefix, manifest, looked, now, tailer = _manifest_looks(tmp_path)  # clock frozen: no schedule
     (tmp_path / "conduit" / prefix).mkdir(parents=True)
     if not tailer.wait(0.0) or not tailer.watching:  # opens the watch
         pytest.skip("no inotify here")
@@ -167,19 +181,7 @@ def test_under_a_watch_the_manifest_is_looked_up_when_it_lands_not_on_a_schedule
     watch makes needless, since the manifest's landing wakes the tail itself."""
     from guest_runner import wire
 
-    conduit = CountingConduit(tmp_path / "conduit")
-    prefix = wire.node_prefix("r", "n")
-    manifest = wire.manifest_key(prefix)
-    looked: list[str] = []
-    get_stream = conduit.get_stream
-
-    def counted(key: str) -> BinaryIO:
-        looked.append(key)
-        return get_stream(key)
-
-    conduit.get_stream = counted  # type: ignore[method-assign]
-    now = [1000.0]
-    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    conduit, prefix, manifest, looked, now, tailer = _manifest_looks(tmp_path)
     (tmp_path / "conduit" / prefix).mkdir(parents=True)
     assert tailer.wait(0.0) and tailer.watching, "inotify is needed here"
     try:
@@ -211,20 +213,8 @@ def test_under_a_watch_the_manifest_is_looked_up_when_it_lands_not_on_a_schedule
 def test_without_a_watch_a_root_span_closing_makes_the_manifest_due_at_once(tmp_path):
     from guest_runner import wire
 
-    conduit = CountingConduit(tmp_path / "conduit")
-    prefix = wire.node_prefix("r", "n")
-    manifest = wire.manifest_key(prefix)
-    now = [1000.0]
-    tailer = ChunkTailer(conduit, prefix, clock=lambda: now[0])
+    conduit, prefix, manifest, looked, _now, tailer = _manifest_looks(tmp_path)
     tailer._watch_tried = True  # as on S3: polled only
-    looked: list[str] = []
-    get_stream = conduit.get_stream
-
-    def counted(key: str) -> BinaryIO:
-        looked.append(key)
-        return get_stream(key)
-
-    conduit.get_stream = counted  # type: ignore[method-assign]
     tailer.poll(lambda ev: None)
     root_closed = wire.encode_event(wire.make_event("r", "node", "close", span_id="s", status="ok", ts=1.0))
     conduit.put(wire.chunk_key(prefix, 1), wire.encode_chunk([root_closed]))
