@@ -148,6 +148,38 @@ def test_guest_heartbeat_keeps_a_quiet_node_alive(conduit, tmp_path):
     assert sum(1 for e in chunks if e["kind"] == "heartbeat") >= 2
 
 
+def test_a_quiet_node_outlives_a_silence_window_shorter_than_the_guests_own_heartbeat(conduit, tmp_path):
+    """The guest's heartbeat is 10 s when quiet: a window under it ended every live node that
+    printed nothing for that long ("presumed dead"). The host now tells the guest a heartbeat
+    of a quarter of the window, without the user setting one."""
+    window = 2.0
+    outcome = drive_node(
+        spec(tmp_path, [sys.executable, "-c", f"import time; time.sleep({window * 2.5})"]),
+        conduit,
+        get_runtime("process"),
+        min_isolation="none",
+        silence_window=window,
+    )
+    assert outcome.ok, outcome.describe()
+    beats = [
+        json.loads(line)
+        for k in conduit.list_prefix("run/run1/nodes/node1/events-")
+        for line in conduit.get(k).decode().splitlines()
+        if json.loads(line)["kind"] == "heartbeat"
+    ]
+    assert len(beats) >= 2
+
+
+def test_the_guest_is_told_a_heartbeat_only_where_its_own_would_not_fit_the_window(conduit, tmp_path):
+    from prefect_resoluto.node.spec import guest_env
+
+    key = wire.ENV_HEARTBEAT_INTERVAL
+    assert key not in guest_env(spec(tmp_path, ["true"]), conduit, "p")  # 600 s: the guest's own 10 s
+    assert guest_env(spec(tmp_path, ["true"], silence_window=2.0), conduit, "p")[key] == "0.5"
+    mine = spec(tmp_path, ["true"], silence_window=2.0, env={key: "0.25"})
+    assert guest_env(mine, conduit, "p")[key] == "0.25"  # the user's own is kept
+
+
 @pytest.mark.sandbox
 def test_a_sandbox_that_exits_without_a_result_says_so_with_substrate_logs(gvisor, conduit, tmp_path):
     s = spec(tmp_path, ["true"])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from guest_runner import archive, redact, wire
 from guest_runner.conduit import Conduit
+from guest_runner.shipper import DEFAULT_HEARTBEAT_INTERVAL
 from prefect_resoluto.node import heartbeat
 from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
 from prefect_resoluto.runtimes import labels
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from prefect_resoluto.egress import NetworkRequest
 
 GUEST_WORKSPACE = "/workspace"
+#: A quiet guest's heartbeats in one silence window, at least (see guest_env).
+HEARTBEATS_PER_WINDOW = 4
 
 
 class NodeSpecError(ValueError):
@@ -159,6 +162,10 @@ def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, 
             wire.ENV_OUTPUT_PATHS: _json(spec.output_paths),
         }
     )
+    if spec.silence_window < HEARTBEATS_PER_WINDOW * DEFAULT_HEARTBEAT_INTERVAL:
+        # The guest's own heartbeat (10 s when quiet) would let a silence window shorter than
+        # it end a live node that is only quiet: a window gets HEARTBEATS_PER_WINDOW of them.
+        env.setdefault(wire.ENV_HEARTBEAT_INTERVAL, f"{spec.silence_window / HEARTBEATS_PER_WINDOW:g}")
     if spec.setup_argv:
         env[wire.ENV_SETUP_ARGV] = _json(spec.setup_argv)
     if spec.cleanup_argv:
