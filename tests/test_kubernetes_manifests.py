@@ -255,3 +255,16 @@ def test_session_policy_reaches_only_the_nodes_prefix_and_the_read_only_keys() -
         "Resource": ["arn:aws:s3:::bucket/base/run/r/_guest/g.tar.gz"],
     }
     assert len(json.loads(session_policy("bucket", "p"))["Statement"]) == 2
+
+
+def test_a_short_silence_windows_heartbeat_reaches_the_pods_guest(tmp_path: Any) -> None:
+    """The host's heartbeat for a window under the guest's own 10 s (`node.spec.guest_env`)
+    travels in the pod's env like the rest of the node's, or the pod's quiet guest is ended."""
+    from guest_runner import wire
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto.node.spec import NodeSpec, launch_spec
+
+    node = NodeSpec(run_id="run-1", node_id="node-1", argv=["true"], silence_window=2.0)
+    told = launch_spec(node, LocalConduit(tmp_path)).env[wire.ENV_HEARTBEAT_INTERVAL]
+    pod = build(spec(env={wire.ENV_HEARTBEAT_INTERVAL: told})).pod
+    assert env_of(pod)[wire.ENV_HEARTBEAT_INTERVAL]["value"] == "0.5"

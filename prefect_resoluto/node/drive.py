@@ -32,6 +32,7 @@ from guest_runner.conduit import Conduit, ConduitError, ObjectNotFound
 from guest_runner.conduit.local import make_dirs
 from guest_runner.redact import Redactor
 from prefect_resoluto.node import bounded, heartbeat, verdict
+from prefect_resoluto.node.dirwatch import readable
 from prefect_resoluto.node.observer import Callbacks, NodeObserver
 from prefect_resoluto.node.outcome import (
     FailureKind,
@@ -42,7 +43,7 @@ from prefect_resoluto.node.spec import (
     NodeSpecError,
     launch_spec,
 )
-from prefect_resoluto.node.tail import ChunkTailer, TailError, readable
+from prefect_resoluto.node.tail import ChunkTailer, TailError
 from prefect_resoluto.runtimes import slot
 from prefect_resoluto.runtimes.base import (
     IsolationLevel,

@@ -30,9 +30,9 @@ from guest_runner import wire
 from guest_runner.conduit import Conduit, ObjectNotFound
 from guest_runner.conduit.local import LocalConduit
 from prefect_resoluto.node import bounded
-from prefect_resoluto.node.dirwatch import MIN_WAKE_GAP, DirWatch, Fds, readable, wait_fds
+from prefect_resoluto.node.dirwatch import MIN_WAKE_GAP, DirWatch, Fds, wait_fds
 
-__all__ = ["MIN_WAKE_GAP", "ChunkTailer", "DirWatch", "TailError", "readable"]
+__all__ = ["MIN_WAKE_GAP", "ChunkTailer", "DirWatch", "TailError"]  # the watch's, where it was
 
 Event = wire.SpanEvent
 
