@@ -357,6 +357,9 @@ def thread_cpu_profiles() -> Any:
         for name, secs in by_name.most_common():
             buf.write(f"{secs:8.3f} s  {name}\n")
         if merged:
+            dump = os.environ.get("SCALE_HOST_PSTATS")  # a file for pstats, to read at leisure
+            if dump:
+                merged[0].dump_stats(dump)
             merged[0].stream = buf  # type: ignore[attr-defined]
             merged[0].sort_stats("tottime").print_stats(45)
             by_file: collections.Counter[str] = collections.Counter()

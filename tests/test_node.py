@@ -170,12 +170,16 @@ def test_a_quiet_node_outlives_a_silence_window_shorter_than_the_guests_own_hear
     assert len(beats) >= 2
 
 
-def test_the_guest_is_told_a_heartbeat_only_where_its_own_would_not_fit_the_window(conduit, tmp_path):
+def test_the_guests_heartbeat_is_paced_to_the_silence_window(conduit, tmp_path):
     from prefect_resoluto.node.spec import guest_env
 
     key = wire.ENV_HEARTBEAT_INTERVAL
-    assert key not in guest_env(spec(tmp_path, ["true"]), conduit, "p")  # 600 s: the guest's own 10 s
+    # The default 600 s window: a beat every 150 s, not the guest's own 10 s (a chunk each).
+    assert guest_env(spec(tmp_path, ["true"]), conduit, "p")[key] == "150"
     assert guest_env(spec(tmp_path, ["true"], silence_window=2.0), conduit, "p")[key] == "0.5"
+    # However long the window, a quiet guest still beats (and an unbounded one gets a number).
+    assert guest_env(spec(tmp_path, ["true"], silence_window=86400.0), conduit, "p")[key] == "150"
+    assert guest_env(spec(tmp_path, ["true"], silence_window=float("inf")), conduit, "p")[key] == "150"
     mine = spec(tmp_path, ["true"], silence_window=2.0, env={key: "0.25"})
     assert guest_env(mine, conduit, "p")[key] == "0.25"  # the user's own is kept
 

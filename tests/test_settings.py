@@ -152,6 +152,7 @@ def test_run_and_render_have_a_flag_for_each_cli_setting():
         ("output_limit", "big", "big"),
         ("pids", 0, "0"),
         ("silence_window", -1.0, "-1"),
+        ("silence_window", float("nan"), "nan"),
         ("min_isolation", "hyper", "hyper"),
     ],
 )

@@ -188,7 +188,7 @@ def _check_warm_pool(v: int | None) -> None:
 
 
 def _check_silence(v: float) -> None:
-    if v <= 0:
+    if not v > 0:  # NaN too
         raise ValueError("silence_window must be positive (seconds)")
 
 
