@@ -10,6 +10,7 @@ names the member and undoes the whole extraction. See docs/security.md, "Outputs
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import os
@@ -76,6 +77,7 @@ def check_pattern(pattern: str) -> str:
     return "/".join(x for x in parts if x not in ("", "."))
 
 
+@functools.lru_cache(maxsize=256)  # a host matches each node's outputs with the same patterns
 def _glob_regex(pattern: str) -> "re.Pattern[str]":
     """Translate a path glob with ``**`` (any depth), ``*`` and ``?`` (within a segment)."""
     out = []
@@ -304,12 +306,26 @@ def pack(
                     continue
                 if stat.S_ISREG(st.st_mode):
                     add_file(rel, real, st)
-            for name, data in extra or ():
-                ti = tarfile.TarInfo(check_pattern(name))
-                ti.size = len(data)
-                ti.mode = 0o644
-                tar.addfile(ti, io.BytesIO(data))
+            _add_extra(tar, extra or ())
     return buf.getvalue()
+
+
+def pack_files(files: Sequence[Tuple[str, bytes]]) -> bytes:
+    """The archive :func:`pack` makes of an empty directory with ``extra=files``, without a
+    directory to walk: a call's own file, sent with every node."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=_GZIP_LEVEL, mtime=0) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            _add_extra(tar, files)
+    return buf.getvalue()
+
+
+def _add_extra(tar: tarfile.TarFile, files: Iterable[Tuple[str, bytes]]) -> None:
+    for name, data in files:
+        ti = tarfile.TarInfo(check_pattern(name))
+        ti.size = len(data)
+        ti.mode = 0o644
+        tar.addfile(ti, io.BytesIO(data))
 
 
 # -- unpacking ------------------------------------------------------------------------------

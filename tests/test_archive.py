@@ -81,6 +81,17 @@ def test_pack_is_deterministic(tree):
     assert archive.pack(tree) == archive.pack(tree)
 
 
+def test_an_archive_of_files_alone_is_the_archive_of_an_empty_directory_with_them(tmp_path):
+    files = [(".resoluto/call.json", b'{"a": 1}'), ("b.txt", b"x" * 5000)]
+    (tmp_path / "empty").mkdir()
+    assert archive.pack_files(files) == archive.pack(tmp_path / "empty", patterns=[], extra=files)
+    got = archive.unpack(archive.pack_files(files), tmp_path / "out")
+    assert sorted(got) == [".resoluto/call.json", "b.txt"]
+    assert (tmp_path / "out/b.txt").read_bytes() == b"x" * 5000
+    with pytest.raises(OutputPatternError):
+        archive.pack_files([("../escape", b"")])
+
+
 def test_pack_missing_workspace_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         archive.pack(tmp_path / "nope")

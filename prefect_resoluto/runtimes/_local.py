@@ -411,14 +411,19 @@ class LocalChildRuntime(SandboxRuntime):
     def _exit_status(
         self, handle: SandboxHandle, code: int, cg: _cgroup.Cgroup | None | bool = True
     ) -> SandboxStatus:
-        """``cg``: the sandbox's cgroup when the caller has looked it up (True: look it up)."""
+        """``cg``: the sandbox's cgroup when the caller has looked it up (True: ask its one
+        file that counts OOM kills, found by the cgroup's name, not its directories)."""
         special = self._interpret(handle, code)
         if special is not None:
             return special
-        if cg is True:
-            cg = _cgroup.existing(self._cgroup_name(handle.id))
-        assert cg is None or isinstance(cg, _cgroup.Cgroup)
-        if code != 0 and cg is not None and cg.oom_killed():
+        name = self._cgroup_name(handle.id)
+
+        def oom() -> bool:
+            if cg is True:
+                return _cgroup.oom_killed(name)
+            return isinstance(cg, _cgroup.Cgroup) and cg.oom_killed()
+
+        if code != 0 and oom():
             return SandboxStatus(
                 "failed",
                 reason="OOM-killed: the sandbox exceeded its memory limit",
@@ -427,9 +432,7 @@ class LocalChildRuntime(SandboxRuntime):
                 memory_exhausted=True,
             )
         if code == 0:
-            return SandboxStatus(
-                "succeeded", exit_code=0, memory_exhausted=cg is not None and cg.oom_killed()
-            )
+            return SandboxStatus("succeeded", exit_code=0, memory_exhausted=oom())
         if code < 0:
             return SandboxStatus(
                 "failed",

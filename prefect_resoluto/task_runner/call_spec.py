@@ -241,15 +241,7 @@ def call_archive(
     body = json.dumps(
         {**ref, "parameters": parameters, "real_prefect": real_prefect, "context": context or {}}
     ).encode()
-    return archive.pack(_empty_dir(), patterns=[], extra=[(call.CALL_FILE, body)])
-
-
-def _empty_dir() -> Path:
-    import tempfile
-
-    d = Path(tempfile.gettempdir()) / "resoluto-empty"
-    d.mkdir(exist_ok=True)
-    return d
+    return archive.pack_files([(call.CALL_FILE, body)])
 
 
 def guest_argv(python: str = "python3") -> list[str]:
