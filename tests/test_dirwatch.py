@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.polling import scaled
+from support.quiet_hub import drain_hub
 
 from guest_runner import wire
 from guest_runner.conduit.local import TEMP_PREFIX, LocalConduit
@@ -64,6 +65,11 @@ def _publish(d: Path, name: str) -> None:
     os.replace(tmp, d / name)
 
 
+@pytest.fixture(autouse=True)
+def _quiet_hub() -> None:
+    drain_hub()
+
+
 @pytest.fixture
 def watches() -> Iterator[list[DirWatch]]:
     held: list[DirWatch] = []
@@ -101,17 +107,36 @@ def _mkdir(d: Path) -> Path:
 def test_a_watch_wakes_for_its_own_directory_only_and_once_per_object(tmp_path: Path) -> None:
     a, b = _watch(tmp_path / "a"), _watch(tmp_path / "b")
     try:
-        _publish(tmp_path / "a", "result.json")
+        _publish(tmp_path / "a", wire.MANIFEST)
         assert a.wait(scaled(10)) and not a.only_chunks  # not a chunk: the manifest is due
         assert not b.wait(0.0)
         assert not a.wait(0.0)  # told once
         (tmp_path / "a" / f"{TEMP_PREFIX}x").write_bytes(b"half")  # a writer's temporary file
         _publish(tmp_path / "b", "events-000001.jsonl")
-        assert b.wait(scaled(10))
+        assert b.wait(scaled(10)) and b.only_chunks
         assert not a.wait(0.0), "a temporary file woke the watch"
     finally:
         a.close()
         b.close()
+
+
+def test_only_a_name_the_tail_reads_wakes_its_watch(tmp_path: Path) -> None:
+    """result.json is read once the manifest is there, and a name of a sandbox's own is read
+    by nobody: neither wakes the driver (a sandbox cannot wake it at will). The chunk
+    published after them, by the same writer, is what the wake is for: the queue is in
+    order, so the names before it were seen, and not one of them woke the watch."""
+    w = _watch(tmp_path / "n")
+    try:
+        for name in (wire.RESULT, "junk", "events-x.jsonl", "xevents-000001.jsonl", "_manifest.json.bak"):
+            _publish(tmp_path / "n", name)
+        _publish(tmp_path / "n", "events-000001.jsonl")
+        assert w.wait(scaled(10)) and w.only_chunks, "a name that is not the tail's woke it as the manifest"
+        assert w.wakes == 1
+        assert not w.wait(0.0)
+        (tmp_path / "n" / wire.MANIFEST).write_bytes(b"{}")  # written in place: its close tells
+        assert w.wait(scaled(10)) and not w.only_chunks
+    finally:
+        w.close()
 
 
 def test_two_watches_of_one_directory_are_both_told_and_either_may_close_first(tmp_path: Path) -> None:

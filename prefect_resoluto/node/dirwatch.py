@@ -8,8 +8,10 @@ its user runs. Watches are counted apart (``max_user_watches``, ~190 000 here).
 
 The reading thread hands each watch its own flag and an eventfd, written when the flag
 goes up, so a driver still sleeps in ``poll(2)`` on its descriptors (the sandbox's exit, a
-cancellation) plus this one. It wakes a driver only for a name that is not a writer's
-temporary file, so a node's driver is woken once per object it can read, not twice.
+cancellation) plus this one. It wakes a driver only for a name its tail reads, an event
+chunk's or the manifest's: not a writer's temporary file (a node's driver is woken once per
+object, not twice), nor ``result.json`` (read once the manifest is there) or any other name
+a sandbox writes (it cannot wake its driver at will).
 
 What a sandbox makes its directory say reaches only its own watch, with two bounds on what
 a flood of names costs the others: the reading thread paces its reads and parses none
@@ -68,6 +70,7 @@ _MASK = _IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_ONLYDIR
 
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len; then the name
 _TEMP = TEMP_PREFIX.encode()
+_MANIFEST = wire.MANIFEST.encode()
 
 
 class _Watch:
@@ -203,9 +206,10 @@ NOTHING_BUT_LOST: tuple[dict[int, bool], list[int], bool] = ({}, [], True)
 
 
 def parse(buf: bytes) -> tuple[dict[int, bool], list[int], bool]:
-    """The events in ``buf``: for each watch a name landed in (not a writer's temporary
-    file, which no listing shows), whether every such name was a chunk's; the watches
-    whose directory went; whether the queue overflowed."""
+    """The events in ``buf``: for each watch a tail's name landed in (a chunk's or the
+    manifest's; a writer's temporary file, which no listing shows, and any other name are
+    not), whether every such name was a chunk's; the watches whose directory went; whether
+    the queue overflowed."""
     landed: dict[int, bool] = {}
     ignored: list[int] = []
     at, overflow = 0, False
@@ -217,9 +221,10 @@ def parse(buf: bytes) -> tuple[dict[int, bool], list[int], bool]:
             overflow = True
         elif mask & _IN_IGNORED:
             ignored.append(wd)
-        elif name and not name.startswith(_TEMP):
-            chunk = wire.chunk_index(name.decode("utf-8", "replace")) is not None
-            landed[wd] = landed.get(wd, True) and chunk
+        elif name == _MANIFEST:
+            landed[wd] = False
+        elif not name.startswith(_TEMP) and wire.chunk_index(name.decode("utf-8", "replace")) is not None:
+            landed.setdefault(wd, True)
     return landed, ignored, overflow
 
 
@@ -261,7 +266,8 @@ class DirWatch:
         self._watch = watch
         self.wakes = 0
         self._woke_at = -MIN_WAKE_GAP
-        #: Whether everything the last wake saw land was a chunk (events-NNNNNN).
+        #: Whether everything the last wake saw land was a chunk (events-NNNNNN): not the
+        #: manifest, nor lost events or the directory's removal, which may hide it.
         self.only_chunks = False
 
     @property
