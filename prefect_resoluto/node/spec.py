@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from guest_runner import archive, redact, wire
 from guest_runner.conduit import Conduit
 from prefect_resoluto.node import heartbeat
-from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW
+from prefect_resoluto.node.tail import DEFAULT_SILENCE_WINDOW, heartbeat_interval
 from prefect_resoluto.runtimes import labels
 from prefect_resoluto.runtimes.base import (
     DEFAULT_MIN_ISOLATION,
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
     from prefect_resoluto.egress import NetworkRequest
 
 GUEST_WORKSPACE = "/workspace"
-#: A quiet guest's heartbeats in one silence window, at least (see guest_env).
-HEARTBEATS_PER_WINDOW = 4
-#: A quiet guest beats at least this often (seconds), whatever the window: the default
-#: window's quarter, and finite for an unbounded one.
-MAX_HEARTBEAT_INTERVAL = DEFAULT_SILENCE_WINDOW / HEARTBEATS_PER_WINDOW
 
 
 class NodeSpecError(ValueError):
@@ -164,11 +159,8 @@ def guest_env(spec: NodeSpec, conduit: Conduit, store_prefix: str) -> dict[str, 
             wire.ENV_OUTPUT_PATHS: _json(spec.output_paths),
         }
     )
-    # Paced to the window, not the guest's own 10 s: a window shorter than that would end a
-    # live node that is only quiet, and a longer one needs no more than HEARTBEATS_PER_WINDOW
-    # beats (each is a chunk to write, an object on S3, a wake of the host's tail).
-    beat = min(spec.silence_window / HEARTBEATS_PER_WINDOW, MAX_HEARTBEAT_INTERVAL)
-    env.setdefault(wire.ENV_HEARTBEAT_INTERVAL, f"{beat:g}")
+    # Paced to the window (tail.heartbeat_interval), not the guest's own 10 s.
+    env.setdefault(wire.ENV_HEARTBEAT_INTERVAL, f"{heartbeat_interval(spec.silence_window):g}")
     if spec.setup_argv:
         env[wire.ENV_SETUP_ARGV] = _json(spec.setup_argv)
     if spec.cleanup_argv:

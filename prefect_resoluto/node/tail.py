@@ -56,10 +56,24 @@ MANIFEST_MAX = 30.0
 # Under a directory watch the manifest's landing wakes the tail itself (it is not a chunk):
 # it is looked up then, and on this schedule only as a backstop (a watch that missed it).
 MANIFEST_WATCHED = 30.0
-# A recovery listing while the sandbox runs: after this long with no chunk at all (three
-# of the guest's heartbeats missed), doubling after each, so a live node never lists and
-# a stalled one lists a handful of times before its silence window ends it.
+# A recovery listing while the sandbox runs: after this long with no chunk at all (a
+# guest's heartbeat missed), doubling after each, so a live node never lists and a stalled
+# one lists a handful of times before its silence window ends it.
 GAP_PROBE_AFTER = 30.0
+# A quiet guest heartbeats this many times a silence window (the host tells it so: a window
+# shorter than the guest's own 10 s would end a live node that is only quiet)...
+HEARTBEATS_PER_WINDOW = 4
+# ...and at least this often (seconds), with room before a gap probe lists the node's chunks.
+# Not more often: each beat is a chunk the guest writes (an object on S3), and a wake and a
+# read of the host's tail.
+MAX_HEARTBEAT_INTERVAL = GAP_PROBE_AFTER * 5 / 6
+
+
+def heartbeat_interval(silence_window: float) -> float:
+    """How often a quiet guest tailed with ``silence_window`` should heartbeat (seconds)."""
+    return min(silence_window / HEARTBEATS_PER_WINDOW, MAX_HEARTBEAT_INTERVAL)
+
+
 # A recovery listing reads a page of names at a time and gives up on a page of names that
 # are not chunks: what a sandbox writes never sets how much the host holds or requests.
 LIST_PAGE = 1000
