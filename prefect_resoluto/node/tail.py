@@ -10,7 +10,7 @@ expected chunk key (a "no such key" means nothing new), so its cost is one GET
 whatever the number of chunks already read, and a tail started late (a restart, an
 adoption) reads from chunk 1 in order. The manifest is fetched on a cadence of its own,
 backed off while nothing ends (at once when a root span closes, when a local conduit's
-directory watch wakes the tail, or when the driver sees the sandbox exit). A listing is
+directory watch tells of its landing, or when the driver sees the sandbox exit). A listing is
 only for recovery: once at the end (chunks beyond the manifest's count), and, backed
 off, after a long stretch with nothing new while the sandbox runs (a gap: a later chunk
 there while the next one never comes). Liveness is a silence watchdog, armed by the
@@ -202,9 +202,9 @@ class ChunkTailer:
 
     def wait(self, timeout: float, also: Fds = None) -> bool:
         """Sleep up to ``timeout`` seconds between polls, or until a descriptor of ``also``
-        is readable. On a local conduit, wake as soon as an object lands in the node's
-        directory (True), so arrival is seen at once without polling fast (the manifest,
-        which may be what landed, is then due too); elsewhere just sleep (False). The call
+        is readable. On a local conduit, wake as soon as a chunk or the manifest lands in the
+        node's directory (True), so arrival is seen at once without polling fast (the
+        manifest, when it was what landed, is then due too); elsewhere just sleep (False). The call
         that opens the watch returns True at once: what landed before it was open is read
         by the next poll."""
         if self._watch is None and not self._watch_tried and self._watcher() is not None:
@@ -214,9 +214,9 @@ class ChunkTailer:
             return wait_fds(also, timeout)
         woke = watch.wait(timeout, also)
         if woke and not watch.only_chunks:
-            # Only when something other than chunks landed (the manifest may be it): a chunk's
+            # The manifest landed, or events were lost that may have been its: a chunk's
             # arrival made every poll also look up a manifest not yet there, one more failed
-            # lookup per object the guest writes. A root span's close still makes it due.
+            # lookup per object the guest writes.
             self._manifest_at = self.clock()
         return woke
 
