@@ -138,9 +138,10 @@ RESULT_FIELDS = (
 )
 EVENT_KINDS = ("open", "close", "log")
 
-_CHUNK_RE = re.compile(r"(?:^|/)events-([0-9]{6,})\.jsonl$")
+# \Z, not $: "$" also matches before a final newline ("events-000007.jsonl\n" is no chunk).
+_CHUNK_RE = re.compile(r"(?:^|/)events-([0-9]{6,})\.jsonl\Z")
 # Identifiers become path segments of conduit keys, so they are held to a safe alphabet.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class SpanEvent(TypedDict):

@@ -242,6 +242,8 @@ def test_an_unstartable_sandbox_fails_fast(conduit, tmp_path):
         ({"argv": ["echo"], "output_paths": ["../escape"]}, "escapes the workspace"),
         ({"argv": ["echo"], "node_id": "../x"}, "not a valid identifier"),
         ({"argv": ["echo"], "env": {"A=B": "x"}}, "invalid environment variable name"),
+        ({"argv": ["echo"], "silence_window": float("nan")}, "silence_window must be positive"),
+        ({"argv": ["echo"], "silence_window": 0.0}, "silence_window must be positive"),
     ],
 )
 def test_bad_node_specs_fail_before_anything_is_written(conduit, tmp_path, kw, message):

@@ -30,11 +30,12 @@ def test_chunk_index_parses_only_chunks():
     assert wire.chunk_index("events-000001.jsonl") == 1
     assert wire.chunk_index("run/r/nodes/n/result.json") is None
     assert wire.chunk_index("run/r/nodes/n/events-1.jsonl") is None  # not zero-padded
+    assert wire.chunk_index("events-000007.jsonl\n") is None  # a name a sandbox made, not chunk 7
     with pytest.raises(wire.WireError):
         wire.chunk_key("p", 0)
 
 
-@pytest.mark.parametrize("bad", ["", "../x", "a/b", "a b", ".hidden", "x" * 200, "a..b"])
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "a b", ".hidden", "x" * 200, "a..b", "node\n"])
 def test_ids_that_would_break_the_key_space_are_refused(bad):
     with pytest.raises(wire.WireError, match="not a valid identifier"):
         wire.node_prefix("run", bad)

@@ -99,6 +99,8 @@ class NodeSpec:
             raise NodeSpecError(
                 "argv must be a non-empty list of strings (the command to run in the sandbox)"
             )
+        if not self.silence_window > 0:  # NaN too: a window no silence ever reaches
+            raise NodeSpecError(f"silence_window must be positive (seconds), got {self.silence_window!r}")
         if self.output_limit is not None and (isinstance(self.output_limit, bool) or self.output_limit <= 0):
             raise NodeSpecError(f"output_limit must be a positive number of bytes, got {self.output_limit!r}")
         if self.workspace is not None and not Path(self.workspace).is_dir():
