@@ -34,11 +34,12 @@ def client():
     return contextlib.nullcontext(c)
 
 
-def task_runs(flow_run_id) -> list:
+def task_runs(flow_run_id, expect: int | None = None) -> list:
     """The flow run's task runs, in start order. Prefect 3 records a task run's states from
     the events its engine emits (the server's task-run recorder, asynchronously), so right
-    after a flow returns the API may still show a task run Running: for a Completed flow run
-    this waits until every task run's recorded state is final (a state, not a delay)."""
+    after a flow returns the API may still show a task run Running, or not show its last one
+    at all: for a Completed flow run this waits until every task run's recorded state is
+    final and, with ``expect``, until that many are recorded (a state, not a delay)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from support.polling import wait_for
@@ -53,6 +54,8 @@ def task_runs(flow_run_id) -> list:
 
         def settled() -> tuple[list] | None:
             rs = read()
+            if expect is not None and len(rs) < expect:
+                return None
             return (rs,) if all(r.state is not None and r.state.is_final() for r in rs) else None
 
         (runs,) = wait_for(
