@@ -254,8 +254,8 @@ def test_keyboard_interrupt_and_system_exit_crash_the_task_run_without_retries(c
     assert sandboxed.is_completed() and threaded.is_completed()
     assert sandboxed.result() == threaded.result() == ["KeyboardInterrupt", "SystemExit", "SystemExit"]
     s_runs, t_runs = (
-        task_runs(sandboxed.state_details.flow_run_id),
-        task_runs(threaded.state_details.flow_run_id),
+        task_runs(sandboxed.state_details.flow_run_id, expect=3),
+        task_runs(threaded.state_details.flow_run_id, expect=3),
     )
     assert [r.state.type.value for r in s_runs] == ["CRASHED"] * 3
     assert [(r.state.type, r.run_count) for r in s_runs] == [(r.state.type, r.run_count) for r in t_runs]

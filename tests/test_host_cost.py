@@ -22,8 +22,9 @@ from support.polling import scaled, wait_for
 from support.quiet_hub import drain_hub
 from support.runtime_contract import require, spec, wait_terminal
 
-from guest_runner.conduit import LocalConduit
+from guest_runner.conduit import LocalConduit, ObjectNotFound
 from guest_runner.conduit.local import TEMP_PREFIX
+from prefect_resoluto.node import drive as drive_mod
 from prefect_resoluto.node import tail
 from prefect_resoluto.node.drive import POLL_BACKSTOP, STATUS_BACKSTOP, _Clocks, drive, drive_node
 from prefect_resoluto.node.observer import NodeObserver
@@ -78,6 +79,46 @@ def test_a_quiet_node_is_neither_listed_nor_asked_its_status_while_it_sleeps(rt,
     print(f"requests: {conduit.gets} GETs, {lists} LISTs for {objects} objects")
     assert lists <= 3, lists
     assert conduit.gets <= 3 * objects + 6, (conduit.gets, objects)
+
+
+class LookupConduit(LocalConduit):
+    """A local conduit that records each object the host looks for, and whether it was there."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.lookups: list[tuple[str, bool]] = []
+
+    def get_stream(self, key: str) -> BinaryIO:
+        try:
+            stream = super().get_stream(key)
+        except ObjectNotFound:
+            self.lookups.append((key.rsplit("/", 1)[-1], False))
+            raise
+        self.lookups.append((key.rsplit("/", 1)[-1], True))
+        return stream
+
+
+def test_a_node_watched_from_its_start_looks_for_no_object_before_it_lands(rt, tmp_path, monkeypatch):
+    # The watch opens before the sandbox does (it is told of every object the guest writes):
+    # neither the first chunk nor the manifest is looked for before it is there; only the
+    # chunk after each one read is (that is how a poll knows it has read all). The backstops
+    # are put out of reach, so what is measured is the path, not a clock.
+    monkeypatch.setattr(tail, "MANIFEST_WATCHED", 3600.0)
+    monkeypatch.setattr(drive_mod, "POLL_BACKSTOP", 3600.0)
+    conduit = LookupConduit(tmp_path / "conduit")
+    out = drive_node(
+        NodeSpec(run_id="r", node_id="seen", argv=[sys.executable, "-c", "print('one line')"]),
+        conduit,
+        rt,
+        min_isolation="none",
+    )
+    assert out.ok, out.describe()
+    missed = [name for name, found in conduit.lookups if not found]
+    read = [name for name, found in conduit.lookups if found]
+    assert "_manifest.json" in read and "_manifest.json" not in missed, conduit.lookups
+    assert "events-000001.jsonl" in read and "events-000001.jsonl" not in missed, conduit.lookups
+    chunks = [n for n in read if n.startswith("events-")]
+    assert len(missed) <= len(chunks), conduit.lookups  # one look past each poll's last chunk at most
 
 
 def test_the_exit_descriptor_fires_when_the_sandbox_exits(rt, tmp_path):

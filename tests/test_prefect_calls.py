@@ -92,8 +92,8 @@ def test_artifacts_made_in_a_task_are_a_threads_and_its_times_in_order(tmp_path,
     sandbox_run = run_reports(sandboxed(tmp_path, runtime))
     # Issue 41: a task run (sync and async) is created before it starts, and starts before it
     # ends. Under threads Prefect's recorder creates it after it started, so only the rest.
-    assert times_out_of_order(task_runs(sandbox_run)) == []
-    assert times_out_of_order(task_runs(threads_run), created_first=False) == []
+    assert times_out_of_order(task_runs(sandbox_run, expect=2)) == []
+    assert times_out_of_order(task_runs(threads_run, expect=2), created_first=False) == []
     threads, sandbox = by_task(threads_run), by_task(sandbox_run)
     assert set(threads) == {"reports", "areports"}
     assert len(threads["reports"]) == 7 and len(threads["areports"]) == 3, threads

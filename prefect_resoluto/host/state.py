@@ -46,22 +46,34 @@ TRASH_PREFIX = ".removing-"
 
 def state_dir(runtime: str, override: str | os.PathLike[str] | None = None) -> Path:
     """``$RESOLUTO_STATE_DIR/<runtime>`` or ``<cache dir>/sandboxes/<runtime>``."""
+    env = os.environ
+    # Asked several times a node: worked out and made once for what it depends on
+    # (make_sandbox_dir remakes it if it goes).
+    key = (
+        runtime,
+        os.fspath(override) if override else "",
+        env.get(STATE_ENV),
+        env.get("XDG_CACHE_HOME"),
+        env.get("HOME"),
+    )
+    d = _MADE.get(key)
+    if d is not None:
+        return d
     if override:
         base = Path(override)
-    elif os.environ.get(STATE_ENV):
-        base = Path(os.environ[STATE_ENV])
+    elif env.get(STATE_ENV):
+        base = Path(env[STATE_ENV])
     else:
         from prefect_resoluto.host.paths import cache_dir
 
         base = cache_dir() / "sandboxes"
     d = base / runtime
-    if str(d) not in _MADE:  # asked several times a node: made once (make_sandbox_dir remakes it)
-        make_dirs(d, 0o700)
-        _MADE.add(str(d))
+    make_dirs(d, 0o700)
+    _MADE[key] = d
     return d
 
 
-_MADE: set[str] = set()
+_MADE: dict[tuple[str | None, ...], Path] = {}
 
 
 def process_start_time(pid: int) -> int | None:

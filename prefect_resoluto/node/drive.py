@@ -245,6 +245,7 @@ def _drive(
         if node.launch.network is not None:
             node.events.listen_egress(spec.run_id, spec.node_id)
         try:
+            node.tailer.watch_before_start()  # then nothing is looked for until it has landed
             handle = _start_sandbox(node)
             if handle is not None:
                 _watch(node, handle)
@@ -340,6 +341,7 @@ def _retry_elsewhere(node: _Node, lost: AnyWarm, why: str) -> None:
     placed, lost.placed = lost.placed, None
     nxt = _next_warm(node, lost, why)
     if placed is not None:
+        node.tailer.unwatch()  # it watches the directory that goes now
         slot.release(placed)  # the bind of the lost sandbox's slot (its tmpfs went with it)
         shutil.rmtree(placed, ignore_errors=True)  # the host's inbox: the sandbox never ran the node
         node.slot = None
@@ -426,7 +428,8 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
     runs long costs the host next to nothing while it runs. The loop also wakes every
     ``WAKE`` seconds to see a cancellation (or Prefect's timeout, raised in this thread)
     unless the observer's descriptors tell of it (``wake_fds``, ``cancel_polled``); and at
-    the end of the silence window, whatever else wakes it."""
+    the end of the silence window, whatever else wakes it. A watch opened before the sandbox
+    started tells of every object it writes: the loop then polls first when it is woken."""
     clocks = _Clocks(
         node.runtime.status_interval,
         node.runtime.exit_fd(handle),
@@ -434,7 +437,10 @@ def _watch(node: _Node, handle: SandboxHandle) -> None:
         # Egress decisions arrive on the proxy's threads, delivered from this loop's wakes.
         WAKE if node.observer.cancel_polled() or node.launch.network is not None else POLL_BACKSTOP,
     )
-    node.tailer.wait(0.0)  # opens a local conduit's watch now: the first poll sees all before it
+    if node.tailer.watched_from_start:
+        clocks.polled(node.tailer)  # the watch tells of every object: no first look for any
+    else:
+        node.tailer.wait(0.0)  # opens a local conduit's watch now: the first poll sees all before it
     try:
         _watch_loop(node, handle, clocks)
     finally:

@@ -156,6 +156,8 @@ class ChunkTailer:
         #: The node's directory on a local conduit, opened with the watch: each object is
         #: then one openat() by name, not a walk from the conduit's root (a poll's syscalls).
         self._dir: tuple[LocalConduit, int] | None = None
+        #: The watch was opened before the sandbox could write (:meth:`watch_before_start`).
+        self.watched_from_start = False
 
     # -- liveness ---------------------------------------------------------------
     def arm(self) -> None:
@@ -219,6 +221,25 @@ class ChunkTailer:
             # lookup per object the guest writes.
             self._manifest_at = self.clock()
         return woke
+
+    def watch_before_start(self) -> bool:
+        """Open a local conduit's watch before the guest can write anything: then every chunk
+        and the manifest wake :meth:`wait` as they land, so neither is looked for until one
+        has (True). False: no watch (a remote conduit, no directory yet); the first poll
+        looks for everything, as after a watch opened late."""
+        if self._watcher() is None:
+            return False
+        self._manifest_at = self.clock() + MANIFEST_WATCHED  # due on its landing, or the backstop
+        self.watched_from_start = True
+        return True
+
+    def unwatch(self) -> None:
+        """The node's directory was replaced (its sandbox changed before it started): the
+        watch goes, and the next :meth:`wait` opens one on the new directory, whose first
+        poll looks for everything."""
+        self.close()
+        self._watch_tried = self.watched_from_start = False
+        self._manifest_at = self.clock()
 
     @property
     def watching(self) -> bool:

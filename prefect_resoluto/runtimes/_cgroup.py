@@ -56,6 +56,21 @@ class Cgroup:
         # Anything that escaped the process group (a daemonised child) still lives here.
         kill(self.pids())
 
+    def remove_empty(self) -> bool:
+        """Remove each directory the kernel lets go as it is (no process, no cgroup inside);
+        True when none is left. The kernel refuses a busy one, so an exited sandbox's
+        cgroup goes without its members being read first."""
+        left: list[str] = []
+        for d in self.dirs:
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(d)
+        self.dirs = left
+        return not left
+
     def remove(self, deadline: float | None = None) -> bool:
         """Remove each directory; True when none is left. A directory that will not go has
         cgroups of its own inside (a workload with root made them, and may have parked a
@@ -292,6 +307,17 @@ def create(name: str, resources: Resources) -> Cgroup | None:
     return None
 
 
+#: A new v1 cgroup's ``cpu.cfs_period_us`` (the kernel's default, not the parent's).
+CFS_PERIOD_US = 100_000
+
+
+@functools.lru_cache(maxsize=4)
+def _swap_accounted(memory_root: str) -> bool:
+    """Whether the v1 memory controller at ``memory_root`` accounts swap (a boot option: it
+    does not change under a running host)."""
+    return os.path.exists(os.path.join(memory_root, "memory.memsw.limit_in_bytes"))
+
+
 def _create_v1(name: str, r: Resources) -> Cgroup:
     dirs: list[str] = []
     # cpuacct too: a cgroup runsc creates itself is gone with the sandbox, ours stays until
@@ -305,14 +331,14 @@ def _create_v1(name: str, r: Resources) -> Cgroup:
         dirs.append(str(d))
         if controller == "memory" and r.memory_bytes:
             _write(d / "memory.limit_in_bytes", str(r.memory_bytes))
-            if (d / "memory.memsw.limit_in_bytes").exists():
+            if _swap_accounted(str(root)):
                 _write(d / "memory.memsw.limit_in_bytes", str(r.memory_bytes))  # no swap on top
         elif controller == "pids" and r.pids:
             _write(d / "pids.max", str(r.pids))
         elif controller == "cpu" and r.cpus:
-            period = 100_000
-            _write(d / "cpu.cfs_period_us", str(period))
-            _write(d / "cpu.cfs_quota_us", str(int(r.cpus * period)))
+            # The period is a new cgroup's own default (100 ms), never inherited: the quota
+            # alone sets the share.
+            _write(d / "cpu.cfs_quota_us", str(int(r.cpus * CFS_PERIOD_US)))
     return Cgroup(dirs=dirs, version=1)
 
 
@@ -343,6 +369,19 @@ def _v1_roots() -> tuple[str, ...]:
     """Each v1 controller's ``resoluto`` directory (looked at once: asked at every exit and
     destroy, and the mounts do not change under a running host)."""
     return tuple(str(root / PARENT) for root in sorted(CGROUP_FS.iterdir()))
+
+
+def named(name: str) -> Cgroup | None:
+    """Every directory the sandbox cgroup ``name`` may have, not looked up (None without a
+    usable hierarchy): for a sandbox that has exited, whose cgroup is then removed by trying
+    each (one ``rmdir`` a directory, which fails for one not there) rather than first
+    looking for them all."""
+    version = detect()
+    if version == "v1":
+        return Cgroup(dirs=[os.path.join(parent, name) for parent in _v1_roots()], version=1)
+    if version == "v2":
+        return Cgroup(dirs=[str(CGROUP_FS / PARENT / name)], version=2)
+    return None
 
 
 def existing(name: str) -> Cgroup | None:

@@ -469,7 +469,7 @@ class LocalChildRuntime(SandboxRuntime):
         rec = SandboxRecord.load(d)
         code = proc.poll() if proc is not None else rec.exit_code if rec is not None else None
         # An exited sandbox's cgroups are all there now; a running one's are looked up after the kill.
-        cg = _cgroup.existing(self._cgroup_name(sandbox_id)) if code is not None else None
+        cg = _cgroup.named(self._cgroup_name(sandbox_id)) if code is not None else None
         if final is None and code is not None:  # judge it now, before the evidence is removed
             final = self._exit_status(SandboxHandle(id=sandbox_id, runtime=self.name), code, cg)
         self._teardown(sandbox_id, rec, code)
@@ -624,6 +624,8 @@ def _killpg(pid: int) -> None:
 
 
 def _drain_cgroup(cg: _cgroup.Cgroup, timeout: float = 5.0) -> None:
+    if cg.remove_empty():  # an exited sandbox's, almost always: nothing to read or kill
+        return
     deadline = time.monotonic() + timeout
     # One read of the members per round, the kill aimed at what it found: an exited
     # sandbox's cgroup is almost always empty, and reading cgroup.procs of every

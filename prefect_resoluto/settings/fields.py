@@ -652,7 +652,8 @@ class SandboxSettings:
         self.output_paths = list(self.output_paths)
 
     def replace(self, **changes: Any) -> Self:
-        """A copy with ``changes`` applied; dict fields are merged, not replaced."""
+        """A copy with ``changes`` applied; dict fields are merged, not replaced. Without any
+        change, this object itself (settings are not changed in place)."""
         names = {f.name for f in dataclasses.fields(SandboxSettings)}
         merged: dict[str, Any] = {}
         for k, v in changes.items():
@@ -663,6 +664,8 @@ class SandboxSettings:
             if isinstance(getattr(self, k), dict):
                 v = {**getattr(self, k), **v}
             merged[k] = v
+        if not merged:  # a task without options of its own, every node: no copy to check again
+            return self
         return dataclasses.replace(self, **merged)
 
 
