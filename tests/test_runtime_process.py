@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -295,3 +299,43 @@ def test_a_running_sandboxs_oom_kills_are_read_from_the_memory_controller_alone(
         assert not _cgroup.oom_killed("gvisor-rsl-gone")  # no such cgroup: no OOM kill
     finally:
         _cgroup._oom_parent.cache_clear()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a read-only bind mount (where a ``resoluto`` parent may sit), or a skip
+    saying why there is none."""
+    ro = tmp_path / "ro"
+    (ro / "resoluto").mkdir(parents=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a read-only bind mount needs root and mount(8)")
+    made = subprocess.run(["mount", "--bind", str(ro), str(ro)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {made.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True, capture_output=True)
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True, capture_output=True)
+
+
+def test_a_cgroup_path_that_is_not_there_is_not_waited_for_however_its_removal_fails(
+    tmp_path: Path, read_only_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An exited sandbox's cgroup is removed by an rmdir of each directory it may have (no
+    # lookup first). A path that is not there fails with ENOENT, but also with ENOTDIR (a file
+    # where a hierarchy was: a root workload can make one under /sys/fs/cgroup) or EROFS (a
+    # read-only mount): none of them is a busy cgroup, to be drained for 5 s (outside attack).
+    from prefect_resoluto.runtimes._local import _drain_cgroup
+
+    (tmp_path / "a-file").write_text("")
+    real = tmp_path / "real"
+    real.mkdir()
+    cg = _cgroup.Cgroup(
+        dirs=[str(tmp_path / "a-file" / "resoluto" / "x"), str(read_only_dir / "resoluto" / "x"), str(real)],
+        version=1,
+    )
+    with caplog.at_level(logging.WARNING):
+        _drain_cgroup(cg)
+    assert cg.dirs == [] and not real.exists()
+    assert "still busy" not in caplog.text

@@ -11,6 +11,7 @@ approximate) and says so in ``availability().detail``.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -66,8 +67,11 @@ class Cgroup:
                 os.rmdir(d)
             except FileNotFoundError:
                 pass
-            except OSError:
-                left.append(d)
+            except OSError as e:
+                # Busy, or refused for a reason that may hold for a path that is not there at
+                # all (a file where a hierarchy was, a read-only mount): only a directory stays.
+                if e.errno in (errno.EBUSY, errno.ENOTEMPTY) or os.path.isdir(d):
+                    left.append(d)
         self.dirs = left
         return not left
 
