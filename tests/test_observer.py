@@ -3,9 +3,13 @@ happened, in order, and asks it what only the host can answer."""
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from pathlib import Path
 from typing import Any
+
+from support.polling import scaled
 
 from guest_runner.conduit import LocalConduit
 from prefect_resoluto.node.drive import drive
@@ -13,7 +17,8 @@ from prefect_resoluto.node.observer import NodeObserver, WorkloadOutput
 from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.node.spec import NodeSpec
 from prefect_resoluto.runtimes import get_runtime
-from prefect_resoluto.runtimes.base import SandboxHandle
+from prefect_resoluto.runtimes.base import SandboxHandle, SandboxStatus
+from prefect_resoluto.runtimes.process import ProcessRuntime
 
 
 class Recorder(NodeObserver):
@@ -77,6 +82,34 @@ def test_the_observer_sees_the_node_in_order_and_only_workload_lines(tmp_path: P
     # A finished node's sandbox was handed over: the host destroys it.
     assert [h.id for h in obs.taken] == [out.sandbox_id]
     get_runtime("process").destroy(obs.taken[0])
+
+
+class ExitSeenFirst(ProcessRuntime):
+    """Answers a status only once the sandbox has exited: the host sees the exit before it
+    reads the manifest, the other side of the race between the two."""
+
+    def status(self, handle: SandboxHandle) -> SandboxStatus:
+        fd = self.exit_fd(handle)
+        if fd is not None:
+            try:
+                select.select([fd], [], [], scaled(60))
+            finally:
+                os.close(fd)
+        return super().status(handle)
+
+
+def test_a_successful_node_whose_exit_the_host_saw_first_is_handed_over_too(tmp_path: Path) -> None:
+    # Which the host hears of first, a fast guest's manifest or its exit, is a race: the
+    # hand-over of a success (its teardown off the node's path) must not depend on it.
+    conduit = LocalConduit(tmp_path / "conduit")
+    obs = Recorder(take=True)
+    rt = ExitSeenFirst()
+    out = drive(_spec(tmp_path, "print('one')", "n4"), conduit, rt, obs)
+    assert out.ok, out.describe()
+    assert out.observed_phase == "succeeded"  # the exit was seen, before the hand-over
+    assert [h.id for h in obs.taken] == [out.sandbox_id]
+    rt.destroy(obs.taken[0])
+    assert rt.list_ids() == []
 
 
 def test_a_cancelling_observer_stops_the_node(tmp_path: Path) -> None:

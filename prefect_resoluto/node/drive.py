@@ -86,7 +86,8 @@ def drive(
     A node whose guest wrote a complete manifest and a successful result may be handed to
     ``observer.reap`` (its objects are all in the conduit; what is left is the guest's exit and
     the runtime's teardown), so the outcome returns without waiting for them;
-    ``observed_phase`` is then the phase seen before the hand-over (``running``).
+    ``observed_phase`` is then the phase seen before the hand-over (``running``, or the exit
+    when the host saw it first).
 
     Never raises for a failed node (see :meth:`NodeOutcome.raise_for_failure`); raises
     for bad input before anything is launched, and re-raises interruption after the
@@ -569,7 +570,7 @@ def _finish_sandbox(node: _Node) -> None:
     """On every path, whatever happened: stop tailing, see the sandbox exit (or hand it to the
     host's reaper), destroy it, keep the egress decisions, settle the slot."""
     node.tailer.close()
-    if node.handle is not None and node.failure is None and not node.st.terminal:
+    if node.handle is not None and node.failure is None:
         _exit_or_hand_over(node, node.handle)
     if node.handle is not None:
         try:
@@ -583,9 +584,11 @@ def _finish_sandbox(node: _Node) -> None:
 
 def _exit_or_hand_over(node: _Node, handle: SandboxHandle) -> None:
     """A node the host saw nothing wrong with: a success whose objects are all in the conduit
-    may be handed to ``observer.reap`` (``node.handle`` None: the exit and teardown are not
-    waited for); otherwise observe the exit. A failed workload may have died at the memory
-    limit, which only the substrate's view of the exited sandbox tells: wait longer for it."""
+    may be handed to ``observer.reap`` (``node.handle`` None: the teardown, and the exit if it
+    has not been seen, are not waited for), whether or not its exit was seen first (which of
+    the two the host hears of first is a race); otherwise observe the exit. A failed workload
+    may have died at the memory limit, which only the substrate's view of the exited sandbox
+    tells: wait longer for it."""
     said = _result_status(node)
     failed = said is not None and said != "success"
     if (
@@ -595,7 +598,7 @@ def _exit_or_hand_over(node: _Node, handle: SandboxHandle) -> None:
         and node.observer.reap(handle)
     ):
         node.handle = None
-    else:
+    elif not node.st.terminal:
         node.st = _settle(node.runtime, handle, node.st, 5.0 if failed else 0.5)
 
 
