@@ -222,16 +222,14 @@ class ChunkTailer:
             self._manifest_at = self.clock()
         return woke
 
-    def watch_before_start(self) -> bool:
+    def watch_before_start(self) -> None:
         """Open a local conduit's watch before the guest can write anything: then every chunk
         and the manifest wake :meth:`wait` as they land, so neither is looked for until one
-        has (True). False: no watch (a remote conduit, no directory yet); the first poll
-        looks for everything, as after a watch opened late."""
-        if self._watcher() is None:
-            return False
-        self._manifest_at = self.clock() + MANIFEST_WATCHED  # due on its landing, or the backstop
-        self.watched_from_start = True
-        return True
+        has (``watched_from_start``). Without a watch (a remote conduit, no directory yet)
+        the first poll looks for everything, as after a watch opened late."""
+        if self._watcher() is not None:
+            self._manifest_at = self.clock() + MANIFEST_WATCHED  # due on its landing, or the backstop
+            self.watched_from_start = True
 
     def unwatch(self) -> None:
         """The node's directory was replaced (its sandbox changed before it started): the

@@ -162,7 +162,7 @@ def _recorded(client: Any, ids: list[UUID]) -> set[UUID]:
     found: set[UUID] = set()
     for at in range(0, len(ids), READ_BATCH):
         batch = ids[at : at + READ_BATCH]
-        only = TaskRunFilter(id=TaskRunFilterId(any_=batch))
+        only = TaskRunFilter(id=TaskRunFilterId(any_=batch)).model_dump(mode="json")
         have = _count(client, only)
         if have == len(batch):
             found.update(batch)
@@ -171,28 +171,24 @@ def _recorded(client: Any, ids: list[UUID]) -> set[UUID]:
     return found
 
 
-def _listed(client: Any, only: Any, batch: list[UUID]) -> set[UUID]:
+def _listed(client: Any, only: dict[str, Any], batch: list[UUID]) -> set[UUID]:
     """Those of ``batch`` a listing of the runs ``only`` selects holds: their ids read from
     the answer's JSON, not each run built as a model (the client's CPU of a listing of a map's
     runs, several a second while they start, was most of what a wait for them cost)."""
-    reply = client._client.post(
-        "/task_runs/filter", json={"task_runs": only.model_dump(mode="json"), "limit": len(batch)}
-    )
+    runs = client._client.post("/task_runs/filter", json={"task_runs": only, "limit": len(batch)}).json()
+    if not isinstance(runs, list):
+        return set()
     wanted = {str(i): i for i in batch}
-    runs = reply.json()
-    return (
-        {wanted[r["id"]] for r in runs if isinstance(r, dict) and r.get("id") in wanted}
-        if isinstance(runs, list)
-        else set()
-    )
+    return {wanted[r["id"]] for r in runs if isinstance(r, dict) and r.get("id") in wanted}
 
 
-def _count(client: Any, only: Any) -> int | None:
-    """``POST /task_runs/count`` of the runs ``only`` selects; None when the API refuses it."""
+def _count(client: Any, only: dict[str, Any]) -> int | None:
+    """``POST /task_runs/count`` of the runs ``only`` (a filter, as JSON) selects; None when
+    the API refuses it."""
     import httpx
 
     try:
-        reply = client._client.post("/task_runs/count", json={"task_runs": only.model_dump(mode="json")})
+        reply = client._client.post("/task_runs/count", json={"task_runs": only})
         have = reply.json()
     except (httpx.HTTPStatusError, ValueError):
         return None
