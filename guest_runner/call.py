@@ -3,7 +3,8 @@
 ``call.json`` names the function (a source file relative to the workspace plus a
 qualname, or an importable ``module``) and its parameters as JSON. The function's
 module is imported under its own name, so its ``if __name__ == "__main__":`` block
-does not run. The return value goes to ``.resoluto/return.json``; an exception to
+does not run, and a flow it calls at import without that guard is not run either
+(:mod:`guest_runner.importguard`). The return value goes to ``.resoluto/return.json``; an exception to
 ``.resoluto/error.json`` (type, message, traceback as text and as frames, from the task's
 own frame down, and what it was raised from), redacted of secrets before it is written: the traceback and message are the runner's words about the task, and may quote
 a secret. The return value is the task's data and is written as it is. Nothing is pickled.
@@ -16,14 +17,14 @@ deployment, the run context objects' fields), which :mod:`guest_runner.standin` 
 from __future__ import annotations
 
 import enum
-import importlib
-import importlib.util
 import inspect
 import json
 import os
 import sys
 import traceback
 from typing import Any, Dict
+
+from guest_runner import importguard
 
 # dataclasses, datetime, uuid and pathlib are not imported for every call (each import is
 # a few syscalls per sys.path entry, dear under gVisor): a value can only be an instance
@@ -102,9 +103,9 @@ def load_function(spec: Dict[str, Any]) -> Any:
             name = module_name_for(rel)
             root = os.getcwd()
             sys.path[:0] = [root] if "." in name else [os.path.join(root, os.path.dirname(rel)), root]
-            module = importlib.import_module(name)
+            module = importguard.import_task_module(name, qualname)
         elif spec.get("module"):
-            module = importlib.import_module(spec["module"])
+            module = importguard.import_task_module(spec["module"], qualname)
         else:
             raise CallError("call.json names neither a 'file' nor a 'module'")
     except CallError:

@@ -7,8 +7,10 @@ here; the first other attribute or submodule loads the real package transparentl
 
 Whichever is in use, a task in the sandbox sees the run it belongs to (the host sends
 it as JSON): ``prefect.runtime.task_run`` / ``flow_run`` / ``deployment``, the
-current tags and the run context objects (:mod:`guest_runner.runctx`). Calling another task from a task runs it inline, in this sandbox, as a
-plain call of its function: there is no Prefect API in here to create task runs with.
+current tags and the run context objects (:mod:`guest_runner.runctx`). Calling another task
+(or a flow) from a task runs it inline, in this sandbox, as a plain call of its function:
+there is no Prefect API in here to create runs with. A flow called while the task's module
+is imported is not run at all (:mod:`guest_runner.importguard`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import types
 from importlib.machinery import ModuleSpec, PathFinder
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
 
-from guest_runner import runctx
+from guest_runner import importguard, runctx
 from guest_runner.wire import LOG_MARKER
 
 if TYPE_CHECKING:
@@ -64,6 +66,13 @@ def get_run_logger(*args: Any, **kwargs: Any) -> logging.Logger:
         logger.propagate = False
         _LOGGER = logger
     return _LOGGER
+
+
+def _debug(text: str) -> None:
+    get_run_logger().debug(text)
+
+
+importguard.note = _debug
 
 
 # -- the run this sandbox works for ------------------------------------------------------
@@ -264,7 +273,19 @@ class StandInTask:
 
 class StandInFlow(StandInTask):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        skipped, value = importguard.flow_called(self.name, "called", self.isasync)
+        return value if skipped else self.fn(*args, **kwargs)
+
+    def serve(self, *args: Any, **kwargs: Any) -> Any:
+        return self._at_import("serve", "served")
+
+    def deploy(self, *args: Any, **kwargs: Any) -> Any:
+        return self._at_import("deploy", "deployed")
+
+    def _at_import(self, attr: str, how: str) -> Any:
+        """A script's unguarded ``flow.serve()``: nothing while its module is imported."""
+        skipped, value = importguard.flow_called(self.name, how, False)
+        return value if skipped else StandInTask.__getattr__(self, attr)
 
 
 def _decorator(kind: type) -> Callable[..., Any]:
@@ -352,6 +373,7 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     cls.map = lambda self, *a, **k: futures.PrefectFutureList(
         [_real_future(f) for f in inline_map(self.name, self.fn, a, k)]
     )
+    _guard_flows(importlib.import_module("prefect.flows").Flow)
     _apply_run_context(prefect)
     # No ephemeral server, no wait on an API; artifacts relayed to the host.
     from guest_runner import prefect_api
@@ -365,6 +387,32 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
     except Exception:  # noqa: BLE001 - the task's own `from prefect import ...` reports it
         pass
     _REAL_LOADED.update(sys.modules)
+
+
+def _guard_flows(cls: type) -> None:
+    """A real Flow as the stand-in's: called, served or deployed while the task's module is
+    imported, nothing (:mod:`guest_runner.importguard`); called by a running task, its
+    function runs inline (there is no API in here to make a flow run with)."""
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        skipped, value = importguard.flow_called(str(self.name), "called", bool(self.isasync))
+        if skipped:
+            return value
+        return self.fn(*args, **{k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")})
+
+    def at_import(attr: str, how: str) -> Callable[..., Any]:
+        original = getattr(cls, attr)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            skipped, value = importguard.flow_called(str(self.name), how, False)
+            return value if skipped else original(self, *args, **kwargs)
+
+        return method
+
+    cls.__call__ = call  # type: ignore[method-assign]
+    for attr, how in (("serve", "served"), ("deploy", "deployed")):
+        if hasattr(cls, attr):
+            setattr(cls, attr, at_import(attr, how))
 
 
 #: Every module loaded once the real Prefect was: Prefect's own dependencies (pydantic,

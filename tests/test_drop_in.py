@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -603,6 +604,55 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     assert bundle["linux"]["resources"]["pids"] == {"limit": 64}
     sizes = {m["destination"]: m.get("options", []) for m in bundle["mounts"] if m["type"] == "tmpfs"}
     assert f"size={1024**3}" in sizes["/tmp"] and f"size={1024**3}" in sizes["/workspace"]
+
+
+# -- a flow script without `if __name__ == "__main__":` ----------------------------------------------
+UNGUARDED_SCRIPT = """
+import json, os
+from prefect import flow, task
+from prefect_resoluto import ResolutoTaskRunner
+
+CALLS = []
+
+@task
+def work(i: int) -> int:
+    CALLS.append(i)  # a fresh sandbox each: 1, unless the flow ran again in it
+    return len(CALLS)
+
+@flow(task_runner=ResolutoTaskRunner(
+    runtime="process", min_isolation="none", conduit=os.environ.get("CONDUIT"),
+    outputs_dir=os.environ.get("OUTPUTS"),
+))
+def pipeline(n: int):
+    return [f.result() for f in work.map(range(n))]
+
+print("RESULT", json.dumps(pipeline(4)), flush=True)
+"""
+
+
+def test_a_script_that_calls_its_flow_unguarded_runs_each_task_once(tmp_path):
+    """The script is run as users run it (``python script.py``) against the test's API.
+    Prefect glue, not isolation: on the `process` runtime, as the guest's import is the same
+    on every runtime. Before, each task's sandbox ran the whole flow inline first."""
+    from prefect.settings import PREFECT_API_URL
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "script.py").write_text(UNGUARDED_SCRIPT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "CONDUIT": str(tmp_path / "conduit"),
+        "OUTPUTS": str(tmp_path / "outputs"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "script.py"], cwd=ws, env=env, capture_output=True, text=True, timeout=600
+    )
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    results = [line for line in said.splitlines() if line.startswith("RESULT ")]
+    assert results == ["RESULT [1, 1, 1, 1]"], said[-4000:]  # the host's line, once
 
 
 # -- Prefect's own generic task-runner checks, on a sandboxed runner ----------------------------------

@@ -160,3 +160,132 @@ def test_failures_are_reported_in_error_json(ws, spec, kind, text):
     proc, ret, err = run_call(ws, spec)
     assert proc.returncode == 1 and ret is None
     assert err["type"] == kind and text in err["message"] + err["traceback"], err
+
+
+# -- a script that calls its flow without `if __name__ == "__main__":` ---------------------------
+UNGUARDED = textwrap.dedent("""
+    import asyncio
+    from prefect import flow, task
+    from prefect_resoluto import ResolutoTaskRunner
+
+    CALLS = []
+
+    @task
+    def work(i: int) -> int:
+        CALLS.append(i)
+        return len(CALLS)
+
+    @task
+    def seen() -> dict:
+        # What of the module exists when the task runs: the host had run nothing past its
+        # flow call when it submitted the task.
+        names = [n for n in ("RESULT", "AFTER") if n in globals()]
+        return {"calls": len(CALLS), "names": names}
+
+    @task
+    def runs_a_subflow() -> list:
+        return pipeline()  # a subflow called by a running task runs, inline
+
+    @flow(task_runner=ResolutoTaskRunner(runtime="gvisor"))
+    def pipeline():
+        return [work(i) for i in range(3)]
+
+    @flow
+    async def apipeline():
+        return work(9)
+
+    def main():
+        return pipeline()
+
+    TAIL
+    AFTER = "past the flow call"
+""")
+
+#: How scripts call their flow at the bottom, unguarded.
+TAILS = {
+    "call": "RESULT = pipeline()",
+    "async": "RESULT = asyncio.run(apipeline())",
+    "main": "RESULT = main()",
+    "serve": "RESULT = pipeline.serve(name='nightly')",
+    "deploy": "RESULT = pipeline.deploy(name='nightly', work_pool_name='pool')",
+    "swallowed": "try:\n    RESULT = pipeline()\nexcept Exception:\n    RESULT = None",
+}
+
+
+@pytest.mark.parametrize("real_prefect", [False, True], ids=["standin", "real"])
+@pytest.mark.parametrize("tail", sorted(TAILS))
+def test_an_unguarded_flow_call_is_where_the_task_modules_import_ends(tmp_path, tail, real_prefect):
+    (tmp_path / "script.py").write_text(UNGUARDED.replace("TAIL", TAILS[tail]))
+    proc, ret, err = run_call(
+        tmp_path, {"file": "script.py", "qualname": "work", "parameters": {"i": 5}}, real_prefect=real_prefect
+    )
+    assert err is None and ret == {"value": 1}, (err, proc.stderr)  # no task body ran before it
+    proc, ret, err = run_call(
+        tmp_path, {"file": "script.py", "qualname": "seen", "parameters": {}}, real_prefect=real_prefect
+    )
+    assert err is None and ret == {"value": {"calls": 0, "names": []}}, (err, proc.stderr)
+
+
+@pytest.mark.parametrize("real_prefect", [False, True], ids=["standin", "real"])
+def test_a_subflow_a_running_task_calls_still_runs(tmp_path, real_prefect):
+    (tmp_path / "script.py").write_text(UNGUARDED.replace("TAIL", TAILS["call"]))
+    proc, ret, err = run_call(
+        tmp_path,
+        {"file": "script.py", "qualname": "runs_a_subflow", "parameters": {}},
+        real_prefect=real_prefect,
+    )
+    assert err is None and ret == {"value": [1, 2, 3]}, (err, proc.stderr)
+
+
+TWO_FLOWS = textwrap.dedent("""
+    from prefect import flow, task
+    import helper  # calls a flow of its own at import, unguarded
+
+    @task
+    def early() -> str:
+        return "early " + helper.STATE
+
+    @flow
+    def first():
+        raise SystemExit("the first flow ran in the sandbox")
+
+    first()  # ends the import for `early`; for `late`, not defined yet, it is not run
+
+    @task
+    def late() -> str:
+        return "late " + helper.STATE
+
+    @flow
+    def second():
+        return late()
+
+    second()
+    raise SystemExit("the import went past the flow call of the task's flow")
+""")
+
+HELPER = textwrap.dedent("""
+    from prefect import flow
+
+    @flow
+    def helpers_own():
+        raise SystemExit("the helper's flow ran in the sandbox")
+
+    STATE = "before"
+    helpers_own()  # another module's top level: not run, and its import goes on
+    STATE = "imported whole"
+""")
+
+
+@pytest.mark.parametrize("real_prefect", [False, True], ids=["standin", "real"])
+@pytest.mark.parametrize("qualname", ["early", "late"])
+def test_only_the_task_modules_own_call_after_the_task_ends_the_import(tmp_path, qualname, real_prefect):
+    (tmp_path / "two.py").write_text(TWO_FLOWS)
+    (tmp_path / "helper.py").write_text(HELPER)
+    proc, ret, err = run_call(
+        tmp_path, {"file": "two.py", "qualname": qualname, "parameters": {}}, real_prefect=real_prefect
+    )
+    assert err is None and ret == {"value": f"{qualname} imported whole"}, (err, proc.stdout, proc.stderr)
+    notes = [
+        line for line in proc.stdout.split("\n") if "not run in the sandbox" in line or "ends there" in line
+    ]
+    assert any("from 'helper' while 'two' was imported: not run" in n for n in notes), proc.stdout

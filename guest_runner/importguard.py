@@ -1,0 +1,103 @@
+"""A flow called while the sandbox imports a task's module is not run there.
+
+A flow script without ``if __name__ == "__main__":`` calls its flow when it is imported.
+The host made that call; the sandbox imports the module only to find the task's function.
+Run again there, the flow would run every one of its tasks inline, in every task's
+sandbox: N tasks, N² task bodies. Under ThreadPoolTaskRunner the script is never imported
+a second time, so, while the guest imports the task's module:
+
+* a flow called (or served, or deployed) from the module's own top level, once the task
+  is defined, ends the import there. The module is then what it was when the host called
+  the flow: what follows the call had not run on the host either when the task was
+  submitted.
+* any other flow call (from another module that import loads, or before the task is
+  defined) does nothing and returns ``None`` (an awaitable of ``None`` for an async flow).
+
+A flow that a task calls while it runs (a subflow) runs inline, as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any, Callable, Dict, Optional, Tuple
+
+#: (module name, task qualname) while the guest imports the task's module.
+_LOADING: Optional[Tuple[str, str]] = None
+
+
+class _EndImport(BaseException):
+    """Ends the task module's import at its flow call. A BaseException, so that a script's
+    ``except Exception`` around its flow call does not swallow it."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        super().__init__()
+        self.module = module
+
+
+def import_task_module(name: str, qualname: str) -> types.ModuleType:
+    """``importlib.import_module(name)``, with a flow call at its top level ending it."""
+    global _LOADING
+    _LOADING = (name, qualname)
+    try:
+        return importlib.import_module(name)
+    except _EndImport as end:
+        # The import system forgot the module when the exception left it: it stands as is.
+        sys.modules[name] = end.module
+        parent, _, leaf = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], leaf, end.module)
+        return end.module
+    finally:
+        _LOADING = None
+
+
+def flow_called(flow_name: str, how: str, is_async: bool) -> Tuple[bool, Any]:
+    """``(True, what the call returns)`` when a flow called now is not to run (see the
+    module's docstring; raises to end the import); ``(False, None)`` when it runs."""
+    if _LOADING is None:
+        return False, None
+    name, qualname = _LOADING
+    module = sys.modules.get(name)
+    caller = _calling_module()
+    if module is not None and caller is module.__dict__ and _defines(module, qualname):
+        _note(f"the flow {flow_name!r} {how} at the top level of {name!r}: its import ends there")
+        raise _EndImport(module)
+    where = f"from {caller.get('__name__')!r} " if caller is not None else ""
+    _note(f"the flow {flow_name!r} {how} {where}while {name!r} was imported: not run in the sandbox")
+    return True, (_nothing() if is_async else None)
+
+
+def _calling_module() -> Optional[Dict[str, Any]]:
+    """The globals of the nearest module-level code on the stack: the module whose top
+    level made the call (directly, or through a function it defines)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            return frame.f_globals
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _defines(module: types.ModuleType, qualname: str) -> bool:
+    obj: Any = module
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _note(text: str) -> None:
+    if note is not None:
+        note(f'{text} (the host runs the flow; put the call under `if __name__ == "__main__":`)')
+
+
+#: Where the notes go: the task run's logs, at DEBUG (set by :mod:`guest_runner.standin`,
+#: which owns the run logger and imports this module).
+note: Optional[Callable[[str], None]] = None
