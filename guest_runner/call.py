@@ -1,10 +1,11 @@
 """Python-task entry in the sandbox: ``python -m guest_runner.call .resoluto/call.json``.
 
 ``call.json`` names the function (a source file relative to the workspace plus a
-qualname, or an importable ``module``) and its parameters as JSON. The function's
+qualname, or an importable ``module``) and its parameters as JSON that keeps their
+types (:mod:`guest_runner.values`). The function's
 module is imported under its own name, so its ``if __name__ == "__main__":`` block
 does not run, and a flow it calls at import without that guard is not run either
-(:mod:`guest_runner.importguard`). The return value goes to ``.resoluto/return.json``; an exception to
+(:mod:`guest_runner.importguard`). The return value goes to ``.resoluto/return.json``, encoded the same way; an exception to
 ``.resoluto/error.json`` (type, message, traceback as text and as frames, from the task's
 own frame down, and what it was raised from), redacted of secrets before it is written: the traceback and message are the runner's words about the task, and may quote
 a secret. The return value is the task's data and is written as it is. Nothing is pickled.
@@ -24,11 +25,10 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from guest_runner import importguard
+from guest_runner import importguard, values
 
-# dataclasses, datetime, uuid and pathlib are not imported for every call (each import is
-# a few syscalls per sys.path entry, dear under gVisor): a value can only be an instance
-# of their classes once its module is loaded, so _jsonable looks in sys.modules.
+# dataclasses is not imported for every call (each import is a few syscalls per sys.path
+# entry, dear under gVisor): a value can only be a dataclass's once its module is loaded.
 
 CALL_DIR = ".resoluto"
 CALL_FILE = CALL_DIR + "/call.json"
@@ -59,16 +59,9 @@ def _jsonable(value: Any) -> Any:
         import dataclasses
 
         return dataclasses.asdict(value)
-    pathlib, datetime, uuid = (sys.modules.get(m) for m in ("pathlib", "datetime", "uuid"))
-    if pathlib is not None and isinstance(value, pathlib.PurePath):
-        return str(value)
-    if datetime is not None and isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
-        return value.isoformat()
-    if uuid is not None and isinstance(value, uuid.UUID):
-        return str(value)
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, (set, frozenset, tuple)):
+    if isinstance(value, tuple):  # a namedtuple: its items (a plain tuple keeps its type)
         return list(value)
     raise TypeError(
         f"the task returned a {type(value).__module__}.{type(value).__qualname__}, which cannot cross "
@@ -178,6 +171,14 @@ def call(fn: Any, params: Dict[str, Any]) -> Any:
 
 async def _await(aw: Any) -> Any:
     return await aw
+
+
+def _encoded(result: Any) -> Any:
+    """The return value as JSON that gives the host back its types (:mod:`guest_runner.values`)."""
+    try:
+        return values.encode(result, _jsonable)
+    except RecursionError:
+        raise ValueError("the task's return value is nested too deeply (or holds itself)") from None
 
 
 def _write(path: str, obj: Any) -> None:
@@ -350,7 +351,7 @@ def main(argv: "list[str] | None" = None) -> int:
     workspace = os.getcwd()
     try:
         with open(call_path, encoding="utf-8") as f:
-            spec = json.load(f)
+            spec = values.loads(f.read())  # the parameters (and the context's) as the host's values
         if not isinstance(spec, dict) or not isinstance(spec.get("parameters", {}), dict):
             raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
         from guest_runner import standin
@@ -370,7 +371,7 @@ def main(argv: "list[str] | None" = None) -> int:
         finally:
             _report_imports(workspace)
         try:
-            _write(RETURN_FILE, {"value": result})
+            _write(RETURN_FILE, {"value": _encoded(result)})
         except (TypeError, ValueError) as e:
             _write(
                 ERROR_FILE,

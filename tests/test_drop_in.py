@@ -606,6 +606,58 @@ def test_pids_and_disk_are_settable_and_reach_the_sandbox_config(tmp_path):
     assert f"size={1024**3}" in sizes["/tmp"] and f"size={1024**3}" in sizes["/workspace"]
 
 
+# -- values keep their types across the sandbox's boundary -------------------------------------------
+def _typed_values() -> list[Any]:
+    import datetime as dt
+    import decimal
+    from pathlib import Path as P
+
+    return [
+        (1, "two", (3.0, None)),
+        {1, 2, 3},
+        frozenset({"a"}),
+        dt.date(2026, 12, 6),
+        dt.datetime(2026, 12, 6, 11, 30, 5, 120, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+        dt.time(23, 59, 1),
+        dt.timedelta(days=-2, seconds=7, microseconds=3),
+        decimal.Decimal("10.10"),
+        uuid.UUID("12345678-1234-5678-1234-567812345678"),
+        P("/data/in.csv"),
+        b"\x00raw\xff",
+        {1: "one", (2, 3): ["x"], "$resoluto": "a key like the tag"},
+        [{"nested": ({"deep": b""},)}],
+    ]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, and of the same types all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_parameters_and_return_values_keep_their_types_as_under_a_thread(conduit, tmp_path):
+    """Tuples, sets, dates, times, Decimals, UUIDs, paths, bytes and non-text dict keys, with
+    no annotation to go by: the sandboxed task gets and returns what a thread's does.
+    Prefect glue, not isolation: on the `process` runtime."""
+
+    def echo_flow(task_runner):
+        @flow(task_runner=task_runner)
+        def echo_all() -> list:
+            return [f.result() for f in [df.echo_value.submit(v) for v in _typed_values()]]
+
+        return echo_all
+
+    sandboxed = echo_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))()
+    threaded = echo_flow(ThreadPoolTaskRunner())()
+    for got, want in zip(sandboxed, threaded, strict=True):
+        assert same(got, want), (got, want)
+
+
 # -- a flow script without `if __name__ == "__main__":` ----------------------------------------------
 UNGUARDED_SCRIPT = """
 import json, os

@@ -512,3 +512,36 @@ def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
     assert plan_node(args).spec.output_limit == 7 << 20
     with pytest.raises(NodeSpecError, match="output_limit"):
         NodeSpec(run_id="r", node_id="n", argv=["true"], output_limit=0).validate()
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+@pytest.mark.parametrize(
+    "value",
+    [
+        b'{"$resoluto": "os.system", "v": "touch /tmp/pwned"}',
+        b'{"$resoluto": "tuple", "v": {"not": "a list"}}',
+        b'{"$resoluto": "set", "v": [[1], [2]]}',
+        b'{"$resoluto": "bytes", "v": "%%%"}',
+    ],
+    ids=["a-class-by-name", "tuple-of-an-object", "unhashable-set", "bad-base64"],
+)
+def test_a_return_value_with_a_forged_type_tag_fails_the_task_clearly(gvisor, conduit, tmp_path, value):
+    """return.json's values carry type tags (guest_runner.values). A sandbox that names a
+    type of its choosing, or fills a tag with what its type cannot hold, gets a task that
+    fails saying so: nothing is looked up by the name it sent."""
+    outbox = _gz_one(".resoluto/return.json", b'{"value": [1, ' + value + b"]}")
+
+    @flow(task_runner=_runner(tmp_path, conduit))
+    def victim() -> str:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    with _Patched(hostile_command(outbox)):
+        shown = victim()
+    assert shown.startswith("WireError: .resoluto/return.json from the sandbox is malformed"), shown
+    assert "$resoluto" in shown or "tagged" in shown, shown

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from guest_runner import archive
+from guest_runner import archive, values
 from guest_runner import call as call  # re-exported: task_runner reads its file names
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
@@ -220,9 +220,9 @@ def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, A
     out: dict[str, Any] = {}
     for name, value in parameters.items():
         try:
-            out[name] = to_jsonable_python(value)
+            out[name] = values.encode(value, to_jsonable_python)
             json.dumps(out[name], allow_nan=True)
-        except (PydanticSerializationError, TypeError, ValueError):
+        except (PydanticSerializationError, TypeError, ValueError, RecursionError):
             raise NotSandboxable(
                 f"parameter {name!r} of task {task_name!r} is a {type(value).__module__}."
                 f"{type(value).__qualname__}, which cannot cross into the sandbox as JSON. Write it to a "
@@ -277,7 +277,7 @@ def read_outcome(
             except json_cost.TooCostly as err:
                 raise WireError(str(err)) from None
             try:
-                return True, json.loads(raw)["value"]
+                return True, values.loads(raw)["value"]
             except (ValueError, KeyError, TypeError, RecursionError) as err:
                 raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}") from None
     return False, None
@@ -351,9 +351,13 @@ def _exception_from_record(e: dict[str, Any], task_module: str | None, memory_hi
 
 
 def rebuild(value: Any, annotation: Any) -> Any:
-    """Turn the JSON return value back into the task's annotated type, where it says one."""
+    """Turn the return value back into the task's annotated type, where it says one and the
+    value is not already of it: what JSON cannot carry with its type (a dataclass, a pydantic
+    model, an enum) comes as its JSON form."""
     if annotation in (inspect.Signature.empty, Any, None) or isinstance(annotation, str):
         return value
+    if isinstance(annotation, type) and isinstance(value, annotation):
+        return value  # as a thread's task returns it: not validated, not copied
     from pydantic import TypeAdapter, ValidationError
 
     try:

@@ -115,3 +115,8 @@ def read_limits() -> dict:
         "workspace_bytes": shutil.disk_usage(".").total,
         "cpus": os.cpu_count(),
     }
+
+
+@task
+def echo_value(value):  # no annotation: the value's own type crosses, both ways
+    return {"type": type(value).__name__, "value": value, "again": [value, (value,)]}

@@ -1,0 +1,211 @@
+"""A task's parameters and return value as JSON that gives back the same Python values.
+
+Plain JSON turns a tuple into a list, a datetime into text, a dict's int keys into
+strings, and has no bytes at all: a task under ThreadPoolTaskRunner gets and returns the
+objects themselves. So values of a fixed set of standard-library types travel as a tagged
+object, ``{"$resoluto": <kind>, "v": <JSON>}``, and come back as the same type:
+
+========= =========================================== =====================================
+kind      Python                                      ``v``
+========= =========================================== =====================================
+tuple     ``tuple``                                   the items
+set       ``set``                                     the items
+frozenset ``frozenset``                               the items
+dict      a dict with a key that is not a ``str``,    ``[[key, value], ...]``
+          or with the key ``"$resoluto"``
+bytes     ``bytes`` (``bytearray`` too)               base64 text
+datetime  ``datetime.datetime``                       ISO 8601 text
+date      ``datetime.date``                           ISO 8601 text
+time      ``datetime.time``                           ISO 8601 text
+timedelta ``datetime.timedelta``                      ``[days, seconds, microseconds]``
+decimal   ``decimal.Decimal``                         its text
+uuid      ``uuid.UUID``                               its text
+path      ``pathlib.PurePath`` (a ``Path`` back)      its text
+========= =========================================== =====================================
+
+Any other object goes to ``fallback`` (a dataclass or a pydantic model becomes a dict,
+rebuilt from the annotation where there is one). Decoding builds only these types, by a
+fixed table, never a class named by the data; what the sandbox sends through it is
+hostile, and a malformed tag is a :class:`ValueError`.
+
+Standard library only: the guest runner vendors it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from typing import Any, Callable, Dict, List
+
+TAG = "$resoluto"
+
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def encode(value: Any, fallback: Callable[[Any], Any]) -> Any:
+    """``value`` as JSON-able data with its tagged types kept; ``fallback(obj)`` makes
+    anything else JSON-able (it may raise TypeError). A list or dict of plain values is
+    returned as it is, not copied."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is list:
+        if all(type(v) in _PLAIN for v in value):
+            return value
+        return [encode(v, fallback) for v in value]
+    if kind is dict:
+        if TAG not in value and all(type(k) is str for k in value):
+            if all(type(v) in _PLAIN for v in value.values()):
+                return value
+            return {k: encode(v, fallback) for k, v in value.items()}
+        return _tagged("dict", [[encode(k, fallback), encode(v, fallback)] for k, v in value.items()])
+    if isinstance(value, (tuple, set, frozenset)) and not hasattr(value, "_fields"):
+        name = "tuple" if isinstance(value, tuple) else "frozenset" if isinstance(value, frozenset) else "set"
+        return _tagged(name, [encode(v, fallback) for v in value])
+    if isinstance(value, (bytes, bytearray)):
+        return _tagged("bytes", base64.b64encode(bytes(value)).decode("ascii"))
+    named = _stdlib_kind(value)
+    if named is not None:
+        return _tagged(named[0], named[1])
+    if isinstance(value, _PLAIN_TYPES) and not _is_enum(value):
+        return value  # a str or int subclass: JSON writes its value
+    if isinstance(value, list):
+        return [encode(v, fallback) for v in value]
+    if isinstance(value, dict):  # an OrderedDict, a defaultdict: as a dict
+        return encode(dict(value), fallback)
+    return encode(fallback(value), fallback)
+
+
+def _is_enum(value: Any) -> bool:
+    enum = sys.modules.get("enum")
+    return enum is not None and isinstance(value, enum.Enum)
+
+
+def _tagged(kind: str, v: Any) -> Dict[str, Any]:
+    return {TAG: kind, "v": v}
+
+
+def _stdlib_kind(value: Any) -> "tuple[str, Any] | None":
+    """The tag of a datetime, Decimal, UUID or path: only once its module is loaded (a
+    value cannot be an instance of a class whose module nobody imported)."""
+    datetime = sys.modules.get("datetime")
+    if datetime is not None:
+        if isinstance(value, datetime.datetime):
+            return "datetime", value.isoformat()
+        if isinstance(value, datetime.date):
+            return "date", value.isoformat()
+        if isinstance(value, datetime.time):
+            return "time", value.isoformat()
+        if isinstance(value, datetime.timedelta):
+            return "timedelta", [value.days, value.seconds, value.microseconds]
+    decimal, uuid, pathlib = (sys.modules.get(m) for m in ("decimal", "uuid", "pathlib"))
+    if decimal is not None and isinstance(value, decimal.Decimal):
+        return "decimal", str(value)
+    if uuid is not None and isinstance(value, uuid.UUID):
+        return "uuid", str(value)
+    if pathlib is not None and isinstance(value, pathlib.PurePath):
+        return "path", str(value)
+    return None
+
+
+def loads(text: "str | bytes") -> Any:
+    """Parsed JSON with the values :func:`encode` made; ValueError for a malformed tag."""
+    return json.loads(text, object_hook=hook)
+
+
+def hook(obj: Dict[str, Any]) -> Any:
+    """``json``'s object_hook: each object is seen once, innermost first, so a tagged
+    value's items are already decoded when its own tag is read."""
+    return _untag(obj) if TAG in obj else obj
+
+
+def _items(v: Any, kind: str) -> List[Any]:
+    if type(v) is not list:
+        raise ValueError(f"a tagged {kind} holds a list, not {type(v).__name__}")
+    return v
+
+
+def _text(v: Any, kind: str) -> str:
+    if type(v) is not str:
+        raise ValueError(f"a tagged {kind} holds text, not {type(v).__name__}")
+    return v
+
+
+def _untag(data: Dict[str, Any]) -> Any:
+    kind, v = data.get(TAG), data.get("v")
+    if set(data) != {TAG, "v"} or type(kind) is not str:
+        raise ValueError(f"a {TAG!r} object must be {{{TAG!r}: kind, 'v': value}}")
+    maker = _MAKERS.get(kind)
+    if maker is None:
+        raise ValueError(f"unknown {TAG!r} kind {kind[:40]!r}")
+    try:
+        return maker(v)
+    except (TypeError, ValueError, ArithmeticError) as e:  # unhashable, bad text ...
+        raise ValueError(f"a tagged {kind}: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _dict(v: Any) -> Dict[Any, Any]:
+    out: Dict[Any, Any] = {}
+    for pair in _items(v, "dict"):
+        if type(pair) is not list or len(pair) != 2:
+            raise ValueError("a tagged dict holds [key, value] pairs")
+        out[pair[0]] = pair[1]
+    return out
+
+
+def _bytes(v: Any) -> bytes:
+    return base64.b64decode(_text(v, "bytes"), validate=True)
+
+
+def _timedelta(v: Any) -> Any:
+    import datetime
+
+    parts = _items(v, "timedelta")
+    if len(parts) != 3 or any(type(p) is not int for p in parts):
+        raise ValueError("a tagged timedelta holds [days, seconds, microseconds]")
+    return datetime.timedelta(days=parts[0], seconds=parts[1], microseconds=parts[2])
+
+
+def _iso(kind: str) -> Callable[[Any], Any]:
+    def make(v: Any) -> Any:
+        import datetime
+
+        return getattr(datetime, kind).fromisoformat(_text(v, kind))
+
+    return make
+
+
+def _decimal(v: Any) -> Any:
+    import decimal
+
+    return decimal.Decimal(_text(v, "decimal"))
+
+
+def _uuid(v: Any) -> Any:
+    import uuid
+
+    return uuid.UUID(_text(v, "uuid"))
+
+
+def _path(v: Any) -> Any:
+    import pathlib
+
+    return pathlib.Path(_text(v, "path"))
+
+
+_MAKERS: Dict[str, Callable[[Any], Any]] = {
+    "tuple": lambda v: tuple(_items(v, "tuple")),
+    "set": lambda v: set(_items(v, "set")),
+    "frozenset": lambda v: frozenset(_items(v, "frozenset")),
+    "dict": _dict,
+    "bytes": _bytes,
+    "datetime": _iso("datetime"),
+    "date": _iso("date"),
+    "time": _iso("time"),
+    "timedelta": _timedelta,
+    "decimal": _decimal,
+    "uuid": _uuid,
+    "path": _path,
+}
