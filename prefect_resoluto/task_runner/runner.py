@@ -34,7 +34,7 @@ from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
-from prefect_resoluto.task_runner import call_spec, python_calls, remote_traceback
+from prefect_resoluto.task_runner import call_spec, direct_calls, python_calls, remote_traceback
 from prefect_resoluto.task_runner.background import Background
 from prefect_resoluto.task_runner.flow_runs import FlowRuns, announce
 from prefect_resoluto.task_runner.live import LiveSandboxes
@@ -195,6 +195,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         return base.replace(**options)
 
     def __enter__(self) -> ResolutoTaskRunner:
+        direct_calls.install(ResolutoTaskRunner)
         self._reset_state()
         # Each resource is registered as it is acquired: the exit releases them in reverse
         # (the pool, the reaper, the sweep, held artifacts, the artifacts' drain, the log
@@ -288,6 +289,21 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         dependencies: dict[str, set[RunInput]] | None = None,
     ) -> PrefectConcurrentFuture[Any]:
         """Prefect's submission of a copy of ``task`` whose ``fn`` runs in a sandbox."""
+        sandboxed, started = self.sandboxed_copy(task)
+        if sandboxed.isasync:
+            record_async_first(sandboxed, self._recorder)
+        try:
+            future = super().submit(sandboxed, parameters, wait_for, dependencies)
+        except BaseException:
+            started()
+            raise
+        future.add_done_callback(lambda _f: started())
+        future.add_done_callback(self._task_done)
+        return future
+
+    def sandboxed_copy(self, task: Task[Any, Any]) -> tuple[Task[Any, Any], Callable[[], None]]:
+        """A copy of ``task`` whose ``fn`` runs in a sandbox, for a submission or a direct
+        call (:mod:`.direct_calls`), and what to call once its body started or never will."""
         if self._config is None:
             raise RuntimeError("Task runner is not started")
         from prefect.context import FlowRunContext
@@ -302,16 +318,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         started = warm_pool_mod.expected(self._pool)
         sandboxed = copy.copy(task)
         sandboxed.fn = self._wrap(task, overrides, started)
-        if sandboxed.isasync:
-            record_async_first(sandboxed, self._recorder)
-        try:
-            future = super().submit(sandboxed, parameters, wait_for, dependencies)
-        except BaseException:
-            started()
-            raise
-        future.add_done_callback(lambda _f: started())
-        future.add_done_callback(self._task_done)
-        return future
+        return sandboxed, started
 
     def _task_done(self, future: PrefectFuture[Any]) -> None:
         if self._artifacts is not None:

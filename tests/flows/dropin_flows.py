@@ -120,3 +120,24 @@ def read_limits() -> dict:
 @task
 def echo_value(value):  # no annotation: the value's own type crosses, both ways
     return {"type": type(value).__name__, "value": value, "again": [value, (value,)]}
+
+
+@task
+def where_am_i(probe: str) -> dict:
+    """The process a call ran in, and whether it can read ``probe`` (a host file)."""
+    try:
+        with open(probe, encoding="utf-8") as f:
+            seen = f.read()
+    except OSError:
+        seen = None
+    return {"pid": os.getpid(), "read": seen}
+
+
+@task(retries=1, retry_delay_seconds=0)
+def always_fails(message: str) -> None:
+    raise ValueError(message)
+
+
+@task
+async def async_double(x: int) -> int:
+    return 2 * x
