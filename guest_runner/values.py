@@ -33,7 +33,6 @@ Standard library only: the guest runner vendors it.
 
 from __future__ import annotations
 
-import base64
 import json
 import sys
 from typing import Any, Callable, Dict, List
@@ -65,6 +64,8 @@ def encode(value: Any, fallback: Callable[[Any], Any]) -> Any:
         name = "tuple" if isinstance(value, tuple) else "frozenset" if isinstance(value, frozenset) else "set"
         return _tagged(name, [encode(v, fallback) for v in value])
     if isinstance(value, (bytes, bytearray)):
+        import base64  # not for every call: an import is dear in gVisor
+
         return _tagged("bytes", base64.b64encode(bytes(value)).decode("ascii"))
     named = _stdlib_kind(value)
     if named is not None:
@@ -156,6 +157,8 @@ def _dict(v: Any) -> Dict[Any, Any]:
 
 
 def _bytes(v: Any) -> bytes:
+    import base64
+
     return base64.b64decode(_text(v, "bytes"), validate=True)
 
 
