@@ -1,18 +1,18 @@
-"""A flow called while the sandbox imports a task's module is not run there.
+"""A flow a script calls without ``if __name__ == "__main__":`` is not run again in the sandbox.
 
-A flow script without ``if __name__ == "__main__":`` calls its flow when it is imported.
-The host made that call; the sandbox imports the module only to find the task's function.
-Run again there, the flow would run every one of its tasks inline, in every task's
-sandbox: N tasks, N² task bodies. Under ThreadPoolTaskRunner the script is never imported
-a second time, so, while the guest imports the task's module:
+Such a script calls its flow when it is imported. The host made that call; the sandbox
+imports the module only to find the task's function. Run again there, the flow would run
+every one of its tasks inline, in every task's sandbox: N tasks, N² task bodies. Under
+ThreadPoolTaskRunner the script is never imported a second time. So, while the guest
+imports the task's module, a flow called (or served, or deployed) from the module's own
+top level once the task is defined ends the import there: the module is then what it
+was when the host called the flow (what follows the call had not run on the host either
+when the task was submitted). A bare ``except:`` around the call that exits or raises
+does not undo that.
 
-* a flow called (or served, or deployed) from the module's own top level, once the task
-  is defined, ends the import there. The module is then what it was when the host called
-  the flow: what follows the call had not run on the host either when the task was
-  submitted.
-* any other flow call (from another module that import loads, or before the task is
-  defined) does nothing and returns ``None`` (an awaitable of ``None`` for an async flow).
-
+A flow called during the import before the task is defined, or from another module's top
+level, runs as it would have on the host (inline, as any flow in a sandbox): what the
+module does next may need its value. Served or deployed there, it is not (``None``).
 A flow that a task calls while it runs (a subflow) runs inline, as before.
 """
 
@@ -25,37 +25,40 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 #: (module name, task qualname) while the guest imports the task's module.
 _LOADING: Optional[Tuple[str, str]] = None
+#: The task's module, once a flow call at its top level ended its import.
+_ENDED: Optional[types.ModuleType] = None
 
 
 class _EndImport(BaseException):
     """Ends the task module's import at its flow call. A BaseException, so that a script's
     ``except Exception`` around its flow call does not swallow it."""
 
-    def __init__(self, module: types.ModuleType) -> None:
-        super().__init__()
-        self.module = module
-
 
 def import_task_module(name: str, qualname: str) -> types.ModuleType:
     """``importlib.import_module(name)``, with a flow call at its top level ending it."""
-    global _LOADING
-    _LOADING = (name, qualname)
+    global _LOADING, _ENDED
+    _LOADING, _ENDED = (name, qualname), None
     try:
         return importlib.import_module(name)
-    except _EndImport as end:
-        # The import system forgot the module when the exception left it: it stands as is.
-        sys.modules[name] = end.module
+    except BaseException:
+        ended = _ENDED
+        if ended is None:
+            raise
+        # Ended at the flow call (whatever a bare `except:` made of it since): the module
+        # stands as it was there. The import system forgot it when the exception left.
+        sys.modules[name] = ended
         parent, _, leaf = name.rpartition(".")
         if parent in sys.modules:
-            setattr(sys.modules[parent], leaf, end.module)
-        return end.module
+            setattr(sys.modules[parent], leaf, ended)
+        return ended
     finally:
-        _LOADING = None
+        _LOADING, _ENDED = None, None
 
 
-def flow_called(flow_name: str, how: str, is_async: bool) -> Tuple[bool, Any]:
-    """``(True, what the call returns)`` when a flow called now is not to run (see the
-    module's docstring; raises to end the import); ``(False, None)`` when it runs."""
+def flow_called(flow_name: str, how: str) -> Tuple[bool, Any]:
+    """``(True, None)`` when a flow served or deployed now is not to be; ``(False, None)``
+    when it runs. Raises to end the task module's import (see the module's docstring)."""
+    global _ENDED
     if _LOADING is None:
         return False, None
     name, qualname = _LOADING
@@ -63,10 +66,13 @@ def flow_called(flow_name: str, how: str, is_async: bool) -> Tuple[bool, Any]:
     caller = _calling_module()
     if module is not None and caller is module.__dict__ and _defines(module, qualname):
         _note(f"the flow {flow_name!r} {how} at the top level of {name!r}: its import ends there")
-        raise _EndImport(module)
+        _ENDED = module
+        raise _EndImport()
+    if how == "called":
+        return False, None
     where = f"from {caller.get('__name__')!r} " if caller is not None else ""
-    _note(f"the flow {flow_name!r} {how} {where}while {name!r} was imported: not run in the sandbox")
-    return True, (_nothing() if is_async else None)
+    _note(f"the flow {flow_name!r} {how} {where}while {name!r} was imported: not in the sandbox")
+    return True, None
 
 
 def _calling_module() -> Optional[Dict[str, Any]]:
@@ -87,10 +93,6 @@ def _defines(module: types.ModuleType, qualname: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
-
-
-async def _nothing() -> None:
-    return None
 
 
 def _note(text: str) -> None:

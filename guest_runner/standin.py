@@ -9,8 +9,8 @@ Whichever is in use, a task in the sandbox sees the run it belongs to (the host 
 it as JSON): ``prefect.runtime.task_run`` / ``flow_run`` / ``deployment``, the
 current tags and the run context objects (:mod:`guest_runner.runctx`). Calling another task
 (or a flow) from a task runs it inline, in this sandbox, as a plain call of its function:
-there is no Prefect API in here to create runs with. A flow called while the task's module
-is imported is not run at all (:mod:`guest_runner.importguard`).
+there is no Prefect API in here to create runs with. A flow a script calls at import time,
+unguarded, is not run again here (:mod:`guest_runner.importguard`).
 """
 
 from __future__ import annotations
@@ -273,8 +273,8 @@ class StandInTask:
 
 class StandInFlow(StandInTask):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        skipped, value = importguard.flow_called(self.name, "called", self.isasync)
-        return value if skipped else self.fn(*args, **kwargs)
+        importguard.flow_called(self.name, "called")
+        return self.fn(*args, **kwargs)
 
     def serve(self, *args: Any, **kwargs: Any) -> Any:
         return self._at_import("serve", "served")
@@ -284,7 +284,7 @@ class StandInFlow(StandInTask):
 
     def _at_import(self, attr: str, how: str) -> Any:
         """A script's unguarded ``flow.serve()``: nothing while its module is imported."""
-        skipped, value = importguard.flow_called(self.name, how, False)
+        skipped, value = importguard.flow_called(self.name, how)
         return value if skipped else StandInTask.__getattr__(self, attr)
 
 
@@ -391,20 +391,18 @@ def _patch_real_prefect(prefect: types.ModuleType) -> None:
 
 def _guard_flows(cls: type) -> None:
     """A real Flow as the stand-in's: called, served or deployed while the task's module is
-    imported, nothing (:mod:`guest_runner.importguard`); called by a running task, its
-    function runs inline (there is no API in here to make a flow run with)."""
+    imported, as :mod:`guest_runner.importguard` says; called otherwise, its function runs
+    inline (there is no API in here to make a flow run with)."""
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        skipped, value = importguard.flow_called(str(self.name), "called", bool(self.isasync))
-        if skipped:
-            return value
+        importguard.flow_called(str(self.name), "called")
         return self.fn(*args, **{k: v for k, v in kwargs.items() if k not in ("wait_for", "return_state")})
 
     def at_import(attr: str, how: str) -> Callable[..., Any]:
         original = getattr(cls, attr)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            skipped, value = importguard.flow_called(str(self.name), how, False)
+            skipped, value = importguard.flow_called(str(self.name), how)
             return value if skipped else original(self, *args, **kwargs)
 
         return method

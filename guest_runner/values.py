@@ -147,13 +147,37 @@ def _untag(data: Dict[str, Any]) -> Any:
         raise ValueError(f"a tagged {kind}: {type(e).__name__}: {e}"[:300]) from None
 
 
+#: Members of one tagged set (or keys of one dict) that may share a hash. The hashes of
+#: ints, floats, Decimals and tuples of them are not randomised: distinct values sharing
+#: one are easy to make, and each insertion walks all those before it. Past this bound,
+#: decoding would cost the square of the file's size: refused.
+MAX_SAME_HASH = 16
+
+#: A Decimal's text, and its exponent, at most this long / large: ``int()`` of
+#: ``Decimal("1e99999999")`` (a few bytes) takes minutes and gigabytes, and a task
+#: annotated ``-> int`` makes one. 4300 is what Python allows an int's text.
+MAX_DECIMAL_DIGITS = 4300
+
+
+def _hashable(members: List[Any], kind: str) -> List[Any]:
+    """``members``, unless too many of them share one hash (see :data:`MAX_SAME_HASH`)."""
+    if len(members) > MAX_SAME_HASH:
+        counts: Dict[int, int] = {}
+        for m in members:
+            h = hash(m)  # a hash is an int equal to itself: this dict never floods
+            n = counts[h] = counts.get(h, 0) + 1
+            if n > MAX_SAME_HASH:
+                raise ValueError(f"more than {MAX_SAME_HASH} of its members share one hash (a hash flood)")
+    return members
+
+
 def _dict(v: Any) -> Dict[Any, Any]:
-    out: Dict[Any, Any] = {}
-    for pair in _items(v, "dict"):
+    pairs = _items(v, "dict")
+    for pair in pairs:
         if type(pair) is not list or len(pair) != 2:
             raise ValueError("a tagged dict holds [key, value] pairs")
-        out[pair[0]] = pair[1]
-    return out
+    _hashable([p[0] for p in pairs], "dict")
+    return {p[0]: p[1] for p in pairs}
 
 
 def _bytes(v: Any) -> bytes:
@@ -183,7 +207,13 @@ def _iso(kind: str) -> Callable[[Any], Any]:
 def _decimal(v: Any) -> Any:
     import decimal
 
-    return decimal.Decimal(_text(v, "decimal"))
+    text = _text(v, "decimal")
+    if len(text) > MAX_DECIMAL_DIGITS:
+        raise ValueError(f"its text is over {MAX_DECIMAL_DIGITS} characters")
+    d = decimal.Decimal(text)
+    if d.is_finite() and abs(int(d.as_tuple().exponent)) > MAX_DECIMAL_DIGITS:
+        raise ValueError(f"its exponent is beyond ±{MAX_DECIMAL_DIGITS}")
+    return d
 
 
 def _uuid(v: Any) -> Any:
@@ -200,8 +230,8 @@ def _path(v: Any) -> Any:
 
 _MAKERS: Dict[str, Callable[[Any], Any]] = {
     "tuple": lambda v: tuple(_items(v, "tuple")),
-    "set": lambda v: set(_items(v, "set")),
-    "frozenset": lambda v: frozenset(_items(v, "frozenset")),
+    "set": lambda v: set(_hashable(_items(v, "set"), "set")),
+    "frozenset": lambda v: frozenset(_hashable(_items(v, "frozenset"), "frozenset")),
     "dict": _dict,
     "bytes": _bytes,
     "datetime": _iso("datetime"),

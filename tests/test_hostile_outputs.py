@@ -524,8 +524,19 @@ def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
         b'{"$resoluto": "tuple", "v": {"not": "a list"}}',
         b'{"$resoluto": "set", "v": [[1], [2]]}',
         b'{"$resoluto": "bytes", "v": "%%%"}',
+        # 50 bytes that int() -- pydantic, for the task's `-> int` -- took minutes and GiBs to make
+        b'{"$resoluto": "decimal", "v": "1e99999999"}',
+        # distinct ints of one hash (not randomised): each insertion walks every one before it
+        json.dumps({"$resoluto": "set", "v": [5 + i * (2**61 - 1) for i in range(4000)]}).encode(),
     ],
-    ids=["a-class-by-name", "tuple-of-an-object", "unhashable-set", "bad-base64"],
+    ids=[
+        "a-class-by-name",
+        "tuple-of-an-object",
+        "unhashable-set",
+        "bad-base64",
+        "decimal-bomb",
+        "hash-flood",
+    ],
 )
 def test_a_return_value_with_a_forged_type_tag_fails_the_task_clearly(gvisor, conduit, tmp_path, value):
     """return.json's values carry type tags (guest_runner.values). A sandbox that names a

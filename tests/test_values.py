@@ -180,3 +180,23 @@ def test_any_json_is_decoded_or_refused_with_a_value_error(data):
         values.loads(text)
     except ValueError:
         pass
+
+
+def test_a_decimal_too_long_or_too_far_is_refused_and_one_within_comes_back():
+    for text in ["1e99999999", "1e-9999999", "9" * 4301, "1e4301"]:
+        with pytest.raises(ValueError, match="decimal"):
+            values.loads(json.dumps({values.TAG: "decimal", "v": text}))
+    for d in [decimal.Decimal("1e4300"), decimal.Decimal("-" + "9" * 4000), decimal.Decimal("sNaN")]:
+        assert same(round_trip(d), d)
+
+
+@pytest.mark.parametrize("kind", ["set", "frozenset", "dict"])
+def test_members_flooding_one_hash_are_refused_quickly(kind):
+    """Distinct ints with one hash (ints hash to themselves mod 2**61 - 1): built as a set,
+    40 000 of them would take minutes; refused after counting them, once each."""
+    members = [5 + i * (2**61 - 1) for i in range(40_000)]
+    v = [[m, 0] for m in members] if kind == "dict" else members
+    with pytest.raises(ValueError, match="share one hash"):
+        values.loads(json.dumps({values.TAG: kind, "v": v}))
+    legit = {-1, -2, *range(100)}  # -1 and -2 share a hash: a few may
+    assert same(round_trip(legit), legit)
