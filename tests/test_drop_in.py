@@ -707,6 +707,60 @@ def test_a_script_that_calls_its_flow_unguarded_runs_each_task_once(tmp_path):
     assert results == ["RESULT [1, 1, 1, 1]"], said[-4000:]  # the host's line, once
 
 
+CLIMBING_SCRIPT = """
+import os
+from prefect import flow, task
+from prefect_resoluto import ResolutoTaskRunner
+
+@task
+def kernel() -> str:
+    import sys
+    return os.uname().release + " " + sys.prefix
+
+@flow(task_runner=ResolutoTaskRunner(
+    runtime="gvisor", conduit=os.environ.get("CONDUIT"), outputs_dir=os.environ.get("OUTPUTS"),
+))
+def probe() -> str:
+    return kernel.submit().result()
+
+if __name__ == "__main__":
+    print("KERNEL", probe(), flush=True)
+"""
+
+
+@pytest.mark.sandbox
+def test_a_flow_started_through_a_path_with_dotdot_runs_its_tasks_in_gvisor(gvisor, tmp_path):
+    """``../.venv/bin/python flow.py`` gives an ``sys.executable`` that climbs out of a
+    directory: inside the sandbox that directory is not there, and runsc could not load the
+    interpreter (every node failed: "failed to load .../../.venv/bin/python")."""
+    from prefect.settings import PREFECT_API_URL
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "probe.py").write_text(CLIMBING_SCRIPT)
+    # As `cd benchmarks && ../.venv/bin/python ...`: from a directory beside the virtualenv.
+    venv = Path(sys.prefix)
+    beside = next(d for d in sorted(venv.parent.iterdir()) if d.is_dir() and d != venv)
+    climbing = f"../{venv.name}/{Path(sys.executable).relative_to(venv)}"
+    assert os.path.samefile(beside / climbing, sys.executable), climbing
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "CONDUIT": str(tmp_path / "conduit"),
+        "OUTPUTS": str(tmp_path / "outputs"),
+    }
+    proc = subprocess.run(
+        [climbing, str(ws / "probe.py")], cwd=beside, env=env, capture_output=True, text=True, timeout=600
+    )
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    (line,) = [ln for ln in said.splitlines() if ln.startswith("KERNEL ")]
+    release, prefix = line.split()[1:]
+    assert release != os.uname().release, "the task ran on the host's kernel, not gVisor's"
+    assert prefix == sys.prefix, "the task ran on another interpreter than the flow's"
+
+
 # -- Prefect's own generic task-runner checks, on a sandboxed runner ----------------------------------
 def test_the_runner_works_outside_a_flow_as_prefects_generic_tests_use_it(conduit, tmp_path):
     """As Prefect's ThreadPoolTaskRunner tests drive a runner: entered directly, tasks

@@ -182,6 +182,13 @@ def _holds_distributions(entry: str) -> bool:
     return name in ("site-packages", "dist-packages") or entry.endswith((".zip", ".egg", ".whl"))
 
 
+def host_interpreter(python: str | None = None) -> str:
+    """The interpreter a sandbox runs at its host path (default: this one), without ``..``:
+    a flow started as ``../.venv/bin/python flow.py`` has such an ``sys.executable``, and in
+    a sandbox the directories it climbs out of are not there to climb."""
+    return os.path.normpath(python or sys.executable)
+
+
 def guest_layout(
     spec: LaunchSpec,
     *,
@@ -199,7 +206,7 @@ def guest_layout(
     links: list[tuple[str, str]] = []
     path = _BASE_PATH
     if host_python:
-        python = python or sys.executable
+        python = host_interpreter(python)
         ro, links = system_binds()
         ro += [(p, p) for p in python_paths(python)]
         # `python` in a workload argv should be the flow's interpreter.

@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -48,6 +47,7 @@ from guest_runner.conduit.local import make_dirs
 from prefect_resoluto.host.remove import remove_tree
 from prefect_resoluto.node import heartbeat
 from prefect_resoluto.runtimes import slot
+from prefect_resoluto.runtimes._guest_layout import host_interpreter
 from prefect_resoluto.runtimes.base import Availability, LaunchSpec, Resources, SandboxHandle, SandboxRuntime
 from prefect_resoluto.warm.snapshots import CorruptImage, SnapshotError, Snapshots
 from prefect_resoluto.warm.snapshots import enabled_by_env as snapshots_by_env
@@ -480,7 +480,7 @@ class WarmPool:
         self.before_assign: Callable[[WarmSandbox], None] | None = None
         self.why_not = usable(runtime, conduit).why if self.size else "warm_pool=0"
         self.learned = Learned()
-        self.python = runtime.python or sys.executable
+        self.python = host_interpreter(runtime.python)
         self.snapshots = self._snapshots(snapshots if snapshots is not None else snapshots_by_env())
         #: Keys whose image could not be made or restored: their sandboxes boot.
         self._booting_only: set[PoolKey] = set()

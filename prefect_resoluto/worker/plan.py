@@ -14,7 +14,6 @@ import dataclasses
 import ipaddress
 import re
 import socket
-import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from guest_runner import wire
 from prefect_resoluto.node.spec import NodeSpec
+from prefect_resoluto.runtimes._guest_layout import host_interpreter
 from prefect_resoluto.runtimes.base import SandboxRuntime
 from prefect_resoluto.settings.config import SandboxConfig
 
@@ -273,7 +273,7 @@ def engine_argv(command: str | None, runtime: SandboxRuntime, image: str | None)
 
     if command:
         return shlex.split(command)
-    python = sys.executable if runtime.capabilities.host_python and not image else "python"
+    python = host_interpreter() if runtime.capabilities.host_python and not image else "python"
     return [python, "-m", wire.WARM_ENGINE_MODULE]
 
 
