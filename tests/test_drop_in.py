@@ -658,6 +658,35 @@ def test_parameters_and_return_values_keep_their_types_as_under_a_thread(conduit
         assert same(got, want), (got, want)
 
 
+def test_a_python_tasks_call_files_are_not_left_on_the_host_and_its_declared_outputs_are(conduit, tmp_path):
+    """Every Python task's value came back through files under the outputs directory, one
+    directory a node, kept forever: a second copy of the conduit's outbox. Once read they
+    go; a failed call's (redacted) exception record and a task's declared outputs stay.
+    Prefect glue: on the `process` runtime."""
+    from prefect_resoluto import output_files
+
+    @flow(task_runner=runner(conduit, tmp_path, runtime="process", min_isolation="none"))
+    def leaves() -> tuple[str, str]:
+        df.double.submit(2).result()
+        failed = df.raise_value_error.submit("on purpose")
+        failed.wait()
+        with sandbox_options(output_paths=["out/*.txt"]):
+            note = df.write_note.submit("kept")
+        written = note.result()
+        return written, str(output_files(note)[written])
+
+    written, kept = leaves()
+    outputs = tmp_path / "outputs"
+    left = sorted(p for p in outputs.rglob("*") if not p.is_dir())
+    assert [p.name for p in left if p != Path(kept)] == ["error.json"], left
+    assert Path(kept) in left and Path(kept).read_text() == "kept", left
+    assert len(list(outputs.glob("*/*"))) == 2  # the failed node's and the writer's: no other
+    assert written == "out/kept.txt"
+    # Each node's outbox in the conduit still holds its call files: the evidence stays.
+    outboxes = [p for p in (tmp_path / "conduit").rglob("outbox/*.tar.gz")]
+    assert len(outboxes) >= 3
+
+
 # -- a flow script without `if __name__ == "__main__":` ----------------------------------------------
 UNGUARDED_SCRIPT = """
 import json, os

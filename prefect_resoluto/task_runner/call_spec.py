@@ -24,6 +24,8 @@ from prefect_resoluto.task_runner import error_file, json_cost, remote_traceback
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
+#: What the host removes from a node's outputs once read: a failed call's error.json stays there.
+READ_AND_GONE = [call.RETURN_FILE, call.IMPORTS_FILE]
 
 
 class NotSandboxable(TypeError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guest_runner.redact import Redactor
+from prefect_resoluto.node import result_files
 from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
 from prefect_resoluto.node.spec import output_allowance
 from prefect_resoluto.runtimes.base import memory_hint
@@ -83,6 +84,27 @@ def call(
         log_prints=bool(getattr(ctx, "log_prints", False)),
         warm_prefect=warm_pool_mod.imports_for(pool, workspace_file(ref, cfg)),
     )
+    try:
+        return _returned(outcome, fn, cfg, pool, ref, redactor, task_module, limit)
+    finally:
+        if outcome.output_dir is not None:
+            # Read: a call's value and imports go (the outbox in the conduit keeps them, as
+            # the node's evidence); an exception's record (redacted) and the task's declared
+            # outputs stay.
+            result_files.remove(outcome.output_dir, call_spec.READ_AND_GONE)
+
+
+def _returned(
+    outcome: NodeOutcome,
+    fn: Any,
+    cfg: SandboxConfig,
+    pool: AnyPool | None,
+    ref: dict[str, str],
+    redactor: Redactor,
+    task_module: str | None,
+    limit: int | None,
+) -> Any:
+    """The task's value from its node's outcome, or the exception the task raised."""
     warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir, succeeded=outcome.ok)
     if outcome.failure == "workload":
         # raises the task's own exception type (or RemoteTaskError), remote traceback kept

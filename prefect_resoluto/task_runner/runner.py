@@ -32,7 +32,7 @@ from guest_runner.conduit import Conduit
 from prefect_resoluto.node.outcome import NodeOutcome
 from prefect_resoluto.node.wake import WakeEvent
 from prefect_resoluto.runtimes.base import SandboxRuntime
-from prefect_resoluto.settings.config import SandboxConfig
+from prefect_resoluto.settings.config import SandboxConfig, default_outputs_root
 from prefect_resoluto.settings.fields import unknown_keywords, with_setting_keywords
 from prefect_resoluto.task_runner import call_spec, direct_calls, python_calls, remote_traceback
 from prefect_resoluto.task_runner.background import Background
@@ -217,6 +217,7 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
             stack.enter_context(_Draining(queue))
             stack.callback(artifacts.flush_held)
             stack.callback(sweep, runtime, self._flow_runs.with_nodes)
+            stack.callback(_drop_empty_outputs, config, self._flow_runs.with_nodes)
             reaper = Background("resoluto-reaper")
             stack.callback(reaper.close, REAP_DRAIN)
             self._packer = WorkspacePacker()
@@ -442,6 +443,17 @@ def active_runner() -> tuple[ResolutoTaskRunner, dict[str, Any]] | None:
 
 def default_max_workers() -> int:
     return max(4, 2 * (os.cpu_count() or 1))
+
+
+def _drop_empty_outputs(config: SandboxConfig, run_ids: set[str]) -> None:
+    """Each flow run's directory of outputs, if its nodes left nothing there: a Python task's
+    own call files go as they are read (python_calls), its declared outputs stay."""
+    root = config.outputs_dir or default_outputs_root()
+    for run_id in list(run_ids):
+        try:
+            os.rmdir(root / run_id)
+        except OSError:  # it holds declared outputs, or was never made
+            pass
 
 
 def _completed(future: PrefectFuture[Any]) -> bool:

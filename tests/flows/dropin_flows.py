@@ -141,3 +141,12 @@ def always_fails(message: str) -> None:
 @task
 async def async_double(x: int) -> int:
     return 2 * x
+
+
+@task
+def write_note(name: str) -> str:
+    os.makedirs("out", exist_ok=True)
+    path = f"out/{name}.txt"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(name)
+    return path
