@@ -63,6 +63,11 @@ def _jsonable(value: Any) -> Any:
         return value.value
     if isinstance(value, tuple):  # a namedtuple: its items (a plain tuple keeps its type)
         return list(value)
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        raise TypeError(
+            "the task is a generator: a sandboxed task's values cross to the host once, when it "
+            "returns. Return a list of what it would yield instead."
+        )
     raise TypeError(
         f"the task returned a {type(value).__module__}.{type(value).__qualname__}, which cannot cross "
         "back to the host as JSON. Write it to a file in the workspace, declare the file in output_paths, "

@@ -102,3 +102,69 @@ def test_a_direct_call_on_another_task_runner_or_outside_a_flow_is_prefects_own(
     assert sandboxed()["pid"] != os.getpid()
     assert threaded() == {"pid": os.getpid(), "read": "only the host can read this"}
     assert df.where_am_i(host_secret) == {"pid": os.getpid(), "read": "only the host can read this"}
+
+
+def test_a_task_called_from_a_thread_the_flow_started_without_its_context_runs_in_a_sandbox(
+    tmp_path, host_secret
+):
+    """The thread has no flow run context: Prefect would run the task as a task of no flow,
+    in this process. The process's one entered runner takes it. Prefect glue: `process`."""
+    import threading
+
+    @flow(task_runner=runner(tmp_path))
+    def threaded() -> tuple[dict, int]:
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(where=df.where_am_i(host_secret)))
+        t.start()
+        t.join()
+        return got["where"], os.getpid()
+
+    where, flow_pid = threaded()
+    assert where["pid"] != flow_pid
+
+
+def test_a_task_called_before_the_flows_runner_started_is_refused_not_run_on_the_host(tmp_path, host_secret):
+    """A ``flow_run_name`` callable runs before the flow's runner is entered: its task has no
+    sandbox yet, and Prefect would run it here. Prefect glue: `process`."""
+    ran_here: list[int] = []
+
+    def name_it() -> str:
+        ran_here.append(df.where_am_i(host_secret)["pid"])
+        return "named"
+
+    @flow(task_runner=runner(tmp_path), flow_run_name=name_it)
+    def named() -> int:
+        return 1
+
+    with pytest.raises(RuntimeError, match="before its flow's ResolutoTaskRunner started"):
+        named()
+    assert os.getpid() not in ran_here
+
+
+def test_a_generator_task_is_refused_before_any_sandbox_saying_what_to_do(tmp_path):
+    """A generator's values would cross one by one; a sandboxed task's cross once. Refused
+    at the call or submission, sync or async, with the way out. Prefect glue: `process`."""
+    from prefect import task
+
+    from prefect_resoluto.task_runner.call_spec import NotSandboxable
+
+    @task
+    def rows():
+        yield 1
+
+    @task
+    async def arows():
+        yield 1
+
+    @flow(task_runner=runner(tmp_path))
+    def generators() -> list[str]:
+        said = []
+        for call in (lambda: rows(), lambda: rows.submit(), lambda: arows.submit()):
+            try:
+                call()
+            except NotSandboxable as e:
+                said.append(str(e))
+        return said
+
+    said = generators()
+    assert len(said) == 3 and all("is a generator" in s and "Return a list" in s for s in said), said

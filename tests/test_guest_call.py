@@ -318,3 +318,10 @@ def test_serving_before_the_task_is_defined_is_skipped_and_the_import_goes_on(tm
         tmp_path, {"file": "served.py", "qualname": "after", "parameters": {}}, real_prefect=real_prefect
     )
     assert err is None and ret == {"value": ["after", None]}, (err, proc.stdout, proc.stderr)
+
+
+def test_a_generator_task_is_told_to_return_a_list(tmp_path):
+    (tmp_path / "gen.py").write_text("from prefect import task\n\n@task\ndef rows():\n    yield 1\n")
+    proc, ret, err = run_call(tmp_path, {"file": "gen.py", "qualname": "rows", "parameters": {}})
+    assert ret is None and err["type"] == "ResultNotSerializable", (err, proc.stderr)
+    assert "the task is a generator" in err["message"] and "Return a list" in err["message"]

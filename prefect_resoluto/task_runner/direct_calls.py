@@ -8,7 +8,13 @@ looks at the calling flow run's task runner: when it is a started ResolutoTaskRu
 call is Prefect's own on the runner's sandboxed copy of the task (only ``fn`` replaced, as
 for a submission), so states, retries, ``return_state``, ``wait_for``, caching and the
 await of an async task are Prefect's; otherwise the call is untouched (a flow on another
-task runner, a task called outside any flow).
+task runner).
+
+A call with no flow run context at all -- from a thread the flow started without copying
+its context, or a flow's hook -- goes to the process's one entered runner, if there is
+exactly one (with none or several, whose it is cannot be told: Prefect's own). A call
+whose flow run context holds a ResolutoTaskRunner not yet entered (a ``flow_run_name``
+callable) is refused: it has no sandbox to run in yet, and must not run on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +27,18 @@ from typing import Any
 
 _LOCK = threading.Lock()
 _INSTALLED = False
+#: The runners entered in this process and not yet exited, by id (a runner is unhashable).
+_ENTERED: dict[int, Any] = {}
+
+
+def entered(runner: Any) -> None:
+    with _LOCK:
+        _ENTERED[id(runner)] = runner
+
+
+def exited(runner: Any) -> None:
+    with _LOCK:
+        _ENTERED.pop(id(runner), None)
 
 
 def install(runner_class: type) -> None:
@@ -54,14 +72,23 @@ def install(runner_class: type) -> None:
 
 
 def _flows_runner(runner_class: type) -> Any:
-    """The calling flow run's task runner, if it is a started ``runner_class``."""
+    """The runner whose sandbox a task called now runs in (None: Prefect's own call)."""
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    runner = getattr(ctx, "task_runner", None) if ctx is not None else None
-    if isinstance(runner, runner_class) and getattr(runner, "_config", None) is not None:
-        return runner
-    return None
+    if ctx is None:
+        with _LOCK:
+            only = list(_ENTERED.values()) if len(_ENTERED) == 1 else []
+        return only[0] if only else None
+    runner = getattr(ctx, "task_runner", None)
+    if not isinstance(runner, runner_class):
+        return None
+    if getattr(runner, "_config", None) is None:
+        raise RuntimeError(
+            "a task called before its flow's ResolutoTaskRunner started (from a flow_run_name "
+            "callable?) has no sandbox to run in; call it from the flow's body"
+        )
+    return runner
 
 
 async def _then(awaitable: Awaitable[Any], started: Callable[[], None]) -> Any:

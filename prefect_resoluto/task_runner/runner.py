@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -234,9 +235,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
                 runtime, conduit, pacer, self._pool, self._live, self._sandboxes, artifacts, self._flow_runs
             )
             self._resources = stack.pop_all()
+        direct_calls.entered(self)
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        direct_calls.exited(self)
         try:
             if exc_type is not None or self._flow_runs.any_failed():
                 # The flow is over and not completed: nothing may keep running for it.
@@ -307,6 +310,11 @@ class ResolutoTaskRunner(ThreadPoolTaskRunner[Any]):
         call (:mod:`.direct_calls`), and what to call once its body started or never will."""
         if self._config is None:
             raise RuntimeError("Task runner is not started")
+        if inspect.isgeneratorfunction(task.fn) or inspect.isasyncgenfunction(task.fn):
+            raise call_spec.NotSandboxable(
+                f"task {task.name!r} is a generator: a sandboxed task's value crosses to the host "
+                "once, when it returns. Return a list of what it would yield instead."
+            )
         from prefect.context import FlowRunContext
 
         fr_ctx = FlowRunContext.get()
