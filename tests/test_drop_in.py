@@ -688,6 +688,24 @@ def test_a_python_tasks_call_files_are_not_left_on_the_host_and_its_declared_out
 
 
 # -- a flow script without `if __name__ == "__main__":` ----------------------------------------------
+def run_script(argv: list[str], cwd: Path, tmp_path: Path) -> str:
+    """A flow script run as users run one, against the test's API, with its conduit and
+    outputs under ``tmp_path`` (``CONDUIT``, ``OUTPUTS``); what it said, once it succeeded."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+        "CONDUIT": str(tmp_path / "conduit"),
+        "OUTPUTS": str(tmp_path / "outputs"),
+    }
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-4000:]
+    return said
+
+
 UNGUARDED_SCRIPT = """
 import json, os
 from prefect import flow, task
@@ -715,23 +733,10 @@ def test_a_script_that_calls_its_flow_unguarded_runs_each_task_once(tmp_path):
     """The script is run as users run it (``python script.py``) against the test's API.
     Prefect glue, not isolation: on the `process` runtime, as the guest's import is the same
     on every runtime. Before, each task's sandbox ran the whole flow inline first."""
-    from prefect.settings import PREFECT_API_URL
-
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "script.py").write_text(UNGUARDED_SCRIPT)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "CONDUIT": str(tmp_path / "conduit"),
-        "OUTPUTS": str(tmp_path / "outputs"),
-    }
-    proc = subprocess.run(
-        [sys.executable, "script.py"], cwd=ws, env=env, capture_output=True, text=True, timeout=600
-    )
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said[-4000:]
+    said = run_script([sys.executable, "script.py"], ws, tmp_path)
     results = [line for line in said.splitlines() if line.startswith("RESULT ")]
     assert results == ["RESULT [1, 1, 1, 1]"], said[-4000:]  # the host's line, once
 
@@ -762,8 +767,6 @@ def test_a_flow_started_through_a_path_with_dotdot_runs_its_tasks_in_gvisor(gvis
     """``../.venv/bin/python flow.py`` gives an ``sys.executable`` that climbs out of a
     directory: inside the sandbox that directory is not there, and runsc could not load the
     interpreter (every node failed: "failed to load .../../.venv/bin/python")."""
-    from prefect.settings import PREFECT_API_URL
-
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "probe.py").write_text(CLIMBING_SCRIPT)
@@ -772,18 +775,7 @@ def test_a_flow_started_through_a_path_with_dotdot_runs_its_tasks_in_gvisor(gvis
     beside = next(d for d in sorted(venv.parent.iterdir()) if d.is_dir() and d != venv)
     climbing = f"../{venv.name}/{Path(sys.executable).relative_to(venv)}"
     assert os.path.samefile(beside / climbing, sys.executable), climbing
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
-        "CONDUIT": str(tmp_path / "conduit"),
-        "OUTPUTS": str(tmp_path / "outputs"),
-    }
-    proc = subprocess.run(
-        [climbing, str(ws / "probe.py")], cwd=beside, env=env, capture_output=True, text=True, timeout=600
-    )
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said[-4000:]
+    said = run_script([climbing, str(ws / "probe.py")], beside, tmp_path)
     (line,) = [ln for ln in said.splitlines() if ln.startswith("KERNEL ")]
     release, prefix = line.split()[1:]
     assert release != os.uname().release, "the task ran on the host's kernel, not gVisor's"
