@@ -55,12 +55,12 @@ def import_task_module(name: str, qualname: str) -> types.ModuleType:
         _LOADING, _ENDED = None, None
 
 
-def flow_called(flow_name: str, how: str) -> Tuple[bool, Any]:
-    """``(True, None)`` when a flow served or deployed now is not to be; ``(False, None)``
-    when it runs. Raises to end the task module's import (see the module's docstring)."""
+def flow_called(flow_name: str, how: str) -> bool:
+    """Whether a flow served or deployed now is to be skipped (False: it runs). Raises to
+    end the task module's import (see the module's docstring)."""
     global _ENDED
     if _LOADING is None:
-        return False, None
+        return False
     name, qualname = _LOADING
     module = sys.modules.get(name)
     caller = _calling_module()
@@ -69,10 +69,10 @@ def flow_called(flow_name: str, how: str) -> Tuple[bool, Any]:
         _ENDED = module
         raise _EndImport()
     if how == "called":
-        return False, None
+        return False
     where = f"from {caller.get('__name__')!r} " if caller is not None else ""
     _note(f"the flow {flow_name!r} {how} {where}while {name!r} was imported: not in the sandbox")
-    return True, None
+    return True
 
 
 def _calling_module() -> Optional[Dict[str, Any]]:

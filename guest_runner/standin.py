@@ -284,8 +284,7 @@ class StandInFlow(StandInTask):
 
     def _at_import(self, attr: str, how: str) -> Any:
         """A script's unguarded ``flow.serve()``: nothing while its module is imported."""
-        skipped, value = importguard.flow_called(self.name, how)
-        return value if skipped else StandInTask.__getattr__(self, attr)
+        return None if importguard.flow_called(self.name, how) else StandInTask.__getattr__(self, attr)
 
 
 def _decorator(kind: type) -> Callable[..., Any]:
@@ -402,8 +401,7 @@ def _guard_flows(cls: type) -> None:
         original = getattr(cls, attr)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            skipped, value = importguard.flow_called(str(self.name), how)
-            return value if skipped else original(self, *args, **kwargs)
+            return None if importguard.flow_called(str(self.name), how) else original(self, *args, **kwargs)
 
         return method
 

@@ -159,7 +159,7 @@ MAX_SAME_HASH = 16
 MAX_DECIMAL_DIGITS = 4300
 
 
-def _hashable(members: List[Any], kind: str) -> List[Any]:
+def _hashable(members: List[Any]) -> List[Any]:
     """``members``, unless too many of them share one hash (see :data:`MAX_SAME_HASH`)."""
     if len(members) > MAX_SAME_HASH:
         counts: Dict[int, int] = {}
@@ -176,7 +176,7 @@ def _dict(v: Any) -> Dict[Any, Any]:
     for pair in pairs:
         if type(pair) is not list or len(pair) != 2:
             raise ValueError("a tagged dict holds [key, value] pairs")
-    _hashable([p[0] for p in pairs], "dict")
+    _hashable([p[0] for p in pairs])
     return {p[0]: p[1] for p in pairs}
 
 
@@ -230,8 +230,8 @@ def _path(v: Any) -> Any:
 
 _MAKERS: Dict[str, Callable[[Any], Any]] = {
     "tuple": lambda v: tuple(_items(v, "tuple")),
-    "set": lambda v: set(_hashable(_items(v, "set"), "set")),
-    "frozenset": lambda v: frozenset(_hashable(_items(v, "frozenset"), "frozenset")),
+    "set": lambda v: set(_hashable(_items(v, "set"))),
+    "frozenset": lambda v: frozenset(_hashable(_items(v, "frozenset"))),
     "dict": _dict,
     "bytes": _bytes,
     "datetime": _iso("datetime"),

@@ -407,6 +407,22 @@ def _gz_one(name: str, data: bytes) -> bytes:
     return gzip.compress(buf.getvalue(), 9)
 
 
+def _what_a_task_shows(tmp_path: Path, conduit: Any, outbox: bytes) -> str:
+    """What a flow sees of ``df.double`` whose sandbox (gVisor) hands back ``outbox`` and
+    succeeds: the exception as ``Type: message``, or "no error"."""
+
+    @flow(task_runner=_runner(tmp_path, conduit))
+    def victim() -> str:
+        try:
+            df.double.submit(1).result()
+        except BaseException as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    with _Patched(hostile_command(outbox)):
+        return victim()
+
+
 def _runner(tmp_path: Path, conduit: Any) -> ResolutoTaskRunner:
     return ResolutoTaskRunner(
         runtime="gvisor",
@@ -469,18 +485,8 @@ def test_a_return_json_of_many_empty_objects_is_refused_before_it_is_parsed(gvis
 
     size = 16 * 1024 * 1024
     outbox = _gz_one(".resoluto/return.json", b'{"value": [' + b"{}," * (size // 3) + b"{}]}")
-
-    @flow(task_runner=_runner(tmp_path, conduit))
-    def victim() -> str:
-        try:
-            df.double.submit(1).result()
-        except BaseException as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with _Patched(hostile_command(outbox)):
-        shown = victim()
+    shown = _what_a_task_shows(tmp_path, conduit, outbox)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert "arrays and objects" in shown and "return the file's path" in shown, shown[:500]
     assert grown_mib < 3 * 16, f"16 MiB of return.json grew the flow process by {grown_mib:.0f} MiB"
@@ -543,16 +549,6 @@ def test_a_return_value_with_a_forged_type_tag_fails_the_task_clearly(gvisor, co
     type of its choosing, or fills a tag with what its type cannot hold, gets a task that
     fails saying so: nothing is looked up by the name it sent."""
     outbox = _gz_one(".resoluto/return.json", b'{"value": [1, ' + value + b"]}")
-
-    @flow(task_runner=_runner(tmp_path, conduit))
-    def victim() -> str:
-        try:
-            df.double.submit(1).result()
-        except BaseException as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
-    with _Patched(hostile_command(outbox)):
-        shown = victim()
+    shown = _what_a_task_shows(tmp_path, conduit, outbox)
     assert shown.startswith("WireError: .resoluto/return.json from the sandbox is malformed"), shown
     assert "$resoluto" in shown or "tagged" in shown, shown
