@@ -25,7 +25,7 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from guest_runner import importguard, values
+from guest_runner import exc_values, importguard, values
 
 # dataclasses is not imported for every call (each import is a few syscalls per sys.path
 # entry, dear under gVisor): a value can only be a dataclass's once its module is loaded.
@@ -178,12 +178,46 @@ async def _await(aw: Any) -> Any:
     return await aw
 
 
-def _encoded(result: Any) -> Any:
+def _encoded(result: Any, task_module: "str | None", redact: Any) -> Any:
     """The return value as JSON that gives the host back its types (:mod:`guest_runner.values`)."""
+
+    def fallback(value: Any) -> Any:
+        if isinstance(value, BaseException):
+            return values.Tagged("exception", exc_values.record(value, task_module, redact))
+        return _jsonable(value)
+
     try:
-        return values.encode(result, _jsonable)
+        return values.encode(result, fallback)
     except RecursionError:
         raise ValueError("the task's return value is nested too deeply (or holds itself)") from None
+
+
+#: The states a task may end in by returning one, as Prefect's engine takes them.
+_FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+
+
+def _returned(result: Any, task_module: "str | None", redact: Any) -> Dict[str, Any]:
+    """return.json's record: the value, or the Prefect state the task returned to end in
+    (``return Failed(message=...)``): its type, name, message and data."""
+    objects = sys.modules.get("prefect.client.schemas.objects")  # a State needs Prefect loaded
+    state_cls = getattr(objects, "State", None)
+    if state_cls is None or not isinstance(result, state_cls):
+        return {"value": _encoded(result, task_module, redact)}
+    kind = str(getattr(result.type, "value", result.type))
+    if kind not in _FINAL_STATES:
+        raise ValueError(
+            f"the task returned a {kind} state; a task ends in a state it returns only when that "
+            f"is one of {', '.join(s.title() for s in _FINAL_STATES)}"
+        )
+    data = result.data
+    if hasattr(data, "metadata") and hasattr(data, "result"):  # a ResultRecord the task made
+        data = data.result
+    state: Dict[str, Any] = {"type": kind, "name": result.name}
+    if result.message is not None:
+        state["message"] = redact(str(result.message))
+    if data is not None:
+        state["value"] = _encoded(data, task_module, redact)
+    return {"state": state}
 
 
 def _write(path: str, obj: Any) -> None:
@@ -354,9 +388,11 @@ def main(argv: "list[str] | None" = None) -> int:
     task_module: "str | None" = None
     task_code: Any = None
     workspace = os.getcwd()
+    from_host = exc_values.FromHost()
     try:
         with open(call_path, encoding="utf-8") as f:
-            spec = values.loads(f.read())  # the parameters (and the context's) as the host's values
+            # the parameters (and the context's) as the host's values
+            spec = values.loads(f.read(), exception=from_host)
         if not isinstance(spec, dict) or not isinstance(spec.get("parameters", {}), dict):
             raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
         from guest_runner import standin
@@ -371,12 +407,15 @@ def main(argv: "list[str] | None" = None) -> int:
         fn = load_function(spec)
         task_module = getattr(fn, "__module__", None)
         task_code = getattr(fn, "__code__", None)
+        params = spec.get("parameters", {})
+        if from_host.count:  # exceptions passed on (allow_failure): now the task's module is loaded
+            params = exc_values.revive(params, sys.modules.get(task_module or ""))
         try:
-            result = call(fn, spec.get("parameters", {}))
+            result = call(fn, params)
         finally:
             _report_imports(workspace)
         try:
-            _write(RETURN_FILE, {"value": _encoded(result)})
+            _write(RETURN_FILE, _returned(result, task_module, redact))
         except (TypeError, ValueError) as e:
             _write(
                 ERROR_FILE,

@@ -21,12 +21,16 @@ timedelta ``datetime.timedelta``                      ``[days, seconds, microsec
 decimal   ``decimal.Decimal``                         its text
 uuid      ``uuid.UUID``                               its text
 path      ``pathlib.PurePath`` (a ``Path`` back)      its text
+exception an exception (a failed upstream's, passed   its class's name, module and message
+          on by ``allow_failure``)                    (a record: see the callers)
 ========= =========================================== =====================================
 
 Any other object goes to ``fallback`` (a dataclass or a pydantic model becomes a dict,
-rebuilt from the annotation where there is one). Decoding builds only these types, by a
-fixed table, never a class named by the data; what the sandbox sends through it is
-hostile, and a malformed tag is a :class:`ValueError`.
+rebuilt from the annotation where there is one); a fallback may answer a :class:`Tagged`
+value of its own kind (an exception). Decoding builds only these types, by a fixed table,
+never a class named by the data; an ``exception`` only through the ``exception`` function
+its caller gives :func:`loads` (each side finds classes its own way). What the sandbox
+sends through it is hostile, and a malformed tag is a :class:`ValueError`.
 
 Standard library only: the guest runner vendors it.
 """
@@ -41,6 +45,16 @@ TAG = "$resoluto"
 
 _PLAIN = frozenset((str, int, float, bool, type(None)))
 _PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+class Tagged:
+    """What a ``fallback`` answers for a value of a kind it encodes itself: written as
+    ``{"$resoluto": kind, "v": v}``, ``v`` as it is (already JSON)."""
+
+    __slots__ = ("kind", "v")
+
+    def __init__(self, kind: str, v: Any) -> None:
+        self.kind, self.v = kind, v
 
 
 def encode(value: Any, fallback: Callable[[Any], Any]) -> Any:
@@ -76,7 +90,10 @@ def encode(value: Any, fallback: Callable[[Any], Any]) -> Any:
         return [encode(v, fallback) for v in value]
     if isinstance(value, dict):  # an OrderedDict, a defaultdict: as a dict
         return encode(dict(value), fallback)
-    return encode(fallback(value), fallback)
+    made = fallback(value)
+    if type(made) is Tagged:
+        return _tagged(made.kind, made.v)
+    return encode(made, fallback)
 
 
 def _is_enum(value: Any) -> bool:
@@ -111,9 +128,18 @@ def _stdlib_kind(value: Any) -> "tuple[str, Any] | None":
     return None
 
 
-def loads(text: "str | bytes") -> Any:
-    """Parsed JSON with the values :func:`encode` made; ValueError for a malformed tag."""
-    return json.loads(text, object_hook=hook)
+def loads(text: "str | bytes", exception: "Callable[[Any], Any] | None" = None) -> Any:
+    """Parsed JSON with the values :func:`encode` made; ValueError for a malformed tag.
+    A tagged ``exception`` is ``exception(v)``, or refused without one."""
+    if exception is None:
+        return json.loads(text, object_hook=hook)
+
+    def hook_with_exceptions(obj: Dict[str, Any]) -> Any:
+        if obj.get(TAG) == "exception" and len(obj) == 2 and "v" in obj:
+            return exception(obj["v"])
+        return hook(obj)
+
+    return json.loads(text, object_hook=hook_with_exceptions)
 
 
 def hook(obj: Dict[str, Any]) -> Any:

@@ -658,6 +658,50 @@ def test_parameters_and_return_values_keep_their_types_as_under_a_thread(conduit
         assert same(got, want), (got, want)
 
 
+def _ending(state: Any) -> tuple:
+    """What a flow sees of a task run's final state: its type, name, message, and its
+    value or the exception reading it raises."""
+    try:
+        got: Any = ("value", state.result())
+    except BaseException as e:
+        got = ("raised", type(e).__name__, isinstance(e, df.QuotaExceeded), str(e))
+    return state.type.value, state.name, state.message, got
+
+
+def test_returned_states_and_exceptions_passed_or_returned_end_as_under_a_thread(conduit, tmp_path):
+    """A task that returns a state ends in it (`return Failed(message=...)`, a Completed
+    named "Skipped" with data, a Cancelled, a Failed holding its exception); a task given a
+    failed upstream through `allow_failure` gets the upstream's exception, of the task
+    module's own class; a task may return exceptions as values. Each as under a thread.
+    Prefect glue: on the `process` runtime."""
+    from prefect import allow_failure
+
+    def ends_flow(task_runner):
+        @flow(task_runner=task_runner)
+        def ends() -> dict:
+            states = [df.end_in_state.submit(k) for k in ("failed", "skipped", "cancelled", "with")]
+            for s in states:
+                s.wait()
+            upstream = df.raise_quota.submit(3)
+            seen = df.inspect_upstream.submit(allow_failure(upstream)).result()
+            values = df.return_exceptions.submit().result()
+            return {
+                "states": [_ending(s.state) for s in states],
+                "allow_failure": seen,
+                "values": [
+                    (type(v).__name__, isinstance(v, (ValueError, df.QuotaExceeded)), str(v)) for v in values
+                ],
+            }
+
+        return ends
+
+    sandboxed = ends_flow(runner(conduit, tmp_path, runtime="process", min_isolation="none"))()
+    threaded = ends_flow(ThreadPoolTaskRunner())()
+    assert sandboxed == threaded
+    assert threaded["states"][0][:3] == ("FAILED", "Failed", "told to fail")
+    assert threaded["allow_failure"]["is_own_class"] is True
+
+
 def test_a_python_tasks_call_files_are_not_left_on_the_host_and_its_declared_outputs_are(conduit, tmp_path):
     """Every Python task's value came back through files under the outputs directory, one
     directory a node, kept forever: a second copy of the conduit's outbox. Once read they

@@ -423,7 +423,7 @@ def _what_a_task_shows(tmp_path: Path, conduit: Any, outbox: bytes) -> str:
         return victim()
 
 
-def _runner(tmp_path: Path, conduit: Any) -> ResolutoTaskRunner:
+def _runner(tmp_path: Path, conduit: Any, **kw: Any) -> ResolutoTaskRunner:
     return ResolutoTaskRunner(
         runtime="gvisor",
         conduit=conduit,
@@ -432,6 +432,7 @@ def _runner(tmp_path: Path, conduit: Any) -> ResolutoTaskRunner:
         memory="256Mi",
         infrastructure_retries=0,
         warm_pool=0,
+        **kw,
     )
 
 
@@ -552,3 +553,63 @@ def test_a_return_value_with_a_forged_type_tag_fails_the_task_clearly(gvisor, co
     shown = _what_a_task_shows(tmp_path, conduit, outbox)
     assert shown.startswith("WireError: .resoluto/return.json from the sandbox is malformed"), shown
     assert "$resoluto" in shown or "tagged" in shown, shown
+
+
+_STATE_SECRET = "st4te-s3cret-value-0123456789"
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_end(gvisor, conduit, tmp_path):
+    """return.json may hold the state the task returned to end in, and exceptions as values
+    (guest_runner.exc_values). A sandbox that forges them gets one of the four ends a task
+    may return (any other type fails the task clearly), texts bounded, its message
+    redacted, and exceptions that are values: never a KeyboardInterrupt the flow's read
+    would raise, never a class from a module the host had not imported."""
+    import sys
+
+    def exc(type_: str, module: str, exception: bool = True) -> dict:
+        rec = {"type": type_, "module": module, "qualname": type_, "exception": exception, "message": "m"}
+        return {"$resoluto": "exception", "v": rec}
+
+    cases: dict[str, Any] = {
+        "running": {"state": {"type": "RUNNING"}},
+        "name-not-text": {"state": {"type": "COMPLETED", "name": ["x"]}},
+        "secret-in-message": {"state": {"type": "FAILED", "message": f"token {_STATE_SECRET} here"}},
+        "huge": {"state": {"type": "COMPLETED", "name": "N" * 10_000, "message": "m" * 200_000}},
+        "interrupt": {"state": {"type": "FAILED", "value": exc("KeyboardInterrupt", "builtins", False)}},
+        "unimported": {"value": exc("Thing", "antigravity")},
+        "not-a-record": {"value": {"$resoluto": "exception", "v": "text"}},
+    }
+
+    @flow(task_runner=_runner(tmp_path, conduit, secret_env={"API_TOKEN": _STATE_SECRET}))
+    def victim() -> tuple:
+        state = df.double.submit(1, return_state=True)
+        try:
+            shown: Any = state.result()
+        except BaseException as e:  # noqa: BLE001
+            shown = e
+        return state.type.value, state.name, state.message, shown
+
+    ends = {}
+    for name, record in cases.items():
+        with _Patched(hostile_command(_gz_one(".resoluto/return.json", json.dumps(record).encode()))):
+            ends[name] = victim()
+
+    for name in ("running", "name-not-text", "not-a-record"):
+        kind, _, message, shown = ends[name]
+        assert kind == "FAILED" and "return.json from the sandbox is malformed" in message, ends[name]
+    assert "'RUNNING'" in ends["running"][2]
+    kind, _, message, shown = ends["secret-in-message"]
+    assert kind == "FAILED" and _STATE_SECRET not in message and message.startswith("token "), ends[name]
+    assert _STATE_SECRET not in repr(shown)
+    kind, state_name, message, _ = ends["huge"]
+    assert kind == "COMPLETED" and len(state_name) == 200 and len(message) <= 64 * 1024
+    kind, _, _, shown = ends["interrupt"]
+    assert kind == "FAILED" and isinstance(shown, Exception) and "KeyboardInterrupt" in repr(shown), ends[
+        "interrupt"
+    ]
+    kind, _, _, shown = ends["unimported"]
+    assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends["unimported"]
+    assert "antigravity" not in sys.modules

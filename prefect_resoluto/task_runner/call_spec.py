@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from guest_runner import archive, values
+from guest_runner import archive, exc_values, values
 from guest_runner import call as call  # re-exported: task_runner reads its file names
 from guest_runner.redact import Redactor
 from guest_runner.wire import WireError
 from prefect_resoluto.node import result_files
-from prefect_resoluto.task_runner import error_file, json_cost, remote_traceback
+from prefect_resoluto.task_runner import error_file, json_cost, remote_traceback, returned_state
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
@@ -216,13 +216,20 @@ def _source_file(fn: Callable[..., Any]) -> str | None:
     return src
 
 
-def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+def encode_parameters(
+    task_name: str, parameters: dict[str, Any], task_module: str | None = None
+) -> dict[str, Any]:
     from pydantic_core import PydanticSerializationError, to_jsonable_python
+
+    def fallback(value: Any) -> Any:
+        if isinstance(value, BaseException):  # a failed upstream's, through allow_failure
+            return values.Tagged("exception", exception_record(value, task_module))
+        return to_jsonable_python(value)
 
     out: dict[str, Any] = {}
     for name, value in parameters.items():
         try:
-            out[name] = values.encode(value, to_jsonable_python)
+            out[name] = values.encode(value, fallback)
             json.dumps(out[name], allow_nan=True)
         except (PydanticSerializationError, TypeError, ValueError, RecursionError):
             raise NotSandboxable(
@@ -231,6 +238,25 @@ def encode_parameters(task_name: str, parameters: dict[str, Any]) -> dict[str, A
                 "file in the workspace and pass the file's path instead."
             ) from None
     return out
+
+
+def exception_record(exc: BaseException, task_module: str | None) -> dict[str, Any]:
+    """What crosses into the sandbox for an exception passed to a task
+    (:mod:`guest_runner.exc_values` rebuilds it): one the host rebuilt from a sandbox's
+    report goes as that report's class and message."""
+    if not isinstance(exc, RemoteError):
+        return exc_values.record(exc, task_module)
+    base = getattr(type(exc), "_remote_base", None)
+    if base is None:  # a RemoteTaskError: the class was the sandbox's alone
+        return {"type": exc.remote_type, "qualname": exc.remote_type, "message": exc.remote_message}
+    return {
+        "type": base.__name__,
+        "module": base.__module__,
+        "qualname": base.__qualname__,
+        "task_module": base.__module__ == task_module,
+        "exception": issubclass(base, Exception),
+        "message": exc.remote_message,
+    }
 
 
 def call_archive(
@@ -279,10 +305,32 @@ def read_outcome(
             except json_cost.TooCostly as err:
                 raise WireError(str(err)) from None
             try:
-                return True, values.loads(raw)["value"]
+                doc = values.loads(raw, exception=_returned_exception(task_module, redactor))
+                if not isinstance(doc, dict):
+                    raise TypeError(f"it holds a {type(doc).__name__}, not an object")
+                if "state" in doc:
+                    return True, returned_state.build(doc["state"], redactor)
+                return True, doc["value"]
             except (ValueError, KeyError, TypeError, RecursionError) as err:
                 raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}") from None
     return False, None
+
+
+def _returned_exception(task_module: str | None, redactor: Redactor | None) -> Callable[[Any], BaseException]:
+    """How an exception the task returned (or put in its state) is rebuilt: as one it
+    raised is (its class where the host has it, else a RemoteTaskError), redacted."""
+
+    def rebuild_exception(rec: Any) -> BaseException:
+        if not isinstance(rec, dict):
+            raise ValueError("a tagged exception holds an object")
+        if redactor is not None and redactor.count:
+            rec = redactor.data(rec)
+        # A value, never a KeyboardInterrupt or SystemExit that reading a state would raise
+        # on the host: a class that is not an Exception's becomes a RemoteTaskError.
+        e = {**error_file.bounded(rec), "traceback": "", "exception": True}
+        return _exception_from_record(e, task_module, "")
+
+    return rebuild_exception
 
 
 def read_error(output_dir: Path, redactor: Redactor | None) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
 from prefect_resoluto.node.spec import output_allowance
 from prefect_resoluto.runtimes.base import memory_hint
 from prefect_resoluto.settings.config import SandboxConfig
-from prefect_resoluto.task_runner import call_spec, reads
+from prefect_resoluto.task_runner import call_spec, reads, returned_state
 from prefect_resoluto.warm import pool as warm_pool_mod
 
 if TYPE_CHECKING:
@@ -66,7 +66,9 @@ def call(
     if allowed_reads:
         cfg = cfg.replace(secret_env={**cfg.secret_env, **allowed_reads})
     ref = call_spec.function_ref(fn, cfg.workspace or default_workspace())
-    params = call_spec.encode_parameters(task.name, dict(ctx.parameters or {}))
+    params = call_spec.encode_parameters(
+        task.name, dict(ctx.parameters or {}), getattr(fn, "__module__", None)
+    )
     redactor = Redactor(cfg.secret_env.values())
     task_module = getattr(fn, "__module__", None)
     limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
@@ -125,6 +127,8 @@ def _returned(
         raise WorkloadFailed(
             f"node {outcome.node_id} succeeded but left no {call_spec.call.RETURN_FILE}", outcome
         )
+    if returned_state.is_state(value):  # the state the task returned to end in, as on a thread
+        return value
     return call_spec.rebuild(value, call_spec.return_annotation(fn))
 
 

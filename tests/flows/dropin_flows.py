@@ -150,3 +150,32 @@ def write_note(name: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(name)
     return path
+
+
+@task
+def inspect_upstream(error):  # given a failed upstream through allow_failure
+    return {
+        "type": type(error).__name__,
+        "is_own_class": isinstance(error, QuotaExceeded),
+        "is_exception": isinstance(error, Exception),
+        "message": str(error),
+    }
+
+
+@task
+def end_in_state(kind: str):
+    """Returns the state its run ends in, as Prefect lets a task do."""
+    from prefect.states import Cancelled, Completed, Failed
+
+    if kind == "failed":
+        return Failed(message="told to fail")
+    if kind == "skipped":
+        return Completed(name="Skipped", message="nothing to do", data={"rows": (1, 2)})
+    if kind == "cancelled":
+        return Cancelled(message="not today")
+    return Failed(message="with its exception", data=QuotaExceeded(3, 2))
+
+
+@task
+def return_exceptions() -> list:
+    return [ValueError("a value, not raised"), QuotaExceeded(1, 2)]
