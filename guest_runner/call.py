@@ -149,29 +149,53 @@ def call(fn: Any, params: Dict[str, Any]) -> Any:
         hints = typing.get_type_hints(fn)
     except Exception:
         hints = {}
-    args: list[Any] = []
-    kwargs: Dict[str, Any] = {}
-    for name, p in sig.parameters.items():
-        if name not in params:
-            continue
-        value = _rebuild(hints.get(name, p.annotation), params[name])
-        if p.kind is p.VAR_POSITIONAL:
-            args.extend(value)
-        elif p.kind is p.VAR_KEYWORD:
-            kwargs.update(value)
-        elif p.kind is p.POSITIONAL_ONLY:
-            args.append(value)
-        else:
-            kwargs[name] = value
     unknown = set(params) - set(sig.parameters)
     if unknown:
         raise CallError(f"parameters {sorted(unknown)} are not in the signature of {fn.__qualname__}")
+    values = {
+        name: _rebuild(hints.get(name, p.annotation), params[name])
+        for name, p in sig.parameters.items()
+        if name in params
+    }
+    args, kwargs = _arguments(sig, values)
     result = fn(*args, **kwargs)
     if inspect.isawaitable(result):
         import asyncio  # only for coroutine tasks: it pulls in ssl, socket, logging ...
 
         result = asyncio.run(_await(result))
     return result
+
+
+def _arguments(sig: inspect.Signature, values: Dict[str, Any]) -> "tuple[list[Any], Dict[str, Any]]":
+    """The call's positional and keyword arguments for the parameters Prefect bound by
+    name, as Prefect's engine calls the function on a thread: positional-only ones by
+    position, and every one before ``*args`` when ``*args`` holds something (those left
+    out take their defaults), the rest by keyword."""
+    kinds = inspect.Parameter
+    params = list(sig.parameters.values())
+    star = next((p for p in params if p.kind is kinds.VAR_POSITIONAL), None)
+    star_values = list(values.get(star.name) or ()) if star is not None else []
+    positional = [
+        p
+        for p in params
+        if p.kind is kinds.POSITIONAL_ONLY or (star_values and p.kind is kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    given = [i for i, p in enumerate(positional) if p.name in values]
+    positional = positional if star_values else positional[: given[-1] + 1 if given else 0]
+    args: "list[Any]" = []
+    for p in positional:
+        if p.name not in values and p.default is kinds.empty:
+            raise CallError(f"{p.name!r} has no value and no default, and must be passed by position")
+        args.append(values[p.name] if p.name in values else p.default)
+    args.extend(star_values)
+    by_position = {p.name for p in positional}
+    kwargs: Dict[str, Any] = {}
+    for p in params:
+        if p.kind is kinds.VAR_KEYWORD:
+            kwargs.update(values.get(p.name) or {})
+        elif p.kind is not kinds.VAR_POSITIONAL and p.name in values and p.name not in by_position:
+            kwargs[p.name] = values[p.name]
+    return args, kwargs
 
 
 async def _await(aw: Any) -> Any:

@@ -325,3 +325,46 @@ def test_a_generator_task_is_told_to_return_a_list(tmp_path):
     proc, ret, err = run_call(tmp_path, {"file": "gen.py", "qualname": "rows", "parameters": {}})
     assert ret is None and err["type"] == "ResultNotSerializable", (err, proc.stderr)
     assert "the task is a generator" in err["message"] and "Return a list" in err["message"]
+
+
+SIGNATURES = textwrap.dedent("""
+    from prefect import task
+
+    @task
+    def shapes(a, /, b, *args, c=3, d, **kw):
+        return [a, b, list(args), c, d, sorted(kw.items())]
+
+    @task
+    def positional_defaults(a, b=2, /, c=5):
+        return [a, b, c]
+""")
+
+
+@pytest.mark.parametrize(
+    "qualname, args, kwargs",
+    [
+        ("shapes", (1, 2, 5, 6), {"d": 4, "e": 9}),  # failed: "got multiple values for argument 'b'"
+        ("shapes", (1,), {"b": 2, "d": 4}),
+        ("shapes", (1, 2), {"d": 0, "c": 1}),
+        ("positional_defaults", (1,), {}),
+        ("positional_defaults", (1, 7), {}),
+        ("positional_defaults", (1,), {"c": 9}),
+    ],
+)
+def test_every_kind_of_parameter_is_passed_as_a_threads_task_gets_it(tmp_path, qualname, args, kwargs):
+    """Positional-only parameters, ``*args`` after named ones, keyword-only ones and
+    ``**kwargs``, from the parameters Prefect binds on the host: the call in the sandbox
+    gets what calling the function on the host would."""
+    from prefect.utilities.callables import get_call_parameters
+
+    from guest_runner import values
+    from prefect_resoluto.task_runner.call_spec import encode_parameters
+
+    (tmp_path / "sigs.py").write_text(SIGNATURES)
+    space: dict = {}
+    exec(SIGNATURES, space)
+    fn = space[qualname].fn
+    params = encode_parameters(qualname, get_call_parameters(fn, args, kwargs))
+    proc, ret, err = run_call(tmp_path, {"file": "sigs.py", "qualname": qualname, "parameters": params})
+    assert err is None, (err, proc.stderr)
+    assert values.loads(json.dumps(ret))["value"] == fn(*args, **kwargs)

@@ -178,3 +178,19 @@ def test_debug_logs_only_when_asked(rt: GVisorRuntime) -> None:
     finally:
         loud.destroy(h)
     assert list((loud.state / "debug" / h.id).glob("runsc.log.*"))  # survives destroy
+
+
+def test_a_snapshot_image_made_before_the_sandboxes_mounts_changed_is_not_restored(monkeypatch):
+    """A restored sandbox keeps its template's mount tree whatever the bundle now says: an
+    image made before /dev/shm was mounted restored a sandbox without it. The mounts'
+    shape is part of the image's fingerprint (prefect_resoluto.warm.snapshots)."""
+    from prefect_resoluto.runtimes import gvisor
+
+    rt = GVisorRuntime(runsc="runsc-not-installed")  # the fingerprint, not a sandbox
+    now = rt.snapshot_fingerprint()
+    assert "/dev/shm" in now
+    real = gvisor._oci_mounts
+    monkeypatch.setattr(
+        gvisor, "_oci_mounts", lambda lay, r: [m for m in real(lay, r) if m["destination"] != "/dev/shm"]
+    )
+    assert rt.snapshot_fingerprint() != now

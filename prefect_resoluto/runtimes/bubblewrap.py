@@ -111,7 +111,9 @@ def _mount_args(lay: GuestLayout, tmpfs_bytes: int) -> list[str]:
     argv: list[str] = []
     # tmpfs first: bwrap mounts in order, and a later tmpfs /tmp would hide a bind of a
     # host tree that lives under /tmp (a checkout or virtualenv there).
-    for dst in lay.tmpfs:
+    # /dev/shm (bwrap's --dev leaves it root's): POSIX semaphores and shared memory, which
+    # multiprocessing's locks and queues need, for the workload's user too.
+    for dst in [*lay.tmpfs, "/dev/shm"]:
         argv += ["--perms", "1777"]  # as /tmp is anywhere: the workload's user writes it too
         argv += ["--size", str(tmpfs_bytes), "--tmpfs", dst]
     # bwrap makes a bind's missing parents 0700: traversable by root only, and the

@@ -212,7 +212,9 @@ def _oci_mounts(lay: GuestLayout, r: Resources) -> list[dict[str, Any]]:
             "options": ["nosuid", "noexec", "nodev", "ro"],
         },
     ]
-    for dst in lay.tmpfs:
+    # /dev/shm: POSIX semaphores and shared memory (multiprocessing's locks and queues,
+    # a ProcessPoolExecutor) live there; on a tmpfs like /tmp's, in the sandbox's memory.
+    for dst in [*lay.tmpfs, "/dev/shm"]:
         opts = ["nosuid", "nodev", "mode=1777"]
         if r.tmpfs_bytes:  # gVisor's tmpfs is sandbox memory: never larger than the limit
             opts.append(f"size={r.tmpfs_bytes}")
@@ -531,11 +533,16 @@ class GVisorRuntime(LocalChildRuntime):
     # ----------------------------------------------------------------- snapshots
 
     def snapshot_fingerprint(self) -> str:
-        """What an image depends on besides the guest: this runsc, its platform, flags and mounts."""
+        """What an image depends on besides the guest: this runsc, its platform, flags and mounts.
+
+        A restored sandbox has its template's mount tree, whatever the bundle now says: the
+        shape of the mounts this code gives every sandbox is part of it, so an image made
+        before they changed (a /dev without /dev/shm) is not restored after."""
         exe = self._binary() or self.runsc
         version = _probe(exe)[0] if self._binary() else self.runsc
+        shape = _oci_mounts(GuestLayout(argv=[], env={}), Resources())
         return json.dumps(
-            [version, self._platform(), self._ignore_cgroups(), self.runsc_flags, self.extra_ro_paths]
+            [version, self._platform(), self._ignore_cgroups(), self.runsc_flags, self.extra_ro_paths, shape]
         )
 
     def checkpoint(self, handle: SandboxHandle, image: Path, timeout: float = 120) -> None:

@@ -238,6 +238,36 @@ def check_confinement(rt: SandboxRuntime) -> None:
     assert not (repo / "pyproject.toml").exists() or "pyproject.toml" not in (probe["seen"][str(repo)] or [])
 
 
+def check_shared_memory(rt: SandboxRuntime, tmp_path: Path) -> None:
+    """multiprocessing's locks and queues (POSIX semaphores and shared memory in /dev/shm)
+    work for the workload's user, behind the guest runner as a task runs: a
+    ProcessPoolExecutor (a data task's usual parallelism) failed with EACCES."""
+    from guest_runner.conduit import LocalConduit
+    from prefect_resoluto.node.drive import drive_node
+    from prefect_resoluto.node.spec import NodeSpec
+
+    code = (
+        "import os\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "with ProcessPoolExecutor(2) as pool:\n"
+        "    got = list(pool.map(abs, [-1, -2, -3]))\n"
+        "open('pool.txt', 'w').write(f'{os.getuid()} {got}')\n"
+    )
+    node = NodeSpec(
+        run_id="run-shm",
+        node_id=new_id(),
+        argv=["python3", "-c", code],
+        outputs_dir=tmp_path / "out",
+        output_paths=["pool.txt"],
+        resources=Resources.from_quantities(memory="512Mi", cpus="1"),
+    )
+    outcome = drive_node(node, LocalConduit(tmp_path / "conduit"), rt, min_isolation="none")
+    assert outcome.ok, outcome.describe()
+    uid, got = (tmp_path / "out" / "pool.txt").read_text().split(" ", 1)
+    assert got == "[1, 2, 3]"
+    assert uid != "0" or os.geteuid() != 0, "the workload ran as root: the check is not of its user"
+
+
 #: A host that drives one node whose workload (and a child of it) sleeps for ten minutes, and
 #: says when the sandbox runs it; argv: conduit dir, node id, labels' tag, the bound.
 DEATH_HOST = """
@@ -324,6 +354,7 @@ _LAUNCHING = (
     "test_sweep_by_labels",
     "test_only_loopback_and_host_hidden",
     "test_host_death_ends_the_sandbox",
+    "test_the_workloads_user_has_shared_memory",
 )
 
 
@@ -393,6 +424,9 @@ class ConfinedRuntimeContract(RuntimeContract):
 
     def test_only_loopback_and_host_hidden(self, rt: SandboxRuntime) -> None:
         check_confinement(rt)
+
+    def test_the_workloads_user_has_shared_memory(self, rt: SandboxRuntime, tmp_path: Path) -> None:
+        check_shared_memory(rt, tmp_path)
 
 
 def _marked(fn: Any, marks: tuple[pytest.MarkDecorator, ...]) -> Any:
