@@ -340,6 +340,7 @@ def _add_extra(tar: tarfile.TarFile, files: Iterable[Tuple[str, bytes]]) -> None
 
 _FILE = "file"
 _DIR = "dir"
+_MEMORY = "memory"  # read into memory, never extracted: no link may name it
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 #: A file system block: every file the sandbox held took at least one page of its scratch.
@@ -481,9 +482,14 @@ class _Extraction:
     """One extraction into the directory ``root_fd``: what it made, so that a refusal
     undoes it, and what each name became, so that links are judged on its word only."""
 
-    def __init__(self, root_fd: int, limits: Limits) -> None:
-        self.root_fd = root_fd
+    def __init__(
+        self, dest: Path, limits: Limits, in_memory: "Optional[Dict[str, Optional[bytes]]]" = None
+    ) -> None:
+        self.dest = dest
+        self._root_fd: Optional[int] = None
+        self.made_dest = False
         self.limits = limits
+        self.in_memory = in_memory
         self.kinds: Dict[str, object] = {}
         self.seen: Set[str] = set()
         self.created: List[Tuple[str, str, bool]] = []  # (parent rel, leaf, is_dir)
@@ -491,10 +497,37 @@ class _Extraction:
         self.fds: Dict[str, int] = {}
         self.extracted: List[str] = []
 
+    @property
+    def root_fd(self) -> int:
+        """The destination, made (with its parents) only once a member is written there."""
+        if self._root_fd is None:
+            self.made_dest = not self.dest.exists()
+            self.dest.mkdir(parents=True, exist_ok=True)
+            self._root_fd = os.open(self.dest, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        return self._root_fd
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+    def close_root(self) -> None:
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
+
+    def keep_in_memory(self, tar: tarfile.TarFile, m: tarfile.TarInfo, rel: str) -> bool:
+        """Read the member into ``in_memory`` if its name is one of its keys."""
+        if self.in_memory is None or rel not in self.in_memory:
+            return False
+        if not m.isreg():
+            raise UnsafeArchive(m.name, "must be a regular file (it is read, never extracted)")
+        src_f = tar.extractfile(m)
+        assert src_f is not None
+        self.in_memory[rel] = src_f.read(m.size)
+        self.limits.written += m.size
+        self.kinds[rel] = _MEMORY
+        return True
 
     def dir_fd(self, parts: List[str], member: str, create: bool) -> int:
         """The directory ``parts`` (relative to the root), entered without following links."""
@@ -586,6 +619,8 @@ class _Extraction:
                     f"the files add up to more than the output limit of {lim.max_bytes} bytes "
                     f"(at member {name!r})",
                 )
+        if self.keep_in_memory(tar, m, rel):
+            return
         if m.isdir():
             self.dir_fd(parts, name, True)
             return
@@ -704,10 +739,15 @@ def unpack_stream(
     *,
     patterns: Optional[Sequence[str]] = None,
     limits: Optional[Limits] = None,
+    in_memory: "Optional[Dict[str, Optional[bytes]]]" = None,
 ) -> List[str]:
     """Extract each ``(label, stream)`` in turn into ``dest`` (a stream may be given as a
     function that opens it), read once, never held whole in memory; with ``patterns``,
-    only the members they select.
+    only the members they select. ``dest`` is made only when something is written there.
+
+    ``in_memory``: selected names (its keys) whose regular file is read into it instead
+    of written, within the same limits (a link, a directory or anything else at such a
+    name is refused); a file the caller only reads costs no file on the host.
 
     Returns the extracted regular-file and link names. All or nothing: on any refusal
     (:class:`UnsafeArchive`, :class:`LimitExceeded`, a broken archive) everything the
@@ -715,11 +755,7 @@ def unpack_stream(
     member.
     """
     matcher = PathMatcher(patterns) if patterns is not None else None
-    dest_path = Path(dest)
-    made_dest = not dest_path.exists()
-    dest_path.mkdir(parents=True, exist_ok=True)
-    root_fd = os.open(dest_path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-    ex = _Extraction(root_fd, limits or Limits())
+    ex = _Extraction(Path(dest), limits or Limits(), in_memory)
     try:
         for label, source in sources:
             stream = source() if callable(source) else source
@@ -733,15 +769,20 @@ def unpack_stream(
         return ex.extracted
     except BaseException:
         ex.undo()
-        if made_dest:
+        if in_memory is not None:
+            for name in in_memory:
+                in_memory[name] = None
+        ex.close()
+        ex.close_root()
+        if ex.made_dest:
             try:
-                os.rmdir(dest_path)
+                os.rmdir(ex.dest)
             except OSError:
                 pass
         raise
     finally:
         ex.close()
-        os.close(root_fd)
+        ex.close_root()
 
 
 def unpack(
@@ -751,6 +792,9 @@ def unpack(
     patterns: Optional[Sequence[str]] = None,
     label: str = "archive",
     limits: Optional[Limits] = None,
+    in_memory: "Optional[Dict[str, Optional[bytes]]]" = None,
 ) -> List[str]:
     """:func:`unpack_stream` of one archive held in memory."""
-    return unpack_stream([(label, io.BytesIO(data))], dest, patterns=patterns, limits=limits)
+    return unpack_stream(
+        [(label, io.BytesIO(data))], dest, patterns=patterns, limits=limits, in_memory=in_memory
+    )

@@ -294,6 +294,53 @@ def test_one_budget_spans_every_archive_of_a_node_and_a_refusal_removes_all(tmp_
     assert not dest.exists()
 
 
+def test_files_only_read_are_taken_into_memory_and_nothing_is_made_on_disk(tmp_path):
+    """A Python call's return.json is only read: taken from the outbox into memory, within
+    the same budget, with no directory or file made for it; the rest is extracted."""
+    dest, taken = tmp_path / "out" / "node", {".resoluto/return.json": None}
+    got = archive.unpack(
+        _tar([_file(".resoluto/return.json", b'{"value": 1}')]),
+        dest,
+        patterns=[".resoluto/**"],
+        in_memory=taken,
+    )
+    assert got == [] and taken == {".resoluto/return.json": b'{"value": 1}'}
+    assert not (tmp_path / "out").exists()
+    taken = {".resoluto/return.json": None}
+    got = archive.unpack(
+        _tar([_file(".resoluto/return.json", b"{}"), _file("kept.txt")]), dest, in_memory=taken
+    )
+    assert (
+        got == ["kept.txt"] and taken[".resoluto/return.json"] == b"{}" and os.listdir(dest) == ["kept.txt"]
+    )
+    with pytest.raises(archive.LimitExceeded):  # the same budget as a file written
+        archive.unpack(
+            _tar([_file("r", b"1" * 6000)]),
+            tmp_path / "d2",
+            limits=archive.Limits(5000),
+            in_memory={"r": None},
+        )
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [_file("secret.txt", b"host"), _special("r", tarfile.SYMTYPE, "secret.txt")],
+        [_special("r", tarfile.DIRTYPE)],
+        [_file("r", b"1"), _special("again", tarfile.LNKTYPE, "r")],
+        [_file("r", b"1"), _special("again", tarfile.SYMTYPE, "r")],
+    ],
+    ids=["a-link-at-the-name", "a-directory-at-the-name", "a-hard-link-to-it", "a-symlink-to-it"],
+)
+def test_a_file_read_into_memory_is_a_regular_file_and_nothing_links_to_it(tmp_path, members):
+    """Nothing but a regular file is read at such a name, and no link may name it (it is
+    never on disk to be linked to); a refusal leaves the names unread and nothing made."""
+    dest, taken = tmp_path / "d", {"r": None}
+    with pytest.raises(UnsafeArchive):
+        archive.unpack(_tar(members), dest, in_memory=taken)
+    assert taken == {"r": None} and not dest.exists()
+
+
 _MEASURE_UNPACK = """
 import sys, tracemalloc
 from pathlib import Path

@@ -456,6 +456,12 @@ def _report(out: Path, names: list[object]) -> None:
     (out / ".resoluto" / "imports.json").write_text(json.dumps({"modules": names}))
 
 
+def _read(out):
+    """What the host now takes from a call's outbox: imports.json's bytes, or None."""
+    f = out / ".resoluto" / "imports.json"
+    return f.read_bytes() if f.exists() else None
+
+
 def test_learned_imports_are_verified_from_successful_calls_and_evicted(tmp_path):
     from prefect_resoluto.warm.pool import KEEP_CALLS, MAX_IMPORTS, Learned
 
@@ -469,19 +475,19 @@ def test_learned_imports_are_verified_from_successful_calls_and_evicted(tmp_path
     hostile = ["prefect", "prefect.blocks", "unittest.__main__", "antigravity", "this", "guest_runner"]
     hostile += ["../evil", "os;rm -rf /", 3, "a.b.c", "yaml.__main__", "json", "unittest"]
     _report(out, [*hostile, *(f"m{i}" for i in range(2 * MAX_IMPORTS)), "yaml", "yaml._yaml"])
-    assert learned.learn(src, out, succeeded=False) == ()  # a failed call teaches nothing
+    assert learned.learn(src, _read(out), succeeded=False) == ()  # a failed call teaches nothing
     assert learned.imports_for(src) == ("prefect.variables",)
-    assert learned.learn(src, out) == ("yaml", "yaml._yaml")  # only what is installed, by name
+    assert learned.learn(src, _read(out)) == ("yaml", "yaml._yaml")  # only what is installed, by name
     assert learned.imports_for(src) == ("yaml", "yaml._yaml", "prefect.variables")
     _report(out, ["attr"])
-    learned.learn(src, out)
+    learned.learn(src, _read(out))
     assert learned.imports_for(src) == ("attr", "yaml", "yaml._yaml", "prefect.variables")
     for _ in range(KEEP_CALLS):  # calls that no longer import yaml: it is forgotten
-        learned.learn(src, out)
+        learned.learn(src, _read(out))
     assert learned.imports_for(src) == ("attr", "prefect.variables")
     _report(out, ["not json"])
     (out / ".resoluto" / "imports.json").write_text("not json")
-    assert learned.learn(src, out) == () and learned.learn(src, tmp_path / "none") == ()
+    assert learned.learn(src, _read(out)) == () and learned.learn(src, _read(tmp_path / "none")) == ()
     assert learned.imports_for(tmp_path / "other.py") == ()
 
 
@@ -499,11 +505,11 @@ def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
     assert len(flood) > 20
     learned = Learned()
     _report(out, flood * 3)
-    learned.learn(src, out)
+    learned.learn(src, _read(out))
     assert len(learned.imports_for(src)) == min(len(flood), MAX_IMPORTS)
     for _ in range(KEEP_CALLS):
         _report(out, ["yaml"])
-        learned.learn(src, out)
+        learned.learn(src, _read(out))
         assert "yaml" in learned.imports_for(src)
     assert learned.imports_for(src) == ("yaml",)
 
@@ -557,7 +563,7 @@ def test_learned_imports_property(tmp_path_factory, reports):
     ok_calls: list[list[object]] = []
     for succeeded, names in reports:
         _report(out, names)
-        learned.learn(src, out, succeeded=succeeded)
+        learned.learn(src, _read(out), succeeded=succeeded)
         if succeeded:
             ok_calls.append(names)
     got = learned.imports_for(src)

@@ -618,7 +618,7 @@ def _outcome(node: _Node) -> NodeOutcome:
     if node.tailer.first_event_at is not None:
         node.timings["first_event"] = node.tailer.first_event_at - t0
     status, exit_code = _judge_result(node)
-    output_dir, output_files, archives = _collect_outputs(node)
+    output_dir, output_files, archives, data = _collect_outputs(node)
     if node.failure is not None:
         status = "failure"
     failure, reason = verdict.with_memory(node.failure, node.reason, node.st, spec.resources)
@@ -643,6 +643,7 @@ def _outcome(node: _Node) -> NodeOutcome:
         events=node.events.count,
         timings=node.timings,
         warm=node.warm is not None,
+        output_data=data,
     )
     node.observer.finished(outcome)
     return outcome
@@ -666,14 +667,16 @@ def _judge_result(node: _Node) -> tuple[str, int | None]:
     return status, exit_code
 
 
-def _collect_outputs(node: _Node) -> tuple[Path | None, dict[str, Path], list[str]]:
+def _collect_outputs(node: _Node) -> tuple[Path | None, dict[str, Path], list[str], dict[str, bytes]]:
     """The outputs the spec asks for, from every outbox archive: one budget and one
-    all-or-nothing extraction for them all; a rejected outbox fails the node."""
+    all-or-nothing extraction for them all (the spec's ``read_in_memory`` files into
+    memory); a rejected outbox fails the node."""
     spec, conduit = node.spec, node.conduit
     files: dict[str, Path] = {}
     archives: list[str] = []
+    data: dict[str, bytes | None] = dict.fromkeys(spec.read_in_memory)
     if node.failure not in (None, FailureKind.WORKLOAD) or not spec.output_paths:
-        return None, files, archives
+        return None, files, archives, {}
     output_dir = (
         Path(spec.outputs_dir) if spec.outputs_dir else Path(tempfile.mkdtemp(prefix="resoluto-out-"))
     )
@@ -689,6 +692,7 @@ def _collect_outputs(node: _Node) -> tuple[Path | None, dict[str, Path], list[st
             output_dir,
             patterns=spec.output_paths,
             limits=archive.Limits(limit),
+            in_memory=data,
         ):
             files[rel] = output_dir / rel
         archives.extend(keys)
@@ -702,7 +706,7 @@ def _collect_outputs(node: _Node) -> tuple[Path | None, dict[str, Path], list[st
             FailureKind.PROTOCOL,
             f"outbox rejected: {e}; nothing of it was kept (the archives stay in the conduit)",
         )
-    return output_dir, files, archives
+    return output_dir, files, archives, {k: v for k, v in data.items() if v is not None}
 
 
 def egress_events_key(run_id: str, node_id: str) -> str:

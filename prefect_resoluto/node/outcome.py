@@ -8,7 +8,7 @@ the task runner, the worker, the CLI and the artifacts read it. A failure's kind
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,8 @@ class NodeOutcome:
     timings: dict[str, float]
     #: Whether the node ran in a sandbox started ahead of demand (prefect_resoluto.warm.pool).
     warm: bool = False
+    #: The spec's ``read_in_memory`` files the outbox held, by name (never on disk).
+    output_data: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -166,6 +168,7 @@ class NodeOutcome:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("output_data")  # the caller's to read: bytes, and maybe the task's data
         d["output_dir"] = str(self.output_dir) if self.output_dir else None
         d["output_files"] = {k: str(v) for k, v in self.output_files.items()}
         return d

@@ -107,39 +107,3 @@ def replace(output_dir: Path, rel: str, data: bytes) -> None:
         write_at(dfd, leaf, data, sync=False)
     finally:
         os.close(dfd)
-
-
-def remove(output_dir: Path, rels: list[str]) -> None:
-    """Remove the files ``rels`` (read already) from ``output_dir``, then the directories
-    that leaves empty, ``output_dir`` included; what else is there stays. ``unlinkat``
-    removes a link itself, never what it names; a directory is entered without following one."""
-    parents: set[str] = set()
-    for rel in rels:
-        try:
-            dfd, leaf = _parent_fd(output_dir, rel)
-        except (OSError, ResultFileError):
-            continue
-        try:
-            os.unlink(leaf, dir_fd=dfd)
-        except OSError:  # absent, or a directory of the sandbox's: left as it is
-            pass
-        finally:
-            os.close(dfd)
-        parents.add(rel.rsplit("/", 1)[0] if "/" in rel else "")
-    try:
-        root = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError:
-        return
-    try:
-        for parent in sorted(parents, key=len, reverse=True):
-            if parent:
-                try:
-                    os.rmdir(parent, dir_fd=root)
-                except OSError:  # not empty: it holds the task's declared outputs
-                    pass
-    finally:
-        os.close(root)
-    try:
-        os.rmdir(output_dir)
-    except OSError:
-        pass

@@ -65,6 +65,9 @@ class NodeSpec:
     extra_inbox: dict[str, bytes] = field(default_factory=dict)
     #: Where declared outputs land on the host (default: a fresh temporary directory).
     outputs_dir: Path | None = None
+    #: Output files (exact names, also in ``output_paths``) the host only reads: taken from
+    #: the outbox into :attr:`NodeOutcome.output_data`, never written to ``outputs_dir``.
+    read_in_memory: list[str] = field(default_factory=list)
     #: Host directories never shipped with the workspace even when inside it (an outputs
     #: root; the local conduit and ``outputs_dir`` are always left out).
     workspace_skip: list[Path] = field(default_factory=list)

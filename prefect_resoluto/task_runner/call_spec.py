@@ -24,8 +24,10 @@ from prefect_resoluto.task_runner import error_file, json_cost, remote_traceback
 
 CALL_ARCHIVE = "call"
 RESULT_PATHS = [call.RETURN_FILE, call.ERROR_FILE, call.IMPORTS_FILE]
-#: What the host removes from a node's outputs once read: a failed call's error.json stays there.
-READ_AND_GONE = [call.RETURN_FILE, call.IMPORTS_FILE]
+#: What the host only reads, taken from the outbox into memory (never a file on the host;
+#: the outbox in the conduit keeps them as the node's evidence). error.json is written
+#: to the node's outputs: redacted there, it is the failure's record on the host.
+READ_IN_MEMORY = [call.RETURN_FILE, call.IMPORTS_FILE]
 
 
 class NotSandboxable(TypeError):
@@ -278,6 +280,7 @@ def guest_argv(python: str = "python3") -> list[str]:
 
 def read_outcome(
     output_dir: Path | None,
+    data: dict[str, bytes] | None = None,
     *,
     redactor: Redactor | None = None,
     task_module: str | None = None,
@@ -287,10 +290,12 @@ def read_outcome(
 ) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
-    Both are read without following links and only as regular files
-    (prefect_resoluto.node.result_files): error.json's first ``error_file.MAX_FILE`` bytes,
-    return.json whole within ``limit`` bytes and only if parsing it costs a bounded multiple
-    of its size (:mod:`.json_cost`). error.json is redacted again here (the guest
+    return.json is in ``data`` (the node's :data:`READ_IN_MEMORY` files, taken as regular
+    files within the outbox's limit; without ``data``, read from ``output_dir`` as
+    error.json is), parsed only within ``limit`` bytes and if parsing it costs a bounded
+    multiple of its size (:mod:`.json_cost`). error.json is read from
+    ``output_dir`` without following links and only as a regular file
+    (prefect_resoluto.node.result_files), its first ``error_file.MAX_FILE`` bytes. error.json is redacted again here (the guest
     already did; this host does not take its word for it), and the redacted text replaces
     the file in ``output_dir``. The return value is the task's data and is not altered.
     """
@@ -298,8 +303,14 @@ def read_outcome(
         e = read_error(output_dir, redactor)
         if e is not None:
             raise error_from_record(e, task_module, memory_hint, workspace=workspace, redactor=redactor)
-        raw = result_files.read(output_dir, call.RETURN_FILE, limit)
+        raw = (
+            data.get(call.RETURN_FILE)
+            if data is not None
+            else result_files.read(output_dir, call.RETURN_FILE, limit)
+        )
         if raw is not None:
+            if limit is not None and len(raw) > limit:
+                raise WireError(f"{call.RETURN_FILE} from the sandbox is over {limit} bytes")
             try:
                 json_cost.check(raw, call.RETURN_FILE)
             except json_cost.TooCostly as err:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guest_runner.redact import Redactor
-from prefect_resoluto.node import result_files
 from prefect_resoluto.node.outcome import NodeOutcome, WorkloadFailed
 from prefect_resoluto.node.spec import output_allowance
 from prefect_resoluto.runtimes.base import memory_hint
@@ -39,6 +38,7 @@ class RunNode(Protocol):
         cfg: SandboxConfig,
         extra_inbox: dict[str, bytes] | None = None,
         extra_outputs: list[str] | None = None,
+        read_in_memory: list[str] | None = None,
         cancel: threading.Event | None = None,
         log_prints: bool = True,
         warm_prefect: tuple[str, ...] = (),
@@ -82,18 +82,12 @@ def call(
             )
         },
         extra_outputs=call_spec.RESULT_PATHS,
+        read_in_memory=call_spec.READ_IN_MEMORY,
         cancel=cancel,
         log_prints=bool(getattr(ctx, "log_prints", False)),
         warm_prefect=warm_pool_mod.imports_for(pool, workspace_file(ref, cfg)),
     )
-    try:
-        return _returned(outcome, fn, cfg, pool, ref, redactor, task_module, limit)
-    finally:
-        if outcome.output_dir is not None:
-            # Read: a call's value and imports go (the outbox in the conduit keeps them, as
-            # the node's evidence); an exception's record (redacted) and the task's declared
-            # outputs stay.
-            result_files.remove(outcome.output_dir, call_spec.READ_AND_GONE)
+    return _returned(outcome, fn, cfg, pool, ref, redactor, task_module, limit)
 
 
 def _returned(
@@ -107,11 +101,17 @@ def _returned(
     limit: int | None,
 ) -> Any:
     """The task's value from its node's outcome, or the exception the task raised."""
-    warm_pool_mod.learn(pool, workspace_file(ref, cfg), outcome.output_dir, succeeded=outcome.ok)
+    warm_pool_mod.learn(
+        pool,
+        workspace_file(ref, cfg),
+        outcome.output_data.get(call_spec.call.IMPORTS_FILE),
+        succeeded=outcome.ok,
+    )
     if outcome.failure == "workload":
         # raises the task's own exception type (or RemoteTaskError), remote traceback kept
         call_spec.read_outcome(
             outcome.output_dir,
+            outcome.output_data,
             redactor=redactor,
             task_module=task_module,
             memory_hint=memory_hint(cfg.resources),
@@ -121,7 +121,7 @@ def _returned(
         raise WorkloadFailed(outcome.describe(), outcome)
     outcome.raise_for_failure()
     found, value = call_spec.read_outcome(
-        outcome.output_dir, redactor=redactor, task_module=task_module, limit=limit
+        outcome.output_dir, outcome.output_data, redactor=redactor, task_module=task_module, limit=limit
     )
     if not found:
         raise WorkloadFailed(

@@ -56,6 +56,7 @@ class NodeRequest:
     cfg: SandboxConfig
     extra_inbox: dict[str, bytes] | None = None
     extra_outputs: list[str] | None = None
+    read_in_memory: list[str] | None = None
     cancel: threading.Event | None = None
     line_sink: Callable[[str], None] | None = None
     log_prints: bool = True
@@ -180,6 +181,7 @@ def node_spec(
         image=cfg.image,
         extra_inbox=dict(request.extra_inbox or {}),
         outputs_dir=outputs_root / run_id / node_id,
+        read_in_memory=list(request.read_in_memory or []),
         workspace_skip=[outputs_root],
         output_limit=cfg.output_limit_bytes,
         min_isolation=cfg.min_isolation,

@@ -278,19 +278,17 @@ class Learned:
     def learn(
         self,
         source_file: str | os.PathLike[str] | None,
-        output_dir: Path | None,
+        report: bytes | None,
         *,
         succeeded: bool = True,
     ) -> tuple[str, ...]:
-        """Take what a finished call of ``source_file``'s module reported; the new names."""
-        if not source_file or output_dir is None or not succeeded:
+        """Take what a finished call of ``source_file``'s module reported (its
+        ``imports.json``, from the sandbox); the new names."""
+        if not source_file or report is None or not succeeded or len(report) > MAX_IMPORTS_BYTES:
             return ()
-        from prefect_resoluto.node import result_files
-
         try:
-            raw = result_files.read(output_dir, IMPORTS_FILE, MAX_IMPORTS_BYTES)
-            reported = json.loads(raw).get("modules") if raw is not None else None
-        except (OSError, ValueError, AttributeError, RecursionError):  # ResultFileError is a ValueError
+            reported = json.loads(report).get("modules")
+        except (ValueError, AttributeError, RecursionError):
             return ()
         if not isinstance(reported, list):
             return ()
@@ -1090,14 +1088,14 @@ def imports_for(pool: AnyPool | None, source_file: str | os.PathLike[str] | None
 def learn(
     pool: AnyPool | None,
     source_file: str | os.PathLike[str] | None,
-    output_dir: Path | None,
+    report: bytes | None,
     *,
     succeeded: bool,
 ) -> None:
-    """Record what a finished Python call of ``source_file`` imported, if it succeeded
-    (see :class:`Learned`)."""
+    """Record what a finished Python call of ``source_file`` imported (its ``imports.json``),
+    if it succeeded (see :class:`Learned`)."""
     if isinstance(pool, WarmPool):
-        pool.learned.learn(source_file, output_dir, succeeded=succeeded)
+        pool.learned.learn(source_file, report, succeeded=succeeded)
 
 
 def take_for(pool: AnyPool | None, spec: Any, *, imports: tuple[str, ...] = ()) -> tuple[AnyWarm | None, str]:
