@@ -25,7 +25,7 @@ import sys
 import traceback
 from typing import Any, Dict
 
-from guest_runner import exc_values, importguard, values
+from guest_runner import exc_values, from_host, importguard, typed, values
 
 # dataclasses is not imported for every call (each import is a few syscalls per sys.path
 # entry, dear under gVisor): a value can only be a dataclass's once its module is loaded.
@@ -50,6 +50,19 @@ class CallError(Exception):
 def _is_dataclass(obj: Any) -> bool:
     """``dataclasses.is_dataclass`` without importing dataclasses."""
     return hasattr(obj if isinstance(obj, type) else type(obj), "__dataclass_fields__")
+
+
+def _object_fields(value: Any) -> Any:
+    """What crosses of a pydantic model (its JSON form), a dataclass (the fields its
+    constructor takes) or an enum member (its value); None for anything else."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(value, "model_dump") and callable(value.model_dump) and not isinstance(value, type):
+        return value.model_dump(mode="json")
+    if _is_dataclass(value) and not isinstance(value, type):
+        dataclasses = sys.modules["dataclasses"]  # loaded: a dataclass exists
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+    return None
 
 
 def _jsonable(value: Any) -> Any:
@@ -129,18 +142,6 @@ def load_function(spec: Dict[str, Any]) -> Any:
     return fn
 
 
-def _rebuild(annotation: Any, value: Any) -> Any:
-    """Parameters arrive as JSON: turn them back into dataclasses / pydantic models."""
-    if annotation is inspect.Parameter.empty or value is None:
-        return value
-    if isinstance(annotation, type):
-        if hasattr(annotation, "model_validate") and isinstance(value, dict):
-            return annotation.model_validate(value)
-        if _is_dataclass(annotation) and isinstance(value, dict):
-            return annotation(**value)
-    return value
-
-
 def call(fn: Any, params: Dict[str, Any]) -> Any:
     sig = inspect.signature(fn)
     try:
@@ -153,7 +154,7 @@ def call(fn: Any, params: Dict[str, Any]) -> Any:
     if unknown:
         raise CallError(f"parameters {sorted(unknown)} are not in the signature of {fn.__qualname__}")
     values = {
-        name: _rebuild(hints.get(name, p.annotation), params[name])
+        name: typed.rebuild(hints.get(name, p.annotation), params[name])
         for name, p in sig.parameters.items()
         if name in params
     }
@@ -208,6 +209,15 @@ def _encoded(result: Any, task_module: "str | None", redact: Any) -> Any:
     def fallback(value: Any) -> Any:
         if isinstance(value, BaseException):
             return values.Tagged("exception", exc_values.record(value, task_module, redact))
+        fields = _object_fields(value)
+        if fields is not None:  # the host rebuilds it as its class where it has it
+            cls = type(value)
+            ref = {
+                "module": cls.__module__,
+                "qualname": cls.__qualname__,
+                "task_module": cls.__module__ == task_module,
+            }
+            return values.Tagged("object", {"class": ref, "v": values.encode(fields, fallback)})
         return _jsonable(value)
 
     try:
@@ -412,11 +422,11 @@ def main(argv: "list[str] | None" = None) -> int:
     task_module: "str | None" = None
     task_code: Any = None
     workspace = os.getcwd()
-    from_host = exc_values.FromHost()
+    received = from_host.FromHost()
     try:
         with open(call_path, encoding="utf-8") as f:
             # the parameters (and the context's) as the host's values
-            spec = values.loads(f.read(), exception=from_host)
+            spec = values.loads(f.read(), received.kinds())
         if not isinstance(spec, dict) or not isinstance(spec.get("parameters", {}), dict):
             raise CallError(f"{call_path} must hold an object with 'parameters' as an object")
         from guest_runner import standin
@@ -431,9 +441,9 @@ def main(argv: "list[str] | None" = None) -> int:
         fn = load_function(spec)
         task_module = getattr(fn, "__module__", None)
         task_code = getattr(fn, "__code__", None)
+        if received.count:  # objects and exceptions from the host: now the task's module is loaded
+            from_host.revive(spec, sys.modules.get(task_module or ""))
         params = spec.get("parameters", {})
-        if from_host.count:  # exceptions passed on (allow_failure): now the task's module is loaded
-            params = exc_values.revive(params, sys.modules.get(task_module or ""))
         try:
             result = call(fn, params)
         finally:

@@ -6,7 +6,8 @@ name, module and whether it is the task's own module's) and message; an exceptio
 itself cannot cross. While ``call.json`` is parsed the task's module is not imported yet
 (the stand-ins come first), so each exception is first built as an instance of a class
 of the same name made here (:func:`decode`), and once the module is loaded it becomes an
-instance of the task's own class where the sandbox has one (:func:`revive`): a downstream
+instance of the task's own class where the sandbox has one (:func:`revived`, through
+:mod:`guest_runner.from_host`): a downstream
 task's ``isinstance(x, MyError)`` holds as on a thread. Nothing is imported for it:
 a class is found only in a module already loaded.
 
@@ -89,31 +90,12 @@ def _instance(cls: Any, rec: Dict[str, Any]) -> BaseException:
     return made
 
 
-class FromHost:
-    """``values.loads``'s ``exception`` for ``call.json``: :func:`decode`, counted."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, rec: Any) -> BaseException:
-        self.count += 1
-        return decode(rec)
-
-
-def revive(value: Any, task_module: Optional[types.ModuleType]) -> Any:
-    """``value`` with each exception :func:`decode` made turned into an instance of its
-    own class, where that class is in the task's module or a module already loaded."""
-    if isinstance(value, BaseException):
-        rec = getattr(value, "_resoluto_host", None)
-        cls = _find(rec, task_module) if isinstance(rec, dict) else None
-        return _instance(cls, rec) if cls is not None and rec is not None else value
-    if type(value) is list:
-        return [revive(v, task_module) for v in value]
-    if type(value) is tuple:
-        return tuple(revive(v, task_module) for v in value)
-    if type(value) is dict:
-        return {k: revive(v, task_module) for k, v in value.items()}
-    return value
+def revived(exc: BaseException, task_module: Optional[types.ModuleType]) -> BaseException:
+    """``exc`` as an instance of its own class if :func:`decode` made it and that class is
+    in the task's module or a module already loaded; else ``exc``."""
+    rec = getattr(exc, "_resoluto_host", None)
+    cls = _find(rec, task_module) if isinstance(rec, dict) else None
+    return _instance(cls, rec) if cls is not None and rec is not None else exc
 
 
 def _find(rec: Dict[str, Any], task_module: Optional[types.ModuleType]) -> Optional[type]:

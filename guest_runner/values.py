@@ -23,13 +23,15 @@ uuid      ``uuid.UUID``                               its text
 path      ``pathlib.PurePath`` (a ``Path`` back)      its text
 exception an exception (a failed upstream's, passed   its class's name, module and message
           on by ``allow_failure``)                    (a record: see the callers)
+object    a pydantic model, dataclass or enum member  its class's name and module, its data
+          with no annotation to rebuild it from       (see the callers)
 ========= =========================================== =====================================
 
 Any other object goes to ``fallback`` (a dataclass or a pydantic model becomes a dict,
 rebuilt from the annotation where there is one); a fallback may answer a :class:`Tagged`
-value of its own kind (an exception). Decoding builds only these types, by a fixed table,
-never a class named by the data; an ``exception`` only through the ``exception`` function
-its caller gives :func:`loads` (each side finds classes its own way). What the sandbox
+value of its own kind (an exception, an object). Decoding builds only these types, by a
+fixed table, never a class named by the data; an ``exception`` or ``object`` only through
+the function its caller gives :func:`loads` (each side finds classes its own way). What the sandbox
 sends through it is hostile, and a malformed tag is a :class:`ValueError`.
 
 Standard library only: the guest runner vendors it.
@@ -128,18 +130,20 @@ def _stdlib_kind(value: Any) -> "tuple[str, Any] | None":
     return None
 
 
-def loads(text: "str | bytes", exception: "Callable[[Any], Any] | None" = None) -> Any:
+def loads(text: "str | bytes", kinds: "Dict[str, Callable[[Any], Any]] | None" = None) -> Any:
     """Parsed JSON with the values :func:`encode` made; ValueError for a malformed tag.
-    A tagged ``exception`` is ``exception(v)``, or refused without one."""
-    if exception is None:
+    ``kinds``: tags its caller decodes itself (``exception``, ``object``), each side its
+    own way; any other kind outside the fixed table is refused."""
+    if not kinds:
         return json.loads(text, object_hook=hook)
 
-    def hook_with_exceptions(obj: Dict[str, Any]) -> Any:
-        if obj.get(TAG) == "exception" and len(obj) == 2 and "v" in obj:
-            return exception(obj["v"])
+    def hook_with_kinds(obj: Dict[str, Any]) -> Any:
+        own = kinds.get(obj.get(TAG)) if type(obj.get(TAG)) is str else None  # type: ignore[arg-type]
+        if own is not None and len(obj) == 2 and "v" in obj:
+            return own(obj["v"])
         return hook(obj)
 
-    return json.loads(text, object_hook=hook_with_exceptions)
+    return json.loads(text, object_hook=hook_with_kinds)
 
 
 def hook(obj: Dict[str, Any]) -> Any:

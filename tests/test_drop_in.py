@@ -702,6 +702,97 @@ def test_returned_states_and_exceptions_passed_or_returned_end_as_under_a_thread
     assert threaded["allow_failure"]["is_own_class"] is True
 
 
+OBJECTS_MODELS = """
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+from pydantic import BaseModel
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+class Row(BaseModel):
+    id: int
+    mode: Mode = Mode.FAST
+
+@dataclass
+class Point:
+    x: int
+    y: int
+
+@dataclass
+class Line:
+    a: Point
+    b: Point
+    label: Optional[str] = None
+    seen: int = field(default=0, init=False)
+"""
+
+OBJECTS_FLOW = """
+import json, os, sys
+from typing import Optional
+from prefect import flow, task
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect_resoluto import ResolutoTaskRunner
+from models import Line, Mode, Point, Row
+
+class Local(Exception):
+    pass
+
+def shape(v):
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, [shape(x) for x in v]]
+    if isinstance(v, dict):
+        return ["dict", {str(k): shape(x) for k, x in v.items()}]
+    if hasattr(v, "__dataclass_fields__"):
+        return [type(v).__name__, {k: shape(getattr(v, k)) for k in v.__dataclass_fields__}]
+    if hasattr(v, "model_fields"):
+        return [type(v).__name__, {k: shape(getattr(v, k)) for k in type(v).model_fields}]
+    return [type(v).__name__, repr(v)]
+
+@task
+def untyped(value):
+    return [shape(value), value]
+
+@task
+def typed(rows: list[Row], opt: Optional[Row], mode: Mode, by: dict[str, Line], pts: tuple[Point, ...]) -> list[Row]:
+    return [shape(rows), shape(opt), shape(mode), shape(by), shape(pts), rows]
+
+VALUES = [Row(id=1), Mode.SLOW, Point(1, 2), Line(Point(1, 2), Point(3, 4), "l"), [Row(id=2, mode=Mode.SLOW)], {"k": Point(5, 6)}]
+
+def run(runner):
+    @flow(task_runner=runner)
+    def objects():
+        got = [untyped(v) for v in VALUES]
+        got.append(typed([Row(id=3)], None, Mode.FAST, {"a": Line(Point(0, 0), Point(1, 1))}, (Point(7, 8),)))
+        got.append(typed([], Row(id=4), Mode.SLOW, {}, ()))
+        return shape(got)
+    return objects()
+
+if __name__ == "__main__":
+    env = os.environ
+    sandboxed = run(ResolutoTaskRunner(runtime="process", min_isolation="none", conduit=env["CONDUIT"], outputs_dir=env["OUTPUTS"]))
+    print("RESULT", json.dumps({"sandboxed": sandboxed, "threaded": run(ThreadPoolTaskRunner())}), flush=True)
+"""
+
+
+def test_models_dataclasses_and_enums_cross_as_themselves_with_or_without_annotations(tmp_path):
+    """A pydantic model, a dataclass (nested ones, a field out of its constructor) and an
+    enum member, the user's own (a module beside the flow), passed and returned with no
+    annotation, and given to annotated parameters (``list[Row]``, ``Optional[Row]``,
+    ``dict[str, Line]``, ``tuple[Point, ...]``): the sandboxed task gets and returns what a
+    thread's does, types all the way down. Run as users run a flow file; on `process`."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "models.py").write_text(OBJECTS_MODELS)
+    (ws / "flow.py").write_text(OBJECTS_FLOW)
+    said = run_script([sys.executable, "flow.py"], ws, tmp_path)
+    got = json.loads(next(ln for ln in said.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+    assert got["sandboxed"] == got["threaded"]
+    assert '"Line"' in json.dumps(got["threaded"]) and '"Mode"' in json.dumps(got["threaded"])
+
+
 def test_a_python_tasks_call_files_are_not_left_on_the_host_and_its_declared_outputs_are(conduit, tmp_path):
     """Every Python task's value came back through files under the outputs directory, one
     directory a node, kept forever: a second copy of the conduit's outbox. Once read they

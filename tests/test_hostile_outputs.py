@@ -562,12 +562,15 @@ _STATE_SECRET = "st4te-s3cret-value-0123456789"
 @pytest.mark.sandbox
 @pytest.mark.usefixtures("prefect")
 def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_end(gvisor, conduit, tmp_path):
-    """return.json may hold the state the task returned to end in, and exceptions as values
-    (guest_runner.exc_values). A sandbox that forges them gets one of the four ends a task
+    """return.json may hold the state the task returned to end in, and exceptions and
+    objects as values (guest_runner.exc_values, call_spec._returned_object). A sandbox that forges them gets one of the four ends a task
     may return (any other type fails the task clearly), texts bounded, its message
     redacted, and exceptions that are values: never a KeyboardInterrupt the flow's read
     would raise, never a class from a module the host had not imported."""
     import sys
+
+    def obj(ref: dict, data: Any) -> dict:
+        return {"$resoluto": "object", "v": {"class": ref, "v": data}}
 
     def exc(type_: str, module: str, exception: bool = True) -> dict:
         rec = {"type": type_, "module": module, "qualname": type_, "exception": exception, "message": "m"}
@@ -581,6 +584,16 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         "interrupt": {"state": {"type": "FAILED", "value": exc("KeyboardInterrupt", "builtins", False)}},
         "unimported": {"value": exc("Thing", "antigravity")},
         "not-a-record": {"value": {"$resoluto": "exception", "v": "text"}},
+        # objects name their class: only the user's own (the task's module, the workspace's)
+        # is built, never one from elsewhere, nor anything of the task's module but a
+        # model, a dataclass or an enum
+        "object-elsewhere": {
+            "value": obj({"module": "subprocess", "qualname": "CompletedProcess"}, {"args": "x"})
+        },
+        "object-a-function": {
+            "value": obj({"module": "m", "qualname": "double", "task_module": True}, {"x": 1})
+        },
+        "object-not-a-record": {"value": {"$resoluto": "object", "v": ["text"]}},
     }
 
     @flow(task_runner=_runner(tmp_path, conduit, secret_env={"API_TOKEN": _STATE_SECRET}))
@@ -597,7 +610,10 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         with _Patched(hostile_command(_gz_one(".resoluto/return.json", json.dumps(record).encode()))):
             ends[name] = victim()
 
-    for name in ("running", "name-not-text", "not-a-record"):
+    for name in ("object-elsewhere", "object-a-function"):
+        kind, _, _, shown = ends[name]
+        assert kind == "COMPLETED" and type(shown) is dict, ends[name]
+    for name in ("running", "name-not-text", "not-a-record", "object-not-a-record"):
         kind, _, message, shown = ends[name]
         assert kind == "FAILED" and "return.json from the sandbox is malformed" in message, ends[name]
     assert "'RUNNING'" in ends["running"][2]

@@ -7,6 +7,8 @@ trip is refused here, before a sandbox starts, with what to do instead.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import inspect
 import json
@@ -226,6 +228,15 @@ def encode_parameters(
     def fallback(value: Any) -> Any:
         if isinstance(value, BaseException):  # a failed upstream's, through allow_failure
             return values.Tagged("exception", exception_record(value, task_module))
+        fields = object_fields(value)
+        if fields is not None:  # rebuilt as its class in the sandbox (guest_runner.from_host)
+            cls = type(value)
+            ref = {
+                "module": cls.__module__,
+                "qualname": cls.__qualname__,
+                "task_module": cls.__module__ == task_module,
+            }
+            return values.Tagged("object", {"class": ref, "v": values.encode(fields, fallback)})
         return to_jsonable_python(value)
 
     out: dict[str, Any] = {}
@@ -240,6 +251,20 @@ def encode_parameters(
                 "file in the workspace and pass the file's path instead."
             ) from None
     return out
+
+
+def object_fields(value: Any) -> Any:
+    """What crosses of a pydantic model (its JSON form, which its class validates back), a
+    dataclass (the fields its constructor takes, each encoded as itself: a nested one is
+    tagged in turn) or an enum member (its value); None for anything else."""
+    cls = type(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if callable(getattr(value, "model_dump", None)) and callable(getattr(cls, "model_validate", None)):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+    return None
 
 
 def exception_record(exc: BaseException, task_module: str | None) -> dict[str, Any]:
@@ -316,7 +341,13 @@ def read_outcome(
             except json_cost.TooCostly as err:
                 raise WireError(str(err)) from None
             try:
-                doc = values.loads(raw, exception=_returned_exception(task_module, redactor))
+                doc = values.loads(
+                    raw,
+                    {
+                        "exception": _returned_exception(task_module, redactor),
+                        "object": _returned_object(task_module, workspace),
+                    },
+                )
                 if not isinstance(doc, dict):
                     raise TypeError(f"it holds a {type(doc).__name__}, not an object")
                 if "state" in doc:
@@ -325,6 +356,66 @@ def read_outcome(
             except (ValueError, KeyError, TypeError, RecursionError) as err:
                 raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}") from None
     return False, None
+
+
+def _returned_object(task_module: str | None, workspace: Path | None) -> Callable[[Any], Any]:
+    """How an object the task returned (a model, a dataclass, an enum member) is rebuilt
+    when no annotation says what it is: as its class where that class is the user's own
+    -- the task's module's, or a module of the workspace the host has already imported --
+    else it stays its data. The sandbox names the class: no class but the user's own is
+    ever built from what it sent, and nothing is imported for it."""
+
+    def rebuild_object(rec: Any) -> Any:
+        if not isinstance(rec, dict) or not isinstance(rec.get("class"), dict) or "v" not in rec:
+            raise ValueError("a tagged object holds its class and its data")
+        cls = _user_class(rec["class"], task_module, workspace)
+        return rec["v"] if cls is None else _validated(cls, rec["v"])
+
+    return rebuild_object
+
+
+def _user_class(ref: dict[str, Any], task_module: str | None, workspace: Path | None) -> type | None:
+    own = ref.get("task_module") is True
+    name = task_module if own else ref.get("module")
+    qualname = ref.get("qualname")
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if module is None or not isinstance(qualname, str) or "<locals>" in qualname:
+        return None
+    if not own and not _in_workspace(getattr(module, "__file__", None), str(workspace or "")):
+        return None
+    obj: Any = module
+    for part in qualname.split("."):
+        if not part.isidentifier():
+            return None
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, type):
+        return None
+    if issubclass(obj, enum.Enum) or dataclasses.is_dataclass(obj) or hasattr(obj, "model_fields"):
+        return obj
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _in_workspace(module_file: str | None, workspace: str) -> bool:
+    if not module_file or not workspace:
+        return False
+    return Path(module_file).resolve().is_relative_to(Path(workspace).resolve())
+
+
+def _validated(cls: type, data: Any) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return _adapter(cls).validate_python(data)
+    except (ValidationError, TypeError, ValueError):
+        return data  # not what the class describes: its data, as before
+
+
+@functools.lru_cache(maxsize=128)
+def _adapter(cls: type) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls)
 
 
 def _returned_exception(task_module: str | None, redactor: Redactor | None) -> Callable[[Any], BaseException]:

@@ -121,7 +121,12 @@ def _returned(
         raise WorkloadFailed(outcome.describe(), outcome)
     outcome.raise_for_failure()
     found, value = call_spec.read_outcome(
-        outcome.output_dir, outcome.output_data, redactor=redactor, task_module=task_module, limit=limit
+        outcome.output_dir,
+        outcome.output_data,
+        redactor=redactor,
+        task_module=task_module,
+        limit=limit,
+        workspace=cfg.workspace or default_workspace(),
     )
     if not found:
         raise WorkloadFailed(
