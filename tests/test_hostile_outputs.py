@@ -568,6 +568,7 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
     redacted, and exceptions that are values: never a KeyboardInterrupt the flow's read
     would raise, never a class from a module the host had not imported."""
     import sys
+    import types
 
     def obj(ref: dict, data: Any) -> dict:
         return {"$resoluto": "object", "v": {"class": ref, "v": data}}
@@ -594,7 +595,13 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
             "value": obj({"module": "m", "qualname": "double", "task_module": True}, {"x": 1})
         },
         "object-not-a-record": {"value": {"$resoluto": "object", "v": ["text"]}},
+        # a package's lazy __getattr__ (prefect's imports a submodule for a name) is never asked
+        "lazy-module": {"value": exc("Anything", "resoluto_test_lazy")},
     }
+    asked: list[str] = []
+    lazy = types.ModuleType("resoluto_test_lazy")
+    lazy.__getattr__ = lambda name: asked.append(name)  # type: ignore[method-assign]
+    sys.modules["resoluto_test_lazy"] = lazy
 
     @flow(task_runner=_runner(tmp_path, conduit, secret_env={"API_TOKEN": _STATE_SECRET}))
     def victim() -> tuple:
@@ -626,6 +633,7 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
     assert kind == "FAILED" and isinstance(shown, Exception) and "KeyboardInterrupt" in repr(shown), ends[
         "interrupt"
     ]
+    assert asked == [] and type(ends["lazy-module"][3]).__name__ == "RemoteTaskError", ends["lazy-module"]
     kind, _, _, shown = ends["unimported"]
     assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends["unimported"]
     assert "antigravity" not in sys.modules

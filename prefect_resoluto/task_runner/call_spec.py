@@ -13,7 +13,7 @@ import functools
 import inspect
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +145,18 @@ def _find_class(module: str | None, qualname: str | None) -> type[BaseException]
     for part in qualname.split("."):
         if obj is None or not part.isidentifier():
             return None
-        obj = getattr(obj, part, None)
+        obj = _own_attribute(obj, part)
     if isinstance(obj, type) and issubclass(obj, BaseException):
         return obj
     return None
+
+
+def _own_attribute(obj: Any, name: str) -> Any:
+    """``obj``'s attribute ``name`` from its own namespace only: never through a module's
+    ``__getattr__`` (a package's lazy import: prefect's imports a submodule for a name) or
+    a descriptor, so a name from the sandbox runs no code on the host."""
+    namespace = getattr(obj, "__dict__", None)
+    return namespace.get(name) if isinstance(namespace, Mapping) else None
 
 
 def function_ref(fn: Callable[..., Any], workspace: Path | None) -> dict[str, str]:
@@ -385,9 +393,9 @@ def _user_class(ref: dict[str, Any], task_module: str | None, workspace: Path | 
         return None
     obj: Any = module
     for part in qualname.split("."):
-        if not part.isidentifier():
+        if obj is None or not part.isidentifier():
             return None
-        obj = getattr(obj, part, None)
+        obj = _own_attribute(obj, part)
     if not isinstance(obj, type):
         return None
     if issubclass(obj, enum.Enum) or dataclasses.is_dataclass(obj) or hasattr(obj, "model_fields"):
