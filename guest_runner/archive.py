@@ -520,8 +520,6 @@ class _Extraction:
         """Read the member into ``in_memory`` if its name is one of its keys."""
         if self.in_memory is None or rel not in self.in_memory:
             return False
-        if not m.isreg():
-            raise UnsafeArchive(m.name, "must be a regular file (it is read, never extracted)")
         src_f = tar.extractfile(m)
         assert src_f is not None
         self.in_memory[rel] = src_f.read(m.size)
@@ -610,6 +608,8 @@ class _Extraction:
             raise LimitExceeded(
                 "file", f"member {name!r} is {m.size} bytes, more than the output limit of {lim.max_bytes}"
             )
+        if self.in_memory is not None and rel in self.in_memory and not m.isreg():
+            raise UnsafeArchive(name, "must be a regular file (the host reads it, never extracts it)")
         if matcher is not None and (m.isdir() or matcher.match(rel) is None):
             return  # not selected: never extracted (and so never a link's target)
         if m.isreg() and lim.max_bytes is not None:

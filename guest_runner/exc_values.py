@@ -62,7 +62,9 @@ def decode(rec: Any) -> BaseException:
     if module == "builtins":
         real = getattr(builtins, qualname, None) if qualname.isidentifier() else None
         if isinstance(real, type) and issubclass(real, BaseException):
-            return _instance(real, rec)
+            made = _instance(real, rec)
+            if made is not None:  # else (an ExceptionGroup: it wants its exceptions) one of its name
+                return made
     key = (module, qualname, is_exception)
     cls = _MADE.get(key)
     if cls is None:
@@ -70,12 +72,14 @@ def decode(rec: Any) -> BaseException:
         cls = types.new_class(name, (Exception if is_exception else BaseException,))
         cls.__module__, cls.__qualname__ = module or "builtins", qualname
         _MADE[key] = cls
-    exc = _instance(cls, rec)
-    exc._resoluto_host = rec  # type: ignore[attr-defined]
-    return exc
+    exc: Any = _instance(cls, rec) or cls()
+    exc._resoluto_host = rec
+    return exc  # type: ignore[no-any-return]
 
 
-def _instance(cls: Any, rec: Dict[str, Any]) -> BaseException:
+def _instance(cls: Any, rec: Dict[str, Any]) -> Optional[BaseException]:
+    """An instance of ``cls`` with the record's arguments (or message); None if the class
+    cannot be made without arguments of its own kind."""
     args = rec.get("args")
     if not isinstance(args, list):
         args = [_text(rec, "message")] if _text(rec, "message") else []
@@ -85,9 +89,12 @@ def _instance(cls: Any, rec: Dict[str, Any]) -> BaseException:
             return exc
     except Exception:  # a class whose __init__ wants other arguments
         pass
-    made: BaseException = cls.__new__(cls)
-    made.args = tuple(args)
-    return made
+    try:
+        made: BaseException = cls.__new__(cls)
+        made.args = tuple(args)
+        return made
+    except Exception:  # nor its __new__ (an ExceptionGroup's wants its exceptions)
+        return None
 
 
 def revived(exc: BaseException, task_module: Optional[types.ModuleType]) -> BaseException:
@@ -95,7 +102,8 @@ def revived(exc: BaseException, task_module: Optional[types.ModuleType]) -> Base
     in the task's module or a module already loaded; else ``exc``."""
     rec = getattr(exc, "_resoluto_host", None)
     cls = _find(rec, task_module) if isinstance(rec, dict) else None
-    return _instance(cls, rec) if cls is not None and rec is not None else exc
+    made = _instance(cls, rec) if cls is not None and rec is not None else None
+    return exc if made is None else made
 
 
 def _find(rec: Dict[str, Any], task_module: Optional[types.ModuleType]) -> Optional[type]:

@@ -135,6 +135,30 @@ def test_the_host_redacts_again_what_a_guest_left_in_clear(tmp_path):
     assert secret not in err.read_text() and "bad ***" in err.read_text()
 
 
+@pytest.mark.parametrize(
+    "message",
+    [{"s3cr3t-value-123": 1}, 86753091234567, ["x", {"k": "s3cr3t-value-123"}]],
+    ids=["a-key", "a-number", "nested"],
+)
+def test_the_host_redacts_a_message_that_is_not_text(tmp_path, message):
+    """error.json's message as an object keyed by the secret, or the secret as a number:
+    the redactor masks text, and the host made these text only after it; the task's
+    exception and the rewritten error.json carried the secret."""
+    from guest_runner.redact import Redactor
+    from prefect_resoluto.task_runner import call_spec
+
+    secrets = ["s3cr3t-value-123", "86753091234567"]
+    err = tmp_path / ".resoluto" / "error.json"
+    err.parent.mkdir(parents=True)
+    err.write_text(
+        json.dumps({"type": "ValueError", "module": "builtins", "qualname": "ValueError", "message": message})
+    )
+    with pytest.raises(ValueError) as info:
+        call_spec.read_outcome(tmp_path, redactor=Redactor(secrets))
+    for secret in secrets:
+        assert secret not in str(info.value) and secret not in err.read_text()
+
+
 # -- 2: exception types survive ---------------------------------------------------------------
 def retry_on_value_error(task, task_run, state) -> bool:
     try:

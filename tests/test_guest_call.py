@@ -368,3 +368,65 @@ def test_every_kind_of_parameter_is_passed_as_a_threads_task_gets_it(tmp_path, q
     proc, ret, err = run_call(tmp_path, {"file": "sigs.py", "qualname": qualname, "parameters": params})
     assert err is None, (err, proc.stderr)
     assert values.loads(json.dumps(ret))["value"] == fn(*args, **kwargs)
+
+
+PASSED_ON = textwrap.dedent("""
+    from prefect import task
+
+    class Needy(Exception):
+        def __new__(cls, code, reason):
+            return super().__new__(cls, code, reason)
+
+    @task
+    def look(error):
+        return [type(error).__name__, isinstance(error, Exception), str(error), isinstance(error, Needy)]
+""")
+
+
+@pytest.mark.parametrize(
+    "record, seen",
+    [
+        (
+            {
+                "type": "ExceptionGroup",
+                "module": "builtins",
+                "qualname": "ExceptionGroup",
+                "message": "two (2 sub-exceptions)",
+            },
+            ["ExceptionGroup", True, "two (2 sub-exceptions)", False],
+        ),
+        (
+            {
+                "type": "Needy",
+                "module": "__main__",
+                "qualname": "Needy",
+                "task_module": True,
+                "message": "no",
+            },
+            ["Needy", True, "no", False],
+        ),
+        (
+            {
+                "type": "KeyError",
+                "module": "builtins",
+                "qualname": "KeyError",
+                "message": "'k'",
+                "args": ["k"],
+            },
+            ["KeyError", True, "'k'", False],
+        ),
+    ],
+    ids=["exception-group", "a-class-whose-new-wants-arguments", "key-error"],
+)
+def test_an_exception_passed_on_that_its_class_cannot_remake_arrives_as_one_of_its_name(
+    tmp_path, record, seen
+):
+    """allow_failure passes a failed upstream's exception. One whose class cannot be made
+    from a message alone (an ExceptionGroup wants its exceptions; a class whose __new__
+    wants arguments) failed the task with a TypeError before it ran: it arrives as an
+    exception of its name and message."""
+    (tmp_path / "passed.py").write_text(PASSED_ON)
+    parameters = {"error": {"$resoluto": "exception", "v": record}}
+    proc, ret, err = run_call(tmp_path, {"file": "passed.py", "qualname": "look", "parameters": parameters})
+    assert err is None, (err, proc.stderr)
+    assert ret == {"value": seen}

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import stat
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -493,6 +494,38 @@ def test_a_return_json_of_many_empty_objects_is_refused_before_it_is_parsed(gvis
     assert grown_mib < 3 * 16, f"16 MiB of return.json grew the flow process by {grown_mib:.0f} MiB"
 
 
+_ESCAPED_QUOTES = b'"' + b'\\"[' * 760_000  # 2.3 MB: an unclosed string of escaped quotes and brackets
+
+_COST_CHECK = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_CPU, (60, 60))  # a hang guard, far above the ~0.1 s it takes
+from prefect_resoluto.task_runner import json_cost
+raw = sys.stdin.buffer.read()
+json_cost.check(raw, "return.json")
+print("checked", json_cost.containers(raw))
+"""
+
+
+def test_the_cost_check_of_a_document_of_escaped_quotes_is_linear():
+    """The check before parsing skipped strings with a pattern sought again from every quote
+    inside an unclosed one: 2.3 MB of escaped quotes and brackets took hours of the flow
+    process's CPU, holding the GIL (every heartbeat and log stream stopped). Run in a child
+    with a CPU limit: stuck, it is killed and this fails."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _COST_CHECK], input=_ESCAPED_QUOTES, capture_output=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == b"checked 0", proc.stderr[-2000:]
+
+
+@pytest.mark.prefect
+@pytest.mark.sandbox
+@pytest.mark.usefixtures("prefect")
+def test_a_return_json_of_escaped_quotes_fails_the_task_clearly(gvisor, conduit, tmp_path):
+    """The same 2.3 MB document through a task: refused as malformed, at once."""
+    shown = _what_a_task_shows(tmp_path, conduit, _gz_one(".resoluto/return.json", _ESCAPED_QUOTES))
+    assert shown.startswith("WireError: .resoluto/return.json from the sandbox is malformed"), shown[:300]
+
+
 def test_output_limit_is_one_setting_on_runner_options_block_and_cli(tmp_path):
     """Prefect glue only: ``output_limit`` reaches the node from every place settings come
     from, and without it the allowance is ``disk``, else the memory limit."""
@@ -556,6 +589,7 @@ def test_a_return_value_with_a_forged_type_tag_fails_the_task_clearly(gvisor, co
 
 
 _STATE_SECRET = "st4te-s3cret-value-0123456789"
+_STATE_PIN = "8675309123456789"
 
 
 @pytest.mark.prefect
@@ -572,6 +606,10 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
 
     def obj(ref: dict, data: Any) -> dict:
         return {"$resoluto": "object", "v": {"class": ref, "v": data}}
+
+    def exc_with(message: Any) -> dict:
+        rec = {"type": "ValueError", "module": "builtins", "qualname": "ValueError", "message": message}
+        return {"$resoluto": "exception", "v": rec}
 
     def exc(type_: str, module: str, exception: bool = True) -> dict:
         rec = {"type": type_, "module": module, "qualname": type_, "exception": exception, "message": "m"}
@@ -597,13 +635,29 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         "object-not-a-record": {"value": {"$resoluto": "object", "v": ["text"]}},
         # a package's lazy __getattr__ (prefect's imports a submodule for a name) is never asked
         "lazy-module": {"value": exc("Anything", "resoluto_test_lazy")},
+        # a class whose __init_subclass__ refuses the host's mixing in: still a plain failure
+        "refusing-subclass": {"value": exc("NoSuchResource", "referencing.exceptions")},
+        # secrets wherever a text comes from: a name, a message cut at its bound, an
+        # exception message that is a path, a set, an object's key or a number
+        "secret-in-name": {"state": {"type": "COMPLETED", "name": f"done {_STATE_SECRET}"}},
+        "secret-at-the-cut": {"state": {"type": "FAILED", "message": "A" * (64 * 1024 - 10) + _STATE_SECRET}},
+        "secret-as-a-path": {
+            "state": {"type": "FAILED", "value": exc_with({"$resoluto": "path", "v": _STATE_SECRET})}
+        },
+        "secret-in-a-set": {
+            "state": {"type": "FAILED", "value": exc_with({"$resoluto": "set", "v": [_STATE_SECRET]})}
+        },
+        "secret-as-a-key": {"state": {"type": "FAILED", "value": exc_with({_STATE_SECRET: 1})}},
+        "secret-as-a-number": {"state": {"type": "FAILED", "value": exc_with(int(_STATE_PIN))}},
     }
     asked: list[str] = []
     lazy = types.ModuleType("resoluto_test_lazy")
     lazy.__getattr__ = lambda name: asked.append(name)  # type: ignore[method-assign]
     sys.modules["resoluto_test_lazy"] = lazy
 
-    @flow(task_runner=_runner(tmp_path, conduit, secret_env={"API_TOKEN": _STATE_SECRET}))
+    import referencing.exceptions  # noqa: F401  (loaded: its class can be found)
+
+    @flow(task_runner=_runner(tmp_path, conduit, secret_env={"API_TOKEN": _STATE_SECRET, "PIN": _STATE_PIN}))
     def victim() -> tuple:
         state = df.double.submit(1, return_state=True)
         try:
@@ -634,6 +688,13 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         "interrupt"
     ]
     assert asked == [] and type(ends["lazy-module"][3]).__name__ == "RemoteTaskError", ends["lazy-module"]
+    kind, _, _, shown = ends["refusing-subclass"]
+    assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends["refusing-subclass"]
+    for name in [n for n in ends if n.startswith("secret-")]:
+        kind, state_name, message, shown = ends[name]
+        seen = f"{state_name} {message} {shown!r} {shown}"
+        assert _STATE_SECRET not in seen and _STATE_PIN not in seen, (name, seen[-300:])
+    assert ends["secret-in-name"][1] == "done ***"
     kind, _, _, shown = ends["unimported"]
     assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends["unimported"]
     assert "antigravity" not in sys.modules

@@ -491,6 +491,36 @@ def test_learned_imports_are_verified_from_successful_calls_and_evicted(tmp_path
     assert learned.imports_for(tmp_path / "other.py") == ()
 
 
+def test_a_report_of_many_long_names_costs_one_read_of_each_package_and_a_bounded_memory(
+    tmp_path, monkeypatch
+):
+    """imports.json is the sandbox's word: 800 submodule names of one installed package
+    re-read that package's file list once per name (14.8 s of the flow process), and every
+    name ever reported was remembered. Each package's list is read once, a name past
+    MAX_MODULE_NAME is no module's, and the answers kept are bounded."""
+    import importlib.metadata
+
+    from prefect_resoluto.warm import pool as pool_mod
+
+    reads: list[str] = []
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda d: reads.append(d) or real(d))
+    monkeypatch.setattr(pool_mod, "_verified", {})
+    pool_mod._submodules.cache_clear()
+    src = tmp_path / "mod.py"
+    src.write_text("x = 1\n")
+    names = ["kubernetes.client", "x" * 5000] + [f"kubernetes.m{i}" for i in range(798)]
+    learned = pool_mod.Learned()
+    assert learned.learn(src, json.dumps({"modules": names}).encode()) == ("kubernetes.client",)
+    assert len(reads) == len(set(reads)) <= 2, reads  # once per distribution of the package
+    assert "x" * 5000 not in pool_mod._verified
+    for chunk in range(0, 3 * pool_mod.MAX_VERIFIED, 500):
+        learned.learn(
+            src, json.dumps({"modules": [f"nothere{i}" for i in range(chunk, chunk + 500)]}).encode()
+        )
+    assert len(pool_mod._verified) <= pool_mod.MAX_VERIFIED
+
+
 def test_a_full_learned_list_still_takes_an_honest_calls_names(tmp_path):
     """A call that reports every installed module fills the cap; the next honest call's
     names still get in (the least recently reported go), and the flood is gone after

@@ -120,7 +120,7 @@ def _remote_class(cls: type[BaseException]) -> type[BaseException]:
                     "_remote_base": cls,
                 },
             )
-        except TypeError:  # a class that cannot be mixed (layout conflict, final)
+        except Exception:  # a class that cannot be mixed (layout conflict, final, its __init_subclass__)
             made = RemoteTaskError if issubclass(cls, Exception) else _remote_class(BaseException)
         _REMOTE_CLASSES[cls] = made
     return made
@@ -434,7 +434,7 @@ def _returned_exception(task_module: str | None, redactor: Redactor | None) -> C
         if not isinstance(rec, dict):
             raise ValueError("a tagged exception holds an object")
         if redactor is not None and redactor.count:
-            rec = redactor.data(rec)
+            rec = redactor.data(error_file.as_text(rec))
         # A value, never a KeyboardInterrupt or SystemExit that reading a state would raise
         # on the host: a class that is not an Exception's becomes a RemoteTaskError.
         e = {**error_file.bounded(rec), "traceback": "", "exception": True}
@@ -458,7 +458,7 @@ def read_error(output_dir: Path, redactor: Redactor | None) -> dict[str, Any] | 
     e = error_file.parse(data, cut, call.ERROR_FILE)
     del data
     if redactor is not None and redactor.count:
-        clean: dict[str, Any] = error_file.bounded(redactor.data(e))
+        clean: dict[str, Any] = error_file.bounded(redactor.data(error_file.as_text(e)))
         if cut or clean != e:
             result_files.replace(output_dir, call.ERROR_FILE, json.dumps(clean, ensure_ascii=False).encode())
         return clean

@@ -115,6 +115,20 @@ def _cut(value: Any, limit: int) -> str:
     return f"{text[:limit]} … [{len(text) - limit} more characters cut by the host]"
 
 
+def as_text(e: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+    """``e`` with its message and traceback as text, uncut, for the redactor to read
+    whole: a message that is a number, a list or an object with the secret as a key
+    would pass it untouched (it masks text) and :func:`bounded` makes it text after."""
+    out = dict(e)
+    for key in ("message", "traceback"):
+        if out.get(key) is not None and not isinstance(out[key], str):
+            out[key] = str(out[key])
+    chained = e.get("chained")
+    if isinstance(chained, dict) and depth < remote_traceback.MAX_CHAIN:
+        out["chained"] = as_text(chained, depth + 1)
+    return out
+
+
 def bounded(e: dict[str, Any], depth: int = 0) -> dict[str, Any]:
     """The fields of record ``e`` the host uses, each within its bound (texts cut with a
     marker, at most :data:`remote_traceback.MAX_FRAMES` frames, a chain of at most

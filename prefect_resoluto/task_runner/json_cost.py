@@ -21,8 +21,11 @@ import re
 FREE_CONTAINERS = 640 * 1024
 #: Beyond those, at least this many bytes of document per container.
 BYTES_PER_CONTAINER = 24
-#: A JSON string: a quote, anything but a quote or a backslash, or an escape, a quote.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+#: A JSON string: a quote, anything but a quote or a backslash, or an escape, then a quote
+#: or the end of the document. Matching an unclosed one to the end, without backtracking,
+#: keeps the scan linear: one that had to close was sought again from every quote inside
+#: it (a few MB of ``\"[`` took hours, holding the GIL).
+_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)', re.DOTALL)
 
 
 class TooCostly(ValueError):

@@ -4,8 +4,8 @@ Under a thread, a task that returns ``Failed(message=...)`` (or ``Completed``,
 ``Cancelled``, ``Crashed``, with a name of its own such as ``"Skipped"``) ends in that
 state: Prefect's engine takes a state its function returns as the run's final state. The
 sandbox sends the state's type, name, message and data (``guest_runner.call``); the host
-builds a new state from them, a type from a fixed list, texts bounded and the message
-redacted, so what the sandbox chose is only ever one of those four ends.
+builds a new state from them, a type from a fixed list, its name and message redacted,
+then bounded, so what the sandbox chose is only ever one of those four ends.
 """
 
 from __future__ import annotations
@@ -36,14 +36,13 @@ def build(record: Any, redactor: Redactor | None) -> Any:
         raise ValueError("a returned state's name is text")
     if message is not None and not isinstance(message, str):
         raise ValueError("a returned state's message is text")
-    if message is not None:
-        message = message[: error_file.MAX_MESSAGE]
-        if redactor is not None and redactor.count:
-            message = redactor.text(message)
+    if redactor is not None and redactor.count:  # whole, then cut: a cut never splits a secret
+        name = redactor.text(name) if name else name
+        message = redactor.text(message) if message else message
     return State(
         type=StateType(kind),
         name=name[:MAX_NAME] if name else None,
-        message=message,
+        message=message[: error_file.MAX_MESSAGE] if message is not None else None,
         data=record.get("value"),
     )
 

@@ -214,6 +214,10 @@ def _top_levels() -> Mapping[str, list[str]]:
 
 
 _verified: dict[str, bool] = {}
+#: Names :func:`installed_module` remembers its answer for, at most.
+MAX_VERIFIED = 4096
+#: A module name longer than this is no installed module's.
+MAX_MODULE_NAME = 200
 
 
 def installed_module(name: str) -> bool:
@@ -221,6 +225,8 @@ def installed_module(name: str) -> bool:
     distribution, or a submodule its files list (``pkg/sub.py``, ``pkg/sub/__init__.py``, an
     extension ``pkg/sub.*.so``); never a ``__main__`` (which runs a program), never Prefect
     or the project's own packages. Read from distribution metadata: nothing is imported."""
+    if len(name) > MAX_MODULE_NAME:
+        return False  # and not remembered: the cache holds short names only
     if name in _verified:
         return _verified[name]
     ok = False
@@ -230,25 +236,33 @@ def installed_module(name: str) -> bool:
         if dists and not sub:
             ok = True
         elif dists:
-            ok = any(_lists_submodule(d, top, sub) for d in dists)
-    _verified[name] = ok
+            ok = any((top, sub) in _submodules(d) for d in dists)
+    if len(_verified) < MAX_VERIFIED:  # names a sandbox reports: the cache is bounded, not they
+        _verified[name] = ok
     return ok
 
 
-def _lists_submodule(dist: str, top: str, sub: str) -> bool:
+@functools.lru_cache(maxsize=64)
+def _submodules(dist: str) -> frozenset[tuple[str, str]]:
+    """(package, submodule) for each submodule ``dist``'s files list (``pkg/sub.py``,
+    ``pkg/sub/__init__.py``, an extension ``pkg/sub.*.so``): read once per distribution,
+    not once per name a call reports."""
     import importlib.metadata
 
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
-        return False
-    wanted = (f"{top}/{sub}.py", f"{top}/{sub}/__init__.py")
-    ext = f"{top}/{sub}."
+        return frozenset()
+    found: set[tuple[str, str]] = set()
     for f in files:
-        path = str(f)
-        if path in wanted or (path.startswith(ext) and path.endswith((".so", ".pyd"))):
-            return True
-    return False
+        parts = str(f).split("/")
+        if len(parts) == 2 and parts[1].endswith(".py"):
+            found.add((parts[0], parts[1][:-3]))
+        elif len(parts) == 3 and parts[2] == "__init__.py":
+            found.add((parts[0], parts[1]))
+        elif len(parts) == 2 and parts[1].endswith((".so", ".pyd")):
+            found.add((parts[0], parts[1].split(".", 1)[0]))
+    return frozenset(found)
 
 
 class Learned:
