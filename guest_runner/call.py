@@ -52,19 +52,6 @@ def _is_dataclass(obj: Any) -> bool:
     return hasattr(obj if isinstance(obj, type) else type(obj), "__dataclass_fields__")
 
 
-def _object_fields(value: Any) -> Any:
-    """What crosses of a pydantic model (its JSON form), a dataclass (the fields its
-    constructor takes) or an enum member (its value); None for anything else."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if hasattr(value, "model_dump") and callable(value.model_dump) and not isinstance(value, type):
-        return value.model_dump(mode="json")
-    if _is_dataclass(value) and not isinstance(value, type):
-        dataclasses = sys.modules["dataclasses"]  # loaded: a dataclass exists
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-    return None
-
-
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
         return value.model_dump(mode="json")
@@ -209,16 +196,8 @@ def _encoded(result: Any, task_module: "str | None", redact: Any) -> Any:
     def fallback(value: Any) -> Any:
         if isinstance(value, BaseException):
             return values.Tagged("exception", exc_values.record(value, task_module, redact))
-        fields = _object_fields(value)
-        if fields is not None:  # the host rebuilds it as its class where it has it
-            cls = type(value)
-            ref = {
-                "module": cls.__module__,
-                "qualname": cls.__qualname__,
-                "task_module": cls.__module__ == task_module,
-            }
-            return values.Tagged("object", {"class": ref, "v": values.encode(fields, fallback)})
-        return _jsonable(value)
+        # a model, dataclass or enum member: the host rebuilds it as its class where it has it
+        return values.tagged_object(value, task_module, fallback) or _jsonable(value)
 
     try:
         return values.encode(result, fallback)

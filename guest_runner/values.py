@@ -59,6 +59,34 @@ class Tagged:
         self.kind, self.v = kind, v
 
 
+def tagged_object(value: Any, task_module: "str | None", fallback: Callable[[Any], Any]) -> "Tagged | None":
+    """A pydantic model (its JSON form), a dataclass (the fields its constructor takes) or
+    an enum member (its value) as an ``object`` with its class's reference, for the other
+    side to rebuild as that class where it has it; None for anything else. Nothing is
+    imported: such a value's module is loaded already."""
+    enum, dataclasses = sys.modules.get("enum"), sys.modules.get("dataclasses")
+    fields: Any
+    if enum is not None and isinstance(value, enum.Enum):
+        fields = value.value
+    elif isinstance(value, type):
+        return None
+    elif callable(getattr(value, "model_dump", None)) and callable(
+        getattr(type(value), "model_validate", None)
+    ):
+        fields = value.model_dump(mode="json")
+    elif dataclasses is not None and dataclasses.is_dataclass(value):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+    else:
+        return None
+    cls = type(value)
+    ref = {
+        "module": cls.__module__,
+        "qualname": cls.__qualname__,
+        "task_module": cls.__module__ == task_module,
+    }
+    return Tagged("object", {"class": ref, "v": encode(fields, fallback)})
+
+
 def encode(value: Any, fallback: Callable[[Any], Any]) -> Any:
     """``value`` as JSON-able data with its tagged types kept; ``fallback(obj)`` makes
     anything else JSON-able (it may raise TypeError). A list or dict of plain values is

@@ -236,16 +236,8 @@ def encode_parameters(
     def fallback(value: Any) -> Any:
         if isinstance(value, BaseException):  # a failed upstream's, through allow_failure
             return values.Tagged("exception", exception_record(value, task_module))
-        fields = object_fields(value)
-        if fields is not None:  # rebuilt as its class in the sandbox (guest_runner.from_host)
-            cls = type(value)
-            ref = {
-                "module": cls.__module__,
-                "qualname": cls.__qualname__,
-                "task_module": cls.__module__ == task_module,
-            }
-            return values.Tagged("object", {"class": ref, "v": values.encode(fields, fallback)})
-        return to_jsonable_python(value)
+        # a model, dataclass or enum member: rebuilt as its class in the sandbox (guest_runner.from_host)
+        return values.tagged_object(value, task_module, fallback) or to_jsonable_python(value)
 
     out: dict[str, Any] = {}
     for name, value in parameters.items():
@@ -259,20 +251,6 @@ def encode_parameters(
                 "file in the workspace and pass the file's path instead."
             ) from None
     return out
-
-
-def object_fields(value: Any) -> Any:
-    """What crosses of a pydantic model (its JSON form, which its class validates back), a
-    dataclass (the fields its constructor takes, each encoded as itself: a nested one is
-    tagged in turn) or an enum member (its value); None for anything else."""
-    cls = type(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if callable(getattr(value, "model_dump", None)) and callable(getattr(cls, "model_validate", None)):
-        return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-    return None
 
 
 def exception_record(exc: BaseException, task_module: str | None) -> dict[str, Any]:
