@@ -772,8 +772,6 @@ def unpack_stream(
         if in_memory is not None:
             for name in in_memory:
                 in_memory[name] = None
-        ex.close()
-        ex.close_root()
         if ex.made_dest:
             try:
                 os.rmdir(ex.dest)

@@ -17,7 +17,6 @@ deployment, the run context objects' fields), which :mod:`guest_runner.standin` 
 
 from __future__ import annotations
 
-import enum
 import inspect
 import json
 import os
@@ -26,9 +25,6 @@ import traceback
 from typing import Any, Dict
 
 from guest_runner import exc_values, from_host, importguard, typed, values
-
-# dataclasses is not imported for every call (each import is a few syscalls per sys.path
-# entry, dear under gVisor): a value can only be a dataclass's once its module is loaded.
 
 CALL_DIR = ".resoluto"
 CALL_FILE = CALL_DIR + "/call.json"
@@ -47,20 +43,11 @@ class CallError(Exception):
     """The call cannot even be attempted (bad call.json, import failure)."""
 
 
-def _is_dataclass(obj: Any) -> bool:
-    """``dataclasses.is_dataclass`` without importing dataclasses."""
-    return hasattr(obj if isinstance(obj, type) else type(obj), "__dataclass_fields__")
-
-
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
+    """What JSON makes of a value :func:`values.tagged_object` does not tag (models,
+    dataclasses and enum members are tagged before this is asked)."""
+    if hasattr(value, "model_dump") and callable(value.model_dump):  # a model-like object
         return value.model_dump(mode="json")
-    if _is_dataclass(value) and not isinstance(value, type):
-        import dataclasses
-
-        return dataclasses.asdict(value)
-    if isinstance(value, enum.Enum):
-        return value.value
     if isinstance(value, tuple):  # a namedtuple: its items (a plain tuple keeps its type)
         return list(value)
     if inspect.isgenerator(value) or inspect.isasyncgen(value):

@@ -332,16 +332,7 @@ def test_error_json_planted_as_a_link_to_the_hosts_environment_is_refused(gvisor
     outbox = tar_gz(
         [*chain, link(".resoluto/error.json", deep_b[len(".resoluto/") :] + "/proc/self/environ")]
     )
-    runner = _runner(tmp_path, conduit)
-
-    @flow(task_runner=runner)
-    def victim() -> str:
-        try:
-            df.double.submit(1).result()
-        except BaseException as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
+    victim = _victim(tmp_path, conduit)
     before = snapshot(host)
     with _Patched(hostile_command(outbox, status="failure")):
         state = victim(return_state=True)
@@ -408,9 +399,9 @@ def _gz_one(name: str, data: bytes) -> bytes:
     return gzip.compress(buf.getvalue(), 9)
 
 
-def _what_a_task_shows(tmp_path: Path, conduit: Any, outbox: bytes) -> str:
-    """What a flow sees of ``df.double`` whose sandbox (gVisor) hands back ``outbox`` and
-    succeeds: the exception as ``Type: message``, or "no error"."""
+def _victim(tmp_path: Path, conduit: Any) -> Any:
+    """A flow of one ``df.double`` on gVisor that says what it saw of it: the exception as
+    ``Type: message``, or "no error"."""
 
     @flow(task_runner=_runner(tmp_path, conduit))
     def victim() -> str:
@@ -420,8 +411,13 @@ def _what_a_task_shows(tmp_path: Path, conduit: Any, outbox: bytes) -> str:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
+    return victim
+
+
+def _what_a_task_shows(tmp_path: Path, conduit: Any, outbox: bytes) -> str:
+    """What :func:`_victim` says when its sandbox hands back ``outbox`` and succeeds."""
     with _Patched(hostile_command(outbox)):
-        return victim()
+        return str(_victim(tmp_path, conduit)())
 
 
 def _runner(tmp_path: Path, conduit: Any, **kw: Any) -> ResolutoTaskRunner:

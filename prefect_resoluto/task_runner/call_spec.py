@@ -301,14 +301,14 @@ def read_outcome(
 ) -> tuple[bool, Any]:
     """(True, value) from return.json, or raises the task's exception from error.json.
 
-    return.json is in ``data`` (the node's :data:`READ_IN_MEMORY` files, taken as regular
-    files within the outbox's limit; without ``data``, read from ``output_dir`` as
-    error.json is), parsed only within ``limit`` bytes and if parsing it costs a bounded
-    multiple of its size (:mod:`.json_cost`). error.json is read from
-    ``output_dir`` without following links and only as a regular file
-    (prefect_resoluto.node.result_files), its first ``error_file.MAX_FILE`` bytes. error.json is redacted again here (the guest
-    already did; this host does not take its word for it), and the redacted text replaces
-    the file in ``output_dir``. The return value is the task's data and is not altered.
+    error.json is read from ``output_dir`` without following links and only as a regular
+    file (prefect_resoluto.node.result_files), its first ``error_file.MAX_FILE`` bytes; it is
+    redacted again here (the guest already did; this host does not take its word for it),
+    and the redacted text replaces the file. return.json is in ``data`` (the node's
+    :data:`READ_IN_MEMORY` files; without ``data``, read from ``output_dir`` as error.json
+    is), parsed only within ``limit`` bytes and if parsing it costs a bounded multiple of
+    its size (:mod:`.json_cost`). Its value is the task's data and is not altered; a state
+    the task returned (:mod:`.returned_state`) has its name and message redacted.
     """
     if output_dir is not None:
         e = read_error(output_dir, redactor)

@@ -66,11 +66,9 @@ def call(
     if allowed_reads:
         cfg = cfg.replace(secret_env={**cfg.secret_env, **allowed_reads})
     ref = call_spec.function_ref(fn, cfg.workspace or default_workspace())
-    params = call_spec.encode_parameters(
-        task.name, dict(ctx.parameters or {}), getattr(fn, "__module__", None)
-    )
-    redactor = Redactor(cfg.secret_env.values())
     task_module = getattr(fn, "__module__", None)
+    params = call_spec.encode_parameters(task.name, dict(ctx.parameters or {}), task_module)
+    redactor = Redactor(cfg.secret_env.values())
     limit, _ = output_allowance(cfg.output_limit_bytes, cfg.resources)
     outcome = run_node(
         task_name=task.name,
