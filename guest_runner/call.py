@@ -212,7 +212,7 @@ def _returned(result: Any, task_module: "str | None", redact: Any) -> Dict[str, 
     data = result.data
     if hasattr(data, "metadata") and hasattr(data, "result"):  # a ResultRecord the task made
         data = data.result
-    state: Dict[str, Any] = {"type": kind, "name": result.name}
+    state: Dict[str, Any] = {"type": kind, "name": redact(str(result.name))}
     if result.message is not None:
         state["message"] = redact(str(result.message))
     if data is not None:

@@ -159,6 +159,27 @@ def test_the_host_redacts_a_message_that_is_not_text(tmp_path, message):
         assert secret not in str(info.value) and secret not in err.read_text()
 
 
+class FrozenError(Exception):
+    """An exception class that refuses new attributes, as a frozen attrs one does."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+
+def test_an_exception_class_that_refuses_the_hosts_attributes_fails_the_task_as_a_remote_error(tmp_path):
+    """error.json naming a loaded class whose instances refuse attributes (a frozen attrs
+    exception, like referencing's): the host's rebuilt exception sets its own on it, and
+    reading the outcome raised that class's AttributeError instead of the task's failure."""
+    from prefect_resoluto.task_runner import call_spec
+
+    err = tmp_path / ".resoluto" / "error.json"
+    err.parent.mkdir(parents=True)
+    record = {"type": "FrozenError", "module": __name__, "qualname": "FrozenError", "message": "m"}
+    err.write_text(json.dumps(record))
+    with pytest.raises(call_spec.RemoteTaskError, match="FrozenError"):
+        call_spec.read_outcome(tmp_path)
+
+
 # -- 2: exception types survive ---------------------------------------------------------------
 def retry_on_value_error(task, task_run, state) -> bool:
     try:

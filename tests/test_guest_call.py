@@ -13,14 +13,14 @@ from support.guest import ROOT
 
 
 def run_call(
-    ws: Path, spec: dict, *, real_prefect: bool = False
+    ws: Path, spec: dict, *, real_prefect: bool = False, env: dict | None = None
 ) -> tuple[subprocess.CompletedProcess, dict | None, dict | None]:
     (ws / ".resoluto").mkdir(parents=True, exist_ok=True)
     (ws / ".resoluto" / "call.json").write_text(json.dumps({**spec, "real_prefect": real_prefect}))
     proc = subprocess.run(
         [sys.executable, "-m", "guest_runner.call", ".resoluto/call.json"],
         cwd=str(ws),
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -430,3 +430,20 @@ def test_an_exception_passed_on_that_its_class_cannot_remake_arrives_as_one_of_i
     proc, ret, err = run_call(tmp_path, {"file": "passed.py", "qualname": "look", "parameters": parameters})
     assert err is None, (err, proc.stderr)
     assert ret == {"value": seen}
+
+
+def test_a_returned_states_name_and_message_are_redacted_in_the_sandbox(tmp_path):
+    """return.json stays in the node's outbox, the attempt's evidence: a state the task
+    returned carries its name and message there redacted, as a state message is."""
+    secret = "st4te-s3cret-in-the-guest-0123"
+    (tmp_path / "ends.py").write_text(
+        "import os\nfrom prefect import task\n\n@task\ndef end():\n"
+        "    from prefect.states import Completed\n"
+        "    token = os.environ['API_TOKEN']\n"
+        "    return Completed(name=f'done {token}', message=f'with {token}', data=1)\n"
+    )
+    proc, ret, err = run_call(
+        tmp_path, {"file": "ends.py", "qualname": "end", "parameters": {}}, env={"API_TOKEN": secret}
+    )
+    assert err is None, (err, proc.stderr)
+    assert ret == {"state": {"type": "COMPLETED", "name": "done ***", "message": "with ***", "value": 1}}

@@ -645,6 +645,12 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         },
         "secret-as-a-key": {"state": {"type": "FAILED", "value": exc_with({_STATE_SECRET: 1})}},
         "secret-as-a-number": {"state": {"type": "FAILED", "value": exc_with(int(_STATE_PIN))}},
+        # ... and in what the host says of a malformed file: a tag's kind, a date, a state's type
+        "secret-as-a-kind": {"value": {"$resoluto": _STATE_SECRET, "v": 1}},
+        "secret-as-a-date": {"value": {"$resoluto": "datetime", "v": _STATE_SECRET}},
+        "secret-as-a-type": {"state": {"type": _STATE_SECRET}},
+        # a frozen attrs exception refuses the attributes the host's rebuilt one carries
+        "frozen-class": {"value": exc("Unresolvable", "referencing.exceptions")},
     }
     asked: list[str] = []
     lazy = types.ModuleType("resoluto_test_lazy")
@@ -684,8 +690,11 @@ def test_a_forged_returned_state_or_exception_ends_the_task_only_as_a_task_may_e
         "interrupt"
     ]
     assert asked == [] and type(ends["lazy-module"][3]).__name__ == "RemoteTaskError", ends["lazy-module"]
-    kind, _, _, shown = ends["refusing-subclass"]
-    assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends["refusing-subclass"]
+    for name in ("refusing-subclass", "frozen-class"):
+        kind, _, _, shown = ends[name]
+        assert kind == "COMPLETED" and type(shown).__name__ == "RemoteTaskError", ends[name]
+    for name in ("secret-as-a-kind", "secret-as-a-date", "secret-as-a-type"):
+        assert ends[name][0] == "FAILED" and "malformed" in ends[name][2], ends[name]
     for name in [n for n in ends if n.startswith("secret-")]:
         kind, state_name, message, shown = ends[name]
         seen = f"{state_name} {message} {shown!r} {shown}"

@@ -514,6 +514,14 @@ def test_a_report_of_many_long_names_costs_one_read_of_each_package_and_a_bounde
     assert learned.learn(src, json.dumps({"modules": names}).encode()) == ("kubernetes.client",)
     assert len(reads) == len(set(reads)) <= 2, reads  # once per distribution of the package
     assert "x" * 5000 not in pool_mod._verified
+    # names cycling through more packages than a small cache holds: each read once still
+    tops = sorted(t for t, d in importlib.metadata.packages_distributions().items() if t.isidentifier() and d)
+    assert len(tops) > 64
+    reads.clear()
+    for round_ in range(2):  # new names each round: none answered from what was remembered
+        names = [f"{t}.zz{round_}_{i}" for i, t in enumerate(tops[:200])]
+        learned.learn(src, json.dumps({"modules": names}).encode())
+    assert len(reads) == len(set(reads)), [d for d in set(reads) if reads.count(d) > 1][:5]
     for chunk in range(0, 3 * pool_mod.MAX_VERIFIED, 500):
         learned.learn(
             src, json.dumps({"modules": [f"nothere{i}" for i in range(chunk, chunk + 500)]}).encode()

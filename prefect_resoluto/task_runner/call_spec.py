@@ -99,7 +99,12 @@ def remote_exception(
         if cls is not None and not issubclass(cls, Exception):
             return _remote_class(BaseException)(type_name, message, traceback)
         return RemoteTaskError(type_name, message, traceback)
-    return _remote_class(cls)(type_name, message, traceback)
+    try:
+        return _remote_class(cls)(type_name, message, traceback)
+    except Exception:  # a class that refuses our attributes (a frozen attrs exception)
+        return remote_exception(
+            None if issubclass(cls, Exception) else BaseException, type_name, message, traceback
+        )
 
 
 def _remote_class(cls: type[BaseException]) -> type[BaseException]:
@@ -340,7 +345,9 @@ def read_outcome(
                     return True, returned_state.build(doc["state"], redactor)
                 return True, doc["value"]
             except (ValueError, KeyError, TypeError, RecursionError) as err:
-                raise WireError(f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}") from None
+                # the error may quote the sandbox's text (a tag's kind, a date it could not read)
+                said = f"{call.RETURN_FILE} from the sandbox is malformed: {err!r}"
+                raise WireError(redactor.text(said) if redactor is not None else said) from None
     return False, None
 
 

@@ -242,11 +242,14 @@ def installed_module(name: str) -> bool:
     return ok
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache
 def _submodules(dist: str) -> frozenset[tuple[str, str]]:
     """(package, submodule) for each submodule ``dist``'s files list (``pkg/sub.py``,
     ``pkg/sub/__init__.py``, an extension ``pkg/sub.*.so``): read once per distribution,
-    not once per name a call reports."""
+    not once per name a call reports. ``dist`` is always an installed distribution's name
+    (from :func:`_top_levels`), so the cache holds at most one entry per installed
+    distribution: a smaller one was emptied in turn by a report cycling through more
+    packages than it held (over a second a report)."""
     import importlib.metadata
 
     try:
